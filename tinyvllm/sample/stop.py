@@ -1,0 +1,93 @@
+"""Stop strings for a streamed output: stop at the first one, and never show a piece of one.
+
+Stop *tokens* are easy (the sampled id is in a set). Stop *strings* are text, and text arrives a
+token at a time, so a stop string can straddle tokens: with stop = ["</answer>"] the detokenizer
+may produce "42</", then "ans", then "wer>". Two rules make a stream correct:
+
+1. Stop where a stop string first *ends*. Whatever the chunking, the output is the text before that
+   stop string (plus the stop string itself with `include_stop_str_in_output`), exactly what a
+   character-at-a-time stream would give. (vLLM checks the strings in list order instead.)
+2. Hold back a tail that could still become a stop string. After "42</" we may emit "42" but
+   must keep "</": if "answer>" follows, it was never part of the output.
+
+    text so far  "The answer is 42</"          stop = ["</answer>"]
+    emitted      "The answer is 42"           held back "</"  (a prefix of "</answer>")
+    next chunk   "answer>\\n"     -> "</answer>" found: emit "", stopped; the rest is dropped
+
+What is held back is the longest tail of the pending text that is a prefix of some stop string
+(vLLM holds back a fixed `max_stop_len - 1` characters; this emits sooner and is just as safe).
+With `include_stop_str_in_output` nothing needs holding back, since any text before the end of a
+stop string is output anyway; the tail is still remembered, to find a stop string that straddles chunks.
+"""
+
+from __future__ import annotations
+
+
+class StopStringChecker:
+    """Feed it each new piece of detokenized text; it says what may be shown and whether to stop.
+
+        checker = StopStringChecker(["</answer>"], include_in_output=False)
+        checker.feed("42</")     -> ("42", False)
+        checker.feed("answer>")  -> ("", True);   checker.stop_str == "</answer>"
+        checker.flush()          -> ""            (at the end of a stream that never stopped: the held-back text)
+    """
+
+    def __init__(self, stop: list[str], include_in_output: bool = False):
+        assert all(stop), "stop strings must be non-empty (SamplingParams validates this)"
+        self.stop = list(stop)
+        self.include_in_output = include_in_output
+        self.stop_str: str | None = None  # the stop string that ended the output, for vLLM's `stop_reason`
+        # The longest tail of the text so far that could be the start of a stop string: a match that
+        # ends in the next chunk can only start here. Its last `_num_held` characters are not emitted yet
+        # (all of it, or none with include_in_output).
+        self._tail = ""
+        self._num_held = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_str is not None
+
+    def feed(self, new_text: str) -> tuple[str, bool]:
+        """Take the next chunk of text; return (text safe to emit now, whether a stop string was found)."""
+        assert not self.stopped, "the output already stopped"
+        text = self._tail + new_text
+        emitted_upto = len(self._tail) - self._num_held  # text[:emitted_upto] is already out
+        match = self._first_stop(text)
+        if match is not None:
+            end, self.stop_str = match
+            self._tail, self._num_held = "", 0
+            return text[emitted_upto:end], True
+        tail_len = self._stop_prefix_len(text)
+        self._tail = text[len(text) - tail_len:]
+        self._num_held = 0 if self.include_in_output else tail_len
+        return text[emitted_upto:len(text) - self._num_held], False
+
+    def flush(self) -> str:
+        """The stream ended without a stop string: the held-back tail was ordinary text after all."""
+        held = self._tail[len(self._tail) - self._num_held:]
+        self._tail, self._num_held = "", 0
+        return held
+
+    def _first_stop(self, text: str) -> tuple[int, str] | None:
+        """(where the output ends, which stop string) for the stop string that ends first in `text`."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for s in self.stop:
+            start = text.find(s)  # the first occurrence of s is also where s ends first
+            if start != -1:
+                candidate = (start + len(s), start, s)
+                # Ends first wins; if two end together, the one starting earlier, so no piece of it leaks.
+                if best is None or candidate[:2] < best[:2]:
+                    best = candidate
+        if best is None:
+            return None
+        end, start, s = best
+        return (end if self.include_in_output else start), s
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        longest = max((len(s) for s in self.stop), default=0)
+        for n in range(min(longest - 1, len(text)), 0, -1):
+            tail = text[len(text) - n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
