@@ -1,0 +1,164 @@
+"""The KV cache's bookkeeping: which fixed-size block of the pool holds which sequence's tokens.
+
+This is the core idea of vLLM (PagedAttention, https://arxiv.org/abs/2309.06180): instead of
+reserving max_model_len slots of K/V per request up front, the KV cache is one pool of `num_blocks`
+blocks of `block_size` slots (one slot = one token's K and V, in every layer), handed out a block at
+a time as a sequence grows, like pages of virtual memory. A sequence's `block_table` is its page
+table: logical block i of the sequence lives in physical block `block_table[i]`.
+
+    pool: num_blocks = 8, block_size = 4                     ref_cnt  holders
+        block 0  [ a0 a1 a2 a3 ]  <- seq A, logical block 0      1     A
+        block 1  [ b0 b1 b2 b3 ]  <- seq B, logical block 0      1     B
+        block 2  [ a4 a5 .. .. ]  <- seq A, logical block 1      1     A
+        block 3  [ b4 b5 b6 .. ]  <- seq B, logical block 1      1     B
+        block 4  [ .. .. .. .. ]                                 0     free
+        ...                                                      0     free
+        block 7  [ .. .. .. .. ]                                 0     free
+
+    seq A: 6 tokens, block_table = [0, 2]   (2 of its 8 slots unused: waste < one block)
+    seq B: 7 tokens, block_table = [1, 3]
+    free block queue: [4, 5, 6, 7]          (taken from the left, returned on the right)
+
+    slot of token 5 of A = block_table[5 // 4] * 4 + 5 % 4 = 2 * 4 + 1 = 9
+
+Only the bookkeeping lives here, in pure Python: the K/V tensors themselves, shaped
+(num_blocks, block_size, n_kv_heads, head_dim) per layer, live in the KV cache and are written
+through the `slot_mapping` this module computes. Running out of blocks is not an error: `can_*`
+answer False and `allocate` / `append_slots` answer None, changing nothing, and the scheduler
+decides whom to preempt. Mirrors vLLM v1's `block_pool.py` and `kv_cache_manager.py`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tinyvllm.core.sequence import Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    """One block of the pool (vLLM's `KVCacheBlock`).
+
+    `ref_cnt` counts the sequences whose block table holds this block: 0 means it is in the free
+    block queue. More than one means the block is shared (a `fork`, or in Phase 7 a cached prefix),
+    and then nobody may write into it. `block_hash` is kept for prefix caching (Phase 7): the hash of
+    the tokens in this block and all blocks before it, so a new prompt with the same prefix can reuse it.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class BlockManager:
+    """Hands out the blocks of a fixed pool to sequences and takes them back.
+
+    The pool size (`num_blocks`) is computed once from a memory budget by whoever builds the KV cache
+    and passed in. Every block is either in the free block queue (ref_cnt 0) or in at least one
+    sequence's block table (ref_cnt = how many), so `num_free_blocks + blocks in use == num_blocks`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        # vLLM keeps a doubly linked list so that prefix caching can pull a cached block out of the
+        # middle in O(1); a deque is enough while blocks only leave from the left.
+        self.free_block_queue: deque[Block] = deque(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    def _take_free_blocks(self, n: int) -> list[int]:
+        assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
+        block_ids = []
+        for _ in range(n):
+            block = self.free_block_queue.popleft()
+            assert block.ref_cnt == 0, f"block {block.block_id} is in the free block queue but in use"
+            block.ref_cnt = 1
+            block_ids.append(block.block_id)
+        return block_ids
+
+    # ---- a sequence's first blocks ----
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return seq.num_blocks(self.block_size) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> list[int] | None:
+        """Give a sequence with no blocks enough blocks for all its tokens (the prompt, or prompt and
+        output after a preemption). Returns its block table, or None if too few blocks are free."""
+        assert not seq.block_table, f"allocate: {seq} already holds blocks"
+        if not self.can_allocate(seq):
+            return None
+        seq.block_table = self._take_free_blocks(seq.num_blocks(self.block_size))
+        return seq.block_table
+
+    # ---- growing a running sequence ----
+
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        assert num_new_tokens >= 0, f"num_new_tokens must be >= 0, got {num_new_tokens}"
+        num_slots = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-num_slots // self.block_size) - len(seq.block_table))
+
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[int] | None:
+        """Make room for the next `num_new_tokens` tokens a step computes: positions
+        num_computed_tokens .. num_computed_tokens + num_new_tokens - 1 (vLLM's `allocate_slots`).
+
+        A decode computes one token, the one sampled last step: it gets a new block only when the last
+        block is full, i.e. once every block_size steps. Returns the ids of the blocks added (usually
+        none), or None if too few blocks are free, leaving the block table unchanged.
+
+        NOTE: a forked sequence shares its last block; a write into a shared, partly filled block would
+        change the other sequence's tokens too. Phase 7 (n > 1, beam search) adds copy-on-write here.
+        """
+        num_missing = self._num_missing_blocks(seq, num_new_tokens)
+        if num_missing > self.num_free_blocks:
+            return None
+        new_block_ids = self._take_free_blocks(num_missing)
+        seq.block_table.extend(new_block_ids)
+        return new_block_ids
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let `child` share all of `parent`'s blocks (for n > 1 completions of one prompt): no copy,
+        just one more reference to each block."""
+        assert not child.block_table, f"fork: {child} already holds blocks"
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_cnt += 1
+        child.block_table = list(parent.block_table)
+
+    # ---- giving blocks back ----
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's reference to each of its blocks; a block nobody references is free again.
+
+        The last block goes back first: with prefix caching the queue's left end is evicted first, and a
+        sequence's last blocks are the ones least likely to be shared with a later prompt.
+        """
+        assert seq.block_table, f"free: {seq} holds no blocks (freed twice?)"
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"free: block {block_id} of {seq} is already free"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                block.block_hash = None
+                self.free_block_queue.append(block)
+        seq.block_table = []
+
+    # ---- where each token's K/V goes ----
+
+    def get_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The cache slot of each token position in [start, end): block_table[pos // block_size] * block_size
+        + pos % block_size. The KV cache writes the K/V of those tokens to exactly these slots."""
+        assert 0 <= start <= end <= len(seq.block_table) * self.block_size, (
+            f"positions [{start}, {end}) are outside the {len(seq.block_table)} blocks of {seq}")
+        bs = self.block_size
+        return [seq.block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]

@@ -1,0 +1,140 @@
+"""One request's tokens and where it stands: the unit the scheduler and the block manager move around.
+
+vLLM v1 calls this a `Request` (`vllm/v1/request.py`); nano-vllm and vLLM v0 call it a `Sequence`.
+It stores only what cannot be derived: the prompt's token ids, the token ids sampled so far, how
+many of its tokens already have their K/V in the cache (`num_computed_tokens`), its block table and
+its status. Everything else (number of tokens, "is it prefilling?", blocks needed) is a property.
+
+There is no prefill phase or decode phase. vLLM's scheduler says: "There's no 'decoding phase' nor
+'prefill phase' in the scheduler. Each request just has the num_computed_tokens and
+num_tokens_with_spec" (here num_tokens: no speculative tokens yet), and each step lets
+num_computed_tokens catch up with it. A step computes some of the tokens not yet computed; when a
+step reaches the last token, the model samples one more and the gap opens again:
+
+    tokens:    p0 p1 p2 p3 p4 | o0 o1            prompt (5) + output (2), num_tokens = 7
+    computed:  ============== | ==               num_computed_tokens = 6
+                                   ^ the next step computes o1 (a "decode") and samples o2
+
+A prompt of 5 tokens scheduled in chunks of 3 is computed as [p0 p1 p2] then [p3 p4] (chunked
+prefill); only the second step samples. Preemption by recompute throws the cache away and sets
+num_computed_tokens back to 0: then prompt and output tokens alike are recomputed before the next
+token is sampled, which is why "is prefill" is not "num_computed_tokens < num_prompt_tokens".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from tinyvllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Where a sequence is in its life (vLLM's `RequestStatus`).
+
+        WAITING --admitted--> RUNNING --stop/length--> FINISHED_*
+           ^                     |
+           +------PREEMPTED------+        (out of blocks: its cache is freed, recomputed later)
+
+    Any status can turn into FINISHED_ABORTED (the client went away). The finished statuses come
+    last, so "finished" is a comparison, as in vLLM.
+    """
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # sampled eos or one of stop_token_ids (stop strings: the engine)
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens, or the model's max length
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI API's `finish_reason`, or None while the sequence is not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """A prompt, the tokens sampled after it, and how much of it is in the KV cache.
+
+    `seq_id` is vLLM's `request_id`. `block_table` lists the ids of the KV cache blocks holding this
+    sequence's tokens, in order: token at position `pos` lives in block `block_table[pos // block_size]`
+    at offset `pos % block_size`. The `BlockManager` fills it in; the sequence only carries it.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                 arrival_time: float | None = None, prompt: str | None = None):
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"sequence {seq_id}: the prompt must have at least one token")
+        self.seq_id = seq_id
+        self.prompt = prompt  # the text, when the request came as text (kept for the output)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        # monotonic clock: only differences (time to first token, queueing time) are meaningful
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens}, block_table={self.block_table})")
+
+    # ---- tokens ----
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_token_id(self, token_id: int) -> None:
+        """Record a sampled token. Its K/V is computed by the next step that schedules it."""
+        self.output_token_ids.append(token_id)
+
+    # ---- progress ----
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """How far num_computed_tokens lags behind num_tokens: 1 for a decode, more while prefilling."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Nothing sampled yet, or more than the last sampled token is left to compute (a recompute)."""
+        return self.num_output_tokens == 0 or self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # ---- blocks ----
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks needed to hold all of this sequence's tokens: ceil(num_tokens / block_size)."""
+        return -(-self.num_tokens // block_size)
