@@ -109,8 +109,7 @@ class SamplingParams:
                  "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for token_id, bias in (self.logit_bias or {}).items():
             _require(_is_int(token_id) and token_id >= 0, "logit_bias", token_id, "keyed by token ids >= 0")
-            _require(_is_number(bias) and -100 <= bias <= 100, "logit_bias", bias,
-                     f"values in [-100, 100] (token {token_id})")
+            _require(_is_number(bias) and -100 <= bias <= 100, f"logit_bias[{token_id}]", bias, "in [-100, 100]")
 
     # ---- derived, never stored ----
 
@@ -127,11 +126,6 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    @property
-    def max_stop_str_len(self) -> int:
-        """How many characters of text a stream may have to hold back, plus one."""
-        return max((len(s) for s in self.stop), default=0)
 
     def all_stop_token_ids(self, eos_token_ids: Iterable[int] = ()) -> set[int]:
         """The token ids that finish this request: `stop_token_ids`, plus the model's eos unless `ignore_eos`.
