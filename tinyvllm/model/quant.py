@@ -1,0 +1,274 @@
+"""Dequantizing GGML tensors to float32 with numpy.
+
+A quantized GGUF tensor is a run of fixed-size *blocks*. Each block covers `block_size` consecutive
+elements of one row (rows never share a block) and stores small integers `q` plus one or two float16
+numbers that map them back to real values:
+
+    symmetric  ("_0" types):  x = d * (q - offset)         one scale d per block
+    affine     ("_1" types):  x = d * q + m                a scale d and a minimum m per block
+    k-quants   ("_K" types):  a 256-element super-block of 16 or 32-element sub-blocks, each with its
+                              own 6- or 8-bit scale (and min), themselves scaled by the f16 d (and dmin)
+
+Every function below takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size)
+float32`; `dequantize` cuts a tensor's bytes into blocks and reshapes the result to the tensor's
+shape. The layouts follow ggml's C structs (ggml-common.h) and its reference dequantizers
+(ggml-quants.c, `dequantize_row_*`); the float operations are done in the same order, so results
+are bit-identical to llama.cpp's and to the `gguf` Python package's.
+
+All integers are little-endian. "lo"/"hi" nibble = bits 0-3 / bits 4-7 of a byte.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+# ggml's type ids (enum ggml_type). Ids 4 and 5 (Q4_2, Q4_3) were removed from ggml long ago.
+GGML_TYPES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
+    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
+    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+    34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+
+QK_K = 256  # elements in a k-quant super-block
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of every block, as float32: (n_blocks, 1)."""
+    return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(..., k) packed bytes -> (..., 2k) 4-bit values: all lo nibbles first, then all hi nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+# ---- plain floats ----
+
+def dequantize_f32(blocks: np.ndarray) -> np.ndarray:
+    """F32: 4 bytes per element, IEEE float32."""
+    return blocks.view(np.float32).copy()  # a copy: the bytes may be a read-only view of the mapped file
+
+
+def dequantize_f16(blocks: np.ndarray) -> np.ndarray:
+    """F16: 2 bytes per element, IEEE float16 (5-bit exponent, 10-bit mantissa)."""
+    return blocks.view(np.float16).astype(np.float32)
+
+
+def dequantize_bf16(blocks: np.ndarray) -> np.ndarray:
+    """BF16: 2 bytes per element, the top half of a float32 (8-bit exponent, 7-bit mantissa).
+
+        bf16 bits:  SEEEEEEE EMMMMMMM               -> float32 bits: bf16 << 16 (low 16 mantissa bits zero)
+    """
+    return (blocks.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+# ---- 32-element blocks ----
+
+def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    """Q4_0: 32 elements in 18 bytes (4.5 bits per weight), x = d * (q - 8), q in 0..15.
+
+        byte  0      2                            18
+              +------+----------------------------+
+              | d    | qs[0..15]                  |
+              | f16  | lo nibble: q[j]            |
+              |      | hi nibble: q[j + 16]       |
+              +------+----------------------------+
+    """
+    d = _f16(blocks, 0)
+    q = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
+    return d * q.astype(np.float32)
+
+
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    """Q4_1: 32 elements in 20 bytes (5 bits per weight), x = d * q + m, q in 0..15.
+
+        byte  0      2      4                            20
+              +------+------+----------------------------+
+              | d    | m    | qs[0..15]                  |
+              | f16  | f16  | lo nibble: q[j]            |
+              |      |      | hi nibble: q[j + 16]       |
+              +------+------+----------------------------+
+    """
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _nibbles(blocks[:, 4:]).astype(np.float32)
+    return d * q + m
+
+
+def _fifth_bits(qh_bytes: np.ndarray) -> np.ndarray:
+    """(n, 4) bytes of a little-endian u32 -> (n, 32) bits, bit j is element j's 5th bit (value 16)."""
+    qh = qh_bytes.copy().view(np.uint32)  # (n, 1)
+    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+
+
+def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0: 32 elements in 22 bytes (5.5 bits per weight), x = d * (q - 16), q in 0..31.
+
+        byte  0      2            6                            22
+              +------+------------+----------------------------+
+              | d    | qh (u32)   | qs[0..15]                  |
+              | f16  | bit j:     | lo nibble: q[j] low 4 bits |
+              |      | q[j] bit 4 | hi nibble: q[j+16] low 4   |
+              +------+------------+----------------------------+
+    """
+    d = _f16(blocks, 0)
+    q = (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).astype(np.int8) - np.int8(16)
+    return d * q.astype(np.float32)
+
+
+def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
+    """Q5_1: 32 elements in 24 bytes (6 bits per weight), x = d * q + m, q in 0..31.
+
+        byte  0      2      4            8                            24
+              +------+------+------------+----------------------------+
+              | d    | m    | qh (u32)   | qs[0..15]  (as in Q5_0)    |
+              +------+------+------------+----------------------------+
+    """
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = (_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])).astype(np.float32)
+    return d * q + m
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q8_0: 32 elements in 34 bytes (8.5 bits per weight), x = d * q, q an int8.
+
+        byte  0      2                            34
+              +------+----------------------------+
+              | d    | qs[0..31]  int8            |
+              +------+----------------------------+
+    """
+    d = _f16(blocks, 0)
+    return d * blocks[:, 2:].view(np.int8).astype(np.float32)
+
+
+# ---- k-quants: 256-element super-blocks ----
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack Q4_K/Q5_K's 12 bytes into 8 six-bit scales and 8 six-bit mins, each (n, 8) float32.
+
+        bytes 0-3   (j = 0..3):  bits 0-5 scale[j]   bits 6-7: scale[j+4] bits 4-5
+        bytes 4-7   (j = 0..3):  bits 0-5 min[j]     bits 6-7: min[j+4]   bits 4-5
+        bytes 8-11  (j = 0..3):  lo nibble: scale[j+4] bits 0-3   hi nibble: min[j+4] bits 0-3
+    """
+    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    mins = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K: 256 elements in 144 bytes (4.5 bits per weight): 8 sub-blocks of 32, each with a 6-bit
+    scale sc and min m, x = (d * sc) * q - (dmin * m), q in 0..15.
+
+        byte  0      2      4              16                                   144
+              +------+------+--------------+------------------------------------+
+              | d    | dmin | scales, mins | qs: 4 chunks of 32 bytes           |
+              | f16  | f16  | 8 x 6 bits   | chunk c: lo nibbles = sub-block 2c |
+              |      |      | each (above) |          hi nibbles = sub-block 2c+1|
+              +------+------+--------------+------------------------------------+
+    """
+    n = blocks.shape[0]
+    sc, m = _k_scales_mins(blocks[:, 4:16])
+    d = (_f16(blocks, 0) * sc)[..., None]  # (n, 8, 1)
+    dm = (_f16(blocks, 2) * m)[..., None]
+    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).astype(np.float32)
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K: 256 elements in 176 bytes (5.5 bits per weight): Q4_K plus a 5th bit per element,
+    x = (d * sc) * q - (dmin * m), q in 0..31.
+
+        byte  0      2      4              16            48                    176
+              +------+------+--------------+-------------+---------------------+
+              | d    | dmin | scales, mins | qh[0..31]   | qs: as in Q4_K      |
+              | f16  | f16  | (as Q4_K)    | qh[l] bit s: element l of       |
+              |      |      |              | sub-block s, bit 4              |
+              +------+------+--------------+-------------+---------------------+
+    """
+    n = blocks.shape[0]
+    sc, m = _k_scales_mins(blocks[:, 4:16])
+    d = (_f16(blocks, 0) * sc)[..., None]
+    dm = (_f16(blocks, 2) * m)[..., None]
+    low = _nibbles(blocks[:, 48:].reshape(n, 4, 32)).reshape(n, 8, 32)
+    qh = blocks[:, 16:48]  # (n, 32)
+    high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4  # (n, 8, 32)
+    q = (low | high).astype(np.float32)
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K: 256 elements in 210 bytes (6.5625 bits per weight): 16 sub-blocks of 16, each with an
+    int8 scale, x = (d * scale) * (q - 32), q in 0..63 (4 low bits in ql, 2 high bits in qh).
+
+        byte  0                  128              192              208    210
+              +------------------+----------------+----------------+------+
+              | ql[0..127]       | qh[0..63]      | scales[0..15]  | d    |
+              | lo 4 bits of q   | hi 2 bits of q | int8           | f16  |
+              +------------------+----------------+----------------+------+
+
+    The super-block is two halves of 128 elements; half h uses ql[64h : 64h+64], qh[32h : 32h+32].
+    Within a half, element e (0..127) takes:
+        lo 4 bits: lo nibble of ql[e] for e < 64, hi nibble of ql[e - 64] for e >= 64
+        hi 2 bits: bits 2k..2k+1 of qh[e % 32], k = e // 32
+    """
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 64)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    scales = blocks[:, 192:208].view(np.int8).astype(np.float32)  # (n, 16)
+    d = (_f16(blocks, 208) * scales)[..., None]  # (n, 16, 1)
+    low = _nibbles(ql)  # (n, 2, 128)
+    high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(n, 2, 128)
+    q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    return (d * q.reshape(n, 16, 16)).reshape(n, QK_K)
+
+
+# ggml type id -> (elements per block, bytes per block, dequantizer)
+_FORMATS: dict[int, tuple[int, int, Callable[[np.ndarray], np.ndarray]]] = {
+    0: (1, 4, dequantize_f32),
+    1: (1, 2, dequantize_f16),
+    2: (32, 18, dequantize_q4_0),
+    3: (32, 20, dequantize_q4_1),
+    6: (32, 22, dequantize_q5_0),
+    7: (32, 24, dequantize_q5_1),
+    8: (32, 34, dequantize_q8_0),
+    12: (QK_K, 144, dequantize_q4_k),
+    13: (QK_K, 176, dequantize_q5_k),
+    14: (QK_K, 210, dequantize_q6_k),
+    30: (1, 2, dequantize_bf16),
+}
+SUPPORTED_TYPES: tuple[int, ...] = tuple(_FORMATS)
+
+
+def type_name(ggml_type: int) -> str:
+    return GGML_TYPES.get(ggml_type, f"unknown type {ggml_type}")
+
+
+def _format(ggml_type: int) -> tuple[int, int, Callable[[np.ndarray], np.ndarray]]:
+    if ggml_type not in _FORMATS:
+        supported = ", ".join(f"{GGML_TYPES[t]}({t})" for t in SUPPORTED_TYPES)
+        raise ValueError(f"GGML type {type_name(ggml_type)} (id {ggml_type}) is not supported; "
+                         f"tinyvllm dequantizes: {supported}")
+    return _FORMATS[ggml_type]
+
+
+def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of this type and (numpy-order) shape occupies in a GGUF file."""
+    block_size, type_size, _ = _format(ggml_type)
+    n = int(np.prod(shape))
+    if shape and shape[-1] % block_size != 0:
+        raise ValueError(f"a {type_name(ggml_type)} row must be a multiple of {block_size} elements, got shape {shape}")
+    return n // block_size * type_size
+
+
+def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw bytes of one tensor (uint8) -> float32 array of `shape` (numpy order)."""
+    block_size, type_size, fn = _format(ggml_type)
+    nbytes = tensor_nbytes(ggml_type, shape)
+    if data.size != nbytes:
+        raise ValueError(f"{type_name(ggml_type)} tensor of shape {shape} needs {nbytes} bytes, got {data.size}")
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, type_size)
+    return fn(blocks).reshape(shape)

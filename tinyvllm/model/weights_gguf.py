@@ -1,0 +1,133 @@
+"""GGUF checkpoint -> HF LLaMA state dict: dequantize, rename, undo the q/k row permutation.
+
+Names. llama.cpp names tensors its own way; we rename them to HF's (the names vLLM uses too):
+
+    GGUF                          HF
+    token_embd.weight             model.embed_tokens.weight
+    blk.{i}.attn_norm.weight      model.layers.{i}.input_layernorm.weight
+    blk.{i}.attn_q.weight         model.layers.{i}.self_attn.q_proj.weight     rows permuted (below)
+    blk.{i}.attn_k.weight         model.layers.{i}.self_attn.k_proj.weight     rows permuted (below)
+    blk.{i}.attn_v.weight         model.layers.{i}.self_attn.v_proj.weight
+    blk.{i}.attn_output.weight    model.layers.{i}.self_attn.o_proj.weight
+    blk.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
+    blk.{i}.ffn_gate.weight       model.layers.{i}.mlp.gate_proj.weight
+    blk.{i}.ffn_up.weight         model.layers.{i}.mlp.up_proj.weight
+    blk.{i}.ffn_down.weight       model.layers.{i}.mlp.down_proj.weight
+    output_norm.weight            model.norm.weight
+    output.weight                 lm_head.weight                               absent when tied
+
+Shapes need no transpose: GGUF lists dims fastest-first, and `GGUFFile` reverses them, so a GGUF
+linear weight is already (out_features, in_features).
+
+The q/k permutation. RoPE rotates pairs of dimensions inside each head; which dims pair up is a convention:
+
+    HF (rotate_half):        pairs (j, j + head_dim/2)   one head's rows:  x0 x1 x2 x3 | y0 y1 y2 y3
+    llama.cpp (ROPE NORM):   pairs (2j, 2j + 1)          one head's rows:  x0 y0 x1 y1 x2 y2 x3 y3
+
+llama.cpp's convert_hf_to_gguf.py (`LlamaModel.permute`) interleaves the rows of q_proj and k_proj so
+that its adjacent-pair RoPE computes what HF's rotate_half computed on the original rows:
+
+    permute   (HF -> GGUF):  W.reshape(n_heads, 2, head_dim/2, in).swapaxes(1, 2).reshape(out, in)
+    unpermute (GGUF -> HF):  W.reshape(n_heads, head_dim/2, 2, in).swapaxes(1, 2).reshape(out, in)
+
+Our model uses rotate_half, so the loader unpermutes. k_proj uses num_key_value_heads (its rows are KV
+heads). v_proj and o_proj are left alone: only q and k meet RoPE, and the score q . k sums over a
+head's dims, so any order works as long as q and k agree.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.gguf import GGUFFile
+from tinyvllm.model.quant import dequantize, tensor_nbytes
+from tinyvllm.model.weights import check_state_dict, expected_shapes
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.{i}.<GGUF name>  <->  model.layers.{i}.<HF name>
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Llama-3.1-style GGUFs store RoPE frequency factors as a tensor; we derive them from the config instead
+IGNORED_TENSORS = {"rope_freqs.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if LLaMA has no such tensor."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def gguf_name(hf: str) -> str | None:
+    """The inverse of `hf_name`."""
+    for g, h in GLOBAL_NAMES.items():
+        if h == hf:
+            return g
+    parts = hf.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        for g, h in LAYER_NAMES.items():
+            if h == parts[3]:
+                return f"blk.{parts[2]}.{g}"
+    return None
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF rotate_half row order -> llama.cpp's interleaved order. w: (n_heads * head_dim, in)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's interleaved row order -> HF rotate_half order (the inverse of `permute_qk`)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def read_tensor(gguf: GGUFFile, name: str) -> np.ndarray:
+    """One GGUF tensor dequantized to float32, in numpy shape order."""
+    info = gguf.tensors[name]
+    raw = gguf.raw(name, tensor_nbytes(info.ggml_type, info.shape))
+    try:
+        return dequantize(raw, info.ggml_type, info.shape)
+    except ValueError as e:
+        raise ValueError(f"{gguf.path}: tensor {name!r}: {e}") from None
+
+
+def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read a LLaMA GGUF file (a path, or one already opened) into (config, state dict in HF names and layout)."""
+    gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
+    state_dict: dict[str, np.ndarray] = {}
+    file_names = {name: gguf_name(name) for name in expected_shapes(config)}
+    for name in gguf.tensors:
+        if name in IGNORED_TENSORS:
+            continue
+        hf = hf_name(name) or name  # an unknown name is kept, so check_state_dict reports it
+        file_names[hf] = name
+        state_dict[hf] = read_tensor(gguf, name).astype(dtype, copy=False)
+    check_state_dict(config, state_dict, gguf.path, file_names)
+
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        state_dict[p + "q_proj.weight"] = unpermute_qk(state_dict[p + "q_proj.weight"], config.num_attention_heads)
+        state_dict[p + "k_proj.weight"] = unpermute_qk(state_dict[p + "k_proj.weight"], config.num_key_value_heads)
+    return config, state_dict
