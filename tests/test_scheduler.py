@@ -1,0 +1,211 @@
+"""Scheduler: continuous batching against a fake model, with no device.
+
+The fake model keeps a fake paged KV cache that stores each token id in the slot the slot mapping
+gives it, then "attends" by reading the sequence's tokens back through its block table. Its next
+token is a hash of what it read. So a slot overwritten by another sequence, a token computed twice
+or skipped, or a block freed too early changes the output, and every test compares against the
+same hash run on each prompt alone, without the scheduler.
+"""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tinyvllm.core.scheduler import Scheduler, SchedulerOutput
+from tinyvllm.core.sequence import Sequence, SequenceStatus
+from tinyvllm.sampling_params import SamplingParams
+
+VOCAB = 40
+EOS = 0
+
+
+def next_token(tokens: list[int]) -> int:
+    h = len(tokens)
+    for t in tokens:
+        h = (h * 1_000_003 + t) % 2**61
+    return h % VOCAB
+
+
+def generate_alone(prompt: list[int], params: SamplingParams, max_model_len: int) -> tuple[list[int], str]:
+    """The oracle: plain autoregressive loop, no blocks, no scheduler."""
+    tokens, out = list(prompt), []
+    stop_ids = params.all_stop_token_ids([EOS])
+    while True:
+        out.append(next_token(tokens))
+        tokens.append(out[-1])
+        if len(out) >= params.min_tokens and out[-1] in stop_ids:
+            return out, "stop"
+        if (params.max_tokens is not None and len(out) >= params.max_tokens) or len(tokens) >= max_model_len:
+            return out, "length"
+
+
+class FakePagedModel:
+    def __init__(self, scheduler: Scheduler):
+        self.bm = scheduler.block_manager
+        self.kv = [None] * (self.bm.num_blocks * self.bm.block_size)  # one "K/V" per slot: the token id
+
+    def run(self, out: SchedulerOutput) -> dict[int, int]:
+        for seq in out.scheduled_seqs:  # write every scheduled token's K/V first, as one forward pass would
+            start, n = seq.num_computed_tokens, out.num_scheduled_tokens[seq.seq_id]
+            tokens = seq.all_token_ids
+            for pos, slot in zip(range(start, start + n), self.bm.get_slot_mapping(seq, start, start + n)):
+                self.kv[slot] = tokens[pos]
+        sampled = {}
+        for seq in out.scheduled_seqs:  # then attend over the context through the block table
+            context_len = seq.num_computed_tokens + out.num_scheduled_tokens[seq.seq_id]
+            context = [self.kv[slot] for slot in self.bm.get_slot_mapping(seq, 0, context_len)]
+            assert context == seq.all_token_ids[:context_len], f"K/V of {seq} corrupted"
+            sampled[seq.seq_id] = next_token(context)
+        return sampled
+
+
+def run(scheduler: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 20_000) -> list[SchedulerOutput]:
+    """Engine loop: add the sequences due at each step, then schedule -> run -> update."""
+    model, outputs, step = FakePagedModel(scheduler), [], 0
+    while scheduler.has_unfinished_seqs() or any(s >= step for s in arrivals):
+        for seq in arrivals.get(step, []):
+            scheduler.add_seq(seq)
+        out = scheduler.schedule()
+        assert out.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+        assert len(out.scheduled_seqs) <= scheduler.max_num_seqs and len(scheduler.running) <= scheduler.max_num_seqs
+        assert all(n >= 1 for n in out.num_scheduled_tokens.values())
+        assert len({s.seq_id for s in out.scheduled_seqs}) == len(out.scheduled_seqs)
+        scheduler.update_from_output(out, model.run(out))
+        outputs.append(out)
+        step += 1
+        assert step < max_steps, "no progress"
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_cnt == 0 for b in bm.blocks), "blocks leaked"
+    return outputs
+
+
+def check_same_as_alone(seqs: list[Sequence], max_model_len: int) -> None:
+    for seq in seqs:
+        tokens, reason = generate_alone(seq.prompt_token_ids, seq.sampling_params, max_model_len)
+        assert seq.output_token_ids == tokens, f"{seq} differs from running alone"
+        assert seq.status.finish_reason == reason and seq.block_table == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), max_num_seqs=st.integers(1, 6),
+       extra_budget=st.integers(0, 40), num_seqs=st.integers(1, 10), spare_blocks=st.integers(0, 12))
+def test_every_sequence_gets_what_it_gets_alone(data, block_size, max_num_seqs, extra_budget, num_seqs,
+                                                spare_blocks):
+    max_model_len = 48
+    num_blocks = -(-max_model_len // block_size) + spare_blocks  # tiny pools force preemption
+    scheduler = Scheduler(num_blocks, block_size, max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_seqs + extra_budget, eos_token_ids=[EOS])
+    arrivals: dict[int, list[Sequence]] = {}
+    seqs = []
+    for i in range(num_seqs):
+        prompt = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_model_len - 1))
+        params = SamplingParams(max_tokens=data.draw(st.sampled_from([None, 1, 5, 30])),
+                                ignore_eos=data.draw(st.booleans()),
+                                stop_token_ids=data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)))
+        seq = Sequence(i, prompt, params)
+        arrivals.setdefault(data.draw(st.integers(0, 10)), []).append(seq)
+        seqs.append(seq)
+    run(scheduler, arrivals)
+    check_same_as_alone(seqs, max_model_len)
+
+
+def test_preemption_under_a_tiny_pool_still_completes_everything():
+    # the pool holds one sequence of max_model_len tokens: eight long ones must take turns
+    scheduler = Scheduler(num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=8, max_num_batched_tokens=16)
+    seqs = [Sequence(i, [(7 * i + j) % VOCAB for j in range(3 + 2 * i)], SamplingParams(max_tokens=None,
+                                                                                     ignore_eos=True))
+            for i in range(8)]
+    outputs = run(scheduler, {0: seqs})
+    assert sum(len(out.preempted_seqs) for out in outputs) > 0
+    check_same_as_alone(seqs, max_model_len=32)
+    assert all(seq.num_tokens == 32 for seq in seqs)
+
+
+def test_decodes_never_starve_while_a_long_prompt_is_chunked():
+    scheduler = Scheduler(num_blocks=200, block_size=16, max_model_len=3000, max_num_seqs=8,
+                          max_num_batched_tokens=64)
+    short = [Sequence(i, [i + 1] * 5, SamplingParams(max_tokens=200, ignore_eos=True)) for i in range(4)]
+    long = Sequence(99, [3] * 2000, SamplingParams(max_tokens=4, ignore_eos=True))
+    outputs = run(scheduler, {0: short, 3: [long]})
+    prefill_steps = [out for out in outputs if out.num_scheduled_tokens.get(long.seq_id, 0) > 1]
+    assert len(prefill_steps) == -(-2000 // 60)  # 60 = budget 64 minus the 4 decodes
+    for out in prefill_steps:
+        assert all(out.num_scheduled_tokens[s.seq_id] == 1 for s in short)  # every decode got its token
+        assert out.total_num_scheduled_tokens <= 64
+    check_same_as_alone(short + [long], max_model_len=3000)
+
+
+def test_a_chunk_that_ends_mid_prompt_samples_nothing():
+    scheduler = Scheduler(num_blocks=10, block_size=4, max_model_len=20, max_num_seqs=2, max_num_batched_tokens=4)
+    seq = Sequence(0, list(range(10)), SamplingParams(max_tokens=2))
+    scheduler.add_seq(seq)
+    for computed in (4, 8):
+        out = scheduler.schedule()
+        assert out.num_scheduled_tokens == {0: 4}
+        assert scheduler.update_from_output(out, {0: 123}) == []  # a runner may sample anyway: ignored
+        assert seq.num_computed_tokens == computed and seq.output_token_ids == [] and seq.is_prefill
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {0: 2}
+    assert scheduler.update_from_output(out, {0: 7}) == [seq] and seq.output_token_ids == [7]
+
+
+def test_abort_frees_blocks_immediately():
+    scheduler = Scheduler(num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=8)
+    running, waiting = Sequence(0, [1] * 9), Sequence(1, [2] * 3)
+    scheduler.add_seq(running)
+    scheduler.add_seq(waiting)
+    out = scheduler.schedule()
+    assert out.scheduled_seqs == [running] and scheduler.block_manager.num_free_blocks == 5
+    assert scheduler.abort(0) is running  # mid-step: the step's result for it is then ignored
+    assert scheduler.block_manager.num_free_blocks == 8 and running.status.finish_reason == "abort"
+    assert scheduler.update_from_output(out, {0: 5}) == [] and running.num_computed_tokens == 0
+    assert scheduler.abort(1) is waiting and waiting.status == SequenceStatus.FINISHED_ABORTED
+    assert scheduler.abort(1) is None and scheduler.abort(42) is None
+    assert not scheduler.has_unfinished_seqs() and scheduler.schedule().scheduled_seqs == []
+
+
+def test_stop_conditions():
+    def finish(params: SamplingParams, sampled: list[int], max_model_len: int = 64) -> Sequence:
+        scheduler = Scheduler(16, 4, max_model_len, max_num_seqs=1, max_num_batched_tokens=8, eos_token_ids=[EOS])
+        seq = Sequence(0, [1, 2], params)
+        scheduler.add_seq(seq)
+        for token in sampled:
+            scheduler.update_from_output(scheduler.schedule(), {0: token})
+        assert not scheduler.has_unfinished_seqs() and scheduler.block_manager.num_free_blocks == 16
+        return seq
+
+    assert finish(SamplingParams(), [5, EOS]).status == SequenceStatus.FINISHED_STOPPED
+    seq = finish(SamplingParams(max_tokens=3, ignore_eos=True), [EOS, EOS, EOS])
+    assert seq.status.finish_reason == "length" and seq.output_token_ids == [EOS] * 3
+    assert finish(SamplingParams(stop_token_ids=[9]), [5, 9]).status.finish_reason == "stop"
+    seq = finish(SamplingParams(min_tokens=2, max_tokens=3), [EOS, 4, 5])  # eos too early: not a stop
+    assert seq.status.finish_reason == "length"
+    seq = finish(SamplingParams(max_tokens=None), [5, 6, 7], max_model_len=5)
+    assert seq.status.finish_reason == "length" and seq.num_tokens == 5
+
+
+def test_bad_configuration_and_prompts_are_value_errors():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(8, 4, 32, max_num_seqs=16, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="fit in the KV cache"):
+        Scheduler(8, 4, 33)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(8, 4, 32, max_num_seqs=0)
+    scheduler = Scheduler(8, 4, 32)
+    with pytest.raises(ValueError, match="no room for output"):
+        scheduler.add_seq(Sequence(0, [1] * 32))
+
+
+def test_preemption_frees_the_newest_and_puts_it_at_the_head_of_the_queue():
+    scheduler = Scheduler(num_blocks=4, block_size=2, max_model_len=8, max_num_seqs=2, max_num_batched_tokens=8)
+    a, b, c = Sequence(0, [1] * 4), Sequence(1, [2] * 4), Sequence(2, [3])
+    for seq in (a, b, c):
+        scheduler.add_seq(seq)
+    out = scheduler.schedule()  # a and b fill the pool; c waits (max_num_seqs)
+    assert out.scheduled_seqs == [a, b] and scheduler.block_manager.num_free_blocks == 0
+    scheduler.update_from_output(out, {0: 5, 1: 6})
+    out = scheduler.schedule()  # a's sampled token starts a new block: b, the newest, makes room
+    assert out.preempted_seqs == [b] and out.scheduled_seqs == [a]  # and nothing is admitted this step
+    assert list(scheduler.waiting) == [b, c]
+    assert b.status == SequenceStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_table == []
+    assert b.output_token_ids == [6] and b.is_prefill  # its 5 tokens are recomputed when it is readmitted

@@ -1,0 +1,184 @@
+"""Continuous batching: each step, decide which sequences compute how many of their tokens.
+
+    NOTE(woosuk) on the scheduling algorithm, from vLLM v1's `scheduler.py`:
+    "There's no 'decoding phase' nor 'prefill phase' in the scheduler. Each request just has the
+    num_computed_tokens and num_tokens_with_spec. [...] At each step, the scheduler tries to assign
+    tokens to the requests so that each request's num_computed_tokens can catch up its
+    num_tokens_with_spec. This is general enough to cover chunked prefills, prefix caching,
+    speculative decoding, and the 'jump decoding' optimization in the future."
+
+A step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
+
+    running (oldest first)   each gets its next chunk: 1 token for a decode, the rest of a prompt
+                             otherwise, as far as the budget goes. Out of blocks? preempt the newest
+                             running sequence (free its blocks, recompute it later) and retry.
+    waiting (head first)     admitted while the budget, the cap and free blocks allow; a prompt
+                             longer than what is left of the budget is split (chunked prefill).
+
+    add_seq -> WAITING --schedule--> RUNNING --update_from_output--> FINISHED_* (blocks freed)
+                  ^                     |
+                  +-----PREEMPTED-------+   (back at the head of the waiting queue)
+
+Because running sequences are served first, a long prompt being prefilled in chunks takes only
+what the decodes leave of the budget: the others keep producing a token every step. Running
+sequences keep admission order, so the one part-way through its prompt is always the newest.
+The scheduler owns the BlockManager; the model runner never sees the queues. Stop strings need
+text, so the engine checks them and calls `finish_seq`; stop tokens and lengths are checked here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tinyvllm.core.block_manager import BlockManager
+from tinyvllm.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: for each scheduled sequence, its tokens at positions
+    num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[seq_id] - 1."""
+
+    scheduled_seqs: list[Sequence]  # batch order: running ones first, then newly admitted
+    num_scheduled_tokens: dict[int, int]  # seq_id -> tokens computed this step (1 for a decode)
+    preempted_seqs: list[Sequence]  # sent back to the waiting queue by this step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()`
+    once per step. The KV pool size (`num_blocks`) is computed once elsewhere and passed in."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = ()):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}), or running decodes could not all get their token each step")
+        if not 2 <= max_model_len <= num_blocks * block_size:
+            raise ValueError(f"max_model_len ({max_model_len}) must be >= 2 and fit in the KV cache "
+                             f"({num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens), "
+                             "or a long sequence could never run")
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = tuple(eos_token_ids)  # the model's; a request may ignore them (ignore_eos)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def add_seq(self, seq: Sequence) -> None:
+        if seq.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt has {seq.num_prompt_tokens} tokens: max_model_len ({self.max_model_len}) "
+                             "leaves no room for output")
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"add_seq: {seq} is not new"
+        self.waiting.append(seq)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        num_scheduled_tokens: dict[int, int] = {}
+        preempted: list[Sequence] = []
+
+        # 1. running sequences, oldest first: each one's next chunk (one token for a decode)
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            seq = self.running[i]
+            num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
+            while self.block_manager.append_slots(seq, num_new_tokens) is None:
+                victim = self.running.pop()  # the newest: it has the least work to lose
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            scheduled.append(seq)
+            num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            i += 1
+
+        # 2. waiting sequences, first come first served; none while this step had to preempt
+        while self.waiting and not preempted and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.block_manager.allocate(seq) is None:
+                break  # the head waits for blocks; no skipping ahead, or a long prompt could wait forever
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)  # a prefix of it: chunked prefill
+            scheduled.append(seq)
+            num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop its K/V; its tokens, prompt and output, are recomputed when readmitted."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[int, int]) -> list[Sequence]:
+        """Advance each scheduled sequence by the tokens it computed; those that caught up get their sampled
+        token, and may finish (their blocks are freed). Returns the sequences that got a new token."""
+        new_token_seqs = []
+        for seq in scheduler_output.scheduled_seqs:
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq.seq_id]
+            if seq.num_uncomputed_tokens > 0:
+                continue  # a chunk that ended mid-prompt: its sample, if any, means nothing
+            seq.append_token_id(sampled_token_ids[seq.seq_id])
+            new_token_seqs.append(seq)
+            status = self._check_stop(seq)
+            if status is not None:
+                self._finish(seq, status)
+        return new_token_seqs
+
+    def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens and (
+                seq.last_token_id in params.all_stop_token_ids(self.eos_token_ids)):
+            return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # ---- finishing from outside a step ----
+
+    def finish_seq(self, seq_id: int, status: SequenceStatus) -> Sequence | None:
+        """Finish a sequence now, wherever it is, and free its blocks: an abort, or a stop string the
+        engine found in the text. Returns it, or None if no unfinished sequence has this id."""
+        assert status.is_finished, f"finish_seq needs a finished status, got {status.name}"
+        for seq in (*self.running, *self.waiting):
+            if seq.seq_id == seq_id:
+                self._finish(seq, status)
+                return seq
+        return None
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        return self.finish_seq(seq_id, SequenceStatus.FINISHED_ABORTED)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)  # waiting or preempted: holds no blocks
+        seq.status = status
