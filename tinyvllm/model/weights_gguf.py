@@ -105,8 +105,8 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 def read_tensor(gguf: GGUFFile, name: str) -> np.ndarray:
     """One GGUF tensor dequantized to float32, in numpy shape order."""
     info = gguf.tensors[name]
-    raw = gguf.raw(name, tensor_nbytes(info.ggml_type, info.shape))
     try:
+        raw = gguf.raw(name, tensor_nbytes(info.ggml_type, info.shape))
         return dequantize(raw, info.ggml_type, info.shape)
     except ValueError as e:
         raise ValueError(f"{gguf.path}: tensor {name!r}: {e}") from None

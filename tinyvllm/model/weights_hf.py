@@ -121,9 +121,15 @@ def load_hf(model_dir: str | os.PathLike, dtype=np.float32) -> tuple[ModelConfig
 def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch's .to(bfloat16)."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    # add 0x7FFF plus the lowest kept bit, then truncate: rounds half to even
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+    # add 0x7FFF plus the lowest kept bit, then drop the low 16 bits: rounds half to even
+    rounded = (bits >> 16) & 1
+    rounded += bits
+    rounded += 0x7FFF
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0  # the rounding could carry a NaN's mantissa into infinity
+    return out
 
 
 def save_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike, dtype: str = "float32") -> None:
