@@ -1,0 +1,76 @@
+"""Chat templates: a conversation -> the exact prompt text the model was trained on.
+
+Every chat model ships a Jinja template (GGUF `tokenizer.chat_template`, HF `tokenizer_config.json`
+or `chat_template.jinja`) that writes the turns with its own markers. SmolLM2's, for one user turn:
+
+    [{"role": "user", "content": "Hi"}]
+    ->  <|im_start|>system
+        You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+        <|im_start|>user
+        Hi<|im_end|>
+        <|im_start|>assistant          <- add_generation_prompt: the model continues from here
+
+Templates are written against HF's environment, so we render in one like it (transformers,
+`utils/chat_template_utils.py`): a sandbox (templates are untrusted code from the Hub),
+`trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, `raise_exception(msg)`,
+`strftime_now(fmt)`, and a `tojson` that keeps non-ASCII characters and accepts `indent`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+    # Jinja's own tojson escapes <, >, & for HTML, which would change the prompt
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def validate_messages(messages: object) -> None:
+    """A conversation is a list of {"role": str, "content": str | list of parts | None} dicts."""
+    if not isinstance(messages, list):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must hold at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role' (e.g. 'system', 'user', 'assistant')")
+        if "content" not in message and "tool_calls" not in message:
+            raise ValueError(f"messages[{i}] (role {message['role']!r}) has no 'content'")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}]['content'] must be a string or a list of parts, got {type(content).__name__}")
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+    """The prompt text for `messages`. `variables` (bos_token, eos_token, tools, ...) reach the template."""
+    validate_messages(messages)
+    try:
+        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.TemplateError as e:  # raise_exception("Conversation roles must alternate ...")
+        raise ValueError(f"chat template: {e}") from e

@@ -1,0 +1,55 @@
+r"""Streaming detokenization: one token id in, the text it completes out.
+
+A token is bytes, not characters, and byte-level BPE may cut a character between tokens.
+SmolLM2 writes "Hello 😀" (the emoji is the 4 bytes F0 9F 98 80) as three tokens; decoding each
+on its own would stream U+FFFD marks instead of the emoji:
+
+    token id   bytes                 emitted
+    19556      b"Hello"              "Hello"
+    40303      b" \xf0\x9f\x98"      " "       the space is whole; 3 of the emoji's 4 bytes wait
+    218        b"\x80"               "😀"      the 4th byte completes it
+
+So we feed the bytes to an incremental UTF-8 decoder, which holds back an unfinished character
+until its last byte arrives. vLLM reaches the same result another way: it re-decodes a short
+window of recent tokens (`prefix_offset`, `read_offset`) and emits only text that no longer ends
+in U+FFFD. Having each token's bytes, we need no window.
+
+Concatenating everything `add` returns gives `tokenizer.decode(ids)` (with the same
+`skip_special_tokens`), except for a character still unfinished when the stream stops,
+which is never emitted.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+from tinyvllm.model.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text, never emitting half a multi-byte character."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pieces: list[str] = []
+        self._started = False  # has any text been emitted yet (sentencepiece strips one leading space)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes ('' while a character is unfinished)."""
+        self.token_ids.append(token_id)
+        if self.skip_special_tokens and self.tokenizer.is_special(token_id):
+            return ""
+        new_text = self._utf8.decode(self.tokenizer.token_bytes(token_id))
+        if new_text and not self._started:
+            new_text = self.tokenizer.strip_dummy_prefix(new_text)
+            self._started = True
+        self._pieces.append(new_text)
+        return new_text
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
