@@ -153,7 +153,8 @@ def tiny_state_dict(config: ModelConfig = TINY, seed: int = 0) -> dict[str, np.n
 
 
 def write_tiny_gguf(path: Path, state_dict: dict[str, np.ndarray], config: ModelConfig = TINY, arch: str = "llama",
-                    quantize: dict[str, int] | None = None, raw: dict[str, tuple[np.ndarray, int]] | None = None) -> Path:
+                    quantize: dict[str, int] | None = None,
+                    raw: dict[str, tuple[np.ndarray, int]] | None = None) -> Path:
     """A LLaMA GGUF the way llama.cpp's converter writes one: GGUF names, q/k rows permuted.
     `quantize`: HF name -> ggml type to store it in; `raw`: GGUF name -> (bytes, ggml type) added as is."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -209,14 +210,16 @@ def test_tiny_gguf_quantized_and_untied(tmp_path):
 def test_gguf_missing_tensor(tmp_path):
     sd = tiny_state_dict()
     del sd["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj.weight' \(GGUF 'blk.1.ffn_up.weight'\) is missing"):
+    message = r"'model.layers.1.mlp.up_proj.weight' \(GGUF 'blk.1.ffn_up.weight'\) is missing"
+    with pytest.raises(ValueError, match=message):
         load_checkpoint(write_tiny_gguf(tmp_path / "tiny.gguf", sd))
 
 
 def test_gguf_shape_mismatch(tmp_path):
     sd = tiny_state_dict()
     sd["model.layers.0.mlp.gate_proj.weight"] = np.zeros((96, 64), np.float32)
-    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight'.* shape \(96, 64\).*expects \(128, 64\)"):
+    message = r"'model.layers.0.mlp.gate_proj.weight'.* shape \(96, 64\).*expects \(128, 64\)"
+    with pytest.raises(ValueError, match=message):
         load_checkpoint(write_tiny_gguf(tmp_path / "tiny.gguf", sd))
 
 
@@ -281,7 +284,8 @@ def test_hf_dir_bfloat16_and_float16(tmp_path):
     from safetensors.torch import save_file as torch_save_file
 
     sd = tiny_state_dict()
-    half = {k: torch.from_numpy(v).to(torch.bfloat16 if i % 2 else torch.float16) for i, (k, v) in enumerate(sd.items())}
+    half = {name: torch.from_numpy(t).to(torch.bfloat16 if i % 2 else torch.float16)
+            for i, (name, t) in enumerate(sd.items())}
     path = tmp_path / "m"
     write_hf_dir(path, sd)
     torch_save_file(half, path / "model.safetensors")

@@ -12,15 +12,18 @@ numbers that map them back to real values:
 Every function below takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size)
 float32`; `dequantize` cuts a tensor's bytes into blocks and reshapes the result to the tensor's
 shape. The layouts follow ggml's C structs (ggml-common.h) and its reference dequantizers
-(ggml-quants.c, `dequantize_row_*`); the float operations are done in the same order, so results
-are bit-identical to llama.cpp's and to the `gguf` Python package's.
+(ggml-quants.c, `dequantize_row_*`), and the float operations run in the same order, so results are
+bit-identical to the `gguf` Python package's (tests/test_weights.py checks every type).
+
+Why numpy, once, at load time: it is the simplest correct reference. Serving the weights still
+quantized (4-5 bits read per weight instead of 32) is a later optimization with fused dequant kernels.
 
 All integers are little-endian. "lo"/"hi" nibble = bits 0-3 / bits 4-7 of a byte.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -61,7 +64,8 @@ def dequantize_f16(blocks: np.ndarray) -> np.ndarray:
 def dequantize_bf16(blocks: np.ndarray) -> np.ndarray:
     """BF16: 2 bytes per element, the top half of a float32 (8-bit exponent, 7-bit mantissa).
 
-        bf16 bits:  SEEEEEEE EMMMMMMM               -> float32 bits: bf16 << 16 (low 16 mantissa bits zero)
+        bf16:     S EEEEEEEE MMMMMMM
+        float32:  S EEEEEEEE MMMMMMM 0000000000000000     (bf16 << 16)
     """
     return (blocks.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
@@ -163,12 +167,12 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     """Q4_K: 256 elements in 144 bytes (4.5 bits per weight): 8 sub-blocks of 32, each with a 6-bit
     scale sc and min m, x = (d * sc) * q - (dmin * m), q in 0..15.
 
-        byte  0      2      4              16                                   144
-              +------+------+--------------+------------------------------------+
-              | d    | dmin | scales, mins | qs: 4 chunks of 32 bytes           |
-              | f16  | f16  | 8 x 6 bits   | chunk c: lo nibbles = sub-block 2c |
-              |      |      | each (above) |          hi nibbles = sub-block 2c+1|
-              +------+------+--------------+------------------------------------+
+        byte  0      2      4              16                                      144
+              +------+------+--------------+---------------------------------------+
+              | d    | dmin | scales, mins | qs: 4 chunks of 32 bytes              |
+              | f16  | f16  | 8 + 8 values | chunk c: lo nibbles -> sub-block 2c   |
+              |      |      | of 6 bits    |          hi nibbles -> sub-block 2c+1 |
+              +------+------+--------------+---------------------------------------+
     """
     n = blocks.shape[0]
     sc, m = _k_scales_mins(blocks[:, 4:16])
@@ -182,12 +186,13 @@ def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     """Q5_K: 256 elements in 176 bytes (5.5 bits per weight): Q4_K plus a 5th bit per element,
     x = (d * sc) * q - (dmin * m), q in 0..31.
 
-        byte  0      2      4              16            48                    176
-              +------+------+--------------+-------------+---------------------+
-              | d    | dmin | scales, mins | qh[0..31]   | qs: as in Q4_K      |
-              | f16  | f16  | (as Q4_K)    | qh[l] bit s: element l of       |
-              |      |      |              | sub-block s, bit 4              |
-              +------+------+--------------+-------------+---------------------+
+        byte  0      2      4              16                 48                   176
+              +------+------+--------------+------------------+--------------------+
+              | d    | dmin | scales, mins | qh[0..31]        | qs: as in Q4_K     |
+              | f16  | f16  | as in Q4_K   | bit s of qh[l]:  | (the 4 low bits)   |
+              |      |      |              | bit 4 of element |                    |
+              |      |      |              | l of sub-block s |                    |
+              +------+------+--------------+------------------+--------------------+
     """
     n = blocks.shape[0]
     sc, m = _k_scales_mins(blocks[:, 4:16])

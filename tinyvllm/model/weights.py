@@ -1,8 +1,8 @@
 """Loading a checkpoint: one state dict in HF LLaMA names, whatever format the weights came in.
 
-    SmolLM2.gguf ----- weights_gguf.load_gguf: dequantize, rename, undo the q/k RoPE permutation --+
-                                                                                                  +--> Checkpoint
-    HF model dir ----- weights_hf.load_hf: read safetensors (one file or shards) as they are -----+    (config, state_dict, path)
+    model.gguf --- weights_gguf.load_gguf: dequantize, rename, undo the q/k permutation ---+
+                                                                                          +--> Checkpoint(config,
+    HF dir     --- weights_hf.load_hf: read safetensors (one file or shards) as they are --+      state_dict, path)
 
 Whatever the source, the model sees the same thing, as vLLM's and HF's LLaMA do:
 
