@@ -76,7 +76,8 @@ HEADER_TEMPLATE = (
     "{%- endfor %}{%- endif %}"
     "{{- system + '<|eot_id|>' }}"
     "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
@@ -136,6 +137,8 @@ def test_bad_messages(tok, messages, problem):
 
 
 def test_tool_call_message_without_content_is_accepted():
-    template = "{% for m in messages %}{{ m.role }}:{{ m.tool_calls | length if m.tool_calls else m.content }};{% endfor %}"
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.tool_calls | length if m.tool_calls else m.content }};{% endfor %}"
+    )
     messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "tool_calls": [{"name": "f"}]}]
     assert render_chat_template(template, messages) == "user:weather?;assistant:1;"

@@ -12,34 +12,68 @@ import pytest
 import sentencepiece
 
 from tinyvllm.model.detokenizer import IncrementalDetokenizer
-from tinyvllm.model.sentencepiece_tokenizer import _fields, _without_dummy_prefix
+from tinyvllm.model.sentencepiece_model import fields, without_dummy_prefix
 from tinyvllm.model.tokenizer import load_tokenizer
 
 # Llama-2's tokenizer.model settings: BPE, byte fallback, digits split, a dummy prefix, whitespace kept.
 LLAMA2_SETTINGS = dict(
-    model_type="bpe", byte_fallback=True, split_digits=True, add_dummy_prefix=True, normalization_rule_name="identity",
-    remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-    character_coverage=1.0, minloglevel=2,
+    model_type="bpe",
+    byte_fallback=True,
+    split_digits=True,
+    add_dummy_prefix=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    allow_whitespace_only_pieces=True,
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=-1,
+    character_coverage=1.0,
+    minloglevel=2,
 )
-WORDS = ("the quick brown fox jumps over a lazy dog while tokenizers merge pieces into words "
-         "café naïve 東京 日本 😀 def return import class if else").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while tokenizers merge pieces into words "
+    "café naïve 東京 日本 😀 def return import class if else"
+).split()
 
 CORPUS = [
-    "Hello world", "the quick brown fox", "a  b   c", "tabs\tand\nnewlines\r\n", "\n\nfoo", "12345 and 3.14159",
-    "café 東京 😀", "Ωmega ß 🦙 한국어", "def f(x):\n    return x", "x", "  two leading", " one leading", "trailing  ",
-    "<s>Hello</s> x", "x <s> y", "x<s>y", "[INST] hi [/INST]", "<s>[INST] hi [/INST]", "<unk> here", "<|im_end|>done",
-    "", " ", "</s></s>",
+    "Hello world",
+    "the quick brown fox",
+    "a  b   c",
+    "tabs\tand\nnewlines\r\n",
+    "\n\nfoo",
+    "12345 and 3.14159",
+    "café 東京 😀",
+    "Ωmega ß 🦙 한국어",
+    "def f(x):\n    return x",
+    "x",
+    "  two leading",
+    " one leading",
+    "trailing  ",
+    "<s>Hello</s> x",
+    "x <s> y",
+    "x<s>y",
+    "[INST] hi [/INST]",
+    "<s>[INST] hi [/INST]",
+    "<unk> here",
+    "<|im_end|>done",
+    "",
+    " ",
+    "</s></s>",
 ]
 
 
 def _train(directory: Path, **overrides) -> Path:
     rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + f" {rng.randint(0, 99999)}"
-             for _ in range(1500)]
+    lines = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + f" {rng.randint(0, 99999)}"
+        for _ in range(1500)
+    ]
     settings = {**LLAMA2_SETTINGS, **overrides}
     prefix = directory / "tokenizer"
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=400,
-                                             **settings)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=400, **settings
+    )
     return prefix.with_suffix(".model")
 
 
@@ -49,15 +83,30 @@ def model_file(tmp_path_factory) -> Path:
 
 
 # An added token beyond the sentencepiece vocabulary, as fine-tunes add chat markers.
-ADDED = {"400": {"content": "<|im_end|>", "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                 "single_word": False}}
+ADDED = {
+    "400": {
+        "content": "<|im_end|>",
+        "special": True,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "single_word": False,
+    }
+}
 
 
 def _model_dir(model_file: Path, directory: Path, **config) -> Path:
     """An HF model directory: tokenizer.model and a tokenizer_config.json like Llama-2's."""
     shutil.copy(model_file, directory / "tokenizer.model")
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-              "add_bos_token": True, "added_tokens_decoder": ADDED, **config}
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "added_tokens_decoder": ADDED,
+        **config,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
 
@@ -123,13 +172,13 @@ def test_incremental_detokenizer_equals_decode(tok, text):
 
 
 def test_dummy_prefix_switch(model_file):
-    proto, add_dummy_prefix, removes_whitespace = _without_dummy_prefix(model_file.read_bytes())
+    proto, add_dummy_prefix, removes_whitespace = without_dummy_prefix(model_file.read_bytes())
     assert (add_dummy_prefix, removes_whitespace) == (True, False)
-    again = _without_dummy_prefix(proto)
+    again = without_dummy_prefix(proto)
     assert again[1] is False and again[0] == proto  # idempotent: the flag now reads false
     pieces = sentencepiece.SentencePieceProcessor(model_proto=proto).encode_as_pieces("the fox")
     assert "".join(pieces) == "the▁fox"  # sentencepiece itself would give "▁the▁fox"
-    assert sum(1 for number, _, _ in _fields(proto) if number == 1) == 400  # every piece kept
+    assert sum(1 for number, _, _ in fields(proto) if number == 1) == 400  # every piece kept
 
 
 def test_model_that_collapses_whitespace_is_rejected(tmp_path):
@@ -167,6 +216,29 @@ def test_decode_matches_hf(pair):
             assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), repr(text)
 
 
+@pytest.mark.oracle
+def test_directory_with_both_tokenizer_files(pair, model_file, tmp_path):
+    """Llama-2 repos ship tokenizer.json (HF's sentencepiece look-alike) beside tokenizer.model."""
+    ours, hf = pair
+    hf.save_pretrained(tmp_path)  # writes that kind of tokenizer.json
+    with pytest.raises(ValueError, match="byte_fallback.*tokenizer.model"):
+        load_tokenizer(tmp_path)
+    _model_dir(model_file, tmp_path, legacy=hf.legacy)  # tokenizer.model and its tokenizer_config.json beside it
+    both = load_tokenizer(tmp_path)
+    assert type(both) is type(ours)
+    for text in CORPUS:
+        assert both.encode(text) == ours.encode(text) == hf.encode(text), repr(text)
+
+
+def test_chat_template_list_in_tokenizer_config(model_file, tmp_path):
+    templates = [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ messages[0].content }}"},
+    ]
+    tok = load_tokenizer(_model_dir(model_file, tmp_path, chat_template=templates))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+
 LLAMA2_CHAT = (
     "{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'] "
     "+ ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}"
@@ -180,7 +252,64 @@ def test_chat_template_from_tokenizer_config(model_file, tmp_path):
     pytest.importorskip("google.protobuf")
     directory = _model_dir(model_file, tmp_path, chat_template=LLAMA2_CHAT)
     ours, hf = load_tokenizer(directory), transformers.AutoTokenizer.from_pretrained(str(directory))
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "?"},
+    ]
     prompt = ours.apply_chat_template(messages)
-    assert prompt == hf.apply_chat_template(messages, tokenize=False) == "<s>[INST] hi [/INST] yo </s><s>[INST] ? [/INST]"
+    assert (
+        prompt == hf.apply_chat_template(messages, tokenize=False) == "<s>[INST] hi [/INST] yo </s><s>[INST] ? [/INST]"
+    )
     assert ours.encode(prompt, add_special_tokens=False) == hf.encode(prompt, add_special_tokens=False)
+
+
+# --- Llama-2 GGUFs: the same pieces, scores and types as GGUF metadata ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_file(sp, tmp_path_factory) -> Path:
+    """A GGUF holding the tiny model's tokenizer, written the way llama.cpp's converter writes Llama-2's."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 1, "context_length": 16, "embedding_length": 8, "head_count": 1}.items():
+        getattr(writer, f"add_{key}")(value)
+    n = sp.get_piece_size()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    writer.add_token_types(kinds)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(LLAMA2_CHAT)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_equals_tokenizer_model(gguf_file, tok):
+    from_gguf = load_tokenizer(gguf_file)
+    assert (from_gguf.vocab_size, from_gguf.bos_token_id, from_gguf.eos_token_id) == (400, 1, 2)
+    assert from_gguf.add_bos_token and from_gguf.stop_token_ids == {2}
+    assert all(from_gguf.token_bytes(i) == tok.token_bytes(i) for i in range(400))
+    for text in CORPUS:
+        if "<|im_end|>" not in text:  # an added token of the directory's config only
+            assert from_gguf.encode(text) == tok.encode(text), repr(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert from_gguf.apply_chat_template(messages) == "<s>[INST] hi [/INST]"
+
+
+@pytest.mark.oracle
+def test_gguf_matches_hf(gguf_file):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    ours = load_tokenizer(gguf_file)
+    for text in CORPUS:
+        assert ours.encode(text) == hf.encode(text), repr(text)
+        ids = hf.encode(text)
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), repr(text)

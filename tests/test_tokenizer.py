@@ -26,15 +26,51 @@ from tinyvllm.model.tokenizer import load_tokenizer
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CORPUS = [
-    "", " ", "  ", "Hello world", "Hello, world!", "  leading and trailing  ", "multiple   internal    spaces",
-    "tabs\tand\ttabs", "\t\tindented\t", "\n", "\n\n\n", "line1\nline2\r\nline3\r\n", "a\n\n\nb", " \n \n ",
-    "12345", "3.14159", "1,000,000 and 2024-11-22", "Step 1:\n\n2. next", "  1  22   333", "x1y22z", "a 1", "\t7",
-    "emoji 😀👍🏽🇺🇸 ❤️ and 🦙!", "😀😀😀", "東京は日本の首都です。", "你好，世界！", "한국어 텍스트", "Россия и Україна",
-    "مرحبا بالعالم", "Café naïve résumé façade Ångström", "e\u0301 combining", "zero\u200bwidth nbsp\u00a0here",
-    "def foo(x):\n    return x ** 2  # square\n", "if (a && b) { c[i] = d->e; }\n\treturn;", "<html><b>hi</b></html>",
-    "I'm sure they'll say it's fine, don't you? WE'LL SEE", "½ ² Ⅻ ٣", "ALL CAPS and MiXeD",
-    "<|im_start|>user\nhi<|im_end|>\n", "text<|im_end|>more<|endoftext|>", "<|im_start|><|im_start|>",
-    "<|im_start", "<|im_start|>x<|im_end|", " <|im_end|> ", "<repo_name>a<file_sep>b",
+    "",
+    " ",
+    "  ",
+    "Hello world",
+    "Hello, world!",
+    "  leading and trailing  ",
+    "multiple   internal    spaces",
+    "tabs\tand\ttabs",
+    "\t\tindented\t",
+    "\n",
+    "\n\n\n",
+    "line1\nline2\r\nline3\r\n",
+    "a\n\n\nb",
+    " \n \n ",
+    "12345",
+    "3.14159",
+    "1,000,000 and 2024-11-22",
+    "Step 1:\n\n2. next",
+    "  1  22   333",
+    "x1y22z",
+    "a 1",
+    "\t7",
+    "emoji 😀👍🏽🇺🇸 ❤️ and 🦙!",
+    "😀😀😀",
+    "東京は日本の首都です。",
+    "你好，世界！",
+    "한국어 텍스트",
+    "Россия и Україна",
+    "مرحبا بالعالم",
+    "Café naïve résumé façade Ångström",
+    "e\u0301 combining",
+    "zero\u200bwidth nbsp\u00a0here",
+    "def foo(x):\n    return x ** 2  # square\n",
+    "if (a && b) { c[i] = d->e; }\n\treturn;",
+    "<html><b>hi</b></html>",
+    "I'm sure they'll say it's fine, don't you? WE'LL SEE",
+    "½ ² Ⅻ ٣",
+    "ALL CAPS and MiXeD",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "text<|im_end|>more<|endoftext|>",
+    "<|im_start|><|im_start|>",
+    "<|im_start",
+    "<|im_start|>x<|im_end|",
+    " <|im_end|> ",
+    "<repo_name>a<file_sep>b",
 ]
 
 
@@ -157,8 +193,34 @@ def test_gguf_converter_ignores_smollm_digit_split(tok, hf):
 
 # Text built from fragments that stress the splitting regex: spaces and newlines next to digits,
 # letters, punctuation, multi-byte characters and special tokens.
-FRAGMENTS = [" ", "  ", "\n", "\n\n", "\t", "\r\n", "1", "42", "3.5", "a", "The", " cat", "'s", "'LL", "é", "ü",
-             "東", "😀", "🇺🇸", "!", "...", "-", "(", "<|im_end|>", "<|im_start|>", "x"]
+FRAGMENTS = [
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "\r\n",
+    "1",
+    "42",
+    "3.5",
+    "a",
+    "The",
+    " cat",
+    "'s",
+    "'LL",
+    "é",
+    "ü",
+    "東",
+    "😀",
+    "🇺🇸",
+    "!",
+    "...",
+    "-",
+    "(",
+    "<|im_end|>",
+    "<|im_start|>",
+    "x",
+]
 
 
 @pytest.mark.oracle
@@ -223,7 +285,11 @@ def test_decode_matches_hf(tok, hf):
     [
         [{"role": "user", "content": "Hi"}],  # SmolLM2's template adds its default system prompt
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}],
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "東京?"}],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "東京?"},
+        ],
     ],
 )
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -328,22 +394,24 @@ def test_file_that_is_not_gguf(tmp_path):
         load_tokenizer(tmp_path / "weights.bin")
 
 
-def test_gguf_with_sentencepiece_vocabulary(tmp_path):
+def test_gguf_with_unsupported_tokenizer_model(tmp_path):
     gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"])
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[UNK]", "[CLS]", "[SEP]"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'llama' is not supported"):
+    with pytest.raises(ValueError, match="'bert' is not supported; supported: 'gpt2'"):
         load_tokenizer(tmp_path / "tiny.gguf")
 
 
 # --- streaming --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["Hello 😀", "😀😀 🦙🇺🇸👍🏽", "東京は日本の首都です。", " 你好，世界！", "naïve café", "mixed 東京 😀 abc"])
+@pytest.mark.parametrize(
+    "text", ["Hello 😀", "😀😀 🦙🇺🇸👍🏽", "東京は日本の首都です。", " 你好，世界！", "naïve café", "mixed 東京 😀 abc"]
+)
 def test_incremental_detokenizer_equals_decode(tok, text):
     ids = tok.encode(text)
     detok = IncrementalDetokenizer(tok)

@@ -19,10 +19,12 @@ Three details make it work on real text:
      (the row of the embedding table) is a separate thing. Here rank = 256 + the merge's index, and
      single bytes rank 0..255; a table maps each rank back to the token id.
 
-tiktoken ranks a merge by the token it produces; HF's BPE ranks the pair. The two agree when every
-token is made by one merge and any two neighbours that concatenate to a token are that token's
-pair, true of the vocabularies we load (the tests check SmolLM2's exhaustively). A byte the
-vocabulary lacks (SmolLM2 has 235 of the 256) is dropped, as HF does when there is no unknown token.
+tiktoken is not quite HF's BPE, in two ways. It ranks a merge by the token it produces, where HF
+ranks the pair; and it first looks a whole piece up in the vocabulary (what HF does only with
+`ignore_merges`, which Llama-3 sets). Neither changes the result when BPE builds every token from
+its own bytes and no other pair of neighbours concatenates to a token: true of SmolLM2, whose every
+token and thousands of random runs of tokens the tests put through both. A byte the vocabulary
+lacks (SmolLM2 has 235 of the 256) is dropped, as HF does when there is no unknown token.
 """
 
 from __future__ import annotations
@@ -104,14 +106,15 @@ class ByteLevelBPETokenizer(Tokenizer):
             token_bytes[token_id] = raw if raw is not None else token.encode("utf-8")
         for content, token_id in added_tokens.items():
             token_bytes[token_id] = content.encode("utf-8")  # added tokens are stored as written, not spelled
-        super().__init__(token_bytes=token_bytes, added_tokens=added_tokens, special_token_ids=special_token_ids,
-                         **kwargs)
+        super().__init__(
+            token_bytes=token_bytes, added_tokens=added_tokens, special_token_ids=special_token_ids, **kwargs
+        )
 
         # ranks: bytes -> rank for tiktoken, and rank -> token id for us (None: a byte missing from the vocabulary)
         added_ids = set(added_tokens.values())
         ranks = {bytes([b]): b for b in range(256)}
         self._rank_to_id: list[int | None] = [None] * (256 + len(merges))
-        for token, token_id in vocab.items():
+        for token_id in vocab.values():
             raw = token_bytes[token_id]
             if len(raw) == 1 and token_id not in added_ids:
                 self._rank_to_id[raw[0]] = token_id
@@ -149,7 +152,11 @@ class ByteLevelBPETokenizer(Tokenizer):
         vocab = {tok: i for i, tok in enumerate(tokens) if i not in special}
         end_of_turn = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
         return cls(
-            vocab, merges, PRETOKENIZER_PATTERNS[pre], added, special,
+            vocab,
+            merges,
+            PRETOKENIZER_PATTERNS[pre],
+            added,
+            special,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
             add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
@@ -165,7 +172,10 @@ class ByteLevelBPETokenizer(Tokenizer):
         model = tokenizer_json.get("model", {})
         if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("continuing_subword_prefix"):
             settings = {k: v for k, v in model.items() if k not in ("vocab", "merges")}
-            raise ValueError(f"tokenizer.json: only byte-level BPE models are supported, got model {_brief(settings)}")
+            raise ValueError(
+                f"tokenizer.json: only byte-level BPE models are supported, got model {_brief(settings)}; "
+                "for a sentencepiece model (byte_fallback), put its tokenizer.model in the directory"
+            )
         if tokenizer_json.get("normalizer") is not None:
             raise ValueError(f"tokenizer.json: normalizer {_brief(tokenizer_json['normalizer'])} is not supported")
         pattern = pattern_from_pre_tokenizer(tokenizer_json.get("pre_tokenizer"))
@@ -179,7 +189,11 @@ class ByteLevelBPETokenizer(Tokenizer):
         if add_bos is None:  # not stated: does the post-processor put BOS in front? (Llama-3's does)
             add_bos = bos is not None and bos in _post_processor_prefix_ids(tokenizer_json.get("post_processor"))
         return cls(
-            vocab, merges, pattern, added, special,
+            vocab,
+            merges,
+            pattern,
+            added,
+            special,
             bos_token_id=bos,
             eos_token_id=token_id_of(config.get("eos_token"), ids),
             add_bos_token=bool(add_bos),
@@ -200,8 +214,11 @@ def pattern_from_pre_tokenizer(pre: dict | None) -> str:
             return SMOLLM_PATTERN
         split = steps[0]
         if (
-            kinds == ["Split", "ByteLevel"] and not uses_regex and "Regex" in split.get("pattern", {})
-            and split.get("behavior") == "Isolated" and not split.get("invert")
+            kinds == ["Split", "ByteLevel"]
+            and not uses_regex
+            and "Regex" in split.get("pattern", {})
+            and split.get("behavior") == "Isolated"
+            and not split.get("invert")
         ):  # Llama-3, Qwen2: an explicit Split, then ByteLevel only spells the bytes
             return split["pattern"]["Regex"]
     raise ValueError(f"tokenizer.json: pre_tokenizer {_brief(pre)} is not supported")

@@ -64,7 +64,8 @@ def validate_messages(messages: object) -> None:
             raise ValueError(f"messages[{i}] (role {message['role']!r}) has no 'content'")
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise ValueError(f"messages[{i}]['content'] must be a string or a list of parts, got {type(content).__name__}")
+            kind = type(content).__name__
+            raise ValueError(f"messages[{i}]['content'] must be a string or a list of parts, got {kind}")
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:

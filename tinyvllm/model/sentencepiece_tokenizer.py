@@ -7,7 +7,8 @@ so that the first word is spelled like every other word (after a space):
 
     "Hello world"  ->  "▁Hello▁world"  ->  ["▁Hello", "▁world"]  ->  [15043, 3186]
 
-The `sentencepiece` library does the splitting. What we add is what HF's `LlamaTokenizer` (our
+The `sentencepiece` library does the splitting, from the `tokenizer.model` file or from a model
+rebuilt out of a GGUF's metadata (`tinyvllm.model.sentencepiece_model`). What we add is what HF's `LlamaTokenizer` (our
 oracle, and what vLLM uses) does around it:
   - Added tokens ("<s>", "</s>") written in the text are matched first, and the text between them
     is encoded piece by piece (`Tokenizer.encode`).
@@ -15,7 +16,7 @@ oracle, and what vLLM uses) does around it:
     it is not added to text that already starts with a space (sentencepiece would make "▁▁"), and,
     unless tokenizer_config.json says `legacy: true`, only to the text at the very start, not to
     the text after an added token ("<s>[INST]" -> "<s>", "[", "INST", "]", no "▁[").
-    To place it ourselves we switch the model's own `add_dummy_prefix` off (`_without_dummy_prefix`).
+    To place it ourselves we switch the model's own `add_dummy_prefix` off (`without_dummy_prefix`).
   - Decoding turns "▁" back into spaces and takes off the one leading space the prefix put there.
 """
 
@@ -25,17 +26,13 @@ from pathlib import Path
 
 import sentencepiece
 
+from tinyvllm.model.sentencepiece_model import PIECE_USER_DEFINED, model_proto_from_gguf, without_dummy_prefix
 from tinyvllm.model.tokenizer import Tokenizer, token_id_of
-
-# Field numbers in sentencepiece_model.proto
-MODEL_NORMALIZER_SPEC = 3  # ModelProto.normalizer_spec (a NormalizerSpec message)
-SPEC_ADD_DUMMY_PREFIX = 3  # NormalizerSpec.add_dummy_prefix (bool, default true)
-SPEC_REMOVE_EXTRA_WHITESPACES = 4  # NormalizerSpec.remove_extra_whitespaces (bool, default true)
 
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_proto: bytes, config: dict, chat_template: str | None, extra_stop_token_ids: list[int]):
-        proto, add_dummy_prefix, removes_whitespace = _without_dummy_prefix(model_proto)
+        proto, add_dummy_prefix, removes_whitespace = without_dummy_prefix(model_proto)
         if removes_whitespace:
             raise ValueError(
                 "sentencepiece models that collapse whitespace (remove_extra_whitespaces=true) are not supported; "
@@ -69,14 +66,20 @@ class SentencePieceTokenizer(Tokenizer):
         bos = token_id_of(config.get("bos_token"), ids) if "bos_token" in config else _or_none(sp.bos_id())
         eos = token_id_of(config.get("eos_token"), ids) if "eos_token" in config else _or_none(sp.eos_id())
         add_bos = config.get("add_bos_token")  # not stated: True, Llama-2's models are trained with <s> first
-        add_prefix = config.get("add_prefix_space", add_dummy_prefix)
+        add_prefix = config.get("add_prefix_space")
+        if add_prefix is None:
+            add_prefix = add_dummy_prefix
         # HF `_get_prepend_scheme`: "always" (legacy), "first" (the default), or "never"
         self._prepend_scheme = ("always" if config.get("legacy", False) else "first") if add_prefix else "never"
         super().__init__(
-            token_bytes=token_bytes, added_tokens=added, special_token_ids=special,
-            bos_token_id=bos, eos_token_id=eos,
+            token_bytes=token_bytes,
+            added_tokens=added,
+            special_token_ids=special,
+            bos_token_id=bos,
+            eos_token_id=eos,
             add_bos_token=True if add_bos is None else bool(add_bos),
-            chat_template=chat_template, extra_stop_token_ids=extra_stop_token_ids,
+            chat_template=chat_template,
+            extra_stop_token_ids=extra_stop_token_ids,
             add_dummy_prefix=bool(add_prefix),
         )
 
@@ -85,6 +88,30 @@ class SentencePieceTokenizer(Tokenizer):
         cls, path: str | Path, config: dict, chat_template: str | None, extra_stop_token_ids: list[int]
     ) -> SentencePieceTokenizer:
         return cls(Path(path).read_bytes(), config, chat_template, extra_stop_token_ids)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict) -> SentencePieceTokenizer:
+        """From a GGUF's `tokenizer.ggml.*` keys (`tokenizer.ggml.model == "llama"`, Llama-2 GGUFs)."""
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        types: list[int] = metadata.get("tokenizer.ggml.token_type") or []
+
+        def token(key: str) -> str | None:
+            token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
+            return None if token_id is None else tokens[token_id]
+
+        # the settings tokenizer_config.json would hold, as the GGUF states them
+        user_defined = {
+            str(i): {"content": tokens[i], "special": False} for i, t in enumerate(types) if t == PIECE_USER_DEFINED
+        }
+        config = {
+            "bos_token": token("bos"),
+            "eos_token": token("eos"),
+            "add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", True),
+            "added_tokens_decoder": user_defined,
+        }
+        end_of_turn = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        stops = [t for t in end_of_turn if t is not None]
+        return cls(model_proto_from_gguf(metadata), config, metadata.get("tokenizer.chat_template"), stops)
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
         prepend = self._prepend_scheme == "always" or (self._prepend_scheme == "first" and at_start)
@@ -95,71 +122,3 @@ class SentencePieceTokenizer(Tokenizer):
 
 def _or_none(token_id: int) -> int | None:
     return token_id if token_id >= 0 else None  # sentencepiece says -1 for "this model has none"
-
-
-# --- the dummy-prefix switch: a few lines of protobuf wire format ----------------------------------
-# A .model file is a serialized ModelProto. Each field is a varint key (field_number << 3 | wire_type)
-# then a varint (type 0), 8 bytes (1), a length-prefixed blob (2: strings, nested messages) or 4 bytes (5).
-
-
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, pos
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _fields(buf: bytes):
-    """Yield (field_number, value, raw bytes of the whole field) for each field of a message."""
-    pos = 0
-    while pos < len(buf):
-        start = pos
-        key, pos = _read_varint(buf, pos)
-        wire_type = key & 7
-        if wire_type == 0:
-            value, pos = _read_varint(buf, pos)
-        elif wire_type in (1, 5):
-            size = 8 if wire_type == 1 else 4
-            value, pos = buf[pos:pos + size], pos + size
-        elif wire_type == 2:
-            size, pos = _read_varint(buf, pos)
-            value, pos = buf[pos:pos + size], pos + size
-        else:
-            raise ValueError(f"not a sentencepiece model: unexpected protobuf wire type {wire_type}")
-        yield key >> 3, value, buf[start:pos]
-
-
-def _without_dummy_prefix(model_proto: bytes) -> tuple[bytes, bool, bool]:
-    """The model with `add_dummy_prefix` off, and the model's own add_dummy_prefix and
-    remove_extra_whitespaces flags."""
-    add_dummy_prefix = removes_whitespace = True  # the proto's defaults, when a field is absent
-    fields = list(_fields(model_proto))
-    spec = next((value for number, value, _ in fields if number == MODEL_NORMALIZER_SPEC), b"")
-    new_spec = bytearray()
-    for number, value, raw in _fields(spec):
-        if number == SPEC_ADD_DUMMY_PREFIX:
-            add_dummy_prefix = bool(value)
-            continue
-        if number == SPEC_REMOVE_EXTRA_WHITESPACES:
-            removes_whitespace = bool(value)
-        new_spec += raw
-    new_spec += _varint(SPEC_ADD_DUMMY_PREFIX << 3 | 0) + _varint(0)  # add_dummy_prefix: false
-    out = bytearray()
-    for number, _, raw in fields:
-        if number != MODEL_NORMALIZER_SPEC:
-            out += raw
-    out += _varint(MODEL_NORMALIZER_SPEC << 3 | 2) + _varint(len(new_spec)) + new_spec
-    return bytes(out), add_dummy_prefix, removes_whitespace

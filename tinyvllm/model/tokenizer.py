@@ -35,8 +35,15 @@ from tinyvllm.model.chat_template import render_chat_template
 # EOS <|end_of_text|>, end of turn <|eot_id|>). llama.cpp collects its "end of generation" set
 # from the vocabulary by these same names (llama-vocab.cpp, `special_eog_ids`).
 END_OF_TURN_TOKENS = (
-    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>",
-    "<|end|>", "<end_of_turn>", "<EOT>", "</s>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<EOT>",
+    "</s>",
 )
 
 
@@ -99,7 +106,7 @@ class Tokenizer:
         if self._added_tokens_re is not None:
             for match in self._added_tokens_re.finditer(text):
                 if match.start() > pos:
-                    ids += self._encode_ordinary(text[pos:match.start()], at_start=pos == 0)
+                    ids += self._encode_ordinary(text[pos : match.start()], at_start=pos == 0)
                 ids.append(self.added_tokens[match.group()])
                 pos = match.end()
         if pos < len(text):
@@ -110,7 +117,7 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token. Not always valid UTF-8 on its own: "😀" is 4 bytes that
-        byte-level BPE may split over two tokens (see `IncrementalDetokenizer`)."""
+        byte-level BPE may split over several tokens (see `IncrementalDetokenizer`)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return self._token_bytes[token_id]
@@ -136,11 +143,13 @@ class Tokenizer:
         `kwargs` reach the template as variables (e.g. `tools`, `documents`), as in HF."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: pass a plain prompt, or a model with one")
-        special = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id}
-        names = {name: self.token_bytes(t).decode("utf-8", errors="replace") for name, t in special.items() if t is not None}
-        return render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **{**names, **kwargs}
-        )
+        # templates write "{{ bos_token }}": they get the token's text, when the model has one
+        names = {}
+        for name, token_id in [("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)]:
+            if token_id is not None:
+                names[name] = self.token_bytes(token_id).decode("utf-8", errors="replace")
+        variables = {**names, **kwargs}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, **variables)
 
     def __repr__(self) -> str:
         return (
@@ -166,20 +175,26 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
         metadata = GGUFFile(path).metadata
         model = metadata.get("tokenizer.ggml.model")
-        if model == "gpt2":
+        if model == "gpt2":  # byte-level BPE
             return ByteLevelBPETokenizer.from_gguf_metadata(metadata)
+        if model == "llama":  # sentencepiece
+            return SentencePieceTokenizer.from_gguf_metadata(metadata)
         raise ValueError(
-            f"{path}: GGUF tokenizer model {model!r} is not supported (supported: 'gpt2', byte-level BPE); "
-            "for a sentencepiece model, load the HF directory with its tokenizer.model"
+            f"{path}: GGUF tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (sentencepiece)"
         )
 
     config = _read_json(path / "tokenizer_config.json")
+    has_sentencepiece = (path / "tokenizer.model").is_file()
     if (path / "tokenizer.json").is_file():
         tokenizer_json = _read_json(path / "tokenizer.json")
-        return ByteLevelBPETokenizer.from_tokenizer_json(
-            tokenizer_json, config, _chat_template(path, config), _generation_eos_ids(path)
-        )
-    if (path / "tokenizer.model").is_file():
+        # Llama-2 repos ship both files; their tokenizer.json is HF's sentencepiece look-alike, not byte-level
+        byte_level = (tokenizer_json.get("decoder") or {}).get("type") == "ByteLevel"
+        if byte_level or not has_sentencepiece:
+            return ByteLevelBPETokenizer.from_tokenizer_json(
+                tokenizer_json, config, _chat_template(path, config), _generation_eos_ids(path)
+            )
+    if has_sentencepiece:
         return SentencePieceTokenizer.from_model_file(
             path / "tokenizer.model", config, _chat_template(path, config), _generation_eos_ids(path)
         )
