@@ -171,6 +171,18 @@ def test_incremental_detokenizer_equals_decode(tok, text):
     assert "".join(detok.add(t) for t in ids) == tok.decode(ids, skip_special_tokens=True) == text
 
 
+def test_incremental_detokenizer_after_a_prompt(tok):
+    """Generated text continues the prompt's: its first "▁" is a real space, not the dummy prefix."""
+    prompt, generated = tok.encode("the quick brown"), tok.encode(" fox jumps 😀", add_special_tokens=False)
+    continued = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    assert "".join(continued.add(t) for t in generated) == " fox jumps 😀"
+    assert tok.decode(prompt + generated, skip_special_tokens=True) == "the quick brown fox jumps 😀"
+    alone = IncrementalDetokenizer(tok)
+    assert "".join(alone.add(t) for t in generated) == tok.decode(generated) == "fox jumps 😀"
+    after_bos = IncrementalDetokenizer(tok, prompt_token_ids=[tok.bos_token_id])  # <s> is skipped: no text yet
+    assert "".join(after_bos.add(t) for t in generated) == "fox jumps 😀"
+
+
 def test_dummy_prefix_switch(model_file):
     proto, add_dummy_prefix, removes_whitespace = without_dummy_prefix(model_file.read_bytes())
     assert (add_dummy_prefix, removes_whitespace) == (True, False)

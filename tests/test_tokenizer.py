@@ -432,6 +432,13 @@ def test_incremental_detokenizer_special_tokens(tok, skip):
     assert "".join(detok.add(t) for t in ids) == tok.decode(ids, skip_special_tokens=skip)
 
 
+def test_incremental_detokenizer_after_a_prompt(tok):
+    prompt, generated = tok.encode("Hello 😀"), tok.encode(" and 東京")
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt[:-1])  # the prompt ends inside the emoji
+    assert "".join(detok.add(t) for t in [prompt[-1], *generated]) == "😀 and 東京"
+    assert detok.token_ids == [prompt[-1], *generated]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 49151), max_size=30))
 def test_incremental_detokenizer_on_random_ids(tok, ids):

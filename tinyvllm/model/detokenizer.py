@@ -10,18 +10,25 @@ on its own would stream U+FFFD marks instead of the emoji:
     218        b"\x80"               "😀"      the 4th byte completes it
 
 So we feed the bytes to an incremental UTF-8 decoder, which holds back an unfinished character
-until its last byte arrives. vLLM reaches the same result another way: it re-decodes a short
-window of recent tokens (`prefix_offset`, `read_offset`) and emits only text that no longer ends
-in U+FFFD. Having each token's bytes, we need no window.
+until its last byte arrives. vLLM (`vllm/v1/engine/detokenizer.py`) reaches the same result by
+re-decoding a short window of recent tokens (`prefix_offset`, `read_offset`, or HF tokenizers'
+`DecodeStream`) and emitting only text that no longer ends in U+FFFD. Having each token's bytes,
+we need no window.
 
-Concatenating everything `add` returns gives `tokenizer.decode(ids)` (with the same
-`skip_special_tokens`), except for a character still unfinished when the stream stops,
-which is never emitted.
+Like vLLM's, the stream can start after a prompt (`prompt_token_ids`): generated text continues
+the prompt's, which matters for sentencepiece. Its first token "▁Paris" after "The capital of
+France is" is " Paris", while decoding it alone gives "Paris" (the leading space of a whole text
+is the dummy prefix, which decode takes off).
+
+Concatenating everything `add` returns gives the text `tokenizer.decode(prompt + generated)` has
+beyond the prompt's (with the same `skip_special_tokens`), except for a character still unfinished
+when the stream stops, which is never emitted.
 """
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 
 from tinyvllm.model.tokenizer import Tokenizer
 
@@ -29,23 +36,31 @@ from tinyvllm.model.tokenizer import Tokenizer
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text, never emitting half a multi-byte character."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # the generated ones, not the prompt
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pieces: list[str] = []
-        self._started = False  # has any text been emitted yet (sentencepiece strips one leading space)
+        # Has the text begun? Until it has, sentencepiece's first space is the dummy prefix, to be dropped.
+        self._started = False
+        for token_id in prompt_token_ids:  # the prompt's text is not ours to emit: decode it and drop it
+            self._decode_next(token_id)
+
+    def _decode_next(self, token_id: int) -> str:
+        if self.skip_special_tokens and self.tokenizer.is_special(token_id):
+            return ""
+        token_bytes = self.tokenizer.token_bytes(token_id)
+        new_text = self._utf8.decode(token_bytes)
+        if not self._started and token_bytes:
+            new_text = self.tokenizer.strip_dummy_prefix(new_text)
+            self._started = True
+        return new_text
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ('' while a character is unfinished)."""
         self.token_ids.append(token_id)
-        if self.skip_special_tokens and self.tokenizer.is_special(token_id):
-            return ""
-        new_text = self._utf8.decode(self.tokenizer.token_bytes(token_id))
-        if new_text and not self._started:
-            new_text = self.tokenizer.strip_dummy_prefix(new_text)
-            self._started = True
+        new_text = self._decode_next(token_id)
         self._pieces.append(new_text)
         return new_text
 

@@ -31,6 +31,8 @@ from tinyvllm.model.tokenizer import Tokenizer, token_id_of
 
 
 class SentencePieceTokenizer(Tokenizer):
+    """sentencepiece model + the HF conventions around it (added tokens, dummy prefix, BOS)."""
+
     def __init__(self, model_proto: bytes, config: dict, chat_template: str | None, extra_stop_token_ids: list[int]):
         proto, add_dummy_prefix, removes_whitespace = without_dummy_prefix(model_proto)
         if removes_whitespace:
@@ -114,6 +116,7 @@ class SentencePieceTokenizer(Tokenizer):
         return cls(model_proto_from_gguf(metadata), config, metadata.get("tokenizer.chat_template"), stops)
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
+        # the dummy prefix, placed as HF's Metaspace places it; sentencepiece turns the space into "▁"
         prepend = self._prepend_scheme == "always" or (self._prepend_scheme == "first" and at_start)
         if prepend and not text.startswith(" "):
             text = " " + text

@@ -2,8 +2,9 @@
 
 The engine runs on token ids. Text comes in once (a prompt, a chat rendered by the model's own
 template) and goes out once per generated token (streamed through `IncrementalDetokenizer`).
-vLLM keeps the same split: its `InputProcessor` tokenizes the request before it reaches the
-scheduler, and the detokenizer turns sampled ids back into text after each step.
+vLLM keeps the same split: its `InputProcessor` (`vllm/v1/engine/input_processor.py`) tokenizes
+the request before the scheduler sees it, and its detokenizer turns sampled ids back into text
+after each step.
 
     "Hello<|im_end|>"  --encode-->  [ordinary text "Hello" -> BPE] + [added token "<|im_end|>" -> its id]
     [19556, 2]         --decode-->  bytes of each token, joined, decoded as UTF-8
@@ -209,7 +210,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _chat_template(model_dir: Path, config: dict) -> str | None:
-    """The model's chat template: `chat_template.jinja` (where transformers>=4.50 saves it) or the
+    """The model's chat template: `chat_template.jinja` (where recent transformers save it) or the
     `chat_template` entry of tokenizer_config.json (a string, or a list of named templates)."""
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
