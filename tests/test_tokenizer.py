@@ -100,12 +100,21 @@ def _smollm_pre_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
-    """HF's tokenizer for the GGUF, with SmolLM2's own pre-tokenizer put back (see the module docstring)."""
+def hf_loaded(gguf_path):
+    """HF's tokenizer for the GGUF, with SmolLM2's own pre-tokenizer put back (see the module docstring),
+    and a copy of its backend as transformers converted it."""
     transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    as_converted = HFTokenizer.from_str(hf_tok.backend_tokenizer.to_str())
     hf_tok.backend_tokenizer.pre_tokenizer = _smollm_pre_tokenizer()
-    return hf_tok
+    return hf_tok, as_converted
+
+
+@pytest.fixture(scope="module")
+def hf(hf_loaded):
+    return hf_loaded[0]
 
 
 def _hf_ids(hf_backend, text: str) -> list[int]:
@@ -130,6 +139,7 @@ def test_worked_example_from_the_docstring(tok):
 
 
 def test_special_tokens_in_text(tok):
+    assert tok.encode("Hello<|im_end|>") == [19556, 2]  # the example in tinyvllm.model.tokenizer's docstring
     assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, *tok.encode("user\nhi"), 2]
     assert tok.encode("<|im_start") == tok.encode("<|im_start", add_special_tokens=False)
     assert 1 not in tok.encode("<|im_start")
@@ -181,14 +191,11 @@ def test_ids_match_hf_on_corpus(tok, hf):
 
 
 @pytest.mark.oracle
-def test_gguf_converter_ignores_smollm_digit_split(tok, hf):
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import pre_tokenizers
-
-    converted = HFTokenizer.from_str(hf.backend_tokenizer.to_str())
-    converted.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # what the converter gives
-    assert _hf_ids(converted, "a  1") == [81, 216, 216, 33]
-    assert tok.encode("a  1") == _hf_ids(hf.backend_tokenizer, "a  1") == [81, 256, 33]
+def test_gguf_converter_ignores_smollm_digit_split(tok, hf_loaded):
+    hf_tok, as_converted = hf_loaded
+    # if this fails, transformers has learned "smollm": the repair in `hf_loaded` can go
+    assert _hf_ids(as_converted, "a  1") == [81, 216, 216, 33], "the GGUF converter now splits digits"
+    assert tok.encode("a  1") == _hf_ids(hf_tok.backend_tokenizer, "a  1") == [81, 256, 33]
 
 
 # Text built from fragments that stress the splitting regex: spaces and newlines next to digits,
