@@ -1,0 +1,80 @@
+"""The contiguous KV cache (Phase 1): one pre-allocated row per position, per sequence.
+
+Why a KV cache at all: generating token n needs attention over the keys and values of all n-1
+tokens before it. Recomputing them every step costs O(n) work per token, O(n^2) per sequence.
+Keeping them costs memory instead: each step computes K and V for the new token only, appends
+them, and attends over the cache.
+
+    k_cache[layer]: (B, max_model_len, n_kv_heads, head_dim)      same for v_cache
+                     pos 0   1   2  ...  start_pos ... start_pos+T-1 ...  max_model_len-1
+                    [ k0 | k1 | k2 | ... | new K written here (T rows) | unused, but allocated ]
+
+The catch, and the reason Phase 2 exists: the whole `max_model_len` is reserved up front for every
+sequence, however short it turns out to be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.dtype import DType
+
+from tinyvllm.model.config import ModelConfig
+
+
+def allocate_contiguous_kv_cache(config: ModelConfig, max_model_len: int, batch_size: int = 1,
+                                 dtype: DType = dtypes.float32, device: str | None = None) -> list[tuple[Tensor, Tensor]]:
+    """One (k_cache, v_cache) pair per layer, each (B, max_model_len, n_kv_heads, head_dim), zero-filled."""
+    shape = (batch_size, max_model_len, config.num_key_value_heads, config.head_dim)
+    return [(Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize(),
+             Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize())
+            for _ in range(config.num_hidden_layers)]
+
+
+def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Scaled dot-product attention with grouped-query heads.
+
+    q: (B, T, H, Hd)   k, v: (B, S, KvH, Hd)   mask: broadcastable to (B, KvH, G, T, S), 0 or -inf
+    -> (B, T, H, Hd). Each of the KvH key/value heads serves G = H / KvH query heads: the query
+    heads are grouped instead of the K/V heads being copied G times.
+    """
+    B, T, H, Hd = q.shape
+    KvH = k.shape[2]
+    G = H // KvH
+    qg = q.reshape(B, T, KvH, G, Hd).permute(0, 2, 3, 1, 4)  # (B,KvH,G,T,Hd)
+    kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # (B,KvH,1,Hd,S)
+    vt = v.permute(0, 2, 1, 3).unsqueeze(2)  # (B,KvH,1,S,Hd)
+    scores = (qg @ kt) * (1.0 / Hd**0.5)  # (B,KvH,G,T,S)
+    if mask is not None:
+        scores = scores + mask
+    probs = scores.float().softmax(-1).cast(q.dtype)
+    out = probs @ vt  # (B,KvH,G,T,Hd)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, Hd)
+
+
+@dataclass
+class ContiguousAttentionMetadata:
+    """Where this step's tokens sit: positions start_pos .. start_pos+T-1 of every sequence in the batch.
+
+    `start_pos` is an int, or a bound symbolic variable under TinyJit so one compiled graph serves
+    every position.
+    """
+
+    start_pos: int | UOp
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) for the new tokens -> attention output (B,T,H,Hd)."""
+        k_cache, v_cache = kv_cache
+        T, sp = q.shape[1], self.start_pos
+        # write this step's K/V into their rows, then read rows 0 .. start_pos+T-1
+        # NOTE: a store + `after` instead of `assign`, so this also works inside a tinygrad `function`
+        k_cache = Tensor(k_cache.uop.after(k_cache[:, sp:sp + T].uop.store(k.cast(k_cache.dtype).uop)))
+        v_cache = Tensor(v_cache.uop.after(v_cache[:, sp:sp + T].uop.store(v.cast(v_cache.dtype).uop)))
+        keys, values = k_cache[:, : sp + T], v_cache[:, : sp + T]
+        mask = None
+        if not isinstance(T, int) or T > 1:  # causal: query t (at position sp+t) sees keys 0 .. sp+t
+            key_pos = Tensor.arange(sp + T).reshape(1, -1)  # (1, S)
+            query_pos = (Tensor.arange(T) + sp).reshape(-1, 1)  # (T, 1)
+            mask = (key_pos > query_pos).where(float("-inf"), 0.0).cast(q.dtype)  # (T, S)
+        return grouped_query_attention(q, keys.cast(q.dtype), values.cast(q.dtype), mask)

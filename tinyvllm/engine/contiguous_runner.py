@@ -1,0 +1,74 @@
+"""Running the model for one sequence on a contiguous KV cache: prefill, then decode (Phase 1).
+
+    prompt [t0 t1 t2 ... t(n-1)]        --prefill (chunks of up to `prefill_chunk_size`)--> logits of t(n-1)
+    token t(n) at position n            --decode-->  logits of t(n)     (repeat, one token per step)
+
+Both steps are captured with TinyJit, so after warm-up a step replays a fixed list of compiled
+kernels instead of re-tracing Python. A JIT needs fixed shapes; what changes from step to step,
+the position, is passed as a *bound symbolic variable* instead:
+
+    start_pos  (where this step's tokens go in the cache)    UOp.variable("start_pos", 0, max_model_len-1)
+
+so one compiled graph serves every position. Token counts stay concrete: the prompt is fed in
+full chunks of `prefill_chunk_size` tokens (one graph) and the remainder one token at a time
+through the decode graph (the other), so there are exactly two graphs to compile.
+
+    prompt of 75 tokens, chunk 32:  [ chunk 0..31 ][ chunk 32..63 ][64][65]...[74]
+                                      prefill graph  prefill graph   decode graph x 11
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tinygrad import Tensor, TinyJit, UOp, dtypes
+
+from tinyvllm.attention.contiguous import ContiguousAttentionMetadata, allocate_contiguous_kv_cache
+from tinyvllm.model.llama import LlamaForCausalLM
+
+
+class ContiguousModelRunner:
+    def __init__(self, model: LlamaForCausalLM, max_model_len: int, prefill_chunk_size: int = 32):
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.model, self.max_model_len = model, max_model_len
+        self.prefill_chunk_size = min(prefill_chunk_size, max_model_len)
+        self.kv_caches = allocate_contiguous_kv_cache(model.config, max_model_len, dtype=model.dtype,
+                                                      device=model.device)
+        # a variable's range must keep every slice in bounds: a chunk starting at s writes rows s .. s+chunk-1
+        self.v_start_pos = UOp.variable("start_pos", 0, max_model_len - 1)
+        self.v_chunk_start = UOp.variable("chunk_start", 0, max_model_len - self.prefill_chunk_size)
+        self._prefill_jit = TinyJit(self._forward)
+        self._decode_jit = TinyJit(self._forward)
+
+    def _forward(self, input_ids: Tensor, start_pos: int | UOp) -> Tensor:
+        """input_ids: (1,T) at positions start_pos.. -> logits of the last token (1, vocab), float32."""
+        T = input_ids.shape[1]
+        positions = (Tensor.arange(T) + start_pos).reshape(1, T)
+        hidden = self.model(input_ids, positions, self.kv_caches, ContiguousAttentionMetadata(start_pos))
+        return self.model.compute_logits(hidden[:, -1]).realize()
+
+    def prefill(self, token_ids: list[int]) -> np.ndarray:
+        """Fill the cache with the whole prompt; returns the last token's logits (vocab,)."""
+        n = len(token_ids)
+        if not 0 < n < self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; it must have 1 to {self.max_model_len - 1} "
+                             f"(max_model_len {self.max_model_len}, one position is kept for the first output token)")
+        chunk = self.prefill_chunk_size
+        num_chunked = n // chunk * chunk if n > 1 else 0
+        logits = None
+        for start in range(0, num_chunked, chunk):
+            input_ids = Tensor([token_ids[start:start + chunk]], dtype=dtypes.int32, device=self.model.device).realize()
+            logits = self._prefill_jit(input_ids, self.v_chunk_start.bind(start))
+        for pos in range(num_chunked, n):
+            logits = self._decode_logits(token_ids[pos], pos)
+        return logits.numpy()[0]
+
+    def decode(self, token_id: int, position: int) -> np.ndarray:
+        """Feed one token at `position` (its K/V are appended to the cache); returns its logits (vocab,)."""
+        if not 0 <= position < self.max_model_len:
+            raise ValueError(f"position {position} is outside the KV cache (max_model_len {self.max_model_len})")
+        return self._decode_logits(token_id, position).numpy()[0]
+
+    def _decode_logits(self, token_id: int, position: int) -> Tensor:
+        input_ids = Tensor([[token_id]], dtype=dtypes.int32, device=self.model.device).realize()
+        return self._decode_jit(input_ids, self.v_start_pos.bind(position))

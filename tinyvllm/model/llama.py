@@ -1,0 +1,125 @@
+"""LLaMA in tinygrad: embedding -> N x (attention + SwiGLU MLP) -> norm -> lm_head.
+
+    input_ids (B,T)
+        |  embed_tokens
+        v
+    x (B,T,D) --+--> RMSNorm -> qkv_proj -> RoPE(q,k) -> attention(q, KV cache) -> o_proj --(+)--+
+                |                                                                        ^       |
+                +------------------------------------------------------------------------+       |
+                  h --+--> RMSNorm -> gate_up_proj -> silu(gate) * up -> down_proj --(+)--> x'   |
+                      +--------------------------------------------------------------^           |
+        ... x num_hidden_layers ...
+        v
+    RMSNorm -> lm_head (tied to embed_tokens on small models) -> logits (B, vocab)
+
+The attention step is delegated to an attention backend (`tinyvllm.attention`): it writes this
+step's K and V into the KV cache and attends over everything cached so far. The contiguous backend
+(Phase 1) keeps one pre-allocated row per position; the paged backend (Phase 2) keeps blocks.
+The model itself never knows which one it runs on.
+
+Names follow HF / vLLM (`q_proj`, `gate_up_proj`, ...). Like vLLM, q/k/v are fused into one
+`qkv_proj` and gate/up into one `gate_up_proj`: the same bytes of weights are read, in two matmuls
+per layer instead of five, which matters when decode is launch- and bandwidth-bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tinygrad import Tensor, dtypes, function
+from tinygrad.dtype import DType
+
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 (as HF does) whatever the model dtype."""
+    xf = x.float()
+    return (xf * (xf.square().mean(axis=-1, keepdim=True) + eps).rsqrt()).cast(x.dtype) * weight
+
+
+class LlamaDecoderLayer:
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor]):
+        self.config = config
+        self.input_layernorm = weights["input_layernorm"]  # (D,)
+        self.qkv_proj = weights["qkv_proj"]  # (H*Hd + 2*KvH*Hd, D)
+        self.o_proj = weights["o_proj"]  # (D, H*Hd)
+        self.post_attention_layernorm = weights["post_attention_layernorm"]  # (D,)
+        self.gate_up_proj = weights["gate_up_proj"]  # (2*F, D)
+        self.down_proj = weights["down_proj"]  # (D, F)
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        H, KvH, Hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = x @ self.qkv_proj.T  # (B,T,(H+2*KvH)*Hd)
+        q = qkv[..., : H * Hd].reshape(B, T, H, Hd)
+        k = qkv[..., H * Hd: (H + KvH) * Hd].reshape(B, T, KvH, Hd)
+        v = qkv[..., (H + KvH) * Hd:].reshape(B, T, KvH, Hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn_metadata.attend(q, k, v, kv_cache)  # (B,T,H,Hd)
+        return out.reshape(B, T, H * Hd) @ self.o_proj.T
+
+    def mlp(self, x: Tensor) -> Tensor:
+        F = self.config.intermediate_size
+        gate_up = x @ self.gate_up_proj.T  # (B,T,2F)
+        # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up
+        return (gate_up[..., :F].silu() * gate_up[..., F:]).contiguous() @ self.down_proj.T
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
+        return _decoder_layer(self, x, cos, sin, kv_cache, attn_metadata)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
+        eps = self.config.rms_norm_eps
+        h = x + self.attention(rms_norm(x, self.input_layernorm, eps), cos, sin, kv_cache, attn_metadata)
+        return (h + self.mlp(rms_norm(h, self.post_attention_layernorm, eps))).contiguous()
+
+
+@function(precompile=True)
+def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
+    return layer.forward(x, cos, sin, kv_cache, attn_metadata)
+
+
+class LlamaForCausalLM:
+    """The whole model. Weights come in as an HF-named numpy state dict (see `tinyvllm.model.weights`)."""
+
+    def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
+                 device: str | None = None):
+        self.config, self.dtype = config, dtype
+
+        def load(*names: str) -> Tensor:
+            # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
+            arr = np.concatenate([state_dict[n] for n in names], axis=0) if len(names) > 1 else state_dict[names[0]]
+            return Tensor(np.ascontiguousarray(arr, dtype=np.float32), device=device).cast(dtype).realize()
+
+        self.embed_tokens = load("model.embed_tokens.weight")  # (V, D)
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(LlamaDecoderLayer(config, {
+                "input_layernorm": load(p + "input_layernorm.weight"),
+                "qkv_proj": load(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                "o_proj": load(p + "self_attn.o_proj.weight"),
+                "post_attention_layernorm": load(p + "post_attention_layernorm.weight"),
+                "gate_up_proj": load(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down_proj": load(p + "mlp.down_proj.weight"),
+            }))
+        self.norm = load("model.norm.weight")
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight")  # (V, D)
+        self.inv_freq = Tensor(rope_frequencies(config), device=device).realize()  # (Hd/2,)
+
+    @property
+    def device(self) -> str:
+        return self.embed_tokens.device
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, attn_metadata) -> Tensor:
+        """input_ids, positions: (B,T) -> hidden states (B,T,D), writing this step's K/V into kv_caches."""
+        x = self.embed_tokens[input_ids]  # (B,T,D)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: (..., D) -> logits (..., V) in float32."""
+        return (rms_norm(hidden, self.norm, self.config.rms_norm_eps) @ self.lm_head.T).float()

@@ -1,0 +1,59 @@
+"""Rotary position embeddings (RoPE), with Llama-3 frequency scaling.
+
+RoPE (Su et al. 2021, arxiv.org/abs/2104.09864) encodes a token's position by rotating pairs of
+query/key dimensions by an angle proportional to the position. Pair i rotates at frequency
+`inv_freq[i] = theta ** (-2i / head_dim)`, so after the dot product q.k only the *difference* of
+the two positions survives: attention becomes relative without any learned position table.
+
+HF's LLaMA pairs dimension i with i + head_dim/2 ("rotate_half"), and so do we:
+
+    x = [x1 | x2]                 x1, x2: (..., head_dim/2)
+    rope(x, pos) = [x1*cos - x2*sin | x2*cos + x1*sin]     cos, sin of pos * inv_freq
+
+(llama.cpp pairs adjacent dimensions instead; its GGUF files store q/k rows permuted to match,
+and the GGUF loader undoes that permutation.)
+
+The angles are computed from the positions inside the graph, not looked up in a table, so a
+batch of sequences at unrelated positions costs one multiply per element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tinygrad import Tensor
+
+from tinyvllm.model.config import ModelConfig
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """inv_freq: (head_dim/2,) float32, with Llama-3 scaling applied when the config asks for it."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    rs = config.rope_scaling
+    if rs is not None:
+        # Llama 3.1: wavelengths longer than original_ctx/low_freq_factor are slowed down by `factor`,
+        # shorter than original_ctx/high_freq_factor are kept, and the band between is blended.
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
+        inv_freq = np.where(wavelen > low_wavelen, inv_freq / rs.factor,
+                            np.where(wavelen < high_wavelen, inv_freq, blended))
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """positions: (..., T) int -> cos, sin: (..., T, 1, head_dim/2), ready to broadcast over heads."""
+    angles = positions.float().unsqueeze(-1) * inv_freq  # (..., T, head_dim/2)
+    return angles.cos().unsqueeze(-2), angles.sin().unsqueeze(-2)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (..., T, n_heads, head_dim), rotated by rotate_half pairs."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
