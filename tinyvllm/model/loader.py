@@ -1,0 +1,37 @@
+"""One call from a path (or nothing: the default model) to a ready model and its tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tinygrad import dtypes
+from tinygrad.dtype import DType
+
+from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
+from tinyvllm.model.weights import load_checkpoint
+
+DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
+
+
+def parse_dtype(dtype: str | DType) -> DType:
+    if isinstance(dtype, DType):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "float32",
+               device: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
+    """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct.
+
+    Returns (model, tokenizer, the resolved path). Weights are dequantized to float32 on the host
+    and then cast to `dtype` on the device.
+    """
+    dt = parse_dtype(dtype)
+    checkpoint = load_checkpoint(model)
+    tokenizer = load_tokenizer(checkpoint.path)
+    llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device)
+    return llm, tokenizer, checkpoint.path
