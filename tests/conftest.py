@@ -1,0 +1,73 @@
+"""Fixtures shared across phases: the real shipped model, a tiny random model, the HF oracle.
+
+Loading and compiling a model is the slow part of the suite, so each is built once per session.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.gguf import GGUFFile
+from tinyvllm.model.weights import default_model_path, expected_shapes
+from tinyvllm.model.weights_hf import save_hf_weights
+
+# a LLaMA small enough to compile and run in seconds, sharing SmolLM2's tokenizer (so vocab 49152)
+TINY_CONFIG = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                          rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_model_path()
+
+
+def write_tiny_model(out_dir: Path, config: ModelConfig = TINY_CONFIG, seed: int = 0) -> Path:
+    """An HF checkpoint directory with random weights and SmolLM2's tokenizer files."""
+    from tinyvllm.convert import tokenizer_config, tokenizer_json
+
+    rng = np.random.default_rng(seed)
+    state_dict = {}
+    for name, shape in expected_shapes(config).items():
+        if name.endswith("norm.weight"):
+            state_dict[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            state_dict[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2))
+    save_hf_weights(state_dict, out_dir)
+    md = GGUFFile(default_model_path()).metadata
+    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json(md)))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(md)))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def generator():
+    """The real default model behind Phase 1's Generator (contiguous KV cache), compiled once."""
+    from tinyvllm.engine.generator import Generator
+
+    return Generator(max_model_len=1024)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_gguf):
+    """HF transformers' LlamaForCausalLM on the same GGUF (dequantized to float32): the oracle."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,141 @@
+"""Phase 1 end to end on the real shipped model, with HF transformers as the oracle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyvllm.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROMPTS = {
+    "prose": "The capital of France is",
+    "code": "def fibonacci(n):\n    ",
+    "numbers": "1, 2, 3, 5, 8, 13, 21,",
+    "unicode": "Le café coûte 3 € — 東京は日本の首都です。 Emoji: 🚀",
+    "chat": None,  # filled from the chat template below
+    "long": ("Paged attention stores the key-value cache in fixed-size blocks, much like an operating system "
+             "stores a process's memory in pages. A block table maps each sequence's logical blocks to physical "
+             "blocks, so memory is allocated on demand and almost nothing is wasted. Continuous batching then lets "
+             "new requests join the running batch at every step. In summary,"),
+}
+
+
+def prompt_ids(generator, name: str) -> list[int]:
+    if name == "chat":
+        return generator.encode_prompt("What is the tallest mountain in the world?", chat=True)
+    return generator.encode_prompt(PROMPTS[name])
+
+
+def hf_greedy(hf_model, ids: list[int], n: int) -> tuple[np.ndarray, list[int]]:
+    """HF's last-position logits for the prompt, and its greedy continuation (no stop on eos)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), use_cache=True)
+        first_logits = out.logits[0, -1].numpy().copy()
+        past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return first_logits, tokens
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_logits_and_greedy_tokens_match_hf(generator, hf_model, name):
+    ids = prompt_ids(generator, name)
+    hf_logits, hf_tokens = hf_greedy(hf_model, ids, 32)
+    ours = generator.runner.prefill(ids)
+    max_diff = float(np.abs(ours - hf_logits).max())
+    print(f"{name}: {len(ids)} prompt tokens, last-position logits max |diff| = {max_diff:.2e}")
+    assert max_diff < 1e-3
+    result = generator.generate(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert result.token_ids == hf_tokens
+
+
+def test_capital_of_france(generator):
+    result = generator.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    assert "Paris" in result.text
+    assert result.finish_reason == "length" and len(result.token_ids) == 8
+
+
+def test_stream_joins_to_generate(generator):
+    params = SamplingParams(temperature=0, max_tokens=12)
+    chunks = list(generator.stream("Once upon a time", params))
+    result = generator.generate("Once upon a time", params)
+    assert "".join(c.text for c in chunks) == result.text
+    assert [c.token_id for c in chunks] == result.token_ids
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_stop_string_is_not_emitted(generator):
+    full = generator.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12))
+    assert "answer" in full.text
+    cut = generator.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12, stop=["answer"]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index("answer")]
+    kept = generator.generate("The capital of France is",
+                              SamplingParams(temperature=0, max_tokens=12, stop=["answer"], include_stop_str_in_output=True))
+    assert kept.text == full.text[: full.text.index("answer") + len("answer")]
+
+
+def test_eos_stops_generation(generator):
+    result = generator.generate("What is 2+2?", SamplingParams(temperature=0, max_tokens=64), chat=True)
+    assert result.finish_reason == "stop"
+    assert result.token_ids[-1] in generator.tokenizer.stop_token_ids
+    assert "<|im_end|>" not in result.text and "4" in result.text
+
+
+def test_seeded_sampling_reproduces(generator):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    a = generator.generate("Tell me a story about", params)
+    b = generator.generate("Tell me a story about", params)
+    c = generator.generate("Tell me a story about", SamplingParams(temperature=1.0, top_p=0.9, seed=99,
+                                                                  max_tokens=10, ignore_eos=True))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_prompt_longer_than_context_is_a_clear_error(generator):
+    with pytest.raises(ValueError, match="max_model_len"):
+        generator.generate([1] * generator.max_model_len, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="token-id prompt"):
+        generator.generate([10**9], SamplingParams(max_tokens=1))
+
+
+def test_generation_stops_when_the_context_is_full(generator):
+    n = generator.max_model_len - 3
+    result = generator.generate([198] * n, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    assert len(result.token_ids) == 3 and result.finish_reason == "length"
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], capture_output=True, text=True,
+                           timeout=600, cwd=ROOT)
+
+
+def test_main_prints_paris_and_stats():
+    proc = run_main("--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+                    "--max-model-len", "256")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "time to first token" in proc.stderr and "tok/s" in proc.stderr and "generated 8 tokens" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hi", "--model", "/no/such/model.gguf"], "no checkpoint"),
+    (["--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+])
+def test_main_errors_are_one_clear_line(args, message):
+    proc = run_main(*args)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
