@@ -1,0 +1,110 @@
+"""The C matmul kernel (kernels/cpu/matmul.c) against numpy, under TinyJit and inside `function(precompile=True)`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function
+
+from tinyvllm.kernels import cpu_threads, launcher
+from tinyvllm.kernels import linear as linear_module
+from tinyvllm.kernels.linear import linear, uses_kernel
+
+pytestmark = pytest.mark.skipif(not launcher.has_kernel("matmul", Device.DEFAULT), reason="no C kernel on this device")
+
+RTOL, ATOL = 1e-5, 1e-4
+
+
+def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+
+
+def random(*shape: int, seed: int) -> Tensor:
+    return Tensor(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)).realize()
+
+
+# (N, K): odd sizes that are not multiples of the 8-float vectors or the 3- and 4-row tiles, and the model's qkv
+@pytest.mark.parametrize("N,K", [(7, 5), (37, 37), (13, 131), (100, 64), (960, 576)])
+@pytest.mark.parametrize("M", [1, 3, 8, 32, 64])
+def test_matches_numpy(M: int, N: int, K: int):
+    x, w = random(M, K, seed=M), random(N, K, seed=N + K)
+    assert uses_kernel(x, w)
+    np.testing.assert_allclose(linear(x, w).numpy(), reference(x.numpy(), w.numpy()), rtol=RTOL, atol=ATOL)
+
+
+def test_leading_dims_and_views():
+    # (B,T,K) in, (B,T,N) out; x a non-contiguous view (a transpose) is made contiguous for the kernel
+    x, w = random(5, 2, 24, seed=1).permute(1, 0, 2), random(19, 24, seed=2)
+    out = linear(x, w)
+    assert out.shape == (2, 5, 19)
+    np.testing.assert_allclose(out.numpy(), reference(x.numpy().reshape(10, 24), w.numpy()).reshape(2, 5, 19),
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_lm_head_sized_weight():
+    x, w = random(2, 576, seed=3), random(49152, 576, seed=4)
+    np.testing.assert_allclose(linear(x, w).numpy(), reference(x.numpy(), w.numpy()), rtol=RTOL, atol=ATOL)
+
+
+def test_same_bits_with_and_without_threads():
+    x, w = random(32, 576, seed=5), random(1536, 576, seed=6)
+    with cpu_threads.threads_enabled(True):
+        a = linear(x, w).numpy()
+    with cpu_threads.threads_enabled(False):
+        b = linear(x, w).numpy()
+    np.testing.assert_array_equal(a, b)
+
+
+def test_tinyjit_replays_with_new_inputs():
+    w = random(100, 64, seed=7)
+    jit = TinyJit(lambda x: linear(x, w).realize())
+    for i in range(4):  # run, capture, replay, replay
+        x = random(3, 64, seed=10 + i)
+        np.testing.assert_allclose(jit(x).numpy(), reference(x.numpy(), w.numpy()), rtol=RTOL, atol=ATOL)
+    names = [c.src[0].arg.name for c in jit.captured.linear.src if c.src[0].op.name == "PROGRAM"]
+    assert "matmul_3_100_64" in names, names
+
+
+def test_inside_precompiled_function_under_jit():
+    # the model wraps each decoder layer in function(precompile=True) and runs it under TinyJit
+    @function(precompile=True)
+    def layer(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+        return linear(linear(x, w1).relu(), w2) + x
+
+    w1, w2 = random(48, 32, seed=8), random(32, 48, seed=9)
+    jit = TinyJit(lambda x: (layer(x, w1, w2) * 1).realize())
+    for i in range(4):
+        x = random(1, 4, 32, seed=20 + i)
+        xn = x.numpy().reshape(4, 32)
+        ref = np.maximum(reference(xn, w1.numpy()), 0) @ w2.numpy().T + xn
+        np.testing.assert_allclose(jit(x).numpy().reshape(4, 32), ref, rtol=1e-4, atol=ATOL)
+
+
+def test_portable_path_when_not_supported(monkeypatch: pytest.MonkeyPatch):
+    x, w = random(3, 16, seed=11), random(5, 16, seed=12)
+    assert not uses_kernel(x.half(), w.half())
+    v = UOp.variable("tokens", 1, 8).bind(3)
+    assert not uses_kernel(Tensor.empty(8, 16)[:v], w)  # a symbolic number of rows
+    monkeypatch.setattr(linear_module, "PORTABLE", True)
+    assert not uses_kernel(x, w)
+    np.testing.assert_allclose(linear(x, w).numpy(), reference(x.numpy(), w.numpy()), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name,entry,defines", [("matmul", "matmul", {"TV_M": 3, "TV_N": 5, "TV_K": 7}),
+                                                ("threadpool_worker", "threadpool_worker", {})])
+def test_entry_function_is_first_in_object(name: str, entry: str, defines: dict):
+    source = launcher.kernel_source(name, "CPU", {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())})
+    launcher.check_entry_is_first(Device["CPU"].compiler.compile_cached(source), entry)
+
+
+def test_pool_threads_started():
+    if not cpu_threads._supported():
+        pytest.skip("single-threaded here")
+    assert cpu_threads.pool_address() != 0
+    assert cpu_threads.num_threads() == cpu_threads.NUM_THREADS
+    assert all(t.is_alive() for t in cpu_threads._state.threads)
+
+
+def test_float16_uses_portable_path():
+    x, w = random(2, 8, seed=13).cast(dtypes.float16), random(3, 8, seed=14).cast(dtypes.float16)
+    np.testing.assert_allclose(linear(x, w).numpy(), reference(x.numpy(), w.numpy()), rtol=1e-2, atol=1e-2)

@@ -1,0 +1,147 @@
+"""The CPU kernels' thread pool: helper threads started once, used by every kernel launch.
+
+tinygrad 0.14 runs each CPU program on a single thread: a program with a `core_id` is called once per
+core_id, one call after the other (tinygrad/runtime/ops_cpu.py: `CPUProgram.__call__` loops over
+`global_size[0]`; with HCQ2=1 `cpu_exec` queues the calls to one worker thread). Measured here, a kernel
+tinygrad itself split over 2 core_ids ran at 100% CPU of 2 cores' worth of 200%.
+
+So the C kernels bring their own helpers, the way llama.cpp or OpenMP do: `NUM_THREADS - 1` threads,
+started on first use, each running the C loop `tv_pool_worker_loop` (kernels/cpu/threadpool.h) on a
+daemon Python thread (ctypes releases the GIL for the call; the call only returns at shutdown). The thread
+that launches a kernel shares its chunks of work with them through a small control block:
+
+    control block (struct tv_pool, mapped here, address compiled into every CPU kernel as TV_POOL_ADDR)
+    +---------+-------------+------+-------------------+--------+----------+-------+-----+------------+--------------+
+    | enabled | num_workers | stop | sem_wait sem_post | ticket | finished | owner | fn  | ctx chunks | sleeping[]   |
+    +---------+-------------+------+-------------------+--------+----------+-------+-----+------------+ sems[] ...   |
+      written here, once                               written by the launching kernel, per launch
+
+Idle helpers spin ~150 us for the next job (the gap between two matmuls of one decode step), then park on
+a semaphore, so an idle engine uses no CPU. After fork() the child has no helpers: its kernels run
+single-threaded. `TINYVLLM_CPU_THREADS=1` turns the pool off.
+
+The block is mapped at a fixed address when that address is free, so every process compiles the same
+kernel source and tinygrad's on-disk compile cache (keyed by source text) serves them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinygrad.helpers import NUM_CPU_THREADS
+
+MAX_WORKERS = 15  # TV_MAX_WORKERS in threadpool.h
+NUM_THREADS = max(1, min(int(os.getenv("TINYVLLM_CPU_THREADS", str(NUM_CPU_THREADS.value))), MAX_WORKERS + 1))
+_ADDRESS_HINT = 0x3F0000000000  # far from the heap, the libraries and tinygrad's buffers (all near 0x55.., 0x7f..)
+
+
+class TvPool(ctypes.Structure):
+    """Mirror of `struct tv_pool` in kernels/cpu/threadpool.h (same fields, same order)."""
+
+    _fields_ = [
+        ("enabled", ctypes.c_uint32), ("num_workers", ctypes.c_uint32), ("stop", ctypes.c_uint32),
+        ("pad0", ctypes.c_uint32), ("sem_wait", ctypes.c_void_p), ("sem_post", ctypes.c_void_p),
+        ("ticket", ctypes.c_uint64), ("finished", ctypes.c_uint32), ("owner", ctypes.c_uint32),
+        ("fn", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("num_chunks", ctypes.c_int64),
+        ("sleeping", ctypes.c_uint32 * (MAX_WORKERS + 1)),
+        ("sems", (ctypes.c_uint64 * 4) * MAX_WORKERS),  # sem_t is 32 bytes on Linux
+    ]
+
+
+@dataclass
+class _PoolState:
+    pool: TvPool | None = None
+    address: int = 0
+    program: Any = None  # the compiled helper loop (a CPUProgram): its code must outlive the threads running it
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+_state = _PoolState()
+
+
+_lock = threading.Lock()
+
+
+def _supported() -> bool:
+    # unnamed POSIX semaphores (sem_init) are Linux-only; elsewhere kernels run single-threaded
+    return sys.platform == "linux" and NUM_THREADS > 1
+
+
+def _map_control_block(libc: ctypes.CDLL) -> int:
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    # a hint, not MAP_FIXED: if the address is taken the kernel picks another and kernels compile for that one
+    addr = libc.mmap(_ADDRESS_HINT, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of the CPU thread pool's control block failed")
+    return addr
+
+
+def _start() -> None:
+    from tinyvllm.kernels.launcher import compile_host_program
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    address = _map_control_block(libc)
+    pool = TvPool.from_address(address)  # the page comes zeroed: enabled=0, ticket=0, owner=0
+    pool.sem_wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p).value
+    pool.sem_post = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
+    num_workers = NUM_THREADS - 1
+    for i in range(num_workers):
+        if libc.sem_init(ctypes.c_void_p(ctypes.addressof(pool.sems[i])), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+    pool.num_workers = num_workers
+    program = compile_host_program("threadpool_worker", {})
+    threads = [threading.Thread(target=program.fxn, args=(ctypes.c_uint64(address), ctypes.c_uint64(i)),
+                                name=f"tinyvllm-cpu-{i}", daemon=True) for i in range(num_workers)]
+    for t in threads:
+        t.start()
+    pool.enabled = 1
+    _state.pool, _state.address, _state.program, _state.threads = pool, address, program, threads
+
+
+def pool_address() -> int:
+    """Address of the control block, starting the helpers on first call; 0 when kernels run single-threaded."""
+    with _lock:
+        if _state.pool is None and _supported():
+            _start()
+        return _state.address
+
+
+@contextlib.contextmanager
+def threads_enabled(enabled: bool) -> Iterator[None]:
+    """Temporarily run CPU kernels with (True) or without (False) the helper threads. Takes effect at once,
+    also for kernels already captured by a TinyJit (they read the flag at every launch)."""
+    pool = _state.pool
+    old = None if pool is None else pool.enabled
+    if pool is not None:
+        pool.enabled = int(enabled)
+    try:
+        yield
+    finally:
+        if pool is not None:
+            pool.enabled = old
+
+
+def num_threads() -> int:
+    """Threads a CPU kernel launch uses now (the launching thread + running helpers)."""
+    pool = _state.pool
+    return 1 if pool is None or not pool.enabled else 1 + pool.num_workers
+
+
+def _after_fork_in_child() -> None:
+    # the helpers were not copied into the child; the control block was (copy-on-write): switch it off
+    if _state.pool is not None:
+        _state.pool.enabled, _state.pool.num_workers, _state.threads = 0, 0, []
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
