@@ -2,21 +2,20 @@
 
 tinygrad 0.14 runs each CPU program on a single thread: a program with a `core_id` is called once per
 core_id, one call after the other (tinygrad/runtime/ops_cpu.py: `CPUProgram.__call__` loops over
-`global_size[0]`; with HCQ2=1 `cpu_exec` queues the calls to one worker thread). Measured here, a kernel
-tinygrad itself split over 2 core_ids ran at 100% CPU of 2 cores' worth of 200%.
+`global_size[0]`; with HCQ2=1 `cpu_exec` queues the calls to one worker thread). Measured on this 2-core
+machine: a kernel that tinygrad itself split over 2 core_ids used 100% CPU, i.e. one core.
 
 So the C kernels bring their own helpers, the way llama.cpp or OpenMP do: `NUM_THREADS - 1` threads,
 started on first use, each running the C loop `tv_pool_worker_loop` (kernels/cpu/threadpool.h) on a
 daemon Python thread (ctypes releases the GIL for the call; the call only returns at shutdown). The thread
 that launches a kernel shares its chunks of work with them through a small control block:
 
-    control block (struct tv_pool, mapped here, address compiled into every CPU kernel as TV_POOL_ADDR)
-    +---------+-------------+------+-------------------+--------+----------+-------+-----+------------+--------------+
-    | enabled | num_workers | stop | sem_wait sem_post | ticket | finished | owner | fn  | ctx chunks | sleeping[]   |
-    +---------+-------------+------+-------------------+--------+----------+-------+-----+------------+ sems[] ...   |
-      written here, once                               written by the launching kernel, per launch
+    control block: struct tv_pool, one page mapped here; its address is compiled into every CPU kernel (TV_POOL_ADDR)
+      enabled num_workers stop sem_wait sem_post sched_yield     written here, once
+      ticket finished owner fn ctx num_chunks                    written by the launching kernel, per launch
+      sleeping[i] sems[i]                                        one per helper, to park it when idle
 
-Idle helpers spin ~150 us for the next job (the gap between two matmuls of one decode step), then park on
+Idle helpers spin ~100 us for the next job (the gap between two matmuls of one decode step), then park on
 a semaphore, so an idle engine uses no CPU. After fork() the child has no helpers: its kernels run
 single-threaded. `TINYVLLM_CPU_THREADS=1` turns the pool off.
 
@@ -49,6 +48,7 @@ class TvPool(ctypes.Structure):
     _fields_ = [
         ("enabled", ctypes.c_uint32), ("num_workers", ctypes.c_uint32), ("stop", ctypes.c_uint32),
         ("pad0", ctypes.c_uint32), ("sem_wait", ctypes.c_void_p), ("sem_post", ctypes.c_void_p),
+        ("sched_yield", ctypes.c_void_p),
         ("ticket", ctypes.c_uint64), ("finished", ctypes.c_uint32), ("owner", ctypes.c_uint32),
         ("fn", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("num_chunks", ctypes.c_int64),
         ("sleeping", ctypes.c_uint32 * (MAX_WORKERS + 1)),
@@ -94,6 +94,7 @@ def _start() -> None:
     pool = TvPool.from_address(address)  # the page comes zeroed: enabled=0, ticket=0, owner=0
     pool.sem_wait = ctypes.cast(libc.sem_wait, ctypes.c_void_p).value
     pool.sem_post = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
+    pool.sched_yield = ctypes.cast(libc.sched_yield, ctypes.c_void_p).value
     num_workers = NUM_THREADS - 1
     for i in range(num_workers):
         if libc.sem_init(ctypes.c_void_p(ctypes.addressof(pool.sems[i])), 0, 0) != 0:

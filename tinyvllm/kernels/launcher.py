@@ -127,7 +127,8 @@ def make_program(name: str, source: str, num_outs: int, num_ins: int, estimates:
     def fxn(*params: UOp) -> UOp:
         assert len(params) == num, f"{name}: expected {num} buffers, got {len(params)}"
         sink = UOp.sink(*params, arg=KernelInfo(name=name, estimates=estimates))
-        return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=source)), arg=info)
+        linear = UOp(Ops.LINEAR, src=(*sink.src, sink))
+        return UOp(Ops.PROGRAM, src=(sink, linear, UOp(Ops.SOURCE, arg=source)), arg=info)
     return fxn
 
 
