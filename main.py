@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
+    p.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"],
+                   help="KV cache layout: blocks on demand (default) or one pre-allocated row per position")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged KV cache (default 512MiB)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
     return p
@@ -47,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                 seed=args.seed, stop=args.stop)
-        generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+        generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache=args.kv_cache,
+                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
             sys.stdout.write(chunk.text)

@@ -47,6 +47,9 @@ class ContiguousModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, ContiguousAttentionMetadata(start_pos))
         return self.model.compute_logits(hidden[:, -1]).realize()
 
+    def free(self) -> None:
+        """Nothing to give back: the rows stay reserved for the next sequence."""
+
     def prefill(self, token_ids: list[int]) -> np.ndarray:
         """Fill the cache with the whole prompt; returns the last token's logits (vocab,)."""
         n = len(token_ids)

@@ -20,7 +20,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tinyvllm.core.kv_cache import num_blocks_for_memory
 from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
+from tinyvllm.engine.paged_runner import PagedModelRunner
 from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.model.loader import load_model
 from tinyvllm.sample.sampler import Sampler, make_generator
@@ -50,15 +52,30 @@ class GenerationResult:
         return (len(self.token_ids) - 1) / self.decode_time if self.decode_time > 0 else 0.0
 
 
+KV_CACHES = ("paged", "contiguous")
+
+
 class Generator:
+    """kv_cache="paged" (Phase 2, the default): blocks of `block_size` tokens from a pool sized by
+    `kv_cache_memory`; "contiguous" (Phase 1): max_model_len rows reserved up front."""
+
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
-                 max_model_len: int | None = None, device: str | None = None, prefill_chunk_size: int = 32):
+                 max_model_len: int | None = None, device: str | None = None, prefill_chunk_size: int = 32,
+                 kv_cache: str = "paged", block_size: int = 16, kv_cache_memory: str | int = "512MiB"):
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.model, self.tokenizer, self.model_path = load_model(model, dtype, device)
         limit = self.model.config.max_position_embeddings
         if max_model_len is not None and not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
         self.max_model_len = max_model_len or limit
-        self.runner = ContiguousModelRunner(self.model, self.max_model_len, prefill_chunk_size)
+        if kv_cache == "paged":
+            num_blocks = num_blocks_for_memory(self.model.config, block_size, kv_cache_memory, self.model.dtype)
+            self.runner = PagedModelRunner(self.model, self.max_model_len, num_blocks, block_size, prefill_chunk_size)
+        else:
+            self.runner = ContiguousModelRunner(self.model, self.max_model_len, prefill_chunk_size)
         self.sampler = Sampler()
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -82,14 +99,21 @@ class Generator:
                              f"tokens (max_model_len) and at least one must be left to generate")
         result = result if result is not None else GenerationResult(prompt_ids)
         result.prompt_token_ids = prompt_ids
+        text = TextStream(self.tokenizer, params, prompt_ids)
+
+        try:
+            yield from self._decode_loop(prompt_ids, params, result, text, start)
+        finally:
+            self.runner.free()  # the paged cache gives the blocks back, however the stream ends
+
+    def _decode_loop(self, prompt_ids: list[int], params: SamplingParams, result: GenerationResult,
+                     text: TextStream, start: float) -> Iterator[StreamChunk]:
         max_tokens = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         eos_ids = self.tokenizer.stop_token_ids
         stop_ids = params.all_stop_token_ids(eos_ids)
         generator = None if params.is_greedy else make_generator(params.seed)
-        text = TextStream(self.tokenizer, params, prompt_ids)
-
         logits = self.runner.prefill(prompt_ids)
         first_token_time = None
         while True:

@@ -1,0 +1,91 @@
+"""Paged attention in portable tinygrad (Phase 2): the reference the custom kernels are checked against.
+
+Two operations, named as in vLLM:
+
+reshape_and_cache: write this step's K/V into their slots.
+
+    k: (N, n_kv_heads, head_dim) for N new tokens     slot_mapping: (N,)  slot = block * block_size + offset
+    k_cache viewed as (num_slots, n_kv_heads * head_dim):  k_cache[slot_mapping[i]] = k[i]
+
+  A scatter: tinygrad's Tensor API has no scatter-store that touches only N rows (indexed
+  assignment rewrites the whole cache with a select), so it is written as a tiny kernel in
+  tinygrad's own UOps, which every tinygrad device compiles: O(N) work, not O(cache).
+
+paged_attention: each query attends over its sequence's blocks, gathered through its block table.
+
+    block_tables: (B, max_blocks)   row b lists sequence b's physical blocks in logical order
+    k_cache[block_tables[:, :nb]] -> (B, nb, block_size, n_kv_heads, head_dim) -> (B, nb*block_size, ...)
+
+  Logical key index s of sequence b is its token at position s, so one mask does it all:
+  query at position p sees keys s <= p (causal inside a prompt chunk, and slots past the
+  sequence's length, in its last, partly filled block, are never seen). `nb` (the number of
+  blocks to gather) is a bound symbolic variable, so the work follows the context length,
+  not the maximum.
+
+The gather copies the sequence's K/V out of the blocks before attending: that extra memory
+traffic on every step is what Phase 5's kernels avoid by reading the blocks in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.uop.ops import KernelInfo
+
+from tinyvllm.attention.contiguous import grouped_query_attention
+
+
+def _reshape_and_cache_kernel(cache: UOp, new: UOp, slot_mapping: UOp) -> UOp:
+    """cache: (num_slots, W), new: (N, W), slot_mapping: (N,) -> cache[slot_mapping[i], j] = new[i, j]."""
+    n, width = new.shape
+    i, j = UOp.range(n, 0), UOp.range(width, 1)
+    slot = slot_mapping[i].cast(dtypes.weakint)
+    store = cache[slot, j].store(new[i, j].cast(cache.dtype))
+    return store.end(i, j).sink(arg=KernelInfo(name="reshape_and_cache", opts_to_apply=()))
+
+
+def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor) -> Tensor:
+    """x: (N, n_kv_heads, head_dim) -> cache (num_blocks, block_size, n_kv_heads, head_dim) after the write."""
+    num_slots = cache.shape[0] * cache.shape[1]
+    flat_cache = cache.reshape(num_slots, -1)
+    written = flat_cache.uop.custom_kernel(x.reshape(x.shape[0], -1).contiguous().uop, slot_mapping.uop,
+                                           fxn=_reshape_and_cache_kernel)[0]
+    return Tensor(cache.uop.after(written))
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, num_blocks: int | UOp,
+                    positions: Tensor) -> Tensor:
+    """q: (B,T,H,Hd) for tokens at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table."""
+    B, T = q.shape[0], q.shape[1]
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    table = block_tables[:, :num_blocks]  # (B, nb)
+    keys = k_cache[table].reshape(B, -1, kv_heads, head_dim)  # (B, nb*block_size, KvH, Hd)
+    values = v_cache[table].reshape(B, -1, kv_heads, head_dim)
+    key_pos = Tensor.arange(num_blocks * block_size).reshape(1, 1, 1, 1, -1)  # (1,1,1,1,S)
+    query_pos = positions.reshape(B, 1, 1, T, 1)  # (B,1,1,T,1), broadcast over (B,KvH,G,T,S)
+    mask = (key_pos > query_pos).where(float("-inf"), 0.0).cast(q.dtype)
+    return grouped_query_attention(q, keys.cast(q.dtype), values.cast(q.dtype), mask)
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Everything a step's attention needs to find its tokens' K/V, as tensors (JIT inputs) and variables.
+
+    slot_mapping: (B*T,) int32     where each new token's K/V are written
+    block_tables: (B, max_blocks)  int32, each row padded past the sequence's blocks
+    positions:    (B, T) int32     each token's position in its sequence
+    num_blocks:   blocks to gather per sequence (>= ceil(context_len / block_size) for every row)
+    """
+
+    slot_mapping: Tensor
+    block_tables: Tensor
+    positions: Tensor
+    num_blocks: int | UOp
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest."""
+        B, T, kv_heads, head_dim = k.shape
+        k_cache = reshape_and_cache(k.reshape(B * T, kv_heads, head_dim), kv_cache[0], self.slot_mapping)
+        v_cache = reshape_and_cache(v.reshape(B * T, kv_heads, head_dim), kv_cache[1], self.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions)
