@@ -1,0 +1,47 @@
+"""What the engine returns per request, shaped like vLLM's `vllm.outputs` so vLLM users feel at home.
+
+Outputs are cumulative (vLLM's default): each `RequestOutput` carries everything generated so far,
+and a streaming consumer takes the difference from the previous one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (OpenAI's names), None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+    # per generated token: (logprob of the sampled token, [(token_id, logprob), ...] top alternatives)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when the request was added
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: RequestMetrics | None = field(default=None, repr=False)
