@@ -73,7 +73,8 @@ class PagedAttentionMetadata:
     """Everything a step's attention needs to find its tokens' K/V, as tensors (JIT inputs) and variables.
 
     slot_mapping: (B*T,) int32     where each new token's K/V are written
-    block_tables: (B, max_blocks)  int32, each row padded past the sequence's blocks
+    block_tables: (B, max_blocks)  int32, each row padded past the sequence's blocks, or (B*T, max_blocks):
+                  one row per token, for a flattened batch where the tokens of many sequences share one row
     positions:    (B, T) int32     each token's position in its sequence
     num_blocks:   blocks to gather per sequence (>= ceil(context_len / block_size) for every row)
     """
@@ -88,4 +89,10 @@ class PagedAttentionMetadata:
         B, T, kv_heads, head_dim = k.shape
         k_cache = reshape_and_cache(k.reshape(B * T, kv_heads, head_dim), kv_cache[0], self.slot_mapping)
         v_cache = reshape_and_cache(v.reshape(B * T, kv_heads, head_dim), kv_cache[1], self.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions)
+        if self.block_tables.shape[0] == B:
+            return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions)
+        # a flattened batch (Phase 4): every token is its own query row, with its own sequence's block table
+        H, Hd = q.shape[2], q.shape[3]
+        out = paged_attention(q.reshape(B * T, 1, H, Hd), k_cache, v_cache, self.block_tables, self.num_blocks,
+                              self.positions.reshape(B * T, 1))
+        return out.reshape(B, T, H, Hd)

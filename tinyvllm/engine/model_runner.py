@@ -1,0 +1,97 @@
+"""One forward pass over everything a step scheduled: decode tokens and prefill chunks, flattened (Phase 4).
+
+The scheduler says "sequence a computes 1 token, b computes 1, c computes a 5-token chunk of its
+prompt". The runner lays those tokens out as one row, pads it to a bucket size, and runs the model once:
+
+    input_ids     [ a5 | b9 | c0 c1 c2 c3 c4 | pad pad pad ]        (1, N)  N = 8, the bucket
+    positions     [ 5  | 9  | 0  1  2  3  4  | 0   0   0   ]        (1, N)
+    slot_mapping  [ sa5| sb9| sc0 ...    sc4 | null null null ]     (N,)   padding writes the null block
+    block_tables  one row per token: its sequence's blocks           (N, max_blocks_per_seq)
+    logits_indices[ 0, 1, 6, 0 ]  the last token of each sequence    (S,)   only these rows reach lm_head
+
+Why buckets: TinyJit replays a captured graph only for the shapes it captured, so batch sizes are
+rounded up to 1, 2, 4, 8, ... and each bucket has its own graph (compiled once, replayed ever after).
+The number of blocks to gather is a bound symbolic variable, so context length never recompiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tinygrad import Tensor, TinyJit, UOp, dtypes
+
+from tinyvllm.attention.paged import PagedAttentionMetadata
+from tinyvllm.core.kv_cache import PagedKVCache
+from tinyvllm.core.scheduler import SchedulerOutput
+from tinyvllm.model.llama import LlamaForCausalLM
+
+
+def buckets_up_to(limit: int) -> list[int]:
+    """1, 2, 4, ... and `limit` itself."""
+    sizes, n = [], 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    return sizes + [limit]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
+                 max_num_batched_tokens: int, max_num_seqs: int):
+        self.model, self.kv_cache = model, kv_cache
+        self.block_size = kv_cache.block_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.token_buckets = buckets_up_to(max_num_batched_tokens)
+        self.max_num_seqs = max_num_seqs
+        self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
+        self._jits: dict[int, TinyJit] = {}  # one captured graph per token bucket
+
+    def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                 logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
+        metadata = PagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks)
+        hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
+        return self.model.compute_logits(hidden[0][logits_indices]).realize()  # (S,V)
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return next(b for b in self.token_buckets if b >= num_tokens)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[int, np.ndarray]:
+        """Run the step; return the logits (vocab,) of each sequence whose tokens are now all computed."""
+        seqs = scheduler_output.scheduled_seqs
+        n_real = scheduler_output.total_num_scheduled_tokens
+        n = self.bucket_for(n_real)
+        num_rows = min(n, self.bucket_for(self.max_num_seqs))  # rows of logits: one per sequence at most
+        bs, null_slot = self.block_size, self.kv_cache.null_slot
+
+        input_ids = np.zeros(n, np.int32)
+        positions = np.zeros(n, np.int32)
+        slot_mapping = np.full(n, null_slot, np.int32)
+        block_tables = np.full((n, self.max_blocks_per_seq), self.kv_cache.null_block, np.int32)
+        logits_indices = np.zeros(num_rows, np.int32)
+        sampled_seqs, num_blocks, i = [], 1, 0
+        for seq in seqs:
+            start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
+            pos = np.arange(start, start + count)
+            table = np.asarray(seq.block_table, np.int32)
+            input_ids[i:i + count] = seq.all_token_ids[start:start + count]
+            positions[i:i + count] = pos
+            slot_mapping[i:i + count] = table[pos // bs] * bs + pos % bs
+            block_tables[i:i + count, :len(table)] = table
+            num_blocks = max(num_blocks, -(-(start + count) // bs))
+            i += count
+            if start + count == seq.num_tokens:  # caught up: this step's last token gets sampled
+                logits_indices[len(sampled_seqs)] = i - 1
+                sampled_seqs.append(seq)
+        if n not in self._jits:
+            self._jits[n] = TinyJit(self._forward)
+        jit = self._jits[n]
+        dev = self.model.device
+        logits = jit(Tensor(input_ids.reshape(1, n), device=dev).realize(),
+                     Tensor(positions.reshape(1, n), device=dev).realize(),
+                     Tensor(slot_mapping, device=dev).realize(),
+                     Tensor(block_tables, device=dev).realize(),
+                     Tensor(logits_indices, device=dev).realize(),
+                     self.v_num_blocks.bind(num_blocks))
+        if not sampled_seqs:
+            return {}  # a step of prompt chunks only: nothing to sample
+        rows = logits.numpy()
+        return {seq.seq_id: rows[j] for j, seq in enumerate(sampled_seqs)}

@@ -1,0 +1,60 @@
+"""The offline batch API, shaped like vLLM's `LLM` so vLLM users feel at home.
+
+    from tinyvllm import LLM, SamplingParams
+    llm = LLM()                                   # the default model
+    outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
+    for out in outputs:
+        print(out.prompt, "->", out.outputs[0].text)
+
+All prompts go into the engine at once; continuous batching runs them together, and the outputs
+come back in the order of the prompts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.model.tokenizer import Tokenizer
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike | None = None, **engine_args):
+        self.llm_engine = LLMEngine(model, **engine_args)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); returns one RequestOutput per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params: "
+                             "give one SamplingParams, or one per prompt")
+        engine = self.llm_engine
+        request_ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
+                engine.add_request(request_id, prompt, params)
+            finished: dict[str, RequestOutput] = {}
+            with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm or len(prompts) < 8) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+        except BaseException:
+            for request_id in request_ids:  # leave no request behind to hold KV blocks
+                engine.abort_request(request_id)
+            raise
+        return [finished[request_id] for request_id in request_ids]
