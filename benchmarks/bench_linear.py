@@ -12,6 +12,7 @@ ms per matmul (median of repeats), GB/s of weights read for M=1 (bandwidth-bound
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -56,7 +57,10 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     tg_name = f"tinygrad BEAM={BEAM.value}" if BEAM.value else "tinygrad default"
-    print(f"device {Device.DEFAULT}; C kernel threads: {cpu_threads.NUM_THREADS}; times are ms per matmul\n")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    # other processes share the cores: the load average says how much of them this run had
+    print(f"device {Device.DEFAULT}; C kernel threads: {cpu_threads.NUM_THREADS}; load average {load:.1f} "
+          f"on {os.cpu_count()} cores; times are ms per matmul\n")
     print(f"| weight (N x K) | M | C kernel ms | C 1 thread ms | {tg_name} ms | C rate | {tg_name} rate | C speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):

@@ -13,8 +13,8 @@
  *     calling thread (runs the program)          helper thread(s)
  *     ---------------------------------          ----------------
  *     take the pool (owner 0 -> 1)               spinning, or parked on a semaphore
- *     publish job: fn, ctx, num_chunks
- *     ticket = (seq+1) << 32         ------->    sees a new seq
+ *     publish job: fn, ctx
+ *     ticket = (seq+1, num_chunks, 0) ------->   sees a new seq
  *     wake parked helpers (sem_post)
  *     grab chunks: CAS ticket -> ticket+1        grab chunks the same way
  *     run fn(ctx, chunk) ...                     run fn(ctx, chunk) ...
@@ -38,6 +38,7 @@
 #define TV_THREADPOOL_H
 
 #define TV_MAX_WORKERS 15
+#define TV_MAX_CHUNKS 0xffff  /* chunks per launch that the ticket can count; more run on the calling thread */
 #define TV_INLINE static inline __attribute__((always_inline))
 /* how long a helper spins for the next job before parking: ~100 us of pause instructions (4096 x ~25 ns, measured).
  * It stays awake across the few small kernels between two matmuls, and parks when the engine is idle. */
@@ -55,12 +56,11 @@ struct tv_pool {
   int (*sem_post)(void* sem);
   int (*sched_yield)(void);
   /* the current job, written by the thread that owns the pool */
-  unsigned long long ticket;  /* (job sequence number << 32) | next chunk to hand out */
+  unsigned long long ticket;  /* job sequence number << 32 | number of chunks << 16 | next chunk to hand out */
   unsigned int finished;      /* chunks of the current job that are done */
   unsigned int owner;         /* 0: free, 1: a kernel launch is using the pool */
   tv_chunk_fn fn;
   const void* ctx;
-  long long num_chunks;
   /* parking: one flag and one semaphore (a libc sem_t, 32 bytes) per helper */
   unsigned int sleeping[TV_MAX_WORKERS + 1];
   unsigned long long sems[TV_MAX_WORKERS][4];
@@ -74,17 +74,21 @@ TV_INLINE void tv_pause(void) {
 #endif
 }
 
-/* Grab chunks of job `seq` until none are left. Returns when the job is fully handed out. */
+/* Grab chunks of job `seq` until none are left. Returns when the job is fully handed out.
+ *
+ * The chunk count lives in the ticket itself, next to the job number and the next chunk: one 64-bit word read
+ * and swapped atomically. (With the count in a field of its own, a helper still looking at a finished job could
+ * read the NEXT job's count while its launcher is still filling in the job, and take a chunk that does not exist.)
+ * A successful CAS on (seq, count, c) with c < count proves job seq is still running, so fn and ctx, read after
+ * the ticket, are that job's: its launcher cannot publish another before every chunk is taken and finished. */
 TV_INLINE void tv_pool_run_chunks(struct tv_pool* pool, unsigned long long seq) {
   for (;;) {
     unsigned long long t = __atomic_load_n(&pool->ticket, __ATOMIC_ACQUIRE);
-    if ((t >> 32) != seq) return;                       /* a later job: this one is done */
+    if ((t >> 32) != seq) return;                        /* a later job: this one is done */
+    unsigned int count = (unsigned int)(t >> 16) & TV_MAX_CHUNKS, chunk = (unsigned int)t & TV_MAX_CHUNKS;
+    if (chunk >= count) return;                          /* all handed out */
     tv_chunk_fn fn = __atomic_load_n(&pool->fn, __ATOMIC_RELAXED);
     const void* ctx = __atomic_load_n(&pool->ctx, __ATOMIC_RELAXED);
-    long long chunk = (long long)(t & 0xffffffffull);
-    if (chunk >= __atomic_load_n(&pool->num_chunks, __ATOMIC_RELAXED)) return;
-    /* the CAS fails if another thread took this chunk, or if a new job replaced this one
-     * (fn/ctx may then be the new job's: they are only used when the CAS succeeds) */
     if (!__atomic_compare_exchange_n(&pool->ticket, &t, t + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
     fn(ctx, (int)chunk);
     __atomic_fetch_add(&pool->finished, 1, __ATOMIC_RELEASE);
@@ -95,14 +99,14 @@ TV_INLINE void tv_pool_run_chunks(struct tv_pool* pool, unsigned long long seq) 
 TV_INLINE void tv_parallel_for(tv_chunk_fn fn, const void* ctx, int num_chunks) {
 #if TV_POOL_ADDR
   struct tv_pool* pool = (struct tv_pool*)TV_POOL_ADDR;
-  if (num_chunks > 1 && __atomic_load_n(&pool->enabled, __ATOMIC_RELAXED) &&
+  if (num_chunks > 1 && num_chunks <= TV_MAX_CHUNKS && __atomic_load_n(&pool->enabled, __ATOMIC_RELAXED) &&
       __atomic_exchange_n(&pool->owner, 1, __ATOMIC_ACQUIRE) == 0) {
     __atomic_store_n(&pool->fn, fn, __ATOMIC_RELAXED);
     __atomic_store_n(&pool->ctx, ctx, __ATOMIC_RELAXED);
-    __atomic_store_n(&pool->num_chunks, num_chunks, __ATOMIC_RELAXED);
     __atomic_store_n(&pool->finished, 0, __ATOMIC_RELAXED);
-    unsigned long long seq = (__atomic_load_n(&pool->ticket, __ATOMIC_RELAXED) >> 32) + 1;
-    __atomic_store_n(&pool->ticket, seq << 32, __ATOMIC_SEQ_CST);   /* publish: the job above is visible */
+    unsigned long long seq = ((__atomic_load_n(&pool->ticket, __ATOMIC_RELAXED) >> 32) + 1) & 0xffffffffull;
+    /* publish (release): whoever reads this ticket also sees fn, ctx and finished above */
+    __atomic_store_n(&pool->ticket, seq << 32 | (unsigned long long)num_chunks << 16, __ATOMIC_SEQ_CST);
     for (unsigned int i = 0; i < pool->num_workers; i++)
       if (__atomic_exchange_n(&pool->sleeping[i], 0, __ATOMIC_SEQ_CST)) pool->sem_post(&pool->sems[i]);
     tv_pool_run_chunks(pool, seq);

@@ -12,7 +12,7 @@ that launches a kernel shares its chunks of work with them through a small contr
 
     control block: struct tv_pool, one page mapped here; its address is compiled into every CPU kernel (TV_POOL_ADDR)
       enabled num_workers stop sem_wait sem_post sched_yield     written here, once
-      ticket finished owner fn ctx num_chunks                    written by the launching kernel, per launch
+      ticket finished owner fn ctx                               written by the launching kernel, per launch
       sleeping[i] sems[i]                                        one per helper, to park it when idle
 
 Idle helpers spin ~100 us for the next job (the gap between two matmuls of one decode step), then park on
@@ -50,7 +50,7 @@ class TvPool(ctypes.Structure):
         ("pad0", ctypes.c_uint32), ("sem_wait", ctypes.c_void_p), ("sem_post", ctypes.c_void_p),
         ("sched_yield", ctypes.c_void_p),
         ("ticket", ctypes.c_uint64), ("finished", ctypes.c_uint32), ("owner", ctypes.c_uint32),
-        ("fn", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("num_chunks", ctypes.c_int64),
+        ("fn", ctypes.c_void_p), ("ctx", ctypes.c_void_p),
         ("sleeping", ctypes.c_uint32 * (MAX_WORKERS + 1)),
         ("sems", (ctypes.c_uint64 * 4) * MAX_WORKERS),  # sem_t is 32 bytes on Linux
     ]

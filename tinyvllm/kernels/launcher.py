@@ -22,10 +22,15 @@ produces its inputs, captured by TinyJit with its buffers, replayed with new inp
                                                      CPU runtime: jump to the image's first byte with the
                                                      buffer addresses as arguments (tinygrad/runtime/ops_cpu.py)
 
-Sizes are compile-time constants (`#define` per shape, one program per shape): a TinyJit replay then passes
-nothing but buffer addresses, and the compiler specialises the loops. The CPU runtime jumps to the start of
-the compiled image, so a CPU kernel's entry function must be the first function in its file
-(`check_entry_is_first` verifies a compiled object).
+On CPU, "launch" is a plain function call: the runtime maps the compiled object into executable memory and
+calls its first byte with every argument as a 64-bit integer, from the thread that runs the graph (the Python
+thread; with HCQ2=1 a queue thread), one program at a time. So a CPU kernel's entry function must be the first
+function in its file (`check_entry_is_first` verifies a compiled object), and using more than one core is the
+kernel's own business (`cpu_threads.py`). GPU kernels get a grid instead: `global_size` x `local_size`.
+
+Sizes are compile-time constants (`#define` per shape, one program per shape). A runtime size would have to be
+a symbolic variable that TinyJit binds from its inputs at every replay (as `start_pos` is); constants need
+nothing at replay but the buffer addresses, and let the compiler specialise the loops.
 
 Kernel sources live in `kernels/<device>/` at the top of the repository. A kernel may include helpers from
 its own folder with `#include "name.h"`: tinygrad compiles from a string, so the launcher pastes them in.
@@ -115,14 +120,16 @@ def program_name(name: str, defines: dict[str, int | str]) -> str:
     return "_".join([name] + [str(v) for k, v in defines.items() if not k.startswith("TV_POOL")])
 
 
-def make_program(name: str, source: str, num_outs: int, num_ins: int, estimates: Estimates | None = None):
+def make_program(name: str, source: str, num_outs: int, num_ins: int, estimates: Estimates | None = None,
+                 global_size: tuple[int, int, int] = (1, 1, 1), local_size: tuple[int, int, int] | None = None):
     """The `fxn` for `Tensor.custom_kernel`: given the params of (outs..., ins...), build the PROGRAM UOp.
 
     ProgramInfo tells tinygrad which arguments are buffers (all), which the kernel writes (the first
-    num_outs) and which it reads: the scheduler orders kernels by it, and TinyJit knows what to copy."""
+    num_outs) and which it reads: the scheduler orders kernels by it, and TinyJit knows what to copy.
+    global_size / local_size are the launch grid of GPU kernels; a CPU program runs once (global_size 1)."""
     num = num_outs + num_ins
-    info = ProgramInfo(name=name, globals=tuple(range(num)), outs=tuple(range(num_outs)),
-                       ins=tuple(range(num_outs, num)))
+    info = ProgramInfo(name=name, global_size=global_size, local_size=local_size, globals=tuple(range(num)),
+                       outs=tuple(range(num_outs)), ins=tuple(range(num_outs, num)))
 
     def fxn(*params: UOp) -> UOp:
         assert len(params) == num, f"{name}: expected {num} buffers, got {len(params)}"
@@ -133,7 +140,8 @@ def make_program(name: str, source: str, num_outs: int, num_ins: int, estimates:
 
 
 def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
-           estimates: Estimates | None = None) -> list[Tensor]:
+           estimates: Estimates | None = None, global_size: tuple[int, int, int] = (1, 1, 1),
+           local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
     """Run kernel `name` from kernels/<device>/ on `outs` (written) and `ins` (read), all on one device.
 
     Every tensor must be contiguous (the kernel sees raw row-major buffers); `outs` are usually
@@ -144,7 +152,7 @@ def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, 
         from tinyvllm.kernels import cpu_threads
         defines = {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())}
     source = kernel_source(name, device, defines)
-    fxn = make_program(program_name(name, defines), source, len(outs), len(ins), estimates)
+    fxn = make_program(program_name(name, defines), source, len(outs), len(ins), estimates, global_size, local_size)
     return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
 
 
