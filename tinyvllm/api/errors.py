@@ -1,0 +1,108 @@
+"""Errors in OpenAI's shape, each with its HTTP status.
+
+Every error the server returns has the body the official clients parse into their exceptions:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+    status  when                                       type / code                           client raises
+    400     a bad field, a prompt over the context     invalid_request_error                 BadRequestError
+            (code context_length_exceeded)
+    401     missing or wrong API key                   invalid_request_error / invalid_api_key  AuthenticationError
+    404     a model this server does not serve         invalid_request_error / model_not_found  NotFoundError
+    429     the waiting queue is full (Retry-After)    requests / rate_limit_exceeded        RateLimitError
+    503     the model is loading or the engine stopped server_error / service_unavailable    InternalServerError
+    500     a bug or a failed engine step (logged)     server_error / internal_error         InternalServerError
+
+The engine raises plain Python exceptions (ValueError for bad input, its own classes for overload
+and failures); `to_openai_error` is the one place that maps them onto this table.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from tinyvllm.api.protocol import ErrorInfo, ErrorResponse
+from tinyvllm.engine.async_llm_engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError
+
+logger = logging.getLogger("tinyvllm.api")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, sent as the Retry-After header
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def context_length_exceeded(message: str, param: str) -> OpenAIError:
+    return bad_request(message, param, "context_length_exceeded")
+
+
+def invalid_api_key() -> OpenAIError:
+    return OpenAIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                       "invalid_request_error", code="invalid_api_key")
+
+
+def model_not_found(model: str, served: list[str]) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist. This server serves: {', '.join(served)}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def internal_error() -> OpenAIError:
+    return OpenAIError(500, "The server had an error while processing the request; it was logged and the server "
+                       "keeps serving", "server_error", code="internal_error")
+
+
+def to_openai_error(e: BaseException) -> OpenAIError:
+    """Map an exception from the engine or the serving code onto the status table above."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineOverloadedError):
+        return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", retry_after=e.retry_after)
+    if isinstance(e, (EngineNotReadyError, EngineDeadError)):
+        return OpenAIError(503, str(e), "server_error", code="service_unavailable", retry_after=5)
+    if isinstance(e, ValueError):  # the engine's word for bad caller input
+        message = str(e)
+        if "context length" in message or "max_model_len" in message:
+            return context_length_exceeded(message, "prompt")
+        return bad_request(message)
+    logger.error("internal error", exc_info=e)
+    return internal_error()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make FastAPI's own errors (bad JSON, wrong types, unknown routes) OpenAI-shaped too."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+        return bad_request(message, location[0] if location else None).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return OpenAIError(e.status_code, str(e.detail), kind).response()

@@ -1,0 +1,173 @@
+"""`GET /metrics`: what the engine is doing, in Prometheus' text format.
+
+The numbers come from the engine thread (`ServerMetrics` is the async engine's stat logger) and are
+read by the event loop when a scraper asks, so one lock guards them. The names follow vLLM's
+(`vllm:num_requests_running` here is `tinyvllm:num_requests_running`), so a dashboard built for one
+reads the other. The text format is simple enough to write by hand:
+
+    # HELP tinyvllm:time_to_first_token_seconds Time from arrival to the first generated token.
+    # TYPE tinyvllm:time_to_first_token_seconds histogram
+    tinyvllm:time_to_first_token_seconds_bucket{le="0.1"} 3      <- cumulative: observations <= 0.1
+    tinyvllm:time_to_first_token_seconds_bucket{le="+Inf"} 5
+    tinyvllm:time_to_first_token_seconds_sum 1.25
+    tinyvllm:time_to_first_token_seconds_count 5
+
+Time to first token (TTFT) is the wait a user feels before anything appears: queueing plus prefill.
+Inter-token latency (ITL) is the gap between tokens after that: one decode step of the whole batch,
+so it grows with the batch while the total throughput grows faster.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from tinyvllm.outputs import RequestOutput
+
+PREFIX = "tinyvllm:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metric:
+    kind = ""
+
+    def __init__(self, name: str, help: str):
+        self.name, self.help = PREFIX + name, help
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", *self.samples()]
+
+    def samples(self) -> list[str]:
+        raise NotImplementedError
+
+
+class Gauge(Metric):
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str):
+        super().__init__(name, help)
+        self.value = 0.0
+
+    def samples(self) -> list[str]:
+        return [f"{self.name} {self.value}"]
+
+
+class Counter(Metric):
+    """Only goes up. Optionally split by one label: `request_success_total{finished_reason="stop"}`."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, label: str | None = None):
+        super().__init__(name, help)
+        self.label = label
+        self.values: dict[str, float] = {} if label else {"": 0.0}
+
+    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
+        self.values[label_value] = self.values.get(label_value, 0.0) + amount
+
+    def samples(self) -> list[str]:
+        if self.label is None:
+            return [f"{self.name} {self.values['']}"]
+        return [f'{self.name}{{{self.label}="{value}"}} {count}' for value, count in sorted(self.values.items())]
+
+
+class Histogram(Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        super().__init__(name, help)
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, upper in enumerate(self.buckets) if value <= upper), len(self.buckets))] += 1
+        self.sum += value
+
+    def samples(self) -> list[str]:
+        lines, cumulative = [], 0
+        for upper, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{upper}"}} {cumulative}')
+        return [*lines, f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    last_token_time: float = 0.0
+    num_tokens: int = 0
+
+
+class ServerMetrics:
+    """The async engine's stat logger: called on the engine thread, rendered on the event loop."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running = Gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = Gauge("num_requests_waiting", "Requests waiting to be scheduled, queued ones included.")
+        self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
+        self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
+        self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.")
+        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
+        self.success = Counter("request_success_total", "Requests finished, by reason.", "finished_reason")
+        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              LATENCY_BUCKETS)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
+                             LATENCY_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS)
+        self.batch = Histogram("num_running_per_step", "Requests in the batch of each engine step.", BATCH_BUCKETS)
+        self._requests: dict[str, _RequestTimes] = {}
+
+    def record_added(self, request_id: str, arrival_time: float) -> None:
+        with self.lock:
+            self._requests[request_id] = _RequestTimes(arrival_time)
+
+    def record_removed(self, request_id: str) -> None:  # aborted: no latency to report
+        with self.lock:
+            self._requests.pop(request_id, None)
+
+    def record(self, now: float, stats: dict, outputs: list[RequestOutput], stepped: bool) -> None:
+        with self.lock:
+            self.running.value = stats.get("num_running", 0)
+            self.waiting.value = stats.get("num_waiting", 0)
+            total = stats.get("num_total_blocks", 0)
+            self.blocks_total.value = total
+            self.blocks_used.value = total - stats.get("num_free_blocks", total)
+            self.kv_usage.value = self.blocks_used.value / total if total else 0.0
+            if stepped:  # the batch that ran: still running, or finished by this step
+                self.batch.observe(self.running.value + sum(output.finished for output in outputs))
+            for output in outputs:
+                self._record_output(now, output)
+
+    def _record_output(self, now: float, output: RequestOutput) -> None:
+        times = self._requests.get(output.request_id)
+        if times is None:
+            return
+        num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        new_tokens = num_tokens - times.num_tokens
+        if new_tokens > 0:
+            if times.num_tokens == 0:
+                self.ttft.observe(now - times.arrival_time)
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+            else:
+                for _ in range(new_tokens):  # several tokens in one step (multi-step): spread the gap
+                    self.itl.observe((now - times.last_token_time) / new_tokens)
+            self.generation_tokens.inc(new_tokens)
+            times.num_tokens, times.last_token_time = num_tokens, now
+        if output.finished:
+            self.e2e.observe(now - times.arrival_time)
+            for completion in output.outputs:
+                self.success.inc(1, completion.finish_reason or "unknown")
+            del self._requests[output.request_id]
+
+    def render(self, num_waiting: int | None = None) -> str:
+        """The text for a scrape. `num_waiting`: the live count, requests not yet drained by the engine included."""
+        if num_waiting is not None:
+            self.waiting.value = num_waiting
+        metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage,
+                   self.prompt_tokens, self.generation_tokens, self.success, self.ttft, self.itl, self.e2e, self.batch]
+        with self.lock:
+            return "\n".join(line for metric in metrics for line in metric.render()) + "\n"

@@ -1,0 +1,181 @@
+"""`python -m tinyvllm.api.server`: the OpenAI API over the continuous-batching engine.
+
+    client --HTTP--> uvicorn --> FastAPI route --> OpenAIServing*   (event loop: parse, validate, tokenize)
+                                                        |
+                                      AsyncLLMEngine.generate() --queue--> engine loop thread: step() ...
+                                                        |
+    client <--SSE chunks / JSON-- StreamingResponse <---+  (one asyncio.Queue of outputs per request)
+
+    python -m tinyvllm.api.server --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need the API
+key when one is set), GET /health (503 until the model is loaded), GET /metrics (Prometheus text).
+The server listens on 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from tinyvllm.api.errors import install_error_handlers, invalid_api_key, to_openai_error
+from tinyvllm.api.metrics import ServerMetrics
+from tinyvllm.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tinyvllm.api.serving_chat import OpenAIServingChat
+from tinyvllm.api.serving_completions import OpenAIServingCompletion
+from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
+
+
+def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """The FastAPI app around `engine`, which it starts and stops with the server."""
+    if engine.stat_logger is None:  # before the engine thread starts: nothing reads it yet
+        engine.stat_logger = ServerMetrics()
+    metrics: ServerMetrics = engine.stat_logger
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()  # the engine thread builds the engine meanwhile; /health says when it is done
+        yield
+        await engine.shutdown()
+
+    async def check_api_key(authorization: str | None = Header(default=None)) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        # compare_digest takes as long whatever the key: timing does not tell how much of it was right
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise invalid_api_key()
+
+    app = FastAPI(title="tinyvllm", lifespan=lifespan)
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.is_ready:
+            return JSONResponse({})
+        return to_openai_error(EngineNotReadyError("the model is not loaded (yet)")).response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(engine.num_waiting()), media_type="text/plain; version=0.0.4")
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        try:
+            engine.check_can_accept(0)
+            names, max_model_len = completions.model_names(), engine.engine.max_model_len
+        except Exception as e:
+            return to_openai_error(e).response()
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len) for name in names]).model_dump()
+
+    @v1.post("/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        try:
+            return await completions.create_completion(request, raw_request)
+        except Exception as e:  # OpenAIError as it is; engine errors mapped; anything else logged as a 500
+            return to_openai_error(e).response()
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        try:
+            return await chat.create_chat_completion(request, raw_request)
+        except Exception as e:
+            return to_openai_error(e).response()
+
+    app.include_router(v1)
+    return app
+
+
+class BackgroundServer:
+    """A real uvicorn server on a thread of this process, on a free port of 127.0.0.1 by default:
+    what the tests, the tutorial and the benchmark talk to. `with BackgroundServer(app) as server:`
+    returns once `/health` says the model is loaded; leaving the block stops the server."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0):
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.host, self.timeout, self.url = host, timeout, ""
+
+    def start(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + self.timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]  # the port the OS picked for port=0
+        self.url = f"http://{self.host}:{port}"
+        while httpx.get(f"{self.url}/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the model did not load within {self.timeout} s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="tinyvllm: an OpenAI-compatible server")
+    p.add_argument("--model", default=None, help="a .gguf file or an HF checkpoint directory (default: SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TINYVLLM_API_KEY, else none)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients ask for in 'model' (default: the model's own name)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="more requests than this waiting get 429 with Retry-After (default 256)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache blocks (default 512MiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.device:
+        os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
+
+    def make_engine():
+        from tinyvllm.engine.llm_engine import LLMEngine  # here: --help stays instant, tinygrad starts on this thread
+
+        return LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
+
+    engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
+    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""What both endpoints share: the model check, the context check, request -> SamplingParams, SSE.
+
+Validation happens here, before a request reaches the engine, so a bad request gets its 400 at once
+and never holds a KV block: the prompt is tokenized on the event loop (microseconds for a short one),
+its length checked against `max_model_len`, and the fields turned into a `SamplingParams`, whose own
+checks name the field at fault.
+
+Server-sent events (SSE) are how a streamed response travels: an HTTP response that stays open, with
+`Content-Type: text/event-stream`, made of events separated by a blank line. OpenAI's stream is one
+JSON chunk per event, then a literal `[DONE]`:
+
+    data: {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": " Paris", ...}]}
+
+    data: [DONE]
+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from tinyvllm.api.errors import bad_request, context_length_exceeded, model_not_found, to_openai_error
+from tinyvllm.api.protocol import SamplingFields, UsageInfo
+from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+# request fields passed to SamplingParams under the same name, when the client set them
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
+                   "skip_special_tokens", "include_stop_str_in_output")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str] | None = None):
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def model_names(self) -> list[str]:
+        """The names clients may ask for; the engine's own model name unless told otherwise."""
+        return self.served_model_names or [self.engine.engine.model_name]
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        names = self.model_names()
+        if model is not None and model not in names:
+            raise model_not_found(model, names)
+        return names[0] if model is None else model
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
+        vocab_size = self.tokenizer.vocab_size
+        if not token_ids or not all(0 <= t < vocab_size for t in token_ids):
+            raise bad_request(f"{param} must be a non-empty list of token ids in [0, {vocab_size})", param)
+        return token_ids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
+                           max_tokens_param: str = "max_tokens") -> int:
+        """Check that prompt + output fit the context; None means all the room that is left."""
+        limit = self.engine.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens, but the {prompt_param} has "
+                f"{num_prompt_tokens} tokens, which leaves no room for output. Shorten the {prompt_param}.",
+                prompt_param)
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if max_tokens < 1:
+            raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+        if num_prompt_tokens + max_tokens > limit:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
+                f"were requested ({num_prompt_tokens} in the {prompt_param}, {max_tokens} for the output). "
+                f"Shorten the {prompt_param} or lower {max_tokens_param}.", max_tokens_param)
+        return max_tokens
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        fields = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
+        if request.logit_bias:
+            fields["logit_bias"] = self.parse_logit_bias(request.logit_bias)
+        try:
+            return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+        except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1], got 2"
+            field = re.match(r"\w+", str(e))
+            raise bad_request(str(e), field.group() if field else None) from e
+
+    def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
+        parsed = {}
+        for key, bias in logit_bias.items():
+            if not key.isdigit() or int(key) >= self.tokenizer.vocab_size:
+                raise bad_request(f"logit_bias keys must be token ids in [0, {self.tokenizer.vocab_size}), got "
+                                  f"{key!r}", "logit_bias")
+            parsed[int(key)] = bias
+        return parsed
+
+    def check_stream_options(self, request: SamplingFields) -> bool:
+        """Whether the stream ends with a usage chunk."""
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        return request.stream and request.stream_options is not None and request.stream_options.include_usage
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text for logprobs; a token that is part of a character shows its bytes."""
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "".join(f"\\x{b:02x}" for b in raw)
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained since the previous output: what a stream chunk carries."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list  # one (logprob, top alternatives) per new token, or [] when not asked for
+    finish_reason: str | None
+    first: bool  # this choice's first chunk
+
+
+async def choice_deltas(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[RequestOutput, list[ChoiceDelta]]]:
+    """Cumulative outputs in, differences out (a choice with nothing new is left out)."""
+    sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent
+    sent_tokens: dict[int, int] = {}
+    finished: set[int] = set()
+    async for output in stream:
+        deltas = []
+        for completion in output.outputs:
+            i, start = completion.index, sent_tokens.get(completion.index, 0)
+            if i in finished or (i in sent_tokens and start == len(completion.token_ids) and not completion.finished):
+                continue
+            deltas.append(ChoiceDelta(i, completion.text[sent_chars.get(i, 0):], completion.token_ids[start:],
+                                      (completion.logprobs or [])[start:], completion.finish_reason,
+                                      i not in sent_tokens))
+            sent_chars[i], sent_tokens[i] = len(completion.text), len(completion.token_ids)
+            if completion.finished:
+                finished.add(i)
+        yield output, deltas
+
+
+def usage(output: RequestOutput) -> UsageInfo:
+    """The prompt counts once however many choices (n) share it, as OpenAI bills it."""
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def sse(chunk: BaseModel | dict | str) -> str:
+    """One server-sent event. Stream chunks carry `usage` only when it has a value."""
+    if isinstance(chunk, BaseModel):
+        exclude = {"usage"} if getattr(chunk, "usage", 0) is None else None
+        chunk = chunk.model_dump_json(exclude=exclude)
+    elif isinstance(chunk, dict):
+        chunk = json.dumps(chunk)
+    return f"data: {chunk}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    """An error after the 200 and the first chunks went out: the status can't change, so it is an event."""
+    return sse(to_openai_error(e).body())
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read, so only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def last_output(request: Request, stream) -> RequestOutput | None:
+    """The non-streaming path joins the stream: run it to its last output, unless the client leaves
+    first. Then the stream is cancelled, which aborts the request (None is returned)."""
+
+    async def consume() -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    consumer = asyncio.ensure_future(consume())
+    disconnect = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consumer, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not consumer.done():
+            consumer.cancel()  # raises CancelledError inside the stream, whose `finally` aborts the request
+            await asyncio.gather(consumer, return_exceptions=True)
+    return None if consumer.cancelled() else consumer.result()

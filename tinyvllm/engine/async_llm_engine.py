@@ -1,0 +1,276 @@
+"""The async engine: one thread owns the device, the event loop owns the clients.
+
+`LLMEngine.step()` blocks for a whole forward pass (tens of milliseconds on a CPU). Called from the
+server's asyncio event loop it would freeze every connection for that long: no new request accepted,
+no token sent, no disconnect noticed. So the engine lives on its own thread, and the two sides only
+talk through queues:
+
+    event loop (HTTP, many requests)                     engine loop thread (the device, one)
+    --------------------------------                     ------------------------------------
+    generate() --- _Add / _Abort ---> input queue.Queue --> drain: add_request / abort_request
+         ^                           (thread-safe)          step()  (schedule -> forward -> update)
+         |                                                     |
+    per-request asyncio.Queue <-- _dispatch <-- call_soon_threadsafe(one batch per step)
+
+The thread builds the engine too (`engine_factory`), so loading weights and compiling kernels also
+stay off the event loop, and `/health` can answer "not yet" meanwhile. It steps while any request is
+unfinished and sleeps on the input queue otherwise. Commands are drained before every step, so an
+abort (a client that went away) frees its KV blocks before the next forward pass.
+
+vLLM v0 had the same split (`AsyncLLMEngine` over `LLMEngine`, `AsyncStream` per request); vLLM v1
+moved the engine core into another process (`AsyncLLM` + `EngineCoreClient`), with the same queues
+carried over ZeroMQ. Outputs are cumulative, so a consumer that fell behind takes only the newest one
+(v1's `RequestOutputCollector` merges them likewise).
+
+`n > 1` is fanned out here, as in v1's `ParentRequest`: n child requests of n=1 (seed + i when a seed
+is set), merged back into one stream whose `outputs[i].index == i`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tinyvllm.engine")
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still being built (weights loading, kernels compiling), or failed to build."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (the server is shutting down)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; the requests in it were aborted. The engine keeps serving new requests."""
+
+
+class EngineOverloadedError(RuntimeError):
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_SHUTDOWN = object()
+
+
+class AsyncLLMEngine:
+    """`generate()` streams one request's outputs; everything device-side happens on `engine-loop`.
+
+    stat_logger (optional) is called on the engine thread: `record_added(request_id, arrival_time)`,
+    `record_removed(request_id)`, and `record(now, stats, outputs, stepped)` after each loop turn.
+    """
+
+    def __init__(self, engine_factory: Callable[[], object], *, max_waiting: int | None = None,
+                 stat_logger: object | None = None, retry_after: int = 1):
+        self.engine_factory = engine_factory
+        self.max_waiting = max_waiting  # more requests than this waiting -> EngineOverloadedError
+        self.retry_after = retry_after
+        self.stat_logger = stat_logger
+        self.engine = None  # set by the engine thread once built
+        self.load_error: BaseException | None = None
+        self.stats: dict = {"num_running": 0, "num_waiting": 0}  # snapshot, republished every loop turn
+        self._input: queue.Queue = queue.Queue()  # event loop -> engine thread
+        self._routes: dict[str, tuple[asyncio.Queue, int]] = {}  # request id -> its stream; event loop only
+        self._in_engine: set[str] = set()  # engine thread only
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (event loop side) ----
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run_engine_loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._input.put(_SHUTDOWN)
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    def wait_until_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._thread is not None and self._thread.is_alive()
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: the engine's waiting queue plus commands not yet drained."""
+        return self.stats["num_waiting"] + self._input.qsize()
+
+    # ---- requests (event loop side) ----
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes. Leaving early (the client went
+        away, the task was cancelled) aborts it: its KV blocks are freed before the next step."""
+        self.check_can_accept(sampling_params.n)
+        n = sampling_params.n
+        children = [(request_id, sampling_params)] if n == 1 else [
+            (f"{request_id}-{i}", dataclasses.replace(
+                sampling_params, n=1, seed=None if sampling_params.seed is None else sampling_params.seed + i))
+            for i in range(n)]
+        if any(child_id in self._routes for child_id, _ in children):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        outputs: asyncio.Queue = asyncio.Queue()
+        arrival = time.monotonic()
+        for index, (child_id, params) in enumerate(children):
+            self._routes[child_id] = (outputs, index)
+            self._input.put(_Add(child_id, prompt, params, arrival))
+
+        latest: list[CompletionOutput | None] = [None] * n
+        finished = False
+        try:
+            while not finished:
+                items = [await outputs.get()]
+                while not outputs.empty():  # fell behind: the newest cumulative output says it all
+                    items.append(outputs.get_nowait())
+                for index, item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    newest = item
+                    latest[index] = dataclasses.replace(item.outputs[0], index=index)
+                finished = all(out is not None and out.finished for out in latest)
+                yield RequestOutput(request_id, newest.prompt, newest.prompt_token_ids,
+                                    [out for out in latest if out is not None], finished, newest.metrics)
+        finally:
+            for index, (child_id, _) in enumerate(children):
+                self._routes.pop(child_id, None)
+                if latest[index] is None or not latest[index].finished:
+                    self._input.put(_Abort(child_id))
+
+    def check_can_accept(self, n: int = 1) -> None:
+        """Raise now if `n` more requests can't be taken. `generate()` checks too, but only when first
+        iterated; a server calls this before it sends the 200 of a stream."""
+        if not self._ready.is_set():
+            reason = f"failed to load: {self.load_error}" if self.load_error else "is still loading"
+            raise EngineNotReadyError(f"the model {reason}")
+        if not self.is_ready:
+            raise EngineDeadError("the engine has stopped")
+        if self.max_waiting is not None and self.num_waiting() + n > self.max_waiting:
+            raise EngineOverloadedError(f"the server is overloaded: {self.num_waiting()} requests are already "
+                                        f"waiting (max {self.max_waiting}); retry later", self.retry_after)
+
+    def _dispatch(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """On the event loop: hand each output to its request's queue (gone if the client left)."""
+        for request_id, item in batch:
+            route = self._routes.get(request_id)
+            if route is not None:
+                route[0].put_nowait((route[1], item))
+
+    # ---- the engine loop (engine thread) ----
+
+    def _run_engine_loop(self) -> None:
+        try:
+            self.engine = self.engine_factory()
+        except BaseException as e:
+            self.load_error = e
+            logger.exception("the engine failed to load")
+            return
+        self._ready.set()
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            commands = [self._input.get()] if idle else []  # sleep until there is something to do
+            while not self._input.empty():
+                commands.append(self._input.get_nowait())
+            if any(c is _SHUTDOWN for c in commands):
+                self._abort_all(EngineDeadError("the server is shutting down"))
+                return
+            errors = [error for c in commands if (error := self._apply(c)) is not None]
+            self._publish(errors)
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _apply(self, command: _Add | _Abort) -> tuple[str, BaseException] | None:
+        if isinstance(command, _Abort):
+            if command.request_id in self._in_engine:
+                self.engine.abort_request(command.request_id)
+                self._in_engine.discard(command.request_id)
+                self._record("record_removed", command.request_id)
+            return None
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as e:  # ValueError: the caller's mistake, answered to that request only
+            return command.request_id, e
+        self._in_engine.add(command.request_id)
+        self._record("record_added", command.request_id, command.arrival_time)
+        return None
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting the %d requests in the engine", len(self._in_engine))
+            self._abort_all(EngineStepError(f"the engine failed while running this request: {type(e).__name__}"))
+            return
+        batch = []
+        for output in outputs:
+            if output.request_id not in self._in_engine:
+                continue
+            if output.finished:
+                self._in_engine.discard(output.request_id)
+            batch.append((output.request_id, _snapshot(output)))
+        self._publish(batch, outputs, stepped=True)
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id in list(self._in_engine):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            self._record("record_removed", request_id)
+        batch = [(request_id, error) for request_id in self._in_engine]
+        self._in_engine.clear()
+        self._publish(batch)
+
+    def _publish(self, batch: list, outputs: list[RequestOutput] = (), stepped: bool = False) -> None:
+        """Refresh the stats snapshot and send this turn's outputs to the event loop in one call."""
+        self.stats = self.engine.get_stats()
+        self._record("record", time.monotonic(), self.stats, outputs, stepped)
+        if batch:
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, batch)
+            except RuntimeError:  # the event loop has closed: nobody is left to read them
+                pass
+
+    def _record(self, method: str, *args) -> None:
+        if self.stat_logger is None:
+            return
+        try:
+            getattr(self.stat_logger, method)(*args)
+        except Exception:  # metrics must never stop the engine
+            logger.exception("stat logger %s failed", method)
+
+
+def _snapshot(output: RequestOutput) -> RequestOutput:
+    """Copy the lists the engine keeps appending to, so the event loop reads a stable output."""
+    outputs = [dataclasses.replace(o, token_ids=list(o.token_ids),
+                                   logprobs=None if o.logprobs is None else list(o.logprobs))
+               for o in output.outputs]
+    return dataclasses.replace(output, prompt_token_ids=list(output.prompt_token_ids), outputs=outputs)
