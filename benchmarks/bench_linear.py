@@ -6,15 +6,16 @@
 Every variant runs in this one process, on the same inputs, under TinyJit, as the model would: one jitted
 call runs the matmul over several copies of the weight (>= 64 MB in all, more than the 32 MB L3), so weights
 come from memory as they do in a real decode step, and the per-call Python overhead is shared. Reported:
-ms per matmul (median of repeats), GB/s of weights read for M=1 (bandwidth-bound), GFLOP/s for M>1.
+ms per matmul (best of the repeats, the variants taking turns in each), GB/s of weights read for M=1
+(bandwidth-bound), GFLOP/s for M>1. The machine's other load is printed: on shared cores, compare columns of one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit
@@ -28,19 +29,33 @@ SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 5
           "lm_head": (49152, 576)}
 
 
-def time_variant(fn, x: Tensor, ws: list[Tensor], repeats: int) -> float:
-    """Median seconds per matmul of `fn(x, w)`, jitted over all of `ws` in one call."""
-    # the weights are captured by the JIT, as a model's are; only x is an input
+def time_variants(variants: dict[str, Callable[[], None]], x: Tensor, num_matmuls: int,
+                  repeats: int) -> dict[str, float]:
+    """Best seconds per matmul of each variant. The variants take turns in every repeat, so that a burst of load
+    from other processes falls on all of them alike; the best repeat is the one least disturbed."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(repeats + 2):  # 2 warm-up calls of each: run, then TinyJit capture
+        for name, run in variants.items():
+            Device[x.device].synchronize()
+            st = time.perf_counter()
+            run()
+            Device[x.device].synchronize()
+            if i >= 2:
+                times[name].append((time.perf_counter() - st) / num_matmuls)
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def jitted(fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, ws: list[Tensor]) -> Callable[[], None]:
+    """fn(x, w) for every w in one TinyJit call: the weights are captured by the JIT, as a model's are."""
     jit = TinyJit(lambda x: Tensor.realize(*[fn(x, w) for w in ws]))
-    times = []
-    for i in range(repeats + 2):  # 2 warm-up calls: run, then capture
-        Device[x.device].synchronize()
-        st = time.perf_counter()
-        jit(x)
-        Device[x.device].synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - st) / len(ws))
-    return statistics.median(times)
+    return lambda: jit(x)
+
+
+def with_threads(enabled: bool, run: Callable[[], None]) -> Callable[[], None]:
+    def wrapped() -> None:
+        with cpu_threads.threads_enabled(enabled):
+            run()
+    return wrapped
 
 
 def rate(M: int, N: int, K: int, t: float) -> str:
@@ -71,10 +86,10 @@ def main() -> None:
             x = Tensor(rng.standard_normal((M, K), dtype=np.float32)).realize()
             assert uses_kernel(x, ws[0]), "the C kernel is not available here"
             np.testing.assert_allclose(linear(x, ws[0]).numpy(), x.numpy() @ ws[0].numpy().T, rtol=1e-4, atol=1e-3)
-            t_c = time_variant(linear, x, ws, args.repeats)
-            with cpu_threads.threads_enabled(False):
-                t_c1 = time_variant(linear, x, ws, args.repeats)
-            t_tg = time_variant(lambda x, w: x @ w.T, x, ws, args.repeats)
+            c_kernel = jitted(linear, x, ws)
+            t = time_variants({"c": c_kernel, "c1": with_threads(False, c_kernel),
+                               "tg": jitted(lambda x, w: x @ w.T, x, ws)}, x, len(ws), args.repeats)
+            t_c, t_c1, t_tg = t["c"], t["c1"], t["tg"]
             print(f"| {name} {N}x{K} | {M} | {t_c * 1e3:.3f} | {t_c1 * 1e3:.3f} | {t_tg * 1e3:.3f} | "
                   f"{rate(M, N, K, t_c)} | {rate(M, N, K, t_tg)} | {t_tg / t_c:.1f}x |", flush=True)
 
