@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,7 @@ POOL_STRESS_C = r"""
 #include <pthread.h>
 #include <semaphore.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -159,6 +161,8 @@ int main(void) {
   for (long i = 0; i < 2; i++) pthread_create(&l[i], 0, launcher, (void*)(i + 1));
   for (int i = 0; i < 2; i++) pthread_join(l[i], 0);
   printf("errors %d jobs %llu\n", errors, pool->ticket >> 32);
+  printf("layout %zu %zu %zu %zu\n", sizeof(struct tv_pool), offsetof(struct tv_pool, ticket),
+         offsetof(struct tv_pool, sleeping), offsetof(struct tv_pool, sems));
   return errors != 0;
 }
 """
@@ -175,3 +179,7 @@ def test_thread_pool_protocol_under_contention(tmp_path: Path):
                    check=True)
     result = subprocess.run([str(binary)], check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+    # and Python's mirror of the control block has the C layout
+    P = cpu_threads.TvPool
+    layout = [ctypes.sizeof(P), P.ticket.offset, P.sleeping.offset, P.sems.offset]
+    assert result.stdout.split("layout ")[1].split() == [str(n) for n in layout], result.stdout

@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ class TvPool(ctypes.Structure):
         ("ticket", ctypes.c_uint64), ("finished", ctypes.c_uint32), ("owner", ctypes.c_uint32),
         ("fn", ctypes.c_void_p), ("ctx", ctypes.c_void_p),
         ("sleeping", ctypes.c_uint32 * (MAX_WORKERS + 1)),
-        ("sems", (ctypes.c_uint64 * 4) * MAX_WORKERS),  # sem_t is 32 bytes on Linux
+        ("sems", (ctypes.c_uint64 * 4) * MAX_WORKERS),  # sem_t is 32 bytes on Linux (x86-64 and arm64)
     ]
 
 
@@ -62,11 +63,10 @@ class _PoolState:
     address: int = 0
     program: Any = None  # the compiled helper loop (a CPUProgram): its code must outlive the threads running it
     threads: list[threading.Thread] = field(default_factory=list)
+    failed: bool = False  # starting failed once: stay single-threaded rather than map another block
 
 
 _state = _PoolState()
-
-
 _lock = threading.Lock()
 
 
@@ -112,8 +112,12 @@ def _start() -> None:
 def pool_address() -> int:
     """Address of the control block, starting the helpers on first call; 0 when kernels run single-threaded."""
     with _lock:
-        if _state.pool is None and _supported():
-            _start()
+        if _state.pool is None and not _state.failed and _supported():
+            try:
+                _start()
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as e:  # no clang, mmap refused, ...
+                _state.failed = True
+                print(f"tinyvllm: CPU kernels run single-threaded ({e})", file=sys.stderr)
         return _state.address
 
 
