@@ -98,6 +98,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return bad_request(f"the request body is not valid JSON: {detail}").response()
+        # loc: ("body", "messages", 0, "content"): the field is the first name after "body"
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
         return bad_request(message, location[0] if location else None).response()

@@ -77,7 +77,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @v1.get("/models")
     async def list_models() -> dict:
         try:
-            engine.check_can_accept(0)
+            engine.check_ready()
             names, max_model_len = completions.model_names(), engine.engine.max_model_len
         except Exception as e:
             return to_openai_error(e).response()
@@ -106,11 +106,12 @@ class BackgroundServer:
     what the tests, the tutorial and the benchmark talk to. `with BackgroundServer(app) as server:`
     returns once `/health` says the model is loaded; leaving the block stops the server."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
+                 wait_until_ready: bool = True):
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-        self.host, self.timeout, self.url = host, timeout, ""
+        self.host, self.timeout, self.wait_until_ready, self.url = host, timeout, wait_until_ready, ""
 
     def start(self) -> BackgroundServer:
         self.thread.start()
@@ -121,7 +122,7 @@ class BackgroundServer:
             time.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]  # the port the OS picked for port=0
         self.url = f"http://{self.host}:{port}"
-        while httpx.get(f"{self.url}/health").status_code != 200:
+        while self.wait_until_ready and httpx.get(f"{self.url}/health").status_code != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the model did not load within {self.timeout} s")
             time.sleep(0.05)

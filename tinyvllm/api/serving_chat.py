@@ -47,10 +47,9 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "messages")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, num_logprobs)
-        self.engine.check_can_accept(params.n)  # 429/503 now, before a stream's 200 goes out
 
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self.engine.generate(prompt_ids, params, request_id)
+        stream = self.engine.add_request(request_id, prompt_ids, params)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         if request.stream:
             chunks = self.stream_chunks(stream, head, num_logprobs, include_usage)

@@ -40,10 +40,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_ids, prompt_text = self.prompt(request.prompt)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "prompt")
         params = self.sampling_params(request, max_tokens, request.logprobs)
-        self.engine.check_can_accept(params.n)  # 429/503 now, before a stream's 200 goes out
 
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self.engine.generate(prompt_ids, params, request_id)
+        stream = self.engine.add_request(request_id, prompt_ids, params)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         echo = prompt_text if request.echo else ""
         if request.stream:

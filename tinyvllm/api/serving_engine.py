@@ -53,6 +53,7 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
+        self.engine.check_ready()  # 503 while loading: the names may come from the model
         names = self.model_names()
         if model is not None and model not in names:
             raise model_not_found(model, names)

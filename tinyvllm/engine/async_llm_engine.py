@@ -128,8 +128,15 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs until it finishes. Leaving early (the client went
-        away, the task was cancelled) aborts it: its KV blocks are freed before the next step."""
+        """Yield the request's cumulative outputs until it finishes (vLLM's signature)."""
+        async for output in self.add_request(request_id, prompt, sampling_params):
+            yield output
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Check there is room, queue the request for the engine thread now, and return its stream of
+        outputs. Leaving the stream early (the client went away, the task was cancelled) aborts the
+        request: its KV blocks are freed before the next step."""
         self.check_can_accept(sampling_params.n)
         n = sampling_params.n
         children = [(request_id, sampling_params)] if n == 1 else [
@@ -143,8 +150,11 @@ class AsyncLLMEngine:
         for index, (child_id, params) in enumerate(children):
             self._routes[child_id] = (outputs, index)
             self._input.put(_Add(child_id, prompt, params, arrival))
+        return self._stream(request_id, [child_id for child_id, _ in children], outputs)
 
-        latest: list[CompletionOutput | None] = [None] * n
+    async def _stream(self, request_id: str, child_ids: list[str],
+                      outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        latest: list[CompletionOutput | None] = [None] * len(child_ids)
         finished = False
         try:
             while not finished:
@@ -160,19 +170,21 @@ class AsyncLLMEngine:
                 yield RequestOutput(request_id, newest.prompt, newest.prompt_token_ids,
                                     [out for out in latest if out is not None], finished, newest.metrics)
         finally:
-            for index, (child_id, _) in enumerate(children):
+            for index, child_id in enumerate(child_ids):
                 self._routes.pop(child_id, None)
                 if latest[index] is None or not latest[index].finished:
                     self._input.put(_Abort(child_id))
 
-    def check_can_accept(self, n: int = 1) -> None:
-        """Raise now if `n` more requests can't be taken. `generate()` checks too, but only when first
-        iterated; a server calls this before it sends the 200 of a stream."""
+    def check_ready(self) -> None:
         if not self._ready.is_set():
             reason = f"failed to load: {self.load_error}" if self.load_error else "is still loading"
             raise EngineNotReadyError(f"the model {reason}")
         if not self.is_ready:
             raise EngineDeadError("the engine has stopped")
+
+    def check_can_accept(self, n: int = 1) -> None:
+        """Raise if `n` more requests can't be taken: not loaded (yet), stopped, or too many waiting."""
+        self.check_ready()
         if self.max_waiting is not None and self.num_waiting() + n > self.max_waiting:
             raise EngineOverloadedError(f"the server is overloaded: {self.num_waiting()} requests are already "
                                         f"waiting (max {self.max_waiting}); retry later", self.retry_after)
@@ -180,8 +192,9 @@ class AsyncLLMEngine:
     def _dispatch(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """On the event loop: hand each output to its request's queue (gone if the client left)."""
         for request_id, item in batch:
-            route = self._routes.get(request_id)
-            if route is not None:
+            last = isinstance(item, BaseException) or item.finished
+            route = self._routes.pop(request_id, None) if last else self._routes.get(request_id)
+            if route is not None:  # None: the client left (or never started reading)
                 route[0].put_nowait((route[1], item))
 
     # ---- the engine loop (engine thread) ----

@@ -1,0 +1,201 @@
+"""Phase 9: every error has OpenAI's shape and status, a client that leaves frees its blocks, and the
+server keeps serving after each. Runs against `FakeLLMEngine`, whose hooks hold or break a step."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from api_helpers import client, metrics, serve, sse_events, stream_json, wait_for
+from fake_engine import FakeLLMEngine
+
+MODEL = "fake-smollm2"
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(lambda: FakeLLMEngine(max_model_len=64)) as server:
+        yield server
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["code"] == code, error
+    return error
+
+
+def still_serving(server) -> None:
+    response = client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+
+
+BAD_REQUESTS = [  # (path, body, param, code)
+    ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, "temperature", None),
+    ("/v1/completions", {"prompt": "Hi", "temperature": -1}, "temperature", None),
+    ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, "top_p", None),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, "n", None),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 50}, "logprobs", None),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens", None),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"not-a-token": 1}}, "logit_bias", None),
+    ("/v1/completions", {"prompt": "Hi", "stop": 5}, "stop", None),
+    ("/v1/completions", {"temperature": 0}, "prompt", None),
+    ("/v1/completions", {"prompt": ""}, "prompt", None),
+    ("/v1/completions", {"prompt": [1, 99999999]}, "prompt", None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", None),
+    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}, "echo", None),
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options", None),
+    ("/v1/completions", {"prompt": "Hi " * 80}, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 100}, "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 100}, "max_completion_tokens",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": []}, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", None),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", None),
+]
+
+
+@pytest.mark.parametrize("path, body, param, code", BAD_REQUESTS, ids=[f"{p}-{q}" for _, _, p, q in BAD_REQUESTS])
+def test_bad_requests_are_400(server, path, body, param, code):
+    error = assert_error(httpx.post(f"{server.url}{path}", json=body), 400, param, code)
+    assert error["type"] == "invalid_request_error"
+    if param != "stream_options":  # the same request streamed is refused before its 200
+        assert_error(httpx.post(f"{server.url}{path}", json={**body, "stream": True}), 400, param, code)
+
+
+def test_invalid_json_and_unknown_route(server):
+    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert_error(response, 400)
+    assert_error(httpx.get(f"{server.url}/v1/nowhere"), 404)
+    still_serving(server)
+
+
+def test_openai_client_raises_the_matching_exceptions(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="Hi " * 80)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-4o", messages=CHAT["messages"])
+    assert e.value.code == "model_not_found"
+    still_serving(server)
+
+
+def test_api_key():
+    with serve(lambda: FakeLLMEngine(), api_key="sesame", served_model_names=["smol", "smol-alias"]) as server:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi"}, headers=headers)
+            assert_error(response, 401, None, "invalid_api_key")
+        with pytest.raises(openai.AuthenticationError):
+            client(server, api_key="wrong").models.list()
+        assert [m.id for m in client(server, api_key="sesame").models.list().data] == ["smol", "smol-alias"]
+        ok = client(server, api_key="sesame").completions.create(model="smol-alias", prompt="Hi", max_tokens=2)
+        assert ok.model == "smol-alias"
+        assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics need no key
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_503_until_the_model_is_loaded():
+    loaded = threading.Event()
+
+    def slow_factory():
+        assert loaded.wait(60)
+        return FakeLLMEngine()
+
+    with serve(slow_factory, wait_until_ready=False) as server:
+        assert_error(httpx.get(f"{server.url}/health"), 503, None, "service_unavailable")
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi"})
+        assert_error(response, 503, None, "service_unavailable")
+        assert int(response.headers["Retry-After"]) > 0
+        assert_error(httpx.get(f"{server.url}/v1/models"), 503, None, "service_unavailable")
+        loaded.set()
+        wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, what="the model to load")
+        still_serving(server)
+
+
+def test_full_waiting_queue_is_429_with_retry_after():
+    fake = FakeLLMEngine(max_num_seqs=1)
+    with serve(lambda: fake, max_waiting=2) as server:
+        engine = server.async_engine
+        fake.gate.clear()  # the engine thread will hold inside its next step
+        body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            first = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+            wait_for(lambda: engine.stats["num_waiting"] == 1, what="the engine to take the first request")
+            second = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+            assert (first.status_code, second.status_code, engine.num_waiting()) == (200, 200, 2)
+            for stream in (False, True):
+                response = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream})
+                assert_error(response, 429, None, "rate_limit_exceeded")
+                assert int(response.headers["Retry-After"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+            assert metrics(server)["tinyvllm:num_requests_waiting"] == 2
+            fake.gate.set()
+            for response in (first, second):
+                events = sse_events(response)
+                assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+                response.close()
+        still_serving(server)
+
+
+def test_engine_failure_is_500_and_the_server_keeps_serving():
+    fake = FakeLLMEngine()
+    with serve(lambda: fake) as server:
+        fake.fail_next_step = True
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+        error = assert_error(response, 500, None, "internal_error")
+        assert error["type"] == "server_error"
+        still_serving(server)
+
+        fake.fail_next_step = True  # now mid-stream: the 200 is out, so the error comes as an event
+        events, raw = stream_json(server, "/v1/chat/completions", CHAT)
+        assert raw[-1] == "[DONE]" and events[-1]["error"]["code"] == "internal_error"
+        still_serving(server)
+        assert fake.num_free_blocks == fake.num_total_blocks
+
+
+def test_disconnect_mid_stream_frees_the_blocks():
+    fake = FakeLLMEngine(step_time=0.02, max_model_len=4096, num_blocks=512)
+    with serve(lambda: fake) as server:
+        body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for _ in range(3):  # a few tokens in: the request holds blocks
+                assert next(lines).startswith("data: ") and next(lines) == ""
+            assert metrics(server)["tinyvllm:num_kv_blocks_used"] > 0
+            steps_at_close = fake.num_steps
+        # leaving the block closed the connection
+        wait_for(lambda: fake.aborted, timeout=10, what="the abort")
+        assert fake.num_steps - steps_at_close <= 3, "the abort should come within a step or so of the disconnect"
+        wait_for(lambda: metrics(server)["tinyvllm:num_kv_blocks_used"] == 0, what="the metrics to show it")
+        assert fake.num_free_blocks == fake.num_total_blocks and not fake.has_unfinished_requests()
+
+        # the same for a non-streaming request whose client gives up waiting
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
+        wait_for(lambda: len(fake.aborted) == 2, timeout=10, what="the second abort")
+        wait_for(lambda: fake.num_free_blocks == fake.num_total_blocks, what="the blocks to come back")
+        still_serving(server)
+
+
+def test_event_loop_answers_while_the_engine_is_busy():
+    fake = FakeLLMEngine()
+    with serve(lambda: fake) as server:
+        fake.gate.clear()  # a step that takes as long as the test likes: the device is busy
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "Hi", "stream": True}) as response:
+            wait_for(lambda: server.async_engine.stats["num_waiting"] == 1, what="the step to start")
+            start = time.monotonic()
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            assert httpx.get(f"{server.url}/metrics").status_code == 200
+            assert time.monotonic() - start < 2.0
+            fake.gate.set()
+            assert sse_events(response)[-1] == "[DONE]"
