@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -223,6 +224,16 @@ def test_metrics_counts_and_histograms(server):
     assert after['tinyvllm:request_success_total{finished_reason="length"}'] >= 1
     assert after["tinyvllm:num_requests_running"] == 0 and after["tinyvllm:num_kv_blocks_used"] == 0
     assert after["tinyvllm:num_kv_blocks_total"] == 64
+
+
+def test_bench_serving_runs(server):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_serving import report, run_benchmark
+
+    results, wall = asyncio.run(run_benchmark(server.url, concurrency=4, num_requests=8, max_tokens=6))
+    assert len(results) == 8 and all(r.error is None and r.output_tokens == 6 for r in results)
+    assert all(r.ttft > 0 and len(r.itl) >= 1 for r in results)
+    report(results, wall, 4)
 
 
 def test_cli_help():

@@ -1,0 +1,177 @@
+"""Serving benchmark: N concurrent streaming clients send a fixed number of requests to the OpenAI server.
+
+    python -m tinyvllm.api.server --port 8000 &
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 32 --num-requests 128
+
+    python benchmarks/bench_serving.py --launch -- --max-num-seqs 32     (starts and stops its own server)
+
+Each client streams `/v1/completions` (greedy, `ignore_eos`, so every request produces exactly
+`--max-tokens` tokens) and takes the next request as soon as one finishes, until `--num-requests` are
+done. Reported, after `--warmup` requests that compile the JIT's batch sizes:
+
+    throughput   requests/s and output tokens/s over the whole run (what the batch buys)
+    TTFT         time to first token: queueing + prefill, as a user waits for the first word
+    ITL          inter-token latency: the gap between streamed chunks, one decode step of the batch
+    E2E          request latency from send to [DONE]
+
+A chunk can carry more than one token when the client falls behind (outputs are merged), so ITL is
+measured per chunk and the token count comes from the final usage chunk. Only local servers are
+accepted: this is a load generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+import numpy as np
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class RequestResult:
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    result, start, last = RequestResult(), time.perf_counter(), None
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event, now = json.loads(line[len("data: "):]), time.perf_counter()
+            if "error" in event:
+                result.error = event["error"]["message"]
+            elif event.get("usage"):
+                result.output_tokens = event["usage"]["completion_tokens"]
+            elif event["choices"]:
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+    result.e2e = time.perf_counter() - start
+    return result
+
+
+async def run_benchmark(base_url: str, *, concurrency: int, num_requests: int, max_tokens: int,
+                        prompt_words: int = 24) -> tuple[list[RequestResult], float]:
+    """Send `num_requests` requests from `concurrency` clients; returns the results and the wall time."""
+    prompts = [f"Request {i}: " + " ".join(["tell me more about paged attention"] * (prompt_words // 5 + 1))
+               for i in range(num_requests)]
+    queue: asyncio.Queue = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            try:
+                results.append(await one_request(http, prompt, max_tokens))
+            except httpx.HTTPError as e:  # counted, not fatal: the other clients go on
+                results.append(RequestResult(error=f"{type(e).__name__}: {e}"))
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    p50, p90, p99 = np.percentile(np.array(values) * 1000, [50, 90, 99])
+    return f"p50 {p50:8.1f} ms   p90 {p90:8.1f} ms   p99 {p99:8.1f} ms"
+
+
+def report(results: list[RequestResult], wall: float, concurrency: int) -> None:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.output_tokens for r in ok)
+    print(f"concurrency {concurrency}: {len(ok)}/{len(results)} requests ok in {wall:.1f} s")
+    print(f"  throughput  {len(ok) / wall:8.2f} req/s   {tokens / wall:8.1f} output tok/s")
+    print(f"  TTFT        {percentiles([r.ttft for r in ok])}")
+    print(f"  ITL         {percentiles([gap for r in ok for gap in r.itl])}")
+    print(f"  E2E         {percentiles([r.e2e for r in ok])}")
+    for r in results[:3]:
+        if r.error is not None:
+            print(f"  error: {r.error}")
+
+
+def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:  # a free port, released just before the server takes it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "tinyvllm.api.server", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", *server_args]
+    process, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.terminate()
+    raise SystemExit(f"the server did not become healthy within {timeout} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--launch", action="store_true",
+                   help="start a server (its arguments after --) and stop it at the end")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
+                   help="clients at once (several values: one run each)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests per run")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--prompt-words", type=int, default=24, help="rough prompt length in words")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="unmeasured requests first, to compile (default: the largest concurrency)")
+    p.add_argument("--launch-timeout", type=float, default=900.0)
+    args, server_args = p.parse_known_args(argv)
+    server_args = [a for a in server_args if a != "--"]
+
+    process = None
+    if args.launch:
+        process, args.base_url = launch_server(server_args, args.launch_timeout)
+    if urlparse(args.base_url).hostname not in LOCAL_HOSTS:
+        raise SystemExit(f"refusing to load {args.base_url}: only a server on this machine is benchmarked")
+    try:
+        warmup = max(args.concurrency) if args.warmup is None else args.warmup
+        if warmup:
+            asyncio.run(run_benchmark(args.base_url, concurrency=warmup, num_requests=warmup, max_tokens=4,
+                                      prompt_words=args.prompt_words))
+        for concurrency in args.concurrency:
+            results, wall = asyncio.run(run_benchmark(args.base_url, concurrency=concurrency,
+                                                      num_requests=args.num_requests, max_tokens=args.max_tokens,
+                                                      prompt_words=args.prompt_words))
+            report(results, wall, concurrency)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(30)
+
+
+if __name__ == "__main__":
+    main()
