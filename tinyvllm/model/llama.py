@@ -28,6 +28,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes, function
 from tinygrad.dtype import DType
 
+from tinyvllm.kernels.linear import linear
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 
@@ -52,19 +53,19 @@ class LlamaDecoderLayer:
         c = self.config
         B, T, _ = x.shape
         H, KvH, Hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = x @ self.qkv_proj.T  # (B,T,(H+2*KvH)*Hd)
+        qkv = linear(x, self.qkv_proj)  # (B,T,(H+2*KvH)*Hd)
         q = qkv[..., : H * Hd].reshape(B, T, H, Hd)
         k = qkv[..., H * Hd: (H + KvH) * Hd].reshape(B, T, KvH, Hd)
         v = qkv[..., (H + KvH) * Hd:].reshape(B, T, KvH, Hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn_metadata.attend(q, k, v, kv_cache)  # (B,T,H,Hd)
-        return out.reshape(B, T, H * Hd) @ self.o_proj.T
+        return linear(out.reshape(B, T, H * Hd), self.o_proj)
 
     def mlp(self, x: Tensor) -> Tensor:
         F = self.config.intermediate_size
-        gate_up = x @ self.gate_up_proj.T  # (B,T,2F)
+        gate_up = linear(x, self.gate_up_proj)  # (B,T,2F)
         # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up
-        return (gate_up[..., :F].silu() * gate_up[..., F:]).contiguous() @ self.down_proj.T
+        return linear(gate_up[..., :F].silu() * gate_up[..., F:], self.down_proj)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
         return _decoder_layer(self, x, cos, sin, kv_cache, attn_metadata)
@@ -122,4 +123,4 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: (..., D) -> logits (..., V) in float32."""
-        return (rms_norm(hidden, self.norm, self.config.rms_norm_eps) @ self.lm_head.T).float()
+        return linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
