@@ -21,10 +21,12 @@
  *     wait until finished == num_chunks  <----   finished += 1 per chunk
  *     release the pool (owner 1 -> 0)            spin a while, then park again
  *
- * Chunks are handed out one at a time, so if a helper is slow to wake (the OS gave its core to
- * another process) the calling thread simply runs more chunks: a launch is never slower than the
- * single-threaded kernel by more than one chunk. Which thread runs a chunk does not change the
- * arithmetic, so results are bit-identical with 1 or N threads.
+ * Chunks are handed out one at a time, so a helper that is slow to wake costs nothing: the calling
+ * thread simply runs more chunks. What it cannot do is take back a chunk a helper has started, so
+ * when other processes keep the cores busy and the OS pauses a helper mid-chunk, the launch waits
+ * for it: on such a machine one thread can be faster (measured: up to 3x on small matmuls at a
+ * load average of 5 on 2 cores; TINYVLLM_CPU_THREADS=1). Which thread runs a chunk does not change
+ * the arithmetic, so results are bit-identical with 1 or N threads.
  *
  * The pool's control block lives at TV_POOL_ADDR (a compile-time constant; 0 = no pool, run
  * single-threaded). It is mapped by Python, at the same address in every process when possible,
