@@ -113,9 +113,6 @@ class AsyncLLMEngine:
             self._input.put(_SHUTDOWN)
             await asyncio.to_thread(self._thread.join, timeout)
 
-    def wait_until_ready(self, timeout: float | None = None) -> bool:
-        return self._ready.wait(timeout)
-
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set() and self._thread is not None and self._thread.is_alive()
@@ -197,6 +194,10 @@ class AsyncLLMEngine:
             if route is not None:  # None: the client left (or never started reading)
                 route[0].put_nowait((route[1], item))
 
+    def _fail_all_streams(self, error: BaseException) -> None:
+        for request_id in list(self._routes):
+            self._dispatch([(request_id, error)])
+
     # ---- the engine loop (engine thread) ----
 
     def _run_engine_loop(self) -> None:
@@ -207,25 +208,31 @@ class AsyncLLMEngine:
             logger.exception("the engine failed to load")
             return
         self._ready.set()
-        while True:
-            idle = not self.engine.has_unfinished_requests()
-            commands = [self._input.get()] if idle else []  # sleep until there is something to do
-            while not self._input.empty():
-                commands.append(self._input.get_nowait())
-            if any(c is _SHUTDOWN for c in commands):
-                self._abort_all(EngineDeadError("the server is shutting down"))
-                return
-            errors = [error for c in commands if (error := self._apply(c)) is not None]
-            self._publish(errors)
-            if self.engine.has_unfinished_requests():
-                self._step()
+        try:
+            while self._run_once():
+                pass
+        finally:  # however the loop ends, no stream may wait forever for an output that won't come
+            self._call_event_loop(self._fail_all_streams, EngineDeadError("the engine loop has stopped"))
+
+    def _run_once(self) -> bool:
+        """One turn: take the commands, then step if there is work. False once told to shut down."""
+        idle = not self.engine.has_unfinished_requests()
+        commands = [self._input.get()] if idle else []  # sleep until there is something to do
+        while not self._input.empty():
+            commands.append(self._input.get_nowait())
+        if any(c is _SHUTDOWN for c in commands):
+            self._abort_all(EngineDeadError("the server is shutting down"))
+            return False
+        errors = [error for c in commands if (error := self._apply(c)) is not None]
+        self._publish(errors)
+        if self.engine.has_unfinished_requests():
+            self._step()
+        return True
 
     def _apply(self, command: _Add | _Abort) -> tuple[str, BaseException] | None:
         if isinstance(command, _Abort):
             if command.request_id in self._in_engine:
-                self.engine.abort_request(command.request_id)
-                self._in_engine.discard(command.request_id)
-                self._record("record_removed", command.request_id)
+                self._abort(command.request_id)
             return None
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
@@ -251,15 +258,18 @@ class AsyncLLMEngine:
             batch.append((output.request_id, _snapshot(output)))
         self._publish(batch, outputs, stepped=True)
 
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # an engine that cannot abort must not take the loop down with it
+            logger.exception("abort of %s failed", request_id)
+        self._in_engine.discard(request_id)
+        self._record("record_removed", request_id)
+
     def _abort_all(self, error: BaseException) -> None:
-        for request_id in list(self._in_engine):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("abort of %s failed", request_id)
-            self._record("record_removed", request_id)
         batch = [(request_id, error) for request_id in self._in_engine]
-        self._in_engine.clear()
+        for request_id, _ in batch:
+            self._abort(request_id)
         self._publish(batch)
 
     def _publish(self, batch: list, outputs: list[RequestOutput] = (), stepped: bool = False) -> None:
@@ -267,10 +277,14 @@ class AsyncLLMEngine:
         self.stats = self.engine.get_stats()
         self._record("record", time.monotonic(), self.stats, outputs, stepped)
         if batch:
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, batch)
-            except RuntimeError:  # the event loop has closed: nobody is left to read them
-                pass
+            self._call_event_loop(self._dispatch, batch)
+
+    def _call_event_loop(self, function: Callable, *args) -> None:
+        """The one door from this thread into the event loop (asyncio queues are not thread-safe)."""
+        try:
+            self._loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # the event loop has closed: nobody is left to read
+            pass
 
     def _record(self, method: str, *args) -> None:
         if self.stat_logger is None:
