@@ -183,3 +183,25 @@ def test_thread_pool_protocol_under_contention(tmp_path: Path):
     P = cpu_threads.TvPool
     layout = [ctypes.sizeof(P), P.ticket.offset, P.sleeping.offset, P.sems.offset]
     assert result.stdout.split("layout ")[1].split() == [str(n) for n in layout], result.stdout
+
+
+def test_helpers_stop_at_exit():
+    # the helpers run code that lives in a compiled program's memory, unmapped when the interpreter frees it at
+    # exit: they must have returned by then (a helper still spinning there crashed the process)
+    if not cpu_threads._supported():
+        pytest.skip("single-threaded here")
+    script = (
+        "from tinygrad import Tensor\n"
+        "from tinyvllm.kernels import cpu_threads\n"
+        "from tinyvllm.kernels.linear import linear\n"
+        "x, w = Tensor.ones(1, 64).contiguous().realize(), Tensor.ones(4000, 64).contiguous().realize()\n"
+        "assert linear(x, w).numpy().max() == 64\n"
+        "threads = list(cpu_threads._state.threads)\n"
+        "assert threads and all(t.is_alive() for t in threads)\n"
+        "cpu_threads._stop()  # what atexit runs\n"
+        "assert not any(t.is_alive() for t in threads)\n"
+        "assert linear(x, w).numpy().max() == 64  # still works, on the calling thread\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120,
+                            cwd=launcher.KERNELS_DIR.parent)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -16,8 +16,8 @@ that launches a kernel shares its chunks of work with them through a small contr
       sleeping[i] sems[i]                                        one per helper, to park it when idle
 
 Idle helpers spin ~100 us for the next job (the gap between two matmuls of one decode step), then park on
-a semaphore, so an idle engine uses no CPU. After fork() the child has no helpers: its kernels run
-single-threaded. `TINYVLLM_CPU_THREADS=1` turns the pool off.
+a semaphore, so an idle engine uses no CPU. At exit they are stopped and joined. After fork() the child has
+no helpers: its kernels run single-threaded. `TINYVLLM_CPU_THREADS=1` turns the pool off.
 
 The block is mapped at a fixed address when that address is free, so every process compiles the same
 kernel source and tinygrad's on-disk compile cache (keyed by source text) serves them all.
@@ -25,6 +25,7 @@ kernel source and tinygrad's on-disk compile cache (keyed by source text) serves
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -63,6 +64,7 @@ class _PoolState:
     address: int = 0
     program: Any = None  # the compiled helper loop (a CPUProgram): its code must outlive the threads running it
     threads: list[threading.Thread] = field(default_factory=list)
+    libc: ctypes.CDLL | None = None
     failed: bool = False  # starting failed once: stay single-threaded rather than map another block
 
 
@@ -106,7 +108,24 @@ def _start() -> None:
     for t in threads:
         t.start()
     pool.enabled = 1
-    _state.pool, _state.address, _state.program, _state.threads = pool, address, program, threads
+    _state.pool, _state.address, _state.program, _state.threads, _state.libc = pool, address, program, threads, libc
+    atexit.register(_stop)
+
+
+def _stop() -> None:
+    """Let the helpers return before the interpreter tears down: their loop runs in the compiled program's memory,
+    which is unmapped when that object is freed at exit (a helper still spinning there would crash the process).
+    """
+    pool, libc = _state.pool, _state.libc
+    if pool is None or libc is None or not _state.threads:
+        return
+    pool.enabled = 0  # launches from now on run on the calling thread
+    pool.stop = 1
+    for i in range(len(_state.threads)):  # wake parked helpers; a spinning one sees `stop` by itself
+        libc.sem_post(ctypes.c_void_p(ctypes.addressof(pool.sems[i])))
+    for t in _state.threads:
+        t.join(timeout=2.0)
+    _state.threads = []
 
 
 def pool_address() -> int:
