@@ -54,6 +54,9 @@ def make_requests(n=24, seed=0):
         prompt = [int(t) for t in rng.integers(100, 40000, size=length)]
         if i % 3 == 2:  # a sampled request in the mix: it shares the batch but is not compared
             params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=int(rng.integers(4, 12)))
+        elif i % 4 == 3:  # greedy with a penalty and logprobs: sampled on the host, in the same batch
+            params = SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=2, ignore_eos=True,
+                                    max_tokens=int(rng.integers(4, 12)))
         else:
             params = SamplingParams(temperature=0, max_tokens=int(rng.integers(4, 12)), ignore_eos=True)
         requests[f"r{i}"] = (prompt, params)

@@ -117,14 +117,48 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        logits = self.model_runner.execute_model(scheduler_output) if scheduler_output.scheduled_seqs else {}
-        sampled = {seq_id: self._sample(seq_id, row) for seq_id, row in logits.items()}
+        sampled = self._run_and_sample(scheduler_output)
         new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)
         return self._make_outputs(new_token_seqs)
 
-    def _sample(self, seq_id: int, logits: np.ndarray) -> int:
-        state, index = self._seq_owner[seq_id]
-        seq = state.seqs[index]
+    def _run_and_sample(self, scheduler_output) -> dict[int, int]:
+        """Forward pass, then one token per sequence that caught up: on the device in one batched graph,
+        except for rows whose request needs the host reference sampler (penalties, logit bias, min_tokens,
+        logprobs), which get their row of logits copied back."""
+        if not scheduler_output.scheduled_seqs:
+            return {}
+        seqs, logits = self.model_runner.execute_model(scheduler_output)
+        if not seqs:
+            return {}
+        rows, vocab = logits.shape
+        temperature, top_p, min_p = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.float32)
+        top_k, clocks = np.full(rows, vocab, np.int32), np.ones((rows, vocab), np.float32)
+        on_host = []
+        for row, seq in enumerate(seqs):
+            state, index = self._seq_owner[seq.seq_id]
+            params = state.params
+            if self._needs_host_sampler(seq, params):
+                on_host.append(row)
+                continue
+            if not params.is_greedy:
+                temperature[row], top_p[row], min_p[row] = params.temperature, params.top_p, params.min_p
+                top_k[row] = params.top_k if params.top_k > 0 else vocab
+                clocks[row] = state.generators[index].standard_exponential(vocab)  # same draws as the host sampler
+        use_filters = bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any())
+        tokens = self.model_runner.sample(logits, temperature, top_k, top_p, min_p, clocks, use_filters)
+        host_logits = logits.numpy() if on_host else None
+        sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)}
+        for row in on_host:
+            sampled[seqs[row].seq_id] = self._sample_on_host(seqs[row], host_logits[row])
+        return sampled
+
+    @staticmethod
+    def _needs_host_sampler(seq: Sequence, params: SamplingParams) -> bool:
+        return (params.uses_penalties or bool(params.logit_bias) or params.logprobs is not None
+                or seq.num_output_tokens < params.min_tokens)
+
+    def _sample_on_host(self, seq: Sequence, logits: np.ndarray) -> int:
+        state, index = self._seq_owner[seq.seq_id]
         token = self.sampler(logits, state.params, seq.prompt_token_ids, seq.output_token_ids,
                              state.generators[index], self.tokenizer.stop_token_ids)
         if state.params.logprobs is not None:

@@ -22,7 +22,9 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinyvllm.attention.paged import PagedAttentionMetadata
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
+from tinyvllm.core.sequence import Sequence
 from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.sample import device_sampler
 
 
 def buckets_up_to(limit: int) -> list[int]:
@@ -44,6 +46,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[int, TinyJit] = {}  # one captured graph per token bucket
+        self._sampler_jits: dict[tuple[int, bool], TinyJit] = {}  # per (rows, whether filters are used)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
@@ -54,8 +57,9 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[int, np.ndarray]:
-        """Run the step; return the logits (vocab,) of each sequence whose tokens are now all computed."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[Sequence], Tensor | None]:
+        """Run the step. Returns the sequences whose tokens are now all computed (they sample a token), and
+        their logits on the device: (rows, vocab), row i for sequence i, padding rows after them."""
         seqs = scheduler_output.scheduled_seqs
         n_real = scheduler_output.total_num_scheduled_tokens
         n = self.bucket_for(n_real)
@@ -91,7 +95,17 @@ class ModelRunner:
                      Tensor(block_tables, device=dev).realize(),
                      Tensor(logits_indices, device=dev).realize(),
                      self.v_num_blocks.bind(num_blocks))
-        if not sampled_seqs:
-            return {}  # a step of prompt chunks only: nothing to sample
-        rows = logits.numpy()
-        return {seq.seq_id: rows[j] for j, seq in enumerate(sampled_seqs)}
+        return sampled_seqs, (logits if sampled_seqs else None)
+
+    def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray, clocks: np.ndarray, use_filters: bool) -> np.ndarray:
+        """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
+        the token ids (rows,). Only these come back to the host."""
+        rows = logits.shape[0]
+        key = (rows, use_filters)
+        if key not in self._sampler_jits:
+            self._sampler_jits[key] = TinyJit(lambda *args: device_sampler.sample(*args, use_filters=use_filters)
+                                              .realize())
+        dev = self.model.device
+        inputs = [Tensor(a, device=dev).realize() for a in (temperature, top_k, top_p, min_p, clocks)]
+        return self._sampler_jits[key](logits, *inputs).numpy()
