@@ -57,7 +57,7 @@ def generator():
     """The real default model behind Phase 1's Generator (contiguous KV cache), compiled once."""
     from tinyvllm.engine.generator import Generator
 
-    return Generator(max_model_len=1024)
+    return Generator(max_model_len=512, kv_cache_memory="64MiB")
 
 
 @pytest.fixture(scope="session")

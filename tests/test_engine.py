@@ -168,7 +168,15 @@ def test_llm_generate_matches_phase1_on_the_real_model(generator):
         assert out.outputs[0].token_ids == expected.token_ids
         assert out.outputs[0].text == expected.text and out.finished
     assert "Paris" in outputs[0].outputs[0].text
-    two = llm.generate("Tell me a story", SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8))
-    assert len(two[0].outputs) == 2 and [c.index for c in two[0].outputs] == [0, 1]
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b"], [params])
+
+
+def test_n_completions_per_request(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    first = run_all(engine, {"n3": ([100, 200, 300], params)})["n3"]
+    again = run_all(engine, {"n3-again": ([100, 200, 300], params)})["n3-again"]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in first.outputs)
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]  # seeded: reproducible
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # seed + index: the completions differ

@@ -383,13 +383,10 @@ def test_default_checkpoint(default_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model():
-    """HF transformers' own GGUF loader on the default model (dequantizes with gguf-py, un-permutes q/k)."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+def hf_gguf_model(hf_model):
+    """HF transformers' own GGUF loader on the default model (dequantizes with gguf-py, un-permutes q/k);
+    the session's `hf_model` from conftest.py, loaded once for every oracle test."""
+    return hf_model
 
 
 @pytest.mark.oracle
