@@ -14,16 +14,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (HF `rope_scaling` with `rope_type: "llama3"`).
+    """RoPE frequency scaling, HF's `rope_scaling`. Two kinds:
 
-    Low frequencies (long wavelengths) are divided by `factor`, high ones kept, and the band
-    between is interpolated smoothly. See `tinyvllm.model.rope.rope_frequencies`.
+    "llama3": low frequencies (long wavelengths) are divided by `factor`, high ones kept, and the band
+              between is interpolated smoothly (Llama 3.1+).
+    "linear": every frequency is divided by `factor` (position interpolation).
+    See `tinyvllm.model.rope.rope_frequencies`.
     """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,10 @@ class ModelConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
-        if self.rope_scaling is not None:
-            rs = self.rope_scaling
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": rs.factor}
+        elif rs is not None:
             cfg["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
                                    "high_freq_factor": rs.high_freq_factor,
                                    "original_max_position_embeddings": rs.original_max_position_embeddings}
@@ -134,13 +139,15 @@ class ModelConfig:
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
         if not vocab:
             raise ValueError("GGUF metadata has neither 'llama.vocab_size' nor 'tokenizer.ggml.tokens'")
-        scaling = None
-        if md.get(f"{arch}.rope.scaling.type") == "llama3" or md.get(f"{arch}.rope.scaling.factor"):
-            scaling = RopeScaling(
-                factor=float(key("rope.scaling.factor")),
-                low_freq_factor=float(md.get(f"{arch}.rope.scaling.low_freq_factor", 1.0)),
-                high_freq_factor=float(md.get(f"{arch}.rope.scaling.high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(md.get(f"{arch}.rope.scaling.original_context_length", 8192)))
+        if tensor_names is not None and "rope_freqs.weight" in tensor_names:
+            # llama.cpp writes Llama 3.1's scaling as per-frequency factors in a tensor, not as metadata
+            raise ValueError("this GGUF scales RoPE with a 'rope_freqs.weight' tensor (Llama 3.1 style), which "
+                             "tinyvllm does not read; load the HF checkpoint (its config.json rope_scaling) instead")
+        scaling, kind = None, md.get(f"{arch}.rope.scaling.type", "none")
+        if kind == "linear":
+            scaling = RopeScaling(factor=float(key("rope.scaling.factor")), rope_type="linear")
+        elif kind != "none":
+            raise ValueError(f"unsupported GGUF rope scaling type {kind!r}: tinyvllm implements 'linear' (or none)")
         return cls(
             vocab_size=int(vocab),
             hidden_size=int(dim),
@@ -164,8 +171,10 @@ def _rope_scaling_from_hf(rs: dict | None) -> RopeScaling | None:
     kind = rs.get("rope_type", rs.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(rs["factor"]), rope_type="linear")
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}: tinyvllm implements 'llama3' (or none)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r}: tinyvllm implements 'llama3' and 'linear' (or none)")
     return RopeScaling(
         factor=float(rs["factor"]),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),

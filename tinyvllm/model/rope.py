@@ -32,7 +32,9 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     rs = config.rope_scaling
-    if rs is not None:
+    if rs is not None and rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor  # positions interpolated: position p rotates like p / factor
+    elif rs is not None:
         # Llama 3.1: wavelengths longer than original_ctx/low_freq_factor are slowed down by `factor`,
         # shorter than original_ctx/high_freq_factor are kept, and the band between is blended.
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor

@@ -63,7 +63,7 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Llama-3.1-style GGUFs store RoPE frequency factors as a tensor; we derive them from the config instead
+# Llama-3.1-style RoPE factors: ModelConfig.from_gguf_metadata rejects such files before weights are read
 IGNORED_TENSORS = {"rope_freqs.weight"}
 
 
