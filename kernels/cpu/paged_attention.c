@@ -1,0 +1,192 @@
+/* Paged attention for decoding, and the write that fills the KV cache: the CPU twin of kernels/cuda/paged_attention.cu
+ * and kernels/metal/paged_attention.metal (same arguments, same algorithm; see docs/phases/05-custom-kernels.md).
+ *
+ * Why a hand-written kernel: the portable path (tinyvllm/attention/paged.py) gathers every row's blocks into a
+ * contiguous copy, builds a causal mask, then runs QK^T, softmax and PV as separate kernels. Per layer and decode
+ * step that is 10 kernels (2 cache writes, mask, 2 gathers, scores, 3 softmax, PV), and the K/V bytes go through
+ * memory three times: read from the blocks, written as the copy, read back by the matmuls. For the default model
+ * (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, float32) one token of context holds
+ *     K + V = 2 x 3 x 64 x 4 B = 1,536 B per layer,  x 30 layers = 46 KB per token of context,
+ * so one sequence decoding at context 2048 keeps 94 MB of K/V; the gather moves ~3 x 94 = 283 MB per step
+ * (about half the 538 MB of weights a step reads), this kernel reads the 94 MB once, in place, through the block
+ * table. And 10 launches per layer become 2 (this file's two entry points): 300 -> 60 per step.
+ *
+ * What one chunk of work does (a "thread block" on a GPU): one sequence x one KV head, all G = NUM_HEADS /
+ * NUM_KV_HEADS query heads that share it (grouped-query attention), so each K/V row is read once for G heads.
+ * It walks the sequence's blocks in order and keeps a running softmax (online softmax, one pass over K/V):
+ *     m = max score so far, l = sum of exp(score - m) so far, acc = sum of exp(score - m) * v so far
+ * and per block of keys with scores s_1..s_n:
+ *     m' = max(m, s_1..s_n);  alpha = exp(m - m');  p_i = exp(s_i - m')
+ *     l' = alpha * l + sum p_i;  acc' = alpha * acc + sum p_i * v_i;  at the end: out = acc / l
+ * Chunks (num_seqs x n_kv_heads of them) are spread over both cores by the thread pool (threadpool.h).
+ *
+ * Arguments of paged_attention (all row-major, float32; int32 tables):
+ *   out:          (num_seqs, n_heads, head_dim)              written: attention output of each row's one query
+ *   q:            (num_seqs, n_heads, head_dim)              one query token per row (decode; or one token of a
+ *                                                            flattened prompt chunk: its own row, its own context)
+ *   k_cache:      (num_blocks, block_size, n_kv_heads, head_dim)
+ *   v_cache:      (num_blocks, block_size, n_kv_heads, head_dim)
+ *   block_tables: (num_seqs, max_blocks)   int32             row i: the physical blocks of row i's sequence, in order
+ *   context_lens: (num_seqs,)              int32             row i attends to its keys 0 .. context_lens[i]-1
+ * Arguments of reshape_and_cache:
+ *   k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim)   written at the given slots only
+ *   key, value:       (num_tokens, n_kv_heads, head_dim)               this step's new K and V
+ *   slot_mapping:     (num_tokens,) int32   slot = block * block_size + offset; a negative slot is skipped
+ *
+ * Sizes are compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE,
+ * TV_MAX_BLOCKS, TV_SCALE (1/sqrt(head_dim)) for paged_attention; TV_NUM_TOKENS, TV_NUM_SLOTS for reshape_and_cache.
+ * The context lengths are data, read at run time: one compiled program serves every context length.
+ *
+ * tinygrad's CPU runtime calls the first byte of the compiled object, so a file can have only one entry point:
+ * TV_RESHAPE_AND_CACHE selects which one this compilation is (the GPU files simply hold both).
+ */
+#include "threadpool.h"
+
+#if TV_HEAD_DIM % 8 != 0
+#error "paged_attention.c needs head_dim to be a multiple of 8 (one AVX2 register of floats)"
+#endif
+
+#define HD8 (TV_HEAD_DIM / 8)  /* head_dim in 8-float vectors */
+
+/* 8 floats in one AVX2 register; aligned(4) makes loads through a pointer to it unaligned loads */
+typedef float f8 __attribute__((vector_size(32), aligned(4)));
+typedef int i8 __attribute__((vector_size(32), aligned(4)));
+
+#ifdef TV_RESHAPE_AND_CACHE
+
+/* ------------------------------------------------------------------------------------------------ the write */
+TV_KERNEL reshape_and_cache(float* restrict k_cache, float* restrict v_cache, const float* restrict key,
+                            const float* restrict value, const int* restrict slot_mapping) {
+  /* (num_tokens x 2 rows of n_kv_heads * head_dim floats: 1.5 KB per token here; too little to share out) */
+  const int row = TV_NUM_KV_HEADS * TV_HEAD_DIM;
+  for (int i = 0; i < TV_NUM_TOKENS; i++) {
+    int slot = slot_mapping[i];
+    if (slot < 0 || slot >= TV_NUM_SLOTS) continue;  /* padding token (vLLM's -1), or no such slot */
+    for (int j = 0; j < row; j++) {
+      k_cache[(long)slot * row + j] = key[i * row + j];
+      v_cache[(long)slot * row + j] = value[i * row + j];
+    }
+  }
+}
+
+#else
+
+/* -------------------------------------------------------------------------------------------- the attention */
+#define GROUP (TV_NUM_HEADS / TV_NUM_KV_HEADS)  /* query heads per KV head */
+#define ROW (TV_NUM_KV_HEADS * TV_HEAD_DIM)     /* floats from one token's K (or V) row to the next token's */
+
+struct attention_args {
+  float* out;
+  const float* q;
+  const float* k_cache;
+  const float* v_cache;
+  const int* block_tables;
+  const int* context_lens;
+};
+
+static void attend_chunk(const void* ctx, int chunk);
+
+/* The entry point: the first function in this file, so the first in the compiled image. */
+TV_KERNEL paged_attention(float* restrict out, const float* restrict q, const float* restrict k_cache,
+                          const float* restrict v_cache, const int* restrict block_tables,
+                          const int* restrict context_lens) {
+  struct attention_args args = {out, q, k_cache, v_cache, block_tables, context_lens};
+  tv_parallel_for(attend_chunk, &args, TV_NUM_SEQS * TV_NUM_KV_HEADS);
+}
+
+TV_INLINE float hsum8(f8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+/* exp(x) for 8 floats without libc (kernels are linked without it), as Cephes' expf: x = n*ln2 + r with
+ * |r| <= ln2/2, exp(r) by a degree-7 polynomial (relative error ~1e-7), 2^n put straight into the exponent bits.
+ * x is clamped to [-87.3, 88.3], where 2^n stays a normal float: exp(-inf) comes out as ~1e-38, not 0, which
+ * only ever multiplies an accumulator that is still 0. */
+TV_INLINE f8 exp8(f8 x) {
+  const f8 magic = (f8){0} + 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
+  x = __builtin_elementwise_min(__builtin_elementwise_max(x, (f8){0} - 87.3f), (f8){0} + 88.3f);
+  f8 t = x * 1.44269504f + magic;
+  f8 n = t - magic;                                   /* round(x / ln2) */
+  f8 r = x - n * 0.693359375f + n * 2.12194440e-4f;   /* x - n*ln2, ln2 split in two for precision */
+  f8 y = (f8){0} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  i8 bits = ((i8)t - (i8)magic + 127) << 23;          /* 2^n as a float's bits */
+  return y * (f8)bits;
+}
+
+TV_INLINE float exp1(float x) { return exp8((f8){0} + x)[0]; }
+
+/* One sequence x one KV head: its GROUP query heads over the sequence's blocks. */
+static void attend_chunk(const void* ctx, int chunk) {
+  const struct attention_args* a = (const struct attention_args*)ctx;
+  const int seq = chunk / TV_NUM_KV_HEADS, kv_head = chunk % TV_NUM_KV_HEADS;
+  const int context_len = a->context_lens[seq];
+  const int* table = a->block_tables + seq * TV_MAX_BLOCKS;
+  const f8* q = (const f8*)(a->q + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM);  /* (GROUP, HD8) */
+  float* out = a->out + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM;                /* (GROUP, head_dim) */
+
+  f8 acc[GROUP][HD8];  /* running sum of p * v, per query head */
+  float m[GROUP], l[GROUP];  /* running max score, running sum of p */
+  for (int g = 0; g < GROUP; g++) {
+    m[g] = -3.0e38f;
+    l[g] = 0.0f;
+    for (int d = 0; d < HD8; d++) acc[g][d] = (f8){0};
+  }
+  int num_blocks = (context_len + TV_BLOCK_SIZE - 1) / TV_BLOCK_SIZE;
+  if (num_blocks > TV_MAX_BLOCKS) num_blocks = TV_MAX_BLOCKS;
+  for (int b = 0; b < num_blocks; b++) {
+    /* this block's keys: tokens b*BLOCK_SIZE .. of the sequence, at k_cache[table[b], t, kv_head, :] */
+    const int n = context_len - b * TV_BLOCK_SIZE < TV_BLOCK_SIZE ? context_len - b * TV_BLOCK_SIZE : TV_BLOCK_SIZE;
+    const long base = ((long)table[b] * TV_BLOCK_SIZE * TV_NUM_KV_HEADS + kv_head) * TV_HEAD_DIM;
+    const float* k_block = a->k_cache + base;
+    const float* v_block = a->v_cache + base;
+
+    /* 1. scores s[g][t] = q_g . k_t * scale: each K row is loaded once and used by all GROUP heads */
+    float s[GROUP][TV_BLOCK_SIZE];
+    for (int t = 0; t < n; t++) {
+      const f8* k = (const f8*)(k_block + t * ROW);
+      for (int g = 0; g < GROUP; g++) {
+        f8 dot = q[g * HD8] * k[0];
+        for (int d = 1; d < HD8; d++) dot += q[g * HD8 + d] * k[d];
+        s[g][t] = hsum8(dot) * TV_SCALE;
+      }
+    }
+    /* 2. online softmax: new max, rescale what was summed so far by alpha = exp(m_old - m_new), add this block */
+    for (int g = 0; g < GROUP; g++) {
+      float m_new = m[g];
+      for (int t = 0; t < n; t++) m_new = s[g][t] > m_new ? s[g][t] : m_new;
+      const float alpha = exp1(m[g] - m_new);
+      int t = 0;
+      float sum = 0.0f;
+      for (; t + 8 <= n; t += 8) {
+        f8 p = exp8(*(const f8*)&s[g][t] - m_new);
+        *(f8*)&s[g][t] = p;  /* s now holds p = exp(s - m_new) */
+        sum += hsum8(p);
+      }
+      for (; t < n; t++) {
+        s[g][t] = exp1(s[g][t] - m_new);
+        sum += s[g][t];
+      }
+      m[g] = m_new;
+      l[g] = l[g] * alpha + sum;
+      for (int d = 0; d < HD8; d++) acc[g][d] *= alpha;
+    }
+    /* 3. acc += p_t * v_t: each V row is loaded once and used by all GROUP heads */
+    for (int t = 0; t < n; t++) {
+      const f8* v = (const f8*)(v_block + t * ROW);
+      for (int g = 0; g < GROUP; g++)
+        for (int d = 0; d < HD8; d++) acc[g][d] += s[g][t] * v[d];
+    }
+  }
+  for (int g = 0; g < GROUP; g++) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  /* an empty context (no keys) gives zeros */
+    for (int d = 0; d < HD8; d++) *(f8*)(out + g * TV_HEAD_DIM + d * 8) = acc[g][d] * inv;
+  }
+}
+
+#endif

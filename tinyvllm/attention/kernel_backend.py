@@ -1,0 +1,203 @@
+"""Paged attention on hand-written kernels (Phase 5): the blocks are read in place, not gathered.
+
+The same two operations as the portable backend (`tinyvllm.attention.paged`), each one program from
+`kernels/<device>/paged_attention.*` put into tinygrad's graph, so TinyJit captures and replays it:
+
+    kernel_reshape_and_cache:  key, value (N, KvH, Hd) --slot_mapping (N,)--> k_cache, v_cache     one launch for both
+    kernel_paged_attention:    q (R, H, Hd), one query per row --block_tables (R, max_blocks),
+                               context_lens (R,)--> out (R, H, Hd)                                 one launch
+
+One query per row is all a decode step needs, and it covers a flattened batch too (Phase 4): there every
+token, a prompt chunk's included, is its own row with its own block table row, and its context is
+`position + 1` keys, so causality is just "read this row's first context_lens keys".
+
+`KernelPagedAttentionMetadata` is `PagedAttentionMetadata` plus `context_lens`; its `attend` runs the kernels
+where the device has them and falls back to the portable path elsewhere:
+
+    device   kernel file                          compiled by             caches
+    CPU      kernels/cpu/paged_attention.c        clang (tinygrad CPU)    float32
+    CUDA     kernels/cuda/paged_attention.cu      nvrtc (tinygrad CUDA)   float32, float16
+    METAL    kernels/metal/paged_attention.metal  Metal (tinygrad METAL)  float32, float16
+
+The portable path is forced with `TINYVLLM_PORTABLE=1` (as for the matmul kernel), with
+`tinyvllm.attention.kernel_backend.PORTABLE = True`, or per metadata with `portable=True`. A device with
+no kernel takes the portable path and says so once.
+
+How a raw-source program enters the graph is explained in `tinyvllm/kernels/launcher.py`; the CPU programs
+go through it as they are. Its table of devices has only the CPU so far, so for CUDA and Metal this module
+builds the source itself and hands it to the launcher's `make_program` with a launch grid: one thread block
+(threadgroup) per sequence x KV head, NUM_THREADS threads each.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+from tinygrad import Tensor, dtypes
+from tinygrad.helpers import DEV
+
+from tinyvllm.attention.paged import PagedAttentionMetadata
+from tinyvllm.kernels import launcher
+
+PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
+KERNEL = "paged_attention"  # kernels/<device>/paged_attention.*
+NUM_THREADS = 128  # threads per thread block on GPUs (4 warps / SIMD groups of 32): TV_NUM_THREADS
+
+logger = logging.getLogger("tinyvllm.attention")
+_noticed: set[str] = set()  # device kinds already told about the fallback
+
+
+@dataclass(frozen=True)
+class GPULanguage:
+    folder: str  # kernels/<folder>/
+    suffix: str
+    renderers: tuple[str, ...]  # tinygrad renderer names whose compiler takes this language ("" = device default)
+    kernel_prefix: str  # what TV_KERNEL stands for: how an entry point is declared
+
+
+GPU_LANGUAGES = {
+    "CUDA": GPULanguage("cuda", ".cu", ("", "CUDA", "NVCC"), 'extern "C" __global__ void'),
+    "NV": GPULanguage("cuda", ".cu", ("", "CUDA", "NVCC"), 'extern "C" __global__ void'),
+    "METAL": GPULanguage("metal", ".metal", ("",), "kernel void"),
+}
+CACHE_DTYPES = {"CPU": (dtypes.float32,), "GPU": (dtypes.float32, dtypes.float16)}
+C_TYPES = {dtypes.float32: "float", dtypes.float16: "half"}
+
+
+def has_kernel(device: str) -> bool:
+    """Is there a paged-attention source for `device` in a language its compiler takes? (opens no device)"""
+    kind = launcher.device_kind(device)
+    if kind == "CPU":
+        return launcher.has_kernel(KERNEL, device)
+    lang = GPU_LANGUAGES.get(kind)
+    path = None if lang is None else launcher.KERNELS_DIR / lang.folder / f"{KERNEL}{lang.suffix}"
+    return path is not None and DEV.target(kind).renderer in lang.renderers and path.is_file()
+
+
+def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
+    """Would attention with this query and cache run the hand-written kernels?"""
+    device = q.device
+    if portable or PORTABLE or not isinstance(device, str) or device != k_cache.device:
+        return False
+    if not all(isinstance(s, int) for s in q.shape + k_cache.shape):
+        return False
+    kind = launcher.device_kind(device)
+    allowed = CACHE_DTYPES["CPU" if kind == "CPU" else "GPU"]
+    head_dim = k_cache.shape[-1]
+    if k_cache.dtype not in allowed or q.dtype not in allowed or (kind == "CPU" and head_dim % 8 != 0):
+        return False
+    if not has_kernel(device):
+        if kind not in _noticed:
+            _noticed.add(kind)
+            logger.warning("tinyvllm: no paged-attention kernel for %s; using the portable paged attention", device)
+        return False
+    return True
+
+
+def _launch(entry: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
+            grid: tuple[int, int, int]) -> list[Tensor]:
+    """Put `entry` of kernels/<device>/paged_attention.* into the graph on outs (written) and ins (read)."""
+    device = outs[0].device
+    kind = launcher.device_kind(device)
+    if kind == "CPU":
+        name = launcher.program_name(entry, {k: v for k, v in defines.items() if isinstance(v, int)})
+        # one entry point per compiled object on CPU (the runtime calls its first byte): a define picks it
+        from tinyvllm.kernels import cpu_threads
+        defines = {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())}
+        if entry == "reshape_and_cache":
+            defines["TV_RESHAPE_AND_CACHE"] = 1
+        source = launcher.kernel_source(KERNEL, device, defines)
+        global_size, local_size = (1, 1, 1), None
+    else:
+        # a GPU runtime looks the entry up by name, and runs it on a grid of thread blocks
+        lang = GPU_LANGUAGES[kind]
+        header = [f"#define {k} {v}" for k, v in defines.items()] + [f"#define TV_KERNEL {lang.kernel_prefix}"]
+        source = "\n".join(header) + "\n" + (launcher.KERNELS_DIR / lang.folder / f"{KERNEL}{lang.suffix}").read_text()
+        name, global_size, local_size = entry, grid, (NUM_THREADS, 1, 1)
+    fxn = launcher.make_program(name, source, len(outs), len(ins), None, global_size, local_size)
+    return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
+
+
+def _type_defines(device: str, **tensors: Tensor) -> dict[str, str]:
+    """GPU kernels are compiled per element type (TV_T for q/out/key/value, TV_CACHE_T); the CPU one is float32."""
+    if launcher.device_kind(device) == "CPU":
+        return {}
+    return {name: C_TYPES[t.dtype] for name, t in tensors.items()}
+
+
+def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                             slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    """key, value: (N, KvH, Hd) -> (k_cache, v_cache) after writing row i at slot_mapping[i] (negative: skipped).
+
+    The caches, (num_blocks, block_size, KvH, Hd), are written in place; read them through the returned
+    tensors so that the read is ordered after the write."""
+    num_tokens, kv_heads, head_dim = key.shape
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    flat_k, flat_v = k_cache.reshape(num_slots, -1), v_cache.reshape(num_slots, -1)
+    defines = {"TV_NUM_TOKENS": num_tokens, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
+               "TV_NUM_SLOTS": num_slots, **_type_defines(key.device, TV_T=key, TV_CACHE_T=k_cache)}
+    k_written, v_written = _launch("reshape_and_cache", outs=[flat_k, flat_v],
+                                   ins=[key.contiguous(), value.contiguous(), slot_mapping.contiguous()],
+                                   defines=defines, grid=(num_tokens, 1, 1))
+    return Tensor(k_cache.uop.after(k_written.uop)), Tensor(v_cache.uop.after(v_written.uop))
+
+
+def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                           context_lens: Tensor, scale: float | None = None) -> Tensor:
+    """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1, found
+    through block_tables[r] (R, max_blocks) in k_cache, v_cache (num_blocks, block_size, KvH, Hd)."""
+    rows, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert heads % kv_heads == 0, f"{heads} query heads do not group over {kv_heads} KV heads"
+    assert block_tables.shape[0] == rows and context_lens.shape == (rows,), "one table row and length per query row"
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    defines = {"TV_NUM_SEQS": rows, "TV_NUM_HEADS": heads, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
+               "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": block_tables.shape[1], "TV_SCALE": f"{scale!r}f",
+               "TV_NUM_THREADS": NUM_THREADS, **_type_defines(q.device, TV_T=q, TV_CACHE_T=k_cache)}
+    out = Tensor.invalids(rows, heads, head_dim, dtype=q.dtype, device=q.device)  # every element written
+    (out,) = _launch("paged_attention", outs=[out],
+                     ins=[q.contiguous(), k_cache, v_cache, block_tables.cast(dtypes.int32).contiguous(),
+                          context_lens.cast(dtypes.int32).contiguous()],
+                     defines=defines, grid=(kv_heads, rows, 1))
+    return out
+
+
+@dataclass
+class KernelPagedAttentionMetadata(PagedAttentionMetadata):
+    """`PagedAttentionMetadata` plus each query row's context length, for the kernels.
+
+    context_lens: (R,) int32, R = B*T query rows: keys each row attends to. Derived from `positions` when
+                  not given (a token at position p sees p + 1 keys: its own and everything before).
+    portable:     True to take the portable path whatever the device.
+    Block tables with one row per sequence (B rows for (B, T) tokens) are repeated to one row per token.
+    """
+
+    context_lens: Tensor | None = None
+    portable: bool = False
+    row_block_tables: Tensor | None = field(default=None, repr=False)  # (R, max_blocks), derived
+
+    def __post_init__(self) -> None:
+        rows = math.prod(self.positions.shape)
+        if self.context_lens is None:
+            self.context_lens = (self.positions.reshape(rows) + 1).cast(dtypes.int32).contiguous()
+        table = self.block_tables
+        if table.shape[0] != rows:  # (B, max_blocks) for (B, T) tokens: each token gets its sequence's row
+            B, T = self.positions.shape
+            table = table.reshape(B, 1, -1).expand(B, T, table.shape[1]).reshape(rows, -1).contiguous()
+        self.row_block_tables = table
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then attends over the blocks."""
+        if not uses_kernels(q, kv_cache[0], self.portable):
+            return super().attend(q, k, v, kv_cache)
+        B, T, H, Hd = q.shape
+        kv_heads = k.shape[2]
+        k_cache, v_cache = kernel_reshape_and_cache(k.reshape(B * T, kv_heads, Hd), v.reshape(B * T, kv_heads, Hd),
+                                                    kv_cache[0], kv_cache[1], self.slot_mapping)
+        out = kernel_paged_attention(q.reshape(B * T, H, Hd), k_cache, v_cache, self.row_block_tables,
+                                     self.context_lens)
+        return out.reshape(B, T, H, Hd)
+
