@@ -1,0 +1,359 @@
+"""How fast does tinyvllm generate, and how far is that from what the memory allows?
+
+    python benchmarks/bench_generate.py                       # default model, float32
+    python benchmarks/bench_generate.py --beam 2              # tinygrad's BEAM kernel search (slow the first time)
+    python benchmarks/bench_generate.py --model path/to/model.gguf --json results.json
+
+Four measurements, in the order a user meets them:
+
+  1. cold start: from the moment the process started to the first generated token, split into
+     imports | weight loading | first prefill (kernel compilation and JIT capture included) | sampling.
+     tinygrad keeps compiled kernels in an on-disk cache, so "cold" here means a new process; the
+     cache's state is printed, and --fresh-kernel-cache points tinygrad at an empty one.
+  2. prefill tokens/s for a few prompt lengths, after a warm-up run of each length.
+  3. single-stream decode tokens/s (greedy, ignore_eos), after warm-up: mean, p50 and p90 per-token
+     latency through the engine (`Generator.stream`), and the model step alone (`runner.decode`).
+  4. the memory-bandwidth bound. A decode step of one sequence reads every weight once:
+
+         bytes per token = (all linear weights + lm_head) x bytes of the compute dtype
+         best decode tok/s = measured bandwidth / bytes per token
+
+     The bandwidth is measured in this run with a numpy copy of a 256 MiB array (best of several),
+     counted as bytes read + bytes written. The KV cache read and the embedding row are left out:
+     both are small next to the weights at these lengths (the KV figure is printed).
+"""
+
+from __future__ import annotations
+
+import time
+
+SCRIPT_START = time.perf_counter()
+
+# imported after the clock starts, so that the cold-start breakdown sees them
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np  # numpy only here: tinygrad must not be imported before BEAM is set
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Measured earlier on this machine type (2 vCPU AMD EPYC), same model, greedy, 2 threads; not in this run.
+PEERS = [
+    ("llama.cpp, Q4_1 weights (llama-bench tg128)", 117.4),
+    ("llama.cpp, F32 weights (llama-bench tg128)", 50.3),
+    ("HF transformers, fp32 (torch CPU)", 16.8),
+    ("tinygrad.llm, Q4_1 dequantized every step", 4.9),
+]
+TARGET_DECODE_TOK_S = 20.0  # Phase 1 target, fp32 weights
+BENCH_TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and "
+              "were programmed by rewiring them; later, stored programs let the same hardware run any algorithm. "
+              "Memory grew faster than anyone expected, and so did the software that filled it. ")
+
+
+def process_age() -> float | None:
+    """Seconds since this process was created (interpreter start included), from /proc on Linux."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux: the clock starts at the top of this script instead
+
+
+_age = process_age()
+INTERPRETER_START_S = _age - (time.perf_counter() - SCRIPT_START) if _age is not None else None
+PROCESS_START = SCRIPT_START - (INTERPRETER_START_S or 0.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="tinyvllm generation benchmark: cold start, prefill, decode, "
+                                "and the memory-bandwidth bound")
+    p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per decode run (default 128)")
+    p.add_argument("--decode-runs", type=int, default=3, help="measured decode runs (default 3)")
+    p.add_argument("--prompt-lens", default="32,128,512", help="prefill lengths, comma-separated (default 32,128,512)")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="measured prefills per length (default 3)")
+    p.add_argument("--prompt", default="The capital of France is", help="prompt for the cold start and decode")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kv-cache", default=None, choices=["paged", "contiguous"],
+                   help="KV cache layout (default: the engine's default)")
+    p.add_argument("--beam", type=int, default=0, help="set tinygrad's BEAM=N (kernel search; minutes the first "
+                   "time, cached on disk after)")
+    p.add_argument("--fresh-kernel-cache", action="store_true", help="use an empty tinygrad kernel cache, so the "
+                   "cold start includes compiling every kernel")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    return p
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def measure_copy_bandwidth(size_mib: int = 256, repeats: int = 7) -> float:
+    """Bytes/s of a numpy copy of a `size_mib` MiB array, best of `repeats`, counting read + write."""
+    src = np.ones(size_mib * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best
+
+
+def weight_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes one decode step reads from the weights: every linear layer plus lm_head.
+
+    `num_params` counts the norms too (negligible, left out here) and, when the embedding is not
+    tied, the input embedding table, of which a step reads one row only.
+    """
+    d, L = config.hidden_size, config.num_hidden_layers
+    norms = 2 * d * L + d
+    input_embedding = 0 if config.tie_word_embeddings else config.vocab_size * d
+    return (config.num_params - norms - input_embedding) * dtype_bytes
+
+
+def kernel_cache_state() -> str:
+    path = Path(os.environ.get("CACHEDB") or Path.home() / ".cache" / "tinygrad" / "cache.db")
+    if sys.platform == "darwin" and "CACHEDB" not in os.environ:
+        path = Path.home() / "Library" / "Caches" / "tinygrad" / "cache.db"
+    if not path.exists():
+        return f"empty (no {path.name} yet): kernels are compiled in this run"
+    return f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
+
+
+def code_version() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ""
+    if hasattr(os, "getloadavg"):
+        one, five, fifteen = os.getloadavg()
+        load = f", load average {one:.2f} {five:.2f} {fifteen:.2f}"
+    return f"{cpu}, {os.cpu_count()} logical CPUs{load}"
+
+
+def table(rows: list[tuple], headers: tuple) -> str:
+    cells = [tuple(str(c) for c in headers)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def free_kv_cache(gen) -> None:
+    """The paged runner holds its sequence's blocks until freed (the contiguous one has nothing to free)."""
+    if hasattr(gen.runner, "free"):
+        gen.runner.free()
+
+
+def prompt_of_length(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(BENCH_TEXT, add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_tokens < 2 or args.decode_runs < 1 or args.prefill_repeats < 1:
+        parser.error("--max-tokens must be >= 2 (decode speed is measured between tokens), "
+                     "--decode-runs and --prefill-repeats >= 1")
+    try:
+        prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--prompt-lens must be comma-separated integers, got {args.prompt_lens!r}")
+    # tinygrad reads BEAM and CACHEDB when it is imported: set them first
+    if args.beam:
+        os.environ["BEAM"] = str(args.beam)
+        print(f"BEAM={args.beam}: tinygrad times several variants of every kernel. The first run with a new kernel "
+              "takes minutes (the choices are cached on disk; later runs are fast).", file=sys.stderr)
+    if args.fresh_kernel_cache:
+        os.environ["CACHEDB"] = str(Path(tempfile.mkdtemp(prefix="tinygrad-cache-")) / "cache.db")
+    cache_state = kernel_cache_state()
+
+    # ---- 1. cold start: process start -> first token ----
+    t_setup_end = t = time.perf_counter()
+    import tinygrad  # noqa: F401
+
+    from tinyvllm.engine.generator import Generator
+    from tinyvllm.sampling_params import SamplingParams
+    t_imports = time.perf_counter() - t
+
+    t = time.perf_counter()
+    kv_cache = {} if args.kv_cache is None else {"kv_cache": args.kv_cache}
+    gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **kv_cache)
+    t_load = time.perf_counter() - t
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    t = time.perf_counter()
+    prompt_ids = gen.encode_prompt(args.prompt)
+    logits = gen.runner.prefill(prompt_ids)
+    t_prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    first = gen.sampler(logits, greedy, prompt_ids, [], None, gen.tokenizer.stop_token_ids)
+    t_sample = time.perf_counter() - t
+    ttft = time.perf_counter() - PROCESS_START
+    free_kv_cache(gen)
+    t_setup = t_setup_end - SCRIPT_START
+    cold = {"interpreter_start_s": INTERPRETER_START_S, "script_setup_s": t_setup, "imports_s": t_imports,
+            "load_s": t_load, "first_prefill_s": t_prefill, "first_sample_s": t_sample,
+            "process_start_to_first_token_s": ttft, "prompt_tokens": len(prompt_ids),
+            "first_token": gen.tokenizer.decode([first])}
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_description(),
+                     "code": code_version(), "args": vars(args), "runner": type(gen.runner).__name__,
+                     "kernel_cache": cache_state, "cold_start": cold}
+
+    config = gen.model.config
+    dtype_bytes = gen.model.dtype.itemsize
+    print(f"model     {gen.model_path.name}  ({config.num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} "
+          f"layers, dim {config.hidden_size}, vocab {config.vocab_size})")
+    print(f"dtype     {args.dtype}   device {gen.model.device}   max_model_len {gen.max_model_len}   "
+          f"runner {type(gen.runner).__name__}   BEAM={os.environ.get('BEAM', '0')}")
+    print(f"machine   {results['machine']}")
+    print(f"code      {results['code']}   {results['date']}")
+    print(f"kernels   tinygrad cache {cache_state}")
+
+    print(f"\n== cold start: process start -> first token (prompt {args.prompt!r}, {len(prompt_ids)} tokens) ==")
+    rows = []
+    clock = 0.0
+    steps = [("Python start (interpreter, before this script)", SCRIPT_START - PROCESS_START),
+             ("script setup (numpy, arguments)", t_setup),
+             ("imports (tinygrad, tinyvllm)", t_imports), ("load (weights, tokenizer, KV cache)", t_load),
+             ("first prefill incl. compile + JIT capture", t_prefill), ("sample the first token", t_sample)]
+    if INTERPRETER_START_S is None:
+        steps = steps[1:]  # no /proc: the clock started at the top of this script
+    for name, dt in steps:
+        clock += dt
+        rows.append((name, f"{dt:.2f}", f"{clock:.2f}"))
+    rows.append(("first token (process start -> token)", "", f"{ttft:.2f}"))
+    print(table(rows, ("step", "seconds", "since start")))
+
+    # ---- 2. prefill ----
+    prefill_rows, prefill = [], []
+    for n in prompt_lens:
+        if n + 1 > gen.max_model_len:
+            print(f"(skipping prefill {n}: longer than max_model_len {gen.max_model_len})")
+            continue
+        ids = prompt_of_length(gen.tokenizer, n)
+        t = time.perf_counter()
+        gen.runner.prefill(ids)  # first run: compiles the prefill graph's kernels on first use
+        warmup = time.perf_counter() - t
+        gen.runner.prefill(ids)  # second run: TinyJit captures the kernels; later runs replay them
+        times = []
+        for _ in range(args.prefill_repeats):
+            t = time.perf_counter()
+            gen.runner.prefill(ids)
+            times.append(time.perf_counter() - t)
+        free_kv_cache(gen)
+        med = statistics.median(times)
+        prefill.append({"prompt_tokens": n, "warmup_s": warmup, "times_s": times, "tok_per_s": n / med,
+                        "best_tok_per_s": n / min(times)})
+        prefill_rows.append((n, f"{warmup:.2f}", f"{med * 1e3:.0f}", f"{n / med:.0f}", f"{n / min(times):.0f}"))
+    results["prefill"] = prefill
+    print(f"\n== prefill (chunks of {gen.runner.prefill_chunk_size} tokens, the remainder one by one; "
+          f"median of {args.prefill_repeats} after two warm-up runs) ==")
+    print(table(prefill_rows, ("prompt tokens", "first run s", "median ms", "tok/s", "best tok/s")))
+
+    # ---- 3. decode ----
+    decode_params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
+    gen.generate(args.prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8))  # warm-up
+    runs, latencies = [], []
+    for _ in range(args.decode_runs):
+        stamps = [time.perf_counter() for _ in gen.stream(args.prompt, decode_params)]
+        gaps = np.diff(stamps).tolist()  # the first token comes from prefill; each gap is one decode step
+        latencies += gaps
+        runs.append(len(gaps) / sum(gaps))
+    engine_tok_s = statistics.median(runs)
+
+    # the model step alone: runner.decode + argmax, no sampler or detokenizer
+    gen.runner.prefill(prompt_ids)
+    token, pos = int(first), len(prompt_ids)
+    step_times = []
+    for _ in range(min(args.max_tokens, gen.max_model_len - pos)):
+        t = time.perf_counter()
+        token = int(np.argmax(gen.runner.decode(token, pos)))
+        step_times.append(time.perf_counter() - t)
+        pos += 1
+    free_kv_cache(gen)
+    step_tok_s = len(step_times) / sum(step_times)
+    results["decode"] = {"tokens_per_run": args.max_tokens, "runs_tok_per_s": runs, "tok_per_s": engine_tok_s,
+                         "latency_mean_ms": 1e3 * float(np.mean(latencies)),
+                         "latency_p50_ms": 1e3 * percentile(latencies, 50),
+                         "latency_p90_ms": 1e3 * percentile(latencies, 90),
+                         "model_step_tok_per_s": step_tok_s,
+                         "model_step_p50_ms": 1e3 * percentile(step_times, 50)}
+    d = results["decode"]
+    print(f"\n== decode: one sequence, greedy, ignore_eos, {args.max_tokens} tokens, median of "
+          f"{args.decode_runs} runs after a warm-up ==")
+    print(table([
+        ("engine (Generator.stream)", f"{engine_tok_s:.1f}", f"{d['latency_mean_ms']:.1f}",
+         f"{d['latency_p50_ms']:.1f}", f"{d['latency_p90_ms']:.1f}"),
+        ("model step only (runner.decode + argmax)", f"{step_tok_s:.1f}", f"{1e3 * float(np.mean(step_times)):.1f}",
+         f"{d['model_step_p50_ms']:.1f}", f"{1e3 * percentile(step_times, 90):.1f}"),
+    ], ("", "tok/s", "mean ms", "p50 ms", "p90 ms")))
+    print("runs (tok/s): " + ", ".join(f"{r:.1f}" for r in runs))
+
+    # ---- 4. the memory-bandwidth bound ----
+    bandwidth = measure_copy_bandwidth()
+    weight_bytes = weight_bytes_per_token(config, dtype_bytes)
+    bound_tok_s = bandwidth / weight_bytes
+    kv_bytes = config.kv_bytes_per_token * dtype_bytes // 4 * (len(prompt_ids) + args.max_tokens // 2)
+    results["bandwidth"] = {"copy_bytes_per_s": bandwidth, "weight_bytes_per_token": weight_bytes,
+                            "bound_tok_per_s": bound_tok_s, "achieved_fraction": engine_tok_s / bound_tok_s,
+                            "achieved_bytes_per_s": engine_tok_s * weight_bytes,
+                            "kv_bytes_per_token_mid_run": kv_bytes}
+    print("\n== memory-bandwidth bound (decode reads every weight once per token) ==")
+    print(table([
+        ("weights read per token (linear + lm_head, " + args.dtype + ")", f"{weight_bytes / 1e6:.1f} MB"),
+        ("KV cache read per token, mid-run (not counted)", f"{kv_bytes / 1e6:.1f} MB"),
+        ("copy bandwidth (numpy, 256 MiB, read + write, best of 7)", f"{bandwidth / 1e9:.1f} GB/s"),
+        ("bound: bandwidth / bytes per token", f"{bound_tok_s:.1f} tok/s"),
+        ("achieved (engine decode)", f"{engine_tok_s:.1f} tok/s = {engine_tok_s / bound_tok_s:.0%} of the bound"),
+        ("weights streamed at", f"{engine_tok_s * weight_bytes / 1e9:.1f} GB/s"),
+    ], ("", "value")))
+
+    # ---- 5. peers ----
+    print("\n== single-stream decode, same model: peers measured earlier on this machine type, "
+          "not in this run ==")
+    rows = [(name, f"{tok_s:.1f}", f"{engine_tok_s / tok_s:.2f}x") for name, tok_s in PEERS]
+    rows.append((f"tinyvllm, {args.dtype} (this run)", f"{engine_tok_s:.1f}", "1.00x"))
+    rows.append(("Phase 1 target, fp32 weights", f"{TARGET_DECODE_TOK_S:.1f}",
+                 f"{engine_tok_s / TARGET_DECODE_TOK_S:.2f}x"))
+    print(table(rows, ("engine", "tok/s", "tinyvllm / it")))
+    results["peers_not_this_run"] = dict(PEERS)
+
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nresults written to {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
