@@ -7,7 +7,8 @@
 
 Each client streams `/v1/completions` (greedy, `ignore_eos`, so every request produces exactly
 `--max-tokens` tokens) and takes the next request as soon as one finishes, until `--num-requests` are
-done. Reported, after `--warmup` requests that compile the JIT's batch sizes:
+done. Each run follows `--warmup` unmeasured requests of the same load: the JIT compiles each new
+batch shape once, and a compile would otherwise show up as a latency spike of seconds. Reported:
 
     throughput   requests/s and output tokens/s over the whole run (what the batch buys)
     TTFT         time to first token: queueing + prefill, as a user waits for the first word
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--prompt-words", type=int, default=24, help="rough prompt length in words")
     p.add_argument("--warmup", type=int, default=None,
-                   help="unmeasured requests first, to compile (default: the largest concurrency)")
+                   help="unmeasured requests before each run, to compile (default: the concurrency)")
     p.add_argument("--launch-timeout", type=float, default=900.0)
     args, server_args = p.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
@@ -158,11 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     if urlparse(args.base_url).hostname not in LOCAL_HOSTS:
         raise SystemExit(f"refusing to load {args.base_url}: only a server on this machine is benchmarked")
     try:
-        warmup = max(args.concurrency) if args.warmup is None else args.warmup
-        if warmup:
-            asyncio.run(run_benchmark(args.base_url, concurrency=warmup, num_requests=warmup, max_tokens=4,
-                                      prompt_words=args.prompt_words))
         for concurrency in args.concurrency:
+            # the same load first, unmeasured: each new batch shape compiles once, and should not be timed
+            warmup = concurrency if args.warmup is None else args.warmup
+            if warmup:
+                asyncio.run(run_benchmark(args.base_url, concurrency=concurrency, num_requests=warmup,
+                                          max_tokens=args.max_tokens, prompt_words=args.prompt_words))
             results, wall = asyncio.run(run_benchmark(args.base_url, concurrency=concurrency,
                                                       num_requests=args.num_requests, max_tokens=args.max_tokens,
                                                       prompt_words=args.prompt_words))

@@ -8,7 +8,8 @@ fixed rule instead of a forward pass:
     greedy:  the words of WORDS in turn, starting at sum(prompt ids) % len, then the eos token
     sampled: a word drawn by numpy from the request's seed (random without one)
 
-Hooks for the tests: `gate` (clear it to hold the engine thread inside `step()`), `step_time`
+Hooks for the tests: `gate` (clear it to hold the engine thread inside `step()`; `at_gate` says it
+is held), `step_time`
 (seconds one step takes), `fail_next_step`, and a record of steps and aborts.
 """
 
@@ -67,6 +68,7 @@ class FakeLLMEngine:
         self.running: list[FakeRequest] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.at_gate = threading.Event()  # set while a step waits for the gate
         self.fail_next_step = False
         self.num_steps = 0
         self.max_num_running = 0  # the largest batch any step ran
@@ -90,7 +92,10 @@ class FakeLLMEngine:
                                         np.random.default_rng(params.seed), RequestMetrics(time.monotonic())))
 
     def step(self) -> list[RequestOutput]:
-        assert self.gate.wait(timeout=60), "the test never opened the gate"
+        if not self.gate.is_set():
+            self.at_gate.set()
+            assert self.gate.wait(timeout=60), "the test never opened the gate"
+            self.at_gate.clear()
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected failure")

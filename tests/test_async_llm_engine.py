@@ -77,6 +77,28 @@ def test_leaving_the_stream_aborts_the_request():
     assert fake.aborted == ["r1"] and fake.num_free_blocks == fake.num_total_blocks
 
 
+def test_abort_is_applied_before_the_next_step():
+    """The step in flight when the client leaves completes; the abort is drained before the one after."""
+
+    async def test(engine, fake):
+        stream = engine.add_request("r1", "Hello", SamplingParams(max_tokens=200, ignore_eos=True))
+        consumer = asyncio.ensure_future(collect(stream))
+        while not fake.running or fake.num_steps < 2:
+            await asyncio.sleep(0.005)
+        fake.gate.clear()
+        await asyncio.to_thread(fake.at_gate.wait, 10)  # the engine thread is inside a step now
+        steps_before = fake.num_steps
+        consumer.cancel()  # what a disconnect does to the task writing the response
+        await asyncio.gather(consumer, return_exceptions=True)
+        fake.gate.set()
+        while not fake.aborted:
+            await asyncio.sleep(0.005)
+        return fake.num_steps - steps_before, fake
+
+    steps, fake = run(test, FakeLLMEngine(step_time=0.01))
+    assert steps == 1 and fake.num_free_blocks == fake.num_total_blocks
+
+
 def test_bad_input_fails_only_that_request():
     async def test(engine, fake):
         with pytest.raises(ValueError, match="context length"):

@@ -7,7 +7,7 @@ talk through queues:
 
     event loop (HTTP, many requests)                     engine loop thread (the device, one)
     --------------------------------                     ------------------------------------
-    generate() --- _Add / _Abort ---> input queue.Queue --> drain: add_request / abort_request
+    add_request() - _Add / _Abort --> input queue.Queue --> drain: add_request / abort_request
          ^                           (thread-safe)          step()  (schedule -> forward -> update)
          |                                                     |
     per-request asyncio.Queue <-- _dispatch <-- call_soon_threadsafe(one batch per step)
