@@ -88,10 +88,13 @@ class LlamaForCausalLM:
                  device: str | None = None):
         self.config, self.dtype = config, dtype
 
+        loaded: list[Tensor] = []
+
         def load(*names: str) -> Tensor:
             # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
             arr = np.concatenate([state_dict[n] for n in names], axis=0) if len(names) > 1 else state_dict[names[0]]
-            return Tensor(np.ascontiguousarray(arr, dtype=np.float32), device=device).cast(dtype).realize()
+            loaded.append(Tensor(np.ascontiguousarray(arr, dtype=np.float32), device=device).cast(dtype))
+            return loaded[-1]
 
         self.embed_tokens = load("model.embed_tokens.weight")  # (V, D)
         self.layers = []
@@ -107,7 +110,8 @@ class LlamaForCausalLM:
             }))
         self.norm = load("model.norm.weight")
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight")  # (V, D)
-        self.inv_freq = Tensor(rope_frequencies(config), device=device).realize()  # (Hd/2,)
+        self.inv_freq = Tensor(rope_frequencies(config), device=device)  # (Hd/2,)
+        Tensor.realize(*loaded, self.inv_freq)  # one schedule for every weight, not one per tensor
 
     @property
     def device(self) -> str:
