@@ -11,14 +11,17 @@
  * (about half the 538 MB of weights a step reads), this kernel reads the 94 MB once, in place, through the block
  * table. And 10 launches per layer become 2 (this file's two entry points): 300 -> 60 per step.
  *
- * What one chunk of work does (a "thread block" on a GPU): one sequence x one KV head, all G = NUM_HEADS /
- * NUM_KV_HEADS query heads that share it (grouped-query attention), so each K/V row is read once for G heads.
- * It walks the sequence's blocks in order and keeps a running softmax (online softmax, one pass over K/V):
+ * What one chunk of work does (a "thread block" on a GPU): one sequence x one KV head, all GROUP = NUM_HEADS /
+ * NUM_KV_HEADS query heads that share it (grouped-query attention), so each K/V row is read once for GROUP heads.
+ * It walks the sequence's keys in tiles of 32, each key found through the block table (key p is in slot
+ * block_tables[seq, p / block_size] * block_size + p % block_size), and keeps a running softmax (online softmax,
+ * one pass over K/V):
  *     m = max score so far, l = sum of exp(score - m) so far, acc = sum of exp(score - m) * v so far
- * and per block of keys with scores s_1..s_n:
+ * and per tile of keys with scores s_1..s_n:
  *     m' = max(m, s_1..s_n);  alpha = exp(m - m');  p_i = exp(s_i - m')
  *     l' = alpha * l + sum p_i;  acc' = alpha * acc + sum p_i * v_i;  at the end: out = acc / l
- * Chunks (num_seqs x n_kv_heads of them) are spread over both cores by the thread pool (threadpool.h).
+ * Chunks (num_seqs x n_kv_heads of them) are spread over both cores by the thread pool (threadpool.h) when the
+ * launch reads enough K/V to be worth it.
  *
  * Arguments of paged_attention (all row-major, float32; int32 tables):
  *   out:          (num_seqs, n_heads, head_dim)              written: attention output of each row's one query
@@ -37,8 +40,9 @@
  * TV_MAX_BLOCKS, TV_SCALE (1/sqrt(head_dim)) for paged_attention; TV_NUM_TOKENS, TV_NUM_SLOTS for reshape_and_cache.
  * The context lengths are data, read at run time: one compiled program serves every context length.
  *
- * tinygrad's CPU runtime calls the first byte of the compiled object, so a file can have only one entry point:
- * TV_RESHAPE_AND_CACHE selects which one this compilation is (the GPU files simply hold both).
+ * tinygrad's CPU runtime calls the first byte of the compiled object, so a compilation can have only one entry point:
+ * TV_RESHAPE_AND_CACHE selects the write, otherwise it is the attention (the GPU files do the same, to keep one
+ * layout; there each program's constants only fit one of the two anyway).
  */
 #include "threadpool.h"
 
@@ -74,6 +78,8 @@ TV_KERNEL reshape_and_cache(float* restrict k_cache, float* restrict v_cache, co
 /* -------------------------------------------------------------------------------------------- the attention */
 #define GROUP (TV_NUM_HEADS / TV_NUM_KV_HEADS)  /* query heads per KV head */
 #define ROW (TV_NUM_KV_HEADS * TV_HEAD_DIM)     /* floats from one token's K (or V) row to the next token's */
+#define TILE 32                                 /* keys per step of the online softmax (one rescale per tile) */
+#define PARALLEL_MIN_BYTES (4L << 20)             /* K/V bytes a launch must read before it uses the thread pool */
 
 struct attention_args {
   float* out;
@@ -91,7 +97,16 @@ TV_KERNEL paged_attention(float* restrict out, const float* restrict q, const fl
                           const float* restrict v_cache, const int* restrict block_tables,
                           const int* restrict context_lens) {
   struct attention_args args = {out, q, k_cache, v_cache, block_tables, context_lens};
-  tv_parallel_for(attend_chunk, &args, TV_NUM_SEQS * TV_NUM_KV_HEADS);
+  /* a small job runs on this thread alone: on a busy machine, waking a parked helper (or waiting for one the OS
+   * paused mid-chunk) can take longer than the whole job. Measured at batch 1, 3 KV heads, load 5 on 2 cores:
+   * context 512 (2.4 MB of K/V) took 0.75 ms on one thread, 0.8 to 5 ms handed to the pool. */
+  long bytes = 0;
+  for (int s = 0; s < TV_NUM_SEQS; s++) bytes += (long)context_lens[s] * 2 * ROW * (long)sizeof(float);
+  if (bytes < PARALLEL_MIN_BYTES) {
+    for (int c = 0; c < TV_NUM_SEQS * TV_NUM_KV_HEADS; c++) attend_chunk(&args, c);
+  } else {
+    tv_parallel_for(attend_chunk, &args, TV_NUM_SEQS * TV_NUM_KV_HEADS);
+  }
 }
 
 TV_INLINE float hsum8(f8 v) {
@@ -137,26 +152,32 @@ static void attend_chunk(const void* ctx, int chunk) {
     l[g] = 0.0f;
     for (int d = 0; d < HD8; d++) acc[g][d] = (f8){0};
   }
-  int num_blocks = (context_len + TV_BLOCK_SIZE - 1) / TV_BLOCK_SIZE;
-  if (num_blocks > TV_MAX_BLOCKS) num_blocks = TV_MAX_BLOCKS;
-  for (int b = 0; b < num_blocks; b++) {
-    /* this block's keys: tokens b*BLOCK_SIZE .. of the sequence, at k_cache[table[b], t, kv_head, :] */
-    const int n = context_len - b * TV_BLOCK_SIZE < TV_BLOCK_SIZE ? context_len - b * TV_BLOCK_SIZE : TV_BLOCK_SIZE;
-    const long base = ((long)table[b] * TV_BLOCK_SIZE * TV_NUM_KV_HEADS + kv_head) * TV_HEAD_DIM;
-    const float* k_block = a->k_cache + base;
-    const float* v_block = a->v_cache + base;
+  const int num_keys = context_len < TV_MAX_BLOCKS * TV_BLOCK_SIZE ? context_len : TV_MAX_BLOCKS * TV_BLOCK_SIZE;
+  for (int t0 = 0; t0 < num_keys; t0 += TILE) {
+    /* this tile's keys: tokens t0 .. t0+n-1 of the sequence; token p is in slot table[p / BLOCK_SIZE] * BLOCK_SIZE
+     * + p % BLOCK_SIZE, at k_cache[slot, kv_head, :] (a tile spans several blocks when block_size < TILE) */
+    const int n = num_keys - t0 < TILE ? num_keys - t0 : TILE;
+    const float* k_rows[TILE];
+    const float* v_rows[TILE];
+    for (int t = 0; t < n; t++) {
+      const int p = t0 + t;
+      const long offset = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * ROW
+                          + kv_head * TV_HEAD_DIM;
+      k_rows[t] = a->k_cache + offset;
+      v_rows[t] = a->v_cache + offset;
+    }
 
     /* 1. scores s[g][t] = q_g . k_t * scale: each K row is loaded once and used by all GROUP heads */
-    float s[GROUP][TV_BLOCK_SIZE];
+    float s[GROUP][TILE];
     for (int t = 0; t < n; t++) {
-      const f8* k = (const f8*)(k_block + t * ROW);
+      const f8* k = (const f8*)k_rows[t];
       for (int g = 0; g < GROUP; g++) {
         f8 dot = q[g * HD8] * k[0];
         for (int d = 1; d < HD8; d++) dot += q[g * HD8 + d] * k[d];
         s[g][t] = hsum8(dot) * TV_SCALE;
       }
     }
-    /* 2. online softmax: new max, rescale what was summed so far by alpha = exp(m_old - m_new), add this block */
+    /* 2. online softmax: new max, rescale what was summed so far by alpha = exp(m_old - m_new), add this tile */
     for (int g = 0; g < GROUP; g++) {
       float m_new = m[g];
       for (int t = 0; t < n; t++) m_new = s[g][t] > m_new ? s[g][t] : m_new;
@@ -178,7 +199,7 @@ static void attend_chunk(const void* ctx, int chunk) {
     }
     /* 3. acc += p_t * v_t: each V row is loaded once and used by all GROUP heads */
     for (int t = 0; t < n; t++) {
-      const f8* v = (const f8*)(v_block + t * ROW);
+      const f8* v = (const f8*)v_rows[t];
       for (int g = 0; g < GROUP; g++)
         for (int d = 0; d < HD8; d++) acc[g][d] += s[g][t] * v[d];
     }

@@ -97,26 +97,28 @@ def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
     return True
 
 
+def kernel_source(entry: str, device: str, defines: dict[str, int | str]) -> tuple[str, str]:
+    """(program name, full source) of `entry` ("paged_attention" or "reshape_and_cache") for `device`."""
+    kind = launcher.device_kind(device)
+    name = launcher.program_name(entry, {k: v for k, v in defines.items() if isinstance(v, int)})
+    if entry == "reshape_and_cache":  # one entry point per compilation (the CPU runtime calls the first byte)
+        defines = {**defines, "TV_RESHAPE_AND_CACHE": 1}
+    if kind == "CPU":
+        from tinyvllm.kernels import cpu_threads
+        return name, launcher.kernel_source(KERNEL, device, {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())})
+    # a GPU runtime looks the entry up by name
+    lang = GPU_LANGUAGES[kind]
+    header = [f"#define {k} {v}" for k, v in defines.items()] + [f"#define TV_KERNEL {lang.kernel_prefix}"]
+    return entry, "\n".join(header) + "\n" + (launcher.KERNELS_DIR / lang.folder / f"{KERNEL}{lang.suffix}").read_text()
+
+
 def _launch(entry: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
             grid: tuple[int, int, int]) -> list[Tensor]:
-    """Put `entry` of kernels/<device>/paged_attention.* into the graph on outs (written) and ins (read)."""
-    device = outs[0].device
-    kind = launcher.device_kind(device)
-    if kind == "CPU":
-        name = launcher.program_name(entry, {k: v for k, v in defines.items() if isinstance(v, int)})
-        # one entry point per compiled object on CPU (the runtime calls its first byte): a define picks it
-        from tinyvllm.kernels import cpu_threads
-        defines = {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())}
-        if entry == "reshape_and_cache":
-            defines["TV_RESHAPE_AND_CACHE"] = 1
-        source = launcher.kernel_source(KERNEL, device, defines)
-        global_size, local_size = (1, 1, 1), None
-    else:
-        # a GPU runtime looks the entry up by name, and runs it on a grid of thread blocks
-        lang = GPU_LANGUAGES[kind]
-        header = [f"#define {k} {v}" for k, v in defines.items()] + [f"#define TV_KERNEL {lang.kernel_prefix}"]
-        source = "\n".join(header) + "\n" + (launcher.KERNELS_DIR / lang.folder / f"{KERNEL}{lang.suffix}").read_text()
-        name, global_size, local_size = entry, grid, (NUM_THREADS, 1, 1)
+    """Put `entry` into the graph on outs (written) and ins (read). On GPUs it runs on a grid of thread blocks
+    of NUM_THREADS threads; on the CPU once (its chunks go to the thread pool)."""
+    name, source = kernel_source(entry, outs[0].device, defines)
+    on_cpu = launcher.device_kind(outs[0].device) == "CPU"
+    global_size, local_size = ((1, 1, 1), None) if on_cpu else (grid, (NUM_THREADS, 1, 1))
     fxn = launcher.make_program(name, source, len(outs), len(ins), None, global_size, local_size)
     return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
 
@@ -138,7 +140,7 @@ def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cach
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     flat_k, flat_v = k_cache.reshape(num_slots, -1), v_cache.reshape(num_slots, -1)
     defines = {"TV_NUM_TOKENS": num_tokens, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
-               "TV_NUM_SLOTS": num_slots, **_type_defines(key.device, TV_T=key, TV_CACHE_T=k_cache)}
+               "TV_NUM_SLOTS": num_slots, "TV_NUM_THREADS": NUM_THREADS, **_type_defines(key.device, TV_T=key, TV_CACHE_T=k_cache)}
     k_written, v_written = _launch("reshape_and_cache", outs=[flat_k, flat_v],
                                    ins=[key.contiguous(), value.contiguous(), slot_mapping.contiguous()],
                                    defines=defines, grid=(num_tokens, 1, 1))

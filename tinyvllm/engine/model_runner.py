@@ -12,6 +12,9 @@ prompt". The runner lays those tokens out as one row, pads it to a bucket size, 
 Why buckets: TinyJit replays a captured graph only for the shapes it captured, so batch sizes are
 rounded up to 1, 2, 4, 8, ... and each bucket has its own graph (compiled once, replayed ever after).
 The number of blocks to gather is a bound symbolic variable, so context length never recompiles.
+Attention runs on the hand-written paged-attention kernels where the device has them (Phase 5): every
+token row above is one query with its own block table row and context length `position + 1`, which is
+exactly what a decode kernel takes. `portable_attention=True` keeps the portable gather.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 
-from tinyvllm.attention.paged import PagedAttentionMetadata
+from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
@@ -38,19 +41,21 @@ def buckets_up_to(limit: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
-                 max_num_batched_tokens: int, max_num_seqs: int):
+                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False):
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.token_buckets = buckets_up_to(max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
+        self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[int, TinyJit] = {}  # one captured graph per token bucket
         self._sampler_jits: dict[tuple[int, bool], TinyJit] = {}  # per (rows, whether filters are used)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
-        metadata = PagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks)
+        metadata = KernelPagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks,
+                                                portable=self.portable_attention)
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
         return self.model.compute_logits(hidden[0][logits_indices]).realize()  # (S,V)
 

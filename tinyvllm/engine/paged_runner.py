@@ -9,7 +9,9 @@ handed out by the BlockManager as the sequence grows:
 Each step passes the attention its metadata as tensors (fixed shapes, so TinyJit replays):
 `slot_mapping` (T,), `block_tables` (1, max_blocks) padded with the null block, `positions` (1, T),
 and the number of blocks to gather as a bound variable. Phase 3 replaces this with a scheduler
-and many sequences; the attention code stays the same.
+and many sequences; the attention code stays the same. Attention runs on the hand-written paged-attention
+kernels where the device has them (Phase 5, `tinyvllm.attention.kernel_backend`); `portable_attention=True`
+keeps the portable gather.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 
-from tinyvllm.attention.paged import PagedAttentionMetadata
+from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.sequence import Sequence
@@ -26,11 +28,12 @@ from tinyvllm.model.llama import LlamaForCausalLM
 
 class PagedModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_model_len: int, num_blocks: int, block_size: int = 16,
-                 prefill_chunk_size: int = 32):
+                 prefill_chunk_size: int = 32, portable_attention: bool = False):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.model, self.max_model_len, self.block_size = model, max_model_len, block_size
         self.prefill_chunk_size = min(prefill_chunk_size, max_model_len)
+        self.portable_attention = portable_attention
         self.kv_cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -41,7 +44,8 @@ class PagedModelRunner:
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  num_blocks: int | UOp) -> Tensor:
-        metadata = PagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks)
+        metadata = KernelPagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks,
+                                                portable=self.portable_attention)
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)
         return self.model.compute_logits(hidden[:, -1]).realize()
 

@@ -1,0 +1,169 @@
+/* Paged attention for decoding, and the write that fills the KV cache, in Metal: the twin of
+ * kernels/cuda/paged_attention.cu and kernels/cpu/paged_attention.c (same arguments, same algorithm, line for line
+ * where the languages allow; see docs/phases/05-custom-kernels.md). Compiled by tinygrad's Metal compiler.
+ *
+ * Why a hand-written kernel: the portable path (tinyvllm/attention/paged.py) gathers every row's blocks into a
+ * contiguous copy, builds a causal mask, then runs QK^T, softmax and PV as separate kernels: 10 launches per layer
+ * per step, and the K/V bytes cross memory three times (read from the blocks, written as the copy, read back).
+ * For the default model (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64) one token of context holds
+ *     K + V = 2 x 3 x 64 x 4 B = 1,536 B per layer (768 B in float16),  x 30 layers = 46 KB (23 KB),
+ * so at context 2048 one sequence's step reads 94 MB of K/V here, in place through the block table, against
+ * ~283 MB moved by the gather; and 2 launches per layer instead of 10: 60 per step instead of 300.
+ *
+ * One threadgroup = one sequence x one KV head, NUM_THREADS = 4 SIMD groups of 32 threads (a SIMD group is
+ * CUDA's warp): the SIMD groups take the sequence's keys in tiles of 32 in turn (keys 0..31, 32..63, ...), each key
+ * found through the block table (slot = block_tables[seq, p / block_size] * block_size + p % block_size,
+ * key_offset below); inside one, lane j holds dims j, j+32, ... of q, k and v, and simd_sum adds the dot product
+ * up onto every lane. All GROUP = n_heads / n_kv_heads query heads of the KV head are computed here, so each K/V
+ * row is loaded once for GROUP heads. Each SIMD group keeps its own online softmax over its tiles (per tile of
+ * scores s_1..s_n: m' = max(m, s_i); alpha = exp(m - m'); p_i = exp(s_i - m'); l' = alpha l + sum p_i;
+ * acc' = alpha acc + sum p_i v_i), and the 4 are merged at the end through threadgroup memory:
+ * M = max m_w, out = sum_w exp(m_w - M) acc_w / sum_w exp(m_w - M) l_w.
+ *
+ * Arguments of paged_attention (row-major; TV_T is float or half, TV_CACHE_T is float or half), buffers 0-5:
+ *   out:          (num_seqs, n_heads, head_dim)       TV_T, written
+ *   q:            (num_seqs, n_heads, head_dim)       TV_T, one query token per row
+ *   k_cache:      (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T
+ *   v_cache:      (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T
+ *   block_tables: (num_seqs, max_blocks)   int32     row i: the physical blocks of row i's sequence, in order
+ *   context_lens: (num_seqs,)              int32     row i attends to its keys 0 .. context_lens[i]-1
+ * Arguments of reshape_and_cache (grid: one threadgroup per token), buffers 0-4:
+ *   k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T, written at the given slots only
+ *   key, value:       (num_tokens, n_kv_heads, head_dim)               TV_T, this step's new K and V
+ *   slot_mapping:     (num_tokens,) int32   slot = block * block_size + offset; a negative slot is skipped
+ * Compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE, TV_MAX_BLOCKS,
+ * TV_SCALE, TV_NUM_THREADS; TV_NUM_TOKENS, TV_NUM_SLOTS; TV_T, TV_CACHE_T; TV_KERNEL (kernel void).
+ * One entry point per compilation, as on the CPU: TV_RESHAPE_AND_CACHE selects the write, otherwise the attention.
+ */
+#include <metal_stdlib>
+using namespace metal;
+
+#define WARP 32
+#define NUM_WARPS (TV_NUM_THREADS / WARP)
+#define GROUP (TV_NUM_HEADS / TV_NUM_KV_HEADS)   /* query heads per KV head */
+#define ROW (TV_NUM_KV_HEADS * TV_HEAD_DIM)      /* elements from one token's K (or V) row to the next token's */
+#define TILE 32                                  /* keys per step of the online softmax (one rescale per tile) */
+#define DIMS_PER_LANE ((TV_HEAD_DIM + WARP - 1) / WARP)
+#define NEG_INF (-INFINITY)
+
+#ifdef TV_RESHAPE_AND_CACHE
+/* ------------------------------------------------------------------------------------------------ the write */
+TV_KERNEL reshape_and_cache(device TV_CACHE_T* k_cache [[buffer(0)]], device TV_CACHE_T* v_cache [[buffer(1)]],
+                            const device TV_T* key [[buffer(2)]], const device TV_T* value [[buffer(3)]],
+                            const device int* slot_mapping [[buffer(4)]],
+                            uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
+  const int i = gid.x;
+  const long slot = slot_mapping[i];
+  if (slot < 0 || slot >= TV_NUM_SLOTS) return;  /* padding token (vLLM's -1), or no such slot */
+  for (int j = lid.x; j < ROW; j += TV_NUM_THREADS) {
+    k_cache[slot * ROW + j] = TV_CACHE_T(float(key[i * ROW + j]));
+    v_cache[slot * ROW + j] = TV_CACHE_T(float(value[i * ROW + j]));
+  }
+}
+
+#else
+/* -------------------------------------------------------------------------------------------- the attention */
+/* where token p of a sequence keeps its K (or V) for one KV head: slot = table[p / block_size] * block_size
+ * + p % block_size, then (slot, kv_head, :) of the cache. A tile of keys spans several blocks when block_size < TILE. */
+inline long key_offset(const device int* table, int p, int kv_head) {
+  return ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * ROW + kv_head * TV_HEAD_DIM;
+}
+
+TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [[buffer(1)]],
+                          const device TV_CACHE_T* k_cache [[buffer(2)]], const device TV_CACHE_T* v_cache [[buffer(3)]],
+                          const device int* block_tables [[buffer(4)]], const device int* context_lens [[buffer(5)]],
+                          uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
+  const int kv_head = gid.x, seq = gid.y;
+  const int warp = lid.x / WARP, lane = lid.x % WARP;
+  const int context_len = context_lens[seq];
+  const device int* table = block_tables + seq * TV_MAX_BLOCKS;
+  const device TV_T* q_group = q + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM;  /* (GROUP, head_dim) */
+
+  threadgroup float scores[NUM_WARPS][GROUP][TILE];  /* each SIMD group's scores, then p, for its tile */
+  threadgroup float warp_m[NUM_WARPS][GROUP], warp_l[NUM_WARPS][GROUP];
+  threadgroup float warp_acc[NUM_WARPS][GROUP][TV_HEAD_DIM];
+
+  float qr[GROUP][DIMS_PER_LANE], acc[GROUP][DIMS_PER_LANE], m[GROUP], l[GROUP];
+  for (int g = 0; g < GROUP; g++) {
+    m[g] = NEG_INF;
+    l[g] = 0.0f;
+    for (int i = 0; i < DIMS_PER_LANE; i++) {
+      const int d = lane + i * WARP;
+      qr[g][i] = d < TV_HEAD_DIM ? float(q_group[g * TV_HEAD_DIM + d]) : 0.0f;
+      acc[g][i] = 0.0f;
+    }
+  }
+
+  const int num_keys = min(context_len, TV_MAX_BLOCKS * TV_BLOCK_SIZE);
+  for (int t0 = warp * TILE; t0 < num_keys; t0 += NUM_WARPS * TILE) {  /* the SIMD groups take tiles of keys in turn */
+    const int n = min(TILE, num_keys - t0);
+    /* 1. scores: each K row is loaded once (coalesced across the lanes) and used by all GROUP heads */
+    for (int t = 0; t < n; t++) {
+      const long row = key_offset(table, t0 + t, kv_head);
+      float k[DIMS_PER_LANE];
+      for (int i = 0; i < DIMS_PER_LANE; i++) {
+        const int d = lane + i * WARP;
+        k[i] = d < TV_HEAD_DIM ? float(k_cache[row + d]) : 0.0f;
+      }
+      for (int g = 0; g < GROUP; g++) {
+        float dot = 0.0f;
+        for (int i = 0; i < DIMS_PER_LANE; i++) dot += qr[g][i] * k[i];
+        dot = simd_sum(dot);
+        if (lane == 0) scores[warp][g][t] = dot * TV_SCALE;
+      }
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    /* 2. online softmax over this tile: new max, rescale the sums so far by alpha, p = exp(s - m') */
+    for (int g = 0; g < GROUP; g++) {
+      float m_new = m[g];
+      for (int t = 0; t < n; t++) m_new = max(m_new, scores[warp][g][t]);
+      const float alpha = precise::exp(m[g] - m_new);  /* exp(-inf) = 0 on the SIMD group's first tile */
+      simdgroup_barrier(mem_flags::mem_threadgroup);  /* every lane has read the scores before they are overwritten */
+      for (int t = lane; t < n; t += WARP) scores[warp][g][t] = precise::exp(scores[warp][g][t] - m_new);  /* now p */
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      float sum = 0.0f;
+      for (int t = 0; t < n; t++) sum += scores[warp][g][t];
+      m[g] = m_new;
+      l[g] = l[g] * alpha + sum;
+      for (int i = 0; i < DIMS_PER_LANE; i++) acc[g][i] *= alpha;
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    /* 3. acc += p_t v_t: each V row is loaded once and used by all GROUP heads */
+    for (int t = 0; t < n; t++) {
+      const long row = key_offset(table, t0 + t, kv_head);
+      for (int i = 0; i < DIMS_PER_LANE; i++) {
+        const int d = lane + i * WARP;
+        const float v = d < TV_HEAD_DIM ? float(v_cache[row + d]) : 0.0f;
+        for (int g = 0; g < GROUP; g++) acc[g][i] += scores[warp][g][t] * v;
+      }
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  /* merge the SIMD groups: out = sum_w exp(m_w - M) acc_w / sum_w exp(m_w - M) l_w, M = max_w m_w */
+  for (int g = 0; g < GROUP; g++) {
+    if (lane == 0) {
+      warp_m[warp][g] = m[g];
+      warp_l[warp][g] = l[g];
+    }
+    for (int i = 0; i < DIMS_PER_LANE; i++) {
+      const int d = lane + i * WARP;
+      if (d < TV_HEAD_DIM) warp_acc[warp][g][d] = acc[g][i];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  device TV_T* out_group = out + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM;
+  for (int j = lid.x; j < GROUP * TV_HEAD_DIM; j += TV_NUM_THREADS) {
+    const int g = j / TV_HEAD_DIM, d = j % TV_HEAD_DIM;
+    float big_m = NEG_INF;
+    for (int w = 0; w < NUM_WARPS; w++) big_m = max(big_m, warp_m[w][g]);
+    float num = 0.0f, den = 0.0f;
+    for (int w = 0; w < NUM_WARPS; w++) {
+      const float scale = warp_m[w][g] == NEG_INF ? 0.0f : precise::exp(warp_m[w][g] - big_m);  /* no tile */
+      num += scale * warp_acc[w][g][d];
+      den += scale * warp_l[w][g];
+    }
+    out_group[j] = TV_T(den > 0.0f ? num / den : 0.0f);  /* an empty context gives zeros */
+  }
+}
+#endif

@@ -1,0 +1,272 @@
+"""Phase 5: the paged-attention kernels (kernels/<device>/paged_attention.*) against the portable paged attention.
+
+On the CPU the C kernel runs through the same tinygrad program path the GPU kernels take. The CUDA source is
+compiled here (nvrtc through tinygrad's own CUDA compiler, or nvcc) and run only where a CUDA device exists;
+the Metal source runs only on macOS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function
+
+from tinyvllm.attention import kernel_backend
+from tinyvllm.attention.kernel_backend import (KernelPagedAttentionMetadata, kernel_paged_attention,
+                                               kernel_reshape_and_cache, uses_kernels)
+from tinyvllm.attention.paged import PagedAttentionMetadata, paged_attention, reshape_and_cache
+from tinyvllm.engine.paged_runner import PagedModelRunner
+from tinyvllm.kernels.launcher import device_kind
+
+on_cpu = pytest.mark.skipif(not kernel_backend.has_kernel("CPU"), reason="no C kernel for this CPU compiler")
+
+
+def make_case(block_size: int, n_heads: int, n_kv_heads: int, head_dim: int, lengths: list[int], seed: int,
+              device: str | None = None, cache_dtype=dtypes.float32) -> dict:
+    """A batch of rows of different lengths, their blocks scattered over a pool filled with random K/V
+    (slots past a row's length hold noise too: they must never be read)."""
+    rng = np.random.default_rng(seed)
+    max_blocks = max(-(-n // block_size) for n in lengths) + 1  # one padding entry past the longest row
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    free = list(rng.permutation(num_blocks))
+    tables = np.zeros((len(lengths), max_blocks), np.int32)
+    for i, n in enumerate(lengths):
+        tables[i, : -(-n // block_size)] = [free.pop() for _ in range(-(-n // block_size))]
+    shape = (num_blocks, block_size, n_kv_heads, head_dim)
+    return {
+        "q": Tensor(rng.standard_normal((len(lengths), n_heads, head_dim), dtype=np.float32), device=device),
+        "k_cache": Tensor(rng.standard_normal(shape, dtype=np.float32), device=device).cast(cache_dtype).realize(),
+        "v_cache": Tensor(rng.standard_normal(shape, dtype=np.float32), device=device).cast(cache_dtype).realize(),
+        "block_tables": Tensor(tables, device=device),
+        "context_lens": Tensor(np.array(lengths, np.int32), device=device),
+    }
+
+
+def portable_reference(case: dict) -> np.ndarray:
+    """The Phase 2 paged attention on the same tensors: each row one query at position context_len - 1."""
+    q, R = case["q"], case["q"].shape[0]
+    out = paged_attention(q.reshape(R, 1, *q.shape[1:]), case["k_cache"], case["v_cache"], case["block_tables"],
+                          case["block_tables"].shape[1], (case["context_lens"] - 1).reshape(R, 1))
+    return out.numpy().reshape(q.shape)
+
+
+def kernel_output(case: dict) -> np.ndarray:
+    return kernel_paged_attention(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                  case["context_lens"]).numpy()
+
+
+# every pair of (block size, GQA ratio, head dim) appears once: 9 shapes instead of 18 compilations of both paths
+SHAPES = [(8, 1, 64), (8, 3, 128), (8, 4, 64), (16, 1, 128), (16, 3, 64), (16, 4, 128), (32, 1, 64), (32, 3, 128),
+          (32, 4, 64)]
+
+
+@on_cpu
+@pytest.mark.parametrize("block_size,group,head_dim", SHAPES)
+def test_attention_matches_portable(block_size: int, group: int, head_dim: int):
+    n_kv_heads = 2 if group > 1 else 3
+    # lengths: one token, a block minus one, a full block, partial last blocks, a long row
+    lengths = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 70]
+    case = make_case(block_size, group * n_kv_heads, n_kv_heads, head_dim, lengths, seed=block_size + group + head_dim)
+    assert uses_kernels(case["q"], case["k_cache"])
+    np.testing.assert_allclose(kernel_output(case), portable_reference(case), atol=1e-5, rtol=1e-5)
+
+
+@on_cpu
+def test_reshape_and_cache_matches_portable():
+    rng = np.random.default_rng(3)
+    k_cache, v_cache = (Tensor(rng.standard_normal((7, 8, 3, 64), dtype=np.float32)).realize() for _ in range(2))
+    key, value = (Tensor(rng.standard_normal((5, 3, 64), dtype=np.float32)) for _ in range(2))
+    slots = Tensor(np.array([9, 0, 55, 17, 30], np.int32))
+    k_ref = reshape_and_cache(key, k_cache.clone().realize(), slots).numpy()
+    v_ref = reshape_and_cache(value, v_cache.clone().realize(), slots).numpy()
+    k_out, v_out = kernel_reshape_and_cache(key, value, k_cache, v_cache, slots)
+    np.testing.assert_array_equal(k_out.numpy(), k_ref)
+    np.testing.assert_array_equal(v_out.numpy(), v_ref)
+
+
+@on_cpu
+def test_reshape_and_cache_skips_negative_slots():
+    cache = Tensor.zeros(4, 2, 1, 8).contiguous().realize()  # 8 slots
+    new = np.arange(3 * 8, dtype=np.float32).reshape(3, 1, 8) + 1
+    k_out, v_out = kernel_reshape_and_cache(Tensor(new), Tensor(-new), cache, cache.clone().realize(),
+                                            Tensor(np.array([5, -1, 2], np.int32)))
+    expected = np.zeros((8, 1, 8), np.float32)
+    expected[5], expected[2] = new[0], new[2]
+    np.testing.assert_array_equal(k_out.numpy().reshape(8, 1, 8), expected)
+    np.testing.assert_array_equal(v_out.numpy().reshape(8, 1, 8), -expected)
+
+
+@on_cpu
+def test_prompt_chunks_attend_causally():
+    """(B, T) tokens with one block table row per sequence, as PagedModelRunner sends a prompt chunk: each token
+    becomes its own query row over keys 0 .. its position, equal to the portable causal mask."""
+    B, T, H, KvH, Hd, bs = 2, 5, 4, 2, 64, 4
+    rng = np.random.default_rng(6)
+    tables = np.array([[3, 0, 4], [1, 5, 2]], np.int32)
+    positions = np.array([np.arange(2, 2 + T), np.arange(6, 6 + T)], np.int32)  # chunks after 2 and 6 cached tokens
+    slots = np.concatenate([tables[b, positions[b] // bs] * bs + positions[b] % bs for b in range(B)]).astype(np.int32)
+    q, k, v = (Tensor(rng.standard_normal(shape, dtype=np.float32)) for shape in [(B, T, H, Hd)] + [(B, T, KvH, Hd)] * 2)
+    outs = {}
+    for cls in (KernelPagedAttentionMetadata, PagedAttentionMetadata):
+        caches = tuple(Tensor(rng.standard_normal((6, bs, KvH, Hd), dtype=np.float32) * 0 + i).realize()
+                       for i in range(2))  # the same start for both paths
+        metadata = cls(Tensor(slots), Tensor(tables), Tensor(positions), 3)
+        outs[cls.__name__] = metadata.attend(q, k, v, caches).numpy()
+    np.testing.assert_allclose(outs["KernelPagedAttentionMetadata"], outs["PagedAttentionMetadata"], atol=1e-5,
+                               rtol=1e-5)
+
+
+@on_cpu
+def test_layer_under_tinyjit_replays_with_new_inputs():
+    """As in the model: write then attend inside function(precompile=True), under TinyJit, one step after another
+    on the same caches; the kernel path and the portable path stay equal step by step."""
+    B, T, H, KvH, Hd, bs, max_blocks = 3, 1, 6, 2, 64, 8, 4
+    rng = np.random.default_rng(5)
+    caches = {name: [Tensor.zeros(10, bs, KvH, Hd).contiguous().realize() for _ in range(2)]
+              for name in ("kernel", "portable")}
+
+    @function(precompile=True)
+    def layer(q, k, v, k_cache, v_cache, metadata):
+        return metadata.attend(q, k, v, (k_cache, v_cache))
+
+    def step(q, k, v, slots, tables, positions, num_blocks, name):
+        cls = KernelPagedAttentionMetadata if name == "kernel" else PagedAttentionMetadata
+        metadata = cls(slots, tables, positions, num_blocks)
+        return (layer(q, k, v, *caches[name], metadata) * 1).realize()  # an op after the function's output
+
+    jits = {name: TinyJit(lambda *a, name=name: step(*a, name=name)) for name in caches}
+    v_num_blocks = UOp.variable("num_blocks", 1, max_blocks)
+    tables = np.array([[1, 4, 7, 2], [0, 3, 9, 5], [6, 8, 2, 1]], np.int32)
+    for pos in range(9, 13):  # run, capture, replay, replay; position 16 would start the third block
+        q, k, v = (rng.standard_normal(shape, dtype=np.float32) for shape in [(B, T, H, Hd)] + [(B, T, KvH, Hd)] * 2)
+        positions = np.array([[pos], [pos - 9], [pos - 4]], np.int32)
+        slots = np.array([tables[b, p // bs] * bs + p % bs for b, p in enumerate(positions[:, 0])], np.int32)
+        outs = {name: jit(*(Tensor(a).realize() for a in (q, k, v, slots, tables, positions)),
+                          v_num_blocks.bind(int(positions.max()) // bs + 1)).numpy() for name, jit in jits.items()}
+        np.testing.assert_allclose(outs["kernel"], outs["portable"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(caches["kernel"][0].numpy(), caches["portable"][0].numpy())
+    names = [c.src[0].arg.name for c in jits["kernel"].captured.linear.src if c.src[0].op.name == "PROGRAM"]
+    assert any(n.startswith("paged_attention_") for n in names), names
+
+
+@on_cpu
+def test_greedy_tokens_identical_on_the_real_model(generator):
+    prompt = [504, 3575, 282, 4649, 314, 253, 3469, 338, 1296, 5145, 28, 672]  # the Phase 2 test's tokens
+
+    def greedy(portable: bool) -> tuple[np.ndarray, list[int]]:
+        # 12 prompt tokens and 4 new ones over blocks of 8: every step runs the decode graph, crossing two blocks
+        runner = PagedModelRunner(generator.model, 64, num_blocks=4, block_size=8, prefill_chunk_size=16,
+                                  portable_attention=portable)
+        logits = first = runner.prefill(prompt)
+        tokens = [int(logits.argmax())]
+        for i in range(3):
+            logits = runner.decode(tokens[-1], len(prompt) + i)
+            tokens.append(int(logits.argmax()))
+        runner.free()
+        return first, tokens
+
+    kernel_logits, kernel_tokens = greedy(portable=False)
+    portable_logits, portable_tokens = greedy(portable=True)
+    assert kernel_tokens == portable_tokens
+    np.testing.assert_allclose(kernel_logits, portable_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_selection_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    q, cache = Tensor.empty(2, 4, 64), Tensor.empty(3, 8, 2, 64)
+    assert not uses_kernels(q, cache, portable=True)
+    monkeypatch.setattr(kernel_backend, "PORTABLE", True)
+    assert not uses_kernels(q, cache)
+    monkeypatch.setattr(kernel_backend, "PORTABLE", False)
+    if device_kind(q.device) == "CPU":
+        assert not uses_kernels(q, cache.cast(dtypes.float16))  # float16 caches: GPU kernels only
+        assert not uses_kernels(Tensor.empty(2, 4, 12), Tensor.empty(3, 8, 2, 12))  # head_dim not a multiple of 8
+    assert kernel_backend.has_kernel("CUDA") and kernel_backend.has_kernel("METAL")
+    assert not kernel_backend.has_kernel("PYTHON")
+    # a device without a kernel: the portable path, said once
+    monkeypatch.setattr(kernel_backend, "has_kernel", lambda device: False)
+    monkeypatch.setattr(kernel_backend, "_noticed", set())
+    with caplog.at_level(logging.WARNING, logger="tinyvllm.attention"):
+        assert not uses_kernels(q, cache) and not uses_kernels(q, cache)
+    assert len([r for r in caplog.records if "portable paged attention" in r.getMessage()]) == 1
+
+
+# ---- CUDA: compiled here; run where a CUDA device exists ----
+
+def nvrtc_compiler():
+    """tinygrad's own CUDA compiler (nvrtc), with nvrtc from the nvidia-cuda-nvrtc wheel if it is installed."""
+    try:
+        import nvidia.cuda_nvrtc as wheel
+
+        lib = next(Path(p) / "lib" for p in wheel.__path__)
+        found = sorted(lib.glob("libnvrtc.so*"))
+        if found and "NVRTC_PATH" not in os.environ:
+            os.environ["NVRTC_PATH"] = str(found[0])
+    except ImportError:
+        pass
+    try:
+        from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
+
+        return NVRTCCompiler("sm_90")
+    except Exception:  # no libnvrtc anywhere
+        return None
+
+
+CUDA_CASES = [("paged_attention", {"TV_NUM_SEQS": 4, "TV_NUM_HEADS": 9, "TV_NUM_KV_HEADS": 3, "TV_HEAD_DIM": 64,
+                                   "TV_BLOCK_SIZE": 16, "TV_MAX_BLOCKS": 8, "TV_SCALE": "0.125f"}),
+              ("paged_attention", {"TV_NUM_SEQS": 32, "TV_NUM_HEADS": 8, "TV_NUM_KV_HEADS": 2, "TV_HEAD_DIM": 128,
+                                   "TV_BLOCK_SIZE": 32, "TV_MAX_BLOCKS": 64, "TV_SCALE": "0.08838834764831845f"}),
+              ("reshape_and_cache", {"TV_NUM_TOKENS": 8, "TV_NUM_KV_HEADS": 3, "TV_HEAD_DIM": 64, "TV_NUM_SLOTS": 512})]
+
+
+@pytest.mark.parametrize("entry,defines", CUDA_CASES)
+@pytest.mark.parametrize("t,cache_t", [("float", "float"), ("float", "half"), ("half", "half")])
+def test_cuda_source_compiles(entry: str, defines: dict, t: str, cache_t: str, tmp_path: Path):
+    defines = {**defines, "TV_NUM_THREADS": kernel_backend.NUM_THREADS, "TV_T": t, "TV_CACHE_T": cache_t}
+    name, source = kernel_backend.kernel_source(entry, "CUDA", defines)
+    compiler = nvrtc_compiler()
+    if compiler is not None:
+        ptx = compiler.compile(source).decode()
+    elif shutil.which("nvcc"):
+        (tmp_path / "k.cu").write_text(source)
+        subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-o", str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")],
+                       check=True)
+        ptx = (tmp_path / "k.ptx").read_text()
+    else:
+        pytest.skip("no CUDA compiler (libnvrtc or nvcc)")
+    assert f".entry {name}(" in ptx  # the name tinygrad's CUDA runtime looks up
+    assert ".local" not in ptx, "registers spilled to local memory"
+
+
+def device_or_skip(name: str) -> str:
+    try:
+        Device[name]
+    except Exception as e:  # no driver, no device
+        pytest.skip(f"no {name} device ({type(e).__name__})")
+    return name
+
+
+def check_on_device(device: str):
+    for cache_dtype, tol in [(dtypes.float32, 1e-5), (dtypes.float16, 1e-4)]:
+        for block_size, group, head_dim in SHAPES[::2]:
+            lengths = [1, block_size + 1, 3 * block_size + 5, 300]
+            case = make_case(block_size, 2 * group, 2, head_dim, lengths, seed=7, device=device, cache_dtype=cache_dtype)
+            assert uses_kernels(case["q"], case["k_cache"])
+            np.testing.assert_allclose(kernel_output(case), portable_reference(case), atol=tol, rtol=tol)
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_matches_portable():
+    check_on_device(device_or_skip("CUDA"))
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(sys.platform != "darwin", reason="Metal is macOS only")
+def test_metal_kernel_matches_portable():
+    check_on_device(device_or_skip("METAL"))
