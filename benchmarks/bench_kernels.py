@@ -28,7 +28,7 @@ import sys
 import time
 
 import numpy as np
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Device, Tensor, TinyJit, UOp
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata, uses_kernels
 from tinyvllm.attention.paged import PagedAttentionMetadata

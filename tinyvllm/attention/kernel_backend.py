@@ -105,7 +105,8 @@ def kernel_source(entry: str, device: str, defines: dict[str, int | str]) -> tup
         defines = {**defines, "TV_RESHAPE_AND_CACHE": 1}
     if kind == "CPU":
         from tinyvllm.kernels import cpu_threads
-        return name, launcher.kernel_source(KERNEL, device, {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())})
+        pool = {"TV_POOL_ADDR": hex(cpu_threads.pool_address())}
+        return name, launcher.kernel_source(KERNEL, device, {**defines, **pool})
     # a GPU runtime looks the entry up by name
     lang = GPU_LANGUAGES[kind]
     header = [f"#define {k} {v}" for k, v in defines.items()] + [f"#define TV_KERNEL {lang.kernel_prefix}"]
@@ -140,7 +141,8 @@ def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cach
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     flat_k, flat_v = k_cache.reshape(num_slots, -1), v_cache.reshape(num_slots, -1)
     defines = {"TV_NUM_TOKENS": num_tokens, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
-               "TV_NUM_SLOTS": num_slots, "TV_NUM_THREADS": NUM_THREADS, **_type_defines(key.device, TV_T=key, TV_CACHE_T=k_cache)}
+               "TV_NUM_SLOTS": num_slots, "TV_NUM_THREADS": NUM_THREADS,
+               **_type_defines(key.device, TV_T=key, TV_CACHE_T=k_cache)}
     k_written, v_written = _launch("reshape_and_cache", outs=[flat_k, flat_v],
                                    ins=[key.contiguous(), value.contiguous(), slot_mapping.contiguous()],
                                    defines=defines, grid=(num_tokens, 1, 1))
@@ -157,7 +159,7 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     assert block_tables.shape[0] == rows and context_lens.shape == (rows,), "one table row and length per query row"
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     defines = {"TV_NUM_SEQS": rows, "TV_NUM_HEADS": heads, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
-               "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": block_tables.shape[1], "TV_SCALE": f"{scale!r}f",
+               "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": block_tables.shape[1], "TV_SCALE": f"{float(scale)!r}f",
                "TV_NUM_THREADS": NUM_THREADS, **_type_defines(q.device, TV_T=q, TV_CACHE_T=k_cache)}
     out = Tensor.invalids(rows, heads, head_dim, dtype=q.dtype, device=q.device)  # every element written
     (out,) = _launch("paged_attention", outs=[out],
