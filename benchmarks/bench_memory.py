@@ -1,0 +1,429 @@
+"""KV cache memory, paged vs contiguous, and what paging costs a decode step (Phase 2).
+
+    .venv/bin/python benchmarks/bench_memory.py                   # everything (parts 4 and 5 load the model)
+    .venv/bin/python benchmarks/bench_memory.py --memory-only     # parts 1-3: pure Python, a second or two
+    .venv/bin/python benchmarks/bench_memory.py --json results.json
+
+  1. KV bytes per token, per block, per sequence at the full context: arithmetic on the model's shape.
+  2. A mix of sequence lengths (seeded, long-tailed like chat traffic), replayed through the real
+     BlockManager as an engine would grow it: prompt blocks at prefill, one slot per decode step.
+     Memory the blocks hold (block sizes 8, 16, 32) against contiguous pre-allocation of max_model_len
+     per sequence; the waste of each.
+  3. How many of those sequences fit in a KV budget at once, each way.
+  4. Single-sequence decode tokens/s, paged vs contiguous, at a few context lengths: one model, the two
+     runners side by side in this process, greedy, after warm-up, their decode steps interleaved so
+     that a change in the machine's load hits both alike.
+  5. Why the speeds differ: one layer's attention step alone, timed the same way, split into the
+     block-table gather and the causal mask, plus a variant of the paged read whose mask is built from
+     a fixed-length arange (not in the engine: it isolates the cost of the gather itself); and the
+     host-side cost of a step's inputs (the paged runner uploads 4 small tensors, the contiguous 1).
+
+On the CPU the model's matmuls run on the C kernel and its helper threads, which park when the gap
+between two matmuls grows (the paged attention kernels widen it). `TINYVLLM_PORTABLE=1` runs tinygrad's
+own matmuls instead and takes the helper threads out of the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tinyvllm.core.block_manager import BlockManager  # noqa: E402
+from tinyvllm.core.kv_cache import parse_memory  # noqa: E402
+from tinyvllm.core.sequence import Sequence  # noqa: E402
+from tinyvllm.model.config import ModelConfig  # noqa: E402
+
+MiB = 2**20
+BLOCK_SIZES = (8, 16, 32)
+BENCH_TEXT = ("A library keeps its books on shelves of equal size. When a new book arrives it goes on any free "
+              "shelf, and a card in the catalogue says where; nobody reserves a whole wing for a reader who "
+              "might, one day, borrow a thousand books. ")
+
+
+# ---- the model's shape, without loading its weights ----
+
+def read_config(model: str | None) -> tuple[ModelConfig, str]:
+    from tinyvllm.model.gguf import GGUFFile
+    from tinyvllm.model.weights import default_model_path
+
+    path = Path(model) if model else default_model_path()
+    if path.is_dir():
+        return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text())), path.name
+    gguf = GGUFFile(path)
+    return ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors)), path.name
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+
+
+# ---- 2. a length mix, replayed through the BlockManager ----
+
+def length_mix(num_seqs: int, seed: int, max_model_len: int) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) per sequence: log-normal, so most are short and a few are long.
+
+    Prompts have a median of 200 tokens, outputs 150 (means about 330 and 210); both are clipped so
+    that prompt + output fits in max_model_len.
+    """
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(rng.lognormal(np.log(200), 1.0, num_seqs).round(), 4, max_model_len // 2).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(150), 0.8, num_seqs).round(), 1, max_model_len // 2).astype(int)
+    return [(int(p), int(o)) for p, o in zip(prompts, outputs)]
+
+
+def replay(mix: list[tuple[int, int]], block_size: int) -> list[int]:
+    """Grow every sequence of the mix to its end as the engine does; return the blocks each holds then.
+
+    Prefill allocates the prompt's blocks; every decode step computes the last sampled token and asks
+    `append_slots` for its slot. When a sequence stops, its K/V cover prompt + output - 1 tokens (the
+    last sampled token is never fed back). Nothing is freed, so the total is the peak if all overlap.
+    """
+    total_blocks = sum(-(-(p + o) // block_size) for p, o in mix)
+    bm = BlockManager(total_blocks, block_size)
+    held = []
+    for seq_id, (p, o) in enumerate(mix):
+        seq = Sequence(seq_id, [0] * p)
+        assert bm.allocate(seq) is not None
+        seq.num_computed_tokens = p
+        seq.append_token_id(0)  # sampled by the prefill
+        for _ in range(o - 1):  # each decode step: room for the last token, compute it, sample the next
+            assert bm.append_slots(seq, 1) is not None
+            seq.num_computed_tokens += 1
+            seq.append_token_id(0)
+        assert len(seq.block_table) == -(-seq.num_computed_tokens // block_size)
+        held.append(len(seq.block_table))
+    assert bm.num_blocks - bm.num_free_blocks == sum(held)
+    return held
+
+
+def fit_in_budget(lengths: list[int], config: ModelConfig, block_size: int, budget: int, dtype_bytes: int) -> int:
+    """How many sequences of the mix, taken in order at their full length, the BlockManager admits at once."""
+    per_block = kv_bytes_per_token(config, dtype_bytes) * block_size
+    bm = BlockManager(max(1, budget // per_block), block_size)
+    admitted = 0
+    for seq_id, n in enumerate(lengths):
+        if bm.allocate(Sequence(seq_id, [0] * n)) is None:
+            break
+        admitted += 1
+    return admitted
+
+
+# ---- 4. decode speed ----
+
+def prompt_of_length(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(BENCH_TEXT, add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def decode_speed(model, tokenizer, contexts: list[int], steps: int, warmup: int, budget: int, block_size: int):
+    from tinyvllm.core.kv_cache import num_blocks_for_memory
+    from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
+    from tinyvllm.engine.paged_runner import PagedModelRunner
+
+    max_model_len = -(-(max(contexts) + warmup + steps + 1) // 256) * 256
+    num_blocks = num_blocks_for_memory(model.config, block_size, budget, model.dtype)
+    # this measures Phase 2's portable attention (the gather); where the runner can also run hand-written
+    # paged-attention kernels (Phase 5), ask for the portable path by name
+    takes_portable = "portable_attention" in inspect.signature(PagedModelRunner).parameters
+    portable = {"portable_attention": True} if takes_portable else {}
+    runners = {"contiguous": ContiguousModelRunner(model, max_model_len),
+               "paged": PagedModelRunner(model, max_model_len, num_blocks, block_size, **portable)}
+    rows = []
+    for n in contexts:
+        print(f"  decode at context {n}: prefilling both runners, then {warmup} + {steps} steps each ...",
+              file=sys.stderr, flush=True)
+        prompt = prompt_of_length(tokenizer, n)
+        state, prefill_s = {}, {}
+        for name, runner in runners.items():
+            t = time.perf_counter()
+            logits = runner.prefill(prompt)
+            prefill_s[name] = time.perf_counter() - t
+            state[name] = [int(logits.argmax())]
+        for name, runner in runners.items():  # warm-up steps (the first ones compile and capture the JIT)
+            for _ in range(warmup):
+                tokens = state[name]
+                tokens.append(int(runner.decode(tokens[-1], n + len(tokens) - 1).argmax()))
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(steps):  # interleaved: one step of each, in turn
+            for name, runner in runners.items():
+                tokens = state[name]
+                t = time.perf_counter()
+                logits = runner.decode(tokens[-1], n + len(tokens) - 1)
+                times[name].append(time.perf_counter() - t)
+                tokens.append(int(logits.argmax()))
+        for runner in runners.values():
+            runner.free()
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        rows.append({"context": n, "steps": steps, "prefill_s": prefill_s,
+                     "step_ms_median": {k: 1e3 * v for k, v in med.items()},
+                     "tok_per_s": {k: 1 / v for k, v in med.items()},
+                     "paged_over_contiguous": med["contiguous"] / med["paged"],
+                     "same_greedy_tokens": state["paged"] == state["contiguous"]})
+    return {"max_model_len": max_model_len, "num_blocks": num_blocks, "block_size": block_size, "rows": rows}
+
+
+# ---- 5. one layer's attention step, taken apart ----
+
+def paged_attention_fixed_arange(q, k_cache, v_cache, block_tables, num_blocks, positions, max_blocks: int):
+    """tinyvllm.attention.paged.paged_attention with one change: the key positions come from an arange of
+    fixed length, shrunk to the symbolic one. Not used by the engine; here it separates the gather's cost
+    from the mask's."""
+    from tinygrad import Tensor
+
+    from tinyvllm.attention.contiguous import grouped_query_attention
+
+    B, T = q.shape[0], q.shape[1]
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    table = block_tables[:, :num_blocks]
+    keys = k_cache[table].reshape(B, -1, kv_heads, head_dim)
+    values = v_cache[table].reshape(B, -1, kv_heads, head_dim)
+    key_pos = Tensor.arange(max_blocks * block_size)[: num_blocks * block_size].reshape(1, 1, 1, 1, -1)
+    mask = (key_pos > positions.reshape(B, 1, 1, T, 1)).where(float("-inf"), 0.0)
+    return grouped_query_attention(q, keys, values, mask)
+
+
+def attention_parts(config: ModelConfig, contexts: list[int], block_size: int, num_blocks: int, repeats: int):
+    """Median ms of one layer's decode attention (T = 1), each variant under TinyJit, interleaved."""
+    from tinygrad import Tensor, TinyJit, UOp, dtypes
+
+    from tinyvllm.attention.contiguous import ContiguousAttentionMetadata
+    from tinyvllm.attention.paged import PagedAttentionMetadata
+
+    H, KvH, Hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    max_len = max(contexts) + 1
+    max_blocks = -(-max_len // block_size)
+    rng = np.random.default_rng(0)
+    cont_cache = (Tensor.randn(1, max_len, KvH, Hd).contiguous().realize(),
+                  Tensor.randn(1, max_len, KvH, Hd).contiguous().realize())
+    paged_cache = (Tensor.randn(num_blocks + 1, block_size, KvH, Hd).contiguous().realize(),
+                   Tensor.randn(num_blocks + 1, block_size, KvH, Hd).contiguous().realize())
+    table = Tensor(rng.permutation(num_blocks)[:max_blocks].astype(np.int32).reshape(1, -1)).realize()  # scattered
+    v_pos = UOp.variable("start_pos", 0, max_len - 1)
+    v_nb = UOp.variable("num_blocks", 1, max_blocks)
+
+    def contiguous(q, k, v, pos, position):
+        return ContiguousAttentionMetadata(pos).attend(q, k, v, cont_cache).realize()
+
+    def paged(q, k, v, slot, position, nb):
+        return PagedAttentionMetadata(slot, table, position, nb).attend(q, k, v, paged_cache).realize()
+
+    def gather_only(q, k, v, slot, position, nb):
+        rows = table[:, :nb]
+        return Tensor.realize(paged_cache[0][rows].contiguous(), paged_cache[1][rows].contiguous())[0]
+
+    def mask_only(q, k, v, slot, position, nb):
+        key_pos = Tensor.arange(nb * block_size).reshape(1, -1)
+        return (key_pos > position.reshape(1, 1)).where(1.0, 0.0).sum().realize()
+
+    def paged_fixed_arange(q, k, v, slot, position, nb):
+        return paged_attention_fixed_arange(q, *paged_cache, table, nb, position, max_blocks).realize()
+
+    def call_overhead(q, k, v, slot, position, nb):
+        return (q * 2).realize()
+
+    variants = {"contiguous attend": contiguous, "paged attend": paged, "  gather K and V": gather_only,
+                "  mask (symbolic arange)": mask_only, "paged, fixed-length arange": paged_fixed_arange,
+                "(one tiny jitted kernel: call overhead)": call_overhead}
+    jits = {name: TinyJit(fn) for name, fn in variants.items()}
+    out = []
+    for n in contexts:
+        q = Tensor.randn(1, 1, H, Hd).realize()
+        k, v = Tensor.randn(1, 1, KvH, Hd).realize(), Tensor.randn(1, 1, KvH, Hd).realize()
+        position = Tensor([[n]], dtype=dtypes.int32).realize()
+        nb = n // block_size + 1
+        block_id = int(table.numpy()[0, n // block_size])
+        slot = Tensor([block_id * block_size + n % block_size], dtype=dtypes.int32).realize()
+        args = {name: ((q, k, v, v_pos.bind(n), position) if name == "contiguous attend"
+                       else (q, k, v, slot, position, v_nb.bind(nb))) for name in variants}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for i in range(repeats + 3):  # 3 warm-up rounds: run, capture, replay
+            for name, jit in jits.items():
+                t = time.perf_counter()
+                jit(*args[name])
+                if i >= 3:
+                    times[name].append(time.perf_counter() - t)
+        out.append({"context": n, "ms": {name: 1e3 * statistics.median(ts) for name, ts in times.items()}})
+    return out
+
+
+def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
+    """Median ms to build and upload one decode step's input tensors, as each runner does per step."""
+    from tinygrad import Tensor, dtypes
+
+    def contiguous():
+        Tensor([[1]], dtype=dtypes.int32).realize()  # input_ids (the position is a bound variable)
+
+    def paged():  # one realize per tensor, as PagedModelRunner._step does
+        Tensor([[1]], dtype=dtypes.int32).realize()  # input_ids
+        Tensor([[100]], dtype=dtypes.int32).realize()  # positions
+        Tensor([1600], dtype=dtypes.int32).realize()  # slot_mapping
+        Tensor(np.zeros((1, max_blocks), dtype=np.int32)).realize()  # block_tables
+
+    times: dict[str, list[float]] = {"contiguous": [], "paged": []}
+    for i in range(repeats + 3):
+        for name, fn in (("contiguous", contiguous), ("paged", paged)):
+            t = time.perf_counter()
+            fn()
+            if i >= 3:
+                times[name].append(time.perf_counter() - t)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+# ---- reporting ----
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = " load average %.2f %.2f %.2f" % os.getloadavg() if hasattr(os, "getloadavg") else ""
+    return f"{cpu}, {os.cpu_count()} logical CPUs,{load}"
+
+
+def table(rows: list[tuple], headers: tuple) -> str:
+    cells = [tuple(str(c) for c in headers)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="tinyvllm KV cache memory and paged-attention decode speed")
+    p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context reserved per sequence by the "
+                   "contiguous cache (default: the model's)")
+    p.add_argument("--num-seqs", type=int, default=64, help="sequences in the length mix (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the length mix (default 0)")
+    p.add_argument("--budget", default="512MiB", help="KV cache memory for the fit and the paged runner "
+                   "(default 512MiB)")
+    p.add_argument("--contexts", default="128,512,2048", help="decode context lengths (default 128,512,2048)")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per context and runner (default 32)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
+    p.add_argument("--block-size", type=int, default=16, help="block size of the paged runner (default 16)")
+    p.add_argument("--repeats", type=int, default=30, help="timed rounds of part 5 (default 30)")
+    p.add_argument("--memory-only", action="store_true", help="parts 1-3 only: no model, no device")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config, model_name = read_config(args.model)
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    budget = parse_memory(args.budget)
+    dtype_bytes = 4  # float32, tinyvllm's default
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_description(),
+                     "model": model_name, "args": vars(args), "kv_bytes_per_token": per_token}
+    print(f"model     {model_name}: {config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads of "
+          f"{config.head_dim}, float32")
+    print(f"machine   {results['machine']}")
+    print(f"date      {results['date']}")
+
+    # ---- 1 ----
+    print("\n== 1. KV cache bytes ==")
+    rows = [("per token: 2 (K, V) x layers x KV heads x head_dim x 4 B", f"{per_token:,} B",
+             f"{per_token / 2**10:.0f} KiB")]
+    rows += [(f"per block of {bs} tokens", f"{per_token * bs:,} B", f"{per_token * bs / MiB:.2f} MiB")
+             for bs in BLOCK_SIZES]
+    rows.append((f"per sequence at max_model_len {max_model_len}", f"{per_token * max_model_len:,} B",
+                 f"{per_token * max_model_len / MiB:.0f} MiB"))
+    print(table(rows, ("", "bytes", "")))
+
+    # ---- 2 ----
+    mix = length_mix(args.num_seqs, args.seed, max_model_len)
+    cached = [p + o - 1 for p, o in mix]  # tokens whose K/V are in the cache when each sequence stops
+    used = sum(cached) * per_token
+    print(f"\n== 2. {len(mix)} sequences (seed {args.seed}): prompt tokens median "
+          f"{np.median([p for p, _ in mix]):.0f}, output median {np.median([o for _, o in mix]):.0f}; cached tokens "
+          f"at the end: mean {np.mean(cached):.0f}, max {max(cached)}, total {sum(cached):,} ==")
+    longest = -(-max(cached) // 256) * 256
+    mem_rows, mem = [], []
+    for label, reserved in ((f"contiguous, max_model_len {max_model_len}", len(mix) * max_model_len * per_token),
+                            (f"contiguous, max_model_len {longest} (the longest, rounded up)",
+                             len(mix) * longest * per_token)):
+        mem.append({"scheme": label, "bytes": reserved, "waste_bytes": reserved - used})
+        mem_rows.append((label, f"{reserved / MiB:,.0f}", f"{(reserved - used) / MiB:,.0f}",
+                         f"{(reserved - used) / reserved:.1%}", f"{(reserved - used) / per_token / len(mix):,.0f}"))
+    for bs in BLOCK_SIZES:
+        held = replay(mix, bs)
+        held_bytes = sum(held) * bs * per_token
+        waste_tokens = sum(held) * bs - sum(cached)
+        assert all(h * bs - n < bs for h, n in zip(held, cached)), "waste must be under one block per sequence"
+        mem.append({"scheme": f"paged, block_size {bs}", "blocks": sum(held), "bytes": held_bytes,
+                    "waste_bytes": held_bytes - used})
+        mem_rows.append((f"paged, block_size {bs} ({sum(held):,} blocks held)", f"{held_bytes / MiB:,.0f}",
+                         f"{(held_bytes - used) / MiB:,.1f}", f"{(held_bytes - used) / held_bytes:.1%}",
+                         f"{waste_tokens / len(mix):.1f}"))
+    mem_rows.append(("the tokens themselves", f"{used / MiB:,.0f}", "0", "0%", "0"))
+    print(table(mem_rows, ("KV cache", "MiB", "waste MiB", "waste %", "waste tokens / seq")))
+    results["mix"] = {"prompt_output": mix, "cached_tokens": cached, "used_bytes": used, "schemes": mem}
+
+    # ---- 3 ----
+    print(f"\n== 3. sequences of the mix that fit in {args.budget} at once (at their full length) ==")
+    fit_rows = [(f"contiguous, max_model_len {max_model_len}", budget // (max_model_len * per_token)),
+                (f"contiguous, max_model_len {longest}", budget // (longest * per_token))]
+    fit_rows += [(f"paged, block_size {bs} ({budget // (per_token * bs)} blocks)",
+                  fit_in_budget(cached, config, bs, budget, dtype_bytes)) for bs in BLOCK_SIZES]
+    print(table(fit_rows, ("KV cache", "sequences")))
+    results["fit"] = {"budget_bytes": budget, "rows": dict(fit_rows)}
+
+    if not args.memory_only:
+        from tinyvllm.model.loader import load_model
+
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+        model, tokenizer, _ = load_model(args.model)
+        # ---- 4 ----
+        print("\nloading the model and compiling both runners (minutes on a small CPU) ...", file=sys.stderr,
+              flush=True)
+        speed = decode_speed(model, tokenizer, contexts, args.steps, args.warmup, budget, args.block_size)
+        print(f"\n== 4. decode, one sequence, greedy: median of {args.steps} interleaved steps per runner after "
+              f"{args.warmup} warm-up (paged: block_size {args.block_size}, {speed['num_blocks']} blocks; "
+              f"max_model_len {speed['max_model_len']}) ==")
+        print(table([(r["context"], f"{r['tok_per_s']['contiguous']:.1f}", f"{r['tok_per_s']['paged']:.1f}",
+                      f"{r['paged_over_contiguous']:.2f}",
+                      f"{r['step_ms_median']['paged'] - r['step_ms_median']['contiguous']:+.1f}",
+                      "yes" if r["same_greedy_tokens"] else "NO") for r in speed["rows"]],
+                    ("context", "contiguous tok/s", "paged tok/s", "paged / contiguous", "extra ms / token",
+                     "same tokens")))
+        results["decode"] = speed
+        # ---- 5 ----
+        parts = attention_parts(config, contexts, args.block_size, speed["num_blocks"], args.repeats)
+        names = list(parts[0]["ms"])
+        print(f"\n== 5. one layer's decode attention alone (median ms of {args.repeats}; x {config.num_hidden_layers} "
+              "layers per token) ==")
+        print(table([(name, *(f"{p['ms'][name]:.3f}" for p in parts)) for name in names],
+                    ("", *(f"context {p['context']}" for p in parts))))
+        results["attention_parts"] = parts
+        inputs = step_inputs_ms(-(-speed["max_model_len"] // args.block_size), args.repeats)
+        print(f"\nhost side, per decode step: building and uploading the step's inputs takes "
+              f"{inputs['contiguous']:.2f} ms (contiguous: 1 tensor) vs {inputs['paged']:.2f} ms (paged: 4 tensors)")
+        results["step_inputs_ms"] = inputs
+
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nresults written to {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
