@@ -29,9 +29,12 @@ is set), merged back into one stream whose `outputs[i].index == i`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import queue
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -75,6 +78,27 @@ class _Abort:
 
 
 _SHUTDOWN = object()
+
+
+def share_kernel_cache_across_threads() -> None:
+    """Let the engine thread use tinygrad's on-disk kernel cache even if another thread opened it first.
+
+    tinygrad keeps one sqlite connection for the cache (`tinygrad.helpers.db_connection`), and sqlite
+    refuses a connection made on another thread: a process that compiled kernels on its main thread
+    before starting the engine thread would fail on the first cache lookup there. Open it with
+    check_same_thread=False instead (sqlite serializes the calls; tinygrad's writes are IMMEDIATE
+    transactions), with tinygrad's own settings.
+    """
+    from tinygrad import helpers
+
+    if getattr(helpers, "_db_connection_shared", False):
+        return
+    os.makedirs(os.path.dirname(helpers.CACHEDB), exist_ok=True)
+    connection = sqlite3.connect(helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE", check_same_thread=False)
+    with contextlib.suppress(sqlite3.OperationalError):
+        connection.execute("PRAGMA journal_mode=WAL").fetchone()
+    connection.execute("PRAGMA synchronous=NORMAL")
+    helpers._db_connection, helpers._db_connection_shared = connection, True
 
 
 class AsyncLLMEngine:
@@ -201,6 +225,7 @@ class AsyncLLMEngine:
     # ---- the engine loop (engine thread) ----
 
     def _run_engine_loop(self) -> None:
+        share_kernel_cache_across_threads()
         try:
             self.engine = self.engine_factory()
         except BaseException as e:
