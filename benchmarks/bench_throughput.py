@@ -1,0 +1,272 @@
+"""Offline throughput: N requests at once through LLMEngine, against the same requests run one by one.
+
+    .venv/bin/python benchmarks/bench_throughput.py                          # 1, 4, 16, 32, 64 at once, 128 tokens each
+    .venv/bin/python benchmarks/bench_throughput.py --concurrency 1,4,16,32 --output-len 64 --json out.json
+
+Every request has the same prompt length (`--prompt-len` token ids cut from real text, a different
+head per request), is greedy and ignores eos, so each produces exactly `--output-len` tokens. For each
+concurrency N, N requests are added at once and the engine steps until all are done. Reported:
+
+    total tok/s      N * output_len / wall time: what batching buys
+    TTFT             arrival -> first token (RequestOutput.metrics): queueing + the prefill steps
+    TPOT             (finished - first token) / (output_len - 1): one user's time per token
+    decode step      median wall time of the steps that computed only decodes
+    x 1-by-1         the time the same N requests take run one at a time, over the batched time. The
+                     one-by-one time is extrapolated: `--one-by-one` requests (default 1) are run alone
+                     before the first batch and after every batch, and N times the mean of the runs just
+                     before and just after a batch stands for its N requests (running 64 requests of 128
+                     tokens one by one would take about half an hour on two loaded cores). Interleaving
+                     keeps each ratio to runs minutes apart, so a change of load falls on both sides.
+
+Before the clock starts, every token bucket the runs will reach (found by stepping a scheduler of the
+same shape with made-up tokens) is compiled and captured by TinyJit: two passes, the first compiles,
+the second captures. The load average is printed with every row: on shared cores, compare the rows of
+one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.core.sequence import Sequence
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.sampling_params import SamplingParams
+
+# llama.cpp's llama-server on the same model (Q4_1, `-np N`, 128 tokens each), measured earlier on this kind of
+# machine (2 vCPU AMD EPYC), not in this run: total output tok/s by number of concurrent requests.
+LLAMA_SERVER_TOK_S = {1: 109, 4: 148, 16: 173, 32: 189}
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books cheap "
+        "enough for ordinary readers. Within fifty years printers worked in more than two hundred cities, and the "
+        "ideas of scholars, merchants and reformers travelled faster than any rider could carry them. ")
+
+
+def load_average() -> str:
+    return "%.2f %.2f %.2f" % os.getloadavg() if hasattr(os, "getloadavg") else "n/a"
+
+
+def machine() -> str:
+    cpu = platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs"
+
+
+def code_version() -> str:
+    """The commit of the tinyvllm package that runs, and whether its engine code has uncommitted changes."""
+    import subprocess
+
+    from tinyvllm.engine import llm_engine
+
+    root = Path(llm_engine.__file__).resolve().parents[2]  # tinyvllm/engine/llm_engine.py -> the checkout
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "tinyvllm", "kernels"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"{root} (not a git checkout)"
+    return head + (" with uncommitted changes in tinyvllm/ or kernels/" if dirty else "")
+
+
+def make_prompts(engine: LLMEngine, n: int, prompt_len: int) -> list[list[int]]:
+    """n prompts of exactly prompt_len token ids: 'Request i:' then the text, cut to length."""
+    body = engine.tokenizer.encode(TEXT * (prompt_len // 20 + 1))
+    return [(engine.tokenizer.encode(f"Request {i}:") + body)[:prompt_len] for i in range(n)]
+
+
+def buckets_used(engine: LLMEngine, prompt_lens: list[int], output_len: int) -> list[int]:
+    """The token buckets a batch of these requests will step through, found by running a scheduler of the same
+    shape with made-up tokens: scheduling is deterministic when every request ignores eos and has max_tokens."""
+    s = engine.scheduler
+    scheduler = Scheduler(s.block_manager.num_blocks, s.block_manager.block_size, s.max_model_len, s.max_num_seqs,
+                          s.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, n in enumerate(prompt_lens):
+        scheduler.add_seq(Sequence(i, [0] * n, params))
+    used = set()
+    while scheduler.has_unfinished_seqs():
+        out = scheduler.schedule()
+        used.add(engine.model_runner.bucket_for(out.total_num_scheduled_tokens))
+        scheduler.update_from_output(out, {seq.seq_id: 0 for seq in out.scheduled_seqs})
+    return sorted(used)
+
+
+def warm_up(engine: LLMEngine, buckets: list[int] | None = None, log=print) -> None:
+    """Compile and capture token buckets (default: all): one request of exactly b prompt tokens makes a step of b
+    tokens. Each bucket needs two calls (the first compiles and runs, the second is captured); later calls replay."""
+    buckets = engine.model_runner.token_buckets if buckets is None else buckets
+    assert buckets[-1] < engine.max_model_len, "a warm-up prompt must fit in max_model_len"
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    for attempt in range(2):
+        for b in buckets:
+            engine.add_request(f"warmup-{attempt}-{b}", [100 + i % 1000 for i in range(b)], params)
+            while engine.has_unfinished_requests():
+                engine.step()
+        log(f"warm-up pass {attempt + 1}/2 over buckets {buckets}: {time.perf_counter() - start:.0f} s")
+
+
+class StepRecorder:
+    """Wraps the scheduler's schedule() to see each step's batch (benchmark instrumentation, no engine change)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.steps: list[tuple[int, int, bool]] = []  # (sequences, tokens, decodes only)
+        self.preemptions = 0
+        scheduler = engine.scheduler
+        schedule = scheduler.schedule
+
+        def recording_schedule():
+            out = schedule()
+            decodes_only = all(out.num_scheduled_tokens[s.seq_id] == 1 and not s.is_prefill
+                               for s in out.scheduled_seqs)
+            self.steps.append((len(out.scheduled_seqs), out.total_num_scheduled_tokens, decodes_only))
+            self.preemptions += len(out.preempted_seqs)
+            return out
+
+        scheduler.schedule = recording_schedule
+
+    def reset(self) -> None:
+        self.steps, self.preemptions = [], 0
+
+
+def run_batch(engine: LLMEngine, recorder: StepRecorder, prompts: list[list[int]], output_len: int,
+              tag: str) -> dict:
+    """Add every prompt at once, step until all finish; timings of the whole batch and of each request."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    recorder.reset()
+    load_before = load_average()
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    finished, step_times = {}, []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        outputs = engine.step()
+        step_times.append(time.perf_counter() - t)
+        for out in outputs:
+            if out.finished:
+                finished[out.request_id] = out
+    wall = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in finished.values()), "a request ended early"
+    ttft = [o.metrics.time_to_first_token for o in finished.values()]
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / max(1, output_len - 1)
+            for o in finished.values()]
+    decode_steps = [dt for dt, (_, _, decodes_only) in zip(step_times, recorder.steps) if decodes_only]
+    return {"requests": len(prompts), "wall_s": wall, "output_tokens": len(prompts) * output_len,
+            "tok_s": len(prompts) * output_len / wall, "steps": len(step_times),
+            "mean_seqs_per_step": statistics.mean(s for s, _, _ in recorder.steps),
+            "preemptions": recorder.preemptions,
+            "ttft_ms": {"p50": 1e3 * statistics.median(ttft), "max": 1e3 * max(ttft)},
+            "tpot_ms": {"p50": 1e3 * statistics.median(tpot), "max": 1e3 * max(tpot)},
+            "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+            "load_average": [load_before, load_average()]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated numbers of requests at once")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--one-by-one", type=int, default=1,
+                   help="requests run alone before the first and after each batched run")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the engine's token budget per step")
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--portable-attention", action="store_true",
+                   help="attention by the portable block-table gather instead of the paged-attention kernels")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON (to stdout without a PATH)")
+    args = p.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    def log(*parts):
+        print(*parts, file=sys.stderr, flush=True)
+
+    engine = LLMEngine(args.model, max_model_len=args.max_model_len, max_num_seqs=max(levels),
+                       max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels)),
+                       kv_cache_memory=args.kv_cache_memory)
+    # the runner's own switch (ModelRunner(portable_attention=...)); read when a bucket's graph is first built
+    engine.model_runner.portable_attention = args.portable_attention
+    bm = engine.scheduler.block_manager
+    needed = max(levels) * -(-(args.prompt_len + args.output_len) // bm.block_size)
+    if needed > bm.num_blocks:
+        log(f"note: {max(levels)} requests need {needed} blocks, the pool has {bm.num_blocks}: expect preemptions")
+    prompts = make_prompts(engine, max(levels), args.prompt_len)
+    warm = buckets_used(engine, [args.prompt_len] * max(levels), args.output_len)
+    for n in levels[:-1]:
+        warm = sorted(set(warm) | set(buckets_used(engine, [args.prompt_len] * n, args.output_len)))
+    warm_up(engine, warm, log)
+    recorder = StepRecorder(engine)
+
+    def one_by_one(k: int) -> list[float]:
+        """Seconds per request of `--one-by-one` requests, each run alone, one after the other."""
+        return [run_batch(engine, recorder, [prompts[(k + j) % len(prompts)]], args.output_len, f"alone{k}-{j}")
+                ["wall_s"] for j in range(args.one_by_one)]
+
+    # the one-by-one runs go between the batched ones, so that each ratio compares runs minutes apart, not more
+    alone = [one_by_one(0)]
+    rows = {}
+    for i, n in enumerate(levels):
+        rows[n] = run_batch(engine, recorder, prompts[:n], args.output_len, f"c{n}")
+        alone.append(one_by_one(i + 1))
+        sec_per_request = statistics.mean(alone[i] + alone[i + 1])
+        rows[n]["alone_s_per_request"] = sec_per_request
+        rows[n]["one_by_one_s"] = n * sec_per_request
+        rows[n]["speedup"] = n * sec_per_request / rows[n]["wall_s"]
+        log(f"concurrency {n}: {rows[n]['tok_s']:.1f} tok/s in {rows[n]['wall_s']:.1f} s, one request alone "
+            f"{sec_per_request:.1f} s, load average {rows[n]['load_average'][1]}")
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+
+    print(f"bench_throughput: {engine.model_name}, float32, {machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"code: {code_version()}; attention: {'portable gather' if args.portable_attention else 'kernels'}")
+    print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, ignore_eos; "
+          f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}, max_num_seqs "
+          f"{engine.scheduler.max_num_seqs}, {bm.num_blocks} blocks of {bm.block_size}")
+    header = (f"{'N':>3} {'total tok/s':>11} {'x 1-by-1':>8} {'wall s':>7} {'1-by-1 s':>8} {'steps':>5} "
+              f"{'TTFT p50/max ms':>16} {'TPOT p50/max ms':>16} {'decode step':>11} {'preempt':>7} "
+              f"{'llama-server*':>13}  load avg after")
+    print(header)
+    print("-" * len(header))
+    for n, r in rows.items():
+        peer = LLAMA_SERVER_TOK_S.get(n) if args.model is None else None  # the same model only
+        step_ms = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.0f} ms"
+        print(f"{n:>3} {r['tok_s']:>11.1f} {r['speedup']:>8.2f} {r['wall_s']:>7.1f} {r['one_by_one_s']:>8.1f} "
+              f"{r['steps']:>5} {r['ttft_ms']['p50']:>8.0f}/{r['ttft_ms']['max']:<7.0f} "
+              f"{r['tpot_ms']['p50']:>8.1f}/{r['tpot_ms']['max']:<7.1f} {step_ms:>11} {r['preemptions']:>7} "
+              f"{'-' if peer is None else peer:>13}  {r['load_average'][1]}")
+    print(f"1-by-1 s: N x the mean time of one request run alone ({args.one_by_one} run just before and "
+          f"{args.one_by_one} just after this row's batch):")
+    print("  extrapolated, not run N times. x 1-by-1 = that / wall s. TPOT = (last token - first) / (tokens - 1).")
+    print("* llama-server (llama.cpp, Q4_1 weights, -np N, 128 tokens each): total tok/s measured earlier on this")
+    print("  machine type, not in this run; tinyvllm here computes with float32 weights (6.4x the bytes of Q4_1).")
+    if args.json is not None:
+        result = {"model": engine.model_name, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                  "code": code_version(),
+                  "portable_attention": args.portable_attention,
+                  "prompt_len": args.prompt_len, "output_len": args.output_len,
+                  "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                  "one_by_one_requests_per_run": args.one_by_one, "one_by_one_s_per_request": alone,
+                  "concurrency": {str(n): r for n, r in rows.items()},
+                  "llama_server_tok_s_reference": LLAMA_SERVER_TOK_S}
+        text = json.dumps(result, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
