@@ -38,7 +38,7 @@
 #include <metal_stdlib>
 using namespace metal;
 
-#define WARP 32
+#define WARP 32                                  /* threads per SIMD group on Apple GPUs (threadExecutionWidth) */
 #define NUM_WARPS (TV_NUM_THREADS / WARP)
 #define GROUP (TV_NUM_HEADS / TV_NUM_KV_HEADS)   /* query heads per KV head */
 #define ROW (TV_NUM_KV_HEADS * TV_HEAD_DIM)      /* elements from one token's K (or V) row to the next token's */
