@@ -163,12 +163,10 @@ def test_layer_under_tinyjit_replays_with_new_inputs():
 
 @on_cpu
 def test_greedy_tokens_identical_on_the_real_model(generator):
-    prompt = [504, 3575, 282, 4649, 314, 253, 3469, 338, 1296, 5145, 28, 672]  # the Phase 2 test's tokens
+    prompt = [504, 3575, 282, 4649, 314, 253, 3469, 338, 1296, 5145, 28, 672, 314, 3575, 282, 4649, 30, 198]
 
-    def greedy(portable: bool) -> tuple[np.ndarray, list[int]]:
-        # 12 prompt tokens and 4 new ones over blocks of 8: every step runs the decode graph, crossing two blocks
-        runner = PagedModelRunner(generator.model, 64, num_blocks=4, block_size=8, prefill_chunk_size=16,
-                                  portable_attention=portable)
+    def greedy(runner: PagedModelRunner) -> tuple[np.ndarray, list[int]]:
+        # 18 prompt tokens and 4 new ones over blocks of 16: every step runs the decode graph, crossing a block
         logits = first = runner.prefill(prompt)
         tokens = [int(logits.argmax())]
         for i in range(3):
@@ -177,8 +175,12 @@ def test_greedy_tokens_identical_on_the_real_model(generator):
         runner.free()
         return first, tokens
 
-    kernel_logits, kernel_tokens = greedy(portable=False)
-    portable_logits, portable_tokens = greedy(portable=True)
+    # the session's Generator runs the kernels (the default; its decode graph is shared with the other tests)
+    assert isinstance(generator.runner, PagedModelRunner) and not generator.runner.portable_attention
+    kernel_logits, kernel_tokens = greedy(generator.runner)
+    portable = PagedModelRunner(generator.model, 64, num_blocks=4, block_size=16, prefill_chunk_size=32,
+                                portable_attention=True)
+    portable_logits, portable_tokens = greedy(portable)
     assert kernel_tokens == portable_tokens
     np.testing.assert_allclose(kernel_logits, portable_logits, atol=1e-4, rtol=1e-4)
 
@@ -194,6 +196,9 @@ def test_selection_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
         assert not uses_kernels(Tensor.empty(2, 4, 12), Tensor.empty(3, 8, 2, 12))  # head_dim not a multiple of 8
     assert kernel_backend.has_kernel("CUDA") and kernel_backend.has_kernel("METAL")
     assert not kernel_backend.has_kernel("PYTHON")
+    # a GPU thread block's shared memory: SmolLM2 (3 heads per KV head, 64) and Llama-3-70B (8, 128) fit in 48 KiB
+    limit = kernel_backend.GPU_SHARED_BYTES
+    assert kernel_backend.gpu_shared_bytes(8, 128) <= limit < kernel_backend.gpu_shared_bytes(16, 256)
     # a device without a kernel: the portable path, said once
     monkeypatch.setattr(kernel_backend, "has_kernel", lambda device: False)
     monkeypatch.setattr(kernel_backend, "_noticed", set())

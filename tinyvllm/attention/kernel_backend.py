@@ -67,6 +67,14 @@ CACHE_DTYPES = {"CPU": (dtypes.float32,), "GPU": (dtypes.float32, dtypes.float16
 C_TYPES = {dtypes.float32: "float", dtypes.float16: "half"}
 
 
+GPU_SHARED_BYTES = 48 * 1024  # shared (threadgroup) memory a thread block may use without asking for more
+
+
+def gpu_shared_bytes(group: int, head_dim: int) -> int:
+    """Shared memory of one GPU thread block: per warp, scores (group, 32 keys), m, l and acc (group, head_dim)."""
+    return 4 * (NUM_THREADS // 32) * group * (32 + 2 + head_dim)
+
+
 def has_kernel(device: str) -> bool:
     """Is there a paged-attention source for `device` in a language its compiler takes? (opens no device)"""
     kind = launcher.device_kind(device)
@@ -88,6 +96,8 @@ def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
     allowed = CACHE_DTYPES["CPU" if kind == "CPU" else "GPU"]
     head_dim = k_cache.shape[-1]
     if k_cache.dtype not in allowed or q.dtype not in allowed or (kind == "CPU" and head_dim % 8 != 0):
+        return False
+    if kind != "CPU" and gpu_shared_bytes(q.shape[-2] // k_cache.shape[-2], head_dim) > GPU_SHARED_BYTES:
         return False
     if not has_kernel(device):
         if kind not in _noticed:
