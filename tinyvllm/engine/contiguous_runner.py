@@ -20,9 +20,10 @@ through the decode graph (the other), so there are exactly two graphs to compile
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.contiguous import ContiguousAttentionMetadata, allocate_contiguous_kv_cache
+from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 
 
@@ -37,8 +38,8 @@ class ContiguousModelRunner:
         # a variable's range must keep every slice in bounds: a chunk starting at s writes rows s .. s+chunk-1
         self.v_start_pos = UOp.variable("start_pos", 0, max_model_len - 1)
         self.v_chunk_start = UOp.variable("chunk_start", 0, max_model_len - self.prefill_chunk_size)
-        self._prefill_jit = TinyJit(self._forward)
-        self._decode_jit = TinyJit(self._forward)
+        self._prefill_jit = GraphedJit(self._forward)
+        self._decode_jit = GraphedJit(self._forward)
 
     def _forward(self, input_ids: Tensor, start_pos: int | UOp) -> Tensor:
         """input_ids: (1,T) at positions start_pos.. -> logits of the last token (1, vocab), float32."""

@@ -20,12 +20,13 @@ exactly what a decode kernel takes. `portable_attention=True` keeps the portable
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
 
@@ -49,8 +50,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
-        self._jits: dict[int, TinyJit] = {}  # one captured graph per token bucket
-        self._sampler_jits: dict[tuple[int, bool], TinyJit] = {}  # per (rows, whether filters are used)
+        self._jits: dict[int, GraphedJit] = {}  # one captured graph per token bucket
+        self._sampler_jits: dict[tuple[int, bool], GraphedJit] = {}  # per (rows, whether filters are used)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
@@ -91,7 +92,7 @@ class ModelRunner:
                 logits_indices[len(sampled_seqs)] = i - 1
                 sampled_seqs.append(seq)
         if n not in self._jits:
-            self._jits[n] = TinyJit(self._forward)
+            self._jits[n] = GraphedJit(self._forward)
         jit = self._jits[n]
         dev = self.model.device
         logits = jit(Tensor(input_ids.reshape(1, n), device=dev).realize(),
@@ -109,8 +110,8 @@ class ModelRunner:
         rows = logits.shape[0]
         key = (rows, use_filters)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = TinyJit(lambda *args: device_sampler.sample(*args, use_filters=use_filters)
-                                              .realize())
+            self._sampler_jits[key] = GraphedJit(
+                lambda *args: device_sampler.sample(*args, use_filters=use_filters).realize())
         dev = self.model.device
         inputs = [Tensor(a, device=dev).realize() for a in (temperature, top_k, top_p, min_p, clocks)]
         return self._sampler_jits[key](logits, *inputs).numpy()

@@ -17,12 +17,13 @@ keeps the portable gather.
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 
 
@@ -39,8 +40,8 @@ class PagedModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self.seq: Sequence | None = None
-        self._prefill_jit = TinyJit(self._forward)
-        self._decode_jit = TinyJit(self._forward)
+        self._prefill_jit = GraphedJit(self._forward)
+        self._decode_jit = GraphedJit(self._forward)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  num_blocks: int | UOp) -> Tensor:
@@ -49,7 +50,7 @@ class PagedModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)
         return self.model.compute_logits(hidden[:, -1]).realize()
 
-    def _step(self, jit: TinyJit, token_ids: list[int], start: int) -> Tensor:
+    def _step(self, jit: GraphedJit, token_ids: list[int], start: int) -> Tensor:
         """Run tokens at positions start.. of the current sequence, whose slots are already allocated."""
         seq, dev, n = self.seq, self.model.device, len(token_ids)
         table = np.full((1, self.max_blocks_per_seq), self.kv_cache.null_block, dtype=np.int32)

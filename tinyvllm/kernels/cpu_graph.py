@@ -1,0 +1,174 @@
+"""Replaying a captured TinyJit on the CPU with one C call: the CPU's answer to CUDA graphs.
+
+vLLM captures each decode batch size as a CUDA graph so that a step is one launch instead of hundreds
+(vllm/worker/model_runner.py, `CUDAGraphRunner`). tinygrad does the same on GPUs (its GraphRunner batches a
+TinyJit's kernels into a CUDA graph or a Metal command buffer), but on the CPU device of tinygrad 0.14 a
+replay is a Python loop: for every kernel, resolve its buffers, build the argument list, call it through
+ctypes. Measured on a 2-core x86 machine: ~25 us per kernel, ~490 kernels per decode step of SmolLM2-135M,
+10-15 ms of a ~50 ms step.
+
+`GraphedJit` is a TinyJit that, once it has captured, builds a `CPUGraph`: a flat table of
+[function address, argument count, arguments...] for every kernel in the captured order, run by the C loop
+in kernels/cpu/graph_runner.c. Per step, Python only patches what changes and makes one call:
+
+    captured linear (tinygrad)             CPUGraph.table (int64)                       per step
+    CALL matmul(out, x=PARAM 0, w)   ->    [&matmul, 3, &out, &x, &w]                   &x <- new input 0
+    CALL rope(q, positions=PARAM 1)  ->    [&rope, 2, &q, &positions]                   &positions <- new input 1
+    CALL attn(..., num_blocks)       ->    [&attn, 6, ..., num_blocks]                  num_blocks <- its value
+                                                    |
+                                           graph_runner(table, num_calls): one ctypes call for the step
+
+The buffers the graph owns (weights, KV cache, intermediates planned by the JIT) never move, so their
+addresses are written once. Anything the table cannot express (a copy between devices, a kernel with more
+than 24 arguments, a device other than the CPU) makes `GraphedJit` keep tinygrad's own replay, so it is
+correct everywhere and only faster where it applies. `TINYVLLM_CPU_GRAPH=0` turns it off.
+
+`GraphedJit` also captures on its first call (`capture_first=True`). A plain TinyJit runs the function
+eagerly once, captures on the second call and replays from the third: for a graph whose weights and caches
+are realized before the first call, the eager run only builds and schedules the graph a second time, seconds
+of Python on a large model before the first token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import numpy as np
+from tinygrad import UOp
+from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit
+from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params
+from tinygrad.uop.ops import Ops
+
+ENABLED = os.getenv("TINYVLLM_CPU_GRAPH", "1") != "0"
+MAX_ARGS = 24  # TV_GRAPH_MAX_ARGS in kernels/cpu/graph_runner.c
+
+
+class NotGraphable(Exception):
+    """The captured linear holds something the C table cannot run; tinygrad's own replay is used instead."""
+
+
+def _buffer_address(u: UOp, device: str) -> int:
+    return u.buffer.ensure_allocated().get_buf(device).va_addr
+
+
+def _input_slot(b: UOp) -> int | None:
+    """Which JIT input an argument of a call reads (None: a buffer the graph owns)."""
+    if b.op is Ops.PARAM:
+        return b.arg.slot
+    if b.op in (Ops.MSELECT, Ops.SHRINK) and b.src[0].op is Ops.PARAM:
+        if b.op is Ops.SHRINK and any(s.op is not Ops.CONST for s in b.src[1:]):
+            raise NotGraphable("a view of an input with a symbolic offset")
+        return b.src[0].arg.slot
+    if b.op is Ops.MSTACK:
+        raise NotGraphable("a multi-device input")
+    return None
+
+
+_runner = None
+
+
+def _graph_runner():
+    global _runner
+    if _runner is None:
+        from tinyvllm.kernels.launcher import compile_host_program
+        _runner = compile_host_program("graph_runner", {})
+    return _runner
+
+
+class CPUGraph:
+    """One captured linear as a table that kernels/cpu/graph_runner.c calls through."""
+
+    def __init__(self, captured: CapturedJit, input_uops: list[UOp], var_vals: dict[str, int]):
+        calls = captured.linear.src
+        table: list[int] = []
+        input_patches: list[tuple[int, int, int]] = []  # (table index, input slot, byte offset into that input)
+        var_patches: list[tuple[int, str]] = []  # (table index, variable name)
+        self._programs: list[Any] = []  # keep the compiled kernels (their code) alive as long as the table
+        input_addrs = [_buffer_address(u, u.device) for u in input_uops]
+        for call in calls:
+            ast = call.src[0]
+            if ast.op is not Ops.PROGRAM:
+                raise NotGraphable(f"a {ast.op} call (only compiled kernels go into the table)")
+            device = call.src[1].device
+            if not isinstance(device, str) or device.split(":")[0] != "CPU":
+                raise NotGraphable(f"a kernel on {device}")
+            program = get_runtime(device, ast)
+            if getattr(program, "lvp", True) or not hasattr(program, "addr"):
+                raise NotGraphable("a CPU program that is not a plain C function")
+            info = ast.arg
+            if not all(isinstance(s, int) for s in info.global_size):
+                raise NotGraphable("a kernel whose number of core_ids depends on a variable")
+            num_args = len(info.globals) + len(info.vars)
+            if num_args > MAX_ARGS:
+                raise NotGraphable(f"a kernel with {num_args} arguments (at most {MAX_ARGS})")
+            self._programs.append(program)
+            arg_uops, resolved = get_call_arg_uops(call), resolve_params(call, input_uops)
+            for core_id in range(info.global_size[0]):  # tinygrad calls a core_id kernel once per core_id
+                table += [program.addr, num_args]
+                for i in info.globals:
+                    addr = _buffer_address(resolved[i], device)
+                    if (slot := _input_slot(arg_uops[i])) is not None:
+                        input_patches.append((len(table), slot, addr - input_addrs[slot]))
+                    table.append(addr)
+                for v in info.vars:
+                    if v.expr == "core_id":
+                        table.append(core_id)
+                    else:
+                        var_patches.append((len(table), v.expr))
+                        table.append(var_vals[v.expr])
+        self.num_calls = sum(c.src[0].arg.global_size[0] for c in calls)
+        self.table = np.array(table, dtype=np.int64)
+        self.input_index = np.array([p[0] for p in input_patches], dtype=np.int64)
+        self.input_slot = np.array([p[1] for p in input_patches], dtype=np.int64)
+        self.input_offset = np.array([p[2] for p in input_patches], dtype=np.int64)
+        self.var_names = sorted({name for _, name in var_patches})
+        self.var_index = np.array([p[0] for p in var_patches], dtype=np.int64)
+        self.var_which = np.array([self.var_names.index(name) for _, name in var_patches], dtype=np.int64)
+        self._runner = _graph_runner()
+
+    def __call__(self, input_uops: list[UOp], var_vals: dict[str, int]) -> None:
+        addrs = np.array([_buffer_address(u, u.device) for u in input_uops], dtype=np.int64)
+        self.table[self.input_index] = addrs[self.input_slot] + self.input_offset
+        if len(self.var_names):
+            self.table[self.var_index] = np.array([var_vals[n] for n in self.var_names], dtype=np.int64)[self.var_which]
+        self._runner.fxn(ctypes.c_uint64(self.table.ctypes.data), ctypes.c_uint64(self.num_calls))
+
+
+class GraphedJit(_TinyJit):
+    """TinyJit that captures on the first call and replays through a `CPUGraph` where it can (see module doc)."""
+
+    def __init__(self, fxn, capture_first: bool = True):
+        super().__init__(fxn)
+        self.capture_first = capture_first
+        self.graph: CPUGraph | None | bool = None  # None: not built yet; False: not graphable
+        if capture_first:
+            self.cnt = 1
+
+    def reset(self) -> None:
+        super().reset()
+        self.graph = None
+        if self.capture_first:
+            self.cnt = 1
+
+    def __call__(self, *args, **kwargs):
+        if self.cnt < 2 or self.graph is False or not ENABLED:
+            return super().__call__(*args, **kwargs)
+        captured = self.captured
+        input_uops, var_vals, names, input_info = _prepare_jit_inputs(args, kwargs)
+        if captured.expected_names != names or captured.expected_input_info != input_info:
+            raise JitError(f"args mismatch in JIT: expected {captured.expected_names}, {captured.expected_input_info}; "
+                           f"got {names}, {input_info}")
+        if any(u in captured._written_uops for u in input_uops):  # tinygrad copies such inputs first: keep its path
+            self.graph = False
+            return super().__call__(*args, **kwargs)
+        if self.graph is None:
+            try:
+                self.graph = CPUGraph(captured, input_uops, var_vals)
+            except NotGraphable:
+                self.graph = False
+                return super().__call__(*args, **kwargs)
+        self.graph(input_uops, var_vals)
+        self.cnt += 1
+        return captured.ret
