@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import DType
 
+from tinyvllm.core.kv_cache import zeros
 from tinyvllm.model.config import ModelConfig
 
 
@@ -27,8 +28,7 @@ def allocate_contiguous_kv_cache(config: ModelConfig, max_model_len: int, batch_
                                  dtype: DType = dtypes.float32, device: str | None = None) -> list[tuple[Tensor, Tensor]]:
     """One (k_cache, v_cache) pair per layer, each (B, max_model_len, n_kv_heads, head_dim), zero-filled."""
     shape = (batch_size, max_model_len, config.num_key_value_heads, config.head_dim)
-    return [(Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize(),
-             Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize())
+    return [(zeros(shape, dtype, device), zeros(shape, dtype, device))
             for _ in range(config.num_hidden_layers)]
 
 

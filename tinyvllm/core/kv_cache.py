@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 
 from tinygrad import Tensor, dtypes
+from tinygrad.device import BufferSpec
 from tinygrad.dtype import DType
 
 from tinyvllm.model.config import ModelConfig
@@ -50,6 +51,24 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
     return budget // per_block
 
 
+def zeros(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
+    """A realized tensor of zeros, for a cache.
+
+    Zeros, not garbage: attention multiplies the values of masked slots by a probability of 0, and
+    0 * NaN would be NaN. On the CPU device no kernel writes them: tinygrad's CPU allocator maps fresh
+    anonymous memory, which the OS hands out zeroed and only backs with real pages when first written
+    (so a 512 MiB cache costs nothing until used), and `BufferSpec(zero=True)` keeps the buffer out of
+    tinygrad's reuse cache (`LRUAllocator`), where a freed buffer's old contents could come back.
+    Elsewhere a kernel writes the zeros."""
+    out = Tensor.empty(*shape, dtype=dtype, device=device)
+    if isinstance(out.device, str) and out.device.split(":")[0] == "CPU":
+        buf = out.uop.buffer
+        buf.options = BufferSpec(zero=True, nolru=True)
+        buf.allocate()
+        return out
+    return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()
+
+
 class PagedKVCache:
     """The block tensors of every layer. `kv_caches[layer] = (k_cache, v_cache)`."""
 
@@ -60,8 +79,7 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.null_block = num_blocks  # the extra block padding tokens write into
         shape = (num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize(),
-                           Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize())
+        self.kv_caches = [(zeros(shape, dtype, device), zeros(shape, dtype, device))
                           for _ in range(config.num_hidden_layers)]
 
     @property

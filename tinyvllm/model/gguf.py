@@ -15,6 +15,7 @@ Dimensions are stored fastest-varying first (ggml order), so a (rows, cols) matr
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -57,11 +58,28 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, n: int) -> list[str]:
+        """n strings back to back (a vocabulary, a merge list: ~50k each, so the loop is kept tight)."""
+        buf, pos, out, from_bytes = self.buf, self.pos, [], int.from_bytes
+        for _ in range(n):
+            length = from_bytes(buf[pos:pos + 8], "little")
+            out.append(str(buf[pos + 8:pos + 8 + length], "utf-8", "replace"))
+            pos += 8 + length
+        self.pos = pos
+        return out
+
     def value(self, vtype: int):
         if vtype == 8:
             return self.string()
         if vtype == 9:
             item_type, n = self.unpack("<I"), self.unpack("<Q")
+            if item_type == 8:
+                return self.strings(n)
+            if item_type in _SCALAR_FORMATS and item_type != 7:  # numbers: one read for the whole array
+                dtype = np.dtype(_SCALAR_FORMATS[item_type])
+                items = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).tolist()
+                self.pos += n * dtype.itemsize
+                return items
             return [self.value(item_type) for _ in range(n)]
         if vtype not in _SCALAR_FORMATS:
             raise ValueError(f"corrupt GGUF: unknown metadata value type {vtype}")
@@ -77,36 +95,46 @@ class GGUFFile:
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         with open(self.path, "rb") as f:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        buf = memoryview(self._mmap)
-        cur = _Cursor(buf)
-        if bytes(buf[:4]) != GGUF_MAGIC:
-            raise ValueError(f"{self.path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
-        cur.pos = 4
-        version = cur.unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 or 3 are)")
-        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-
-        self.metadata: dict = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            self.metadata[key] = cur.value(cur.unpack("<I"))
-
-        infos = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.unpack("<I")
-            dims = [cur.unpack("<Q") for _ in range(n_dims)]
-            ggml_type, offset = cur.unpack("<I"), cur.unpack("<Q")
-            infos.append((name, tuple(reversed(dims)), ggml_type, offset))
-
-        alignment = int(self.metadata.get("general.alignment", 32))
-        data_start = (cur.pos + alignment - 1) // alignment * alignment
-        self.tensors: dict[str, GGUFTensorInfo] = {
-            name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset) for name, shape, ggml_type, offset in infos
-        }
+        stat = self.path.stat()
+        self.metadata, self.tensors = _read_header(str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
 
     def raw(self, name: str, nbytes: int) -> np.ndarray:
         """The tensor's bytes as a uint8 array view into the mapped file (no copy)."""
         info = self.tensors[name]
         return np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=info.offset)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, GGUFTensorInfo]]:
+    """Parse the metadata and tensor infos of a GGUF file, once per (path, modification time, size).
+
+    The weights loader and the tokenizer both open the model file; its vocabulary and merges are ~100k
+    strings, so the second parse is served from here. Callers must not modify what it returns."""
+    with open(path, "rb") as f:
+        buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    cur = _Cursor(buf)
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3 are)")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+
+    metadata: dict = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("<I"))
+
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("<I")
+        dims = [cur.unpack("<Q") for _ in range(n_dims)]
+        ggml_type, offset = cur.unpack("<I"), cur.unpack("<Q")
+        infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = (cur.pos + alignment - 1) // alignment * alignment
+    tensors = {name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset) for name, shape, ggml_type, offset in infos}
+    return metadata, tensors

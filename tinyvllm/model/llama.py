@@ -24,13 +24,19 @@ per layer instead of five, which matters when decode is launch- and bandwidth-bo
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 from tinygrad import Tensor, dtypes, function
 from tinygrad.dtype import DType
 
+from tinyvllm import tinygrad_fixes
 from tinyvllm.kernels.linear import linear
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+tinygrad_fixes.apply()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -81,6 +87,28 @@ def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
 
 
+def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor | None = None,
+           copies: list[Future] | None = None) -> Tensor:
+    """Concatenate `parts` along dim 0 into a new float32 device tensor, realized (or, with `pool`, being
+    filled by one of its threads: the future goes into `copies`; wait for it before using the tensor).
+
+    Where the device's memory is the host's (the CPU device) the parts are written straight into the
+    buffer tinygrad allocated: one copy, no graph to schedule. Elsewhere the bytes are copied in."""
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    out = Tensor.empty(*shape, dtype=dtypes.float32, device=device)
+    buf = out.uop.buffer.ensure_allocated()
+    try:
+        dst = np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=np.float32).reshape(shape)
+    except (AssertionError, RuntimeError, TypeError, ValueError):  # no zero-copy view of this device's memory
+        buf.copyin(memoryview(np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)).cast("B"))
+        return out
+    if pool is None:
+        np.concatenate(parts, axis=0, out=dst, casting="same_kind")
+    else:  # the copy is page faults and memory traffic: numpy releases the GIL, so threads share it out
+        copies.append(pool.submit(np.concatenate, parts, axis=0, out=dst, casting="same_kind"))
+    return out
+
+
 class LlamaForCausalLM:
     """The whole model. Weights come in as an HF-named numpy state dict (see `tinyvllm.model.weights`)."""
 
@@ -89,11 +117,11 @@ class LlamaForCausalLM:
         self.config, self.dtype = config, dtype
 
         loaded: list[Tensor] = []
+        pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
         def load(*names: str) -> Tensor:
             # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
-            arr = np.concatenate([state_dict[n] for n in names], axis=0) if len(names) > 1 else state_dict[names[0]]
-            loaded.append(Tensor(np.ascontiguousarray(arr, dtype=np.float32), device=device).cast(dtype))
+            loaded.append(upload([state_dict[n] for n in names], device, pool, copies).cast(dtype))
             return loaded[-1]
 
         self.embed_tokens = load("model.embed_tokens.weight")  # (V, D)
@@ -111,7 +139,10 @@ class LlamaForCausalLM:
         self.norm = load("model.norm.weight")
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight")  # (V, D)
         self.inv_freq = Tensor(rope_frequencies(config), device=device)  # (Hd/2,)
-        Tensor.realize(*loaded, self.inv_freq)  # one schedule for every weight, not one per tensor
+        for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
+            copy.result()
+        pool.shutdown()
+        Tensor.realize(*loaded, self.inv_freq)  # only casts (float16) and inv_freq are left to compute
 
     @property
     def device(self) -> str:

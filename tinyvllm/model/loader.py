@@ -8,6 +8,7 @@ from pathlib import Path
 from tinygrad import dtypes
 from tinygrad.dtype import DType
 
+from tinyvllm.kernels import program_cache
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import load_checkpoint
@@ -31,6 +32,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "flo
     and then cast to `dtype` on the device.
     """
     dt = parse_dtype(dtype)
+    program_cache.load()  # kernels lowered by earlier processes (see tinyvllm/kernels/program_cache.py)
     checkpoint = load_checkpoint(model)
     tokenizer = load_tokenizer(checkpoint.path)
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device)
