@@ -88,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache layout (default: the engine's default)")
     p.add_argument("--beam", type=int, default=0, help="set tinygrad's BEAM=N (kernel search; minutes the first "
                    "time, cached on disk after)")
-    p.add_argument("--fresh-kernel-cache", action="store_true", help="use an empty tinygrad kernel cache, so the "
-                   "cold start includes compiling every kernel")
+    p.add_argument("--fresh-kernel-cache", action="store_true", help="use an empty tinygrad kernel cache and an "
+                   "empty tinyvllm program cache, so the cold start includes lowering and compiling every kernel")
+    p.add_argument("--no-cpu-graph", action="store_true", help="replay captured graphs with tinygrad's own "
+                   "per-kernel Python loop instead of tinyvllm's CPU graph (TINYVLLM_CPU_GRAPH=0)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     return p
 
@@ -127,8 +129,12 @@ def kernel_cache_state() -> str:
     if sys.platform == "darwin" and "CACHEDB" not in os.environ:
         path = Path.home() / "Library" / "Caches" / "tinygrad" / "cache.db"
     if not path.exists():
-        return f"empty (no {path.name} yet): kernels are compiled in this run"
-    return f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
+        state = f"empty (no {path.name} yet): kernels are compiled in this run"
+    else:
+        state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
+    programs = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
+    size = sum(p.stat().st_size for p in programs.glob("programs-*.pkl")) if programs.is_dir() else 0
+    return state + f"; tinyvllm program cache {size / 2**20:.1f} MiB"
 
 
 def code_version() -> str:
@@ -196,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
               "takes minutes (the choices are cached on disk; later runs are fast).", file=sys.stderr)
     if args.fresh_kernel_cache:
         os.environ["CACHEDB"] = str(Path(tempfile.mkdtemp(prefix="tinygrad-cache-")) / "cache.db")
+        os.environ["TINYVLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyvllm-cache-")
+    if args.no_cpu_graph:
+        os.environ["TINYVLLM_CPU_GRAPH"] = "0"
     cache_state = kernel_cache_state()
 
     # ---- 1. cold start: process start -> first token ----
@@ -235,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model     {gen.model_path.name}  ({config.num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} "
           f"layers, dim {config.hidden_size}, vocab {config.vocab_size})")
     print(f"dtype     {args.dtype}   device {gen.model.device}   max_model_len {gen.max_model_len}   "
-          f"runner {type(gen.runner).__name__}   BEAM={os.environ.get('BEAM', '0')}")
+          f"runner {type(gen.runner).__name__}   BEAM={os.environ.get('BEAM', '0')}   "
+          f"CPU graph {'off' if os.environ.get('TINYVLLM_CPU_GRAPH') == '0' else 'on'}")
     print(f"machine   {results['machine']}")
     print(f"code      {results['code']}   {results['date']}")
     print(f"kernels   tinygrad cache {cache_state}")

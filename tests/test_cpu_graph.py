@@ -1,0 +1,160 @@
+"""GraphedJit / CPUGraph (tinyvllm/kernels/cpu_graph.py), the program cache and the cache zeros.
+
+The CPU graph must give exactly what tinygrad's own replay gives, with new input buffers and new
+symbolic values on every call, and must step aside (tinygrad's replay) where it cannot apply.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad.engine.jit import JitError
+
+from tinyvllm.core.kv_cache import zeros
+from tinyvllm.kernels import cpu_graph, program_cache
+from tinyvllm.kernels.cpu_graph import CPUGraph, GraphedJit
+from tinyvllm.kernels.linear import linear
+
+POS = UOp.variable("test_pos", 0, 31)
+
+
+def many_kernels(x: Tensor, w: Tensor, pos) -> Tensor:
+    """~40 kernels: elementwise chains, a reduction, a matmul (the C kernel on CPU), a symbolic slice."""
+    y = x
+    for i in range(30):
+        y = (y * 1.001 + i * 1e-3).contiguous()
+    h = linear(y, w)  # (4, 16)
+    return (h[:, : pos + 1].sum(axis=1) + y.max(axis=1)).realize()
+
+
+def reference(x: np.ndarray, w: np.ndarray, pos: int) -> np.ndarray:
+    y = x.astype(np.float64)
+    for i in range(30):
+        y = y * 1.001 + i * 1e-3
+    h = y @ w.astype(np.float64).T
+    return h[:, : pos + 1].sum(axis=1) + y.max(axis=1)
+
+
+@pytest.fixture()
+def inputs():
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((4, 8)).astype(np.float32) for _ in range(6)]
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    return xs, w
+
+
+def test_graphed_jit_matches_numpy_and_tinyjit_with_new_buffers_and_values(inputs):
+    xs, w_np = inputs
+    w = Tensor(w_np).realize()
+    plain, graphed = TinyJit(many_kernels), GraphedJit(many_kernels)
+    for step, x_np in enumerate(xs):
+        pos = (step * 7) % 16
+        # a fresh input buffer every call: the table's input addresses must be patched
+        got = graphed(Tensor(x_np).realize(), w, POS.bind(pos)).numpy()
+        want = plain(Tensor(x_np).realize(), w, POS.bind(pos)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got, reference(x_np, w_np, pos), rtol=1e-4, atol=1e-4)
+    assert isinstance(graphed.graph, CPUGraph)
+    assert graphed.graph.num_calls >= 30
+    assert graphed.graph.var_names == ["test_pos"]
+
+
+def test_captures_on_first_call(inputs):
+    xs, w_np = inputs
+    graphed = GraphedJit(many_kernels)
+    out = graphed(Tensor(xs[0]).realize(), Tensor(w_np).realize(), POS.bind(3)).numpy()
+    assert graphed.captured is not None  # a plain TinyJit would only have run eagerly
+    np.testing.assert_allclose(out, reference(xs[0], w_np, 3), rtol=1e-4, atol=1e-4)
+    eager_first = GraphedJit(many_kernels, capture_first=False)
+    eager_first(Tensor(xs[0]).realize(), Tensor(w_np).realize(), POS.bind(3))
+    assert eager_first.captured is None
+
+
+def test_a_graph_that_writes_its_input_matches_tinyjit():
+    def accumulate(acc: Tensor, x: Tensor) -> Tensor:
+        acc.assign(acc + x).realize()
+        return (acc * 2).realize()
+
+    results = []
+    for jit in (TinyJit(accumulate), GraphedJit(accumulate)):
+        acc = Tensor.zeros(4).contiguous().realize()
+        outs = [jit(acc, Tensor.full((4,), float(i)).contiguous().realize()).numpy()[0] for i in range(1, 6)]
+        results.append((outs, acc.numpy()[0]))
+    assert isinstance(jit.graph, CPUGraph)
+    assert results[0] == results[1]
+    assert results[1][1] == 15.0  # 1+2+3+4+5, accumulated in the caller's buffer
+
+
+def test_output_fed_back_as_input_keeps_tinygrads_replay():
+    def step(x: Tensor) -> Tensor:
+        return (x * 2 + 1).realize()
+
+    jit = GraphedJit(step)
+    x = Tensor([1.0, 2.0]).realize()
+    for _ in range(4):
+        x = jit(x)  # from the second call on, x is the graph's own output buffer
+    assert jit.graph is False  # tinygrad copies such an input before the graph overwrites it; the table cannot
+    np.testing.assert_allclose(x.numpy(), [31.0, 47.0])
+
+
+def test_disabled_gives_same_answers(inputs, monkeypatch):
+    xs, w_np = inputs
+    w = Tensor(w_np).realize()
+    monkeypatch.setattr(cpu_graph, "ENABLED", False)
+    jit = GraphedJit(many_kernels)
+    outs = [jit(Tensor(x).realize(), w, POS.bind(5)).numpy() for x in xs[:4]]
+    assert jit.graph is None
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out, reference(x, w_np, 5), rtol=1e-4, atol=1e-4)
+
+
+def test_shape_change_is_an_error(inputs):
+    xs, w_np = inputs
+    w = Tensor(w_np).realize()
+    jit = GraphedJit(many_kernels)
+    for x in xs[:3]:
+        jit(Tensor(x).realize(), w, POS.bind(1))
+    with pytest.raises(JitError, match="args mismatch"):
+        jit(Tensor(np.zeros((5, 8), np.float32)).realize(), w, POS.bind(1))
+
+
+def test_program_cache_round_trip(tmp_path, monkeypatch):
+    path = tmp_path / "programs.pkl"
+    monkeypatch.setattr(program_cache, "ENABLED", True)
+    monkeypatch.setattr(program_cache, "_loaded_keys", None)
+    cache: dict = {}
+    monkeypatch.setattr(program_cache, "to_program_cache", cache)
+    cache[("key", 1)] = "program one"
+    assert program_cache.load(path) == 0  # no file yet
+    assert program_cache.save(path) == 1
+    assert program_cache.save(path) == 0  # nothing new since
+    cache.clear()
+    monkeypatch.setattr(program_cache, "_loaded_keys", None)
+    assert program_cache.load(path) == 1
+    assert cache == {("key", 1): "program one"}
+
+
+def test_program_cache_ignores_a_corrupt_file(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "programs.pkl"
+    path.write_bytes(b"not a pickle")
+    monkeypatch.setattr(program_cache, "ENABLED", True)
+    monkeypatch.setattr(program_cache, "_loaded_keys", None)
+    cache: dict = {}
+    monkeypatch.setattr(program_cache, "to_program_cache", cache)
+    assert program_cache.load(path) == 0
+    assert "ignoring the program cache" in capsys.readouterr().err
+    cache["k"] = "v"
+    assert program_cache.save(path) == 1  # the bad file is replaced
+    assert pickle.loads(path.read_bytes()) == {"k": "v"}
+
+
+def test_cache_zeros_stay_zero_after_buffers_are_reused():
+    shape = (64, 16, 3, 64)
+    for _ in range(3):
+        t = zeros(shape, dtypes.float32, "CPU")
+        assert t.uop.is_realized and t.abs().max().item() == 0.0
+        t.assign(t + 7.0).realize()  # dirty it; the next round must not see these values
+        del t
