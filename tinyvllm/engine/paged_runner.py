@@ -17,12 +17,13 @@ keeps the portable gather.
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Tensor, UOp
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.engine.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 
@@ -42,6 +43,7 @@ class PagedModelRunner:
         self.seq: Sequence | None = None
         self._prefill_jit = GraphedJit(self._forward)
         self._decode_jit = GraphedJit(self._forward)
+        self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per step length: prefill chunk, decode
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  num_blocks: int | UOp) -> Tensor:
@@ -50,17 +52,25 @@ class PagedModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)
         return self.model.compute_logits(hidden[:, -1]).realize()
 
+    def _inputs(self, n: int) -> tuple[InputBuffer, ...]:
+        """The step inputs of an n-token step, allocated once (input_ids, positions, slot_mapping, block_tables)."""
+        if n not in self._input_buffers:
+            dev = self.model.device
+            self._input_buffers[n] = (InputBuffer((1, n), np.int32, dev), InputBuffer((1, n), np.int32, dev),
+                                      InputBuffer((n,), np.int32, dev),
+                                      InputBuffer((1, self.max_blocks_per_seq), np.int32, dev))
+        return self._input_buffers[n]
+
     def _step(self, jit: GraphedJit, token_ids: list[int], start: int) -> Tensor:
         """Run tokens at positions start.. of the current sequence, whose slots are already allocated."""
-        seq, dev, n = self.seq, self.model.device, len(token_ids)
-        table = np.full((1, self.max_blocks_per_seq), self.kv_cache.null_block, dtype=np.int32)
-        table[0, :len(seq.block_table)] = seq.block_table
+        seq, n = self.seq, len(token_ids)
+        input_ids, positions, slot_mapping, block_tables = self._inputs(n)
+        block_tables.np[0, :len(seq.block_table)] = seq.block_table
+        block_tables.np[0, len(seq.block_table):] = self.kv_cache.null_block
         num_blocks = -(-(start + n) // self.block_size)
-        return jit(Tensor([token_ids], dtype=dtypes.int32, device=dev).realize(),
-                   Tensor([list(range(start, start + n))], dtype=dtypes.int32, device=dev).realize(),
-                   Tensor(self.block_manager.get_slot_mapping(seq, start, start + n), dtype=dtypes.int32,
-                          device=dev).realize(),
-                   Tensor(table, device=dev).realize(), self.v_num_blocks.bind(num_blocks))
+        return jit(input_ids.write(token_ids), positions.write(np.arange(start, start + n)),
+                   slot_mapping.write(self.block_manager.get_slot_mapping(seq, start, start + n)),
+                   block_tables.copy_to_device(), self.v_num_blocks.bind(num_blocks))
 
     def free(self) -> None:
         """Give the current sequence's blocks back."""
