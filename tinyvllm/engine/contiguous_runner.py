@@ -20,9 +20,10 @@ through the decode graph (the other), so there are exactly two graphs to compile
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Tensor, UOp
 
 from tinyvllm.attention.contiguous import ContiguousAttentionMetadata, allocate_contiguous_kv_cache
+from tinyvllm.engine.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 
@@ -40,6 +41,9 @@ class ContiguousModelRunner:
         self.v_chunk_start = UOp.variable("chunk_start", 0, max_model_len - self.prefill_chunk_size)
         self._prefill_jit = GraphedJit(self._forward)
         self._decode_jit = GraphedJit(self._forward)
+        # the token ids each graph reads, refilled in place every step (see tinyvllm/engine/input_buffer.py)
+        self._chunk_ids = InputBuffer((1, self.prefill_chunk_size), np.int32, model.device)
+        self._token_id = InputBuffer((1, 1), np.int32, model.device)
 
     def _forward(self, input_ids: Tensor, start_pos: int | UOp) -> Tensor:
         """input_ids: (1,T) at positions start_pos.. -> logits of the last token (1, vocab), float32."""
@@ -61,7 +65,7 @@ class ContiguousModelRunner:
         num_chunked = n // chunk * chunk if n > 1 else 0
         logits = None
         for start in range(0, num_chunked, chunk):
-            input_ids = Tensor([token_ids[start:start + chunk]], dtype=dtypes.int32, device=self.model.device).realize()
+            input_ids = self._chunk_ids.write(token_ids[start:start + chunk])
             logits = self._prefill_jit(input_ids, self.v_chunk_start.bind(start))
         for pos in range(num_chunked, n):
             logits = self._decode_logits(token_ids[pos], pos)
@@ -74,5 +78,4 @@ class ContiguousModelRunner:
         return self._decode_logits(token_id, position).numpy()[0]
 
     def _decode_logits(self, token_id: int, position: int) -> Tensor:
-        input_ids = Tensor([[token_id]], dtype=dtypes.int32, device=self.model.device).realize()
-        return self._decode_jit(input_ids, self.v_start_pos.bind(position))
+        return self._decode_jit(self._token_id.write(token_id), self.v_start_pos.bind(position))

@@ -20,12 +20,13 @@ exactly what a decode kernel takes. `portable_attention=True` keeps the portable
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Tensor, UOp
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.engine.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
@@ -52,6 +53,8 @@ class ModelRunner:
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[int, GraphedJit] = {}  # one captured graph per token bucket
         self._sampler_jits: dict[tuple[int, bool], GraphedJit] = {}  # per (rows, whether filters are used)
+        self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
+        self._sampler_inputs: dict[int, list[InputBuffer]] = {}  # per number of rows
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
@@ -59,6 +62,17 @@ class ModelRunner:
                                                 portable=self.portable_attention)
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
         return self.model.compute_logits(hidden[0][logits_indices]).realize()  # (S,V)
+
+    def _inputs(self, n: int, num_rows: int) -> tuple[InputBuffer, ...]:
+        """The inputs of an n-token bucket, allocated once and refilled every step: input_ids (1,n),
+        positions (1,n), slot_mapping (n,), block_tables (n, max_blocks), logits_indices (num_rows,)."""
+        if n not in self._input_buffers:
+            dev = self.model.device
+            self._input_buffers[n] = (InputBuffer((1, n), np.int32, dev), InputBuffer((1, n), np.int32, dev),
+                                      InputBuffer((n,), np.int32, dev),
+                                      InputBuffer((n, self.max_blocks_per_seq), np.int32, dev),
+                                      InputBuffer((num_rows,), np.int32, dev))
+        return self._input_buffers[n]
 
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -72,35 +86,28 @@ class ModelRunner:
         num_rows = min(n, self.bucket_for(self.max_num_seqs))  # rows of logits: one per sequence at most
         bs, null_slot = self.block_size, self.kv_cache.null_slot
 
-        input_ids = np.zeros(n, np.int32)
-        positions = np.zeros(n, np.int32)
-        slot_mapping = np.full(n, null_slot, np.int32)
-        block_tables = np.full((n, self.max_blocks_per_seq), self.kv_cache.null_block, np.int32)
-        logits_indices = np.zeros(num_rows, np.int32)
+        input_ids, positions, slot_mapping, block_tables, logits_indices = self._inputs(n, num_rows)
+        input_ids.np[...], positions.np[...], slot_mapping.np[...] = 0, 0, null_slot
+        block_tables.np[...], logits_indices.np[...] = self.kv_cache.null_block, 0
         sampled_seqs, num_blocks, i = [], 1, 0
         for seq in seqs:
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
             pos = np.arange(start, start + count)
             table = np.asarray(seq.block_table, np.int32)
-            input_ids[i:i + count] = seq.all_token_ids[start:start + count]
-            positions[i:i + count] = pos
-            slot_mapping[i:i + count] = table[pos // bs] * bs + pos % bs
-            block_tables[i:i + count, :len(table)] = table
+            input_ids.np[0, i:i + count] = seq.all_token_ids[start:start + count]
+            positions.np[0, i:i + count] = pos
+            slot_mapping.np[i:i + count] = table[pos // bs] * bs + pos % bs
+            block_tables.np[i:i + count, :len(table)] = table
             num_blocks = max(num_blocks, -(-(start + count) // bs))
             i += count
             if start + count == seq.num_tokens:  # caught up: this step's last token gets sampled
-                logits_indices[len(sampled_seqs)] = i - 1
+                logits_indices.np[len(sampled_seqs)] = i - 1
                 sampled_seqs.append(seq)
         if n not in self._jits:
             self._jits[n] = GraphedJit(self._forward)
-        jit = self._jits[n]
-        dev = self.model.device
-        logits = jit(Tensor(input_ids.reshape(1, n), device=dev).realize(),
-                     Tensor(positions.reshape(1, n), device=dev).realize(),
-                     Tensor(slot_mapping, device=dev).realize(),
-                     Tensor(block_tables, device=dev).realize(),
-                     Tensor(logits_indices, device=dev).realize(),
-                     self.v_num_blocks.bind(num_blocks))
+        logits = self._jits[n](input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
+                               block_tables.copy_to_device(), logits_indices.copy_to_device(),
+                               self.v_num_blocks.bind(num_blocks))
         return sampled_seqs, (logits if sampled_seqs else None)
 
     def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -112,6 +119,8 @@ class ModelRunner:
         if key not in self._sampler_jits:
             self._sampler_jits[key] = GraphedJit(
                 lambda *args: device_sampler.sample(*args, use_filters=use_filters).realize())
-        dev = self.model.device
-        inputs = [Tensor(a, device=dev).realize() for a in (temperature, top_k, top_p, min_p, clocks)]
+        if rows not in self._sampler_inputs:
+            self._sampler_inputs[rows] = [InputBuffer(a.shape, a.dtype, self.model.device)
+                                          for a in (temperature, top_k, top_p, min_p, clocks)]
+        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[rows], (temperature, top_k, top_p, min_p, clocks))]
         return self._sampler_jits[key](logits, *inputs).numpy()
