@@ -153,7 +153,7 @@ class GraphedJit(_TinyJit):
             self.cnt = 1
 
     def __call__(self, *args, **kwargs):
-        if self.cnt < 2 or self.graph is False or not ENABLED:
+        if self.cnt < 2 or self.captured is None or self.graph is False or not ENABLED:  # (JIT=0: never captured)
             return super().__call__(*args, **kwargs)
         captured = self.captured
         input_uops, var_vals, names, input_info = _prepare_jit_inputs(args, kwargs)
