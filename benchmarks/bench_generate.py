@@ -132,9 +132,8 @@ def kernel_cache_state() -> str:
         state = f"empty (no {path.name} yet): kernels are compiled in this run"
     else:
         state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
-    programs = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
-    size = sum(p.stat().st_size for p in programs.glob("programs-*.pkl")) if programs.is_dir() else 0
-    return state + f"; tinyvllm program cache {size / 2**20:.1f} MiB"
+    programs = list(Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm").glob("programs-*/*.pkl"))
+    return state + f"; tinyvllm program cache {len(programs)} programs"
 
 
 def code_version() -> str:

@@ -6,8 +6,6 @@ symbolic values on every call, and must step aside (tinygrad's replay) where it 
 
 from __future__ import annotations
 
-import pickle
-
 import numpy as np
 import pytest
 from tinygrad import Tensor, TinyJit, UOp, dtypes
@@ -121,34 +119,37 @@ def test_shape_change_is_an_error(inputs):
         jit(Tensor(np.zeros((5, 8), np.float32)).realize(), w, POS.bind(1))
 
 
-def test_program_cache_round_trip(tmp_path, monkeypatch):
-    path = tmp_path / "programs.pkl"
-    monkeypatch.setattr(program_cache, "ENABLED", True)
-    monkeypatch.setattr(program_cache, "_loaded_keys", None)
-    cache: dict = {}
-    monkeypatch.setattr(program_cache, "to_program_cache", cache)
-    cache[("key", 1)] = "program one"
-    assert program_cache.load(path) == 0  # no file yet
-    assert program_cache.save(path) == 1
-    assert program_cache.save(path) == 0  # nothing new since
-    cache.clear()
-    monkeypatch.setattr(program_cache, "_loaded_keys", None)
-    assert program_cache.load(path) == 1
-    assert cache == {("key", 1): "program one"}
+def test_program_cache_writes_through_and_reads_back(tmp_path):
+    first = program_cache.DiskProgramCache(tmp_path)
+    key = (b"\x01\x02", int, "target", 0)
+    first[key] = {"program": 1}
+    assert len(list(tmp_path.glob("*.pkl"))) == 1
+    second = program_cache.DiskProgramCache(tmp_path)  # a new process: nothing in memory
+    assert dict.__len__(second) == 0
+    assert key in second and second[key] == {"program": 1} and second.get(key) == {"program": 1}
+    assert second.hits == 1
+    assert (b"\x03", int, "target", 0) not in second and second.get((b"\x03",)) is None
+    with pytest.raises(KeyError):
+        second[(b"\x03",)]
 
 
-def test_program_cache_ignores_a_corrupt_file(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "programs.pkl"
-    path.write_bytes(b"not a pickle")
-    monkeypatch.setattr(program_cache, "ENABLED", True)
-    monkeypatch.setattr(program_cache, "_loaded_keys", None)
-    cache: dict = {}
-    monkeypatch.setattr(program_cache, "to_program_cache", cache)
-    assert program_cache.load(path) == 0
-    assert "ignoring the program cache" in capsys.readouterr().err
-    cache["k"] = "v"
-    assert program_cache.save(path) == 1  # the bad file is replaced
-    assert pickle.loads(path.read_bytes()) == {"k": "v"}
+def test_program_cache_treats_a_corrupt_file_as_a_miss(tmp_path):
+    cache = program_cache.DiskProgramCache(tmp_path)
+    key = (b"\x07", str)
+    (tmp_path / f"{program_cache.key_digest(key)}.pkl").write_bytes(b"not a pickle")
+    assert key not in cache
+    cache[key] = "lowered again"
+    assert program_cache.DiskProgramCache(tmp_path)[key] == "lowered again"
+
+
+def test_program_cache_is_what_tinygrad_uses():
+    import tinygrad.codegen
+    import tinygrad.engine.realize
+
+    installed = program_cache.install()  # (or the one this process's first model load installed)
+    assert installed is not None
+    assert tinygrad.codegen.to_program_cache is installed is tinygrad.engine.realize.to_program_cache
+    assert program_cache.install() is installed  # once per process
 
 
 def test_cache_zeros_stay_zero_after_buffers_are_reused():

@@ -74,7 +74,9 @@ class ContiguousAttentionMetadata:
         keys, values = k_cache[:, : sp + T], v_cache[:, : sp + T]
         mask = None
         if not isinstance(T, int) or T > 1:  # causal: query t (at position sp+t) sees keys 0 .. sp+t
-            key_pos = Tensor.arange(sp + T).reshape(1, -1)  # (1, S)
+            # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length
+            # is symbolic as a running sum, an S x S kernel (benchmarks/README.md, bench_memory part 5)
+            key_pos = Tensor.arange(k_cache.shape[1])[: sp + T].reshape(1, -1)  # (1, S)
             query_pos = (Tensor.arange(T) + sp).reshape(-1, 1)  # (T, 1)
             mask = (key_pos > query_pos).where(float("-inf"), 0.0).cast(q.dtype)  # (T, S)
         return grouped_query_attention(q, keys.cast(q.dtype), values.cast(q.dtype), mask)

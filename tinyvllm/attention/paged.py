@@ -62,7 +62,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     table = block_tables[:, :num_blocks]  # (B, nb)
     keys = k_cache[table].reshape(B, -1, kv_heads, head_dim)  # (B, nb*block_size, KvH, Hd)
     values = v_cache[table].reshape(B, -1, kv_heads, head_dim)
-    key_pos = Tensor.arange(num_blocks * block_size).reshape(1, 1, 1, 1, -1)  # (1,1,1,1,S)
+    # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length is
+    # symbolic as a running sum, an S x S kernel (33 ms per layer at 2048 tokens; benchmarks/README.md, bench_memory)
+    key_pos = Tensor.arange(block_tables.shape[1] * block_size)[: num_blocks * block_size].reshape(1, 1, 1, 1, -1)
     query_pos = positions.reshape(B, 1, 1, T, 1)  # (B,1,1,T,1), broadcast over (B,KvH,G,T,S)
     mask = (key_pos > query_pos).where(float("-inf"), 0.0).cast(q.dtype)
     return grouped_query_attention(q, keys.cast(q.dtype), values.cast(q.dtype), mask)

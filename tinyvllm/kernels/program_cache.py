@@ -3,25 +3,29 @@
 tinygrad turns each kernel of a graph into a program in two steps: lowering (the optimizer and the
 renderer write the kernel's C, CUDA or Metal source: Python, ~30 ms per kernel) and compiling (clang,
 nvrtc, ...). Compiled binaries are cached on disk, keyed by source (`~/.cache/tinygrad/cache.db`), but
-lowered programs only in memory (`tinygrad.codegen.to_program_cache`), so every process lowers every
-kernel again. For SmolLM2-135M's first decode graph that is ~0.6 s of the ~2 s it takes to build it.
+lowered programs only in memory, in the dict `tinygrad.codegen.to_program_cache`, so every process
+lowers every kernel again. For SmolLM2-135M's first decode graph that is ~0.6 s of the ~2 s it takes
+to build it.
 
-This module saves that in-memory cache at exit and loads it at start:
+`install()` swaps that dict for a `DiskProgramCache`: the same dict, which also writes every program it
+is given to a file of its own and, on a miss, looks for the file before tinygrad lowers the kernel:
 
-    process 1:  lower 24 kernels -> to_program_cache -> at exit: pickle to <cache dir>/programs-<version>.pkl
-    process 2:  load the pickle -> to_program_cache already holds the 24 -> lowering is a lookup
+    process 1:  lower kernel K -> to_program_cache[key] = program -> <cache dir>/<sha256 of key>.pkl
+    process 2:  key in to_program_cache? not in memory -> read <sha256 of key>.pkl -> yes, no lowering
 
-An entry's key is tinygrad's own (the kernel's AST hash, the renderer, its target and the codegen
-settings), so a changed kernel, device or setting is a new entry, never a wrong hit; the file name
-carries the tinygrad and Python versions. Programs hold machine code compiled for this machine (clang
-`-march=native`), as tinygrad's own cache does: do not share the directory between different CPUs.
+One file per program, read only when asked for: a process pays for the kernels it uses (~1 ms each),
+not for everything every earlier process lowered. A key is tinygrad's own (the kernel's AST hash, the
+renderer, its target and the codegen settings), so a changed kernel, device or setting is a new entry,
+never a wrong hit; the directory name carries the tinygrad and Python versions. Programs hold machine
+code compiled for this machine (clang `-march=native`), as tinygrad's own cache does: do not share the
+directory between different CPUs. A file that does not load is a miss (and is written again).
 
 `TINYVLLM_PROGRAM_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it (default `~/.cache/tinyvllm`).
 """
 
 from __future__ import annotations
 
-import atexit
+import hashlib
 import os
 import pickle
 import sys
@@ -30,69 +34,89 @@ import threading
 from importlib.metadata import version
 from pathlib import Path
 
-from tinygrad.codegen import to_program_cache
+import tinygrad.codegen
+import tinygrad.engine.realize
 
 ENABLED = os.getenv("TINYVLLM_PROGRAM_CACHE", "1") != "0"
 
 _lock = threading.Lock()
-_loaded_keys: set | None = None  # what the file held when this process read it; None: not read yet
 
 
-def cache_path() -> Path:
+def cache_dir() -> Path:
     root = Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
-    return root / f"programs-tinygrad{version('tinygrad')}-py{sys.version_info[0]}{sys.version_info[1]}.pkl"
+    return root / f"programs-tinygrad{version('tinygrad')}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
-def _read(path: Path) -> dict:
-    try:
-        with open(path, "rb") as f:
-            entries = pickle.load(f)
-        return entries if isinstance(entries, dict) else {}
-    except FileNotFoundError:
-        return {}
-    except Exception as e:  # a truncated or foreign file: start over (it is only a cache)
-        print(f"tinyvllm: ignoring the program cache {path} ({type(e).__name__}: {e})", file=sys.stderr)
-        return {}
+def key_digest(key) -> str:
+    """A stable name for tinygrad's key (ast.key bytes, renderer class, target, settings): the same in every process."""
+    parts = [p.hex() if isinstance(p, bytes) else f"{p.__module__}.{p.__qualname__}" if isinstance(p, type) else repr(p)
+             for p in (key if isinstance(key, tuple) else (key,))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def load(path: Path | None = None) -> int:
-    """Fill tinygrad's in-memory program cache from disk (once per process); returns how many entries were read."""
-    global _loaded_keys
-    with _lock:
-        if not ENABLED or _loaded_keys is not None:
-            return 0
-        entries = _read(path or cache_path())
-        for key, program in entries.items():
-            to_program_cache.setdefault(key, program)
-        _loaded_keys = set(entries)
-        atexit.register(save)
-        return len(entries)
+class DiskProgramCache(dict):
+    """tinygrad's lowered-program dict, written through to one file per program and read back on a miss."""
 
+    def __init__(self, directory: Path, entries: dict | None = None):
+        super().__init__(entries or {})
+        self.directory = directory
+        self.hits = 0  # programs read from disk (not lowered) in this process
+        self.write_failed = False
 
-def save(path: Path | None = None) -> int:
-    """Write the in-memory program cache to disk, merged with what the file holds now (another process may
-    have added to it); returns how many entries this process added. Written to a temporary file and renamed,
-    so a reader never sees half a file."""
-    with _lock:
-        if not ENABLED:
-            return 0
-        path = path or cache_path()
-        new = {k: v for k, v in list(to_program_cache.items()) if _loaded_keys is None or k not in _loaded_keys}
-        if not new:
-            return 0
-        merged = {**_read(path), **new}
-        tmp = None
+    def _path(self, key) -> Path:
+        return self.directory / f"{key_digest(key)}.pkl"
+
+    def _load(self, key) -> bool:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+            with open(self._path(key), "rb") as f:
+                program = pickle.load(f)
+        except FileNotFoundError:
+            return False
+        except Exception:  # a truncated or foreign file: a miss; the program is lowered and written again
+            return False
+        super().__setitem__(key, program)
+        self.hits += 1
+        return True
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(key) or self._load(key)
+
+    def __getitem__(self, key):
+        if not super().__contains__(key) and not self._load(key):
+            raise KeyError(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def __setitem__(self, key, program) -> None:
+        super().__setitem__(key, program)
+        tmp = None
+        try:  # a temporary file renamed into place: a reader never sees half a program
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
-                pickle.dump(merged, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, path)
-        except Exception as e:  # a read-only home, a full disk, an entry that does not pickle: keep going uncached
-            print(f"tinyvllm: could not write the program cache {path} ({type(e).__name__}: {e})", file=sys.stderr)
+                pickle.dump(program, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, self._path(key))
+        except Exception as e:  # a read-only home, a full disk, a program that does not pickle: stay in memory
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
-            return 0
-        if _loaded_keys is not None:
-            _loaded_keys.update(new)
-        return len(new)
+            if not self.write_failed:  # say it once, not once per kernel
+                print(f"tinyvllm: could not write to the program cache {self.directory} ({type(e).__name__}: {e}); "
+                      "lowered kernels stay in memory only", file=sys.stderr)
+            self.write_failed = True
+
+
+def install(directory: Path | None = None) -> DiskProgramCache | None:
+    """Make tinygrad's lowered-program cache a `DiskProgramCache` (once per process; None when turned off)."""
+    with _lock:
+        current = tinygrad.codegen.to_program_cache
+        if isinstance(current, DiskProgramCache):
+            return current
+        if not ENABLED:
+            return None
+        cache = DiskProgramCache(directory or cache_dir(), current)
+        # both modules look the dict up by its global name at every call, so rebinding the name is enough
+        tinygrad.codegen.to_program_cache = cache
+        tinygrad.engine.realize.to_program_cache = cache
+        return cache

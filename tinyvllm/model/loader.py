@@ -32,7 +32,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "flo
     and then cast to `dtype` on the device.
     """
     dt = parse_dtype(dtype)
-    program_cache.load()  # kernels lowered by earlier processes (see tinyvllm/kernels/program_cache.py)
+    program_cache.install()  # kernels lowered by earlier processes (see tinyvllm/kernels/program_cache.py)
     checkpoint = load_checkpoint(model)
     tokenizer = load_tokenizer(checkpoint.path)
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device)
