@@ -54,7 +54,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def generator():
-    """The real default model behind Phase 1's Generator (contiguous KV cache), compiled once."""
+    """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once."""
     from tinyvllm.engine.generator import Generator
 
     return Generator(max_model_len=512, kv_cache_memory="64MiB")
