@@ -89,3 +89,15 @@ def test_filters_never_emit_an_excluded_token():
                                        Tensor(np.ones(S, np.float32)), Tensor(np.zeros(S, np.float32)),
                                        Tensor(clocks)).numpy()
         assert all(int(tokens[i]) in allowed[i] for i in range(S))
+
+
+def test_greedy_graph_is_the_argmax(logits):
+    """The all-greedy batch's graph (no clocks, no race) picks what the full sampler picks at temperature 0."""
+    rows = logits.shape[0]
+    zeros, ones = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    full = device_sampler.sample(Tensor(logits), Tensor(zeros), Tensor(np.full(rows, logits.shape[1], np.int32)),
+                                 Tensor(ones), Tensor(zeros), Tensor(np.ones(logits.shape, np.float32))).numpy()
+    greedy = device_sampler.greedy(Tensor(logits)).numpy()
+    assert greedy.dtype == np.int32
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(greedy, full)

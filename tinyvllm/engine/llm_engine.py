@@ -132,7 +132,7 @@ class LLMEngine:
             return {}
         rows, vocab = logits.shape
         temperature, top_p, min_p = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.float32)
-        top_k, clocks = np.full(rows, vocab, np.int32), np.ones((rows, vocab), np.float32)
+        top_k, clocks = np.full(rows, vocab, np.int32), None  # clocks (rows, vocab) only once a row samples
         on_host = []
         for row, seq in enumerate(seqs):
             state, index = self._seq_owner[seq.seq_id]
@@ -143,8 +143,11 @@ class LLMEngine:
             if not params.is_greedy:
                 temperature[row], top_p[row], min_p[row] = params.temperature, params.top_p, params.min_p
                 top_k[row] = params.top_k if params.top_k > 0 else vocab
+                if clocks is None:
+                    clocks = np.ones((rows, vocab), np.float32)
                 clocks[row] = state.generators[index].standard_exponential(vocab)  # same draws as the host sampler
         use_filters = bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any())
+        # clocks None: every device row is greedy, and the device only takes the argmax
         tokens = self.model_runner.sample(logits, temperature, top_k, top_p, min_p, clocks, use_filters)
         host_logits = logits.numpy() if on_host else None
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)}

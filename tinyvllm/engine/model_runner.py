@@ -52,7 +52,7 @@ class ModelRunner:
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[int, GraphedJit] = {}  # one captured graph per token bucket
-        self._sampler_jits: dict[tuple[int, bool], GraphedJit] = {}  # per (rows, whether filters are used)
+        self._sampler_jits: dict[tuple[int, bool | str], GraphedJit] = {}  # per (rows, filters used / "greedy")
         self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
         self._sampler_inputs: dict[int, list[InputBuffer]] = {}  # per number of rows
 
@@ -111,10 +111,15 @@ class ModelRunner:
         return sampled_seqs, (logits if sampled_seqs else None)
 
     def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-               min_p: np.ndarray, clocks: np.ndarray, use_filters: bool) -> np.ndarray:
+               min_p: np.ndarray, clocks: np.ndarray | None, use_filters: bool) -> np.ndarray:
         """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
-        the token ids (rows,). Only these come back to the host."""
+        the token ids (rows,). Only these come back to the host. `clocks=None`: every row is greedy, and a
+        graph that only takes the argmax runs (no (rows, vocab) clocks to upload, no race)."""
         rows = logits.shape[0]
+        if clocks is None:
+            if (rows, "greedy") not in self._sampler_jits:
+                self._sampler_jits[(rows, "greedy")] = GraphedJit(lambda x: device_sampler.greedy(x).realize())
+            return self._sampler_jits[(rows, "greedy")](logits).numpy()
         key = (rows, use_filters)
         if key not in self._sampler_jits:
             self._sampler_jits[key] = GraphedJit(

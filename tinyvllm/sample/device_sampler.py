@@ -72,6 +72,11 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return (logits - logits.max(axis=-1, keepdim=True) >= log_min_p).where(logits, -math.inf)
 
 
+def greedy(logits: Tensor) -> Tensor:
+    """logits (S,V) -> the highest-scoring token of every row (S,) int32: a batch where every row is greedy."""
+    return logits.argmax(-1).cast(dtypes.int32)
+
+
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
            clocks: Tensor, use_filters: bool = True) -> Tensor:
     """logits (S,V) float32, params (S,), clocks (S,V) Exp(1) draws -> token ids (S,) int32.
