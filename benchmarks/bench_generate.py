@@ -33,9 +33,7 @@ SCRIPT_START = time.perf_counter()
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +42,8 @@ import numpy as np  # numpy only here: tinygrad must not be imported before BEAM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from common import code_version, machine_description, table  # noqa: E402  (benchmarks/common.py)
 
 # Measured earlier on this machine type (2 vCPU AMD EPYC), same model, greedy, 2 threads; not in this run.
 PEERS = [
@@ -132,45 +132,9 @@ def kernel_cache_state() -> str:
         state = f"empty (no {path.name} yet): kernels are compiled in this run"
     else:
         state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
-    programs = list(Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm").glob("programs-*/*.pkl"))
+    cache_dir = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
+    programs = list(cache_dir.glob("programs-*/*.pkl"))
     return state + f"; tinyvllm program cache {len(programs)} programs"
-
-
-def code_version() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ""
-    if hasattr(os, "getloadavg"):
-        one, five, fifteen = os.getloadavg()
-        load = f", load average {one:.2f} {five:.2f} {fifteen:.2f}"
-    return f"{cpu}, {os.cpu_count()} logical CPUs{load}"
-
-
-def table(rows: list[tuple], headers: tuple) -> str:
-    cells = [tuple(str(c) for c in headers)] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
 
 
 def free_kv_cache(gen) -> None:

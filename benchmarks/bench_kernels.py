@@ -23,22 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
+from common import load_average  # (benchmarks/common.py)
 from tinygrad import Device, Tensor, TinyJit, UOp
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata, uses_kernels
 from tinyvllm.attention.paged import PagedAttentionMetadata
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16  # SmolLM2-135M
-
-
-def load_average() -> str:
-    return "%.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else "n/a"
 
 
 def log(*args) -> None:

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_throughput import code_version, load_average, machine, make_prompts, warm_up  # noqa: E402
+from bench_throughput import make_prompts, warm_up  # noqa: E402
+from common import code_version, load_average, machine_description  # noqa: E402
 
 from tinyvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from tinyvllm.sampling_params import SamplingParams  # noqa: E402
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     fresh = [n for n, jit in engine.model_runner._jits.items() if jits_before.get(n, 0) < 2]
     assert not fresh, f"buckets {fresh} were compiled during the measurement"
 
-    print(f"bench_latency: {engine.model_name}, float32, {machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"bench_latency: {engine.model_name}, float32, {machine_description(False)}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
     print(f"code: {code_version()}; attention: {'portable gather' if args.portable_attention else 'kernels'}")
     print(f"{args.num_requests} requests per rate, Poisson arrivals (seed {args.seed}), prompt {args.prompt_len} "
           f"tokens, output {args.output_len} tokens, greedy, ignore_eos; max_num_seqs {args.max_num_seqs}, "
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
             q = r[f"{name}_ms"]
             print(f"  {name.upper():5s} p50 {q['p50']:9.1f} ms   p90 {q['p90']:9.1f} ms   p99 {q['p99']:9.1f} ms")
     if args.json is not None:
-        text = json.dumps({"model": engine.model_name, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+        text = json.dumps({"model": engine.model_name, "machine": machine_description(with_load=False),
+                           "date": time.strftime("%Y-%m-%d %H:%M"),
                            "code": code_version(),
                            "portable_attention": args.portable_attention,
                            "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": results}, indent=2)

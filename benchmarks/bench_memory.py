@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from common import machine_description, table  # noqa: E402  (benchmarks/common.py)
 
 from tinyvllm.core.block_manager import BlockManager  # noqa: E402
 from tinyvllm.core.kv_cache import parse_memory  # noqa: E402
@@ -282,29 +282,6 @@ def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
 
 
 # ---- reporting ----
-
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = " load average %.2f %.2f %.2f" % os.getloadavg() if hasattr(os, "getloadavg") else ""
-    return f"{cpu}, {os.cpu_count()} logical CPUs,{load}"
-
-
-def table(rows: list[tuple], headers: tuple) -> str:
-    cells = [tuple(str(c) for c in headers)] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="tinyvllm KV cache memory and paged-attention decode speed")

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from common import code_version, load_average, machine_description  # (benchmarks/common.py)
 
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence
@@ -47,37 +47,6 @@ LLAMA_SERVER_TOK_S = {1: 109, 4: 148, 16: 173, 32: 189}
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books cheap "
         "enough for ordinary readers. Within fifty years printers worked in more than two hundred cities, and the "
         "ideas of scholars, merchants and reformers travelled faster than any rider could carry them. ")
-
-
-def load_average() -> str:
-    return "%.2f %.2f %.2f" % os.getloadavg() if hasattr(os, "getloadavg") else "n/a"
-
-
-def machine() -> str:
-    cpu = platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs"
-
-
-def code_version() -> str:
-    """The commit of the tinyvllm package that runs, and whether its engine code has uncommitted changes."""
-    import subprocess
-
-    from tinyvllm.engine import llm_engine
-
-    root = Path(llm_engine.__file__).resolve().parents[2]  # tinyvllm/engine/llm_engine.py -> the checkout
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "tinyvllm", "kernels"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return f"{root} (not a git checkout)"
-    return head + (" with uncommitted changes in tinyvllm/ or kernels/" if dirty else "")
 
 
 def make_prompts(engine: LLMEngine, n: int, prompt_len: int) -> list[list[int]]:
@@ -230,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{sec_per_request:.1f} s, load average {rows[n]['load_average'][1]}")
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
 
-    print(f"bench_throughput: {engine.model_name}, float32, {machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"bench_throughput: {engine.model_name}, float32, {machine_description(False)}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
     print(f"code: {code_version()}; attention: {'portable gather' if args.portable_attention else 'kernels'}")
     print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, ignore_eos; "
           f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}, max_num_seqs "
@@ -253,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     print("* llama-server (llama.cpp, Q4_1 weights, -np N, 128 tokens each): total tok/s measured earlier on this")
     print("  machine type, not in this run; tinyvllm here computes with float32 weights (6.4x the bytes of Q4_1).")
     if args.json is not None:
-        result = {"model": engine.model_name, "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+        result = {"model": engine.model_name, "machine": machine_description(with_load=False),
+                  "date": time.strftime("%Y-%m-%d %H:%M"),
                   "code": code_version(),
                   "portable_attention": args.portable_attention,
                   "prompt_len": args.prompt_len, "output_len": args.output_len,
