@@ -259,21 +259,32 @@ def attention_parts(config: ModelConfig, contexts: list[int], block_size: int, n
 
 
 def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
-    """Median ms to build and upload one decode step's input tensors, as each runner does per step."""
+    """Median ms to make one decode step's inputs: a new tensor per input per step (what the runners did in
+    Phase 2), against refilling persistent InputBuffers in place (what they do now, see Phase 1 section 8)."""
     from tinygrad import Tensor, dtypes
 
-    def contiguous():
+    from tinyvllm.engine.input_buffer import InputBuffer
+
+    def contiguous_new():
         Tensor([[1]], dtype=dtypes.int32).realize()  # input_ids (the position is a bound variable)
 
-    def paged():  # one realize per tensor, as PagedModelRunner._step does
+    def paged_new():  # one realize per tensor
         Tensor([[1]], dtype=dtypes.int32).realize()  # input_ids
         Tensor([[100]], dtype=dtypes.int32).realize()  # positions
         Tensor([1600], dtype=dtypes.int32).realize()  # slot_mapping
         Tensor(np.zeros((1, max_blocks), dtype=np.int32)).realize()  # block_tables
 
-    times: dict[str, list[float]] = {"contiguous": [], "paged": []}
+    buffers = [InputBuffer(shape, np.int32, None) for shape in ((1, 1), (1, 1), (1,), (1, max_blocks))]
+    table = np.zeros(max_blocks, np.int32)
+
+    def paged_in_place():
+        for buf, values in zip(buffers, (1, 100, 1600, table)):
+            buf.write(values)
+
+    variants = {"contiguous": contiguous_new, "paged": paged_new, "paged, in place": paged_in_place}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(repeats + 3):
-        for name, fn in (("contiguous", contiguous), ("paged", paged)):
+        for name, fn in variants.items():
             t = time.perf_counter()
             fn()
             if i >= 3:
@@ -392,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                     ("", *(f"context {p['context']}" for p in parts))))
         results["attention_parts"] = parts
         inputs = step_inputs_ms(-(-speed["max_model_len"] // args.block_size), args.repeats)
-        print(f"\nhost side, per decode step: building and uploading the step's inputs takes "
-              f"{inputs['contiguous']:.2f} ms (contiguous: 1 tensor) vs {inputs['paged']:.2f} ms (paged: 4 tensors)")
+        print(f"\nhost side, per decode step: making the step's inputs as new tensors takes "
+              f"{inputs['contiguous']:.2f} ms (contiguous: 1 tensor) vs {inputs['paged']:.2f} ms (paged: 4 tensors); "
+              f"refilling the paged runner's 4 InputBuffers in place (what the runners do) {inputs['paged, in place']:.3f} ms")
         results["step_inputs_ms"] = inputs
 
     if args.json_path:
