@@ -92,9 +92,11 @@ def test_kv_cache_sizing():
                       rope_theta=1e4, max_position_embeddings=8192, tie_word_embeddings=True)
     assert parse_memory("512MiB") == 512 * 2**20 and parse_memory("1.5GB") == 1_500_000_000
     per_block = 2 * 30 * 16 * 3 * 64 * 4  # K and V, layers, block_size, kv heads, head_dim, float32
-    assert num_blocks_for_memory(cfg, 16, "512MiB") == 512 * 2**20 // per_block
-    with pytest.raises(ValueError, match="less than one block"):
-        num_blocks_for_memory(cfg, 16, 1000)
+    assert num_blocks_for_memory(cfg, 16, "512MiB") == 512 * 2**20 // per_block - 1  # the null block is in the budget
+    assert (num_blocks_for_memory(cfg, 16, "512MiB") + 1) * per_block <= 512 * 2**20
+    assert num_blocks_for_memory(cfg, 16, 2 * per_block) == 1
+    with pytest.raises(ValueError, match="less than two blocks"):
+        num_blocks_for_memory(cfg, 16, 2 * per_block - 1)
     with pytest.raises(ValueError, match="512MiB"):
         parse_memory("lots")
     cache = PagedKVCache(ModelConfig(**{**cfg.__dict__, "num_hidden_layers": 2}), num_blocks=3, block_size=4)

@@ -43,12 +43,14 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DType 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
                           dtype: DType = dtypes.float32) -> int:
-    """How many blocks fit in the budget; at least one, or a ValueError saying how much one needs."""
+    """How many blocks the BlockManager can hand out within the budget. The budget also holds the null
+    block (see PagedKVCache), so it must fit at least two; otherwise a ValueError says how much that is."""
     budget, per_block = parse_memory(memory), kv_cache_bytes_per_block(config, block_size, dtype)
-    if budget < per_block:
-        raise ValueError(f"kv cache memory {budget} bytes is less than one block ({per_block} bytes for "
-                         f"block_size {block_size}): give at least {per_block} bytes")
-    return budget // per_block
+    if budget < 2 * per_block:
+        raise ValueError(f"kv cache memory {budget} bytes is less than two blocks (one to hand out plus the null "
+                         f"block, {per_block} bytes each for block_size {block_size}): give at least "
+                         f"{2 * per_block} bytes")
+    return budget // per_block - 1  # the null block is the last one of the budget
 
 
 def zeros(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
