@@ -11,7 +11,7 @@ import pytest
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.engine.jit import JitError
 
-from tinyvllm.core.kv_cache import zeros
+from tinyvllm.device_memory import zeros
 from tinyvllm.kernels import cpu_graph, program_cache
 from tinyvllm.kernels.cpu_graph import CPUGraph, GraphedJit
 from tinyvllm.kernels.linear import linear

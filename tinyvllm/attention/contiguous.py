@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import DType
 
-from tinyvllm.core.kv_cache import zeros
+from tinyvllm.device_memory import zeros
 from tinyvllm.model.config import ModelConfig
 
 

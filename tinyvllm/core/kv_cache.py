@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import re
 
-from tinygrad import Tensor, dtypes
-from tinygrad.device import BufferSpec
+from tinygrad import dtypes
 from tinygrad.dtype import DType
 
+from tinyvllm.device_memory import zeros
 from tinyvllm.model.config import ModelConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -51,24 +51,6 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
                          f"block, {per_block} bytes each for block_size {block_size}): give at least "
                          f"{2 * per_block} bytes")
     return budget // per_block - 1  # the null block is the last one of the budget
-
-
-def zeros(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
-    """A realized tensor of zeros, for a cache.
-
-    Zeros, not garbage: attention multiplies the values of masked slots by a probability of 0, and
-    0 * NaN would be NaN. On the CPU device no kernel writes them: tinygrad's CPU allocator maps fresh
-    anonymous memory, which the OS hands out zeroed and only backs with real pages when first written
-    (so a 512 MiB cache costs nothing until used), and `BufferSpec(zero=True)` keeps the buffer out of
-    tinygrad's reuse cache (`LRUAllocator`), where a freed buffer's old contents could come back.
-    Elsewhere a kernel writes the zeros."""
-    out = Tensor.empty(*shape, dtype=dtype, device=device)
-    if isinstance(out.device, str) and out.device.split(":")[0] == "CPU":
-        buf = out.uop.buffer
-        buf.options = BufferSpec(zero=True, nolru=True)
-        buf.allocate()
-        return out
-    return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()
 
 
 class PagedKVCache:

@@ -22,25 +22,21 @@ the CPU graph run kernels synchronously, so a step has finished when its call re
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, dtypes
-from tinygrad.dtype import DType
+from tinygrad import Tensor
+from tinygrad.dtype import _from_np_dtype
 
-NUMPY_TO_TINYGRAD: dict[np.dtype, DType] = {
-    np.dtype(np.int32): dtypes.int32, np.dtype(np.int64): dtypes.int64, np.dtype(np.uint32): dtypes.uint32,
-    np.dtype(np.float32): dtypes.float32, np.dtype(np.bool_): dtypes.bool,
-}
+from tinyvllm.device_memory import host_view
 
 
 class InputBuffer:
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype | type, device: str | None):
         dtype = np.dtype(dtype)
-        self.tensor = Tensor.empty(*shape, dtype=NUMPY_TO_TINYGRAD[dtype], device=device)
-        buf = self.tensor.uop.buffer.ensure_allocated()
-        try:  # the CPU device: a view of the device memory itself
-            self.np = np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=dtype).reshape(shape)
-            self._staged = None
-        except AssertionError:  # device memory the host cannot see: stage on the host, copy per step
-            self.np, self._staged = np.zeros(shape, dtype), buf
+        self.tensor = Tensor.empty(*shape, dtype=_from_np_dtype(dtype), device=device)
+        view = host_view(self.tensor)
+        if view is not None:  # the CPU device: the numpy array is the device memory itself
+            self.np, self._staged = view, None
+        else:  # device memory the host cannot see: stage on the host, copy per step
+            self.np, self._staged = np.zeros(shape, dtype), self.tensor.uop.buffer
         self.np[...] = 0
 
     def copy_to_device(self) -> Tensor:

@@ -124,8 +124,8 @@ class ModelRunner:
         if key not in self._sampler_jits:
             self._sampler_jits[key] = GraphedJit(
                 lambda *args: device_sampler.sample(*args, use_filters=use_filters).realize())
+        params = (temperature, top_k, top_p, min_p, clocks)
         if rows not in self._sampler_inputs:
-            self._sampler_inputs[rows] = [InputBuffer(a.shape, a.dtype, self.model.device)
-                                          for a in (temperature, top_k, top_p, min_p, clocks)]
-        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[rows], (temperature, top_k, top_p, min_p, clocks))]
+            self._sampler_inputs[rows] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in params]
+        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[rows], params)]
         return self._sampler_jits[key](logits, *inputs).numpy()

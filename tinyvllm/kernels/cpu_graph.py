@@ -81,13 +81,13 @@ class CPUGraph:
     """One captured linear as a table that kernels/cpu/graph_runner.c calls through."""
 
     def __init__(self, captured: CapturedJit, input_uops: list[UOp], var_vals: dict[str, int]):
-        calls = captured.linear.src
         table: list[int] = []
         input_patches: list[tuple[int, int, int]] = []  # (table index, input slot, byte offset into that input)
         var_patches: list[tuple[int, str]] = []  # (table index, variable name)
         self._programs: list[Any] = []  # keep the compiled kernels (their code) alive as long as the table
+        self.num_calls = 0  # entries in the table
         input_addrs = [_buffer_address(u, u.device) for u in input_uops]
-        for call in calls:
+        for call in captured.linear.src:
             ast = call.src[0]
             if ast.op is not Ops.PROGRAM:
                 raise NotGraphable(f"a {ast.op} call (only compiled kernels go into the table)")
@@ -106,6 +106,7 @@ class CPUGraph:
             self._programs.append(program)
             arg_uops, resolved = get_call_arg_uops(call), resolve_params(call, input_uops)
             for core_id in range(info.global_size[0]):  # tinygrad calls a core_id kernel once per core_id
+                self.num_calls += 1
                 table += [program.addr, num_args]
                 for i in info.globals:
                     addr = _buffer_address(resolved[i], device)
@@ -118,7 +119,6 @@ class CPUGraph:
                     else:
                         var_patches.append((len(table), v.expr))
                         table.append(var_vals[v.expr])
-        self.num_calls = sum(c.src[0].arg.global_size[0] for c in calls)
         self.table = np.array(table, dtype=np.int64)
         self.input_index = np.array([p[0] for p in input_patches], dtype=np.int64)
         self.input_slot = np.array([p[1] for p in input_patches], dtype=np.int64)

@@ -136,5 +136,6 @@ def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, G
 
     alignment = int(metadata.get("general.alignment", 32))
     data_start = (cur.pos + alignment - 1) // alignment * alignment
-    tensors = {name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset) for name, shape, ggml_type, offset in infos}
+    tensors = {name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset)
+               for name, shape, ggml_type, offset in infos}
     return metadata, tensors

@@ -32,6 +32,7 @@ from tinygrad import Tensor, dtypes, function
 from tinygrad.dtype import DType
 
 from tinyvllm import tinygrad_fixes
+from tinyvllm.device_memory import host_view
 from tinyvllm.kernels.linear import linear
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -96,11 +97,9 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     buffer tinygrad allocated: one copy, no graph to schedule. Elsewhere the bytes are copied in."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     out = Tensor.empty(*shape, dtype=dtypes.float32, device=device)
-    buf = out.uop.buffer.ensure_allocated()
-    try:
-        dst = np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=np.float32).reshape(shape)
-    except (AssertionError, RuntimeError, TypeError, ValueError):  # no zero-copy view of this device's memory
-        buf.copyin(memoryview(np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)).cast("B"))
+    if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
+        host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
+        out.uop.buffer.copyin(memoryview(host).cast("B"))
         return out
     if pool is None:
         np.concatenate(parts, axis=0, out=dst, casting="same_kind")
