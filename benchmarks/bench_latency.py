@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import make_prompts, warm_up  # noqa: E402
-from common import code_version, load_average, machine_description  # noqa: E402
+from common import add_engine_args, code_version, load_average, log, machine_description  # noqa: E402
 
 from tinyvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from tinyvllm.sampling_params import SamplingParams  # noqa: E402
@@ -88,19 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=128)
-    p.add_argument("--kv-cache-memory", default="512MiB")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--portable-attention", action="store_true",
-                   help="attention by the portable block-table gather instead of the paged-attention kernels")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without a PATH)")
+    add_engine_args(p, max_num_batched_tokens=128, kv_cache_memory="512MiB", max_model_len=1024)
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rate.split(",")]
-
-    def log(*parts):
-        print(*parts, file=sys.stderr, flush=True)
 
     engine = LLMEngine(args.model, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

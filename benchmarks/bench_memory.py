@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = step_inputs_ms(-(-speed["max_model_len"] // args.block_size), args.repeats)
         print(f"\nhost side, per decode step: making the step's inputs as new tensors takes "
               f"{inputs['contiguous']:.2f} ms (contiguous: 1 tensor) vs {inputs['paged']:.2f} ms (paged: 4 tensors); "
-              f"refilling the paged runner's 4 InputBuffers in place (what the runners do) {inputs['paged, in place']:.3f} ms")
+              f"refilling the paged runner's 4 InputBuffers in place (what the runners do) "
+              f"{inputs['paged, in place']:.3f} ms")
         results["step_inputs_ms"] = inputs
 
     if args.json_path:

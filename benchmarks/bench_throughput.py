@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from common import code_version, load_average, machine_description  # (benchmarks/common.py)
+from common import add_engine_args, code_version, load_average, log, machine_description  # (benchmarks/common.py)
 
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence
@@ -150,19 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--one-by-one", type=int, default=1,
                    help="requests run alone before the first and after each batched run")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="the engine's token budget per step")
-    p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--portable-attention", action="store_true",
-                   help="attention by the portable block-table gather instead of the paged-attention kernels")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without a PATH)")
+    add_engine_args(p, max_num_batched_tokens=1024, kv_cache_memory="1GiB", max_model_len=2048)
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-
-    def log(*parts):
-        print(*parts, file=sys.stderr, flush=True)
 
     engine = LLMEngine(args.model, max_model_len=args.max_model_len, max_num_seqs=max(levels),
                        max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels)),

@@ -6,9 +6,11 @@ sys.path). It imports nothing heavy, so bench_generate.py can use it before tiny
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
@@ -56,3 +58,22 @@ def table(rows: list[tuple], headers: tuple) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def log(*parts) -> None:
+    """Progress lines, to stderr: stdout keeps only the results."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, kv_cache_memory: str,
+                    max_model_len: int) -> None:
+    """The LLMEngine flags of the engine benchmarks (bench_throughput, bench_latency), with each one's defaults."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                   help=f"the engine's token budget per step (default {max_num_batched_tokens})")
+    p.add_argument("--kv-cache-memory", default=kv_cache_memory, help=f"KV cache budget (default {kv_cache_memory})")
+    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--portable-attention", action="store_true",
+                   help="attention by the portable block-table gather instead of the paged-attention kernels")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON (to stdout without a PATH)")
