@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from common import machine_description, table  # noqa: E402  (benchmarks/common.py)
 
 from tinyvllm.core.block_manager import BlockManager  # noqa: E402
-from tinyvllm.core.kv_cache import parse_memory  # noqa: E402
+from tinyvllm.core.kv_cache import num_blocks_for_memory, parse_memory  # noqa: E402
 from tinyvllm.core.sequence import Sequence  # noqa: E402
 from tinyvllm.model.config import ModelConfig  # noqa: E402
 
@@ -108,10 +108,10 @@ def replay(mix: list[tuple[int, int]], block_size: int) -> list[int]:
     return held
 
 
-def fit_in_budget(lengths: list[int], config: ModelConfig, block_size: int, budget: int, dtype_bytes: int) -> int:
-    """How many sequences of the mix, taken in order at their full length, the BlockManager admits at once."""
-    per_block = kv_bytes_per_token(config, dtype_bytes) * block_size
-    bm = BlockManager(max(1, budget // per_block), block_size)
+def fit_in_budget(lengths: list[int], config: ModelConfig, block_size: int, budget: int) -> int:
+    """How many sequences of the mix, taken in order at their full length, the BlockManager admits at once
+    (with the engine's own count of blocks for the budget, float32)."""
+    bm = BlockManager(num_blocks_for_memory(config, block_size, budget), block_size)
     admitted = 0
     for seq_id, n in enumerate(lengths):
         if bm.allocate(Sequence(seq_id, [0] * n)) is None:
@@ -128,7 +128,6 @@ def prompt_of_length(tokenizer, n: int) -> list[int]:
 
 
 def decode_speed(model, tokenizer, contexts: list[int], steps: int, warmup: int, budget: int, block_size: int):
-    from tinyvllm.core.kv_cache import num_blocks_for_memory
     from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
     from tinyvllm.engine.paged_runner import PagedModelRunner
 
@@ -370,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== 3. sequences of the mix that fit in {args.budget} at once (at their full length) ==")
     fit_rows = [(f"contiguous, max_model_len {max_model_len}", budget // (max_model_len * per_token)),
                 (f"contiguous, max_model_len {longest}", budget // (longest * per_token))]
-    fit_rows += [(f"paged, block_size {bs} ({budget // (per_token * bs)} blocks)",
-                  fit_in_budget(cached, config, bs, budget, dtype_bytes)) for bs in BLOCK_SIZES]
+    fit_rows += [(f"paged, block_size {bs} ({num_blocks_for_memory(config, bs, budget)} blocks)",
+                  fit_in_budget(cached, config, bs, budget)) for bs in BLOCK_SIZES]
     print(table(fit_rows, ("KV cache", "sequences")))
     results["fit"] = {"budget_bytes": budget, "rows": dict(fit_rows)}
 
