@@ -1,5 +1,7 @@
 """Generate text from the command line: the text streams to stdout, the statistics go to stderr.
 
+It runs on the same engine as `LLM.generate` and the server (`LLMEngine`, through `Generator`).
+
     python main.py --prompt "The capital of France is" --max-tokens 32 --temperature 0
     python main.py --chat --prompt "Write a haiku about paged attention"
     python main.py --model path/to/model.gguf --prompt "..."       (or an HF checkpoint directory)
@@ -30,8 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
-    p.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"],
-                   help="KV cache layout: blocks on demand (default) or one pre-allocated row per position")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged KV cache (default 512MiB)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                 seed=args.seed, stop=args.stop)
-        generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache=args.kv_cache,
+        generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tinyvllm.engine.parent_request import ParentRequests
 from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import default_model_path
@@ -73,11 +74,10 @@ class FakeLLMEngine:
         self.num_steps = 0
         self.max_num_running = 0  # the largest batch any step ran
         self.aborted: list[str] = []
+        self.parent_requests = ParentRequests()  # n > 1, fanned out as the real engine does
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None):
         params = sampling_params or SamplingParams()
-        if any(r.request_id == request_id for r in [*self.waiting, *self.running]):
-            raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt)
         else:
@@ -86,9 +86,13 @@ class FakeLLMEngine:
             prompt_ids = list(prompt)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, over the context length {self.max_model_len}")
-        assert params.n == 1, "the async engine fans n > 1 out into n requests"
-        self.waiting.append(FakeRequest(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
-                                        TextStream(self.tokenizer, params, prompt_ids),
+        in_use = {r.request_id for r in [*self.waiting, *self.running]}
+        text = prompt if isinstance(prompt, str) else None
+        self.parent_requests.add(request_id, params, in_use=in_use.__contains__,
+                                 add_child=lambda rid, child: self._add_one(rid, text, prompt_ids, child))
+
+    def _add_one(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.waiting.append(FakeRequest(request_id, text, prompt_ids, params, TextStream(self.tokenizer, params, prompt_ids),
                                         np.random.default_rng(params.seed), RequestMetrics(time.monotonic())))
 
     def step(self) -> list[RequestOutput]:
@@ -104,8 +108,7 @@ class FakeLLMEngine:
         self._admit()
         self.num_steps += 1
         self.max_num_running = max(self.max_num_running, len(self.running))
-        outputs = [self._generate_one(request) for request in list(self.running)]
-        return outputs
+        return self.parent_requests.merge([self._generate_one(request) for request in list(self.running)])
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -134,7 +137,7 @@ class FakeLLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = time.monotonic()
         stop_ids = params.all_stop_token_ids(self.tokenizer.stop_token_ids)
-        if token in stop_ids and len(out.token_ids) > params.min_tokens:
+        if token in stop_ids and len(out.token_ids) >= params.min_tokens:
             out.finish_reason, out.stop_reason = "stop", token
         else:
             delta, stopped = request.text.add(token)
@@ -158,10 +161,12 @@ class FakeLLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        ids = set(self.parent_requests.request_ids(request_id))
+        self.parent_requests.forget(request_id)
         for request in list(self.running):
-            if request.request_id == request_id:
+            if request.request_id in ids:
                 self._free(request)
-        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

@@ -47,15 +47,25 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> tuple[np.ndarray, list[int]]:
     return first_logits, tokens
 
 
+def first_token_logprobs(engine, ids: list[int]) -> tuple[float, list[tuple[int, float]]]:
+    """The engine's (logprob of the greedy token, top-20 [(token, logprob)]) after the prompt."""
+    engine.add_request("first-token-logprobs", ids, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    return outputs[0].outputs[0].logprobs[0]
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_logits_and_greedy_tokens_match_hf(generator, hf_model, name):
     ids = prompt_ids(generator, name)
     hf_logits, hf_tokens = hf_greedy(hf_model, ids, 32)
-    ours = generator.runner.prefill(ids)
-    max_diff = float(np.abs(ours - hf_logits).max())
-    print(f"{name}: {len(ids)} prompt tokens, last-position logits max |diff| = {max_diff:.2e}")
-    assert max_diff < 1e-3
+    # the engine's first-token logprobs (the top 20, from its paged forward pass) against HF's log-softmax
+    _, top = first_token_logprobs(generator.engine, ids)
+    hf_logprobs = hf_logits - np.log(np.exp(hf_logits - hf_logits.max()).sum()) - hf_logits.max()
+    max_diff = max(abs(lp - hf_logprobs[token]) for token, lp in top)
+    print(f"{name}: {len(ids)} prompt tokens, first-token top-20 logprobs max |diff| = {max_diff:.2e}")
+    assert max_diff < 1e-3 and top[0][0] == hf_tokens[0]
     result = generator.generate(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert result.token_ids == hf_tokens
 
@@ -106,7 +116,7 @@ def test_seeded_sampling_reproduces(generator):
 def test_prompt_longer_than_context_is_a_clear_error(generator):
     with pytest.raises(ValueError, match="max_model_len"):
         generator.generate([1] * generator.max_model_len, SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="token-id prompt"):
+    with pytest.raises(ValueError, match="prompt token ids"):
         generator.generate([10**9], SamplingParams(max_tokens=1))
 
 

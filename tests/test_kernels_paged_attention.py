@@ -27,7 +27,7 @@ from tinyvllm.attention.kernel_backend import (
     uses_kernels,
 )
 from tinyvllm.attention.paged import PagedAttentionMetadata, paged_attention, reshape_and_cache
-from tinyvllm.engine.paged_runner import PagedModelRunner
+from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.kernels.launcher import device_kind
 
 on_cpu = pytest.mark.skipif(not kernel_backend.has_kernel("CPU"), reason="no C kernel for this CPU compiler")
@@ -110,7 +110,7 @@ def test_reshape_and_cache_skips_negative_slots():
 
 @on_cpu
 def test_prompt_chunks_attend_causally():
-    """(B, T) tokens with one block table row per sequence, as PagedModelRunner sends a prompt chunk: each token
+    """(B, T) tokens with one block table row per sequence, as a single-sequence prompt chunk comes: each token
     becomes its own query row over keys 0 .. its position, equal to the portable causal mask."""
     B, T, H, KvH, Hd, bs = 2, 5, 4, 2, 64, 4
     rng = np.random.default_rng(6)
@@ -163,26 +163,21 @@ def test_layer_under_tinyjit_replays_with_new_inputs():
 
 @on_cpu
 def test_greedy_tokens_identical_on_the_real_model(generator):
+    from fake_engine import run_offline
+    from tinyvllm.sampling_params import SamplingParams
+
     prompt = [504, 3575, 282, 4649, 314, 253, 3469, 338, 1296, 5145, 28, 672, 314, 3575, 282, 4649, 30, 198]
-
-    def greedy(runner: PagedModelRunner) -> tuple[np.ndarray, list[int]]:
-        # 18 prompt tokens and 4 new ones over blocks of 16: every step runs the decode graph, crossing a block
-        logits = first = runner.prefill(prompt)
-        tokens = [int(logits.argmax())]
-        for i in range(3):
-            logits = runner.decode(tokens[-1], len(prompt) + i)
-            tokens.append(int(logits.argmax()))
-        runner.free()
-        return first, tokens
-
-    # the session's Generator runs the kernels (the default; its decode graph is shared with the other tests)
-    assert isinstance(generator.runner, PagedModelRunner) and not generator.runner.portable_attention
-    kernel_logits, kernel_tokens = greedy(generator.runner)
-    portable = PagedModelRunner(generator.model, 64, num_blocks=4, block_size=16, prefill_chunk_size=32,
-                                portable_attention=True)
-    portable_logits, portable_tokens = greedy(portable)
-    assert kernel_tokens == portable_tokens
-    np.testing.assert_allclose(kernel_logits, portable_logits, atol=1e-4, rtol=1e-4)
+    # 18 prompt tokens and 4 new ones over blocks of 16: the decodes cross into the second block
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    # the session's Generator runs the kernels (the default; its engine's graphs are shared with the other tests)
+    assert not generator.engine.model_runner.portable_attention
+    kernel = run_offline(generator.engine, prompt, params).outputs[0]
+    portable_engine = LLMEngine(generator.model, tokenizer=generator.tokenizer, max_model_len=64,
+                                num_gpu_blocks_override=4, portable_attention=True)
+    portable = run_offline(portable_engine, prompt, params).outputs[0]
+    assert kernel.token_ids == portable.token_ids
+    np.testing.assert_allclose([lp for _, lp in kernel.logprobs[0][1]], [lp for _, lp in portable.logprobs[0][1]],
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_selection_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):

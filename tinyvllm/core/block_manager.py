@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from tinyvllm.core.sequence import Sequence
 
 
@@ -156,9 +158,15 @@ class BlockManager:
     # ---- where each token's K/V goes ----
 
     def get_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """The cache slot of each token position in [start, end): block_table[pos // block_size] * block_size
-        + pos % block_size. The KV cache writes the K/V of those tokens to exactly these slots."""
+        """The cache slot of each of `seq`'s token positions in [start, end) (see `slot_mapping`)."""
         assert 0 <= start <= end <= len(seq.block_table) * self.block_size, (
             f"positions [{start}, {end}) are outside the {len(seq.block_table)} blocks of {seq}")
-        bs = self.block_size
-        return [seq.block_table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+        return slot_mapping(seq.block_table, self.block_size, start, end).tolist()
+
+
+def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """The cache slot of each token position in [start, end): block_table[pos // block_size] * block_size
+    + pos % block_size. The KV cache writes the K/V of those tokens to exactly these slots. (end - start,) int32"""
+    positions = np.arange(start, end)
+    return (np.asarray(block_table, np.int32)[positions // block_size] * block_size
+            + positions % block_size).astype(np.int32)

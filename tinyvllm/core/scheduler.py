@@ -42,7 +42,7 @@ class SchedulerOutput:
     num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[seq_id] - 1."""
 
     scheduled_seqs: list[Sequence]  # batch order: running ones first, then newly admitted
-    num_scheduled_tokens: dict[int, int]  # seq_id -> tokens computed this step (1 for a decode)
+    num_scheduled_tokens: dict[int | str, int]  # seq_id -> tokens computed this step (1 for a decode)
     preempted_seqs: list[Sequence]  # sent back to the waiting queue by this step
 
     @property
@@ -88,7 +88,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
-        num_scheduled_tokens: dict[int, int] = {}
+        num_scheduled_tokens: dict[int | str, int] = {}
         preempted: list[Sequence] = []
 
         # 1. running sequences, oldest first: each one's next chunk (one token for a decode)
@@ -132,7 +132,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[int, int]) -> list[Sequence]:
+                           sampled_token_ids: dict[int | str, int]) -> list[Sequence]:
         """Advance each scheduled sequence by the tokens it computed; those that caught up get their sampled
         token, and may finish (their blocks are freed). Returns the sequences that got a new token."""
         new_token_seqs = []
@@ -162,7 +162,7 @@ class Scheduler:
 
     # ---- finishing from outside a step ----
 
-    def finish_seq(self, seq_id: int, status: SequenceStatus) -> Sequence | None:
+    def finish_seq(self, seq_id: int | str, status: SequenceStatus) -> Sequence | None:
         """Finish a sequence now, wherever it is, and free its blocks: an abort, or a stop string the
         engine found in the text. Returns it, or None if no unfinished sequence has this id."""
         assert status.is_finished, f"finish_seq needs a finished status, got {status.name}"
@@ -172,7 +172,7 @@ class Scheduler:
                 return seq
         return None
 
-    def abort(self, seq_id: int) -> Sequence | None:
+    def abort(self, seq_id: int | str) -> Sequence | None:
         return self.finish_seq(seq_id, SequenceStatus.FINISHED_ABORTED)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:

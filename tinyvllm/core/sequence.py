@@ -67,12 +67,12 @@ _FINISH_REASONS = {
 class Sequence:
     """A prompt, the tokens sampled after it, and how much of it is in the KV cache.
 
-    `seq_id` is vLLM's `request_id`. `block_table` lists the ids of the KV cache blocks holding this
+    `seq_id` is vLLM's `request_id` (the engine uses the request id itself; tests use ints). `block_table` lists the ids of the KV cache blocks holding this
     sequence's tokens, in order: token at position `pos` lives in block `block_table[pos // block_size]`
     at offset `pos % block_size`. The `BlockManager` fills it in; the sequence only carries it.
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+    def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                  arrival_time: float | None = None, prompt: str | None = None):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must have at least one token")

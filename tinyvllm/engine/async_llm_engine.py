@@ -22,26 +22,24 @@ moved the engine core into another process (`AsyncLLM` + `EngineCoreClient`), wi
 carried over ZeroMQ. Outputs are cumulative, so a consumer that fell behind takes only the newest one
 (v1's `RequestOutputCollector` merges them likewise).
 
-`n > 1` is fanned out here, as in v1's `ParentRequest`: n child requests of n=1 (seed + i when a seed
-is set), merged back into one stream whose `outputs[i].index == i`.
+`n > 1` is fanned out by the engine below (tinyvllm/engine/parent_request.py, v1's `ParentRequest`): a
+stream here carries the merged output, `outputs[i].index == i`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tinygrad_adapter import share_kernel_cache_across_threads
 
 logger = logging.getLogger("tinyvllm.engine")
 
@@ -80,27 +78,6 @@ class _Abort:
 _SHUTDOWN = object()
 
 
-def share_kernel_cache_across_threads() -> None:
-    """Let the engine thread use tinygrad's on-disk kernel cache even if another thread opened it first.
-
-    tinygrad keeps one sqlite connection for the cache (`tinygrad.helpers.db_connection`), and sqlite
-    refuses a connection made on another thread: a process that compiled kernels on its main thread
-    before starting the engine thread would fail on the first cache lookup there. Open it with
-    check_same_thread=False instead (sqlite serializes the calls; tinygrad's writes are IMMEDIATE
-    transactions), with tinygrad's own settings.
-    """
-    from tinygrad import helpers
-
-    if getattr(helpers, "_db_connection_shared", False):
-        return
-    os.makedirs(os.path.dirname(helpers.CACHEDB), exist_ok=True)
-    connection = sqlite3.connect(helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE", check_same_thread=False)
-    with contextlib.suppress(sqlite3.OperationalError):
-        connection.execute("PRAGMA journal_mode=WAL").fetchone()
-    connection.execute("PRAGMA synchronous=NORMAL")
-    helpers._db_connection, helpers._db_connection_shared = connection, True
-
-
 class AsyncLLMEngine:
     """`generate()` streams one request's outputs; everything device-side happens on `engine-loop`.
 
@@ -118,7 +95,7 @@ class AsyncLLMEngine:
         self.load_error: BaseException | None = None
         self.stats: dict = {"num_running": 0, "num_waiting": 0}  # snapshot, republished every loop turn
         self._input: queue.Queue = queue.Queue()  # event loop -> engine thread
-        self._routes: dict[str, tuple[asyncio.Queue, int]] = {}  # request id -> its stream; event loop only
+        self._routes: dict[str, asyncio.Queue] = {}  # request id -> its stream; event loop only
         self._in_engine: set[str] = set()  # engine thread only
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,44 +134,30 @@ class AsyncLLMEngine:
                     sampling_params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Check there is room, queue the request for the engine thread now, and return its stream of
         outputs. Leaving the stream early (the client went away, the task was cancelled) aborts the
-        request: its KV blocks are freed before the next step."""
+        request: its KV blocks are freed before the next step. `n > 1` is the engine's to fan out."""
         self.check_can_accept(sampling_params.n)
-        n = sampling_params.n
-        children = [(request_id, sampling_params)] if n == 1 else [
-            (f"{request_id}-{i}", dataclasses.replace(
-                sampling_params, n=1, seed=None if sampling_params.seed is None else sampling_params.seed + i))
-            for i in range(n)]
-        if any(child_id in self._routes for child_id, _ in children):
+        if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in use")
         outputs: asyncio.Queue = asyncio.Queue()
-        arrival = time.monotonic()
-        for index, (child_id, params) in enumerate(children):
-            self._routes[child_id] = (outputs, index)
-            self._input.put(_Add(child_id, prompt, params, arrival))
-        return self._stream(request_id, [child_id for child_id, _ in children], outputs)
+        self._routes[request_id] = outputs
+        self._input.put(_Add(request_id, prompt, sampling_params, time.monotonic()))
+        return self._stream(request_id, outputs)
 
-    async def _stream(self, request_id: str, child_ids: list[str],
-                      outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        latest: list[CompletionOutput | None] = [None] * len(child_ids)
+    async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
-                items = [await outputs.get()]
-                while not outputs.empty():  # fell behind: the newest cumulative output says it all
-                    items.append(outputs.get_nowait())
-                for index, item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    newest = item
-                    latest[index] = dataclasses.replace(item.outputs[0], index=index)
-                finished = all(out is not None and out.finished for out in latest)
-                yield RequestOutput(request_id, newest.prompt, newest.prompt_token_ids,
-                                    [out for out in latest if out is not None], finished, newest.metrics)
+                item = await outputs.get()
+                while not isinstance(item, BaseException) and not outputs.empty():
+                    item = outputs.get_nowait()  # fell behind: the newest cumulative output says it all
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
         finally:
-            for index, child_id in enumerate(child_ids):
-                self._routes.pop(child_id, None)
-                if latest[index] is None or not latest[index].finished:
-                    self._input.put(_Abort(child_id))
+            self._routes.pop(request_id, None)
+            if not finished:
+                self._input.put(_Abort(request_id))
 
     def check_ready(self) -> None:
         if not self._ready.is_set():
@@ -216,7 +179,7 @@ class AsyncLLMEngine:
             last = isinstance(item, BaseException) or item.finished
             route = self._routes.pop(request_id, None) if last else self._routes.get(request_id)
             if route is not None:  # None: the client left (or never started reading)
-                route[0].put_nowait((route[1], item))
+                route.put_nowait(item)
 
     def _fail_all_streams(self, error: BaseException) -> None:
         for request_id in list(self._routes):

@@ -1,40 +1,42 @@
-"""Phase 1's engine: one request at a time, prefill then decode, streamed token by token.
+"""Phase 1's view of the engine: one prompt in, its text streamed out token by token.
 
-    prompt --tokenize--> ids --prefill--> logits --sample--> token --decode--> logits --sample--> ...
-                                                               |                                  |
-                                                               +--> TextStream --> text deltas    +--> stop?
+    prompt --tokenize--> ids --LLMEngine.add_request--> step() --> step() --> ... --> finished
+                                                          |          |
+                                                          +----------+--> text deltas (StreamChunk)
 
-Stop conditions, checked after every sampled token, in vLLM's order:
+There is one engine: `Generator` runs on `LLMEngine` (tinyvllm/engine/llm_engine.py), as `LLM.generate`
+and the server do, so a prompt gives the same tokens whichever entry point it comes through. A single
+request is just a batch of one: each `step()` computes its next chunk of prompt (chunked prefill) or
+its last sampled token, and samples one more token once the prompt is in the cache.
+
+Stop conditions are the engine's, checked after every sampled token in vLLM's order:
   1. a stop token (the model's eos unless `ignore_eos`, plus `stop_token_ids`)   -> finish_reason "stop"
   2. a stop string in the text (the string itself is not emitted)               -> "stop"
-  3. `max_tokens` reached, or the KV cache (max_model_len) full                  -> "length"
+  3. `max_tokens` reached, or the context (max_model_len) full                   -> "length"
 
 `stream()` is the one generator; `generate()` just joins it, so streaming and blocking calls can
-never disagree.
+never disagree. Phase 1's contiguous KV cache is `ContiguousModelRunner`, kept as the teaching baseline
+and the oracle the paged engine is tested against.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tinyvllm.core.kv_cache import num_blocks_for_memory
-from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
-from tinyvllm.engine.paged_runner import PagedModelRunner
-from tinyvllm.engine.text_stream import TextStream
-from tinyvllm.model.loader import load_model
-from tinyvllm.sample.sampler import Sampler, make_generator
+from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 
 
 @dataclass
 class StreamChunk:
-    """What one decode step adds to the output."""
+    """What one engine step adds to the output."""
 
     text: str  # newly printable text; may be '' (half a character, or held back for a stop string)
-    token_id: int | None  # None for the final flush of held-back text
+    token_id: int  # the token this step sampled
     finish_reason: str | None = None  # "stop" | "length" on the last chunk
 
 
@@ -52,96 +54,68 @@ class GenerationResult:
         return (len(self.token_ids) - 1) / self.decode_time if self.decode_time > 0 else 0.0
 
 
-KV_CACHES = ("paged", "contiguous")
-
-
 class Generator:
-    """kv_cache="paged" (Phase 2, the default): blocks of `block_size` tokens from a pool sized by
-    `kv_cache_memory`; "contiguous" (Phase 1): max_model_len rows reserved up front."""
+    """One request at a time on an `LLMEngine`. Takes the engine's arguments (`max_model_len`, `block_size`,
+    `kv_cache_memory`, `dtype`, `device`, ...); see `LLMEngine`."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
-                 max_model_len: int | None = None, device: str | None = None, prefill_chunk_size: int = 32,
-                 kv_cache: str = "paged", block_size: int = 16, kv_cache_memory: str | int = "512MiB"):
-        if kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.model, self.tokenizer, self.model_path = load_model(model, dtype, device)
-        limit = self.model.config.max_position_embeddings
-        if max_model_len is not None and not 2 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
-        self.max_model_len = max_model_len or limit
-        if kv_cache == "paged":
-            num_blocks = num_blocks_for_memory(self.model.config, block_size, kv_cache_memory, self.model.dtype)
-            self.runner = PagedModelRunner(self.model, self.max_model_len, num_blocks, block_size, prefill_chunk_size)
-        else:
-            self.runner = ContiguousModelRunner(self.model, self.max_model_len, prefill_chunk_size)
-        self.sampler = Sampler()
+    def __init__(self, model: str | os.PathLike | None = None, **engine_args):
+        self.engine = LLMEngine(model, **engine_args)
+        self._request_ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def model_path(self):
+        return self.engine.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, str):
-            if chat:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                return self.tokenizer.encode(text, add_special_tokens=False)
-            return self.tokenizer.encode(prompt)
-        if not prompt or not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in prompt):
-            raise ValueError(f"a token-id prompt must be a non-empty list of ints in [0, {self.tokenizer.vocab_size})")
-        return list(prompt)
+        """The prompt's token ids; chat=True first wraps a text prompt in the model's chat template as a user turn."""
+        if not isinstance(prompt, str):
+            return list(prompt)  # the engine checks the ids
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
                chat: bool = False, result: GenerationResult | None = None) -> Iterator[StreamChunk]:
         """Yield the output as it is generated. Pass `result` to have it filled in along the way."""
         params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"Generator streams one completion, got n={params.n}: use LLM.generate for n > 1")
         start = time.perf_counter()
-        prompt_ids = self.encode_prompt(prompt, chat)
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context is {self.max_model_len} "
-                             f"tokens (max_model_len) and at least one must be left to generate")
-        result = result if result is not None else GenerationResult(prompt_ids)
-        result.prompt_token_ids = prompt_ids
-        text = TextStream(self.tokenizer, params, prompt_ids)
-
+        request_id = f"stream-{next(self._request_ids)}"
+        self.engine.add_request(request_id, self.encode_prompt(prompt, chat), params)  # ValueError on bad input
+        result = result if result is not None else GenerationResult([])
+        first_token_time, finished = None, False
         try:
-            yield from self._decode_loop(prompt_ids, params, result, text, start)
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    now = time.perf_counter()
+                    if first_token_time is None:
+                        first_token_time = now
+                        result.time_to_first_token = now - start
+                    completion, finished = output.outputs[0], output.finished
+                    delta = completion.text[len(result.text):]
+                    result.prompt_token_ids, result.token_ids = output.prompt_token_ids, completion.token_ids
+                    result.text, result.finish_reason = completion.text, completion.finish_reason
+                    result.decode_time = now - first_token_time
+                    yield StreamChunk(delta, completion.token_ids[-1], completion.finish_reason)
         finally:
-            self.runner.free()  # the paged cache gives the blocks back, however the stream ends
-
-    def _decode_loop(self, prompt_ids: list[int], params: SamplingParams, result: GenerationResult,
-                     text: TextStream, start: float) -> Iterator[StreamChunk]:
-        max_tokens = self.max_model_len - len(prompt_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        eos_ids = self.tokenizer.stop_token_ids
-        stop_ids = params.all_stop_token_ids(eos_ids)
-        generator = None if params.is_greedy else make_generator(params.seed)
-        logits = self.runner.prefill(prompt_ids)
-        first_token_time = None
-        while True:
-            token = self.sampler(logits, params, prompt_ids, result.token_ids, generator, eos_ids)
-            if first_token_time is None:
-                first_token_time = time.perf_counter()
-                result.time_to_first_token = first_token_time - start
-            result.token_ids.append(token)
-            finish_reason = None
-            if token in stop_ids and len(result.token_ids) > params.min_tokens:
-                finish_reason, delta = "stop", ""  # the stop token itself is not text
-            else:
-                delta, stopped = text.add(token)
-                if stopped:
-                    finish_reason = "stop"
-                elif len(result.token_ids) >= max_tokens:
-                    finish_reason = "length"
-            if finish_reason is not None and text.stop_str is None:
-                delta += text.finish()
-            result.text = text.text
-            result.decode_time = time.perf_counter() - first_token_time
-            if finish_reason is not None:
-                result.finish_reason = finish_reason
-                yield StreamChunk(delta, token, finish_reason)
-                return
-            yield StreamChunk(delta, token)
-            position = len(prompt_ids) + len(result.token_ids) - 1
-            logits = self.runner.decode(token, position)
+            if not finished:  # the caller stopped reading, or a step raised: give the blocks back
+                self.engine.abort_request(request_id)
 
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
                  chat: bool = False) -> GenerationResult:

@@ -23,6 +23,7 @@ import numpy as np
 from tinygrad import Tensor, UOp
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
+from tinyvllm.core.block_manager import slot_mapping as get_slot_mapping
 from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
@@ -84,20 +85,18 @@ class ModelRunner:
         n_real = scheduler_output.total_num_scheduled_tokens
         n = self.bucket_for(n_real)
         num_rows = min(n, self.bucket_for(self.max_num_seqs))  # rows of logits: one per sequence at most
-        bs, null_slot = self.block_size, self.kv_cache.null_slot
+        bs = self.block_size
 
         input_ids, positions, slot_mapping, block_tables, logits_indices = self._inputs(n, num_rows)
-        input_ids.np[...], positions.np[...], slot_mapping.np[...] = 0, 0, null_slot
+        input_ids.np[...], positions.np[...], slot_mapping.np[...] = 0, 0, self.kv_cache.null_slot
         block_tables.np[...], logits_indices.np[...] = self.kv_cache.null_block, 0
         sampled_seqs, num_blocks, i = [], 1, 0
         for seq in seqs:
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
-            pos = np.arange(start, start + count)
-            table = np.asarray(seq.block_table, np.int32)
             input_ids.np[0, i:i + count] = seq.all_token_ids[start:start + count]
-            positions.np[0, i:i + count] = pos
-            slot_mapping.np[i:i + count] = table[pos // bs] * bs + pos % bs
-            block_tables.np[i:i + count, :len(table)] = table
+            positions.np[0, i:i + count] = np.arange(start, start + count)
+            slot_mapping.np[i:i + count] = get_slot_mapping(seq.block_table, bs, start, start + count)
+            block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table
             num_blocks = max(num_blocks, -(-(start + count) // bs))
             i += count
             if start + count == seq.num_tokens:  # caught up: this step's last token gets sampled

@@ -1,0 +1,86 @@
+"""`n > 1`: one prompt, n completions, fanned out above the engine core (vLLM v1's `ParentRequest`).
+
+The scheduler only ever sees requests with one completion. A request asking for n completions becomes
+n child requests, each with `n=1` and, when a seed is given, its own seed `seed + i` (so the n
+completions differ but reproduce). Their outputs are merged back into one `RequestOutput` under the
+parent's id, completion i at `outputs[i]`:
+
+    add_request("r", prompt, n=3)  -->  children "r-0", "r-1", "r-2"  (n=1 each)  -->  scheduler
+    step() outputs of the children  -->  merge: RequestOutput("r", outputs=[c0, c1, c2])
+
+`ParentRequests` is the one place that does this; `LLMEngine` (and the test suite's fake engine) call it
+from `add_request`, `abort_request` and `step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index`'s own parameters: n=1, and seed + index when the request is seeded."""
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+
+
+@dataclasses.dataclass
+class ParentRequest:
+    request_id: str
+    child_ids: list[str]
+    latest: list[CompletionOutput]  # the newest output of each child, index i for completion i
+
+    def merge(self, index: int, child: RequestOutput) -> RequestOutput:
+        self.latest[index] = dataclasses.replace(child.outputs[0], index=index)
+        return RequestOutput(self.request_id, child.prompt, child.prompt_token_ids, list(self.latest),
+                             finished=all(out.finished for out in self.latest), metrics=child.metrics)
+
+
+class ParentRequests:
+    """The parents of fanned-out requests, found by their children's ids."""
+
+    def __init__(self) -> None:
+        self.parents: dict[str, ParentRequest] = {}  # parent request id -> parent
+        self.child_of: dict[str, tuple[ParentRequest, int]] = {}  # child request id -> (parent, index)
+
+    def add(self, request_id: str, params: SamplingParams, add_child: Callable[[str, SamplingParams], None],
+            in_use: Callable[[str], bool]) -> None:
+        """Add a request through `add_child(request_id, params)`: itself when n == 1, else its n children.
+        `in_use(id)` says whether the engine already has a request with that id."""
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        if request_id in self.parents or any(in_use(rid) for rid in {request_id, *child_ids}):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n == 1:
+            add_child(request_id, params)
+            return
+        parent = ParentRequest(request_id, child_ids, [CompletionOutput(i, "", []) for i in range(params.n)])
+        for index, child_id in enumerate(child_ids):
+            add_child(child_id, child_params(params, index))
+            self.child_of[child_id] = (parent, index)
+        self.parents[request_id] = parent
+
+    def request_ids(self, request_id: str) -> list[str]:
+        """The engine-level ids behind a user's request id: its children, or itself."""
+        parent = self.parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else [request_id]
+
+    def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs become their parent's (one merged output per parent per step)."""
+        merged: dict[str, RequestOutput] = {}
+        for output in outputs:
+            found = self.child_of.get(output.request_id)
+            if found is None:
+                merged[output.request_id] = output
+                continue
+            parent, index = found
+            merged[parent.request_id] = parent.merge(index, output)
+            if merged[parent.request_id].finished:
+                self.forget(parent.request_id)
+        return list(merged.values())
+
+    def forget(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        for child_id in parent.child_ids if parent is not None else []:
+            self.child_of.pop(child_id, None)
