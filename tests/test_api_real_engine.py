@@ -122,3 +122,27 @@ def test_disconnect_frees_blocks(server, engine):
     wait_for(lambda: not engine.has_unfinished_requests(), timeout=60, what="the abort")
     stats = engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_main_llm_and_server_give_the_same_greedy_text(server, engine):
+    """One engine under every entry point: main.py (a process of its own), LLM.generate and the server."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tinyvllm import LLM
+
+    prompts = PROMPTS[-2:]
+    llm = LLM(engine.model, tokenizer=engine.tokenizer, max_model_len=512, kv_cache_memory="64MiB")
+    offline = [out.outputs[0].text for out in llm.generate(prompts, GREEDY)]
+    served = [client(server).completions.create(model=engine.model_name, prompt=prompt, max_tokens=8,
+                                                temperature=0).choices[0].text for prompt in prompts]
+    root = Path(__file__).resolve().parent.parent
+    printed = []
+    for prompt in prompts:
+        proc = subprocess.run([sys.executable, str(root / "main.py"), "--prompt", prompt, "--max-tokens", "8",
+                               "--temperature", "0", "--max-model-len", "512"],
+                              capture_output=True, text=True, timeout=600, cwd=root)
+        assert proc.returncode == 0, proc.stderr
+        printed.append(proc.stdout.removesuffix("\n"))
+    assert offline == served == printed, (offline, served, printed)
