@@ -8,6 +8,7 @@ its file name and its own line numbers, so a traceback points at the line of the
 
 from __future__ import annotations
 
+import json
 import re
 import traceback
 from pathlib import Path
@@ -94,3 +95,131 @@ def test_docs_name_files_that_exist(doc: Path):
     named = sorted(set(REPO_PATH.findall(doc.read_text(encoding="utf-8"))))
     missing = [path for path in named if not (ROOT / path).exists()]
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {', '.join(missing)}"
+
+
+# ---- numbers in prose come from results files ----
+#
+# A figure quoted from a benchmark carries, right after it, an HTML comment naming the results file
+# (benchmarks/results/<name>.json, written by the bench script) and the key that holds it:
+#
+#     decode runs at 70.4 tok/s<!-- bench_generate: decode.tok_per_s -->
+#     32 requests: 1.49x<!-- bench_throughput: concurrency=32.vs_llama_cpp --> llama.cpp's rate
+#
+# The key walks the JSON: `a.b` is a field, `3` an index, and `name=value` the element of a list whose
+# field `name` equals `value`. `KEY*100` or `KEY/1000` scales the value (a fraction quoted as a percent).
+# The figure is the last number before the comment on its line; it must equal the value rounded to the
+# decimals quoted (commas as thousands separators are fine). The comment is invisible when rendered.
+
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURE_DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *PHASE_DOCS]
+REF = re.compile(r"<!--\s*(\w+):\s*([^\s*/>]+)(?:([*/])(\d+(?:\.\d+)?))?\s*-->")
+NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?")
+# figures that only a measurement can give: these need a reference to a results file
+MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s*(?:tok/s|tokens/s|GB/s|GFLOP/s|req/s|ms\b)"
+                      r"|(?<![\w.])\d+(?:\.\d+)?x(?![\w])")
+DERIVED = "<!-- derived -->"  # after a figure that is arithmetic on other figures or the model's shape
+
+
+def lookup(data, key: str):
+    for part in key.split("."):
+        if isinstance(data, list) and "=" in part:
+            field, want = part.split("=", 1)
+            matches = [item for item in data if str(item.get(field)) == want]
+            assert len(matches) == 1, f"{len(matches)} elements of the list have {field} = {want}"
+            data = matches[0]
+        elif isinstance(data, list):
+            data = data[int(part)]
+        else:
+            assert part in data, f"no key {part!r} (there are: {', '.join(map(str, data))})"
+            data = data[part]
+    return data
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks."""
+    out, fence = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        opening = re.match(r"^(`{3,})", line)
+        if fence is None and opening:
+            fence = opening.group(1)
+        elif fence is not None and line.rstrip() == fence:
+            fence = None
+        elif fence is None:
+            out.append((number, line))
+    return out
+
+
+def check_figures(text: str, name: str, results_dir: Path = RESULTS) -> list[str]:
+    """Every quoted figure against its results file; returns the disagreements, one line each."""
+    problems, files = [], {}
+    for number, line in prose_lines(text):
+        start = 0
+        for ref in REF.finditer(line):
+            quoted = NUMBER.findall(line[start:ref.start()])
+            start = ref.end()
+            where = f"{name}:{number}: {ref.group(0)}"
+            if not quoted:
+                problems.append(f"{where}: no number before the reference")
+                continue
+            path = results_dir / f"{ref.group(1)}.json"
+            if path not in files:
+                files[path] = json.loads(path.read_text()) if path.is_file() else None
+            if files[path] is None:
+                problems.append(f"{where}: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} is missing")
+                continue
+            try:
+                value = float(lookup(files[path], ref.group(2)))
+            except (AssertionError, KeyError, IndexError, ValueError, TypeError) as e:
+                problems.append(f"{where}: {e}")
+                continue
+            if ref.group(3):
+                value = value * float(ref.group(4)) if ref.group(3) == "*" else value / float(ref.group(4))
+            text_figure = quoted[-1].replace(",", "")
+            decimals = len(text_figure.split(".")[1]) if "." in text_figure else 0
+            if abs(value - float(text_figure)) > 0.5 * 10 ** -decimals + 1e-9:
+                problems.append(f"{where}: the text says {quoted[-1]}, the results file says {value:.{decimals}f}")
+    return problems
+
+
+def unreferenced_figures(text: str, name: str) -> list[str]:
+    """Measured-looking figures (tok/s, GB/s, ms, 1.5x, ...) with no results reference after them."""
+    problems = []
+    for number, line in prose_lines(text):
+        for figure in MEASURED.finditer(line):
+            rest = line[figure.end():]
+            next_number = NUMBER.search(rest)
+            comment = re.match(r"[^<]*?(<!--[^>]*-->)", rest)
+            before_next = comment is not None and (next_number is None or comment.start(1) < next_number.start())
+            if not (before_next and (REF.fullmatch(comment.group(1)) or comment.group(1) == DERIVED)):
+                problems.append(f"{name}:{number}: {figure.group(0).strip()!r} names no results file")
+    return problems
+
+
+@pytest.mark.parametrize("doc", FIGURE_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_figures_equal_the_results_files(doc: Path):
+    problems = check_figures(doc.read_text(encoding="utf-8"), str(doc.relative_to(ROOT)))
+    assert not problems, "figures that disagree with benchmarks/results/:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", FIGURE_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_measured_figures_name_their_results_file(doc: Path):
+    problems = unreferenced_figures(doc.read_text(encoding="utf-8"), str(doc.relative_to(ROOT)))
+    assert not problems, ("measured figures must name the results file and key they come from "
+                          "(see the top of this section):\n" + "\n".join(problems))
+
+
+def test_the_figure_check_catches_a_wrong_value(tmp_path: Path):
+    (tmp_path / "bench_x.json").write_text(json.dumps(
+        {"decode": {"tok_per_s": 70.44}, "prefill": [{"prompt_tokens": 32, "tok_per_s": 1046.2}],
+         "ceiling": {"fraction": 0.651}}))
+    right = ("decode 70.4 tok/s<!-- bench_x: decode.tok_per_s -->, prefill 1,046 tok/s"
+             "<!-- bench_x: prefill.prompt_tokens=32.tok_per_s --> (65%<!-- bench_x: ceiling.fraction*100 -->)")
+    assert check_figures(right, "doc", tmp_path) == []
+    assert unreferenced_figures(right, "doc") == []
+    wrong = right.replace("70.4", "71.4").replace("1,046", "1,047")
+    assert len(check_figures(wrong, "doc", tmp_path)) == 2
+    assert check_figures("72 tok/s<!-- bench_x: decode.missing -->", "doc", tmp_path)
+    assert check_figures("72 tok/s<!-- bench_none: decode.tok_per_s -->", "doc", tmp_path)
+    assert unreferenced_figures("decode at 70.4 tok/s, 1.5x faster", "doc") == [
+        "doc:1: '70.4 tok/s' names no results file", "doc:1: '1.5x' names no results file"]
+    assert unreferenced_figures("538 MB / 58 GB/s<!-- derived --> and\n```\n9 ms\n```", "doc") == []
