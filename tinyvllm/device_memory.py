@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 from tinygrad import Tensor
-from tinygrad.device import BufferSpec
-from tinygrad.dtype import DType, _to_np_dtype
+from tinygrad.dtype import DType
+
+from tinyvllm.tinygrad_adapter import allocate_zeroed_host_memory, host_memory, numpy_dtype
 
 
 def host_view(t: Tensor) -> np.ndarray | None:
     """A numpy array that is `t`'s device memory (allocated here if it is not yet), shaped like `t`;
     None where the host cannot see that memory. `t` must be a plain buffer (e.g. from `Tensor.empty`)."""
-    buf = t.uop.buffer.ensure_allocated()
-    try:
-        memory = buf.as_memoryview(force_zero_copy=True)
-    except AssertionError:  # tinygrad: "force zero copy was passed, but copy is required"
+    if (memory := host_memory(t)) is None:
         return None
-    return np.frombuffer(memory, dtype=_to_np_dtype(t.dtype)).reshape(t.shape)
+    return np.frombuffer(memory, dtype=numpy_dtype(t.dtype)).reshape(t.shape)
 
 
 def zeros(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
@@ -37,8 +35,6 @@ def zeros(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
     Elsewhere a kernel writes the zeros."""
     out = Tensor.empty(*shape, dtype=dtype, device=device)
     if isinstance(out.device, str) and out.device.split(":")[0] == "CPU":
-        buf = out.uop.buffer
-        buf.options = BufferSpec(zero=True, nolru=True)
-        buf.allocate()
+        allocate_zeroed_host_memory(out)
         return out
     return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()

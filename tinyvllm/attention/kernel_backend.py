@@ -23,10 +23,10 @@ The portable path is forced with `TINYVLLM_PORTABLE=1` (as for the matmul kernel
 `tinyvllm.attention.kernel_backend.PORTABLE = True`, or per metadata with `portable=True`. A device with
 no kernel takes the portable path and says so once.
 
-How a raw-source program enters the graph is explained in `tinyvllm/kernels/launcher.py`; the CPU programs
-go through it as they are. Its table of devices has only the CPU so far, so for CUDA and Metal this module
-builds the source itself and hands it to the launcher's `make_program` with a launch grid: one thread block
-(threadgroup) per sequence x KV head, NUM_THREADS threads each.
+How a raw-source program enters the graph, on every device, is explained in `tinyvllm/kernels/launcher.py`;
+this module decides only what is attention's own: which dtypes the kernels take, whether a GPU thread block's
+shared memory fits, and the launch grid: one thread block (threadgroup) per sequence x KV head, NUM_THREADS
+threads each (on the CPU one call, which shares its work with the thread pool).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import os
 from dataclasses import dataclass, field
 
 from tinygrad import Tensor, dtypes
-from tinygrad.helpers import DEV
 
 from tinyvllm.attention.paged import PagedAttentionMetadata
 from tinyvllm.kernels import launcher
@@ -50,19 +49,6 @@ logger = logging.getLogger("tinyvllm.attention")
 _noticed: set[str] = set()  # device kinds already told about the fallback
 
 
-@dataclass(frozen=True)
-class GPULanguage:
-    folder: str  # kernels/<folder>/
-    suffix: str
-    renderers: tuple[str, ...]  # tinygrad renderer names whose compiler takes this language ("" = device default)
-    kernel_prefix: str  # what TV_KERNEL stands for: how an entry point is declared
-
-
-GPU_LANGUAGES = {
-    "CUDA": GPULanguage("cuda", ".cu", ("", "CUDA", "NVCC"), 'extern "C" __global__ void'),
-    "NV": GPULanguage("cuda", ".cu", ("", "CUDA", "NVCC"), 'extern "C" __global__ void'),
-    "METAL": GPULanguage("metal", ".metal", ("",), "kernel void"),
-}
 CACHE_DTYPES = {"CPU": (dtypes.float32,), "GPU": (dtypes.float32, dtypes.float16)}
 C_TYPES = {dtypes.float32: "float", dtypes.float16: "half"}
 
@@ -77,12 +63,7 @@ def gpu_shared_bytes(group: int, head_dim: int) -> int:
 
 def has_kernel(device: str) -> bool:
     """Is there a paged-attention source for `device` in a language its compiler takes? (opens no device)"""
-    kind = launcher.device_kind(device)
-    if kind == "CPU":
-        return launcher.has_kernel(KERNEL, device)
-    lang = GPU_LANGUAGES.get(kind)
-    path = None if lang is None else launcher.KERNELS_DIR / lang.folder / f"{KERNEL}{lang.suffix}"
-    return path is not None and DEV.target(kind).renderer in lang.renderers and path.is_file()
+    return launcher.has_kernel(KERNEL, device)
 
 
 def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
@@ -109,29 +90,14 @@ def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
 
 def kernel_source(entry: str, device: str, defines: dict[str, int | str]) -> tuple[str, str]:
     """(program name, full source) of `entry` ("paged_attention" or "reshape_and_cache") for `device`."""
-    kind = launcher.device_kind(device)
-    name = launcher.program_name(entry, {k: v for k, v in defines.items() if isinstance(v, int)})
-    if entry == "reshape_and_cache":  # one entry point per compilation (the CPU runtime calls the first byte)
-        defines = {**defines, "TV_RESHAPE_AND_CACHE": 1}
-    if kind == "CPU":
-        from tinyvllm.kernels import cpu_threads
-        pool = {"TV_POOL_ADDR": hex(cpu_threads.pool_address())}
-        return name, launcher.kernel_source(KERNEL, device, {**defines, **pool})
-    # a GPU runtime looks the entry up by name
-    lang = GPU_LANGUAGES[kind]
-    header = [f"#define {k} {v}" for k, v in defines.items()] + [f"#define TV_KERNEL {lang.kernel_prefix}"]
-    return entry, "\n".join(header) + "\n" + (launcher.KERNELS_DIR / lang.folder / f"{KERNEL}{lang.suffix}").read_text()
+    return launcher.program_source(KERNEL, device, defines, entry)
 
 
 def _launch(entry: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
             grid: tuple[int, int, int]) -> list[Tensor]:
-    """Put `entry` into the graph on outs (written) and ins (read). On GPUs it runs on a grid of thread blocks
-    of NUM_THREADS threads; on the CPU once (its chunks go to the thread pool)."""
-    name, source = kernel_source(entry, outs[0].device, defines)
-    on_cpu = launcher.device_kind(outs[0].device) == "CPU"
-    global_size, local_size = ((1, 1, 1), None) if on_cpu else (grid, (NUM_THREADS, 1, 1))
-    fxn = launcher.make_program(name, source, len(outs), len(ins), None, global_size, local_size)
-    return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
+    """Put `entry` into the graph on outs (written) and ins (read): on GPUs a grid of thread blocks of
+    NUM_THREADS threads; on the CPU one call."""
+    return launcher.launch(KERNEL, outs, ins, defines, entry=entry, grid=grid, local_size=(NUM_THREADS, 1, 1))
 
 
 def _type_defines(device: str, **tensors: Tensor) -> dict[str, str]:

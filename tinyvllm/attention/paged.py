@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.uop.ops import KernelInfo
 
 from tinyvllm.attention.contiguous import grouped_query_attention
+from tinyvllm.tinygrad_adapter import KernelInfo
 
 
 def _reshape_and_cache_kernel(cache: UOp, new: UOp, slot_mapping: UOp) -> UOp:

@@ -37,9 +37,22 @@ from typing import Any
 
 import numpy as np
 from tinygrad import UOp
-from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit
-from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params
-from tinygrad.uop.ops import Ops
+
+from tinyvllm.tinygrad_adapter import (
+    CapturedJit,
+    JitBase,
+    JitError,
+    Ops,
+    buffer_address,
+    capture_on_next_call,
+    count_replay,
+    get_call_arg_uops,
+    get_runtime,
+    inputs_written_by,
+    is_replaying,
+    jit_inputs,
+    resolve_params,
+)
 
 ENABLED = os.getenv("TINYVLLM_CPU_GRAPH", "1") != "0"
 MAX_ARGS = 24  # TV_GRAPH_MAX_ARGS in kernels/cpu/graph_runner.c
@@ -47,10 +60,6 @@ MAX_ARGS = 24  # TV_GRAPH_MAX_ARGS in kernels/cpu/graph_runner.c
 
 class NotGraphable(Exception):
     """The captured linear holds something the C table cannot run; tinygrad's own replay is used instead."""
-
-
-def _buffer_address(u: UOp, device: str) -> int:
-    return u.buffer.ensure_allocated().get_buf(device).va_addr
 
 
 def _input_slot(b: UOp) -> int | None:
@@ -86,7 +95,7 @@ class CPUGraph:
         var_patches: list[tuple[int, str]] = []  # (table index, variable name)
         self._programs: list[Any] = []  # keep the compiled kernels (their code) alive as long as the table
         self.num_calls = 0  # entries in the table
-        input_addrs = [_buffer_address(u, u.device) for u in input_uops]
+        input_addrs = [buffer_address(u, u.device) for u in input_uops]
         for call in captured.linear.src:
             ast = call.src[0]
             if ast.op is not Ops.PROGRAM:
@@ -109,7 +118,7 @@ class CPUGraph:
                 self.num_calls += 1
                 table += [program.addr, num_args]
                 for i in info.globals:
-                    addr = _buffer_address(resolved[i], device)
+                    addr = buffer_address(resolved[i], device)
                     if (slot := _input_slot(arg_uops[i])) is not None:
                         input_patches.append((len(table), slot, addr - input_addrs[slot]))
                     table.append(addr)
@@ -129,14 +138,14 @@ class CPUGraph:
         self._runner = _graph_runner()
 
     def __call__(self, input_uops: list[UOp], var_vals: dict[str, int]) -> None:
-        addrs = np.array([_buffer_address(u, u.device) for u in input_uops], dtype=np.int64)
+        addrs = np.array([buffer_address(u, u.device) for u in input_uops], dtype=np.int64)
         self.table[self.input_index] = addrs[self.input_slot] + self.input_offset
         if len(self.var_names):
             self.table[self.var_index] = np.array([var_vals[n] for n in self.var_names], dtype=np.int64)[self.var_which]
         self._runner.fxn(ctypes.c_uint64(self.table.ctypes.data), ctypes.c_uint64(self.num_calls))
 
 
-class GraphedJit(_TinyJit):
+class GraphedJit(JitBase):
     """TinyJit that captures on the first call and replays through a `CPUGraph` where it can (see module doc)."""
 
     def __init__(self, fxn, capture_first: bool = True):
@@ -144,23 +153,23 @@ class GraphedJit(_TinyJit):
         self.capture_first = capture_first
         self.graph: CPUGraph | None | bool = None  # None: not built yet; False: not graphable
         if capture_first:
-            self.cnt = 1
+            capture_on_next_call(self)
 
     def reset(self) -> None:
         super().reset()
         self.graph = None
         if self.capture_first:
-            self.cnt = 1
+            capture_on_next_call(self)
 
     def __call__(self, *args, **kwargs):
-        if self.cnt < 2 or self.captured is None or self.graph is False or not ENABLED:  # (JIT=0: never captured)
+        if not is_replaying(self) or self.graph is False or not ENABLED:
             return super().__call__(*args, **kwargs)
         captured = self.captured
-        input_uops, var_vals, names, input_info = _prepare_jit_inputs(args, kwargs)
+        input_uops, var_vals, names, input_info = jit_inputs(args, kwargs)
         if captured.expected_names != names or captured.expected_input_info != input_info:
             raise JitError(f"args mismatch in JIT: expected {captured.expected_names}, {captured.expected_input_info}; "
                            f"got {names}, {input_info}")
-        if any(u in captured._written_uops for u in input_uops):  # tinygrad copies such inputs first: keep its path
+        if inputs_written_by(captured, input_uops):  # tinygrad copies such inputs first: keep its path
             self.graph = False
             return super().__call__(*args, **kwargs)
         if self.graph is None:
@@ -170,5 +179,5 @@ class GraphedJit(_TinyJit):
                 self.graph = False
                 return super().__call__(*args, **kwargs)
         self.graph(input_uops, var_vals)
-        self.cnt += 1
+        count_replay(self)
         return captured.ret

@@ -37,10 +37,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinygrad.helpers import NUM_CPU_THREADS
+from tinyvllm.tinygrad_adapter import default_cpu_threads
 
 MAX_WORKERS = 15  # TV_MAX_WORKERS in threadpool.h
-NUM_THREADS = max(1, min(int(os.getenv("TINYVLLM_CPU_THREADS", str(NUM_CPU_THREADS.value))), MAX_WORKERS + 1))
+NUM_THREADS = max(1, min(int(os.getenv("TINYVLLM_CPU_THREADS", str(default_cpu_threads()))), MAX_WORKERS + 1))
 _ADDRESS_HINT = 0x3F0000000000  # far from the heap, the libraries and tinygrad's buffers (all near 0x55.., 0x7f..)
 
 

@@ -32,28 +32,55 @@ Sizes are compile-time constants (`#define` per shape, one program per shape). A
 a symbolic variable that TinyJit binds from its inputs at every replay (as `start_pos` is); constants need
 nothing at replay but the buffer addresses, and let the compiler specialise the loops.
 
-Kernel sources live in `kernels/<device>/` at the top of the repository. A kernel may include helpers from
-its own folder with `#include "name.h"`: tinygrad compiles from a string, so the launcher pastes them in.
+A file may hold more than one entry function: `launch(name, ..., entry=e)` defines TV_<E> (e.g.
+TV_RESHAPE_AND_CACHE in paged_attention.*), and the file compiles only that entry, so that on the CPU it is
+the first function. A GPU runtime looks the entry up by name, so there a program is named after it.
+
+Kernel sources live in `kernels/<device>/` at the top of the repository; the wheel carries the same folder
+as the package `tinyvllm.kernel_sources` (pyproject.toml), found first. A kernel may include helpers from its
+own folder with `#include "name.h"`: tinygrad compiles from a string, so the launcher pastes them in.
+Everything this module needs from tinygrad beyond its public API goes through `tinyvllm/tinygrad_adapter.py`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinygrad import Device, Tensor
-from tinygrad.device import TinyELF
-from tinygrad.helpers import DEV, Context
-from tinygrad.renderer import Estimates
-from tinygrad.renderer.cstyle import ClangRenderer
-from tinygrad.runtime.autogen import libc
-from tinygrad.runtime.support.elf import elf_loader
-from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+from tinygrad import Context, Tensor
 
-KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+from tinyvllm.tinygrad_adapter import (
+    CLANG_KERNEL_PREFIX,
+    Estimates,
+    compile_cpu,
+    elf_symbol_at_start,
+    load_cpu_program,
+    renderer_name,
+    source_program,
+)
+
+PACKAGE_KERNELS = Path(__file__).resolve().parents[1] / "kernel_sources"  # an installed wheel: tinyvllm/kernel_sources
+REPO_KERNELS = Path(__file__).resolve().parents[2] / "kernels"  # a checkout or an editable install
+
+
+def find_kernels_dir(candidates: list[Path]) -> Path | None:
+    """The first of `candidates` that holds kernel sources; None, with a warning, if none does.
+
+    Without sources every kernel takes tinygrad's portable path: correct, but several times slower, so
+    an install that lost them has to say so."""
+    for folder in candidates:
+        if (folder / "cpu").is_dir():
+            return folder
+    warnings.warn(f"tinyvllm: no kernel sources in {' or '.join(map(str, candidates))}; every hand-written "
+                  "kernel falls back to tinygrad's portable (slower) path. Reinstall tinyvllm (the wheel ships "
+                  "them as tinyvllm/kernel_sources) or run from the repository.", RuntimeWarning, stacklevel=2)
+    return None
+
+
+KERNELS_DIR = find_kernels_dir([PACKAGE_KERNELS, REPO_KERNELS])
 
 
 @dataclass(frozen=True)
@@ -66,9 +93,13 @@ class KernelBackend:
     kernel_prefix: str  # what goes before an entry function's name (tinygrad's kernel_typedef), as TV_KERNEL
 
 
+CUDA = KernelBackend("cuda", ".cu", ("", "CUDA", "NVCC"), 'extern "C" __global__ void')
 BACKENDS: dict[str, KernelBackend] = {
     # the CPU device's default renderer is clang (tinygrad/runtime/ops_cpu.py); DEV=CPU:LLVM would compile LLVM IR
-    "CPU": KernelBackend("cpu", ".c", ("", "CLANG"), ClangRenderer.kernel_typedef),
+    "CPU": KernelBackend("cpu", ".c", ("", "CLANG"), CLANG_KERNEL_PREFIX),
+    "CUDA": CUDA,  # nvrtc (or nvcc) compiles it
+    "NV": CUDA,  # tinygrad's own NVIDIA driver, same language
+    "METAL": KernelBackend("metal", ".metal", ("",), "kernel void"),
 }
 
 
@@ -79,7 +110,7 @@ def device_kind(device: str) -> str:
 
 def kernel_path(name: str, device: str) -> Path | None:
     backend = BACKENDS.get(device_kind(device))
-    return None if backend is None else KERNELS_DIR / backend.folder / f"{name}{backend.suffix}"
+    return None if backend is None or KERNELS_DIR is None else KERNELS_DIR / backend.folder / f"{name}{backend.suffix}"
 
 
 def has_kernel(name: str, device: str) -> bool:
@@ -90,7 +121,7 @@ def has_kernel(name: str, device: str) -> bool:
     kind = device_kind(device)
     if (backend := BACKENDS.get(kind)) is None or (path := kernel_path(name, device)) is None:
         return False
-    return DEV.target(kind).renderer in backend.renderers and path.is_file()
+    return renderer_name(kind) in backend.renderers and path.is_file()
 
 
 def _inline_includes(text: str, folder: Path, seen: set[str]) -> str:
@@ -115,44 +146,46 @@ def kernel_source(name: str, device: str, defines: dict[str, int | str]) -> str:
     return "\n".join(header) + "\n" + _read_source(path)
 
 
-def program_name(name: str, defines: dict[str, int | str]) -> str:
-    """A readable, unique name per compiled variant, e.g. matmul_1_960_576 (what DEBUG=2 prints per launch)."""
-    return "_".join([name] + [str(v) for k, v in defines.items() if not k.startswith("TV_POOL")])
+def program_name(entry: str, device: str, defines: dict[str, int | str]) -> str:
+    """The name a program is launched under.
+
+    On a GPU the entry function's own name: the runtime looks the function up by it. On the CPU (which calls
+    the first byte) a readable name per shape, e.g. matmul_1_960_576, what DEBUG=2 prints per launch: the
+    integer defines only (a scale, a type name or the pool address do not name a variant)."""
+    if device_kind(device) != "CPU":
+        return entry
+    return "_".join([entry] + [str(v) for v in defines.values() if isinstance(v, int)])
 
 
-def make_program(name: str, source: str, num_outs: int, num_ins: int, estimates: Estimates | None = None,
-                 global_size: tuple[int, int, int] = (1, 1, 1), local_size: tuple[int, int, int] | None = None):
-    """The `fxn` for `Tensor.custom_kernel`: given the params of (outs..., ins...), build the PROGRAM UOp.
-
-    ProgramInfo tells tinygrad which arguments are buffers (all), which the kernel writes (the first
-    num_outs) and which it reads: the scheduler orders kernels by it, and TinyJit knows what to copy.
-    global_size / local_size are the launch grid of GPU kernels; a CPU program runs once (global_size 1)."""
-    num = num_outs + num_ins
-    info = ProgramInfo(name=name, global_size=global_size, local_size=local_size, globals=tuple(range(num)),
-                       outs=tuple(range(num_outs)), ins=tuple(range(num_outs, num)))
-
-    def fxn(*params: UOp) -> UOp:
-        assert len(params) == num, f"{name}: expected {num} buffers, got {len(params)}"
-        sink = UOp.sink(*params, arg=KernelInfo(name=name, estimates=estimates))
-        linear = UOp(Ops.LINEAR, src=(*sink.src, sink))
-        return UOp(Ops.PROGRAM, src=(sink, linear, UOp(Ops.SOURCE, arg=source)), arg=info)
-    return fxn
-
-
-def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
-           estimates: Estimates | None = None, global_size: tuple[int, int, int] = (1, 1, 1),
-           local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
-    """Run kernel `name` from kernels/<device>/ on `outs` (written) and `ins` (read), all on one device.
-
-    Every tensor must be contiguous (the kernel sees raw row-major buffers); `outs` are usually
-    `Tensor.empty(...)`. Returns the outs, valid after the kernel ran. Works inside `function` and TinyJit."""
-    device = outs[0].device
-    assert isinstance(device, str) and all(t.device == device for t in outs + ins), "one device for all buffers"
+def program_source(name: str, device: str, defines: dict[str, int | str], entry: str | None = None) -> tuple[str, str]:
+    """(program name, full source) of function `entry` (default: `name`) of kernels/<device>/<name>.*, as
+    `launch` compiles it: plus TV_<ENTRY> when the file holds several entries, plus the thread pool's address
+    on the CPU (the kernel hands chunks of its work to the helper threads there, see cpu_threads.py)."""
+    entry = entry or name
+    pname = program_name(entry, device, defines)
+    if entry != name:  # one entry per compilation: on the CPU it must be the object's first function
+        defines = {**defines, f"TV_{entry.upper()}": 1}
     if device_kind(device) == "CPU":
         from tinyvllm.kernels import cpu_threads
         defines = {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())}
-    source = kernel_source(name, device, defines)
-    fxn = make_program(program_name(name, defines), source, len(outs), len(ins), estimates, global_size, local_size)
+    return pname, kernel_source(name, device, defines)
+
+
+def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
+           estimates: Estimates | None = None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
+           local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
+    """Run function `entry` (default: `name`) of kernels/<device>/<name>.* on `outs` (written) and `ins` (read),
+    all on one device.
+
+    On a GPU it runs on `grid` thread blocks (threadgroups) of `local_size` threads; on the CPU once (its
+    chunks go to the thread pool), whatever the grid. Every tensor must be contiguous (the kernel sees raw
+    row-major buffers); `outs` are usually `Tensor.empty(...)`. Returns the outs, valid after the kernel ran.
+    Works inside `function` and TinyJit."""
+    device = outs[0].device
+    assert isinstance(device, str) and all(t.device == device for t in outs + ins), "one device for all buffers"
+    pname, source = program_source(name, device, defines, entry)
+    global_size, local_size = ((1, 1, 1), None) if device_kind(device) == "CPU" else (grid, local_size)
+    fxn = source_program(pname, source, len(outs), len(ins), estimates, global_size, local_size)
     return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
 
 
@@ -161,17 +194,11 @@ def check_entry_is_first(lib: bytes, entry: str) -> None:
 
     tinygrad's CPU runtime loads the object's sections back to back and calls the first byte, so a helper
     function compiled before the entry would be called in its place."""
-    _, sections, _ = elf_loader(lib)
-    symtab = next(s for s in sections if s.name == ".symtab")
-    strtab = next(s for s in sections if s.name == ".strtab")
-    first = next(i for i, s in enumerate(sections) if s.header.sh_type == libc.SHT_PROGBITS)
-    syms = (libc.Elf64_Sym * (len(symtab.content) // ctypes.sizeof(libc.Elf64_Sym))).from_buffer_copy(symtab.content)
-    for sym in syms:
-        if strtab.content[sym.st_name:].split(b"\0", 1)[0].decode() == entry:
-            if sym.st_shndx != first or sym.st_value != 0:
-                raise RuntimeError(f"{entry} is not the first function of its object: put helpers after it")
-            return
-    raise RuntimeError(f"no function {entry} in the compiled object")
+    at_start = elf_symbol_at_start(lib, entry)
+    if at_start is None:
+        raise RuntimeError(f"no function {entry} in the compiled object")
+    if not at_start:
+        raise RuntimeError(f"{entry} is not the first function of its object: put helpers after it")
 
 
 def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None):
@@ -182,8 +209,6 @@ def compile_host_program(name: str, defines: dict[str, int | str], entry: str | 
     # NOTE: this may run while a graph is being traced (the first `linear`), where tinygrad forbids device use
     # so that no tensor is realized by accident. Compiling and loading code realizes nothing.
     with Context(ALLOW_DEVICE_USAGE=1):
-        dev = Device["CPU"]
-        source = kernel_source(name, "CPU", defines)
-        lib = dev.compiler.compile_cached(source)
+        lib = compile_cpu(kernel_source(name, "CPU", defines))
         check_entry_is_first(lib, entry or name)
-        return dev.runtime(TinyELF(lib, name, dev.renderer.target, ()))
+        return load_cpu_program(lib, name)

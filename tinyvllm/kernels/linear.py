@@ -17,9 +17,9 @@ import math
 import os
 
 from tinygrad import Tensor, dtypes
-from tinygrad.renderer import Estimates
 
 from tinyvllm.kernels.launcher import has_kernel, launch
+from tinyvllm.tinygrad_adapter import Estimates
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 

@@ -34,8 +34,7 @@ import threading
 from importlib.metadata import version
 from pathlib import Path
 
-import tinygrad.codegen
-import tinygrad.engine.realize
+from tinyvllm.tinygrad_adapter import lowered_program_cache, set_lowered_program_cache
 
 ENABLED = os.getenv("TINYVLLM_PROGRAM_CACHE", "1") != "0"
 
@@ -110,13 +109,11 @@ class DiskProgramCache(dict):
 def install(directory: Path | None = None) -> DiskProgramCache | None:
     """Make tinygrad's lowered-program cache a `DiskProgramCache` (once per process; None when turned off)."""
     with _lock:
-        current = tinygrad.codegen.to_program_cache
+        current = lowered_program_cache()
         if isinstance(current, DiskProgramCache):
             return current
         if not ENABLED:
             return None
         cache = DiskProgramCache(directory or cache_dir(), current)
-        # both modules look the dict up by its global name at every call, so rebinding the name is enough
-        tinygrad.codegen.to_program_cache = cache
-        tinygrad.engine.realize.to_program_cache = cache
+        set_lowered_program_cache(cache)
         return cache

@@ -31,13 +31,13 @@ import numpy as np
 from tinygrad import Tensor, dtypes, function
 from tinygrad.dtype import DType
 
-from tinyvllm import tinygrad_fixes
+from tinyvllm import tinygrad_adapter
 from tinyvllm.device_memory import host_view
 from tinyvllm.kernels.linear import linear
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 
-tinygrad_fixes.apply()
+tinygrad_adapter.apply_fixes()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -99,7 +99,7 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     out = Tensor.empty(*shape, dtype=dtypes.float32, device=device)
     if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
         host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
-        out.uop.buffer.copyin(memoryview(host).cast("B"))
+        tinygrad_adapter.copy_in(out, memoryview(host).cast("B"))
         return out
     if pool is None:
         np.concatenate(parts, axis=0, out=dst, casting="same_kind")

@@ -1,0 +1,274 @@
+"""Every use of tinygrad's internals, in one file: what to read when tinygrad is upgraded.
+
+tinyvllm uses tinygrad's public API directly (what `import tinygrad` exports: Tensor, UOp, TinyJit, Device,
+dtypes, Context, getenv, function; and `tinygrad.dtype.DType` for type hints). Everything else it needs is
+here: private names (`_TinyJit`, `_prepare_jit_inputs`), modules tinygrad does not export from its top level
+(`tinygrad.engine.jit`, `tinygrad.uop.ops`, `tinygrad.device`, ...), module globals it rebinds, and a patch.
+Each function says which internal it wraps and why tinyvllm needs it. Grouped by the module that uses them:
+
+    launcher.py                 renderer_name, CLANG_KERNEL_PREFIX, source_program, compile_cpu, load_cpu_program,
+                                elf_symbol_at_start, Estimates
+    cpu_graph.py                JitBase, capture_on_next_call, is_replaying, count_replay, jit_inputs,
+                                inputs_written_by, get_runtime, get_call_arg_uops, resolve_params, buffer_address
+    cpu_threads.py              default_cpu_threads
+    program_cache.py            lowered_program_cache, set_lowered_program_cache
+    device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype
+    paged.py                    KernelInfo (a custom UOp kernel's name and options)
+    async_llm_engine.py         share_kernel_cache_across_threads
+    llama.py                    apply_fixes (speed fixes; each changes how fast, never what tinygrad computes)
+
+The version is pinned in pyproject.toml and checked once, on import: any other warns, and `apply_fixes`
+leaves that tinygrad alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sqlite3
+import sys
+import warnings
+from dataclasses import replace
+from importlib.metadata import version
+
+import tinygrad.codegen
+import tinygrad.engine.realize
+import tinygrad.function  # the module (`tinygrad.function` the attribute is the decorator)
+from tinygrad import Device, Tensor, UOp
+from tinygrad.device import BufferSpec, TinyELF
+from tinygrad.dtype import DType, _to_np_dtype
+from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit  # noqa: F401
+from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params  # noqa: F401
+from tinygrad.helpers import DEV, NUM_CPU_THREADS
+from tinygrad.renderer import Estimates
+from tinygrad.renderer.cstyle import ClangRenderer
+from tinygrad.runtime.autogen import libc
+from tinygrad.runtime.support.elf import elf_loader
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
+
+# Imported above and used elsewhere as they are (from modules tinygrad does not export at its top level):
+#   Ops             the UOp operation enum (cpu_graph.py walks a captured graph by it)
+#   KernelInfo      a kernel's name, cost estimates and optimizer options (paged.py's UOp kernel, source_program)
+#   Estimates       ops / bytes of a kernel, what DEBUG=2 rates it by (linear.py)
+#   CapturedJit     what a TinyJit captured: `.linear` (the calls), `.expected_names`, `.expected_input_info`, `.ret`
+#   JitError        what TinyJit raises on a call that does not match its capture
+#   get_runtime, get_call_arg_uops, resolve_params   a captured call's compiled program, its argument uops,
+#                   and those arguments with the JIT inputs of one replay put in (tinygrad.engine.realize)
+
+
+TINYGRAD_VERSION = "0.14.0"  # the one this file was written against (pyproject.toml pins it)
+INSTALLED_VERSION = version("tinygrad")
+if INSTALLED_VERSION != TINYGRAD_VERSION:
+    warnings.warn(f"tinyvllm was written for tinygrad {TINYGRAD_VERSION}, this is tinygrad {INSTALLED_VERSION}: "
+                  "its internals may have moved (see tinyvllm/tinygrad_adapter.py); speed fixes are off",
+                  RuntimeWarning, stacklevel=2)
+
+
+# ---- hand-written kernels as programs (tinyvllm/kernels/launcher.py) ----
+
+def renderer_name(kind: str) -> str:
+    """The renderer DEV selects for device kind `kind` ("" = the device's default; DEV=CPU:LLVM gives "LLVM").
+
+    Wraps `tinygrad.helpers.DEV.target`: it reads the setting without opening the device, which the launcher
+    needs because it decides while a graph is traced, where tinygrad forbids device use."""
+    return DEV.target(kind).renderer
+
+
+# How the clang renderer declares a kernel entry point (the CPU's TV_KERNEL): `ClangRenderer.kernel_typedef`.
+CLANG_KERNEL_PREFIX: str = ClangRenderer.kernel_typedef
+
+
+def source_program(name: str, source: str, num_outs: int, num_ins: int, estimates: Estimates | None = None,
+                   global_size: tuple[int, int, int] = (1, 1, 1), local_size: tuple[int, int, int] | None = None):
+    """The `fxn` for `Tensor.custom_kernel`: given the params of (outs..., ins...), a PROGRAM UOp of raw source.
+
+    Builds what tinygrad's codegen builds for its own kernels, minus the last step (`pm_to_program` in
+    tinygrad/codegen/__init__.py): PROGRAM(SINK, LINEAR, SOURCE) with a `ProgramInfo` (tinygrad.uop.ops).
+    ProgramInfo tells tinygrad which arguments are buffers (all), which the kernel writes (the first
+    num_outs) and which it reads: the scheduler orders kernels by it, and TinyJit knows what to copy. Its
+    fields changed between 0.13 and 0.14 (tinygrad's test/backend/test_custom_kernel.py shows the current ones).
+    global_size / local_size are the launch grid of GPU kernels; a CPU program runs once (global_size 1)."""
+    num = num_outs + num_ins
+    info = ProgramInfo(name=name, global_size=global_size, local_size=local_size, globals=tuple(range(num)),
+                       outs=tuple(range(num_outs)), ins=tuple(range(num_outs, num)))
+
+    def fxn(*params: UOp) -> UOp:
+        assert len(params) == num, f"{name}: expected {num} buffers, got {len(params)}"
+        sink = UOp.sink(*params, arg=KernelInfo(name=name, estimates=estimates))
+        linear = UOp(Ops.LINEAR, src=(*sink.src, sink))
+        return UOp(Ops.PROGRAM, src=(sink, linear, UOp(Ops.SOURCE, arg=source)), arg=info)
+    return fxn
+
+
+def compile_cpu(source: str) -> bytes:
+    """C source -> the CPU device's compiled object, through tinygrad's on-disk cache (`Compiler.compile_cached`)."""
+    return Device["CPU"].compiler.compile_cached(source)
+
+
+def load_cpu_program(lib: bytes, name: str):
+    """A compiled object loaded as a host-callable program: `Compiled.runtime` takes a `TinyELF`
+    (tinygrad.device) in 0.14. Returns tinygrad's CPUProgram; `.fxn(*args)` calls it with ctypes.c_uint64s."""
+    dev = Device["CPU"]
+    return dev.runtime(TinyELF(lib, name, dev.renderer.target, ()))
+
+
+def elf_symbol_at_start(lib: bytes, symbol: str) -> bool | None:
+    """Does function `symbol` start at offset 0 of the first code section of ELF object `lib`? (None: no such
+    symbol.) tinygrad's CPU runtime loads the sections back to back and calls the first byte, so that is where
+    an entry function must be. Reads the object with tinygrad's ELF reader (`runtime.support.elf.elf_loader`)
+    and its libc struct definitions (`runtime.autogen.libc`)."""
+    _, sections, _ = elf_loader(lib)
+    symtab = next(s for s in sections if s.name == ".symtab")
+    strtab = next(s for s in sections if s.name == ".strtab")
+    first = next(i for i, s in enumerate(sections) if s.header.sh_type == libc.SHT_PROGBITS)
+    syms = (libc.Elf64_Sym * (len(symtab.content) // ctypes.sizeof(libc.Elf64_Sym))).from_buffer_copy(symtab.content)
+    for sym in syms:
+        if strtab.content[sym.st_name:].split(b"\0", 1)[0].decode() == symbol:
+            return sym.st_shndx == first and sym.st_value == 0
+    return None
+
+
+# ---- TinyJit's replay, taken over on the CPU (tinyvllm/kernels/cpu_graph.py) ----
+
+# The class to subclass: the public `TinyJit` is a function returning a `tinygrad.engine.jit._TinyJit`.
+JitBase = _TinyJit
+
+# _TinyJit counts its calls in `cnt`: 0 runs the function eagerly, 1 captures, 2 and up replay the capture.
+
+
+def capture_on_next_call(jit: _TinyJit) -> None:
+    """Skip the eager first call: the next call captures (sets `cnt` to 1)."""
+    jit.cnt = 1
+
+
+def is_replaying(jit: _TinyJit) -> bool:
+    """Has `jit` captured, so that its next call replays? (`cnt` >= 2 and a `captured` graph; JIT=0 never captures)"""
+    return jit.cnt >= 2 and jit.captured is not None
+
+
+def count_replay(jit: _TinyJit) -> None:
+    """Count a replay done outside `_TinyJit.__call__`, as that method would (`cnt += 1`)."""
+    jit.cnt += 1
+
+
+def jit_inputs(args: tuple, kwargs: dict) -> tuple[list[UOp], dict[str, int], list, list]:
+    """(input buffer uops, variable values, names, input info) of a call, as `_TinyJit.__call__` computes them
+    (`tinygrad.engine.jit._prepare_jit_inputs`): the same checks, and the same realization of the inputs."""
+    return _prepare_jit_inputs(args, kwargs)
+
+
+def inputs_written_by(captured: CapturedJit, input_uops: list[UOp]) -> bool:
+    """Does the captured graph write one of these inputs? tinygrad then copies the input first (its private
+    `CapturedJit._written_uops`), which a replay outside tinygrad would not do."""
+    return any(u in captured._written_uops for u in input_uops)
+
+
+def buffer_address(u: UOp, device: str) -> int:
+    """The device address of a buffer uop's memory, allocated here if it is not yet (`Buffer.get_buf().va_addr`)."""
+    return u.buffer.ensure_allocated().get_buf(device).va_addr
+
+
+# ---- the CPU thread pool (tinyvllm/kernels/cpu_threads.py) ----
+
+def default_cpu_threads() -> int:
+    """How many threads tinygrad itself would use on the CPU (`tinygrad.helpers.NUM_CPU_THREADS`)."""
+    return NUM_CPU_THREADS.value
+
+
+# ---- lowered programs kept on disk (tinyvllm/kernels/program_cache.py) ----
+
+def lowered_program_cache() -> dict:
+    """tinygrad's in-memory dict of lowered programs, `tinygrad.codegen.to_program_cache`."""
+    return tinygrad.codegen.to_program_cache
+
+
+def set_lowered_program_cache(cache: dict) -> None:
+    """Replace that dict: `tinygrad.codegen` and `tinygrad.engine.realize` each look it up by its global name at
+    every call, so rebinding the name in both is enough."""
+    tinygrad.codegen.to_program_cache = cache
+    tinygrad.engine.realize.to_program_cache = cache
+
+
+# ---- device memory seen from the host (tinyvllm/device_memory.py, tinyvllm/model/llama.py) ----
+
+def numpy_dtype(dtype: DType) -> type:
+    """The numpy dtype of a tinygrad dtype (`tinygrad.dtype._to_np_dtype`)."""
+    return _to_np_dtype(dtype)
+
+
+def host_memory(t: Tensor) -> memoryview | None:
+    """`t`'s device memory as a memoryview, allocated here if it is not yet; None where the host cannot see it.
+
+    `Buffer.as_memoryview(force_zero_copy=True)` asserts where a copy would be needed (a discrete GPU)."""
+    buf = t.uop.buffer.ensure_allocated()
+    try:
+        return buf.as_memoryview(force_zero_copy=True)
+    except AssertionError:  # tinygrad: "force zero copy was passed, but copy is required"
+        return None
+
+
+def allocate_zeroed_host_memory(t: Tensor) -> None:
+    """Allocate `t` (a fresh `Tensor.empty`) as memory that comes zeroed and never from tinygrad's reuse cache:
+    `BufferSpec(zero=True, nolru=True)` (tinygrad.device) keeps it out of `LRUAllocator`, where a freed
+    buffer's old contents could come back. The CPU allocator maps fresh anonymous memory for it."""
+    buf = t.uop.buffer
+    buf.options = BufferSpec(zero=True, nolru=True)
+    buf.allocate()
+
+
+def copy_in(t: Tensor, data: memoryview) -> None:
+    """Copy bytes into `t`'s device buffer, no graph (`Buffer.copyin`)."""
+    t.uop.buffer.copyin(data)
+
+
+# ---- one kernel cache for every thread (tinyvllm/engine/async_llm_engine.py) ----
+
+def share_kernel_cache_across_threads() -> None:
+    """Let the engine thread use tinygrad's on-disk kernel cache even if another thread opened it first.
+
+    tinygrad keeps one sqlite connection for the cache (`tinygrad.helpers._db_connection`, opened by
+    `db_connection()`), and sqlite refuses a connection made on another thread: a process that compiled
+    kernels on its main thread before starting the engine thread would fail on the first cache lookup there.
+    Open it with check_same_thread=False instead (sqlite serializes the calls; tinygrad's writes are IMMEDIATE
+    transactions), with tinygrad's own settings.
+    """
+    from tinygrad import helpers
+
+    if getattr(helpers, "_db_connection_shared", False):
+        return
+    os.makedirs(os.path.dirname(helpers.CACHEDB), exist_ok=True)
+    connection = sqlite3.connect(helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE", check_same_thread=False)
+    with contextlib.suppress(sqlite3.OperationalError):
+        connection.execute("PRAGMA journal_mode=WAL").fetchone()
+    connection.execute("PRAGMA synchronous=NORMAL")
+    helpers._db_connection, helpers._db_connection_shared = connection, True
+
+
+# ---- speed fixes (applied by tinyvllm/model/llama.py) ----
+
+def _renumber_invalid_outputs(uret):
+    invalid = sys.modules["tinygrad.function"].invalid_outputs(uret)
+    return uret.substitute({b: b.replace(arg=replace(b.arg, slot=i))
+                            for i, b in enumerate(x for x in uret.toposort(enter_calls=False) if x in invalid)})
+
+
+_fixes_applied = False
+
+
+def apply_fixes() -> None:
+    """Fixes to tinygrad 0.14.0 that change how fast it does something, never what it computes (once; only on
+    that version).
+
+    1. `tinygrad.function.renumber_invalid_outputs` recomputes `invalid_outputs(uret)` (a walk of the whole
+       function body) once per node of the body, so it is quadratic in the size of the body. Every decoder
+       layer call pays it (the matmul kernels' outputs are `Tensor.invalids`), ~0.5 s of the ~3 s it takes to
+       build and capture the first graph of SmolLM2-135M. The fix computes the set once.
+    """
+    global _fixes_applied
+    if _fixes_applied or INSTALLED_VERSION != TINYGRAD_VERSION:
+        return
+    # `tinygrad.function` the attribute is the decorator; the module is only reachable through sys.modules
+    sys.modules["tinygrad.function"].renumber_invalid_outputs = _renumber_invalid_outputs
+    _fixes_applied = True
+
