@@ -45,3 +45,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None  # set when this request failed inside a step (the other requests went on)

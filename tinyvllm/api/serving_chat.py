@@ -32,6 +32,10 @@ from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, choice_deltas,
 from tinyvllm.outputs import RequestOutput
 
 
+# the roles of OpenAI's chat API ("developer" is the newer name of "system")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
@@ -63,7 +67,12 @@ class OpenAIServingChat(OpenAIServing):
         """The prompt's token ids: the conversation through the model's chat template."""
         conversation = []
         for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                role = message.get("role") if isinstance(message, dict) else message
+                raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
             content = message.get("content")
+            if content is None:  # an assistant turn that only carries tool_calls, or a missing content
+                content = ""
             if isinstance(content, list):  # content parts: only text ones can be served by a text model
                 if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
                     raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
@@ -71,8 +80,8 @@ class OpenAIServingChat(OpenAIServing):
             conversation.append({**message, "content": content})
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        except ValueError as e:  # malformed messages, or the template's own raise_exception
-            raise bad_request(str(e), "messages") from e
+        except (ValueError, TypeError) as e:  # malformed messages, or the template's own raise_exception
+            raise bad_request(f"the messages do not fit the model's chat template: {e}", "messages") from e
         # the template wrote the special tokens (BOS included, where the model uses one): add none
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -46,6 +46,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()  # sampled eos or one of stop_token_ids (stop strings: the engine)
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens, or the model's max length
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # this request's sampling or stop handling failed; the others went on
 
     @property
     def is_finished(self) -> bool:
@@ -61,6 +62,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 

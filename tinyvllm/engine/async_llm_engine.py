@@ -53,7 +53,8 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step failed; the requests in it were aborted. The engine keeps serving new requests."""
+    """A step failed for this request: the request's own sampling or stop handling (only it ends), or the
+    forward pass (every request in the engine ends). The engine keeps serving new requests."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -240,6 +241,10 @@ class AsyncLLMEngine:
         batch = []
         for output in outputs:
             if output.request_id not in self._in_engine:
+                continue
+            if output.error is not None:  # this request alone failed inside the step; the others go on
+                self._abort(output.request_id)  # the rest of it (n > 1: its other completions)
+                batch.append((output.request_id, EngineStepError(output.error)))
                 continue
             if output.finished:
                 self._in_engine.discard(output.request_id)

@@ -17,6 +17,7 @@ Every entry point runs on this class: `main.py` and `Generator` (one request, st
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sample.sampler import Sampler, logprobs_of, make_generator
 from tinyvllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("tinyvllm.engine")
+
 
 @dataclass
 class RequestState:
@@ -51,6 +54,7 @@ class RequestState:
     logprobs: list = field(default_factory=list)
     stop_reason: str | int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    error: str | None = None  # why the engine finished it with FINISHED_ERROR
 
     def output(self) -> RequestOutput:
         seq = self.seq
@@ -58,7 +62,7 @@ class RequestState:
                                       finish_reason=seq.status.finish_reason, stop_reason=self.stop_reason,
                                       logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
         return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [completion],
-                             finished=seq.is_finished, metrics=self.metrics)
+                             finished=seq.is_finished, metrics=self.metrics, error=self.error)
 
 
 class LLMEngine:
@@ -95,6 +99,7 @@ class LLMEngine:
                                         max_num_seqs, portable_attention=portable_attention)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}  # unfinished requests the scheduler knows, by request id
+        self._failed: list[RequestState] = []  # requests this step finished with an error, reported by step()
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
 
     # ---- requests in ----
@@ -103,9 +108,18 @@ class LLMEngine:
                     sampling_params: SamplingParams | None = None) -> None:
         """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing."""
         params = sampling_params or SamplingParams()
+        self._check_params(params)
         text, prompt_ids = self._process_prompt(prompt)
         self.parent_requests.add(request_id, params, in_use=lambda rid: rid in self.requests,
                                  add_child=lambda rid, child: self._add_one(rid, text, prompt_ids, child))
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids must be in this model's vocabulary."""
+        vocab = self.tokenizer.vocab_size
+        for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{field_name} must be token ids in [0, {vocab}) for this model, got {bad[:5]}")
 
     def _process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -168,19 +182,39 @@ class LLMEngine:
                 on_host.append(row)
                 continue
             if not params.is_greedy:
-                temperature[row], top_p[row], min_p[row] = params.temperature, params.top_p, params.min_p
-                top_k[row] = params.top_k if params.top_k > 0 else vocab
+                try:  # one request's parameters must never fail the batch: that request alone finishes
+                    row_params = (params.temperature, params.top_p, params.min_p, min(params.top_k, vocab)
+                                  if params.top_k > 0 else vocab)
+                    draws = state.generator.standard_exponential(vocab)  # same draws as the host sampler
+                except Exception as e:
+                    self._fail(seq, e)
+                    continue
+                temperature[row], top_p[row], min_p[row], top_k[row] = row_params
                 if clocks is None:
                     clocks = np.ones((rows, vocab), np.float32)
-                clocks[row] = state.generator.standard_exponential(vocab)  # same draws as the host sampler
+                clocks[row] = draws
         use_filters = bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any())
         # clocks None: every device row is greedy, and the device only takes the argmax
         tokens = self.model_runner.sample(logits, temperature, top_k, top_p, min_p, clocks, use_filters)
         host_logits = logits.numpy() if on_host else None
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)}
         for row in on_host:
-            sampled[seqs[row].seq_id] = self._sample_on_host(seqs[row], host_logits[row])
+            try:
+                sampled[seqs[row].seq_id] = self._sample_on_host(seqs[row], host_logits[row])
+            except Exception as e:
+                self._fail(seqs[row], e)
         return sampled
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """Finish one request with an error (its blocks are freed) and leave the rest of the step alone,
+        as vLLM aborts the offending request, not the batch. step() reports it."""
+        logger.exception("request %s failed in the engine step; the other requests go on", seq.seq_id,
+                         exc_info=error)
+        state = self.requests.pop(seq.seq_id)
+        state.error = f"the engine failed while running this request: {type(error).__name__}: {error}"
+        self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ERROR)
+        state.metrics.finished_time = time.monotonic()
+        self._failed.append(state)
 
     @staticmethod
     def _needs_host_sampler(seq: Sequence, params: SamplingParams) -> bool:
@@ -197,27 +231,40 @@ class LLMEngine:
 
     def _make_outputs(self, new_token_seqs: list[Sequence]) -> list[RequestOutput]:
         """Text for each new token, stop strings (the scheduler checked stop tokens and lengths), outputs."""
-        outputs = []
         now = time.monotonic()
         for seq in new_token_seqs:
-            state = self.requests[seq.seq_id]
-            state.metrics.first_token_time = state.metrics.first_token_time or now
-            token = seq.last_token_id
-            if seq.status == SequenceStatus.FINISHED_STOPPED and token in state.params.all_stop_token_ids(
-                    self.tokenizer.stop_token_ids):
-                state.stop_reason = token if token in state.params.stop_token_ids else None
-            else:
-                _, stopped = state.text.add(token)
-                if stopped:
-                    self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-                    state.stop_reason = state.text.stop_str
+            try:
+                self._process_token(seq, now)
+            except Exception as e:  # detokenizing or a stop string failed: this request alone ends
+                self._fail(seq, e)
+        outputs = [state.output() for state in self._failed]
+        self._failed.clear()
+        for seq in new_token_seqs:
+            state = self.requests.get(seq.seq_id)
+            if state is None:
+                continue  # failed above
             if seq.is_finished:
-                if state.text.stop_str is None:
-                    state.text.finish()  # release text held back for a stop string that never came
-                state.metrics.finished_time = now
                 del self.requests[seq.seq_id]
             outputs.append(state.output())
         return self.parent_requests.merge(outputs)
+
+    def _process_token(self, seq: Sequence, now: float) -> None:
+        """The new token's text, stop strings (the scheduler checked stop tokens and lengths), timings."""
+        state = self.requests[seq.seq_id]
+        state.metrics.first_token_time = state.metrics.first_token_time or now
+        token = seq.last_token_id
+        if seq.status == SequenceStatus.FINISHED_STOPPED and token in state.params.all_stop_token_ids(
+                self.tokenizer.stop_token_ids):
+            state.stop_reason = token if token in state.params.stop_token_ids else None
+        else:
+            _, stopped = state.text.add(token)
+            if stopped:
+                self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+                state.stop_reason = state.text.stop_str
+        if seq.is_finished:
+            if state.text.stop_str is None:
+                state.text.finish()  # release text held back for a stop string that never came
+            state.metrics.finished_time = now
 
     def get_stats(self) -> dict:
         bm = self.scheduler.block_manager

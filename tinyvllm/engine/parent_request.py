@@ -32,10 +32,14 @@ class ParentRequest:
     child_ids: list[str]
     latest: list[CompletionOutput]  # the newest output of each child, index i for completion i
 
+    error: str | None = None  # the first child's error: the request as a whole has failed
+
     def merge(self, index: int, child: RequestOutput) -> RequestOutput:
         self.latest[index] = dataclasses.replace(child.outputs[0], index=index)
+        self.error = self.error or child.error
         return RequestOutput(self.request_id, child.prompt, child.prompt_token_ids, list(self.latest),
-                             finished=all(out.finished for out in self.latest), metrics=child.metrics)
+                             finished=all(out.finished for out in self.latest), metrics=child.metrics,
+                             error=self.error)
 
 
 class ParentRequests:
