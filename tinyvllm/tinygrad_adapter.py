@@ -37,7 +37,7 @@ import tinygrad.engine.realize
 import tinygrad.function  # the module (`tinygrad.function` the attribute is the decorator)
 from tinygrad import Device, Tensor, UOp
 from tinygrad.device import BufferSpec, TinyELF
-from tinygrad.dtype import DType, _to_np_dtype
+from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype
 from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit  # noqa: F401
 from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params  # noqa: F401
 from tinygrad.helpers import DEV, NUM_CPU_THREADS
@@ -195,6 +195,11 @@ def set_lowered_program_cache(cache: dict) -> None:
 def numpy_dtype(dtype: DType) -> type:
     """The numpy dtype of a tinygrad dtype (`tinygrad.dtype._to_np_dtype`)."""
     return _to_np_dtype(dtype)
+
+
+def tinygrad_dtype(dtype) -> DType:
+    """The tinygrad dtype of a numpy dtype (`tinygrad.dtype._from_np_dtype`)."""
+    return _from_np_dtype(dtype)
 
 
 def host_memory(t: Tensor) -> memoryview | None:

@@ -23,25 +23,25 @@ from __future__ import annotations
 
 import numpy as np
 from tinygrad import Tensor
-from tinygrad.dtype import _from_np_dtype
 
 from tinyvllm.device_memory import host_view
+from tinyvllm.tinygrad_adapter import copy_in, tinygrad_dtype
 
 
 class InputBuffer:
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype | type, device: str | None):
         dtype = np.dtype(dtype)
-        self.tensor = Tensor.empty(*shape, dtype=_from_np_dtype(dtype), device=device)
+        self.tensor = Tensor.empty(*shape, dtype=tinygrad_dtype(dtype), device=device)
         view = host_view(self.tensor)
         if view is not None:  # the CPU device: the numpy array is the device memory itself
-            self.np, self._staged = view, None
+            self.np, self._staged = view, False
         else:  # device memory the host cannot see: stage on the host, copy per step
-            self.np, self._staged = np.zeros(shape, dtype), self.tensor.uop.buffer
+            self.np, self._staged = np.zeros(shape, dtype), True
         self.np[...] = 0
 
     def copy_to_device(self) -> Tensor:
-        if self._staged is not None:
-            self._staged.copyin(memoryview(np.ascontiguousarray(self.np)).cast("B"))
+        if self._staged:
+            copy_in(self.tensor, memoryview(np.ascontiguousarray(self.np)).cast("B"))
         return self.tensor
 
     def write(self, values) -> Tensor:
