@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import traceback
 from pathlib import Path
 
@@ -102,97 +103,13 @@ def test_docs_name_files_that_exist(doc: Path):
 # A figure quoted from a benchmark carries, right after it, an HTML comment naming the results file
 # (benchmarks/results/<name>.json, written by the bench script) and the key that holds it:
 #
-#     decode runs at 70.4 tok/s<!-- bench_generate: decode.tok_per_s -->
-#     32 requests: 1.49x<!-- bench_throughput: concurrency=32.vs_llama_cpp --> llama.cpp's rate
+#     decode runs at 70.4 tok/s<!-- bench_generate: decode.tok_s -->
 #
-# The key walks the JSON: `a.b` is a field, `3` an index, and `name=value` the element of a list whose
-# field `name` equals `value`. `KEY*100` or `KEY/1000` scales the value (a fraction quoted as a percent).
-# The figure is the last number before the comment on its line; it must equal the value rounded to the
-# decimals quoted (commas as thousands separators are fine). The comment is invisible when rendered.
+# The rules (keys, scaling, precision, `<!-- derived -->`) and the one implementation of the checks are in
+# benchmarks/quote_figures.py, which also rewrites the figures from the newest results files.
 
-RESULTS = ROOT / "benchmarks" / "results"
-FIGURE_DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *PHASE_DOCS]
-REF = re.compile(r"<!--\s*(\w+):\s*([^\s*/>]+)(?:([*/])(\d+(?:\.\d+)?))?\s*-->")
-NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?")
-# figures that only a measurement can give: these need a reference to a results file
-MEASURED = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s*(?:tok/s|tokens/s|GB/s|GFLOP/s|req/s|ms\b)"
-                      r"|(?<![\w.])\d+(?:\.\d+)?x(?![\w])")
-DERIVED = "<!-- derived -->"  # after a figure that is arithmetic on other figures or the model's shape
-
-
-def lookup(data, key: str):
-    for part in key.split("."):
-        if isinstance(data, list) and "=" in part:
-            field, want = part.split("=", 1)
-            matches = [item for item in data if str(item.get(field)) == want]
-            assert len(matches) == 1, f"{len(matches)} elements of the list have {field} = {want}"
-            data = matches[0]
-        elif isinstance(data, list):
-            data = data[int(part)]
-        else:
-            assert part in data, f"no key {part!r} (there are: {', '.join(map(str, data))})"
-            data = data[part]
-    return data
-
-
-def prose_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, line) outside fenced code blocks."""
-    out, fence = [], None
-    for number, line in enumerate(text.splitlines(), 1):
-        opening = re.match(r"^(`{3,})", line)
-        if fence is None and opening:
-            fence = opening.group(1)
-        elif fence is not None and line.rstrip() == fence:
-            fence = None
-        elif fence is None:
-            out.append((number, line))
-    return out
-
-
-def check_figures(text: str, name: str, results_dir: Path = RESULTS) -> list[str]:
-    """Every quoted figure against its results file; returns the disagreements, one line each."""
-    problems, files = [], {}
-    for number, line in prose_lines(text):
-        start = 0
-        for ref in REF.finditer(line):
-            quoted = NUMBER.findall(line[start:ref.start()])
-            start = ref.end()
-            where = f"{name}:{number}: {ref.group(0)}"
-            if not quoted:
-                problems.append(f"{where}: no number before the reference")
-                continue
-            path = results_dir / f"{ref.group(1)}.json"
-            if path not in files:
-                files[path] = json.loads(path.read_text()) if path.is_file() else None
-            if files[path] is None:
-                problems.append(f"{where}: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} is missing")
-                continue
-            try:
-                value = float(lookup(files[path], ref.group(2)))
-            except (AssertionError, KeyError, IndexError, ValueError, TypeError) as e:
-                problems.append(f"{where}: {e}")
-                continue
-            if ref.group(3):
-                value = value * float(ref.group(4)) if ref.group(3) == "*" else value / float(ref.group(4))
-            text_figure = quoted[-1].replace(",", "")
-            decimals = len(text_figure.split(".")[1]) if "." in text_figure else 0
-            if abs(value - float(text_figure)) > 0.5 * 10 ** -decimals + 1e-9:
-                problems.append(f"{where}: the text says {quoted[-1]}, the results file says {value:.{decimals}f}")
-    return problems
-
-
-def unreferenced_figures(text: str, name: str) -> list[str]:
-    """Measured-looking figures (tok/s, GB/s, ms, 1.5x, ...) with no results reference after them."""
-    problems = []
-    for number, line in prose_lines(text):
-        for figure in MEASURED.finditer(line):
-            rest = line[figure.end():]
-            next_number = NUMBER.search(rest)
-            comment = re.match(r"[^<]*?(<!--[^>]*-->)", rest)
-            before_next = comment is not None and (next_number is None or comment.start(1) < next_number.start())
-            if not (before_next and (REF.fullmatch(comment.group(1)) or comment.group(1) == DERIVED)):
-                problems.append(f"{name}:{number}: {figure.group(0).strip()!r} names no results file")
-    return problems
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from quote_figures import FIGURE_DOCS, check_figures, requote, unreferenced_figures  # noqa: E402
 
 
 @pytest.mark.parametrize("doc", FIGURE_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -223,3 +140,22 @@ def test_the_figure_check_catches_a_wrong_value(tmp_path: Path):
     assert unreferenced_figures("decode at 70.4 tok/s, 1.5x faster", "doc") == [
         "doc:1: '70.4 tok/s' names no results file", "doc:1: '1.5x' names no results file"]
     assert unreferenced_figures("538 MB / 58 GB/s<!-- derived --> and\n```\n9 ms\n```", "doc") == []
+
+
+def test_requote_rewrites_figures_from_the_results_file(tmp_path: Path):
+    (tmp_path / "bench_x.json").write_text(json.dumps(
+        {"decode": {"tok_s": 45.2776}, "prefill": {"512": {"tok_s": 1504.99}}, "fraction": 0.7061,
+         "rows": [{"batch": 1, "context": 128, "ms": 0.75}, {"batch": 1, "context": 8192, "ms": 3.8449},
+                  {"batch": 8, "context": 8192, "ms": 32.19}]}))
+    old = ("decode 48.7 tok/s<!-- bench_x: decode.tok_s --> (84%<!-- bench_x: fraction*100 -->), prefill 1,384 "
+           "tok/s<!-- bench_x: prefill.512.tok_s -->\n```\n48.7 tok/s<!-- bench_x: decode.tok_s -->\n```\n"
+           "kernel 3.1 ms<!-- bench_x: rows.batch=1,context=8192.ms --> and 9 ms<!-- bench_x: rows.nope -->")
+    new, changes = requote(old, tmp_path)
+    assert new == ("decode 45.3 tok/s<!-- bench_x: decode.tok_s --> (71%<!-- bench_x: fraction*100 -->), prefill "
+                   "1,505 tok/s<!-- bench_x: prefill.512.tok_s -->\n```\n48.7 tok/s<!-- bench_x: decode.tok_s -->\n"
+                   "```\nkernel 3.8 ms<!-- bench_x: rows.batch=1,context=8192.ms --> and "
+                   "9 ms<!-- bench_x: rows.nope -->")
+    assert [(line, before, after) for line, before, after, _ in changes] == [
+        (1, "48.7", "45.3"), (1, "84", "71"), (1, "1,384", "1,505"), (5, "3.1", "3.8")]
+    assert len(check_figures(new, "doc", tmp_path)) == 1     # rows.nope: left as it was, and reported
+    assert requote(new, tmp_path)[1] == []                  # a second run changes nothing
