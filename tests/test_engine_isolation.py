@@ -54,10 +54,10 @@ def test_a_failure_inside_the_step_ends_that_request_alone(engine, monkeypatch):
     requests["n2"] = ([3, 4], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
     sample_on_host = engine._sample_on_host
 
-    def failing(seq, logits):
+    def failing(seq, logits, *mask):
         if seq.seq_id == "bad" and seq.num_output_tokens == 3 or seq.seq_id == "n2-1":
             raise RuntimeError("injected")
-        return sample_on_host(seq, logits)
+        return sample_on_host(seq, logits, *mask)
 
     monkeypatch.setattr(engine, "_sample_on_host", failing)
     out = run_all(engine, requests)

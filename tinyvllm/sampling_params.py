@@ -11,6 +11,7 @@ frozen; make a changed copy with `dataclasses.replace`).
     how much                max_tokens, min_tokens, n
     when to stop            stop (strings), stop_token_ids, ignore_eos    -> tinyvllm.sample.stop
     what to report          logprobs, include_stop_str_in_output, skip_special_tokens
+    what shape              structured_outputs (JSON schema, regex, choice, grammar) -> sample.structured_output
 """
 
 from __future__ import annotations
@@ -48,6 +49,41 @@ def _require(ok: bool, field: str, value: object, valid: str) -> None:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's class of the same name; exactly one field is set):
+
+    json         a JSON schema (dict or string): the output is one JSON value that validates against it
+    json_object  True: the output is some JSON object (OpenAI's response_format {"type": "json_object"})
+    regex        the output matches this regular expression
+    choice       the output is exactly one of these strings
+    grammar      a Lark grammar (llguidance's dialect, which also takes GBNF-like rules)
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        _require(len(given) == 1, "structured_outputs", given or None,
+                 "exactly one of json, regex, choice, grammar or json_object")
+        _require(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json", self.json,
+                 "a JSON schema (a dict or a JSON string)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value != ""), f"structured_outputs.{name}", value,
+                     "a non-empty string")
+        _require(self.choice is None or (isinstance(self.choice, list) and self.choice
+                                         and all(isinstance(c, str) and c for c in self.choice)),
+                 "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+        _require(self.json_object in (None, True, False), "structured_outputs.json_object", self.json_object,
+                 "True or None")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt
     temperature: float = 1.0  # 0 (below SAMPLING_EPS) = greedy
@@ -67,6 +103,7 @@ class SamplingParams:
     logprobs: int | None = None  # return this many top alternatives (plus the sampled token) per position
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self):
         # Normalise first (frozen forbids plain assignment, hence object.__setattr__).
@@ -107,6 +144,8 @@ class SamplingParams:
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         for token_id, bias in (self.logit_bias or {}).items():
             _require(_is_int(token_id) and token_id >= 0, "logit_bias", token_id, "keyed by token ids >= 0")
             _require(_is_number(bias) and -100 <= bias <= 100, f"logit_bias[{token_id}]", bias, "in [-100, 100]")

@@ -35,6 +35,7 @@ from tinyvllm.model.loader import load_model
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sample.sampler import Sampler, logprobs_of, make_generator
+from tinyvllm.sample.structured_output import StructuredOutputManager, apply_bitmask_numpy
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tinyvllm.engine")
@@ -51,6 +52,7 @@ class RequestState:
     seq: Sequence  # seq.seq_id == request_id
     text: TextStream
     generator: np.random.Generator | None  # None when greedy
+    matcher: object | None = None  # llguidance's LLMatcher when the output follows a grammar (structured outputs)
     logprobs: list = field(default_factory=list)
     stop_reason: str | int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
@@ -63,6 +65,25 @@ class RequestState:
                                       logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
         return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [completion],
                              finished=seq.is_finished, metrics=self.metrics, error=self.error)
+
+
+@dataclass
+class SamplingBatch:
+    """One step's per-row sampling inputs (see device_sampler): rows of greedy defaults until a request fills its
+    own. clocks (rows, vocab) exist once a row samples; bitmask (rows, ceil(vocab/32)) once a row has a grammar."""
+
+    temperature: np.ndarray  # (rows,) float32, 0 = greedy
+    top_k: np.ndarray  # (rows,) int32, vocab = off
+    top_p: np.ndarray  # (rows,) float32, 1 = off
+    min_p: np.ndarray  # (rows,) float32, 0 = off
+    clocks: np.ndarray | None = None
+    bitmask: np.ndarray | None = None
+    use_filters: bool = False
+    on_host: list[int] = field(default_factory=list)  # rows the host reference sampler takes
+
+    @property
+    def device_params(self) -> tuple[np.ndarray, ...]:
+        return self.temperature, self.top_k, self.top_p, self.min_p
 
 
 class LLMEngine:
@@ -98,6 +119,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.max_model_len, max_num_batched_tokens,
                                         max_num_seqs, portable_attention=portable_attention)
         self.sampler = Sampler()
+        self.structured_outputs = StructuredOutputManager(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests the scheduler knows, by request id
         self._failed: list[RequestState] = []  # requests this step finished with an error, reported by step()
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
@@ -139,8 +161,10 @@ class LLMEngine:
     def _add_one(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
         seq = Sequence(request_id, prompt_ids, params, prompt=text)
         generator = None if params.is_greedy else make_generator(params.seed)
+        matcher = None if params.structured_outputs is None else self.structured_outputs.matcher(
+            params.structured_outputs)  # a grammar that does not compile: ValueError, nothing added
         self.requests[request_id] = RequestState(request_id, text, params, seq,
-                                                 TextStream(self.tokenizer, params, prompt_ids), generator)
+                                                 TextStream(self.tokenizer, params, prompt_ids), generator, matcher)
         self.scheduler.add_seq(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -165,45 +189,76 @@ class LLMEngine:
     def _run_and_sample(self, scheduler_output) -> dict[int | str, int]:
         """Forward pass, then one token per sequence that caught up: on the device in one batched graph,
         except for rows whose request needs the host reference sampler (penalties, logit bias, min_tokens,
-        logprobs), which get their row of logits copied back."""
+        logprobs), which get their row of logits copied back. Structured outputs mask both paths."""
         if not scheduler_output.scheduled_seqs:
             return {}
         seqs, logits = self.model_runner.execute_model(scheduler_output)
         if not seqs:
             return {}
-        rows, vocab = logits.shape
-        temperature, top_p, min_p = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.float32)
-        top_k, clocks = np.full(rows, vocab, np.int32), None  # clocks (rows, vocab) only once a row samples
-        on_host = []
+        batch = self._sampling_batch(seqs, *logits.shape)
+        tokens = self.model_runner.sample(logits, *batch.device_params, batch.clocks, batch.use_filters,
+                                          batch.bitmask)
+        sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs) if row not in batch.on_host}
+        host_logits = logits.numpy() if batch.on_host else None
+        for row in batch.on_host:
+            try:
+                mask = None if batch.bitmask is None else batch.bitmask[row]
+                sampled[seqs[row].seq_id] = self._sample_on_host(seqs[row], host_logits[row], mask)
+            except Exception as e:
+                self._fail(seqs[row], e)
+        for seq in seqs:  # the grammar moves on by the token just sampled
+            state = self.requests.get(seq.seq_id)
+            if state is not None and state.matcher is not None and seq.seq_id in sampled:
+                try:
+                    self.structured_outputs.accept(state.matcher, sampled[seq.seq_id])
+                except Exception as e:
+                    self._fail(seq, e)
+        return {seq_id: token for seq_id, token in sampled.items() if seq_id in self.requests}
+
+    def _sampling_batch(self, seqs: list[Sequence], rows: int, vocab: int) -> SamplingBatch:
+        """Each row's sampling parameters, clocks and grammar mask, one request at a time: a request whose
+        parameters fail here ends alone (its row stays greedy and its token is dropped)."""
+        batch = SamplingBatch(np.zeros(rows, np.float32), np.full(rows, vocab, np.int32), np.ones(rows, np.float32),
+                              np.zeros(rows, np.float32))
         for row, seq in enumerate(seqs):
             state = self.requests[seq.seq_id]
             params = state.params
-            if self._needs_host_sampler(seq, params):
-                on_host.append(row)
-                continue
-            if not params.is_greedy:
-                try:  # one request's parameters must never fail the batch: that request alone finishes
-                    row_params = (params.temperature, params.top_p, params.min_p, min(params.top_k, vocab)
-                                  if params.top_k > 0 else vocab)
-                    draws = state.generator.standard_exponential(vocab)  # same draws as the host sampler
-                except Exception as e:
-                    self._fail(seq, e)
-                    continue
-                temperature[row], top_p[row], min_p[row], top_k[row] = row_params
-                if clocks is None:
-                    clocks = np.ones((rows, vocab), np.float32)
-                clocks[row] = draws
-        use_filters = bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any())
-        # clocks None: every device row is greedy, and the device only takes the argmax
-        tokens = self.model_runner.sample(logits, temperature, top_k, top_p, min_p, clocks, use_filters)
-        host_logits = logits.numpy() if on_host else None
-        sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)}
-        for row in on_host:
             try:
-                sampled[seqs[row].seq_id] = self._sample_on_host(seqs[row], host_logits[row])
-            except Exception as e:
-                self._fail(seqs[row], e)
-        return sampled
+                if state.matcher is not None:
+                    if batch.bitmask is None:
+                        batch.bitmask = self.structured_outputs.allocate_bitmask(rows)
+                    self.structured_outputs.fill_bitmask(state.matcher, batch.bitmask, row)
+                if self._needs_host_sampler(seq, params):
+                    batch.on_host.append(row)
+                    continue
+                if params.is_greedy:
+                    continue
+                top_k = min(params.top_k, vocab) if params.top_k > 0 else vocab
+                draws = state.generator.standard_exponential(vocab)  # same draws as the host sampler
+            except Exception as e:  # one request's parameters must never fail the batch
+                self._fail(seq, e)
+                continue
+            batch.temperature[row], batch.top_k[row] = params.temperature, top_k
+            batch.top_p[row], batch.min_p[row] = params.top_p, params.min_p
+            if batch.clocks is None:
+                batch.clocks = np.ones((rows, vocab), np.float32)
+            batch.clocks[row] = draws
+        batch.use_filters = bool((batch.top_k < vocab).any() or (batch.top_p < 1).any() or (batch.min_p > 0).any())
+        return batch
+
+    @staticmethod
+    def _needs_host_sampler(seq: Sequence, params: SamplingParams) -> bool:
+        return (params.uses_penalties or bool(params.logit_bias) or params.logprobs is not None
+                or seq.num_output_tokens < params.min_tokens)
+
+    def _sample_on_host(self, seq: Sequence, logits: np.ndarray, bitmask_row: np.ndarray | None = None) -> int:
+        state = self.requests[seq.seq_id]
+        allowed = logits if bitmask_row is None else apply_bitmask_numpy(logits, bitmask_row)
+        token = self.sampler(allowed, state.params, seq.prompt_token_ids, seq.output_token_ids, state.generator,
+                             self.tokenizer.stop_token_ids)
+        if state.params.logprobs is not None:  # of the model's own distribution, as vLLM's raw logprobs
+            state.logprobs.append(logprobs_of(logits, token, state.params.logprobs))
+        return token
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """Finish one request with an error (its blocks are freed) and leave the rest of the step alone,
@@ -215,19 +270,6 @@ class LLMEngine:
         self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ERROR)
         state.metrics.finished_time = time.monotonic()
         self._failed.append(state)
-
-    @staticmethod
-    def _needs_host_sampler(seq: Sequence, params: SamplingParams) -> bool:
-        return (params.uses_penalties or bool(params.logit_bias) or params.logprobs is not None
-                or seq.num_output_tokens < params.min_tokens)
-
-    def _sample_on_host(self, seq: Sequence, logits: np.ndarray) -> int:
-        state = self.requests[seq.seq_id]
-        token = self.sampler(logits, state.params, seq.prompt_token_ids, seq.output_token_ids, state.generator,
-                             self.tokenizer.stop_token_ids)
-        if state.params.logprobs is not None:
-            state.logprobs.append(logprobs_of(logits, token, state.params.logprobs))
-        return token
 
     def _make_outputs(self, new_token_seqs: list[Sequence]) -> list[RequestOutput]:
         """Text for each new token, stop strings (the scheduler checked stop tokens and lengths), outputs."""

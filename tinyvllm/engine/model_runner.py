@@ -53,9 +53,9 @@ class ModelRunner:
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[int, GraphedJit] = {}  # one captured graph per token bucket
-        self._sampler_jits: dict[tuple[int, bool | str], GraphedJit] = {}  # per (rows, filters used / "greedy")
+        self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
         self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
-        self._sampler_inputs: dict[int, list[InputBuffer]] = {}  # per number of rows
+        self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
@@ -110,21 +110,31 @@ class ModelRunner:
         return sampled_seqs, (logits if sampled_seqs else None)
 
     def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-               min_p: np.ndarray, clocks: np.ndarray | None, use_filters: bool) -> np.ndarray:
+               min_p: np.ndarray, clocks: np.ndarray | None, use_filters: bool,
+               bitmask: np.ndarray | None = None) -> np.ndarray:
         """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
         the token ids (rows,). Only these come back to the host. `clocks=None`: every row is greedy, and a
-        graph that only takes the argmax runs (no (rows, vocab) clocks to upload, no race)."""
+        graph that only takes the argmax runs (no (rows, vocab) clocks to upload, no race). `bitmask`
+        (rows, ceil(vocab/32)) int32: structured outputs' allowed tokens, applied first (None: no row is
+        constrained, and the graph has no mask at all)."""
         rows = logits.shape[0]
-        if clocks is None:
-            if (rows, "greedy") not in self._sampler_jits:
-                self._sampler_jits[(rows, "greedy")] = GraphedJit(lambda x: device_sampler.greedy(x).realize())
-            return self._sampler_jits[(rows, "greedy")](logits).numpy()
-        key = (rows, use_filters)
+        masked = bitmask is not None
+        inputs = [] if clocks is None else [temperature, top_k, top_p, min_p, clocks]
+        inputs += [bitmask] if masked else []
+        key = (rows, "greedy" if clocks is None else use_filters, masked)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(
-                lambda *args: device_sampler.sample(*args, use_filters=use_filters).realize())
-        params = (temperature, top_k, top_p, min_p, clocks)
-        if rows not in self._sampler_inputs:
-            self._sampler_inputs[rows] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in params]
-        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[rows], params)]
-        return self._sampler_jits[key](logits, *inputs).numpy()
+            self._sampler_jits[key] = GraphedJit(self._sampler_graph(clocks is None, use_filters, masked))
+        if key not in self._sampler_inputs:
+            self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
+        buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
+        return self._sampler_jits[key](logits, *buffers).numpy()
+
+    @staticmethod
+    def _sampler_graph(greedy: bool, use_filters: bool, masked: bool):
+        def run(logits: Tensor, *inputs: Tensor) -> Tensor:
+            if masked:
+                logits, inputs = device_sampler.apply_token_bitmask(logits, inputs[-1]), inputs[:-1]
+            if greedy:
+                return device_sampler.greedy(logits).realize()
+            return device_sampler.sample(logits, *inputs, use_filters=use_filters).realize()
+        return run

@@ -72,6 +72,18 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return (logits - logits.max(axis=-1, keepdim=True) >= log_min_p).where(logits, -math.inf)
 
 
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """Structured outputs: bitmask (S, ceil(V/32)) int32, bit t % 32 of word t // 32 set when token t is allowed
+    (llguidance's layout, see tinyvllm/sample/structured_output.py) -> logits with every other token at -inf.
+    Unpacked here, on the device: 4 bytes per 32 tokens go up instead of a (S, V) mask."""
+    rows, vocab = logits.shape
+    words = bitmask.shape[1]
+    shifts = Tensor.arange(32, dtype=dtypes.int32).reshape(1, 1, 32)
+    bits = (bitmask.reshape(rows, words, 1).expand(rows, words, 32) >> shifts) & 1  # (S, W, 32)
+    allowed = bits.reshape(rows, words * 32)[:, :vocab] != 0
+    return allowed.where(logits, -math.inf)
+
+
 def greedy(logits: Tensor) -> Tensor:
     """logits (S,V) -> the highest-scoring token of every row (S,) int32: a batch where every row is greedy."""
     return logits.argmax(-1).cast(dtypes.int32)
