@@ -209,3 +209,45 @@ def test_preemption_frees_the_newest_and_puts_it_at_the_head_of_the_queue():
     assert list(scheduler.waiting) == [b, c]
     assert b.status == SequenceStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_table == []
     assert b.output_token_ids == [6] and b.is_prefill  # its 5 tokens are recomputed when it is readmitted
+
+
+# ---- the priority policy (vLLM's scheduling_policy="priority": lower value, earlier handling) ----
+
+def test_priority_orders_admission_and_chooses_whom_to_preempt():
+    scheduler = Scheduler(num_blocks=6, block_size=4, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64,
+                          policy="priority")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    low = Sequence("low", [1, 2, 3, 4, 5, 6, 7], params, arrival_time=0.0, priority=5)
+    scheduler.add_seq(low)
+    out = scheduler.schedule()  # low runs alone: 2 blocks
+    scheduler.update_from_output(out, {"low": 9})
+    late = [Sequence(f"q{p}", [p] * 7, params, arrival_time=1.0 + p, priority=p) for p in (3, 1, 2)]
+    for seq in late:
+        scheduler.add_seq(seq)
+    assert [s.seq_id for s in scheduler.waiting] == ["q1", "q2", "q3"]  # by priority, not by arrival
+    preempted = []
+    for _ in range(40):
+        out = scheduler.schedule()
+        preempted += [s.seq_id for s in out.preempted_seqs]
+        scheduler.update_from_output(out, {s.seq_id: 9 for s in out.scheduled_seqs})
+        if not scheduler.has_unfinished_seqs():
+            break
+    assert preempted and all(p in ("low", "q3", "q2") for p in preempted)
+    assert "q1" not in preempted  # the highest priority is never the one to give its blocks up
+    assert preempted[0] == "low"  # the lowest priority goes first, although it arrived first
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 3), st.integers(0, 8)), min_size=2, max_size=10))
+def test_priority_scheduling_gives_every_sequence_its_alone_output(specs):
+    scheduler = Scheduler(num_blocks=12, block_size=4, max_model_len=40, max_num_seqs=4, max_num_batched_tokens=16,
+                          eos_token_ids=[EOS], policy="priority")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    arrivals: dict[int, list[Sequence]] = {}
+    for i, (length, priority, step) in enumerate(specs):
+        seq = Sequence(i, [(i * 7 + j) % VOCAB + 1 for j in range(length)], params, priority=priority)
+        arrivals.setdefault(step, []).append(seq)
+    run(scheduler, arrivals)
+    for seqs in arrivals.values():
+        for seq in seqs:
+            assert seq.output_token_ids == generate_alone(seq.prompt_token_ids, params, 40)[0]

@@ -32,8 +32,9 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); returns one RequestOutput per prompt, in order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); returns one RequestOutput per prompt, in order.
+        `priority`: one per prompt, lower first, under `LLM(..., scheduling_policy="priority")` (vLLM's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -41,11 +42,14 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params: "
                              "give one SamplingParams, or one per prompt")
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities: give one per prompt")
         engine = self.llm_engine
         request_ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, sampling_params):
-                engine.add_request(request_id, prompt, params)
+            for request_id, prompt, params, rank in zip(request_ids, prompts, sampling_params, priority):
+                engine.add_request(request_id, prompt, params, priority=rank)
             finished: dict[str, RequestOutput] = {}
             with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm or len(prompts) < 8) as bar:
                 while engine.has_unfinished_requests():

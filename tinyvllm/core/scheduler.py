@@ -15,6 +15,10 @@ A step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_nu
     waiting (head first)     admitted while the budget, the cap and free blocks allow; a prompt
                              longer than what is left of the budget is split (chunked prefill).
 
+With `policy="priority"` (vLLM's `scheduling_policy`), the waiting queue is ordered by each request's
+`priority` (lower first), then arrival, and the sequence preempted when blocks run out is the one of
+lowest priority, not the newest.
+
     add_seq -> WAITING --schedule--> RUNNING --update_from_output--> FINISHED_* (blocks freed)
                   ^                     |
                   +-----PREEMPTED-------+   (back at the head of the waiting queue)
@@ -36,6 +40,14 @@ from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 
 
+POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy values
+
+
+def _rank(seq: Sequence) -> tuple[int, float]:
+    """Lower is served first: the request's priority (vLLM: lower value, earlier handling), then its arrival."""
+    return seq.priority, seq.arrival_time
+
+
 @dataclass
 class SchedulerOutput:
     """What one step computes: for each scheduled sequence, its tokens at positions
@@ -55,7 +67,9 @@ class Scheduler:
     once per step. The KV pool size (`num_blocks`) is computed once elsewhere and passed in."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = ()):
+                 max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = (), policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -70,6 +84,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = tuple(eos_token_ids)  # the model's; a request may ignore them (ignore_eos)
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
 
@@ -78,7 +93,24 @@ class Scheduler:
             raise ValueError(f"the prompt has {seq.num_prompt_tokens} tokens: max_model_len ({self.max_model_len}) "
                              "leaves no room for output")
         assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"add_seq: {seq} is not new"
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """fcfs: at the back (a preempted sequence: at the front). priority: in (priority, arrival) order."""
+        if self.policy == "priority":
+            index = next((i for i, other in enumerate(self.waiting) if _rank(seq) < _rank(other)), len(self.waiting))
+            self.waiting.insert(index, seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _choose_victim(self) -> Sequence:
+        """Whom to preempt when blocks run out. fcfs: the newest running sequence (it has the least work to
+        lose). priority: the one of lowest priority (highest value), the newest among equals (vLLM v1's rule)."""
+        if self.policy == "priority":
+            return max(self.running, key=_rank)
+        return self.running[-1]
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,13 +129,18 @@ class Scheduler:
             seq = self.running[i]
             num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
             while self.block_manager.append_slots(seq, num_new_tokens) is None:
-                victim = self.running.pop()  # the newest: it has the least work to lose
+                victim = self._choose_victim()
+                if victim in scheduled:  # priority order may pick one already given tokens this step: take them back
+                    scheduled.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.seq_id)
+                    i -= 1
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
+                continue  # it preempted itself: the next one now stands at index i
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -129,7 +166,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[int | str, int]) -> list[Sequence]:

@@ -75,7 +75,7 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 arrival_time: float | None = None, prompt: str | None = None):
+                 arrival_time: float | None = None, prompt: str | None = None, priority: int = 0):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must have at least one token")
         self.seq_id = seq_id
@@ -85,6 +85,7 @@ class Sequence:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         # monotonic clock: only differences (time to first token, queueing time) are meaningful
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # vLLM's: lower is served first under the "priority" scheduling policy
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []

@@ -90,13 +90,14 @@ class LLMEngine:
     """model: a .gguf file, an HF checkpoint directory, None for the default model (SmolLM2-135M-Instruct), or a
     `LlamaForCausalLM` already loaded (then pass its `tokenizer` too: tests and tutorials share one model
     between engines). `num_gpu_blocks_override` sets the number of KV blocks instead of `kv_cache_memory`
-    (vLLM's flag); `portable_attention=True` keeps the portable paged attention instead of the kernels."""
+    (vLLM's flag); `portable_attention=True` keeps the portable paged attention instead of the kernels;
+    `scheduling_policy="priority"` serves requests by their `priority` (lower first) and preempts the lowest."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
                  dtype: str = "float32", max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_memory: str | int = "512MiB", max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
-                 portable_attention: bool = False):
+                 portable_attention: bool = False, scheduling_policy: str = "fcfs"):
         if isinstance(model, LlamaForCausalLM):
             if tokenizer is None:
                 raise ValueError("an already loaded model needs its tokenizer: LLMEngine(model, tokenizer=...)")
@@ -115,7 +116,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}], got {self.max_model_len}")
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.model.dtype, self.model.device)
         self.scheduler = Scheduler(num_blocks, block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids=self.tokenizer.stop_token_ids)
+                                   eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.max_model_len, max_num_batched_tokens,
                                         max_num_seqs, portable_attention=portable_attention)
         self.sampler = Sampler()
@@ -126,14 +127,17 @@ class LLMEngine:
 
     # ---- requests in ----
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: SamplingParams | None = None) -> None:
-        """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing."""
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing. `priority`
+        counts under the "priority" scheduling policy: lower is served first (vLLM's convention)."""
         params = sampling_params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
         self._check_params(params)
         text, prompt_ids = self._process_prompt(prompt)
         self.parent_requests.add(request_id, params, in_use=lambda rid: rid in self.requests,
-                                 add_child=lambda rid, child: self._add_one(rid, text, prompt_ids, child))
+                                 add_child=lambda rid, child: self._add_one(rid, text, prompt_ids, child, priority))
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids must be in this model's vocabulary."""
@@ -158,8 +162,9 @@ class LLMEngine:
                              f"{len(prompt_ids)} tokens, leaving no room for output")
         return text, prompt_ids
 
-    def _add_one(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
-        seq = Sequence(request_id, prompt_ids, params, prompt=text)
+    def _add_one(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams,
+                 priority: int = 0) -> None:
+        seq = Sequence(request_id, prompt_ids, params, prompt=text, priority=priority)
         generator = None if params.is_greedy else make_generator(params.seed)
         matcher = None if params.structured_outputs is None else self.structured_outputs.matcher(
             params.structured_outputs)  # a grammar that does not compile: ValueError, nothing added
