@@ -76,7 +76,8 @@ class FakeLLMEngine:
         self.aborted: list[str] = []
         self.parent_requests = ParentRequests()  # n > 1, fanned out as the real engine does
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None):
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    priority: int = 0):
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt)

@@ -69,6 +69,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -126,13 +127,13 @@ class AsyncLLMEngine:
     # ---- requests (event loop side) ----
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes (vLLM's signature)."""
-        async for output in self.add_request(request_id, prompt, sampling_params):
+        async for output in self.add_request(request_id, prompt, sampling_params, priority):
             yield output
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
+                    priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Check there is room, queue the request for the engine thread now, and return its stream of
         outputs. Leaving the stream early (the client went away, the task was cancelled) aborts the
         request: its KV blocks are freed before the next step. `n > 1` is the engine's to fan out."""
@@ -141,7 +142,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         outputs: asyncio.Queue = asyncio.Queue()
         self._routes[request_id] = outputs
-        self._input.put(_Add(request_id, prompt, sampling_params, time.monotonic()))
+        self._input.put(_Add(request_id, prompt, sampling_params, time.monotonic(), priority))
         return self._stream(request_id, outputs)
 
     async def _stream(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -224,7 +225,7 @@ class AsyncLLMEngine:
                 self._abort(command.request_id)
             return None
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
         except Exception as e:  # ValueError: the caller's mistake, answered to that request only
             return command.request_id, e
         self._in_engine.add(command.request_id)
