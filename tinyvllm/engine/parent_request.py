@@ -22,8 +22,16 @@ from tinyvllm.sampling_params import SamplingParams
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion `index`'s own parameters: n=1, and seed + index when the request is seeded."""
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    """Completion `index`'s own parameters: n=1, and seed + index when the request is seeded.
+
+    The child seed wraps within the 64-bit range `SamplingParams` takes: seed 2**64 - 1 with n=2
+    gives children 2**64 - 1 and 0, both valid and both reproducible."""
+    seed = params.seed
+    if seed is not None:
+        seed += index
+        if seed >= 2**64:
+            seed -= 2**64
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 @dataclasses.dataclass
@@ -39,7 +47,7 @@ class ParentRequest:
         self.error = self.error or child.error
         return RequestOutput(self.request_id, child.prompt, child.prompt_token_ids, list(self.latest),
                              finished=all(out.finished for out in self.latest), metrics=child.metrics,
-                             error=self.error)
+                             error=self.error, num_cached_tokens=child.num_cached_tokens)
 
 
 class ParentRequests:
