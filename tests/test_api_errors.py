@@ -99,8 +99,11 @@ def test_api_key():
         assert [m.id for m in client(server, api_key="sesame").models.list().data] == ["smol", "smol-alias"]
         ok = client(server, api_key="sesame").completions.create(model="smol-alias", prompt="Hi", max_tokens=2)
         assert ok.model == "smol-alias"
-        assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics need no key
-        assert httpx.get(f"{server.url}/metrics").status_code == 200
+        assert httpx.get(f"{server.url}/health").status_code == 200  # a load balancer's probe needs no key
+        key = {"Authorization": "Bearer sesame"}
+        for path in ("/metrics", "/docs", "/openapi.json"):  # everything else does
+            assert_error(httpx.get(f"{server.url}{path}"), 401, None, "invalid_api_key")
+            assert httpx.get(f"{server.url}{path}", headers=key).status_code == 200
 
 
 def test_503_until_the_model_is_loaded():

@@ -8,7 +8,10 @@ Every error the server returns has the body the official clients parse into thei
     400     a bad field, a prompt over the context     invalid_request_error                 BadRequestError
             (code context_length_exceeded)
     401     missing or wrong API key                   invalid_request_error / invalid_api_key  AuthenticationError
+            (with WWW-Authenticate: Bearer)
     404     a model this server does not serve         invalid_request_error / model_not_found  NotFoundError
+    413     a body over --max-request-body-bytes       invalid_request_error / request_too_large  APIStatusError
+    421     a Host header not in --allowed-hosts       invalid_request_error / host_not_allowed   APIStatusError
     429     the waiting queue is full (Retry-After)    requests / rate_limit_exceeded        RateLimitError
     503     the model is loading or the engine stopped server_error / service_unavailable    InternalServerError
     500     a bug or a failed engine step (logged)     server_error / internal_error         InternalServerError
@@ -34,18 +37,19 @@ logger = logging.getLogger("tinyvllm.api")
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):
+                 retry_after: int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.retry_after = retry_after  # seconds, sent as the Retry-After header
+        self.headers = dict(headers or {})
+        if retry_after is not None:  # seconds
+            self.headers["Retry-After"] = str(retry_after)
 
     def body(self) -> dict:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -57,8 +61,21 @@ def context_length_exceeded(message: str, param: str) -> OpenAIError:
 
 
 def invalid_api_key() -> OpenAIError:
+    # RFC 9110: a 401 names the scheme that would succeed
     return OpenAIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
-                       "invalid_request_error", code="invalid_api_key")
+                       "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def request_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                       "(--max-request-body-bytes)", "invalid_request_error", code="request_too_large")
+
+
+def host_not_allowed(name: str) -> OpenAIError:
+    # 421 Misdirected Request: this server does not answer for that name (the guard against DNS rebinding)
+    return OpenAIError(421, f"This server does not answer to the host name {name!r}: besides localhost and IP "
+                       f"addresses it answers only to the names given with --allowed-hosts (e.g. --allowed-hosts "
+                       f"{name}, or '*' for any)", "invalid_request_error", code="host_not_allowed")
 
 
 def model_not_found(model: str, served: list[str]) -> OpenAIError:

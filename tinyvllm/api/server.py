@@ -10,15 +10,23 @@
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need the API
-key when one is set), GET /health (503 until the model is loaded), GET /metrics (Prometheus text).
-The server listens on 127.0.0.1 unless told otherwise.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 until
+the model is loaded), GET /metrics (Prometheus text). The server listens on 127.0.0.1 unless told
+otherwise.
+
+Before any route sees a request, `RequestGuard` checks, in this order and without reading the body
+until the last step:
+
+    Host header      a DNS name not in --allowed-hosts -> 421   (localhost and IP addresses always pass)
+    API key          with --api-key, every path but /health -> 401 + WWW-Authenticate: Bearer
+    body size        over --max-request-body-bytes -> 413, from Content-Length or while reading
 """
 
 from __future__ import annotations
 
 import argparse
 import hmac
+import ipaddress
 import os
 import threading
 import time
@@ -26,25 +34,119 @@ from contextlib import asynccontextmanager
 
 import httpx
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tinyvllm.api.errors import install_error_handlers, invalid_api_key, to_openai_error
+from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, install_error_handlers,
+                                 invalid_api_key, request_too_large, to_openai_error)
 from tinyvllm.api.metrics import ServerMetrics
 from tinyvllm.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.serving_completions import OpenAIServingCompletion
+from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
+
+OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe has none
+
+
+def host_name(host_header: str) -> str:
+    """'Example.com:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # an IPv6 address, bracketed because of the port
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:  # name:port (more colons: an IPv6 address without a port)
+        host = host.rpartition(":")[0]
+    return host.rstrip(".")  # "localhost." is the same name, fully qualified
+
+
+def is_allowed_host(name: str, allowed: frozenset[str]) -> bool:
+    """DNS rebinding: a web page on attacker.example has its name re-resolved to 127.0.0.1, and the
+    browser then sends the page's requests to this server, with `Host: attacker.example`. So a
+    name must be one the operator gave; an IP address can't be rebound and always passes."""
+    if "*" in allowed or name in allowed or name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+class RequestGuard:
+    """ASGI middleware: the Host, API key and body size checks, before routing and before the body
+    is parsed (FastAPI would answer malformed JSON before a route's own checks ran)."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, allowed_hosts: frozenset[str], max_body_bytes: int):
+        self.app, self.api_key, self.allowed_hosts, self.max_body_bytes = app, api_key, allowed_hosts, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        try:
+            name = host_name(headers.get("host", ""))
+            if name and not is_allowed_host(name, self.allowed_hosts):
+                raise host_not_allowed(name)
+            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+                self.check_api_key(headers.get("authorization", ""))
+            body = await self.read_body(headers, receive)
+        except OpenAIError as e:
+            return await e.response()(scope, receive, send)
+        if body is None:  # the client left while sending
+            return
+
+        replayed = False
+
+        async def replay() -> Message:  # the body once, then the real channel (to see a disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def check_api_key(self, authorization: str) -> None:
+        scheme, _, token = authorization.partition(" ")
+        # compare_digest takes as long whatever the key: timing does not tell how much of it was right
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise invalid_api_key()
+
+    async def read_body(self, headers: Headers, receive: Receive) -> bytes | None:
+        """The whole body, refused (413) as soon as it is known to be too big: a declared Content-Length
+        over the limit before a byte is read, a chunked one when the bytes read pass it."""
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise bad_request(f"Content-Length must be a byte count, got {declared!r}")
+            if int(declared) > self.max_body_bytes:
+                raise request_too_large(self.max_body_bytes)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                raise request_too_large(self.max_body_bytes)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """The FastAPI app around `engine`, which it starts and stops with the server."""
+              api_key: str | None = None, limits: ServerLimits | None = None,
+              allowed_hosts: list[str] | None = None) -> FastAPI:
+    """The FastAPI app around `engine`, which it starts and stops with the server. `allowed_hosts`:
+    the DNS names the server answers to besides localhost and IP addresses ("*": any)."""
     if engine.stat_logger is None:  # before the engine thread starts: nothing reads it yet
         engine.stat_logger = ServerMetrics()
     metrics: ServerMetrics = engine.stat_logger
-    completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    limits = limits or ServerLimits()
+    completions = OpenAIServingCompletion(engine, served_model_names, limits)
+    chat = OpenAIServingChat(engine, served_model_names, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,17 +154,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         yield
         await engine.shutdown()
 
-    async def check_api_key(authorization: str | None = Header(default=None)) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        # compare_digest takes as long whatever the key: timing does not tell how much of it was right
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise invalid_api_key()
-
     app = FastAPI(title="tinyvllm", lifespan=lifespan)
     install_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_request_body_bytes,
+                       allowed_hosts=frozenset(host_name(h) if h != "*" else h for h in allowed_hosts or ()))
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -145,13 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TINYVLLM_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health "
+                        "(default: $TINYVLLM_API_KEY, else none)")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
+                   help="host names (the Host header) to answer to, besides localhost, IP addresses and the "
+                        "--host value; '*' for any. Others get 421: a guard against DNS rebinding (default: none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients ask for in 'model' (default: the model's own name)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="more requests than this waiting get 429 with Retry-After (default 256)")
+    defaults = ServerLimits()
+    p.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
+                   help=f"larger request bodies get 413 (default {defaults.max_request_body_bytes} = 4 MiB)")
+    p.add_argument("--max-n", type=int, default=defaults.max_n,
+                   help=f"most choices (n) one request may ask for (default {defaults.max_n})")
+    p.add_argument("--max-stop-sequences", type=int, default=defaults.max_stop_sequences,
+                   help=f"most stop strings per request (default {defaults.max_stop_sequences})")
+    p.add_argument("--max-stop-length", type=int, default=defaults.max_stop_length,
+                   help=f"longest stop string, in characters (default {defaults.max_stop_length})")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache blocks (default 512MiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -173,8 +282,11 @@ def main(argv: list[str] | None = None) -> None:
                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
 
+    limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+                          max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)
     engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
-    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key)
+    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits,
+                    allowed_hosts=[*args.allowed_hosts, args.host])
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

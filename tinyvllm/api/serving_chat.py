@@ -39,6 +39,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
+        self.check_limits(request)
         include_usage = self.check_stream_options(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
@@ -82,6 +83,7 @@ class OpenAIServingChat(OpenAIServing):
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
         except (ValueError, TypeError) as e:  # malformed messages, or the template's own raise_exception
             raise bad_request(f"the messages do not fit the model's chat template: {e}", "messages") from e
+        self.check_prompt_chars(text, "messages")
         # the template wrote the special tokens (BOS included, where the model uses one): add none
         return self.tokenizer.encode(text, add_special_tokens=False)
 

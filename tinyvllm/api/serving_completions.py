@@ -29,6 +29,7 @@ from tinyvllm.outputs import RequestOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
+        self.check_limits(request)
         include_usage = self.check_stream_options(request)
         if request.suffix is not None:
             raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
@@ -63,6 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
+            self.check_prompt_chars(prompt, "prompt")
             return self.tokenizer.encode(prompt), prompt
         token_ids = self.check_token_ids(prompt, "prompt")
         return token_ids, self.tokenizer.decode(token_ids)

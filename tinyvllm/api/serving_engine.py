@@ -1,9 +1,11 @@
 """What both endpoints share: the model check, the context check, request -> SamplingParams, SSE.
 
 Validation happens here, before a request reaches the engine, so a bad request gets its 400 at once
-and never holds a KV block: the prompt is tokenized on the event loop (microseconds for a short one),
-its length checked against `max_model_len`, and the fields turned into a `SamplingParams`, whose own
-checks name the field at fault.
+and never holds a KV block: the operator's limits (`ServerLimits`) are checked, the prompt is
+tokenized on the event loop (microseconds for a short one), its length checked against
+`max_model_len`, and the fields turned into a `SamplingParams`, whose own checks name the field at
+fault. A prompt that cannot fit is refused before it is tokenized or decoded where that can be told
+cheaply: token ids by their count, text by its length (see `check_prompt_chars`).
 
 Server-sent events (SSE) are how a streamed response travels: an HTTP response that stays open, with
 `Content-Type: text/event-stream`, made of events separated by a blank line. OpenAI's stream is one
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import cached_property
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -38,10 +42,39 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
                    "skip_special_tokens", "include_stop_str_in_output")
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of the server, each a flag of `python -m tinyvllm.api.server`.
+
+    Each bounds work done on the event loop or the engine thread before the request could be refused
+    for another reason; a request over one gets a 400 (413 for the body) naming the limit and its flag.
+    """
+
+    # The whole JSON body. 4 MiB is 32 bytes per token of a 128k-token context: the longest prompt of
+    # any model served here fits, as token ids or as text escaped in JSON. Everything else is parsed
+    # on the event loop, so a bigger body would stall every connection while it is read.
+    max_request_body_bytes: int = 4 * 2**20
+    # Choices per request. Each is a sequence of its own in the batch (`parent_request.py`), so n
+    # multiplies the request's cost: 16 lets one request fill at most half of the default batch
+    # (--max-num-seqs 32). OpenAI allows 128; vLLM sets no bound.
+    max_n: int = 16
+    # Stop strings are searched for in every new piece of text of every running request, on the
+    # engine thread. OpenAI allows 4 strings; these are generous bounds for real use.
+    max_stop_sequences: int = 16
+    max_stop_length: int = 256  # characters; the stream also holds back up to this many
+
+    def __post_init__(self):
+        for name in ("max_request_body_bytes", "max_n", "max_stop_sequences", "max_stop_length"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str] | None = None):
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
+                 limits: ServerLimits | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
+        self.limits = limits or ServerLimits()
 
     @property
     def tokenizer(self):
@@ -59,8 +92,49 @@ class OpenAIServing:
             raise model_not_found(model, names)
         return names[0] if model is None else model
 
+    def check_limits(self, request: SamplingFields) -> None:
+        """The operator's limits on n and the stop strings (the body's is checked before parsing)."""
+        n, max_waiting = request.n, self.engine.max_waiting
+        if n > self.limits.max_n:
+            raise bad_request(f"n must be at most {self.limits.max_n} on this server (--max-n), got {n}", "n")
+        if max_waiting is not None and n > max_waiting:  # a 429 would never clear: say so instead
+            raise bad_request(f"n={n} can never be admitted: each choice is one request, and at most {max_waiting} "
+                              "requests may wait on this server (--max-waiting)", "n")
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stop) > self.limits.max_stop_sequences:
+            raise bad_request(f"stop may hold at most {self.limits.max_stop_sequences} strings on this server "
+                              f"(--max-stop-sequences), got {len(stop)}", "stop")
+        longest = max(map(len, stop), default=0)
+        if longest > self.limits.max_stop_length:
+            raise bad_request(f"each stop string may be at most {self.limits.max_stop_length} characters on this "
+                              f"server (--max-stop-length), got one of {longest}", "stop")
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes any one token stands for (added tokens such as "<|im_start|>" included)."""
+        return max(len(self.tokenizer.token_bytes(t)) for t in range(self.tokenizer.vocab_size))
+
+    def check_prompt_chars(self, text: str, prompt_param: str) -> None:
+        """Refuse a text that can't fit the context before tokenizing it (which takes time in proportion).
+
+        No token stands for more than `longest_token_bytes` bytes, so no more characters either, and
+        decoding the tokens gives the text back: a text of C characters has at least C / longest tokens.
+        """
+        limit = self.engine.engine.max_model_len
+        at_least = math.ceil(len(text) / self.longest_token_bytes)
+        if at_least >= limit:
+            raise context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens, but the {prompt_param} has at least "
+                f"{at_least} tokens ({len(text)} characters, and no token is longer than "
+                f"{self.longest_token_bytes}). Shorten the {prompt_param}.", prompt_param)
+
     def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
         vocab_size = self.tokenizer.vocab_size
+        limit = self.engine.engine.max_model_len
+        if len(token_ids) >= limit:  # before the ids are read one by one
+            raise context_length_exceeded(
+                f"This model's maximum context length is {limit} tokens, but the {param} has {len(token_ids)} "
+                f"tokens, which leaves no room for output. Shorten the {param}.", param)
         if not token_ids or not all(0 <= t < vocab_size for t in token_ids):
             raise bad_request(f"{param} must be a non-empty list of token ids in [0, {vocab_size})", param)
         return token_ids
@@ -98,9 +172,10 @@ class OpenAIServing:
     def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
         parsed = {}
         for key, bias in logit_bias.items():
-            if not key.isdigit() or int(key) >= self.tokenizer.vocab_size:
-                raise bad_request(f"logit_bias keys must be token ids in [0, {self.tokenizer.vocab_size}), got "
-                                  f"{key!r}", "logit_bias")
+            # ASCII digits only: str.isdigit() also says yes to "²", which int() refuses
+            if re.fullmatch(r"[0-9]+", key) is None or int(key) >= self.tokenizer.vocab_size:
+                raise bad_request(f"logit_bias keys must be token ids written as integer strings, in [0, "
+                                  f"{self.tokenizer.vocab_size}) (e.g. {{\"1234\": -100}}), got {key!r}", "logit_bias")
             parsed[int(key)] = bias
         return parsed
 
