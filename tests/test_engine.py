@@ -180,3 +180,26 @@ def test_n_completions_per_request(engine):
     assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in first.outputs)
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]  # seeded: reproducible
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # seed + index: the completions differ
+
+
+def test_prefix_caching_reuses_a_prompt_and_gives_the_same_tokens(tiny_dir):
+    """Turn 2 of a chat resends turn 1: its prompt's full blocks come from the cache, the output is unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    system = list(range(300, 340))  # 40 tokens: two full blocks of 16 shared by every request below
+    outputs = {}
+    for caching in (False, True):
+        engine = LLMEngine(tiny_dir, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+                           kv_cache_memory="16MiB", enable_prefix_caching=caching)
+        first = run_all(engine, {"t1": (system + [5, 6, 7], params)})["t1"]
+        second = run_all(engine, {"t2": (system + [5, 6, 7] + first.outputs[0].token_ids + [9], params)})["t2"]
+        together = run_all(engine, {f"u{i}": (system + [i], params) for i in range(3)})
+        outputs[caching] = (first, second, together, engine.get_stats())
+    (first_off, second_off, together_off, stats_off), (first, second, together, stats) = outputs[False], outputs[True]
+    assert first.outputs[0].token_ids == first_off.outputs[0].token_ids and first.num_cached_tokens == 0
+    assert second.outputs[0].token_ids == second_off.outputs[0].token_ids
+    assert second.num_cached_tokens == 48 and second_off.num_cached_tokens == 0  # 3 of its 4 blocks were full
+    for i in range(3):
+        assert together[f"u{i}"].outputs[0].token_ids == together_off[f"u{i}"].outputs[0].token_ids
+        assert together[f"u{i}"].num_cached_tokens == 32
+    assert stats["prefix_cache_hits"] == 48 + 3 * 32 and stats_off["prefix_cache_queries"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

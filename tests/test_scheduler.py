@@ -59,9 +59,11 @@ class FakePagedModel:
         return sampled
 
 
-def run(scheduler: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 20_000) -> list[SchedulerOutput]:
-    """Engine loop: add the sequences due at each step, then schedule -> run -> update."""
-    model, outputs, step = FakePagedModel(scheduler), [], 0
+def run(scheduler: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 20_000,
+        model: FakePagedModel | None = None) -> list[SchedulerOutput]:
+    """Engine loop: add the sequences due at each step, then schedule -> run -> update. Pass `model` to keep
+    one KV cache across runs (prefix caching reads what earlier runs wrote)."""
+    model, outputs, step = model or FakePagedModel(scheduler), [], 0
     while scheduler.has_unfinished_seqs() or any(s >= step for s in arrivals):
         for seq in arrivals.get(step, []):
             scheduler.add_seq(seq)
@@ -251,3 +253,63 @@ def test_priority_scheduling_gives_every_sequence_its_alone_output(specs):
     for seqs in arrivals.values():
         for seq in seqs:
             assert seq.output_token_ids == generate_alone(seq.prompt_token_ids, params, 40)[0]
+
+
+# ---- prefix caching: the fake model reads every context back through the block table, so a cached block
+# ---- holding the wrong tokens, or one evicted while in use, changes the output
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.integers(0, 12)), min_size=2, max_size=12),
+       st.sampled_from([1, 2, 4]), st.integers(6, 20))
+def test_prefix_caching_gives_every_sequence_its_alone_output(specs, block_size, num_blocks):
+    prefixes = [[(7 * p + j) % (VOCAB - 1) + 1 for j in range(9)] for p in range(3)]  # shared system prompts
+    max_model_len = min(num_blocks * block_size, 40)
+    scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                          max_num_seqs=4, max_num_batched_tokens=8, eos_token_ids=[EOS], enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    arrivals: dict[int, list[Sequence]] = {}
+    for i, (prefix, suffix_len, step) in enumerate(specs):
+        prompt = (prefixes[prefix] + [(i * 5 + j) % (VOCAB - 1) + 1 for j in range(suffix_len)])[:max_model_len - 1]
+        arrivals.setdefault(step, []).append(Sequence(i, prompt, params))
+    run(scheduler, arrivals)
+    for seqs in arrivals.values():
+        for seq in seqs:
+            expected = generate_alone(seq.prompt_token_ids, params, max_model_len)[0]
+            assert seq.output_token_ids == expected
+            assert 0 <= seq.num_cached_tokens < seq.num_prompt_tokens
+
+
+def test_a_cached_prefix_is_found_and_evicted_least_recently_used_first():
+    scheduler = Scheduler(num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=64,
+                          enable_prefix_caching=True)
+    bm, model = scheduler.block_manager, FakePagedModel(scheduler)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    first = Sequence("a", list(range(1, 11)), params)  # 10 tokens: blocks [1..4] [5..8] full, [9 10] not
+    run(scheduler, {0: [first]}, model=model)
+    assert len(bm.cached_blocks) == 2 and bm.num_free_blocks == 8  # freed, but its two full blocks stay cached
+    again = Sequence("b", list(range(1, 11)) + [42], params)
+    run(scheduler, {0: [again]}, model=model)
+    assert again.num_cached_tokens == 8  # two blocks hit; only 3 tokens computed
+    exact = Sequence("c", list(range(1, 9)), params)  # ends on a block boundary: its last token is recomputed
+    run(scheduler, {0: [exact]}, model=model)
+    assert exact.num_cached_tokens == 4
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 11 + 8, 0 + 8 + 4)
+    # the free queue, least recently freed first, is now [5 6 7 2 3 1 4 0]: [1..4] lives in block 0 (freed last),
+    # [5..8] in block 1. Six new blocks take 5 6 7 2 3 1: block 1 is evicted, its hash with it; block 0 stays.
+    h0, h1 = first.block_hashes(4)[:2]
+    assert [b.block_id for b in bm.free_block_queue] == [5, 6, 7, 2, 3, 1, 4, 0]
+    run(scheduler, {0: [Sequence(f"o{i}", [50 + i] * 12, params) for i in range(2)]}, model=model)
+    assert bm.cached_blocks[h0] is bm.blocks[0] and h1 not in bm.cached_blocks
+    fresh = Sequence("d", list(range(1, 11)), params)
+    assert bm.cached_prefix(fresh) == [bm.blocks[0]]
+    run(scheduler, {0: [fresh]}, model=model)  # the fake model checks the context it reads back
+    assert fresh.num_cached_tokens == 4
+
+
+def test_prefix_caching_off_caches_nothing():
+    scheduler = Scheduler(num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    run(scheduler, {0: [Sequence("a", list(range(1, 11)), params)]})
+    again = Sequence("b", list(range(1, 11)), params)
+    run(scheduler, {0: [again]})
+    assert again.num_cached_tokens == 0 and not scheduler.block_manager.cached_blocks

@@ -46,3 +46,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = field(default=None, repr=False)
     error: str | None = None  # set when this request failed inside a step (the other requests went on)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's field)

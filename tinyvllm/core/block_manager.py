@@ -30,7 +30,6 @@ decides whom to preempt. Mirrors vLLM v1's `block_pool.py` and `kv_cache_manager
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,14 +42,39 @@ class Block:
     """One block of the pool (vLLM's `KVCacheBlock`).
 
     `ref_cnt` counts the sequences whose block table holds this block: 0 means it is in the free
-    block queue. More than one means the block is shared (a `fork`, or in Phase 7 a cached prefix),
-    and then nobody may write into it. `block_hash` is kept for prefix caching (Phase 7): the hash of
-    the tokens in this block and all blocks before it, so a new prompt with the same prefix can reuse it.
+    block queue. More than one means the block is shared (a `fork`, or a cached prefix), and then
+    nobody may write into it. `block_hash` is set once the block is full and cached (prefix caching,
+    `tinyvllm/core/prefix_cache.py`): the hash of its tokens and all tokens before them, so a new prompt
+    with the same prefix can reuse it. A free block keeps its hash until it is handed out again.
     """
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
+
+
+class FreeBlockQueue:
+    """The free blocks, least recently freed first (vLLM's `FreeKVCacheBlockQueue`). Blocks leave from the
+    left (the oldest: evicted first when they hold a cached prefix) and come back on the right; a cached
+    block that a new prompt hits leaves from the middle, in O(1) (an ordered dict, not a deque)."""
+
+    def __init__(self, blocks: list[Block]):
+        self._blocks = {block.block_id: block for block in blocks}  # dicts keep insertion order
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self):
+        return iter(self._blocks.values())
+
+    def popleft(self) -> Block:
+        return self._blocks.pop(next(iter(self._blocks)))
+
+    def append(self, block: Block) -> None:
+        self._blocks[block.block_id] = block
+
+    def remove(self, block: Block) -> None:
+        del self._blocks[block.block_id]
 
 
 class BlockManager:
@@ -61,7 +85,7 @@ class BlockManager:
     sequence's block table (ref_cnt = how many), so `num_free_blocks + blocks in use == num_blocks`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -69,9 +93,11 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        # vLLM keeps a doubly linked list so that prefix caching can pull a cached block out of the
-        # middle in O(1); a deque is enough while blocks only leave from the left.
-        self.free_block_queue: deque[Block] = deque(self.blocks)
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cached_blocks: dict[bytes, Block] = {}  # block hash -> the block holding that prefix's K/V
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission (vLLM's prefix_cache_queries)
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,23 +109,68 @@ class BlockManager:
         for _ in range(n):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0, f"block {block.block_id} is in the free block queue but in use"
+            if block.block_hash is not None:  # evict: the least recently used cached prefix goes first
+                if self.cached_blocks.get(block.block_hash) is block:
+                    del self.cached_blocks[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
             block_ids.append(block.block_id)
         return block_ids
 
     # ---- a sequence's first blocks ----
 
+    def cached_prefix(self, seq: Sequence) -> list[Block]:
+        """The longest run of cached blocks at the start of `seq`'s tokens, short of its last token: that one is
+        always computed, so that the step has its logits to sample from (vLLM's `get_computed_blocks`)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for block_hash in seq.block_hashes(self.block_size)[:(seq.num_tokens - 1) // self.block_size]:
+            block = self.cached_blocks.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def can_allocate(self, seq: Sequence) -> bool:
-        return seq.num_blocks(self.block_size) <= self.num_free_blocks
+        hits = self.cached_prefix(seq)
+        num_free_hits = sum(block.ref_cnt == 0 for block in hits)  # taking those also shrinks the free queue
+        return seq.num_blocks(self.block_size) - len(hits) + num_free_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> list[int] | None:
         """Give a sequence with no blocks enough blocks for all its tokens (the prompt, or prompt and
-        output after a preemption). Returns its block table, or None if too few blocks are free."""
+        output after a preemption). Returns its block table, or None if too few blocks are free.
+
+        With prefix caching, the blocks of its longest cached prefix come first, shared (ref_cnt + 1), and
+        `seq.num_computed_tokens` starts after them: their K/V are in the cache already."""
         assert not seq.block_table, f"allocate: {seq} already holds blocks"
         if not self.can_allocate(seq):
             return None
-        seq.block_table = self._take_free_blocks(seq.num_blocks(self.block_size))
+        hits = self.cached_prefix(seq)
+        for block in hits:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+        new_blocks = self._take_free_blocks(seq.num_blocks(self.block_size) - len(hits))
+        seq.block_table = [block.block_id for block in hits] + new_blocks
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed_tokens
         return seq.block_table
+
+    def cache_full_blocks(self, seq: Sequence, num_new_computed: int) -> None:
+        """Offer the blocks that the last `num_new_computed` computed tokens of `seq` filled to the prefix
+        cache. A block whose prefix another block holds already stays uncached: the first one keeps the hash."""
+        if not self.enable_prefix_caching:
+            return
+        first, end = (seq.num_computed_tokens - num_new_computed) // self.block_size, seq.num_computed_tokens // self.block_size
+        hashes = seq.block_hashes(self.block_size) if end > first else []
+        for index in range(first, end):
+            block = self.blocks[seq.block_table[index]]
+            if block.block_hash is None and hashes[index] not in self.cached_blocks:
+                block.block_hash = hashes[index]
+                self.cached_blocks[hashes[index]] = block
 
     # ---- growing a running sequence ----
 
@@ -142,16 +213,15 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's reference to each of its blocks; a block nobody references is free again.
 
-        The last block goes back first: with prefix caching the queue's left end is evicted first, and a
-        sequence's last blocks are the ones least likely to be shared with a later prompt.
+        The last block goes back first: with prefix caching the queue's left end is evicted first, so a
+        sequence's last blocks, the ones least likely to be shared with a later prompt, go before its first.
         """
         assert seq.block_table, f"free: {seq} holds no blocks (freed twice?)"
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"free: block {block_id} of {seq} is already free"
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                block.block_hash = None
+            if block.ref_cnt == 0:  # a cached block keeps its hash: a later prompt may still hit it
                 self.free_block_queue.append(block)
         seq.block_table = []
 

@@ -19,6 +19,10 @@ With `policy="priority"` (vLLM's `scheduling_policy`), the waiting queue is orde
 `priority` (lower first), then arrival, and the sequence preempted when blocks run out is the one of
 lowest priority, not the newest.
 
+With prefix caching (`enable_prefix_caching`, tinyvllm/core/prefix_cache.py) a newly admitted sequence
+starts with `num_computed_tokens` after its longest cached prefix: only the rest is scheduled. After each
+step the blocks it filled are offered to the cache.
+
     add_seq -> WAITING --schedule--> RUNNING --update_from_output--> FINISHED_* (blocks freed)
                   ^                     |
                   +-----PREEMPTED-------+   (back at the head of the waiting queue)
@@ -67,7 +71,8 @@ class Scheduler:
     once per step. The KV pool size (`num_blocks`) is computed once elsewhere and passed in."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = (), policy: str = "fcfs"):
+                 max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = (), policy: str = "fcfs",
+                 enable_prefix_caching: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
         if max_num_seqs < 1:
@@ -79,7 +84,7 @@ class Scheduler:
             raise ValueError(f"max_model_len ({max_model_len}) must be >= 2 and fit in the KV cache "
                              f"({num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens), "
                              "or a long sequence could never run")
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -152,9 +157,12 @@ class Scheduler:
             if self.block_manager.allocate(seq) is None:
                 break  # the head waits for blocks; no skipping ahead, or a long prompt could wait forever
             self.waiting.popleft()
+            if seq.num_cached_tokens < 0:  # first admission: how much of the prompt the prefix cache had
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)  # a prefix of it: chunked prefill
+            # the rest of its tokens (after a cached prefix, if any), or a prefix of them: chunked prefill
+            num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -177,6 +185,7 @@ class Scheduler:
             if seq.is_finished:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq.seq_id]
+            self.block_manager.cache_full_blocks(seq, scheduler_output.num_scheduled_tokens[seq.seq_id])
             if seq.num_uncomputed_tokens > 0:
                 continue  # a chunk that ended mid-prompt: its sample, if any, means nothing
             seq.append_token_id(sampled_token_ids[seq.seq_id])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import time
 
+from tinyvllm.core.prefix_cache import block_hashes
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -88,7 +89,9 @@ class Sequence:
         self.priority = priority  # vLLM's: lower is served first under the "priority" scheduling policy
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = -1  # of the prompt, found in the prefix cache at first admission (-1: not yet)
         self.block_table: list[int] = []
+        self._block_hashes: list[bytes] = []  # of its full blocks, for prefix caching (see block_hashes)
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
@@ -137,6 +140,12 @@ class Sequence:
         return self.status.is_finished
 
     # ---- blocks ----
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """The prefix-cache hash of each of its full blocks (tinyvllm/core/prefix_cache.py), each computed once."""
+        if len(self._block_hashes) < self.num_tokens // block_size:
+            block_hashes(self.all_token_ids, block_size, self._block_hashes)
+        return self._block_hashes
 
     def num_blocks(self, block_size: int) -> int:
         """Blocks needed to hold all of this sequence's tokens: ceil(num_tokens / block_size)."""

@@ -64,7 +64,8 @@ class RequestState:
                                       finish_reason=seq.status.finish_reason, stop_reason=self.stop_reason,
                                       logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
         return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [completion],
-                             finished=seq.is_finished, metrics=self.metrics, error=self.error)
+                             finished=seq.is_finished, metrics=self.metrics, error=self.error,
+                             num_cached_tokens=max(seq.num_cached_tokens, 0))
 
 
 @dataclass
@@ -91,13 +92,14 @@ class LLMEngine:
     `LlamaForCausalLM` already loaded (then pass its `tokenizer` too: tests and tutorials share one model
     between engines). `num_gpu_blocks_override` sets the number of KV blocks instead of `kv_cache_memory`
     (vLLM's flag); `portable_attention=True` keeps the portable paged attention instead of the kernels;
-    `scheduling_policy="priority"` serves requests by their `priority` (lower first) and preempts the lowest."""
+    `scheduling_policy="priority"` serves requests by their `priority` (lower first) and preempts the lowest;
+    `enable_prefix_caching` (on by default, as in vLLM) reuses the K/V of prompt prefixes seen before."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
                  dtype: str = "float32", max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_memory: str | int = "512MiB", max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
-                 portable_attention: bool = False, scheduling_policy: str = "fcfs"):
+                 portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True):
         if isinstance(model, LlamaForCausalLM):
             if tokenizer is None:
                 raise ValueError("an already loaded model needs its tokenizer: LLMEngine(model, tokenizer=...)")
@@ -116,7 +118,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}], got {self.max_model_len}")
         self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.model.dtype, self.model.device)
         self.scheduler = Scheduler(num_blocks, block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens,
-                                   eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy)
+                                   eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy,
+                                   enable_prefix_caching=enable_prefix_caching)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.max_model_len, max_num_batched_tokens,
                                         max_num_seqs, portable_attention=portable_attention)
         self.sampler = Sampler()
@@ -316,4 +319,6 @@ class LLMEngine:
     def get_stats(self) -> dict:
         bm = self.scheduler.block_manager
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks}
+                "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
+                "num_cached_blocks": len(bm.cached_blocks),  # free or not: blocks a new prompt may hit
+                "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits}
