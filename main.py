@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged KV cache (default 512MiB)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes seen before (default on, as in vLLM)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
     return p
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                 seed=args.seed, stop=args.stop)
         generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                              enable_prefix_caching=args.enable_prefix_caching)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
             sys.stdout.write(chunk.text)
