@@ -6,6 +6,7 @@ the real tokenizer and text path (`TextStream`: detokenizer + stop strings), and
 fixed rule instead of a forward pass:
 
     greedy:  the words of WORDS in turn, starting at sum(prompt ids) % len, then the eos token
+             (with `reply`: the tokens of that text, then the eos token, whatever the prompt)
     sampled: a word drawn by numpy from the request's seed (random without one)
 
 Hooks for the tests: `gate` (clear it to hold the engine thread inside `step()`; `at_gate` says it
@@ -57,8 +58,9 @@ class FakeRequest:
 
 class FakeLLMEngine:
     def __init__(self, *, max_model_len: int = 256, block_size: int = 16, num_blocks: int = 64,
-                 max_num_seqs: int = 8, step_time: float = 0.0):
+                 max_num_seqs: int = 8, step_time: float = 0.0, reply: str | None = None):
         self.tokenizer = shared_tokenizer()
+        self.reply_ids = None if reply is None else self.tokenizer.encode(reply, add_special_tokens=False)
         self.model_name = "fake-smollm2"
         self.max_model_len, self.block_size, self.num_total_blocks = max_model_len, block_size, num_blocks
         self.num_free_blocks = num_blocks
@@ -126,6 +128,9 @@ class FakeLLMEngine:
     def next_token(self, request: FakeRequest) -> int:
         if not request.params.is_greedy:
             return int(request.rng.choice(self.word_ids))
+        if self.reply_ids is not None:
+            k = len(request.output.token_ids)
+            return self.reply_ids[k] if k < len(self.reply_ids) else self.tokenizer.eos_token_id
         position = sum(request.prompt_token_ids) % len(self.word_ids) + len(request.output.token_ids)
         return self.word_ids[position] if position < len(self.word_ids) else self.tokenizer.eos_token_id
 

@@ -66,6 +66,10 @@ class Counter(Metric):
     def inc(self, amount: float = 1.0, label_value: str = "") -> None:
         self.values[label_value] = self.values.get(label_value, 0.0) + amount
 
+    def set_total(self, total: float) -> None:
+        """For a count the engine keeps itself: its running total, copied."""
+        self.values[""] = total
+
     def samples(self) -> list[str]:
         if self.label is None:
             return [f"{self.name} {self.values['']}"]
@@ -113,6 +117,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.success = Counter("request_success_total", "Requests finished, by reason.", "finished_reason")
+        # prefix caching, in tokens: hits / queries is the share of prompt tokens whose K/V was reused
+        self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.",
                               LATENCY_BUCKETS)
         self.itl = Histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
@@ -137,6 +144,8 @@ class ServerMetrics:
             self.blocks_total.value = total
             self.blocks_used.value = total - stats.get("num_free_blocks", total)
             self.kv_usage.value = self.blocks_used.value / total if total else 0.0
+            self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
+            self.prefix_hits.set_total(stats.get("prefix_cache_hits", 0))
             if stepped:  # the batch that ran: still running, or finished by this step
                 self.batch.observe(self.running.value + sum(output.finished for output in outputs))
             for output in outputs:
@@ -168,6 +177,7 @@ class ServerMetrics:
         if num_waiting is not None:
             self.waiting.value = num_waiting
         metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage,
-                   self.prompt_tokens, self.generation_tokens, self.success, self.ttft, self.itl, self.e2e, self.batch]
+                   self.prompt_tokens, self.generation_tokens, self.success, self.prefix_queries, self.prefix_hits,
+                   self.ttft, self.itl, self.e2e, self.batch]
         with self.lock:
             return "\n".join(line for metric in metrics for line in metric.render()) + "\n"

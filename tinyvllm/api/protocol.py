@@ -9,6 +9,9 @@ sets (`--max-n`, the stop strings, the body size) are checked in `serving_engine
 Beside OpenAI's fields, the requests accept vLLM's sampling extras (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, ...) under the same names, so
 the request maps onto `SamplingParams` name for name. Unknown fields are ignored, as OpenAI does.
+Output constraints come three ways, as in vLLM: OpenAI's `response_format`, vLLM's `structured_outputs`
+and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; chat also takes
+OpenAI's `tools` and `tool_choice`.
 
     request                      response (stream=false)       chunk (stream=true, one per SSE event)
     CompletionRequest            CompletionResponse            CompletionStreamResponse
@@ -23,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
 
 from tinyvllm.sampling_params import MAX_LOGPROBS
 
@@ -52,10 +55,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not from a prefill
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class StreamOptions(BaseModel):
@@ -68,13 +76,33 @@ class StreamOptions(BaseModel):
 # fail_fast, a million token ids tried as list[str] would first collect a million errors.
 Ids = Annotated[list[StrictInt], Field(fail_fast=True)]
 Strings = Annotated[list[StrictStr], Field(fail_fast=True)]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+Choices = Annotated[list[NonEmptyStr], Field(min_length=1, fail_fast=True)]
+
+
+class JsonSchemaFormat(BaseModel):
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: StrictBool | None = None  # the output always follows the schema here, strict or not
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`. Only its shape is checked: the output is not constrained (yet)."""
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (some JSON object) or
+    "json_schema" (JSON that validates against `json_schema.schema`)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None  # {"name", "schema", "strict"} with type "json_schema"
+    json_schema: JsonSchemaFormat | None = None  # with type "json_schema"
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one of these (see `StructuredOutputsParams`)."""
+
+    json_: dict | NonEmptyStr | None = Field(None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: Choices | None = None
+    grammar: NonEmptyStr | None = None
+    json_object: StrictBool | None = None
 
 
 class SamplingFields(BaseModel):
@@ -99,6 +127,12 @@ class SamplingFields(BaseModel):
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's extra
+    guided_json: dict | NonEmptyStr | None = None  # vLLM's older names for the same constraints
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonEmptyStr | None = None
+    priority: StrictInt = 0  # vLLM's extra: lower is served first under --scheduling-policy priority
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # an end-user id for abuse monitoring; accepted and ignored
@@ -115,14 +149,52 @@ class CompletionRequest(SamplingFields):
     suffix: StrictStr | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: StrictBool | None = None
+
+
+class ChatCompletionToolParam(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape: the client parses it)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM's extra: what the model wrote inside <think>...</think>
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict]  # {"role", "content"}: content a string or a list of {"type": "text", "text"} parts
+    tools: list[ChatCompletionToolParam] | None = None
+    # None: "auto" with tools, "none" without; a named function is {"type": "function", "function": {"name"}}
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # accepted; a forced tool_choice makes one call
     max_tokens: StrictInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: StrictInt | None = None  # None: as many as the context leaves
     logprobs: StrictBool = False
@@ -199,9 +271,34 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class DeltaMessage(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Serialized without its None fields: the official client merges tool-call deltas key by key, and a
+    null `type` or `name` would overwrite the one an earlier chunk sent."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """One piece of a streamed tool call: `index` says which call; `id`, `type` and the name come first."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_WithoutNulls):
     role: str | None = None  # "assistant" in each choice's first chunk only
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

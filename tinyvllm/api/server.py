@@ -138,15 +138,16 @@ class RequestGuard:
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, limits: ServerLimits | None = None,
-              allowed_hosts: list[str] | None = None) -> FastAPI:
+              allowed_hosts: list[str] | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server. `allowed_hosts`:
-    the DNS names the server answers to besides localhost and IP addresses ("*": any)."""
+    the DNS names the server answers to besides localhost and IP addresses ("*": any). `reasoning_parser`:
+    "think" sends what the model writes in <think>...</think> as `reasoning_content`."""
     if engine.stat_logger is None:  # before the engine thread starts: nothing reads it yet
         engine.stat_logger = ServerMetrics()
     metrics: ServerMetrics = engine.stat_logger
     limits = limits or ServerLimits()
     completions = OpenAIServingCompletion(engine, served_model_names, limits)
-    chat = OpenAIServingChat(engine, served_model_names, limits)
+    chat = OpenAIServingChat(engine, served_model_names, limits, reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -264,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache blocks (default 512MiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: in arrival order; priority: by each request's 'priority' (lower first; default fcfs)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes seen before (default on)")
+    p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
+                   help="think: send the model's <think>...</think> as reasoning_content (default none)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL")
     p.add_argument("--log-level", default="info")
@@ -280,13 +287,14 @@ def main(argv: list[str] | None = None) -> None:
 
         return LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
+                         max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                         scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching)
 
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)
     engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits,
-                    allowed_hosts=[*args.allowed_hosts, args.host])
+                    allowed_hosts=[*args.allowed_hosts, args.host], reasoning_parser=args.reasoning_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

@@ -11,13 +11,22 @@ continuation is the reply:
 
 A streamed reply opens each choice with a chunk holding only `delta.role`, then sends the new text
 as `delta.content`, the last one with its `finish_reason`.
+
+With `tools` (see `tool_parser.py`) and a reasoning parser (`reasoning_parser.py`), each choice's text
+goes through a `ChoiceParser` before it is sent, the same one streamed or not:
+
+    output text --ThinkReasoningParser--+--> reasoning_content
+                                        +--> the rest --HermesToolParser--+--> content
+                                                                          +--> tool_calls
+    (a choice that made a call and stopped has finish_reason "tool_calls")
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
@@ -26,24 +35,88 @@ from tinyvllm.api.errors import bad_request
 from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatCompletionTokenLogprob, ChatMessage,
-                                   DeltaMessage, TopLogprob)
-from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, choice_deltas, last_output, sse, sse_error,
-                                         usage)
+                                   DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ToolCall,
+                                   TopLogprob)
+from tinyvllm.api.reasoning_parser import ThinkReasoningParser
+from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, choice_deltas, grammar_error,
+                                         last_output, sse, sse_error, usage)
+from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, HermesToolParser, forced_tool_grammar,
+                                      with_default_tool_prompt, with_parsed_arguments)
+from tinyvllm.model.chat_template import template_variables
 from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import StructuredOutputsParams
 
 
 # the roles of OpenAI's chat API ("developer" is the newer name of "system")
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_PARSERS = ("none", "think")
+
+
+@dataclass
+class ToolUse:
+    """What a request's `tools` and `tool_choice` ask of the server."""
+
+    tools: list[dict] | None = None  # OpenAI tool definitions, for the prompt
+    parse: bool = False  # look for calls in the output: tool_choice auto, required or named
+    forced: list[dict] = field(default_factory=list)  # the functions the one call must be to (required, named)
+
+    @property
+    def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """A forced call is a structured output, from the field that asked for it."""
+        if not self.forced:
+            return None
+        return "tool_choice", StructuredOutputsParams(grammar=forced_tool_grammar(self.forced))
+
+
+class ChoiceParser:
+    """One choice's text -> (reasoning, content, tool calls), piece by piece (see the module docstring)."""
+
+    def __init__(self, reasoning: ThinkReasoningParser | None, tools: HermesToolParser | None):
+        self.reasoning, self.tools = reasoning, tools
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning is not None or self.tools is not None
+
+    @property
+    def num_calls(self) -> int:
+        return 0 if self.tools is None else self.tools.num_calls
+
+    def feed(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content, calls = "", text, []
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
+            if last:
+                more_reasoning, more_content = self.reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if last:
+                more_content, more_calls = self.tools.finish()
+                content, calls = content + more_content, calls + more_calls
+        return reasoning, content, calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.num_calls else reason
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, reasoning_parser: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser if reasoning_parser != "none" else None
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
         self.check_limits(request)
         include_usage = self.check_stream_options(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt_ids = self.render(request.messages)
+        tool_use = self.tool_use(request)
+        text = self.render_text(request.messages, tool_use.tools)
+        prompt_ids = self.tokenize(text)
         # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted, the new one wins
         if request.max_completion_tokens is not None:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_completion_tokens, "messages",
@@ -51,21 +124,66 @@ class OpenAIServingChat(OpenAIServing):
         else:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "messages")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, num_logprobs)
+        structured = self.structured_outputs(request, tool_use.constraint)
+        # a tag that is a special token of this vocabulary (Qwen's <tool_call>) must stay in the text to be parsed
+        tags = ([START, END] if tool_use.parse else []) + (["<think>", "</think>"] if self.reasoning_parser else [])
+        defaults = {"skip_special_tokens": False} if self.has_special_token(tags) else {}
+        params = self.sampling_params(request, max_tokens, num_logprobs, structured, **defaults)
+
+        def make_parser() -> ChoiceParser:
+            prompt_opened = text.rstrip().endswith(ThinkReasoningParser.START)  # the template opened <think>
+            return ChoiceParser(ThinkReasoningParser(prompt_opened) if self.reasoning_parser else None,
+                                HermesToolParser() if tool_use.parse else None)
 
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self.engine.add_request(request_id, prompt_ids, params)  # 429 now, before any 200
+        stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         if request.stream:
-            chunks = self.stream_chunks(stream, head, num_logprobs, include_usage)
+            chunks = self.stream_chunks(stream, head, num_logprobs, include_usage, make_parser, bool(tool_use.forced))
             return StreamingResponse(chunks, media_type="text/event-stream")
         final = await last_output(raw_request, stream)
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        return self.full_response(final, head, num_logprobs)
+        return self.full_response(final, head, num_logprobs, make_parser)
 
-    def render(self, messages: list[dict]) -> list[int]:
-        """The prompt's token ids: the conversation through the model's chat template."""
+    def tool_use(self, request: ChatCompletionRequest) -> ToolUse:
+        """Check `tools` and `tool_choice` (OpenAI's defaults: "auto" with tools, "none" without)."""
+        choice = request.tool_choice
+        if not request.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools: give the functions the model may call in tools",
+                                  "tool_choice")
+            return ToolUse()
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        names = [tool["function"]["name"] for tool in tools]
+        if len(set(names)) < len(names):
+            raise bad_request(f"tools must have distinct function names, got {names}", "tools")
+        if choice == "none":
+            return ToolUse(tools)  # listed in the prompt, as OpenAI and vLLM do, but never parsed
+        if choice in (None, "auto"):
+            return ToolUse(tools, parse=True)
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools "
+                              f"({', '.join(names)})", "tool_choice")
+        wanted = names if choice == "required" else [choice.function.name]
+        forced = [tool["function"] for tool in tools if tool["function"]["name"] in wanted]
+        for function in forced:  # each arguments schema compiles, or the 400 says which
+            error = grammar_error(StructuredOutputsParams(json=function.get("parameters") or NO_PARAMETERS))
+            if error:
+                raise bad_request(f"tools[{names.index(function['name'])}].function.parameters does not compile: "
+                                  f"{error}", "tools")
+        return ToolUse(tools, parse=True, forced=forced)
+
+    def has_special_token(self, tags: list[str]) -> bool:
+        """Whether any of `tags` is one special token of this vocabulary."""
+        for tag in tags:
+            ids = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] in self.tokenizer.special_token_ids:
+                return True
+        return False
+
+    def render_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text: the conversation (and the tools) through the model's chat template."""
         conversation = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -78,45 +196,96 @@ class OpenAIServingChat(OpenAIServing):
                 if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
                     raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
                 content = "".join(str(part.get("text", "")) for part in content)
+            tool_calls = message.get("tool_calls")
+            if tool_calls is not None and not (isinstance(tool_calls, list) and all(
+                    isinstance(call, dict) and isinstance(call.get("function"), dict)
+                    and isinstance(call["function"].get("name"), str) for call in tool_calls)):
+                raise bad_request(f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                                  "\"function\": {\"name\", \"arguments\"}}", "messages")
             conversation.append({**message, "content": content})
+        variables = {}
+        if self.tokenizer.chat_template is not None and "tools" in template_variables(self.tokenizer.chat_template):
+            conversation = with_parsed_arguments(conversation)  # the template writes tools its own way
+            variables = {"tools": tools} if tools else {}
+        else:
+            conversation = with_default_tool_prompt(conversation, tools)
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **variables)
         except (ValueError, TypeError) as e:  # malformed messages, or the template's own raise_exception
             raise bad_request(f"the messages do not fit the model's chat template: {e}", "messages") from e
         self.check_prompt_chars(text, "messages")
+        return text
+
+    def tokenize(self, text: str) -> list[int]:
         # the template wrote the special tokens (BOS included, where the model uses one): add none
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def full_response(self, final: RequestOutput, head: dict, num_logprobs: int | None) -> dict:
-        choices = [ChatCompletionResponseChoice(
-            index=completion.index, message=ChatMessage(role="assistant", content=completion.text),
-            logprobs=None if num_logprobs is None else self.logprobs(completion.token_ids, completion.logprobs,
-                                                                     num_logprobs),
-            finish_reason=completion.finish_reason) for completion in final.outputs]
+    def full_response(self, final: RequestOutput, head: dict, num_logprobs: int | None,
+                      make_parser: Callable[[], ChoiceParser]) -> dict:
+        """The stream joined: each choice's whole text through a fresh parser, as if it came in one chunk."""
+        choices = []
+        for completion in final.outputs:
+            parser = make_parser()
+            reasoning, content, calls = parser.feed(completion.text, last=True)
+            has_reasoning = parser.reasoning is not None and parser.reasoning.has_reasoning
+            message = ChatMessage(role="assistant", content=(content or None) if calls or has_reasoning else content,
+                                  reasoning_content=reasoning if has_reasoning else None, tool_calls=calls or None)
+            logprobs = None
+            if num_logprobs is not None:
+                logprobs = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs)
+            choices.append(ChatCompletionResponseChoice(index=completion.index, message=message, logprobs=logprobs,
+                                                        finish_reason=parser.finish_reason(completion.finish_reason)))
         return ChatCompletionResponse(**head, choices=choices, usage=usage(final)).model_dump()
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, num_logprobs: int | None,
-                            include_usage: bool) -> AsyncIterator[str]:
+                            include_usage: bool, make_parser: Callable[[], ChoiceParser],
+                            forced_tool: bool = False) -> AsyncIterator[str]:
+        parsers: dict[int, ChoiceParser] = {}  # choice index -> its parser
         final = None
         try:
             async for final, deltas in choice_deltas(stream):
                 for delta in deltas:
                     if delta.first:
-                        opening = ChatCompletionResponseStreamChoice(index=delta.index,
-                                                                     delta=DeltaMessage(role="assistant", content=""))
-                        yield sse(ChatCompletionStreamResponse(**head, choices=[opening]))
+                        parsers[delta.index] = make_parser()
+                        # a forced tool call has no content: OpenAI's opening chunk then says null, not ""
+                        opening = DeltaMessage(role="assistant", content=None if forced_tool else "")
+                        yield sse(ChatCompletionStreamResponse(**head, choices=[ChatCompletionResponseStreamChoice(
+                            index=delta.index, delta=opening)]))
                     logprobs = None
                     if num_logprobs is not None:
                         logprobs = self.logprobs(delta.token_ids, delta.logprobs, num_logprobs)
-                    choice = ChatCompletionResponseStreamChoice(index=delta.index,
-                                                                delta=DeltaMessage(content=delta.text),
-                                                                logprobs=logprobs, finish_reason=delta.finish_reason)
-                    yield sse(ChatCompletionStreamResponse(**head, choices=[choice]))
+                    for choice in self.stream_choices(delta, parsers[delta.index], logprobs):
+                        yield sse(ChatCompletionStreamResponse(**head, choices=[choice]))
             if include_usage and final is not None:
                 yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=usage(final)))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE
+
+    @staticmethod
+    def stream_choices(delta: ChoiceDelta, parser: ChoiceParser,
+                       logprobs: ChatCompletionLogProbs | None) -> list[ChatCompletionResponseStreamChoice]:
+        """One engine delta of one choice as stream chunks: the text, then each tool call completed by it (its
+        id and name first, its arguments next, as OpenAI streams them); the last chunk has the finish_reason."""
+        reasoning, content, calls = parser.feed(delta.text, last=delta.finish_reason is not None)
+        messages = []
+        if not parser.active:
+            messages.append(DeltaMessage(content=content))
+        elif content or reasoning or logprobs is not None:
+            messages.append(DeltaMessage(content=content or None, reasoning_content=reasoning or None))
+        for k, call in enumerate(calls, start=parser.num_calls - len(calls)):
+            name = DeltaFunctionCall(name=call.function.name, arguments="")
+            messages.append(DeltaMessage(tool_calls=[DeltaToolCall(index=k, id=call.id, type="function",
+                                                                   function=name)]))
+            messages.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=k, function=DeltaFunctionCall(arguments=call.function.arguments))]))
+        if not messages and delta.finish_reason is None:
+            return []  # all held back (a tag, or a call not yet closed): nothing to send yet
+        choices = [ChatCompletionResponseStreamChoice(index=delta.index, delta=message)
+                   for message in messages or [DeltaMessage()]]
+        choices[0].logprobs = logprobs
+        choices[-1].finish_reason = parser.finish_reason(delta.finish_reason)
+        return choices
 
     def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int) -> ChatCompletionLogProbs:
         """Chat's logprobs: one entry per token, with its bytes and the `num_top` most likely alternatives."""

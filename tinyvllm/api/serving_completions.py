@@ -6,7 +6,8 @@
 
 Both paths read the same stream of `RequestOutput`s: the streaming one sends differences, the
 other waits for the end. `echo` puts the prompt in front of the text; `logprobs=k` returns, per
-token, its log-probability and the k most likely alternatives.
+token, its log-probability and the k most likely alternatives. `response_format`, `structured_outputs`
+and the `guided_*` fields constrain the text as on the chat route (see `serving_engine.py`).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ class OpenAIServingCompletion(OpenAIServing):
                               "echo")
         prompt_ids, prompt_text = self.prompt(request.prompt)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "prompt")
-        params = self.sampling_params(request, max_tokens, request.logprobs)
+        params = self.sampling_params(request, max_tokens, request.logprobs, self.structured_outputs(request))
 
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = self.engine.add_request(request_id, prompt_ids, params)  # 429 now, before any 200
+        stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         echo = prompt_text if request.echo else ""
         if request.stream:

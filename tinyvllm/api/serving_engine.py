@@ -7,6 +7,16 @@ tokenized on the event loop (microseconds for a short one), its length checked a
 fault. A prompt that cannot fit is refused before it is tokenized or decoded where that can be told
 cheaply: token ids by their count, text by its length (see `check_prompt_chars`).
 
+Output constraints (structured outputs) arrive under several names; each becomes vLLM's
+`StructuredOutputsParams`, and its grammar is compiled here once to be checked (a schema, regex or
+grammar that does not compile is a 400 naming the field, before any 200 of a stream):
+
+    response_format {"type": "json_object"}                   -> json_object=True
+    response_format {"type": "json_schema", "json_schema": {"schema": S}}  -> json=S
+    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  (vLLM's)
+    guided_json, guided_regex, guided_choice, guided_grammar  (vLLM's older names)
+    tool_choice "required" or a named function (chat)          -> grammar=forced_tool_grammar(...)
+
 Server-sent events (SSE) are how a streamed response travels: an HTTP response that stays open, with
 `Content-Type: text/event-stream`, made of events separated by a blank line. OpenAI's stream is one
 JSON chunk per event, then a literal `[DONE]`:
@@ -31,10 +41,10 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from tinyvllm.api.errors import bad_request, context_length_exceeded, model_not_found, to_openai_error
-from tinyvllm.api.protocol import SamplingFields, UsageInfo
+from tinyvllm.api.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # request fields passed to SamplingParams under the same name, when the client set them
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -159,15 +169,64 @@ class OpenAIServing:
                 f"Shorten the {prompt_param} or lower {max_tokens_param}.", max_tokens_param)
         return max_tokens
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None, **defaults) -> SamplingParams:
+        """`defaults`: values the server picks for fields the client left unset."""
         fields = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
         if request.logit_bias:
             fields["logit_bias"] = self.parse_logit_bias(request.logit_bias)
         try:
-            return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+            return SamplingParams(**{**defaults, **fields}, max_tokens=max_tokens, logprobs=logprobs,
+                                  structured_outputs=structured_outputs)
         except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1], got 2"
             field = re.match(r"\w+", str(e))
             raise bad_request(str(e), field.group() if field else None) from e
+
+    def structured_outputs(self, request: SamplingFields,
+                           forced: tuple[str, StructuredOutputsParams] | None = None) -> StructuredOutputsParams | None:
+        """The request's one output constraint, checked to compile (`forced`: the server's own, as a named
+        field: a forced tool call). None when there is none; a 400 naming the fields when there are more."""
+        given = []  # (field, params)
+        for field, kwargs in self._constraints(request):
+            try:
+                given.append((field, StructuredOutputsParams(**kwargs)))
+            except ValueError as e:  # "structured_outputs must be exactly one of json, regex, ..."
+                raise bad_request(str(e), field) from e
+        if forced is not None:
+            given.append(forced)
+        if len(given) > 1:
+            names = ", ".join(field for field, _ in given)
+            raise bad_request(f"only one output constraint may be given, got {names}", given[1][0])
+        if not given:
+            return None
+        field, params = given[0]
+        error = grammar_error(params)
+        if error:
+            raise bad_request(f"{field} does not compile: {error}", field)
+        return params
+
+    @staticmethod
+    def _constraints(request: SamplingFields) -> list[tuple[str, dict]]:
+        """(field, StructuredOutputsParams' arguments) for each constraint the request sets."""
+        found = []
+        response_format = request.response_format
+        if response_format is not None and response_format.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        if response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None:
+                raise bad_request('response_format of type "json_schema" needs "json_schema": {"name", "schema"}',
+                                  "response_format")
+            schema = response_format.json_schema.schema_
+            found.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
+        if request.structured_outputs is not None:
+            so = request.structured_outputs
+            found.append(("structured_outputs", {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                                                 "grammar": so.grammar, "json_object": so.json_object}))
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(request, field) is not None:
+                found.append((field, {kind: getattr(request, field)}))
+        return found
 
     def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
         parsed = {}
@@ -226,12 +285,27 @@ async def choice_deltas(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[t
         yield output, deltas
 
 
+def grammar_error(params: StructuredOutputsParams) -> str:
+    """Why the constraint's grammar does not compile, or "" when it does (llguidance checks it without the
+    vocabulary: microseconds to milliseconds, on the event loop)."""
+    from llguidance import LLMatcher
+
+    from tinyvllm.sample.structured_output import grammar_of
+
+    try:
+        return LLMatcher.validate_grammar(grammar_of(params))
+    except ValueError as e:
+        return str(e)
+
+
 def usage(output: RequestOutput) -> UsageInfo:
-    """The prompt counts once however many choices (n) share it, as OpenAI bills it."""
+    """The prompt counts once however many choices (n) share it, as OpenAI bills it. `cached_tokens`: how
+    many prompt tokens the prefix cache served (OpenAI's field; vLLM's `num_cached_tokens`)."""
     prompt_tokens = len(output.prompt_token_ids)
     completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens))
 
 
 def sse(chunk: BaseModel | dict | str) -> str:

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -40,13 +41,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from outside: "tools" among them when it can render tool definitions
+    (SmolLM2's reads only messages and add_generation_prompt)."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
 
 
 def validate_messages(messages: object) -> None:

@@ -1,0 +1,232 @@
+"""Tool calling and the reasoning split on /v1/chat/completions, read by the official openai client.
+
+A forced call (tool_choice "required" or a named function) runs on a tiny model with random weights: it
+has no idea what a tool is, so only the grammar makes its arguments parse, which is what is checked,
+greedy and sampled, streamed (assembled by the client's own stream helper) and not. "auto" and the
+reasoning split need an output we choose: `FakeLLMEngine(reply=...)` says a fixed text.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from api_helpers import client, stream_json
+from fake_engine import FakeLLMEngine, shared_tokenizer
+
+from conftest import write_tiny_model
+from tinyvllm.api.reasoning_parser import ThinkReasoningParser
+from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.serving_chat import OpenAIServingChat
+from tinyvllm.api.tool_parser import HermesToolParser
+from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "The sum of two integers.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                   "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                  "b": {"type": "boolean"}}}}}
+TOOLS = [WEATHER, ADD]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+REPLY = f"<think>The user wants the weather.</think>I will check.\n{CALL}"
+
+
+def check_arguments(name: str, arguments: str) -> None:
+    """The arguments parse and validate against the function's parameters schema."""
+    args = json.loads(arguments)
+    if name == "get_weather":
+        assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and len(args["city"]) <= 12
+        assert args["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert name == "add" and set(args) == {"a", "b"} and isinstance(args["b"], bool)
+        assert isinstance(args["a"], int) and -99 <= args["a"] <= 99
+
+
+@contextmanager
+def serve_app(engine_factory, **app_options):
+    engine = AsyncLLMEngine(engine_factory)
+    with BackgroundServer(build_app(engine, **app_options), timeout=600) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-tools"), seed=3)
+    with serve_app(lambda: LLMEngine(path, max_model_len=512, kv_cache_memory="16MiB", max_num_seqs=4,
+                                     max_num_batched_tokens=64), served_model_names=["model"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def fake():
+    with serve_app(lambda: FakeLLMEngine(reply=REPLY, max_model_len=1024, num_blocks=256, step_time=0.002),
+                   reasoning_parser="think") as server:
+        yield server
+
+
+# ---- forced calls on the random model: always there, always parse ---------------------------------------
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_forced_call_always_parses_and_streams_the_same(tiny, tool_choice):
+    c = client(tiny)
+    names = {"get_weather", "add"} if tool_choice == "required" else {"add"}
+    for temperature, seed in [(0, None), (1.0, 0), (1.0, 1), (1.0, 2)]:
+        request = dict(model="model", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
+                       temperature=temperature, seed=seed)
+        response = c.chat.completions.create(**request)
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        check_arguments(call.function.name, call.function.arguments)
+        with c.chat.completions.stream(**request) as stream:  # the client's own assembly of the deltas
+            streamed = stream.get_final_completion().choices[0]
+        assert streamed.finish_reason == "tool_calls"
+        assert [(t.function.name, t.function.arguments) for t in streamed.message.tool_calls] == \
+            [(call.function.name, call.function.arguments)]
+
+
+def test_tool_call_deltas_come_name_first_then_arguments(tiny):
+    events, _ = stream_json(tiny, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER], "max_tokens": 120,
+                                                           "tool_choice": "required", "temperature": 0})
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant"}  # no content: the reply is a call
+    pieces = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert pieces[0]["index"] == 0 and pieces[0]["type"] == "function" and pieces[0]["id"].startswith("call_")
+    assert pieces[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in pieces[1:])
+    check_arguments("get_weather", "".join(p["function"]["arguments"] for p in pieces))
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ---- auto and the reasoning split, on a fixed reply --------------------------------------------------------
+
+def test_auto_parses_the_call_and_splits_the_reasoning(fake):
+    c = client(fake)
+    response = c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0)
+    message, finish_reason = response.choices[0].message, response.choices[0].finish_reason
+    assert message.reasoning_content == "The user wants the weather." and message.content == "I will check."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert finish_reason == "tool_calls"
+
+    chunks = list(c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0,
+                                            stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == message.content
+    with c.chat.completions.stream(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.message.tool_calls[0].function.arguments == message.tool_calls[0].function.arguments
+    assert streamed.finish_reason == "tool_calls"
+
+
+def test_without_tools_or_with_tool_choice_none_the_call_stays_text(fake):
+    c = client(fake)
+    for options in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        choice = c.chat.completions.create(model="fake-smollm2", messages=ASK, temperature=0, **options).choices[0]
+        assert choice.message.content == f"I will check.\n{CALL}" and not choice.message.tool_calls
+        assert choice.finish_reason == "stop"
+
+
+def test_no_reasoning_parser_leaves_the_text_whole():
+    with serve_app(lambda: FakeLLMEngine(reply=REPLY, max_model_len=1024, num_blocks=256)) as server:
+        message = client(server).chat.completions.create(model="fake-smollm2", messages=ASK,
+                                                         temperature=0).choices[0].message
+    assert message.content == f"{REPLY}" and getattr(message, "reasoning_content", None) is None
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("text", [REPLY, "<think>cut short", "  <thinking>no", "a <tool_call>{bad json}</tool_call> b",
+                                  f"{CALL}\n{CALL}\n", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}'])
+def test_the_parsers_do_not_depend_on_how_the_text_is_cut(text):
+    def run(chunks: list[str]):
+        reasoning, tools, out = ThinkReasoningParser(), HermesToolParser(), ["", "", []]
+        for i, chunk in enumerate(chunks):
+            r, rest = reasoning.feed(chunk)
+            if i == len(chunks) - 1:
+                more = reasoning.finish()
+                r, rest = r + more[0], rest + more[1]
+            content, calls = tools.feed(rest)
+            if i == len(chunks) - 1:
+                more_content, more_calls = tools.finish()
+                content, calls = content + more_content, calls + more_calls
+            out = [out[0] + r, out[1] + content, out[2] + [(c.function.name, c.function.arguments) for c in calls]]
+        return out
+
+    whole = run([text])
+    for size in (1, 2, 5):
+        assert run(pieces(text, size)) == whole, size
+
+
+# ---- the prompt ----------------------------------------------------------------------------------------------
+
+HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                      "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+
+
+def serving_chat(tokenizer) -> OpenAIServingChat:
+    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer, max_model_len=2048))
+    return OpenAIServingChat(engine)
+
+
+def test_smollm2_gets_the_default_tool_prompt_and_history():
+    text = serving_chat(shared_tokenizer()).render_text(HISTORY, TOOLS)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and json.dumps(WEATHER) in text
+    assert f'<|im_start|>assistant\n{CALL}<|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\n18 degrees, sunny\n</tool_response><|im_end|>" in text
+
+
+def test_a_template_with_tool_support_renders_the_tools_itself():
+    tokenizer = copy.copy(shared_tokenizer())
+    tokenizer.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                               "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                               "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+                               "{% endfor %}{% endfor %}")
+    text = serving_chat(tokenizer).render_text(HISTORY, TOOLS)
+    assert text == ("[get_weather][add]<user>What is the weather in Paris?<assistant>get_weather(Paris)"
+                    "<tool>18 degrees, sunny")
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
+    ({"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": "get_weather"}]}, "messages"),
+])
+def test_bad_tools_are_400s_naming_the_field(fake, body, param):
+    for stream in (False, True):
+        response = httpx.post(f"{fake.url}/v1/chat/completions", json={"messages": ASK, **body, "stream": stream},
+                              timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_the_openai_client_sees_a_bad_request(fake):
+    with pytest.raises(openai.BadRequestError):
+        client(fake).chat.completions.create(model="fake-smollm2", messages=ASK, tool_choice="required")

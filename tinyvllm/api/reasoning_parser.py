@@ -1,0 +1,72 @@
+"""Reasoning split (vLLM's `--reasoning-parser`): a thinking model writes its reasoning first, between
+`<think>` and `</think>`, then the answer. The server sends the two apart, as `reasoning_content` and
+`content`, so a client shows the answer without the scratch work:
+
+    "<think>2 and 2 make 4.</think>The answer is 4."
+        -> message.reasoning_content = "2 and 2 make 4."     message.content = "The answer is 4."
+
+Streamed, the same text arrives a few characters at a time, and a tag may be cut anywhere ("</thi" in one
+chunk, "nk>" in the next). So the parser reads its input incrementally and holds back only what could
+still become a tag; everything else goes out at once. The non-streamed response feeds the whole text
+into the same parser, so the two can never disagree. `python -m tinyvllm.api.server --reasoning-parser
+think` turns it on (SmolLM2 does not think: the default is none).
+"""
+
+from __future__ import annotations
+
+
+def partial_tag_length(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` ("ab<thi" -> 4 for "<think>")."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ThinkReasoningParser:
+    """Split an output into (reasoning, content) pieces as it arrives.
+
+    Reasoning is what follows a `<think>` at the very start of the output (whitespace before it allowed),
+    up to `</think>`; with no `</think>` (the output was cut short), all of it. Some chat templates open
+    the block in the prompt themselves: then `prompt_opened=True` and the output starts inside it. An
+    output that starts with anything else is all content.
+    """
+
+    START, END = "<think>", "</think>"
+
+    def __init__(self, prompt_opened: bool = False):
+        self.state = "reasoning" if prompt_opened else "start"  # start -> reasoning -> content
+        self.has_reasoning = prompt_opened  # whether a reasoning block was seen (its text may be empty)
+        self.held = ""  # text not yet sent: it may still become a tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The (reasoning, content) that `text` adds and that can already be sent."""
+        self.held += text
+        reasoning, content = "", ""
+        while True:
+            if self.state == "start":
+                head = self.held.lstrip()
+                if head.startswith(self.START):
+                    self.held, self.state, self.has_reasoning = head[len(self.START):], "reasoning", True
+                    continue
+                if self.START.startswith(head):  # nothing yet, or the start of "<think>": wait
+                    return reasoning, content
+                self.state = "content"
+            elif self.state == "reasoning":
+                end = self.held.find(self.END)
+                if end >= 0:
+                    reasoning += self.held[:end]
+                    self.held, self.state = self.held[end + len(self.END):], "content"
+                    continue
+                keep = partial_tag_length(self.held, self.END)
+                reasoning += self.held[:len(self.held) - keep]
+                self.held = self.held[len(self.held) - keep:]
+                return reasoning, content
+            else:
+                content, self.held = content + self.held, ""
+                return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """The output ended: what was held back is what it looked like."""
+        held, self.held = self.held, ""
+        return (held, "") if self.state == "reasoning" else ("", held)
