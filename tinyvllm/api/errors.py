@@ -126,4 +126,5 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return OpenAIError(e.status_code, str(e.detail), kind).response()
+        # the exception's headers too: a 405 must say which methods the path has (Allow, RFC 9110)
+        return OpenAIError(e.status_code, str(e.detail), kind, headers=e.headers).response()

@@ -181,3 +181,30 @@ class ServerMetrics:
                    self.ttft, self.itl, self.e2e, self.batch]
         with self.lock:
             return "\n".join(line for metric in metrics for line in metric.render()) + "\n"
+
+
+class KeyMetrics:
+    """Requests and tokens per API key (`--api-keys-file`), labelled by the key's id, never the key.
+
+    Written by `audit.RequestAccounting` when a request ends and read by /metrics, both on the event
+    loop: no lock. Tokens are the request's own (prompt once, completions of all its choices).
+    """
+
+    def __init__(self):
+        self.requests: dict[tuple[str, str], int] = {}  # (key_id, status) -> requests
+        self.prompt_tokens = Counter("api_key_prompt_tokens_total", "Prompt tokens of requests, by API key.", "key_id")
+        self.generation_tokens = Counter("api_key_generation_tokens_total", "Tokens generated, by API key.", "key_id")
+
+    def record(self, key_id: str, status: int | None, prompt_tokens: int, generation_tokens: int) -> None:
+        label = (key_id, str(status or 0))  # 0: no response was sent
+        self.requests[label] = self.requests.get(label, 0) + 1
+        self.prompt_tokens.inc(prompt_tokens, key_id)
+        self.generation_tokens.inc(generation_tokens, key_id)
+
+    def render(self) -> str:
+        name = PREFIX + "api_key_requests_total"
+        lines = [f"# HELP {name} Requests, by API key and HTTP status (429: over the key's limits).",
+                 f"# TYPE {name} counter"]
+        lines += [f'{name}{{key_id="{key_id}",status="{status}"}} {count}'
+                  for (key_id, status), count in sorted(self.requests.items())]
+        return "\n".join([*lines, *self.prompt_tokens.render(), *self.generation_tokens.render()]) + "\n"

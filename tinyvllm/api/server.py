@@ -18,19 +18,24 @@ Before any route sees a request, `RequestGuard` checks, in this order and withou
 until the last step:
 
     Host header      a DNS name not in --allowed-hosts -> 421   (localhost and IP addresses always pass)
-    API key          with --api-key, every path but /health -> 401 + WWW-Authenticate: Bearer
+    API key          with --api-key or --api-keys-file, every path but /health -> 401 + WWW-Authenticate: Bearer
+    the key's RPM    on /v1/, a key over its requests (or in debt for its tokens) per minute -> 429 + Retry-After
     body size        over --max-request-body-bytes -> 413, from Content-Length or while reading
+
+Outside it, `audit.RequestAccounting` keeps a record of each request (the key's id, status, tokens,
+latency) for --audit-log and the per-key counters of /metrics; `keys.KeyedEngine` charges the key's
+tokens per minute as the request is admitted to the engine and as its tokens are generated.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import ipaddress
 import os
 import threading
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -39,10 +44,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tinyvllm.api.audit import AuditLog, RequestAccounting, current_record
 from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, install_error_handlers,
-                                 invalid_api_key, request_too_large, to_openai_error)
-from tinyvllm.api.metrics import ServerMetrics
-from tinyvllm.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+                                 request_too_large, to_openai_error)
+from tinyvllm.api.keys import ApiKey, ApiKeys, KeyedEngine
+from tinyvllm.api.metrics import KeyMetrics, ServerMetrics
+from tinyvllm.api.openapi import openapi_schema, responses
+from tinyvllm.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                   CompletionResponse, ModelCard, ModelList)
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.serving_completions import OpenAIServingCompletion
 from tinyvllm.api.serving_engine import ServerLimits
@@ -75,11 +84,11 @@ def is_allowed_host(name: str, allowed: frozenset[str]) -> bool:
 
 
 class RequestGuard:
-    """ASGI middleware: the Host, API key and body size checks, before routing and before the body
-    is parsed (FastAPI would answer malformed JSON before a route's own checks ran)."""
+    """ASGI middleware: the Host, API key, rate and body size checks, before routing and before the
+    body is parsed (FastAPI would answer malformed JSON before a route's own checks ran)."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, allowed_hosts: frozenset[str], max_body_bytes: int):
-        self.app, self.api_key, self.allowed_hosts, self.max_body_bytes = app, api_key, allowed_hosts, max_body_bytes
+    def __init__(self, app: ASGIApp, *, keys: ApiKeys | None, allowed_hosts: frozenset[str], max_body_bytes: int):
+        self.app, self.keys, self.allowed_hosts, self.max_body_bytes = app, keys, allowed_hosts, max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan
@@ -89,8 +98,11 @@ class RequestGuard:
             name = host_name(headers.get("host", ""))
             if name and not is_allowed_host(name, self.allowed_hosts):
                 raise host_not_allowed(name)
-            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-                self.check_api_key(headers.get("authorization", ""))
+            key = self.identify(scope["path"], headers)
+            if key is not None and key.has_limits:
+                send = self.with_rate_limit_headers(key, send)  # on every answer, this 429 included
+                if scope["path"].startswith("/v1/"):
+                    self.keys.admit_request(key)
             body = await self.read_body(headers, receive)
         except OpenAIError as e:
             return await e.response()(scope, receive, send)
@@ -108,11 +120,27 @@ class RequestGuard:
 
         await self.app(scope, replay, send)
 
-    def check_api_key(self, authorization: str) -> None:
-        scheme, _, token = authorization.partition(" ")
-        # compare_digest takes as long whatever the key: timing does not tell how much of it was right
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise invalid_api_key()
+    def identify(self, path: str, headers: Headers) -> ApiKey | None:
+        """The caller's key (401 without a valid one); None when no keys are configured, or on /health."""
+        if self.keys is None or path in OPEN_PATHS:
+            return None
+        key = self.keys.identify(headers.get("authorization", ""))
+        record = current_record.get()
+        if record is not None:  # for the audit log and /metrics
+            record.key_id = key.id
+        return key
+
+    def with_rate_limit_headers(self, key: ApiKey, send: Send) -> Send:
+        """OpenAI's x-ratelimit-* headers, as they stand when the response starts (for a non-streamed
+        answer, after its completion tokens were charged)."""
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                extra = [(name.encode(), value.encode()) for name, value in self.keys.headers(key).items()]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        return send_with_headers
 
     async def read_body(self, headers: Headers, receive: Receive) -> bytes | None:
         """The whole body, refused (413) as soon as it is known to be too big: a declared Content-Length
@@ -137,41 +165,58 @@ class RequestGuard:
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
-              api_key: str | None = None, limits: ServerLimits | None = None,
-              allowed_hosts: list[str] | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              api_key: str | None = None, api_keys: ApiKeys | None = None, audit_log: str | Path | None = None,
+              limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server. `allowed_hosts`:
-    the DNS names the server answers to besides localhost and IP addresses ("*": any). `reasoning_parser`:
-    "think" sends what the model writes in <think>...</think> as `reasoning_content`."""
+    the DNS names the server answers to besides localhost and IP addresses ("*": any). `api_key`: one
+    key without limits; `api_keys`: several, with limits (not both: `ApiKeys.build` merges them).
+    `audit_log`: a file to append one JSON line per request to. `reasoning_parser`: "think" sends what the
+    model writes in <think>...</think> as `reasoning_content`."""
+    if api_key is not None and api_keys is not None:
+        raise ValueError("give api_key or api_keys, not both (ApiKeys.build(api_key, keys_file) merges them)")
+    keys = api_keys if api_key is None else ApiKeys.build(api_key)
     if engine.stat_logger is None:  # before the engine thread starts: nothing reads it yet
         engine.stat_logger = ServerMetrics()
     metrics: ServerMetrics = engine.stat_logger
+    key_metrics = KeyMetrics() if keys is not None else None
+    audit = AuditLog(audit_log) if audit_log is not None else None
     limits = limits or ServerLimits()
-    completions = OpenAIServingCompletion(engine, served_model_names, limits)
-    chat = OpenAIServingChat(engine, served_model_names, limits, reasoning_parser=reasoning_parser)
+    keyed_engine = KeyedEngine(engine, keys)  # the serving code's view: each request charged to its key
+    completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits)
+    chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()  # the engine thread builds the engine meanwhile; /health says when it is done
         yield
         await engine.shutdown()
+        if audit is not None:
+            audit.close()
 
     app = FastAPI(title="tinyvllm", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_request_body_bytes,
+    app.add_middleware(RequestGuard, keys=keys, max_body_bytes=limits.max_request_body_bytes,
                        allowed_hosts=frozenset(host_name(h) if h != "*" else h for h in allowed_hosts or ()))
+    if keys is not None or audit is not None:  # added last: the outermost, it sees the guard's refusals too
+        app.add_middleware(RequestAccounting, audit_log=audit, key_metrics=key_metrics, skip_paths=OPEN_PATHS)
+    app.openapi = lambda: openapi_schema(app, secured=keys is not None, open_paths=OPEN_PATHS)
     v1 = APIRouter(prefix="/v1")
+    guarded = (401, 413, 421)  # what RequestGuard may answer on any path but /health
 
-    @app.get("/health")
+    @app.get("/health", responses=responses({"application/json": {"type": "object"}}, 413, 421, 503))
     async def health() -> JSONResponse:
         if engine.is_ready:
             return JSONResponse({})
         return to_openai_error(EngineNotReadyError("the model is not loaded (yet)")).response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=responses({"text/plain": {"type": "string"}}, *guarded))
     async def prometheus_metrics() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(engine.num_waiting()), media_type="text/plain; version=0.0.4")
+        text = metrics.render(engine.num_waiting()) + (key_metrics.render() if key_metrics is not None else "")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @v1.get("/models")
+    @v1.get("/models", responses=responses(ModelList, *guarded, 429, 503))
     async def list_models() -> dict:
         try:
             engine.check_ready()
@@ -180,14 +225,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return to_openai_error(e).response()
         return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len) for name in names]).model_dump()
 
-    @v1.post("/completions")
+    generation_errors = (400, *guarded, 404, 429, 500, 503)
+
+    @v1.post("/completions", responses=responses(CompletionResponse, *generation_errors, stream=True))
     async def create_completion(request: CompletionRequest, raw_request: Request):
         try:
             return await completions.create_completion(request, raw_request)
         except Exception as e:  # OpenAIError as it is; engine errors mapped; anything else logged as a 500
             return to_openai_error(e).response()
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         try:
             return await chat.create_chat_completion(request, raw_request)
@@ -244,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every path but /health "
                         "(default: $TINYVLLM_API_KEY, else none)")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="API keys with optional requests/tokens-per-minute limits, as JSON or JSON lines "
+                        "(tinyvllm/api/keys.py has the format; `python -m tinyvllm.api.keys ID` makes a key). "
+                        "With --api-key too, that key is one more, id 'default', without limits")
+    p.add_argument("--audit-log", default=None, metavar="PATH",
+                   help="append one JSON line per request (time, key id, route, status, tokens, latency) to PATH")
     p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
                    help="host names (the Host header) to answer to, besides localhost, IP addresses and the "
                         "--host value; '*' for any. Others get 421: a guard against DNS rebinding (default: none)")
@@ -278,7 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # before the model loads: a typo in the keys file is said at once
+        keys = ApiKeys.build(args.api_key, args.api_keys_file)
+    except (OSError, ValueError) as e:
+        parser.error(f"--api-keys-file: {e}")
     if args.device:
         os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
 
@@ -293,8 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)
     engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
-    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key, limits=limits,
-                    allowed_hosts=[*args.allowed_hosts, args.host], reasoning_parser=args.reasoning_parser)
+    app = build_app(engine, served_model_names=args.served_model_name, api_keys=keys, audit_log=args.audit_log,
+                    limits=limits, allowed_hosts=[*args.allowed_hosts, args.host],
+                    reasoning_parser=args.reasoning_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

@@ -1,0 +1,307 @@
+"""API keys with limits: who may call the server, and how much of it each caller may use.
+
+`--api-keys-file PATH` holds the keys, as JSON (a list of objects, or {"keys": [...]}) or as JSON
+lines (one object per line). The file need not hold a secret: a key is given by its SHA-256.
+
+    {"id": "alice", "sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "rpm": 60, "tpm": 20000}
+    {"id": "batch-jobs", "key": "sk-in-clear-if-you-must"}
+
+    id       required; shown in the audit log and as the key_id label in /metrics (letters, digits, . _ -)
+    sha256   the hex SHA-256 of the key: `printf %s "$KEY" | sha256sum` (or "key": the key itself)
+    rpm      requests per minute to /v1/ (optional: no limit)
+    tpm      tokens per minute, prompt and completion tokens together (optional: no limit)
+
+`python -m tinyvllm.api.keys alice --rpm 60 >> keys.jsonl` makes a new random key: the key goes to
+the terminal (stderr), to be given to alice; only its line, with the hash, goes to the file.
+`--api-key KEY` is one more key, with the id "default" and no limits.
+
+Each limit is a token bucket (the algorithm behind OpenAI's limits and most API gateways): a bucket
+holds up to `limit` units and refills at `limit` per minute, so a key may burst up to its limit at once
+and then runs at its steady rate. The units are taken when they are known:
+
+    RPM  1 per request, when the request arrives (before its body is read)
+    TPM  the prompt's tokens when the request is admitted to the engine (a prompt needs that many in
+         the bucket: else 429), then each completion token as it is generated
+
+Completion tokens are charged as they come rather than reserved up front (prompt + max_tokens, as
+OpenAI estimates): a request without max_tokens would otherwise reserve the whole context, and a key
+would be refused for tokens it never uses. The price: a request already admitted is never stopped,
+so its completion may take the bucket below zero; the key then waits until the debt is repaid.
+Retry-After is exact for a key that sends nothing else meanwhile: the seconds, rounded up, until the
+bucket holds what the refused request needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinyvllm.api.audit import current_record
+from tinyvllm.api.errors import OpenAIError, bad_request, invalid_api_key
+from tinyvllm.outputs import RequestOutput
+
+KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # safe as it is in a log line and a Prometheus label
+FIELDS = {"id", "sha256", "key", "rpm", "tpm"}
+EPSILON = 1e-9  # a bucket refilled for exactly Retry-After seconds holds enough, float rounding or not
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    digest: bytes  # SHA-256 of the key: the key itself is never kept
+    rpm: int | None = None
+    tpm: int | None = None
+
+    @property
+    def has_limits(self) -> bool:
+        return self.rpm is not None or self.tpm is not None
+
+
+def sha256(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def parse_key(entry: object, where: str) -> ApiKey:
+    """One object of the keys file -> ApiKey; ValueError naming the entry and the field at fault."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: each key must be a JSON object, got {entry!r}")
+    unknown = set(entry) - FIELDS
+    if unknown:  # a typo ("tmp") must not quietly mean "no limit"
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; a key has {sorted(FIELDS)}")
+    key_id = entry.get("id")
+    if not isinstance(key_id, str) or KEY_ID.fullmatch(key_id) is None:
+        raise ValueError(f"{where}: id must be 1-64 letters, digits, '.', '_' or '-', got {key_id!r}")
+    if ("sha256" in entry) == ("key" in entry):
+        raise ValueError(f"{where} ({key_id}): give exactly one of sha256 (preferred) or key")
+    if "key" in entry:
+        if not isinstance(entry["key"], str) or not entry["key"]:
+            raise ValueError(f"{where} ({key_id}): key must be a non-empty string")
+        digest = sha256(entry["key"])
+    else:
+        if not isinstance(entry["sha256"], str) or re.fullmatch(r"[0-9a-fA-F]{64}", entry["sha256"]) is None:
+            raise ValueError(f"{where} ({key_id}): sha256 must be 64 hex digits")
+        digest = bytes.fromhex(entry["sha256"])
+    limits = {}
+    for name in ("rpm", "tpm"):
+        value = entry.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{where} ({key_id}): {name} must be an integer >= 1 (or absent: no limit), got {value!r}")
+        limits[name] = value
+    return ApiKey(key_id, digest, **limits)
+
+
+def load_api_keys(path: str | Path) -> list[ApiKey]:
+    """The keys of a JSON or JSON-lines file."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        document = json.loads(text)
+        entries = document.get("keys", [document]) if isinstance(document, dict) else document
+        where = [f"{path}: key {i}" for i in range(len(entries))] if isinstance(entries, list) else []
+    except json.JSONDecodeError:  # JSON lines
+        numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        entries, where = [], []
+        for n, line in numbered:
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON object: {e}") from e
+            where.append(f"{path}:{n}")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path}: expected a list of keys, {{\"keys\": [...]}} or JSON lines, with at least one key")
+    return [parse_key(entry, w) for entry, w in zip(entries, where)]
+
+
+class TokenBucket:
+    """Up to `per_minute` units, refilled continuously at `per_minute` / 60 per second.
+
+    `level` may go below zero: completion tokens are charged after admission (see the module docstring).
+    """
+
+    def __init__(self, per_minute: int, now: float):
+        self.capacity, self.rate = per_minute, per_minute / 60.0  # units per second
+        self.level, self.updated = float(per_minute), now
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def seconds_until(self, amount: float, now: float) -> float:
+        """How long until the bucket holds `amount` (0: it does now)."""
+        self.refill(now)
+        return 0.0 if self.level + EPSILON >= amount else (amount - self.level) / self.rate
+
+    def take(self, amount: float, now: float) -> None:
+        self.refill(now)
+        self.level -= amount
+
+    def headers(self, kind: str, now: float) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for this bucket; reset: until the bucket is full again."""
+        self.refill(now)
+        return {f"x-ratelimit-limit-{kind}": str(self.capacity),
+                f"x-ratelimit-remaining-{kind}": str(max(0, math.floor(self.level + EPSILON))),
+                f"x-ratelimit-reset-{kind}": duration((self.capacity - self.level) / self.rate)}
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's (Go's) way of writing a duration: '0s', '250ms', '1.5s', '6m0s'."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, seconds = divmod(seconds, 60)
+    text = f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+def rate_limited(key: ApiKey, kind: str, limit: int, needed: int, wait: float) -> OpenAIError:
+    retry_after = max(1, math.ceil(wait - EPSILON))  # whole seconds (RFC 9110), never early
+    return OpenAIError(429, f"Rate limit reached for {kind} per minute on API key {key.id!r}: limit {limit}, this "
+                       f"request needs {needed}. Please try again in {retry_after}s.", kind,
+                       code="rate_limit_exceeded", retry_after=retry_after)
+
+
+class ApiKeys:
+    """The server's keys, and for each key with limits its request and token buckets.
+
+    Used on the event loop only (the guard, the route's admission, the stream), so no lock.
+    `clock` is for the tests.
+    """
+
+    def __init__(self, keys: list[ApiKey], clock: Callable[[], float] = time.monotonic):
+        assert keys, "at least one key"
+        for attribute in ("id", "digest"):
+            values = [getattr(key, attribute) for key in keys]
+            if len(set(values)) != len(values):
+                raise ValueError(f"two API keys have the same {'id' if attribute == 'id' else 'key'}")
+        self.keys, self.clock = list(keys), clock
+        now = clock()
+        self.by_id = {key.id: key for key in keys}
+        self.requests = {key.id: TokenBucket(key.rpm, now) for key in keys if key.rpm is not None}
+        self.tokens = {key.id: TokenBucket(key.tpm, now) for key in keys if key.tpm is not None}
+
+    @classmethod
+    def build(cls, api_key: str | None = None, keys_file: str | Path | None = None) -> ApiKeys | None:
+        """The keys of --api-keys-file plus --api-key (id "default", no limits); None if neither."""
+        keys = load_api_keys(keys_file) if keys_file is not None else []
+        if api_key is not None:
+            keys.append(ApiKey("default", sha256(api_key)))
+        return cls(keys) if keys else None
+
+    def identify(self, authorization: str) -> ApiKey:
+        """The key of an `Authorization: Bearer KEY` header, or a 401."""
+        scheme, _, token = authorization.partition(" ")
+        # Starlette decodes headers as latin-1: encoding back gives the bytes the client sent
+        digest = hashlib.sha256(token.encode("latin-1")).digest()
+        found = None
+        for key in self.keys:  # every key, match or not, each compared in constant time: the time the
+            if hmac.compare_digest(digest, key.digest):  # check takes says nothing of the key or of which matched
+                found = key
+        if scheme.lower() != "bearer" or found is None:
+            raise invalid_api_key()
+        return found
+
+    def admit_request(self, key: ApiKey) -> None:
+        """At arrival: one unit of RPM, and a token bucket not in debt (429 otherwise)."""
+        now = self.clock()
+        tokens = self.tokens.get(key.id)
+        if tokens is not None and (wait := tokens.seconds_until(1, now)) > 0:
+            raise rate_limited(key, "tokens", key.tpm, 1, wait)
+        requests = self.requests.get(key.id)
+        if requests is not None:
+            if (wait := requests.seconds_until(1, now)) > 0:
+                raise rate_limited(key, "requests", key.rpm, 1, wait)
+            requests.take(1, now)
+
+    def check_tokens(self, key: ApiKey, num_prompt_tokens: int) -> None:
+        """At admission to the engine: room for the prompt's tokens (429), or a 400 if there never can be."""
+        bucket = self.tokens.get(key.id)
+        if bucket is None:
+            return
+        if num_prompt_tokens > bucket.capacity:  # a 429 would never clear: say so instead
+            raise bad_request(f"the prompt has {num_prompt_tokens} tokens, more than the {bucket.capacity} tokens per "
+                              f"minute that API key {key.id!r} may use: it can never be served")
+        if (wait := bucket.seconds_until(num_prompt_tokens, self.clock())) > 0:
+            raise rate_limited(key, "tokens", key.tpm, num_prompt_tokens, wait)
+
+    def charge_tokens(self, key: ApiKey, num_tokens: int) -> None:
+        if key.id in self.tokens and num_tokens:
+            self.tokens[key.id].take(num_tokens, self.clock())
+
+    def headers(self, key: ApiKey) -> dict[str, str]:
+        """x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the limits this key has."""
+        now, headers = self.clock(), {}
+        if key.id in self.requests:
+            headers.update(self.requests[key.id].headers("requests", now))
+        if key.id in self.tokens:
+            headers.update(self.tokens[key.id].headers("tokens", now))
+        return headers
+
+
+class KeyedEngine:
+    """The AsyncLLMEngine as the serving code sees it, with each request charged to its caller.
+
+    `OpenAIServing*` call `engine.add_request(request_id, prompt_ids, params)` as before; which key the
+    request belongs to travels with the request's asyncio task, in the `current_record` context
+    variable that `audit.RequestAccounting` sets. Everything else is the engine's own attribute.
+    """
+
+    def __init__(self, engine, keys: ApiKeys | None):
+        self.async_engine, self.keys = engine, keys
+
+    def __getattr__(self, name: str):
+        return getattr(self.async_engine, name)
+
+    def add_request(self, request_id: str, prompt: list[int], sampling_params, priority: int = 0):
+        record = current_record.get(None)
+        key = self.keys.by_id.get(record.key_id) if record is not None and self.keys is not None else None
+        num_prompt_tokens = len(prompt)  # the serving code passes token ids
+        if key is not None:
+            self.keys.check_tokens(key, num_prompt_tokens)
+        stream = self.async_engine.add_request(request_id, prompt, sampling_params, priority)  # may 429 itself
+        if key is not None:
+            self.keys.charge_tokens(key, num_prompt_tokens)  # only once the engine has taken the request
+        if record is None:
+            return stream
+        record.request_id, record.prompt_tokens = request_id, num_prompt_tokens  # once however many choices (n)
+        return self.metered(stream, record, key)
+
+    async def metered(self, stream: AsyncIterator[RequestOutput], record, key: ApiKey | None):
+        """The stream, with each completion token charged as it arrives (all choices together)."""
+        try:
+            async for output in stream:
+                generated = sum(len(completion.token_ids) for completion in output.outputs)
+                if key is not None:
+                    self.keys.charge_tokens(key, generated - record.completion_tokens)
+                record.completion_tokens = generated
+                yield output
+        finally:  # closed early (the client left): close the engine's stream now, which aborts the request
+            await stream.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print a new random key (to give to its user) and its line for --api-keys-file (no secret in it)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="make a new API key for --api-keys-file")
+    p.add_argument("id", help="the key's id: shown in the audit log and /metrics")
+    p.add_argument("--rpm", type=int, default=None, help="requests per minute (default: no limit)")
+    p.add_argument("--tpm", type=int, default=None, help="tokens per minute (default: no limit)")
+    args = p.parse_args(argv)
+    key = "sk-" + secrets.token_urlsafe(32)
+    entry = {"id": args.id, "sha256": sha256(key).hex(), "rpm": args.rpm, "tpm": args.tpm}
+    parse_key(entry, "the new key")  # the same checks as the server's
+    print(f"key for {args.id} (give it to them; it is stored nowhere): {key}", file=sys.stderr)
+    print(json.dumps({k: v for k, v in entry.items() if v is not None}))
+
+
+if __name__ == "__main__":
+    main()
