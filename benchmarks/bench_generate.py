@@ -4,7 +4,7 @@
     python benchmarks/bench_generate.py --beam 2              # tinygrad's BEAM kernel search (slow the first time)
     python benchmarks/bench_generate.py --model path/to/model.gguf --json results.json
 
-Four measurements, in the order a user meets them:
+Five measurements, in the order a user meets them (the fifth with --peers):
 
   1. cold start: from the moment the process started to the first generated token, split into
      imports | weight loading | first prefill (kernel compilation and JIT capture included) | sampling.
@@ -13,14 +13,21 @@ Four measurements, in the order a user meets them:
   2. prefill tokens/s for a few prompt lengths, after a warm-up run of each length.
   3. single-stream decode tokens/s (greedy, ignore_eos), after warm-up: mean, p50 and p90 per-token
      latency through the engine (`Generator.stream`), and the model step alone (`runner.decode`).
-  4. the memory-bandwidth bound. A decode step of one sequence reads every weight once:
+  4. the ceiling. A decode step of one sequence reads every weight once:
 
          bytes per token = (all linear weights + lm_head) x bytes of the compute dtype
-         best decode tok/s = measured bandwidth / bytes per token
+         best decode tok/s = read bandwidth / bytes per token
 
-     The bandwidth is measured in this run with a numpy copy of a 256 MiB array (best of several),
-     counted as bytes read + bytes written. The KV cache read and the embedding row are left out:
-     both are small next to the weights at these lengths (the KV figure is printed).
+     The read bandwidth is measured in this run (benchmarks/bandwidth.py: every core reads a buffer several
+     times the last-level cache with AVX2 loads, best of several). With --peers, a second ceiling: the rate at
+     which llama.cpp streams the same float32 weights (its tg tok/s x the same bytes per token). The KV cache
+     read and the embedding row are left out: both are small next to the weights at these lengths (the KV
+     figure is printed).
+  5. with --peers DIR: llama.cpp's llama-bench (tgN, ppN for the same lengths) on F32, Q8_0 and the shipped
+     Q4_1 weights, and llama-server's process start to first token, run after tinyvllm's measurements,
+     printed beside them with the ratio. Without --peers no peer figure is printed.
+
+Results go to benchmarks/results/bench_generate.json (and to --json PATH).
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ SCRIPT_START = time.perf_counter()
 
 # imported after the clock starts, so that the cold-start breakdown sees them
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -43,16 +49,9 @@ import numpy as np  # numpy only here: tinygrad must not be imported before BEAM
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import code_version, machine_description, table  # noqa: E402  (benchmarks/common.py)
+from bandwidth import measure_read_bandwidth  # noqa: E402  (benchmarks/bandwidth.py)
+from common import add_peers_arg, code_version, find_peers, log, machine_description, table, write_results  # noqa: E402
 
-# Measured earlier on this machine type (2 vCPU AMD EPYC), same model, greedy, 2 threads; not in this run.
-PEERS = [
-    ("llama.cpp, Q4_1 weights (llama-bench tg128)", 117.4),
-    ("llama.cpp, F32 weights (llama-bench tg128)", 50.3),
-    ("HF transformers, fp32 (torch CPU)", 16.8),
-    ("tinygrad.llm, Q4_1 dequantized every step", 4.9),
-]
-TARGET_DECODE_TOK_S = 20.0  # Phase 1 target, fp32 weights
 BENCH_TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and "
               "were programmed by rewiring them; later, stored programs let the same hardware run any algorithm. "
               "Memory grew faster than anyone expected, and so did the software that filled it. ")
@@ -75,7 +74,7 @@ PROCESS_START = SCRIPT_START - (INTERPRETER_START_S or 0.0)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="tinyvllm generation benchmark: cold start, prefill, decode, "
-                                "and the memory-bandwidth bound")
+                                "the memory-bandwidth ceiling, and llama.cpp in the same run (--peers)")
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per decode run (default 128)")
@@ -93,23 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu-graph", action="store_true", help="replay captured graphs with tinygrad's own "
                    "per-kernel Python loop instead of tinyvllm's CPU graph (TINYVLLM_CPU_GRAPH=0)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    add_peers_arg(p)
     return p
 
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
-
-
-def measure_copy_bandwidth(size_mib: int = 256, repeats: int = 7) -> float:
-    """Bytes/s of a numpy copy of a `size_mib` MiB array, best of `repeats`, counting read + write."""
-    src = np.ones(size_mib * 2**20 // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best
 
 
 def weight_bytes_per_token(config, dtype_bytes: int) -> int:
@@ -148,6 +136,111 @@ def prompt_of_length(tokenizer, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
+# ---- 4 and 5: the ceiling and llama.cpp, measured after tinyvllm's runs (one thing at a time on the cores) ----
+
+def measure_peers(llama, prompt_lens: list[int], n_gen: int) -> dict:
+    """llama.cpp on each weight format: llama-bench (ppN for each prompt length, tg n_gen) and the cold start of
+    llama-server. Keys as in the results file: {"llama_cpp_f32": {"tg128_tok_s": .., "cold_start_s": ..}, ..}."""
+    from peers.llama_cpp import FORMATS, result_key  # benchmarks/peers/
+
+    out = {}
+    for fmt in FORMATS:
+        log(f"llama.cpp {fmt}: llama-bench -p {','.join(map(str, prompt_lens))} -n {n_gen}, then llama-server ...")
+        figures = llama.bench(fmt, prompt_lens, n_gen)
+        cold = llama.cold_start(fmt)
+        figures["cold_start_s"] = cold["first_token_s"]
+        figures["cold_start_runs_s"] = [r["first_token_s"] for r in cold["runs"]]
+        figures["threads"] = llama.threads
+        out[result_key(fmt)] = figures
+    return out
+
+
+def report_ceiling(read: dict, weight_bytes: int, f32_weight_bytes: int, kv_bytes: int, decode_tok_s: float,
+                   peers: dict, dtype: str) -> dict:
+    """Print decode against the read bandwidth and (with peers) against llama.cpp F32's weight stream
+    (f32_weight_bytes: what its step reads; weight_bytes: what tinyvllm's reads in `dtype`)."""
+    threads = max(read["bytes_per_s"])
+    bandwidth = read["bytes_per_s"][threads]
+    bound = bandwidth / weight_bytes
+    out = {"read_gb_s": {str(n): b / 1e9 for n, b in read["bytes_per_s"].items()}, "read_threads": threads,
+           "read_buffer_mib": read["buffer_bytes"] / 2**20, "weight_bytes_per_token": weight_bytes,
+           "kv_bytes_per_token_mid_run": kv_bytes, "read_bound_tok_s": bound,
+           "decode_weights_gb_s": decode_tok_s * weight_bytes / 1e9,
+           "decode_fraction_of_read_bound": decode_tok_s / bound}
+    one = read["bytes_per_s"].get(1)
+    rows = [(f"weights read per token (linear + lm_head, {dtype})", f"{weight_bytes / 1e6:.1f} MB"),
+            ("KV cache read per token, mid-run (not counted)", f"{kv_bytes / 1e6:.1f} MB"),
+            (f"read bandwidth, {threads} threads, AVX2 loads over {read['buffer_bytes'] / 2**20:.0f} MiB, best of 10",
+             f"{bandwidth / 1e9:.1f} GB/s" + (f" (1 thread {one / 1e9:.1f})" if one and threads > 1 else "")),
+            ("ceiling: read bandwidth / bytes per token", f"{bound:.1f} tok/s")]
+    f32 = peers.get("llama_cpp_f32", {})
+    tg = next((v for k, v in f32.items() if k.startswith("tg") and k.endswith("_tok_s")), None)
+    if tg is not None:
+        out["llama_cpp_f32_weights_gb_s"] = tg * f32_weight_bytes / 1e9
+        out["decode_fraction_of_llama_cpp_f32"] = decode_tok_s / tg
+        rows.append(("llama.cpp F32 streams the float32 weights at (its tg tok/s x bytes per token)",
+                     f"{tg * f32_weight_bytes / 1e9:.1f} GB/s = {tg:.1f} tok/s"))
+    rows.append(("tinyvllm decode (engine)",
+                 f"{decode_tok_s:.1f} tok/s = {decode_tok_s * weight_bytes / 1e9:.1f} GB/s"))
+    rows.append(("  as a fraction of the read ceiling", f"{decode_tok_s / bound:.0%}"))
+    if tg is not None:
+        rows.append(("  as a fraction of llama.cpp F32", f"{decode_tok_s / tg:.0%}"))
+    print("\n== ceiling: single-stream decode reads every weight once per token ==")
+    print(table(rows, ("", "value")))
+    return out
+
+
+def report_peers(results: dict, peers: dict, dtype: str) -> None:
+    """tinyvllm and llama.cpp side by side, same workloads; each peer gets its tinyvllm / llama.cpp ratios."""
+    from peers.llama_cpp import FORMATS, SOURCE, result_key  # benchmarks/peers/
+
+    n_gen = results["decode"]["tokens_per_run"]
+    ours = {f"tg{n_gen}": results["decode"]["tok_per_s"]}
+    ours.update({f"pp{p['prompt_tokens']}": p["tok_per_s"] for p in results["prefill"]})
+    rows = []
+    for name, value in ours.items():
+        kind = "decode" if name.startswith("tg") else "prefill"
+        row = [f"{kind} {name} tok/s", f"{value:.1f}"]
+        for fmt in FORMATS:
+            peer = peers[result_key(fmt)]
+            theirs = peer.get(f"{name}_tok_s")
+            peer.setdefault("tinyvllm_ratio", {})[name] = None if theirs is None else value / theirs
+            row += ["-", "-"] if theirs is None else [f"{theirs:.1f}", f"{value / theirs:.2f}"]
+        rows.append(row)
+    cold = results["cold_start"]["process_start_to_first_token_s"]
+    row = ["cold start: process start -> first token, s", f"{cold:.2f}"]
+    for fmt in FORMATS:
+        peer = peers[result_key(fmt)]
+        peer.setdefault("tinyvllm_ratio", {})["cold_start"] = cold / peer["cold_start_s"]
+        row += [f"{peer['cold_start_s']:.2f}", f"{cold / peer['cold_start_s']:.2f}"]
+    rows.append(row)
+    headers = ["workload", f"tinyvllm {dtype}"]
+    for fmt in FORMATS:
+        headers += [f"llama.cpp {fmt}", "ratio"]
+    print(f"\n== tinyvllm and llama.cpp ({SOURCE}), same model and workloads, this run; "
+          f"ratio = tinyvllm / llama.cpp ==")
+    print(table(rows, tuple(headers)))
+    print(f"llama.cpp: llama-bench (median of 5 repetitions, decode from an empty context), llama-server -np 1 from "
+          f"Popen to the reply of one /completion (median of 3); {peers[result_key(FORMATS[0])]['threads']} threads.")
+    print("For the cold start the ratio is of seconds: above 1, tinyvllm takes longer.")
+
+
+def file_figures(results: dict) -> dict:
+    """The results-file view: the same figures under short, stable keys ("tok_per_s" -> "tok_s", prefill by
+    prompt length); the run's metadata is written by common.write_results."""
+    def rename(value):
+        if isinstance(value, dict):
+            return {k.replace("tok_per_s", "tok_s"): rename(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rename(v) for v in value]
+        return value
+
+    figures = {k: rename(v) for k, v in results.items() if k not in ("date", "machine", "code", "args")}
+    if isinstance(figures.get("prefill"), list):
+        figures["prefill"] = {str(p["prompt_tokens"]): p for p in figures["prefill"]}
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -169,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_cpu_graph:
         os.environ["TINYVLLM_CPU_GRAPH"] = "0"
     cache_state = kernel_cache_state()
+    llama = find_peers(args)  # fails here, not after minutes of measuring, if llama.cpp is not built
 
     # ---- 1. cold start: process start -> first token ----
     t_setup_end = t = time.perf_counter()
@@ -293,38 +387,17 @@ def main(argv: list[str] | None = None) -> int:
     ], ("", "tok/s", "mean ms", "p50 ms", "p90 ms")))
     print("runs (tok/s): " + ", ".join(f"{r:.1f}" for r in runs))
 
-    # ---- 4. the memory-bandwidth bound ----
-    bandwidth = measure_copy_bandwidth()
+    # ---- 4. the ceiling and 5. llama.cpp, after tinyvllm's runs ----
     weight_bytes = weight_bytes_per_token(config, dtype_bytes)
-    bound_tok_s = bandwidth / weight_bytes
     kv_bytes = config.kv_bytes_per_token * dtype_bytes // 4 * (len(prompt_ids) + args.max_tokens // 2)
-    results["bandwidth"] = {"copy_bytes_per_s": bandwidth, "weight_bytes_per_token": weight_bytes,
-                            "bound_tok_per_s": bound_tok_s, "achieved_fraction": engine_tok_s / bound_tok_s,
-                            "achieved_bytes_per_s": engine_tok_s * weight_bytes,
-                            "kv_bytes_per_token_mid_run": kv_bytes}
-    print("\n== memory-bandwidth bound (decode reads every weight once per token) ==")
-    print(table([
-        ("weights read per token (linear + lm_head, " + args.dtype + ")", f"{weight_bytes / 1e6:.1f} MB"),
-        ("KV cache read per token, mid-run (not counted)", f"{kv_bytes / 1e6:.1f} MB"),
-        ("copy bandwidth (numpy, 256 MiB, read + write, best of 7)", f"{bandwidth / 1e9:.1f} GB/s"),
-        ("bound: bandwidth / bytes per token", f"{bound_tok_s:.1f} tok/s"),
-        ("achieved (engine decode)", f"{engine_tok_s:.1f} tok/s = {engine_tok_s / bound_tok_s:.0%} of the bound"),
-        ("weights streamed at", f"{engine_tok_s * weight_bytes / 1e9:.1f} GB/s"),
-    ], ("", "value")))
-
-    # ---- 5. peers ----
-    print("\n== single-stream decode, same model: peers measured earlier on this machine type, "
-          "not in this run ==")
-    rows = [(name, f"{tok_s:.1f}", f"{engine_tok_s / tok_s:.2f}x") for name, tok_s in PEERS]
-    rows.append((f"tinyvllm, {args.dtype} (this run)", f"{engine_tok_s:.1f}", "1.00x"))
-    rows.append(("Phase 1 target, fp32 weights", f"{TARGET_DECODE_TOK_S:.1f}",
-                 f"{engine_tok_s / TARGET_DECODE_TOK_S:.2f}x"))
-    print(table(rows, ("engine", "tok/s", "tinyvllm / it")))
-    results["peers_not_this_run"] = dict(PEERS)
-
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nresults written to {args.json_path}")
+    read = measure_read_bandwidth()
+    peers = measure_peers(llama, prompt_lens, args.max_tokens) if llama is not None else {}
+    results["ceiling"] = report_ceiling(read, weight_bytes, weight_bytes_per_token(config, 4), kv_bytes,
+                                        engine_tok_s, peers, args.dtype)
+    if peers:
+        report_peers(results, peers, args.dtype)
+        results["peers"] = peers
+    write_results("bench_generate", file_figures(results), args, also=args.json_path)
     return 0
 
 

@@ -22,13 +22,12 @@ Timings on shared cores move with the load average (printed): compare the rows o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import numpy as np
-from common import load_average  # (benchmarks/common.py)
+from common import add_peers_arg, load_average, no_peer_twin, write_results  # (benchmarks/common.py)
 from tinygrad import Device, Tensor, TinyJit, UOp
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata, uses_kernels
@@ -171,14 +170,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="end-to-end: timed rounds per path")
     parser.add_argument("--e2e-cache-mib", type=int, default=512)
     parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", help="also write the rows here")
+    add_peers_arg(parser)
     args = parser.parse_args()
     args.e2e = [] if args.no_e2e else [tuple(int(x) for x in case.split("x")) for case in args.e2e.split(",")]
     log(f"device {Device.DEFAULT}   load average {load_average()}   python {sys.version.split()[0]}")
     result = {"attention": run_attention(args), "e2e": run_e2e(args) if args.e2e else []}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    no_peer_twin(args, "this times paged attention alone, a kernel llama.cpp does not expose; bench_generate and "
+                 "bench_throughput --peers compare whole engines")
+    write_results("bench_kernels", result, args, also=args.json)
 
 
 if __name__ == "__main__":

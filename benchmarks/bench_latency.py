@@ -23,7 +23,6 @@ Every token bucket is compiled and captured before the clock starts (see bench_t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import make_prompts, warm_up  # noqa: E402
-from common import add_engine_args, code_version, load_average, log, machine_description  # noqa: E402
+from common import (  # noqa: E402
+    add_engine_args,
+    add_peers_arg,
+    code_version,
+    load_average,
+    log,
+    machine_description,
+    no_peer_twin,
+    write_results,
+)
 
 from tinyvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from tinyvllm.sampling_params import SamplingParams  # noqa: E402
@@ -89,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--max-num-seqs", type=int, default=32)
     add_engine_args(p, max_num_batched_tokens=128, kv_cache_memory="512MiB", max_model_len=1024)
+    add_peers_arg(p)
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rate.split(",")]
 
@@ -99,9 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     engine.model_runner.portable_attention = args.portable_attention
     warm_up(engine, log=log)
     jits_before = {n: jit.cnt for n, jit in engine.model_runner._jits.items()}
-    prompts = make_prompts(engine, args.num_requests, args.prompt_len)
     results = []
-    for rate in rates:
+    for k, rate in enumerate(rates):
+        # prompts of their own per rate: with prefix caching on, a prompt seen at an earlier rate would skip its prefill
+        prompts = make_prompts(engine, args.num_requests, args.prompt_len, first=k * args.num_requests)
         results.append(run_poisson(engine, prompts, rate, args.output_len, args.seed))
         log(f"rate {rate}: done in {results[-1]['wall_s']:.1f} s")
     fresh = [n for n, jit in engine.model_runner._jits.items() if jits_before.get(n, 0) < 2]
@@ -120,16 +130,11 @@ def main(argv: list[str] | None = None) -> None:
         for name in ("ttft", "tpot", "itl", "e2e"):
             q = r[f"{name}_ms"]
             print(f"  {name.upper():5s} p50 {q['p50']:9.1f} ms   p90 {q['p90']:9.1f} ms   p99 {q['p99']:9.1f} ms")
-    if args.json is not None:
-        text = json.dumps({"model": engine.model_name, "machine": machine_description(with_load=False),
-                           "date": time.strftime("%Y-%m-%d %H:%M"),
-                           "code": code_version(),
-                           "portable_attention": args.portable_attention,
-                           "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": results}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    no_peer_twin(args, "llama.cpp has no driver of one engine under Poisson arrivals (bench_throughput --peers "
+                 "compares the engines batch for batch)")
+    write_results("bench_latency", {"model": engine.model_name, "portable_attention": args.portable_attention,
+                                    "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": results},
+                  args, also=args.json)
 
 
 if __name__ == "__main__":

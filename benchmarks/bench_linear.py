@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from common import add_peers_arg, no_peer_twin, write_results  # (benchmarks/common.py)
 from tinygrad import Device, Tensor, TinyJit
 from tinygrad.helpers import BEAM
 
@@ -68,6 +69,7 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
     p.add_argument("--batch", default="1,8,32", help="rows of x (tokens): comma-separated")
     p.add_argument("--repeats", type=int, default=5)
+    add_peers_arg(p)
     args = p.parse_args()
 
     rng = np.random.default_rng(0)
@@ -78,6 +80,7 @@ def main() -> None:
           f"on {os.cpu_count()} cores; times are ms per matmul\n")
     print(f"| weight (N x K) | M | C kernel ms | C 1 thread ms | {tg_name} ms | C rate | {tg_name} rate | C speedup |")
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for name in args.shapes.split(","):
         N, K = SHAPES[name]
         copies = max(2, min(32, (64 << 20) // (4 * N * K) + 1))
@@ -92,6 +95,12 @@ def main() -> None:
             t_c, t_c1, t_tg = t["c"], t["c1"], t["tg"]
             print(f"| {name} {N}x{K} | {M} | {t_c * 1e3:.3f} | {t_c1 * 1e3:.3f} | {t_tg * 1e3:.3f} | "
                   f"{rate(M, N, K, t_c)} | {rate(M, N, K, t_tg)} | {t_tg / t_c:.1f}x |", flush=True)
+            rows.append({"weight": name, "n": N, "k": K, "m": M, "c_kernel_ms": t_c * 1e3, "c_1_thread_ms": t_c1 * 1e3,
+                         "tinygrad_ms": t_tg * 1e3, "tinygrad_beam": BEAM.value,
+                         "c_kernel_weights_gb_s": 4 * N * K / t_c / 1e9})
+    no_peer_twin(args, "llama.cpp's matmuls are timed inside whole-model runs (bench_generate and bench_throughput "
+                 "--peers), not alone")
+    write_results("bench_linear", {"device": Device.DEFAULT, "rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import machine_description, table  # noqa: E402  (benchmarks/common.py)
+from common import add_peers_arg, machine_description, no_peer_twin, table, write_results  # noqa: E402
 
 from tinyvllm.core.block_manager import BlockManager  # noqa: E402
 from tinyvllm.core.kv_cache import num_blocks_for_memory, parse_memory  # noqa: E402
@@ -309,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=30, help="timed rounds of part 5 (default 30)")
     p.add_argument("--memory-only", action="store_true", help="parts 1-3 only: no model, no device")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    add_peers_arg(p)
     return p
 
 
@@ -408,9 +409,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{inputs['paged, in place']:.3f} ms")
         results["step_inputs_ms"] = inputs
 
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nresults written to {args.json_path}")
+    no_peer_twin(args, "llama.cpp has no paged-or-contiguous switch to measure (its KV cache is one pool of "
+                 "token cells shared by all sequences)")
+    figures = {k: v for k, v in results.items() if k not in ("date", "machine", "args")}
+    write_results("bench_memory", figures, args, also=args.json_path)
     return 0
 
 

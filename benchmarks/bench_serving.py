@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
+from common import add_peers_arg, find_peers, write_results  # (benchmarks/common.py)
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -74,9 +75,11 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
 
 
 async def run_benchmark(base_url: str, *, concurrency: int, num_requests: int, max_tokens: int,
-                        prompt_words: int = 24) -> tuple[list[RequestResult], float]:
-    """Send `num_requests` requests from `concurrency` clients; returns the results and the wall time."""
-    prompts = [f"Request {i}: " + " ".join(["tell me more about paged attention"] * (prompt_words // 5 + 1))
+                        prompt_words: int = 24, tag: str = "Request") -> tuple[list[RequestResult], float]:
+    """Send `num_requests` requests from `concurrency` clients; returns the results and the wall time.
+    Prompts start with `tag` and their number: give a warm-up a tag of its own, or prefix caching (tinyvllm's,
+    llama-server's cache_prompt) would serve the measured prompts' prefill from the warm-up's."""
+    prompts = [f"{tag} {i}: " + " ".join(["tell me more about paged attention"] * (prompt_words // 5 + 1))
                for i in range(num_requests)]
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
@@ -98,24 +101,30 @@ async def run_benchmark(base_url: str, *, concurrency: int, num_requests: int, m
     return results, time.perf_counter() - start
 
 
-def percentiles(values: list[float]) -> str:
+def percentiles(values: list[float]) -> dict[str, float] | None:
     if not values:
-        return "n/a"
+        return None
     p50, p90, p99 = np.percentile(np.array(values) * 1000, [50, 90, 99])
-    return f"p50 {p50:8.1f} ms   p90 {p90:8.1f} ms   p99 {p99:8.1f} ms"
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def report(results: list[RequestResult], wall: float, concurrency: int) -> None:
+def report(results: list[RequestResult], wall: float, concurrency: int) -> dict:
+    """Print one run's figures; return them for the results file."""
     ok = [r for r in results if r.error is None]
     tokens = sum(r.output_tokens for r in ok)
+    figures = {"requests": len(results), "ok": len(ok), "wall_s": wall, "req_s": len(ok) / wall,
+               "tok_s": tokens / wall, "ttft_ms": percentiles([r.ttft for r in ok]),
+               "itl_ms": percentiles([gap for r in ok for gap in r.itl]), "e2e_ms": percentiles([r.e2e for r in ok])}
     print(f"concurrency {concurrency}: {len(ok)}/{len(results)} requests ok in {wall:.1f} s")
-    print(f"  throughput  {len(ok) / wall:8.2f} req/s   {tokens / wall:8.1f} output tok/s")
-    print(f"  TTFT        {percentiles([r.ttft for r in ok])}")
-    print(f"  ITL         {percentiles([gap for r in ok for gap in r.itl])}")
-    print(f"  E2E         {percentiles([r.e2e for r in ok])}")
+    print(f"  throughput  {figures['req_s']:8.2f} req/s   {figures['tok_s']:8.1f} output tok/s")
+    for name in ("ttft", "itl", "e2e"):
+        q = figures[f"{name}_ms"]
+        text = "n/a" if q is None else f"p50 {q['p50']:8.1f} ms   p90 {q['p90']:8.1f} ms   p99 {q['p99']:8.1f} ms"
+        print(f"  {name.upper():11s} {text}")
     for r in results[:3]:
         if r.error is not None:
             print(f"  error: {r.error}")
+    return figures
 
 
 def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
@@ -150,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=None,
                    help="unmeasured requests before each run, to compile (default: the concurrency)")
     p.add_argument("--launch-timeout", type=float, default=900.0)
+    add_peers_arg(p)
     args, server_args = p.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
 
@@ -158,21 +168,39 @@ def main(argv: list[str] | None = None) -> None:
         process, args.base_url = launch_server(server_args, args.launch_timeout)
     if urlparse(args.base_url).hostname not in LOCAL_HOSTS:
         raise SystemExit(f"refusing to load {args.base_url}: only a server on this machine is benchmarked")
+    llama = find_peers(args)
+    runs = {}
     try:
         for concurrency in args.concurrency:
-            # the same load first, unmeasured: each new batch shape compiles once, and should not be timed
-            warmup = concurrency if args.warmup is None else args.warmup
-            if warmup:
-                asyncio.run(run_benchmark(args.base_url, concurrency=concurrency, num_requests=warmup,
-                                          max_tokens=args.max_tokens, prompt_words=args.prompt_words))
-            results, wall = asyncio.run(run_benchmark(args.base_url, concurrency=concurrency,
-                                                      num_requests=args.num_requests, max_tokens=args.max_tokens,
-                                                      prompt_words=args.prompt_words))
-            report(results, wall, concurrency)
+            runs[str(concurrency)] = run_level(args.base_url, concurrency, args)
     finally:
         if process is not None:
             process.terminate()
             process.wait(30)
+    figures = {"server_args": server_args, "concurrency": runs}
+    if llama is not None:  # llama-server under the same client, one slot per client, the shipped Q4_1 weights
+        peers = {}
+        for concurrency in args.concurrency:
+            context = concurrency * -(-(4 * args.prompt_words + args.max_tokens + 64) // 256) * 256
+            with llama.server("Q4_1", context=context, parallel=concurrency) as url:
+                print("llama-server:", end=" ")
+                peers[str(concurrency)] = run_level(url, concurrency, args)
+            peers[str(concurrency)]["tinyvllm_tok_s_ratio"] = runs[str(concurrency)]["tok_s"] / peers[str(concurrency)]["tok_s"]
+            print(f"  tinyvllm / llama-server output tok/s: {peers[str(concurrency)]['tinyvllm_tok_s_ratio']:.2f}x")
+        figures["peers"] = {"llama_server_q4_1": peers}
+    write_results("bench_serving", figures, args)
+
+
+def run_level(base_url: str, concurrency: int, args) -> dict:
+    """One concurrency level: the same load first, unmeasured (each new batch shape compiles once, and should not be
+    timed), then the measured run."""
+    warmup = concurrency if args.warmup is None else args.warmup
+    if warmup:
+        asyncio.run(run_benchmark(base_url, concurrency=concurrency, num_requests=warmup, max_tokens=args.max_tokens,
+                                  prompt_words=args.prompt_words, tag="Warm-up"))
+    results, wall = asyncio.run(run_benchmark(base_url, concurrency=concurrency, num_requests=args.num_requests,
+                                              max_tokens=args.max_tokens, prompt_words=args.prompt_words))
+    return report(results, wall, concurrency)
 
 
 if __name__ == "__main__":

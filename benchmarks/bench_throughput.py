@@ -22,36 +22,46 @@ Before the clock starts, every token bucket the runs will reach (found by steppi
 same shape with made-up tokens) is compiled and captured by TinyJit: two passes, the first compiles,
 the second captures. The load average is printed with every row: on shared cores, compare the rows of
 one run, not runs.
+
+With `--peers DIR`, llama.cpp's llama-batched-bench runs the same load in the same run after tinyvllm's: for each N,
+N sequences of `--prompt-len` (random) tokens prefilled together, then `--output-len` decode steps of N tokens,
+on F32 (tinyvllm's float32 weights), Q8_0 and the shipped Q4_1 weights; its total tok/s is counted as tinyvllm's
+(N * output_len / the whole time, prefill included). Results go to benchmarks/results/bench_throughput.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
-from common import add_engine_args, code_version, load_average, log, machine_description  # (benchmarks/common.py)
+from common import (  # (benchmarks/common.py)
+    add_engine_args,
+    add_peers_arg,
+    code_version,
+    find_peers,
+    load_average,
+    log,
+    machine_description,
+    table,
+    write_results,
+)
 
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 
-# llama.cpp's llama-server on the same model (Q4_1, `-np N`, 128 tokens each), measured earlier on this kind of
-# machine (2 vCPU AMD EPYC), not in this run: total output tok/s by number of concurrent requests.
-LLAMA_SERVER_TOK_S = {1: 109, 4: 148, 16: 173, 32: 189}
-
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books cheap "
         "enough for ordinary readers. Within fifty years printers worked in more than two hundred cities, and the "
         "ideas of scholars, merchants and reformers travelled faster than any rider could carry them. ")
 
 
-def make_prompts(engine: LLMEngine, n: int, prompt_len: int) -> list[list[int]]:
-    """n prompts of exactly prompt_len token ids: 'Request i:' then the text, cut to length."""
+def make_prompts(engine: LLMEngine, n: int, prompt_len: int, first: int = 0) -> list[list[int]]:
+    """n prompts of exactly prompt_len token ids: 'Request i:' (i from `first`) then the text, cut to length.
+    Prompts of different i differ in their first block, so prefix caching finds nothing to reuse among them."""
     body = engine.tokenizer.encode(TEXT * (prompt_len // 20 + 1))
-    return [(engine.tokenizer.encode(f"Request {i}:") + body)[:prompt_len] for i in range(n)]
+    return [(engine.tokenizer.encode(f"Request {i}:") + body)[:prompt_len] for i in range(first, first + n)]
 
 
 def buckets_used(engine: LLMEngine, prompt_lens: list[int], output_len: int) -> list[int]:
@@ -79,8 +89,11 @@ def warm_up(engine: LLMEngine, buckets: list[int] | None = None, log=print) -> N
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     start = time.perf_counter()
     for attempt in range(2):
-        for b in buckets:
-            engine.add_request(f"warmup-{attempt}-{b}", [100 + i % 1000 for i in range(b)], params)
+        for k, b in enumerate(buckets):
+            # a first token of its own per prompt: prefix caching would otherwise serve the second pass (and a
+            # longer bucket's first blocks) from the cache, and the bucket would never be captured
+            prompt = [2000 + attempt * len(buckets) + k] + [100 + i % 1000 for i in range(b - 1)]
+            engine.add_request(f"warmup-{attempt}-{b}", prompt, params)
             while engine.has_unfinished_requests():
                 engine.step()
         log(f"warm-up pass {attempt + 1}/2 over buckets {buckets}: {time.perf_counter() - start:.0f} s")
@@ -150,8 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--one-by-one", type=int, default=1,
                    help="requests run alone before the first and after each batched run")
     add_engine_args(p, max_num_batched_tokens=1024, kv_cache_memory="1GiB", max_model_len=2048)
+    add_peers_arg(p)
+    p.add_argument("--peer-repeats", type=int, default=3,
+                   help="runs of llama-batched-bench per weight format with --peers; the median counts (default 3)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    llama = find_peers(args)  # fails here, not after minutes of measuring, if llama.cpp is not built
 
     engine = LLMEngine(args.model, max_model_len=args.max_model_len, max_num_seqs=max(levels),
                        max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels)),
@@ -162,23 +179,30 @@ def main(argv: list[str] | None = None) -> None:
     needed = max(levels) * -(-(args.prompt_len + args.output_len) // bm.block_size)
     if needed > bm.num_blocks:
         log(f"note: {max(levels)} requests need {needed} blocks, the pool has {bm.num_blocks}: expect preemptions")
-    prompts = make_prompts(engine, max(levels), args.prompt_len)
     warm = buckets_used(engine, [args.prompt_len] * max(levels), args.output_len)
     for n in levels[:-1]:
         warm = sorted(set(warm) | set(buckets_used(engine, [args.prompt_len] * n, args.output_len)))
     warm_up(engine, warm, log)
     recorder = StepRecorder(engine)
 
+    used = 0
+
+    def fresh_prompts(n: int) -> list[list[int]]:
+        """Prompts no earlier run has seen: with prefix caching on, a repeated prompt would skip its prefill."""
+        nonlocal used
+        used += n
+        return make_prompts(engine, n, args.prompt_len, first=used - n)
+
     def one_by_one(k: int) -> list[float]:
         """Seconds per request of `--one-by-one` requests, each run alone, one after the other."""
-        return [run_batch(engine, recorder, [prompts[(k + j) % len(prompts)]], args.output_len, f"alone{k}-{j}")
-                ["wall_s"] for j in range(args.one_by_one)]
+        return [run_batch(engine, recorder, fresh_prompts(1), args.output_len, f"alone{k}-{j}")["wall_s"]
+                for j in range(args.one_by_one)]
 
     # the one-by-one runs go between the batched ones, so that each ratio compares runs minutes apart, not more
     alone = [one_by_one(0)]
     rows = {}
     for i, n in enumerate(levels):
-        rows[n] = run_batch(engine, recorder, prompts[:n], args.output_len, f"c{n}")
+        rows[n] = run_batch(engine, recorder, fresh_prompts(n), args.output_len, f"c{n}")
         alone.append(one_by_one(i + 1))
         sec_per_request = statistics.mean(alone[i] + alone[i + 1])
         rows[n]["alone_s_per_request"] = sec_per_request
@@ -195,37 +219,67 @@ def main(argv: list[str] | None = None) -> None:
           f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}, max_num_seqs "
           f"{engine.scheduler.max_num_seqs}, {bm.num_blocks} blocks of {bm.block_size}")
     header = (f"{'N':>3} {'total tok/s':>11} {'x 1-by-1':>8} {'wall s':>7} {'1-by-1 s':>8} {'steps':>5} "
-              f"{'TTFT p50/max ms':>16} {'TPOT p50/max ms':>16} {'decode step':>11} {'preempt':>7} "
-              f"{'llama-server*':>13}  load avg after")
+              f"{'TTFT p50/max ms':>16} {'TPOT p50/max ms':>16} {'decode step':>11} {'preempt':>7}  load avg after")
     print(header)
     print("-" * len(header))
     for n, r in rows.items():
-        peer = LLAMA_SERVER_TOK_S.get(n) if args.model is None else None  # the same model only
         step_ms = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.0f} ms"
         print(f"{n:>3} {r['tok_s']:>11.1f} {r['speedup']:>8.2f} {r['wall_s']:>7.1f} {r['one_by_one_s']:>8.1f} "
               f"{r['steps']:>5} {r['ttft_ms']['p50']:>8.0f}/{r['ttft_ms']['max']:<7.0f} "
-              f"{r['tpot_ms']['p50']:>8.1f}/{r['tpot_ms']['max']:<7.1f} {step_ms:>11} {r['preemptions']:>7} "
-              f"{'-' if peer is None else peer:>13}  {r['load_average'][1]}")
+              f"{r['tpot_ms']['p50']:>8.1f}/{r['tpot_ms']['max']:<7.1f} {step_ms:>11} {r['preemptions']:>7}  "
+              f"{r['load_average'][1]}")
     print(f"1-by-1 s: N x the mean time of one request run alone ({args.one_by_one} run just before and "
           f"{args.one_by_one} just after this row's batch):")
     print("  extrapolated, not run N times. x 1-by-1 = that / wall s. TPOT = (last token - first) / (tokens - 1).")
-    print("* llama-server (llama.cpp, Q4_1 weights, -np N, 128 tokens each): total tok/s measured earlier on this")
-    print("  machine type, not in this run; tinyvllm here computes with float32 weights (6.4x the bytes of Q4_1).")
-    if args.json is not None:
-        result = {"model": engine.model_name, "machine": machine_description(with_load=False),
-                  "date": time.strftime("%Y-%m-%d %H:%M"),
-                  "code": code_version(),
-                  "portable_attention": args.portable_attention,
-                  "prompt_len": args.prompt_len, "output_len": args.output_len,
-                  "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-                  "one_by_one_requests_per_run": args.one_by_one, "one_by_one_s_per_request": alone,
-                  "concurrency": {str(n): r for n, r in rows.items()},
-                  "llama_server_tok_s_reference": LLAMA_SERVER_TOK_S}
-        text = json.dumps(result, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    figures = {"model": engine.model_name, "portable_attention": args.portable_attention,
+               "prompt_len": args.prompt_len, "output_len": args.output_len,
+               "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+               "one_by_one_requests_per_run": args.one_by_one, "one_by_one_s_per_request": alone,
+               "concurrency": {str(n): r for n, r in rows.items()}}
+    if llama is not None and args.model is None:  # llama.cpp's model files are the default model's
+        figures["peers"] = measure_peers(llama, rows, args.prompt_len, args.output_len, args.peer_repeats)
+    elif llama is not None:
+        print("--peers: llama.cpp runs the default model only; no peer figure for --model")
+    write_results("bench_throughput", figures, args, also=args.json)
+
+
+def measure_peers(llama, rows: dict[int, dict], prompt_len: int, output_len: int, repeats: int) -> dict:
+    """llama-batched-bench on each weight format at the same N, prompt and output lengths, `repeats` times (the
+    formats taking turns, so a burst of other load falls on one run, not on one format), the median run of each
+    row; printed beside tinyvllm's total tok/s. Returns {"llama_cpp_f32": {"concurrency": {"32": {"tok_s": ..}}}}."""
+    from peers.llama_cpp import FORMATS, median_run, result_key  # benchmarks/peers/
+
+    levels = list(rows)
+    runs: dict[str, dict[int, list[dict]]] = {fmt: {n: [] for n in levels} for fmt in FORMATS}
+    for i in range(repeats):
+        for fmt in FORMATS:
+            log(f"llama.cpp {fmt} ({i + 1}/{repeats}): llama-batched-bench -npp {prompt_len} -ntg {output_len} "
+                f"-npl {','.join(map(str, levels))}")
+            for n, r in llama.batched_bench(fmt, prompt_len, output_len, levels).items():
+                runs[fmt][n].append(r)
+    peers = {}
+    for fmt in FORMATS:
+        theirs = {n: median_run(runs[fmt][n]) for n in levels}
+        for n, r in theirs.items():
+            r["tinyvllm_ratio"] = rows[n]["tok_s"] / r["tok_s"]
+        peers[result_key(fmt)] = {"threads": llama.threads, "repeats": repeats,
+                                  "concurrency": {str(n): r for n, r in theirs.items()}}
+    table_rows = []
+    for n in levels:
+        row = [n, f"{rows[n]['tok_s']:.1f}"]
+        for fmt in FORMATS:
+            r = peers[result_key(fmt)]["concurrency"][str(n)]
+            row += [f"{r['tok_s']:.1f}", f"{r['tinyvllm_ratio']:.2f}"]
+        table_rows.append(row)
+    headers = ["N", "tinyvllm float32"]
+    for fmt in FORMATS:
+        headers += [f"llama.cpp {fmt}", "ratio"]
+    print(f"\n== total tok/s, tinyvllm and llama.cpp (llama-batched-bench, {llama.threads} threads), this run: N "
+          f"requests of {prompt_len} prompt tokens, {output_len} generated each; ratio = tinyvllm / llama.cpp ==")
+    print(table(table_rows, tuple(headers)))
+    print(f"total tok/s = N x output tokens / the whole time, prefill included, for both engines; llama.cpp: "
+          f"the median of {repeats} runs, tinyvllm: one run.")
+    return peers
 
 
 if __name__ == "__main__":

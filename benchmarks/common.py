@@ -1,4 +1,5 @@
-"""What every benchmark prints about the run: the machine, its load, the code measured, and plain tables.
+"""What every benchmark prints and writes about the run: the machine, its load, the code measured, plain tables,
+`--peers` (llama.cpp in the same run, benchmarks/peers/) and the results file benchmarks/results/<name>.json.
 
 Imported by the bench_*.py scripts (run as `python benchmarks/<script>.py`, which puts this folder on
 sys.path). It imports nothing heavy, so bench_generate.py can use it before tinygrad is imported.
@@ -7,10 +8,12 @@ sys.path). It imports nothing heavy, so bench_generate.py can use it before tiny
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout
@@ -77,3 +80,74 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, 
                    help="attention by the portable block-table gather instead of the paged-attention kernels")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="also write the results as JSON (to stdout without a PATH)")
+
+
+# ---- peers measured in the same run, and the results files ----
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+LOAD_AT_START = os.getloadavg() if hasattr(os, "getloadavg") else None  # when the bench script imported this
+
+
+def add_peers_arg(p: argparse.ArgumentParser) -> None:
+    """`--peers DIR`: measure llama.cpp (built there by benchmarks/peers/build_llama_cpp.py) in the same run."""
+    p.add_argument("--peers", metavar="DIR", default=None,
+                   help="also run llama.cpp's twin of this workload in the same run (build it into DIR first: "
+                   "python benchmarks/peers/build_llama_cpp.py DIR); without it no peer figure is printed")
+
+
+def find_peers(args: argparse.Namespace):
+    """The LlamaCpp found in --peers DIR (SystemExit naming the build command if it is not built), or None."""
+    if args.peers is None:
+        return None
+    from peers.llama_cpp import LlamaCpp  # benchmarks/peers/
+
+    return LlamaCpp.find(args.peers)
+
+
+def no_peer_twin(args: argparse.Namespace, why: str) -> None:
+    """The one line a script whose workload llama.cpp has no twin for prints under --peers."""
+    if args.peers is not None:
+        print(f"--peers: no llama.cpp figure here: {why}")
+
+
+def machine_info() -> dict:
+    """The machine, for a results file: CPU, cores, memory, the vector extensions that matter to the kernels."""
+    flags, mem_gib = set(), None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+        mem_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                       if line.startswith("MemTotal"))
+        mem_gib = round(mem_kib / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "memory_gib": mem_gib,
+            "vector_extensions": sorted(flags & {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "neon"}),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def write_results(name: str, figures: dict, options: argparse.Namespace | dict, also: str | None = None) -> Path:
+    """benchmarks/results/<name>.json: when, where, which code, with which options, then the figures.
+
+    The figures' keys are what docs quote (e.g. {"decode": {"tok_s": ..}, "peers": {"llama_cpp_f32": ..}}):
+    keep them stable. `also`: a second path to write the same document to ("-": stdout)."""
+    head = code_version().split()[0]
+    doc = {"bench": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": head,
+           "engine_code_dirty": "uncommitted" in code_version(), "machine": machine_info(),
+           "load_average": {"start": list(LOAD_AT_START or []), "end": list(os.getloadavg())
+                            if hasattr(os, "getloadavg") else []},
+           "options": dict(vars(options) if isinstance(options, argparse.Namespace) else options)}
+    doc.update(figures)
+    text = json.dumps(doc, indent=2, default=str) + "\n"
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(text)
+    if also == "-":
+        print(text, end="")
+    elif also:
+        Path(also).write_text(text)
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    log(f"results written to {shown}" + (f" and {also}" if also and also != "-" else ""))
+    return path

@@ -1,0 +1,137 @@
+"""How fast can this machine read memory? The ceiling of single-stream decode, measured in the run.
+
+    python benchmarks/bandwidth.py          # prints the read bandwidth with 1 thread and with every core
+
+Decoding one sequence reads every weight once per token, so the best a decode step can do is
+bytes of weights / read bandwidth. The bandwidth has to be the machine's real read rate:
+
+  - a numpy copy counts a write per read and is single-threaded (here ~26-31 GB/s "read + write");
+  - numpy's reductions (`a.sum()`) are pairwise float sums, far from a full-speed read;
+  - so a small C function does it: each thread sums its slice of the buffer with 256-bit (AVX2) loads into
+    8 independent accumulators (8 x 32 B in flight, so the add latency never stalls the loads), and the
+    buffer is several times larger than the last-level cache, so every byte comes from DRAM.
+
+Compiled with clang (tinygrad's CPU device needs it anyway) and called through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+C_SOURCE = r"""
+#include <pthread.h>
+#include <stddef.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef struct { const float *p; size_t n; float sum; } slice_t;
+
+static void *read_slice(void *arg) {
+  slice_t *s = (slice_t *)arg;
+  size_t i = 0;
+  float sum = 0.0f;
+#if defined(__AVX2__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (; i + 64 <= s->n; i += 64) {  /* 64 floats = 256 B = 4 cache lines per iteration */
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(s->p + i));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(s->p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(s->p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(s->p + i + 24));
+    a4 = _mm256_add_ps(a4, _mm256_loadu_ps(s->p + i + 32));
+    a5 = _mm256_add_ps(a5, _mm256_loadu_ps(s->p + i + 40));
+    a6 = _mm256_add_ps(a6, _mm256_loadu_ps(s->p + i + 48));
+    a7 = _mm256_add_ps(a7, _mm256_loadu_ps(s->p + i + 56));
+  }
+  __m256 a = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                           _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, a);
+  for (int k = 0; k < 8; k++) sum += lanes[k];
+#endif
+  for (; i < s->n; i++) sum += s->p[i];  /* the tail, or everything without AVX2 */
+  s->sum = sum;
+  return NULL;
+}
+
+/* the sum of p[0..n), read by `threads` threads, each its own contiguous slice */
+float read_buffer(const float *p, size_t n, int threads) {
+  pthread_t tid[64];
+  slice_t slices[64];
+  if (threads > 64) threads = 64;
+  size_t chunk = (n / threads) & ~(size_t)63;
+  for (int t = 0; t < threads; t++) {
+    slices[t].p = p + t * chunk;
+    slices[t].n = t == threads - 1 ? n - t * chunk : chunk;
+    pthread_create(&tid[t], NULL, read_slice, &slices[t]);
+  }
+  float sum = 0.0f;
+  for (int t = 0; t < threads; t++) {
+    pthread_join(tid[t], NULL);
+    sum += slices[t].sum;
+  }
+  return sum;
+}
+"""
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest cache of CPU 0, from Linux's sysfs (None elsewhere)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes) if sizes else None
+
+
+def _library():
+    """read_buffer() compiled for this machine (-march=native), in a temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="tinyvllm-bandwidth-"))
+    (folder / "read.c").write_text(C_SOURCE)
+    subprocess.run(["clang", "-O2", "-march=native", "-shared", "-fPIC", "-pthread", "-o", str(folder / "read.so"),
+                    str(folder / "read.c")], check=True)
+    lib = ctypes.CDLL(str(folder / "read.so"))
+    lib.read_buffer.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.read_buffer.restype = ctypes.c_float
+    return lib
+
+
+def measure_read_bandwidth(threads: list[int] | None = None, repeats: int = 10) -> dict:
+    """Bytes/s read from memory with each thread count (default: 1 and every core), best of `repeats`.
+
+    Returns {"bytes_per_s": {threads: B/s}, "buffer_bytes": .., "last_level_cache_bytes": ..}."""
+    cores = os.cpu_count() or 1
+    threads = sorted({1, cores}) if threads is None else threads
+    llc = last_level_cache_bytes()
+    size = max(512 * 2**20, 8 * (llc or 0))  # several times the last-level cache: every read misses it
+    buf = np.ones(size // 4, dtype=np.float32)  # np.ones writes every page, so none is faulted in while timed
+    lib = _library()
+    out = {}
+    for n in threads:
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first call warms the threads and the TLB
+            t = time.perf_counter()
+            total = lib.read_buffer(buf.ctypes.data, buf.size, n)
+            best = min(best, time.perf_counter() - t)
+        assert total == buf.size or abs(total / buf.size - 1) < 1e-2, "the read summed the wrong values"
+        out[n] = buf.nbytes / best
+    return {"bytes_per_s": out, "buffer_bytes": buf.nbytes, "last_level_cache_bytes": llc}
+
+
+if __name__ == "__main__":
+    r = measure_read_bandwidth()
+    llc = r["last_level_cache_bytes"] or 0
+    print(f"buffer {r['buffer_bytes'] / 2**20:.0f} MiB (last-level cache {llc / 2**20:.0f} MiB)")
+    for n, bps in r["bytes_per_s"].items():
+        print(f"{n} thread{'s' if n > 1 else ''}: {bps / 1e9:.1f} GB/s")
