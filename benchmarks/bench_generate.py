@@ -12,7 +12,7 @@ Five measurements, in the order a user meets them (the fifth with --peers):
      cache's state is printed, and --fresh-kernel-cache points tinygrad at an empty one.
   2. prefill tokens/s for a few prompt lengths, after a warm-up run of each length.
   3. single-stream decode tokens/s (greedy, ignore_eos), after warm-up: mean, p50 and p90 per-token
-     latency through the engine (`Generator.stream`), and the model step alone (`runner.decode`).
+     latency through the engine (`Generator.stream`, one request on `LLMEngine`).
   4. the ceiling. A decode step of one sequence reads every weight once:
 
          bytes per token = (all linear weights + lm_head) x bytes of the compute dtype
@@ -38,6 +38,7 @@ SCRIPT_START = time.perf_counter()
 
 # imported after the clock starts, so that the cold-start breakdown sees them
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -83,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-repeats", type=int, default=3, help="measured prefills per length (default 3)")
     p.add_argument("--prompt", default="The capital of France is", help="prompt for the cold start and decode")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--kv-cache", default=None, choices=["paged", "contiguous"],
-                   help="KV cache layout (default: the engine's default)")
     p.add_argument("--beam", type=int, default=0, help="set tinygrad's BEAM=N (kernel search; minutes the first "
                    "time, cached on disk after)")
     p.add_argument("--fresh-kernel-cache", action="store_true", help="use an empty tinygrad kernel cache and an "
@@ -125,15 +124,11 @@ def kernel_cache_state() -> str:
     return state + f"; tinyvllm program cache {len(programs)} programs"
 
 
-def free_kv_cache(gen) -> None:
-    """The paged runner holds its sequence's blocks until freed (the contiguous one has nothing to free)."""
-    if hasattr(gen.runner, "free"):
-        gen.runner.free()
-
-
-def prompt_of_length(tokenizer, n: int) -> list[int]:
+def prompt_of_length(tokenizer, n: int, variant: int = 0) -> list[int]:
+    """n token ids of the text; each `variant` starts with a token of its own, so that prefix caching (on by
+    default) finds nothing of it cached and every timed run computes its whole prompt."""
     ids = tokenizer.encode(BENCH_TEXT, add_special_tokens=False)
-    return (ids * (n // len(ids) + 1))[:n]
+    return ([1000 + variant] + ids * (n // len(ids) + 1))[:n]
 
 
 # ---- 4 and 5: the ceiling and llama.cpp, measured after tinyvllm's runs (one thing at a time on the cores) ----
@@ -273,27 +268,22 @@ def main(argv: list[str] | None = None) -> int:
     t_imports = time.perf_counter() - t
 
     t = time.perf_counter()
-    kv_cache = {} if args.kv_cache is None else {"kv_cache": args.kv_cache}
-    gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **kv_cache)
+    gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
     t_load = time.perf_counter() - t
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     t = time.perf_counter()
     prompt_ids = gen.encode_prompt(args.prompt)
-    logits = gen.runner.prefill(prompt_ids)
+    first = gen.generate(prompt_ids, greedy).token_ids[0]  # prefill + sampling, through the engine
     t_prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    first = gen.sampler(logits, greedy, prompt_ids, [], None, gen.tokenizer.stop_token_ids)
-    t_sample = time.perf_counter() - t
     ttft = time.perf_counter() - PROCESS_START
-    free_kv_cache(gen)
     t_setup = t_setup_end - SCRIPT_START
     cold = {"interpreter_start_s": INTERPRETER_START_S, "script_setup_s": t_setup, "imports_s": t_imports,
-            "load_s": t_load, "first_prefill_s": t_prefill, "first_sample_s": t_sample,
+            "load_s": t_load, "first_prefill_s": t_prefill,
             "process_start_to_first_token_s": ttft, "prompt_tokens": len(prompt_ids),
             "first_token": gen.tokenizer.decode([first])}
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_description(),
-                     "code": code_version(), "args": vars(args), "runner": type(gen.runner).__name__,
+                     "code": code_version(), "args": vars(args), "engine": "LLMEngine",
                      "kernel_cache": cache_state, "cold_start": cold}
 
     config = gen.model.config
@@ -301,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model     {gen.model_path.name}  ({config.num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} "
           f"layers, dim {config.hidden_size}, vocab {config.vocab_size})")
     print(f"dtype     {args.dtype}   device {gen.model.device}   max_model_len {gen.max_model_len}   "
-          f"runner {type(gen.runner).__name__}   BEAM={os.environ.get('BEAM', '0')}   "
+          f"engine LLMEngine   BEAM={os.environ.get('BEAM', '0')}   "
           f"CPU graph {'off' if os.environ.get('TINYVLLM_CPU_GRAPH') == '0' else 'on'}")
     print(f"machine   {results['machine']}")
     print(f"code      {results['code']}   {results['date']}")
@@ -313,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = [("Python start (interpreter, before this script)", SCRIPT_START - PROCESS_START),
              ("script setup (numpy, arguments)", t_setup),
              ("imports (tinygrad, tinyvllm)", t_imports), ("load (weights, tokenizer, KV cache)", t_load),
-             ("first prefill incl. compile + JIT capture", t_prefill), ("sample the first token", t_sample)]
+             ("first prefill + sample, incl. compile + JIT capture", t_prefill)]
     if INTERPRETER_START_S is None:
         steps = steps[1:]  # no /proc: the clock started at the top of this script
     for name, dt in steps:
@@ -324,28 +314,31 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 2. prefill ----
     prefill_rows, prefill = [], []
+    fresh = itertools.count(1)  # each run a prompt of its own (prompt_of_length)
     for n in prompt_lens:
         if n + 1 > gen.max_model_len:
             print(f"(skipping prefill {n}: longer than max_model_len {gen.max_model_len})")
             continue
-        ids = prompt_of_length(gen.tokenizer, n)
+        ids = prompt_of_length(gen.tokenizer, n, next(fresh))
         t = time.perf_counter()
-        gen.runner.prefill(ids)  # first run: compiles the prefill graph's kernels on first use
+        gen.generate(ids, greedy)  # first run: compiles the step's kernels on first use
         warmup = time.perf_counter() - t
-        gen.runner.prefill(ids)  # second run: TinyJit captures the kernels; later runs replay them
+        ids = prompt_of_length(gen.tokenizer, n, next(fresh))
+        gen.generate(ids, greedy)  # second run: TinyJit captures the kernels; later runs replay them
         times = []
         for _ in range(args.prefill_repeats):
+            ids = prompt_of_length(gen.tokenizer, n, next(fresh))
             t = time.perf_counter()
-            gen.runner.prefill(ids)
+            gen.generate(ids, greedy)  # the prompt in one step (up to the engine's token budget), then one sample
             times.append(time.perf_counter() - t)
-        free_kv_cache(gen)
         med = statistics.median(times)
         prefill.append({"prompt_tokens": n, "warmup_s": warmup, "times_s": times, "tok_per_s": n / med,
                         "best_tok_per_s": n / min(times)})
         prefill_rows.append((n, f"{warmup:.2f}", f"{med * 1e3:.0f}", f"{n / med:.0f}", f"{n / min(times):.0f}"))
     results["prefill"] = prefill
-    print(f"\n== prefill (chunks of {gen.runner.prefill_chunk_size} tokens, the remainder one by one; "
-          f"median of {args.prefill_repeats} after two warm-up runs) ==")
+    print(f"\n== prefill: prompt to first token through the engine (up to "
+          f"{gen.engine.scheduler.max_num_batched_tokens} tokens a step), median of {args.prefill_repeats} "
+          f"after two warm-up runs ==")
     print(table(prefill_rows, ("prompt tokens", "first run s", "median ms", "tok/s", "best tok/s")))
 
     # ---- 3. decode ----
@@ -359,31 +352,16 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(len(gaps) / sum(gaps))
     engine_tok_s = statistics.median(runs)
 
-    # the model step alone: runner.decode + argmax, no sampler or detokenizer
-    gen.runner.prefill(prompt_ids)
-    token, pos = int(first), len(prompt_ids)
-    step_times = []
-    for _ in range(min(args.max_tokens, gen.max_model_len - pos)):
-        t = time.perf_counter()
-        token = int(np.argmax(gen.runner.decode(token, pos)))
-        step_times.append(time.perf_counter() - t)
-        pos += 1
-    free_kv_cache(gen)
-    step_tok_s = len(step_times) / sum(step_times)
     results["decode"] = {"tokens_per_run": args.max_tokens, "runs_tok_per_s": runs, "tok_per_s": engine_tok_s,
                          "latency_mean_ms": 1e3 * float(np.mean(latencies)),
                          "latency_p50_ms": 1e3 * percentile(latencies, 50),
-                         "latency_p90_ms": 1e3 * percentile(latencies, 90),
-                         "model_step_tok_per_s": step_tok_s,
-                         "model_step_p50_ms": 1e3 * percentile(step_times, 50)}
+                         "latency_p90_ms": 1e3 * percentile(latencies, 90)}
     d = results["decode"]
     print(f"\n== decode: one sequence, greedy, ignore_eos, {args.max_tokens} tokens, median of "
           f"{args.decode_runs} runs after a warm-up ==")
     print(table([
         ("engine (Generator.stream)", f"{engine_tok_s:.1f}", f"{d['latency_mean_ms']:.1f}",
          f"{d['latency_p50_ms']:.1f}", f"{d['latency_p90_ms']:.1f}"),
-        ("model step only (runner.decode + argmax)", f"{step_tok_s:.1f}", f"{1e3 * float(np.mean(step_times)):.1f}",
-         f"{d['model_step_p50_ms']:.1f}", f"{1e3 * percentile(step_times, 90):.1f}"),
     ], ("", "tok/s", "mean ms", "p50 ms", "p90 ms")))
     print("runs (tok/s): " + ", ".join(f"{r:.1f}" for r in runs))
 

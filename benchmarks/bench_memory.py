@@ -10,13 +10,13 @@
      Memory the blocks hold (block sizes 8, 16, 32) against contiguous pre-allocation of max_model_len
      per sequence; the waste of each.
   3. How many of those sequences fit in a KV budget at once, each way.
-  4. Single-sequence decode tokens/s, paged vs contiguous, at a few context lengths: one model, the two
-     runners side by side in this process, greedy, after warm-up, their decode steps interleaved so
+  4. Single-sequence decode tokens/s, paged vs contiguous, at a few context lengths: one model, the engine
+     (paged, portable attention) and the contiguous runner side by side in this process, greedy, after warm-up, their decode steps interleaved so
      that a change in the machine's load hits both alike.
   5. Why the speeds differ: one layer's attention step alone, timed the same way, split into the
      block-table gather and the causal mask, plus a variant of the paged read whose mask is built from
      a fixed-length arange (not in the engine: it isolates the cost of the gather itself); and the
-     host-side cost of a step's inputs (the paged runner uploads 4 small tensors, the contiguous 1).
+     host-side cost of a step's inputs (the engine's model runner fills 5 small input arrays, the contiguous runner 1).
 
 On the CPU the model's matmuls run on the C kernel and its helper threads, which park when the gap
 between two matmuls grows (the paged attention kernels widen it). `TINYVLLM_PORTABLE=1` runs tinygrad's
@@ -26,7 +26,6 @@ own matmuls instead and takes the helper threads out of the comparison.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -128,48 +127,52 @@ def prompt_of_length(tokenizer, n: int) -> list[int]:
 
 
 def decode_speed(model, tokenizer, contexts: list[int], steps: int, warmup: int, budget: int, block_size: int):
+    """One greedy sequence decoded two ways, step for step: Phase 1's ContiguousModelRunner (decode + host
+    argmax) and the engine on the paged cache with Phase 2's portable attention (one `LLMEngine.step()`:
+    scheduling, the forward pass, device argmax)."""
     from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
-    from tinyvllm.engine.paged_runner import PagedModelRunner
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.sampling_params import SamplingParams
 
     max_model_len = -(-(max(contexts) + warmup + steps + 1) // 256) * 256
     num_blocks = num_blocks_for_memory(model.config, block_size, budget, model.dtype)
-    # this measures Phase 2's portable attention (the gather); where the runner can also run hand-written
-    # paged-attention kernels (Phase 5), ask for the portable path by name
-    takes_portable = "portable_attention" in inspect.signature(PagedModelRunner).parameters
-    portable = {"portable_attention": True} if takes_portable else {}
-    runners = {"contiguous": ContiguousModelRunner(model, max_model_len),
-               "paged": PagedModelRunner(model, max_model_len, num_blocks, block_size, **portable)}
+    contiguous = ContiguousModelRunner(model, max_model_len)
+    engine = LLMEngine(model, tokenizer=tokenizer, max_model_len=max_model_len, block_size=block_size,
+                       num_gpu_blocks_override=num_blocks, portable_attention=True)
     rows = []
     for n in contexts:
-        print(f"  decode at context {n}: prefilling both runners, then {warmup} + {steps} steps each ...",
+        print(f"  decode at context {n}: prefilling both, then {warmup} + {steps} steps each ...",
               file=sys.stderr, flush=True)
         prompt = prompt_of_length(tokenizer, n)
-        state, prefill_s = {}, {}
-        for name, runner in runners.items():
-            t = time.perf_counter()
-            logits = runner.prefill(prompt)
-            prefill_s[name] = time.perf_counter() - t
-            state[name] = [int(logits.argmax())]
-        for name, runner in runners.items():  # warm-up steps (the first ones compile and capture the JIT)
+        t = time.perf_counter()
+        tokens = [int(contiguous.prefill(prompt).argmax())]
+        prefill_s = {"contiguous": time.perf_counter() - t}
+        t = time.perf_counter()
+        engine.add_request("bench", prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=warmup + steps + 2))
+        while not engine.step():  # the prompt, in chunks of the token budget, then the first token
+            pass
+        prefill_s["paged"] = time.perf_counter() - t
+
+        def contiguous_step() -> None:
+            tokens.append(int(contiguous.decode(tokens[-1], n + len(tokens) - 1).argmax()))
+
+        steppers = {"contiguous": contiguous_step, "paged": engine.step}
+        for step in steppers.values():  # warm-up steps (the first ones compile and capture the JIT)
             for _ in range(warmup):
-                tokens = state[name]
-                tokens.append(int(runner.decode(tokens[-1], n + len(tokens) - 1).argmax()))
-        times: dict[str, list[float]] = {name: [] for name in runners}
+                step()
+        times: dict[str, list[float]] = {name: [] for name in steppers}
         for _ in range(steps):  # interleaved: one step of each, in turn
-            for name, runner in runners.items():
-                tokens = state[name]
+            for name, step in steppers.items():
                 t = time.perf_counter()
-                logits = runner.decode(tokens[-1], n + len(tokens) - 1)
+                step()
                 times[name].append(time.perf_counter() - t)
-                tokens.append(int(logits.argmax()))
-        for runner in runners.values():
-            runner.free()
+        paged_tokens = engine.step()[0].outputs[0].token_ids  # the last one: the request is finished
         med = {name: statistics.median(ts) for name, ts in times.items()}
         rows.append({"context": n, "steps": steps, "prefill_s": prefill_s,
                      "step_ms_median": {k: 1e3 * v for k, v in med.items()},
                      "tok_per_s": {k: 1 / v for k, v in med.items()},
                      "paged_over_contiguous": med["contiguous"] / med["paged"],
-                     "same_greedy_tokens": state["paged"] == state["contiguous"]})
+                     "same_greedy_tokens": paged_tokens[:len(tokens)] == tokens})
     return {"max_model_len": max_model_len, "num_blocks": num_blocks, "block_size": block_size, "rows": rows}
 
 
@@ -300,12 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "contiguous cache (default: the model's)")
     p.add_argument("--num-seqs", type=int, default=64, help="sequences in the length mix (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the length mix (default 0)")
-    p.add_argument("--budget", default="512MiB", help="KV cache memory for the fit and the paged runner "
+    p.add_argument("--budget", default="512MiB", help="KV cache memory for the fit and the paged engine "
                    "(default 512MiB)")
     p.add_argument("--contexts", default="128,512,2048", help="decode context lengths (default 128,512,2048)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per context and runner (default 32)")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
-    p.add_argument("--block-size", type=int, default=16, help="block size of the paged runner (default 16)")
+    p.add_argument("--block-size", type=int, default=16, help="block size of the paged engine (default 16)")
     p.add_argument("--repeats", type=int, default=30, help="timed rounds of part 5 (default 30)")
     p.add_argument("--memory-only", action="store_true", help="parts 1-3 only: no model, no device")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs = step_inputs_ms(-(-speed["max_model_len"] // args.block_size), args.repeats)
         print(f"\nhost side, per decode step: making the step's inputs as new tensors takes "
               f"{inputs['contiguous']:.2f} ms (contiguous: 1 tensor) vs {inputs['paged']:.2f} ms (paged: 4 tensors); "
-              f"refilling the paged runner's 4 InputBuffers in place (what the runners do) "
+              f"refilling 4 InputBuffers in place (what the runners do) "
               f"{inputs['paged, in place']:.3f} ms")
         results["step_inputs_ms"] = inputs
 
