@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bandwidth import measure_read_bandwidth  # noqa: E402  (benchmarks/bandwidth.py)
-from common import add_peers_arg, code_version, find_peers, log, machine_description, table, write_results  # noqa: E402
+from common import (  # noqa: E402  (benchmarks/common.py)
+    add_peers_arg, code_version, find_peers, log, machine_description, side_by_side_headers, table, write_results)
 
 BENCH_TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and "
               "were programmed by rewiring them; later, stored programs let the same hardware run any algorithm. "
@@ -209,12 +210,10 @@ def report_peers(results: dict, peers: dict, dtype: str) -> None:
         peer.setdefault("tinyvllm_ratio", {})["cold_start"] = cold / peer["cold_start_s"]
         row += [f"{peer['cold_start_s']:.2f}", f"{cold / peer['cold_start_s']:.2f}"]
     rows.append(row)
-    headers = ["workload", f"tinyvllm {dtype}"]
-    for fmt in FORMATS:
-        headers += [f"llama.cpp {fmt}", "ratio"]
+    headers = side_by_side_headers("workload", f"tinyvllm {dtype}", FORMATS)
     print(f"\n== tinyvllm and llama.cpp ({SOURCE}), same model and workloads, this run; "
           f"ratio = tinyvllm / llama.cpp ==")
-    print(table(rows, tuple(headers)))
+    print(table(rows, headers))
     print(f"llama.cpp: llama-bench (median of 5 repetitions, decode from an empty context), llama-server -np 1 from "
           f"Popen to the reply of one /completion (median of 3); {peers[result_key(FORMATS[0])]['threads']} threads.")
     print("For the cold start the ratio is of seconds: above 1, tinyvllm takes longer.")

@@ -43,6 +43,7 @@ from common import (  # (benchmarks/common.py)
     load_average,
     log,
     machine_description,
+    side_by_side_headers,
     table,
     write_results,
 )
@@ -271,12 +272,10 @@ def measure_peers(llama, rows: dict[int, dict], prompt_len: int, output_len: int
             r = peers[result_key(fmt)]["concurrency"][str(n)]
             row += [f"{r['tok_s']:.1f}", f"{r['tinyvllm_ratio']:.2f}"]
         table_rows.append(row)
-    headers = ["N", "tinyvllm float32"]
-    for fmt in FORMATS:
-        headers += [f"llama.cpp {fmt}", "ratio"]
+    headers = side_by_side_headers("N", "tinyvllm float32", FORMATS)
     print(f"\n== total tok/s, tinyvllm and llama.cpp (llama-batched-bench, {llama.threads} threads), this run: N "
           f"requests of {prompt_len} prompt tokens, {output_len} generated each; ratio = tinyvllm / llama.cpp ==")
-    print(table(table_rows, tuple(headers)))
+    print(table(table_rows, headers))
     print(f"total tok/s = N x output tokens / the whole time, prefill included, for both engines; llama.cpp: "
           f"the median of {repeats} runs, tinyvllm: one run.")
     return peers

@@ -104,6 +104,11 @@ def find_peers(args: argparse.Namespace):
     return LlamaCpp.find(args.peers)
 
 
+def side_by_side_headers(first: str, ours: str, formats) -> tuple[str, ...]:
+    """Column headers of a tinyvllm-beside-llama.cpp table: ours, then each llama.cpp format and its ratio."""
+    return (first, ours, *(cell for fmt in formats for cell in (f"llama.cpp {fmt}", "ratio")))
+
+
 def no_peer_twin(args: argparse.Namespace, why: str) -> None:
     """The one line a script whose workload llama.cpp has no twin for prints under --peers."""
     if args.peers is not None:
