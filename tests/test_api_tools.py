@@ -230,3 +230,25 @@ def test_bad_tools_are_400s_naming_the_field(fake, body, param):
 def test_the_openai_client_sees_a_bad_request(fake):
     with pytest.raises(openai.BadRequestError):
         client(fake).chat.completions.create(model="fake-smollm2", messages=ASK, tool_choice="required")
+
+
+@pytest.mark.slow
+def test_the_real_model_makes_forced_calls_that_parse():
+    """SmolLM2 itself, greedy and sampled, streamed and not: a required or named call always parses."""
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    with serve_app(lambda: LLMEngine(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=512,
+                                     kv_cache_memory="64MiB")) as server:
+        c = client(server)
+        for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+                request = dict(model="SmolLM2-135M-Instruct.Q4_1.gguf", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=80,
+                               **sampling)
+                choice = c.chat.completions.create(**request).choices[0]
+                assert choice.finish_reason == "tool_calls", choice
+                (call,) = choice.message.tool_calls
+                check_arguments(call.function.name, call.function.arguments)
+                with c.chat.completions.stream(**request) as stream:
+                    streamed = stream.get_final_completion().choices[0]
+                assert [(t.function.name, t.function.arguments) for t in streamed.message.tool_calls] == \
+                    [(call.function.name, call.function.arguments)]
