@@ -133,6 +133,15 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
+def recorded_options(options: argparse.Namespace | dict) -> dict:
+    """The options as a results file keeps them: a --peers directory by its name only (where llama.cpp was built
+    on one machine says nothing about the figures)."""
+    recorded = dict(vars(options) if isinstance(options, argparse.Namespace) else options)
+    if recorded.get("peers"):
+        recorded["peers"] = Path(recorded["peers"]).name
+    return recorded
+
+
 def write_results(name: str, figures: dict, options: argparse.Namespace | dict, also: str | None = None) -> Path:
     """benchmarks/results/<name>.json: when, where, which code, with which options, then the figures.
 
@@ -143,7 +152,7 @@ def write_results(name: str, figures: dict, options: argparse.Namespace | dict, 
            "engine_code_dirty": "uncommitted" in code_version(), "machine": machine_info(),
            "load_average": {"start": list(LOAD_AT_START or []), "end": list(os.getloadavg())
                             if hasattr(os, "getloadavg") else []},
-           "options": dict(vars(options) if isinstance(options, argparse.Namespace) else options)}
+           "options": recorded_options(options)}
     doc.update(figures)
     text = json.dumps(doc, indent=2, default=str) + "\n"
     RESULTS_DIR.mkdir(exist_ok=True)
