@@ -132,8 +132,9 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self.cached_prefix(seq)
+    def can_allocate(self, seq: Sequence, hits: list[Block] | None = None) -> bool:
+        """Enough free blocks for `seq`, given its cached prefix `hits` (looked up here when not given)?"""
+        hits = self.cached_prefix(seq) if hits is None else hits
         num_free_hits = sum(block.ref_cnt == 0 for block in hits)  # taking those also shrinks the free queue
         return seq.num_blocks(self.block_size) - len(hits) + num_free_hits <= self.num_free_blocks
 
@@ -144,9 +145,9 @@ class BlockManager:
         With prefix caching, the blocks of its longest cached prefix come first, shared (ref_cnt + 1), and
         `seq.num_computed_tokens` starts after them: their K/V are in the cache already."""
         assert not seq.block_table, f"allocate: {seq} already holds blocks"
-        if not self.can_allocate(seq):
+        hits = self.cached_prefix(seq)  # one lookup serves the check and the allocation
+        if not self.can_allocate(seq, hits):
             return None
-        hits = self.cached_prefix(seq)
         for block in hits:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
