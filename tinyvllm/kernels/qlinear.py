@@ -1,0 +1,220 @@
+"""`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (Phase 6).
+
+    x (..., K) float32 @ w(N, K).T -> (..., N) float32      w: a QuantizedWeight, the GGUF's blocks as they are
+
+Why: decoding one token reads every weight once, so a decode step costs the bytes of the weights divided by
+the read bandwidth. SmolLM2-135M has 134.5 M weights in its linear layers (30 x 3,538,944 + lm_head 28,311,552):
+
+    format   bytes per block / weights per block    bits per weight   bytes read per token
+    float32               4 / 1                           32.0              538 MB
+    Q8_0                 34 / 32                           8.5              143 MB
+    Q6_K                210 / 256                          6.56             110 MB
+    Q4_1                 20 / 32                           5.0               84 MB
+    Q4_0                 18 / 32                           4.5               76 MB
+    Q4_K                144 / 256                          4.5               76 MB
+    the shipped file: 30 layers Q4_1 (66 MB) + lm_head, tied to token_embd, Q8_0 (30 MB) = 96 MB
+
+At ~40 GB/s that is 13 ms per token in float32 against 2.1 ms in Q4_1. So the blocks stay as they are on the
+device (no repacking: the loader uploads the file's bytes) and the kernels read them directly.
+
+How the CPU kernels (kernels/cpu/qmatmul.c for the 32-element formats, qmatmul_k.c for the 256-element
+K-quants) compute a dot product, the route llama.cpp's ggml-cpu takes:
+
+    x row (K float32) --quantize once per row--> 8-bit blocks in `scratch`: int8 q[32] + float scale (+ sums)
+                                                     |
+    w row (N rows of GGUF blocks) ----------------> integer dot per block: sum q_w * q_x   (AVX2 maddubs/madd:
+                                                     |                                      32 products at once)
+                                                     v
+                          out[m, n] = sum over blocks of  (d_w * d_x) * int_dot  (+ min_w * d_x * sum q_x)
+                                                          float scale, once per block of 32 (or 256) weights
+
+Multiplying 8-bit integers is exact, so the only new error is rounding x to 8 bits (half a step, d_x / 2,
+per element); tests/test_kernels_qlinear.py derives the bound and checks it.
+
+Everywhere else (`TINYVLLM_PORTABLE=1` / `tinyvllm.kernels.linear.PORTABLE`, symbolic shapes, a device without
+a kernel) the portable path runs: dequantize the blocks in tinygrad ops, then `x @ w.T` in float32. A GPU
+device with kernels (kernels/cuda/qmatmul*.cu, kernels/metal/qmatmul*.metal) launches them with one warp per
+output (m, n), four warps per block: grid ((N + 3) // 4, M, 1), 128 threads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.kernels import linear as linear_module
+from tinyvllm.kernels.launcher import device_kind, has_kernel, launch
+from tinyvllm.tinygrad_adapter import Estimates
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One GGUF block format: `block_size` weights stored in `type_size` bytes; `kernel` is the file computing it."""
+
+    name: str
+    block_size: int
+    type_size: int
+    kernel: str  # "qmatmul" (32-element blocks) or "qmatmul_k" (256-element super-blocks)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.type_size / self.block_size
+
+
+# ggml type id -> format (byte layouts drawn in tinyvllm/model/quant.py)
+QUANT_FORMATS: dict[int, QuantFormat] = {
+    2: QuantFormat("Q4_0", 32, 18, "qmatmul"),
+    3: QuantFormat("Q4_1", 32, 20, "qmatmul"),
+    8: QuantFormat("Q8_0", 32, 34, "qmatmul"),
+    12: QuantFormat("Q4_K", 256, 144, "qmatmul_k"),
+    14: QuantFormat("Q6_K", 256, 210, "qmatmul_k"),
+}
+
+# Bytes of one quantized block of x in the CPU kernels' scratch (the C structs; each file checks its size):
+#   qmatmul.c    struct xblock    { float d; float s; int8 q[32]; }          s = d * sum(q), for the min term
+#   qmatmul_k.c  struct xblock_k  { float d; int16 bsums[16]; int8 q[256]; } bsums: sums of each 16 q
+X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
+
+
+def quant_format(ggml_type: int) -> QuantFormat:
+    if ggml_type not in QUANT_FORMATS:
+        supported = ", ".join(f"{f.name} ({t})" for t, f in QUANT_FORMATS.items())
+        raise ValueError(f"no quantized matmul for ggml type {ggml_type}; supported: {supported}")
+    return QUANT_FORMATS[ggml_type]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A (N, K) weight kept in its GGUF blocks on the device.
+
+        data: (N, K // block_size * type_size) uint8    row n = the blocks of weight row n, in order
+        shape: (N, K)                                    (out_features, in_features), as a float weight would be
+    """
+
+    data: Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    def __post_init__(self):
+        fmt = quant_format(self.ggml_type)
+        N, K = self.shape
+        if K % fmt.block_size != 0:
+            raise ValueError(f"{fmt.name} rows hold whole blocks of {fmt.block_size} weights; K={K} is not a multiple")
+        want = (N, K // fmt.block_size * fmt.type_size)
+        if self.data.dtype != dtypes.uint8 or tuple(self.data.shape) != want:
+            raise ValueError(f"{fmt.name} weight of shape {self.shape} needs data of shape {want} uint8, "
+                             f"got {tuple(self.data.shape)} {self.data.dtype}")
+
+    @property
+    def format(self) -> QuantFormat:
+        return QUANT_FORMATS[self.ggml_type]
+
+
+def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
+    """Bytes of the kernel's scratch: M rows of x, each quantized to K // block_size 8-bit blocks."""
+    fmt = quant_format(ggml_type)
+    return M * (K // fmt.block_size) * X_BLOCK_BYTES[fmt.kernel]
+
+
+def uses_kernel(x: Tensor, w: QuantizedWeight) -> bool:
+    """Would `qlinear(x, w)` run a hand-written kernel?"""
+    if linear_module.PORTABLE or not isinstance(x.device, str) or x.device != w.data.device:
+        return False
+    if x.dtype != dtypes.float32 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+        return False
+    if not all(isinstance(s, int) for s in x.shape) or 0 in x.shape:
+        return False
+    return has_kernel(w.format.kernel, x.device)
+
+
+def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
+    """x (..., K) float32 @ w(N, K).T -> (..., N) float32."""
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes K={K} (weight shape {w.shape})")
+    if not uses_kernel(x, w):
+        return x.float() @ dequantize_weight(w).T
+    fmt, M = w.format, math.prod(x.shape[:-1])
+    nbytes = w.data.nbytes()
+    # ops: one multiply-add per weight per row of x; mem: the blocks once, x, out and the scratch once
+    estimates = Estimates(ops=2 * M * N * K, lds=nbytes + 4 * M * K, mem=nbytes + 4 * (M * K + M * N))
+    out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)  # (M,N), every element written
+    scratch = Tensor.invalids(max(1, scratch_bytes(w.ggml_type, M, K)), dtype=dtypes.uint8, device=x.device)
+    grid = (1, 1, 1) if device_kind(x.device) == "CPU" else ((N + 3) // 4, M, 1)  # GPU: one warp per (m, n)
+    out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x.reshape(M, K).contiguous(), w.data.contiguous()],
+                    defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}, estimates=estimates,
+                    grid=grid, local_size=(128, 1, 1))
+    return out.reshape(*x.shape[:-1], N)
+
+
+# ---- dequantizing in tinygrad ops: the portable path and the embedding lookup ----
+# Each takes blocks (..., type_size) uint8 and returns (..., block_size) float32, doing the float operations in
+# the order of tinyvllm/model/quant.py's numpy dequantizers.
+
+def _f16(b: Tensor, at: int) -> Tensor:
+    """The little-endian float16 at byte `at` of each block, as float32: (..., 1)."""
+    bits = b[..., at:at + 1].cast(dtypes.uint16) | (b[..., at + 1:at + 2].cast(dtypes.uint16) << 8)
+    return bits.bitcast(dtypes.float16).cast(dtypes.float32)
+
+
+def _nibbles(qs: Tensor) -> Tensor:
+    """(..., n) bytes -> (..., 2n): every lo nibble, then every hi nibble."""
+    return (qs & 0x0F).cat(qs >> 4, dim=-1)
+
+
+def _q4_0(b: Tensor) -> Tensor:  # x = d * (q - 8)
+    return _f16(b, 0) * (_nibbles(b[..., 2:]).cast(dtypes.float32) - 8)
+
+
+def _q4_1(b: Tensor) -> Tensor:  # x = d * q + m
+    return _f16(b, 0) * _nibbles(b[..., 4:]).cast(dtypes.float32) + _f16(b, 2)
+
+
+def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
+    return _f16(b, 0) * b[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32)
+
+
+def _q4_k(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * sc) * q - (dmin * m), 6-bit sc and m
+    s = b[..., 4:16]
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = (lo & 63).cat((hi & 0x0F) | ((lo >> 6) << 4), dim=-1).cast(dtypes.float32)  # (..., 8)
+    mn = (mid & 63).cat((hi >> 4) | ((mid >> 6) << 4), dim=-1).cast(dtypes.float32)
+    d, dm = (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).unsqueeze(-1)  # (..., 8, 1)
+    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)
+    q = _nibbles(qs).reshape(*b.shape[:-1], 8, 32).cast(dtypes.float32)  # chunk c: sub-blocks 2c, 2c+1
+    return (d * q - dm).reshape(*b.shape[:-1], 256)
+
+
+def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 32), q = 4 low bits | 2 high bits
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 64)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
+    scales = b[..., 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (..., 16)
+    d = (_f16(b, 208) * scales).unsqueeze(-1)  # (..., 16, 1)
+    low = _nibbles(ql)  # (..., 2, 128)
+    shifts = Tensor([0, 2, 4, 6], dtype=dtypes.uint8, device=b.device).reshape(4, 1)
+    high = ((qh >> shifts) & 3).reshape(*lead, 2, 128)  # element e of a half: bits 2(e // 32) of qh[e % 32]
+    q = (low | (high << 4)).cast(dtypes.float32) - 32
+    return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
+
+
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 8: _q8_0, 12: _q4_k, 14: _q6_k}
+
+
+def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
+    """rows (..., row_bytes) uint8 -> (..., K) float32."""
+    fmt = quant_format(ggml_type)
+    blocks = rows.reshape(*rows.shape[:-1], K // fmt.block_size, fmt.type_size)  # (..., blocks per row, type_size)
+    return _DEQUANTIZE[ggml_type](blocks).reshape(*rows.shape[:-1], K)
+
+
+def dequantize_weight(w: QuantizedWeight) -> Tensor:
+    """The (N, K) float32 weight, computed in tinygrad ops on w's device: the portable reference."""
+    return _dequantize_rows(w.data, w.ggml_type, w.shape[1])
+
+
+def embedding(w: QuantizedWeight, ids: Tensor) -> Tensor:
+    """ids (...) int -> (..., K) float32: only the looked-up rows' bytes are gathered and dequantized."""
+    return _dequantize_rows(w.data[ids], w.ggml_type, w.shape[1])
