@@ -29,6 +29,7 @@ stream here carries the merged output, `outputs[i].index == i`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -77,6 +78,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _GetState:
+    future: concurrent.futures.Future  # set on the engine thread, awaited on the event loop
+
+
+@dataclass
+class _AbortAll:
+    error: BaseException  # what each request in the engine ends with
+
+
 _SHUTDOWN = object()
 
 
@@ -102,6 +113,7 @@ class AsyncLLMEngine:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.draining = False  # set by drain(): new requests are refused, the ones in flight finish
 
     # ---- lifecycle (event loop side) ----
 
@@ -115,6 +127,24 @@ class AsyncLLMEngine:
         if self._thread is not None and self._thread.is_alive():
             self._input.put(_SHUTDOWN)
             await asyncio.to_thread(self._thread.join, timeout)
+
+    def drain(self, timeout: float) -> None:
+        """Graceful shutdown (the server got SIGTERM): refuse new requests (503), give the ones in flight
+        `timeout` seconds to finish, then end those left with an error their clients can read. On the event loop."""
+        if self.draining:
+            return
+        self.draining = True
+        error = EngineDeadError(f"the server is shutting down: this request did not finish within the {timeout:g} s "
+                                "grace period (--shutdown-timeout); retry it")
+        asyncio.get_running_loop().call_later(timeout, self._input.put, _AbortAll(error))
+
+    async def get_state(self, timeout: float = 30.0) -> dict:
+        """The engine's snapshot (`LLMEngine.get_state`: blocks, queues, last steps) with its `get_stats()`, taken
+        on the engine thread between two steps. An engine without `get_state` gives its stats alone."""
+        self.check_ready()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._input.put(_GetState(future))
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
 
     @property
     def is_ready(self) -> bool:
@@ -171,6 +201,8 @@ class AsyncLLMEngine:
     def check_can_accept(self, n: int = 1) -> None:
         """Raise if `n` more requests can't be taken: not loaded (yet), stopped, or too many waiting."""
         self.check_ready()
+        if self.draining:
+            raise EngineDeadError("the server is shutting down and takes no new requests; retry on another server")
         if self.max_waiting is not None and self.num_waiting() + n > self.max_waiting:
             raise EngineOverloadedError(f"the server is overloaded: {self.num_waiting()} requests are already "
                                         f"waiting (max {self.max_waiting}); retry later", self.retry_after)
@@ -219,7 +251,17 @@ class AsyncLLMEngine:
             self._step()
         return True
 
-    def _apply(self, command: _Add | _Abort) -> tuple[str, BaseException] | None:
+    def _apply(self, command: _Add | _Abort | _GetState | _AbortAll) -> tuple[str, BaseException] | None:
+        if isinstance(command, _GetState):
+            try:
+                state = self.engine.get_state() if hasattr(self.engine, "get_state") else {}
+                command.future.set_result({**state, "stats": self.engine.get_stats()})
+            except Exception as e:  # a snapshot must never stop the engine
+                command.future.set_exception(e)
+            return None
+        if isinstance(command, _AbortAll):
+            self._abort_all(command.error)
+            return None
         if isinstance(command, _Abort):
             if command.request_id in self._in_engine:
                 self._abort(command.request_id)

@@ -27,6 +27,7 @@ import numpy as np
 from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence, SequenceStatus
+from tinyvllm.engine.engine_state import StepLog, engine_state
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.engine.parent_request import ParentRequests
 from tinyvllm.engine.text_stream import TextStream
@@ -127,6 +128,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}  # unfinished requests the scheduler knows, by request id
         self._failed: list[RequestState] = []  # requests this step finished with an error, reported by step()
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
+        self.step_log = StepLog()  # the last steps' records, for get_state() (the server's dashboard)
 
     # ---- requests in ----
 
@@ -190,15 +192,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        begun = self.step_log.begin(scheduler_output)
         sampled = self._run_and_sample(scheduler_output)
         new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)
-        return self._make_outputs(new_token_seqs)
+        outputs = self._make_outputs(new_token_seqs)
+        self.step_log.end(begun, len(new_token_seqs))
+        return outputs
 
     def _run_and_sample(self, scheduler_output) -> dict[int | str, int]:
         """Forward pass, then one token per sequence that caught up: on the device in one batched graph,
         except for rows whose request needs the host reference sampler (penalties, logit bias, min_tokens,
         logprobs), which get their row of logits copied back. Structured outputs mask both paths."""
         if not scheduler_output.scheduled_seqs:
+            self._fail_unschedulable(scheduler_output)
             return {}
         seqs, logits = self.model_runner.execute_model(scheduler_output)
         if not seqs:
@@ -279,6 +285,18 @@ class LLMEngine:
         state.metrics.finished_time = time.monotonic()
         self._failed.append(state)
 
+    def _fail_unschedulable(self, scheduler_output) -> None:
+        """Nothing was scheduled, nothing runs and nothing was preempted: no block will come free, so the head
+        of the waiting queue can never be admitted. It ends with an error instead of waiting forever (the
+        pool can only be that short when blocks leaked, or a test took them: tinyvllm/engine/fault_injection.py)."""
+        scheduler = self.scheduler
+        if scheduler_output.preempted_seqs or scheduler.running or not scheduler.waiting:
+            return
+        seq, bm = scheduler.waiting[0], scheduler.block_manager
+        self._fail(seq, RuntimeError(
+            f"out of KV cache blocks: the request needs {seq.num_blocks(bm.block_size)} blocks, {bm.num_free_blocks} "
+            f"of the {bm.num_blocks} are free and no running request will give any back"))
+
     def _make_outputs(self, new_token_seqs: list[Sequence]) -> list[RequestOutput]:
         """Text for each new token, stop strings (the scheduler checked stop tokens and lengths), outputs."""
         now = time.monotonic()
@@ -315,6 +333,11 @@ class LLMEngine:
             if state.text.stop_str is None:
                 state.text.finish()  # release text held back for a stop string that never came
             state.metrics.finished_time = now
+
+    def get_state(self) -> dict:
+        """A snapshot of the block pool, the queues and the last steps (tinyvllm/engine/engine_state.py); take it on
+        the thread that steps the engine."""
+        return engine_state(self)
 
     def get_stats(self) -> dict:
         bm = self.scheduler.block_manager

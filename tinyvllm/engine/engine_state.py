@@ -1,0 +1,114 @@
+"""What the engine is doing right now, as plain data: the KV block pool, the queues, the last steps.
+
+`LLMEngine.get_state()` returns this snapshot; the server's dashboard (tinyvllm/api/dashboard.py) draws it.
+It must be taken on the thread that steps the engine (the scheduler changes its queues and block tables
+during a step), so the async engine asks for it through its command queue, between two steps.
+
+    {"config":   model, quantization, dtypes, device, block_size, num_blocks, limits of a step, policy,
+     "kv_cache": {"ref_cnt": [r0, r1, ...], "cached": [0/1, ...], "num_free_blocks", ...}   one entry per block
+     "running":  [{request_id, status, priority, num_computed_tokens, num_tokens, block_table, ...}, ...]
+     "waiting":  [... the same, in the order they will be admitted ...]
+     "steps":    [{time, step_ms, batch_size, num_prefill_tokens, num_decode_tokens, num_preempted}, ...]}
+
+A block's owners are the requests whose `block_table` holds it; `ref_cnt` > 1 means several do (a prefix
+shared through the prefix cache, or n > 1 choices); a free block (`ref_cnt` 0) that is `cached` still holds
+a prefix's K/V that a new prompt may hit, until it is handed out again (evicted, least recently used first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from tinyvllm.core.sequence import Sequence
+
+NUM_STEP_RECORDS = 256  # steps kept: what the dashboard's step chart and its rates look back over
+
+
+@dataclass
+class StepRecord:
+    """One engine step: what the scheduler gave it, and how long it took."""
+
+    time: float  # time.monotonic() when the step ended
+    step_ms: float
+    batch_size: int  # sequences scheduled
+    num_prefill_tokens: int  # prompt tokens computed (and tokens recomputed after a preemption)
+    num_decode_tokens: int  # sequences computing only their last sampled token
+    num_preempted: int
+    num_sampled: int  # sequences that got a new token
+
+
+class StepLog:
+    """The last NUM_STEP_RECORDS steps. `begin` reads the scheduler output before the step changes the
+    sequences (a decode is told from a prefill by `Sequence.is_prefill`), `end` closes the record."""
+
+    def __init__(self, maxlen: int = NUM_STEP_RECORDS):
+        self.records: deque[StepRecord] = deque(maxlen=maxlen)
+        self.num_steps = 0
+
+    def begin(self, scheduler_output) -> tuple[float, int, int, int, int]:
+        num_decode = sum(1 for seq in scheduler_output.scheduled_seqs if not seq.is_prefill)
+        num_prefill = scheduler_output.total_num_scheduled_tokens - num_decode
+        return (time.perf_counter(), len(scheduler_output.scheduled_seqs), num_prefill, num_decode,
+                len(scheduler_output.preempted_seqs))
+
+    def end(self, begun: tuple[float, int, int, int, int], num_sampled: int) -> None:
+        start, batch_size, num_prefill, num_decode, num_preempted = begun
+        self.records.append(StepRecord(time.monotonic(), (time.perf_counter() - start) * 1e3, batch_size,
+                                       num_prefill, num_decode, num_preempted, num_sampled))
+        self.num_steps += 1
+
+
+def request_state(seq: Sequence, now: float) -> dict:
+    return {"request_id": str(seq.seq_id), "status": seq.status.name, "priority": seq.priority,
+            "num_computed_tokens": seq.num_computed_tokens, "num_tokens": seq.num_tokens,
+            "num_prompt_tokens": seq.num_prompt_tokens, "num_output_tokens": seq.num_output_tokens,
+            "num_cached_tokens": max(seq.num_cached_tokens, 0), "block_table": list(seq.block_table),
+            "age_s": round(now - seq.arrival_time, 3)}
+
+
+def weight_formats(model) -> str:
+    """How the weights are stored: the engine's quantization method where it names one, else the formats
+    found on the weights themselves (GGUF blocks carry a `ggml_type`), else the model's dtype."""
+    method = getattr(model, "quantization", None)
+    if method not in (None, "auto"):
+        return str(method)
+    layers = getattr(model, "layers", None) or []
+    weights = [getattr(model, "embed_tokens", None), *(vars(layers[0]).values() if layers else ())]
+    found = []
+    for weight in weights:
+        for part in weight if isinstance(weight, tuple) else (weight,):  # a fusion on paper only: a tuple
+            kind = getattr(part, "ggml_type", None)
+            name = str(getattr(kind, "name", kind))
+            if kind is not None and name not in found:
+                found.append(name)
+    return "+".join(found) if found else f"none ({dtype_name(getattr(model, 'dtype', None))})"
+
+
+def dtype_name(dtype) -> str:
+    """tinygrad's dtype as numpy and torch name it: dtypes.float32 is "float32" (tinygrad says "float")."""
+    name = getattr(dtype, "name", None)
+    return {"float": "float32", "half": "float16", "double": "float64"}.get(name, name or str(dtype))
+
+
+def engine_state(engine) -> dict:
+    """The snapshot described at the top of this file, from an `LLMEngine`'s public attributes."""
+    scheduler, model, now = engine.scheduler, engine.model, time.monotonic()
+    bm, kv_cache = scheduler.block_manager, engine.kv_cache
+    config = {
+        "model": engine.model_name, "quantization": weight_formats(model),
+        "dtype": dtype_name(getattr(model, "dtype", None)),
+        "kv_cache_dtype": dtype_name(getattr(kv_cache, "dtype", None)),
+        "device": str(getattr(model, "device", "")), "block_size": bm.block_size, "num_blocks": bm.num_blocks,
+        "max_model_len": engine.max_model_len, "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens, "scheduling_policy": scheduler.policy,
+        "enable_prefix_caching": bm.enable_prefix_caching}
+    kv = {"ref_cnt": [block.ref_cnt for block in bm.blocks],
+          "cached": [int(block.block_hash is not None) for block in bm.blocks],
+          "num_free_blocks": bm.num_free_blocks, "num_cached_blocks": len(bm.cached_blocks)}
+    return {"config": config, "kv_cache": kv,
+            "running": [request_state(seq, now) for seq in scheduler.running],
+            "waiting": [request_state(seq, now) for seq in scheduler.waiting],
+            "steps": [{**asdict(record), "age_s": round(now - record.time, 3)} for record in engine.step_log.records],
+            "num_steps": engine.step_log.num_steps}
