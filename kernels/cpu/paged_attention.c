@@ -24,22 +24,33 @@
  * Chunks (num_seqs x n_kv_heads of them) are spread over both cores by the thread pool (threadpool.h) when the
  * launch reads enough K/V to be worth it.
  *
- * Arguments of paged_attention (all row-major, float32; int32 tables):
+ * Arguments of paged_attention (all row-major; q and out float32, the caches cache_t; int32 tables):
  *   out:          (num_seqs, n_heads, head_dim)              written: attention output of each row's one query
  *   q:            (num_seqs, n_heads, head_dim)              one query token per row (decode; or one token of a
  *                                                            flattened prompt chunk: its own row, its own context)
  *   k_cache:      (num_blocks, block_size, n_kv_heads, head_dim)
  *   v_cache:      (num_blocks, block_size, n_kv_heads, head_dim)
+ *   k_scale:      (num_blocks, block_size, n_kv_heads)   float32, int8 and fp8 caches only: one scale per token
+ *   v_scale:      (num_blocks, block_size, n_kv_heads)   float32   per KV head (key p's K is k_cache[...] * k_scale[...])
  *   block_tables: (num_seqs, max_blocks)   int32             row i: the physical blocks of row i's sequence, in order
  *   context_lens: (num_seqs,)              int32             row i attends to its keys 0 .. context_lens[i]-1
  * Arguments of reshape_and_cache:
  *   k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim)   written at the given slots only
- *   key, value:       (num_tokens, n_kv_heads, head_dim)               this step's new K and V
+ *   k_scale, v_scale: (num_blocks, block_size, n_kv_heads)             int8 and fp8 only, written at the same slots
+ *   key, value:       (num_tokens, n_kv_heads, head_dim)               float32, this step's new K and V
  *   slot_mapping:     (num_tokens,) int32   slot = block * block_size + offset; a negative slot is skipped
  *
  * Sizes are compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE,
  * TV_MAX_BLOCKS, TV_SCALE (1/sqrt(head_dim)) for paged_attention; TV_NUM_TOKENS, TV_NUM_SLOTS for reshape_and_cache.
  * The context lengths are data, read at run time: one compiled program serves every context length.
+ *
+ * The cache's element (Phase 7c, docs/phases/07c-kv-cache-quantization.md): TV_CACHE_T is float, __fp16,
+ * signed char or unsigned char, and TV_KV_QUANT says what the bytes mean: 0 a float as is, 1 int8 codes
+ * (x = code * scale), 2 fp8 e4m3 codes (x = e4m3(code) * scale). The write quantizes exactly as the portable
+ * path does (tinyvllm/attention/kv_quant.py), bit for bit. The attention first turns each tile's 32 K and V rows
+ * back into float32, scale applied, in a buffer on the stack (L1), then runs the float32 code below unchanged:
+ * one conversion per element per launch, shared by the GROUP query heads, while memory delivers a quarter of
+ * float32's bytes (64 codes + a 4-byte scale per row instead of 256 bytes).
  *
  * tinygrad's CPU runtime calls the first byte of the compiled object, so a compilation can have only one entry point:
  * TV_RESHAPE_AND_CACHE selects the write, otherwise it is the attention (the GPU files do the same, to keep one
@@ -57,19 +68,112 @@
 typedef float f8 __attribute__((vector_size(32), aligned(4)));
 typedef int i8 __attribute__((vector_size(32), aligned(4)));
 
+#ifndef TV_CACHE_T  /* a float32 cache, as before Phase 7c */
+#define TV_CACHE_T float
+#define TV_CACHE_BITS 32
+#define TV_KV_QUANT 0
+#endif
+typedef TV_CACHE_T cache_t;
+#define KV_INT8 1
+#define KV_FP8 2
+#if TV_KV_QUANT == KV_INT8
+#define QMAX 127.0f
+#elif TV_KV_QUANT == KV_FP8
+#define QMAX 448.0f
+#endif
+
+/* ------------------------------------------------------------------------ fp8 e4m3 <-> float32, bit by bit */
+/* e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; normals 2^(e-7) * (1 + m/8), subnormals m * 2^-9,
+ * largest 448 (0x7E). The same integer steps as fp8_e4m3_encode / fp8_e4m3_decode in kv_quant.py. */
+TV_INLINE unsigned float_bits(float x) { union { float f; unsigned u; } v = {x}; return v.u; }
+TV_INLINE float bits_float(unsigned u) { union { unsigned u; float f; } v = {u}; return v.f; }
+
+TV_INLINE unsigned char fp8_e4m3_encode(float y) {
+  float a = __builtin_fabsf(y);
+  a = a < 448.0f ? a : 448.0f;  /* saturate (and a NaN becomes 448) */
+  const unsigned bits = float_bits(a);
+  const unsigned magnitude = a < 0x1p-6f ? (unsigned)__builtin_rintf(a * 512.0f)  /* subnormal: m * 2^-9 */
+                                         : ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
+  return (unsigned char)(magnitude | ((float_bits(y) >> 24) & 0x80u));
+}
+
+/* 8 codes -> 8 floats: e + 120 into a float32's exponent, except the subnormals (m * 2^-9), then the sign */
+typedef unsigned char u8x8 __attribute__((vector_size(8), aligned(1)));
+typedef unsigned u8 __attribute__((vector_size(32), aligned(4)));
+TV_INLINE f8 fp8_e4m3_decode8(u8x8 codes) {
+  const u8 c = __builtin_convertvector(codes, u8);  /* zero-extended */
+  const u8 magnitude = c & 0x7F;
+  const u8 normal = (magnitude << 20) + (120u << 23);
+  const u8 subnormal = (u8)(__builtin_convertvector(magnitude, f8) * 0x1p-9f);
+  const u8 is_sub = (u8)(magnitude < 8);  /* all ones where subnormal */
+  return (f8)((is_sub & subnormal) | (~is_sub & normal) | ((c & 0x80) << 24));
+}
+
+/* one token's K (or V) row for one KV head, head_dim floats, -> cache_t (and its scale when quantized) */
+TV_INLINE void store_row(cache_t* restrict dst, float* restrict scale, const float* restrict x) {
+#if TV_KV_QUANT
+  float amax = 0.0f;
+  for (int j = 0; j < TV_HEAD_DIM; j++) amax = __builtin_fmaxf(amax, __builtin_fabsf(x[j]));
+  /* as tinygrad computes them (a division is a multiplication by the reciprocal): bit-equal codes */
+  *scale = amax * (1.0f / QMAX);
+  const float inv = amax > 0.0f ? QMAX * (1.0f / amax) : 0.0f;
+  for (int j = 0; j < TV_HEAD_DIM; j++) {
+#if TV_KV_QUANT == KV_INT8
+    dst[j] = (cache_t)__builtin_rintf(x[j] * inv);  /* round half to even, |code| <= 127 */
+#else
+    dst[j] = fp8_e4m3_encode(x[j] * inv);
+#endif
+  }
+#else
+  (void)scale;
+  for (int j = 0; j < TV_HEAD_DIM; j++) dst[j] = (cache_t)x[j];  /* float16: round to nearest even */
+#endif
+}
+
+/* one cached row back to float32: head_dim elements of cache_t, times the row's scale */
+#if TV_KV_QUANT == KV_INT8
+typedef signed char s8x8 __attribute__((vector_size(8), aligned(1)));
+#define LOAD8(p) __builtin_convertvector(*(const s8x8*)(p), f8)
+#elif TV_KV_QUANT == KV_FP8
+#define LOAD8(p) fp8_e4m3_decode8(*(const u8x8*)(p))
+#else
+typedef cache_t c8 __attribute__((vector_size(8 * sizeof(cache_t)), aligned(sizeof(cache_t))));
+#define LOAD8(p) __builtin_convertvector(*(const c8*)(p), f8)
+#endif
+TV_INLINE void load_row(float* restrict dst, const cache_t* restrict src, float scale) {
+  for (int d = 0; d < HD8; d++) {
+#if TV_KV_QUANT
+    *(f8*)(dst + 8 * d) = LOAD8(src + 8 * d) * scale;
+#else
+    (void)scale;
+    *(f8*)(dst + 8 * d) = LOAD8(src + 8 * d);
+#endif
+  }
+}
+
 #ifdef TV_RESHAPE_AND_CACHE
 
 /* ------------------------------------------------------------------------------------------------ the write */
-TV_KERNEL reshape_and_cache(float* restrict k_cache, float* restrict v_cache, const float* restrict key,
-                            const float* restrict value, const int* restrict slot_mapping) {
+TV_KERNEL reshape_and_cache(cache_t* restrict k_cache, cache_t* restrict v_cache,
+#if TV_KV_QUANT
+                            float* restrict k_scale, float* restrict v_scale,
+#endif
+                            const float* restrict key, const float* restrict value,
+                            const int* restrict slot_mapping) {
   /* (num_tokens x 2 rows of n_kv_heads * head_dim floats: 1.5 KB per token here; too little to share out) */
   const int row = TV_NUM_KV_HEADS * TV_HEAD_DIM;
   for (int i = 0; i < TV_NUM_TOKENS; i++) {
     int slot = slot_mapping[i];
     if (slot < 0 || slot >= TV_NUM_SLOTS) continue;  /* padding token (vLLM's -1), or no such slot */
-    for (int j = 0; j < row; j++) {
-      k_cache[(long)slot * row + j] = key[i * row + j];
-      v_cache[(long)slot * row + j] = value[i * row + j];
+    for (int h = 0; h < TV_NUM_KV_HEADS; h++) {
+      const long at = (long)slot * TV_NUM_KV_HEADS + h;  /* (slot, kv head): the scale's index */
+#if TV_KV_QUANT
+      store_row(k_cache + at * TV_HEAD_DIM, k_scale + at, key + i * row + h * TV_HEAD_DIM);
+      store_row(v_cache + at * TV_HEAD_DIM, v_scale + at, value + i * row + h * TV_HEAD_DIM);
+#else
+      store_row(k_cache + at * TV_HEAD_DIM, 0, key + i * row + h * TV_HEAD_DIM);
+      store_row(v_cache + at * TV_HEAD_DIM, 0, value + i * row + h * TV_HEAD_DIM);
+#endif
     }
   }
 }
@@ -85,8 +189,10 @@ TV_KERNEL reshape_and_cache(float* restrict k_cache, float* restrict v_cache, co
 struct attention_args {
   float* out;
   const float* q;
-  const float* k_cache;
-  const float* v_cache;
+  const cache_t* k_cache;
+  const cache_t* v_cache;
+  const float* k_scale;  /* NULL unless quantized */
+  const float* v_scale;
   const int* block_tables;
   const int* context_lens;
 };
@@ -94,15 +200,22 @@ struct attention_args {
 static void attend_chunk(const void* ctx, int chunk);
 
 /* The entry point: the first function in this file, so the first in the compiled image. */
-TV_KERNEL paged_attention(float* restrict out, const float* restrict q, const float* restrict k_cache,
-                          const float* restrict v_cache, const int* restrict block_tables,
-                          const int* restrict context_lens) {
-  struct attention_args args = {out, q, k_cache, v_cache, block_tables, context_lens};
+TV_KERNEL paged_attention(float* restrict out, const float* restrict q, const cache_t* restrict k_cache,
+                          const cache_t* restrict v_cache,
+#if TV_KV_QUANT
+                          const float* restrict k_scale, const float* restrict v_scale,
+#endif
+                          const int* restrict block_tables, const int* restrict context_lens) {
+#if TV_KV_QUANT
+  struct attention_args args = {out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens};
+#else
+  struct attention_args args = {out, q, k_cache, v_cache, 0, 0, block_tables, context_lens};
+#endif
   /* a small job runs on this thread alone: on a busy machine, waking a parked helper (or waiting for one the OS
    * paused mid-chunk) can take longer than the whole job. Measured at batch 1, 3 KV heads, load 5 on 2 cores:
    * context 512 (2.4 MB of K/V) took 0.75 ms on one thread, 0.8 to 5 ms handed to the pool. */
   long bytes = 0;
-  for (int s = 0; s < TV_NUM_SEQS; s++) bytes += (long)context_lens[s] * 2 * ROW * (long)sizeof(float);
+  for (int s = 0; s < TV_NUM_SEQS; s++) bytes += (long)context_lens[s] * 2 * ROW * (long)sizeof(cache_t);
   if (bytes < PARALLEL_MIN_BYTES) {
     for (int c = 0; c < TV_NUM_SEQS * TV_NUM_KV_HEADS; c++) attend_chunk(&args, c);
   } else {
@@ -179,6 +292,10 @@ static void attend_chunk(const void* ctx, int chunk) {
     for (int d = 0; d < HD8; d++) acc[g][d] = (f8){0};
   }
   const int num_keys = context_len < TV_MAX_BLOCKS * TV_BLOCK_SIZE ? context_len : TV_MAX_BLOCKS * TV_BLOCK_SIZE;
+#if TV_CACHE_BITS != 32
+  float k_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));  /* this tile's rows in float32, scale applied */
+  float v_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));
+#endif
   for (int t0 = 0; t0 < num_keys; t0 += TILE) {
     /* this tile's keys: tokens t0 .. t0+n-1 of the sequence; token p is in slot table[p / BLOCK_SIZE] * BLOCK_SIZE
      * + p % BLOCK_SIZE, at k_cache[slot, kv_head, :] (a tile spans several blocks when block_size < TILE) */
@@ -187,10 +304,19 @@ static void attend_chunk(const void* ctx, int chunk) {
     const float* v_rows[TILE];
     for (int t = 0; t < TILE; t++) {
       const int p = t0 + (t < n ? t : 0);  /* past the last key: any valid row (its score is never used) */
-      const long offset = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * ROW
-                          + kv_head * TV_HEAD_DIM;
-      k_rows[t] = a->k_cache + offset;
-      v_rows[t] = a->v_cache + offset;
+      const long at = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS
+                      + kv_head;  /* (slot, kv head) */
+#if TV_CACHE_BITS == 32
+      k_rows[t] = a->k_cache + at * TV_HEAD_DIM;  /* float32: read in place */
+      v_rows[t] = a->v_cache + at * TV_HEAD_DIM;
+#else
+      if (t < n) {  /* dequantize (or widen) once for all GROUP heads */
+        load_row(k_tile[t], a->k_cache + at * TV_HEAD_DIM, TV_KV_QUANT ? a->k_scale[at] : 1.0f);
+        load_row(v_tile[t], a->v_cache + at * TV_HEAD_DIM, TV_KV_QUANT ? a->v_scale[at] : 1.0f);
+      }
+      k_rows[t] = k_tile[t < n ? t : 0];
+      v_rows[t] = v_tile[t < n ? t : 0];
+#endif
     }
     const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int g = 0; g < GROUP; g++) {  /* the tile's K and V rows stay in L1 from one query head to the next */

@@ -14,10 +14,14 @@ token, a prompt chunk's included, is its own row with its own block table row, a
 `KernelPagedAttentionMetadata` is `PagedAttentionMetadata` plus `context_lens`; its `attend` runs the kernels
 where the device has them and falls back to the portable path elsewhere:
 
-    device   kernel file                          compiled by             caches
-    CPU      kernels/cpu/paged_attention.c        clang (tinygrad CPU)    float32
-    CUDA     kernels/cuda/paged_attention.cu      nvrtc (tinygrad CUDA)   float32, float16
-    METAL    kernels/metal/paged_attention.metal  Metal (tinygrad METAL)  float32, float16
+    device   kernel file                          compiled by             caches (Phase 7c: every KV cache dtype)
+    CPU      kernels/cpu/paged_attention.c        clang (tinygrad CPU)    float32, float16, int8, fp8 (emulated)
+    CUDA     kernels/cuda/paged_attention.cu      nvrtc (tinygrad CUDA)   float32, float16, int8, fp8 (sm_89+ native)
+    METAL    kernels/metal/paged_attention.metal  Metal (tinygrad METAL)  float32, float16, int8, fp8 (emulated)
+
+An int8 or fp8 cache comes with per-layer scale tensors (`tinyvllm.core.kv_cache`): the write takes them as two
+more outputs, the attention as two more inputs; the kernels quantize and dequantize as
+`tinyvllm.attention.kv_quant` does.
 
 The portable path is forced with `TINYVLLM_PORTABLE=1` (as for the matmul kernel), with
 `tinyvllm.attention.kernel_backend.PORTABLE = True`, or per metadata with `portable=True`. A device with
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.attention.paged import PagedAttentionMetadata
+from tinyvllm.core.kv_cache import kv_cache_dtype_of
 from tinyvllm.kernels import launcher
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
@@ -49,8 +54,16 @@ logger = logging.getLogger("tinyvllm.attention")
 _noticed: set[str] = set()  # device kinds already told about the fallback
 
 
-CACHE_DTYPES = {"CPU": (dtypes.float32,), "GPU": (dtypes.float32, dtypes.float16)}
-C_TYPES = {dtypes.float32: "float", dtypes.float16: "half"}
+KV_STORAGE = (dtypes.float32, dtypes.float16, dtypes.int8, dtypes.uint8)  # every KVCacheDtype's storage
+CACHE_DTYPES = {"CPU": KV_STORAGE, "GPU": KV_STORAGE}
+QUERY_DTYPES = {"CPU": (dtypes.float32,), "GPU": (dtypes.float32, dtypes.float16)}
+# each language's name for an element type (the CPU kernel's q and out are always float)
+C_TYPES = {"CPU": {dtypes.float32: "float", dtypes.float16: "__fp16", dtypes.int8: "signed char",
+                   dtypes.uint8: "unsigned char"},
+           "CUDA": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "signed char",
+                    dtypes.uint8: "unsigned char"},
+           "METAL": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "char", dtypes.uint8: "uchar"}}
+KV_QUANT = {"float32": 0, "float16": 0, "int8": 1, "fp8": 2}  # TV_KV_QUANT: what a cache element's bits mean
 
 
 GPU_SHARED_BYTES = 48 * 1024  # shared (threadgroup) memory a thread block may use without asking for more
@@ -74,9 +87,11 @@ def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
     if not all(isinstance(s, int) for s in q.shape + k_cache.shape):
         return False
     kind = launcher.device_kind(device)
-    allowed = CACHE_DTYPES["CPU" if kind == "CPU" else "GPU"]
+    family = "CPU" if kind == "CPU" else "GPU"
     head_dim = k_cache.shape[-1]
-    if k_cache.dtype not in allowed or q.dtype not in allowed or (kind == "CPU" and head_dim % 8 != 0):
+    if k_cache.dtype not in CACHE_DTYPES[family] or q.dtype not in QUERY_DTYPES[family]:
+        return False
+    if kind == "CPU" and head_dim % 8 != 0:
         return False
     if kind != "CPU" and gpu_shared_bytes(q.shape[-2] // k_cache.shape[-2], head_dim) > GPU_SHARED_BYTES:
         return False
@@ -100,35 +115,54 @@ def _launch(entry: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str
     return launcher.launch(KERNEL, outs, ins, defines, entry=entry, grid=grid, local_size=(NUM_THREADS, 1, 1))
 
 
-def _type_defines(device: str, **tensors: Tensor) -> dict[str, str]:
-    """GPU kernels are compiled per element type (TV_T for q/out/key/value, TV_CACHE_T); the CPU one is float32."""
-    if launcher.device_kind(device) == "CPU":
-        return {}
-    return {name: C_TYPES[t.dtype] for name, t in tensors.items()}
+def _type_defines(device: str, t: Tensor, cache: Tensor) -> dict[str, int | str]:
+    """Kernels are compiled per element type: TV_T for q/out/key/value (GPUs; the CPU's is float), TV_CACHE_T for
+    the caches, with TV_CACHE_BITS and TV_KV_QUANT (0 a float as is, 1 int8 codes, 2 fp8 e4m3 codes)."""
+    kind = launcher.device_kind(device)
+    types = C_TYPES[kind if kind in C_TYPES else "CUDA"]
+    defines: dict[str, int | str] = {} if kind == "CPU" else {"TV_T": types[t.dtype]}
+    spec = kv_cache_dtype_of(cache)
+    return {**defines, "TV_CACHE_T": types[cache.dtype], "TV_CACHE_BITS": 8 * cache.dtype.itemsize,
+            "TV_KV_QUANT": KV_QUANT[spec.name]}
 
 
-def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
-                             slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-    """key, value: (N, KvH, Hd) -> (k_cache, v_cache) after writing row i at slot_mapping[i] (negative: skipped).
+def _check_scales(cache: Tensor, scales: tuple[Tensor | None, Tensor | None]) -> list[Tensor]:
+    """The scale tensors an int8 / fp8 cache needs (none for a float cache), checked against the cache's shape."""
+    spec = kv_cache_dtype_of(cache)
+    if not spec.quantized:
+        return []
+    assert all(s is not None and s.shape == cache.shape[:3] and s.dtype == dtypes.float32 for s in scales), \
+        f"an {spec.name} cache {cache.shape} needs float32 k_scale and v_scale of shape {cache.shape[:3]}"
+    return list(scales)
 
-    The caches, (num_blocks, block_size, KvH, Hd), are written in place; read them through the returned
-    tensors so that the read is ordered after the write."""
+
+def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> tuple[Tensor, ...]:
+    """key, value: (N, KvH, Hd) -> (k_cache, v_cache) after writing row i at slot_mapping[i] (negative: skipped);
+    (k_cache, v_cache, k_scale, v_scale) for an int8 or fp8 cache, each row quantized with its own scale.
+
+    The caches, (num_blocks, block_size, KvH, Hd), and scales, (num_blocks, block_size, KvH), are written in
+    place; read them through the returned tensors so that the read is ordered after the write."""
     num_tokens, kv_heads, head_dim = key.shape
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    flat_k, flat_v = k_cache.reshape(num_slots, -1), v_cache.reshape(num_slots, -1)
+    caches = [k_cache, v_cache] + _check_scales(k_cache, (k_scale, v_scale))
     defines = {"TV_NUM_TOKENS": num_tokens, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
                "TV_NUM_SLOTS": num_slots, "TV_NUM_THREADS": NUM_THREADS,
-               **_type_defines(key.device, TV_T=key, TV_CACHE_T=k_cache)}
-    k_written, v_written = _launch("reshape_and_cache", outs=[flat_k, flat_v],
-                                   ins=[key.contiguous(), value.contiguous(), slot_mapping.contiguous()],
-                                   defines=defines, grid=(num_tokens, 1, 1))
-    return Tensor(k_cache.uop.after(k_written.uop)), Tensor(v_cache.uop.after(v_written.uop))
+               **_type_defines(key.device, key, k_cache)}
+    if launcher.device_kind(key.device) == "CPU":  # the CPU kernel reads float32 K/V
+        key, value = key.float(), value.float()
+    written = _launch("reshape_and_cache", outs=[c.reshape(num_slots, -1) for c in caches],
+                      ins=[key.contiguous(), value.contiguous(), slot_mapping.contiguous()],
+                      defines=defines, grid=(num_tokens, 1, 1))
+    return tuple(Tensor(c.uop.after(w.uop)) for c, w in zip(caches, written))
 
 
 def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                           context_lens: Tensor, scale: float | None = None) -> Tensor:
+                           context_lens: Tensor, scale: float | None = None, k_scale: Tensor | None = None,
+                           v_scale: Tensor | None = None) -> Tensor:
     """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1, found
-    through block_tables[r] (R, max_blocks) in k_cache, v_cache (num_blocks, block_size, KvH, Hd)."""
+    through block_tables[r] (R, max_blocks) in k_cache, v_cache (num_blocks, block_size, KvH, Hd), and their
+    k_scale, v_scale (num_blocks, block_size, KvH) for an int8 or fp8 cache."""
     rows, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert heads % kv_heads == 0, f"{heads} query heads do not group over {kv_heads} KV heads"
@@ -136,11 +170,11 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     defines = {"TV_NUM_SEQS": rows, "TV_NUM_HEADS": heads, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
                "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": block_tables.shape[1], "TV_SCALE": f"{float(scale)!r}f",
-               "TV_NUM_THREADS": NUM_THREADS, **_type_defines(q.device, TV_T=q, TV_CACHE_T=k_cache)}
+               "TV_NUM_THREADS": NUM_THREADS, **_type_defines(q.device, q, k_cache)}
     out = Tensor.invalids(rows, heads, head_dim, dtype=q.dtype, device=q.device)  # every element written
     (out,) = _launch("paged_attention", outs=[out],
-                     ins=[q.contiguous(), k_cache, v_cache, block_tables.cast(dtypes.int32).contiguous(),
-                          context_lens.cast(dtypes.int32).contiguous()],
+                     ins=[q.contiguous(), k_cache, v_cache, *_check_scales(k_cache, (k_scale, v_scale)),
+                          block_tables.cast(dtypes.int32).contiguous(), context_lens.cast(dtypes.int32).contiguous()],
                      defines=defines, grid=(kv_heads, rows, 1))
     return out
 
@@ -169,15 +203,17 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
             table = table.reshape(B, 1, -1).expand(B, T, table.shape[1]).reshape(rows, -1).contiguous()
         self.row_block_tables = table
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then attends over the blocks."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then attends over the blocks.
+        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized."""
         if not uses_kernels(q, kv_cache[0], self.portable):
             return super().attend(q, k, v, kv_cache)
         B, T, H, Hd = q.shape
         kv_heads = k.shape[2]
-        k_cache, v_cache = kernel_reshape_and_cache(k.reshape(B * T, kv_heads, Hd), v.reshape(B * T, kv_heads, Hd),
-                                                    kv_cache[0], kv_cache[1], self.slot_mapping)
+        written = kernel_reshape_and_cache(k.reshape(B * T, kv_heads, Hd), v.reshape(B * T, kv_heads, Hd),
+                                           *kv_cache[:2], self.slot_mapping, *kv_cache[2:])
+        k_cache, v_cache, *scales = written
         out = kernel_paged_attention(q.reshape(B * T, H, Hd), k_cache, v_cache, self.row_block_tables,
-                                     self.context_lens)
+                                     self.context_lens, None, *scales)
         return out.reshape(B, T, H, Hd)
 

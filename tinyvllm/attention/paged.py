@@ -24,6 +24,11 @@ paged_attention: each query attends over its sequence's blocks, gathered through
 
 The gather copies the sequence's K/V out of the blocks before attending: that extra memory
 traffic on every step is what Phase 5's kernels avoid by reading the blocks in place.
+
+A quantized cache (Phase 7c, int8 or fp8: `tinyvllm.core.kv_cache`) has per-layer scale tensors beside the
+blocks, (num_blocks, block_size, n_kv_heads): `reshape_and_cache` quantizes each new token's K/V per KV head
+and writes the codes and the scale to the same slot; `paged_attention` gathers both and dequantizes
+(`tinyvllm.attention.kv_quant`) before attending. A float16 cache is written and read with a cast.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from dataclasses import dataclass
 from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.contiguous import grouped_query_attention
+from tinyvllm.attention.kv_quant import dequantize, quantize
+from tinyvllm.core.kv_cache import kv_cache_dtype_of
 from tinyvllm.tinygrad_adapter import KernelInfo
 
 
@@ -45,8 +52,8 @@ def _reshape_and_cache_kernel(cache: UOp, new: UOp, slot_mapping: UOp) -> UOp:
     return store.end(i, j).sink(arg=KernelInfo(name="reshape_and_cache", opts_to_apply=()))
 
 
-def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor) -> Tensor:
-    """x: (N, n_kv_heads, head_dim) -> cache (num_blocks, block_size, n_kv_heads, head_dim) after the write."""
+def _scatter(x: Tensor, cache: Tensor, slot_mapping: Tensor) -> Tensor:
+    """x: (N, ...) -> cache (num_blocks, block_size, ...) after cache[slot_mapping[i]] = x[i]."""
     num_slots = cache.shape[0] * cache.shape[1]
     flat_cache = cache.reshape(num_slots, -1)
     written = flat_cache.uop.custom_kernel(x.reshape(x.shape[0], -1).contiguous().uop, slot_mapping.uop,
@@ -54,14 +61,31 @@ def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor) -> Tensor:
     return Tensor(cache.uop.after(written))
 
 
+def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor,
+                      scale_cache: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """x: (N, n_kv_heads, head_dim) -> cache (num_blocks, block_size, n_kv_heads, head_dim) after the write.
+    A quantized cache takes its scales too, (num_blocks, block_size, n_kv_heads), and both come back."""
+    spec = kv_cache_dtype_of(cache)
+    if not spec.quantized:
+        return _scatter(x, cache, slot_mapping)
+    assert scale_cache is not None, f"an {spec.name} KV cache needs its scale tensor"
+    codes, scales = quantize(x, spec)  # (N, KvH, Hd), (N, KvH)
+    return _scatter(codes, cache, slot_mapping), _scatter(scales, scale_cache, slot_mapping)
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, num_blocks: int | UOp,
-                    positions: Tensor) -> Tensor:
-    """q: (B,T,H,Hd) for tokens at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table."""
+                    positions: Tensor, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+    """q: (B,T,H,Hd) for tokens at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table.
+    k_scale, v_scale: (num_blocks, block_size, KvH), for an int8 or fp8 cache."""
     B, T = q.shape[0], q.shape[1]
     _, block_size, kv_heads, head_dim = k_cache.shape
     table = block_tables[:, :num_blocks]  # (B, nb)
     keys = k_cache[table].reshape(B, -1, kv_heads, head_dim)  # (B, nb*block_size, KvH, Hd)
     values = v_cache[table].reshape(B, -1, kv_heads, head_dim)
+    spec = kv_cache_dtype_of(k_cache)
+    if spec.quantized:  # the gathered codes and their scales (B, nb*block_size, KvH) back to float32
+        keys = dequantize(keys, k_scale[table].reshape(B, -1, kv_heads), spec)
+        values = dequantize(values, v_scale[table].reshape(B, -1, kv_heads), spec)
     # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length is
     # symbolic as a running sum, an S x S kernel (33 ms per layer at 2048 tokens; benchmarks/README.md, bench_memory)
     key_pos = Tensor.arange(block_tables.shape[1] * block_size)[: num_blocks * block_size].reshape(1, 1, 1, 1, -1)
@@ -86,15 +110,23 @@ class PagedAttentionMetadata:
     positions: Tensor
     num_blocks: int | UOp
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.
+        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized."""
         B, T, kv_heads, head_dim = k.shape
-        k_cache = reshape_and_cache(k.reshape(B * T, kv_heads, head_dim), kv_cache[0], self.slot_mapping)
-        v_cache = reshape_and_cache(v.reshape(B * T, kv_heads, head_dim), kv_cache[1], self.slot_mapping)
+        k, v = k.reshape(B * T, kv_heads, head_dim), v.reshape(B * T, kv_heads, head_dim)
+        if len(kv_cache) == 4:
+            k_cache, k_scale = reshape_and_cache(k, kv_cache[0], self.slot_mapping, kv_cache[2])
+            v_cache, v_scale = reshape_and_cache(v, kv_cache[1], self.slot_mapping, kv_cache[3])
+        else:
+            k_cache, v_cache = (reshape_and_cache(x, c, self.slot_mapping) for x, c in ((k, kv_cache[0]),
+                                                                                         (v, kv_cache[1])))
+            k_scale = v_scale = None
         if self.block_tables.shape[0] == B:
-            return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions)
+            return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions,
+                                   k_scale, v_scale)
         # a flattened batch (Phase 4): every token is its own query row, with its own sequence's block table
         H, Hd = q.shape[2], q.shape[3]
         out = paged_attention(q.reshape(B * T, 1, H, Hd), k_cache, v_cache, self.block_tables, self.num_blocks,
-                              self.positions.reshape(B * T, 1))
+                              self.positions.reshape(B * T, 1), k_scale, v_scale)
         return out.reshape(B, T, H, Hd)

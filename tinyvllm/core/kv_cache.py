@@ -1,24 +1,41 @@
-"""The physical KV cache: per layer, one K and one V tensor of blocks (Phase 2).
+"""The physical KV cache: per layer, one K and one V tensor of blocks (Phase 2), and their scales when the
+cache is quantized (Phase 7c).
 
     k_cache[layer]: (num_blocks + 1, block_size, n_kv_heads, head_dim)      v_cache[layer]: the same
                      block 0 | block 1 | ... | block num_blocks-1 | null block
+    k_scale[layer]: (num_blocks + 1, block_size, n_kv_heads) float32        v_scale[layer]: the same
+                     int8 and fp8 caches only: one scale per token per KV head, beside its block
 
 The BlockManager (pure Python) decides which sequence owns which block; this module only holds
 the tensors. A token's K and V go to its *slot*, `block_id * block_size + offset`, written through
 the `slot_mapping` (see `tinyvllm.attention.paged.reshape_and_cache`). The extra last block is the
 *null block*: padding tokens (in padded batches) write there, and no block table ever points at it.
 
+`kv_cache_dtype` says how one element is stored (vLLM's flag of the same name):
+
+    name      element                      scale per token per KV head   bytes per token per KV head (head_dim 64)
+    float32   float32                      -                             256
+    float16   float16                      -                             128
+    int8      round(x / s), s = amax / 127  float32                       64 + 4 = 68
+    fp8       e4m3(x / s),  s = amax / 448  float32                       64 + 4 = 68
+    auto      the model's compute dtype
+
+A quantized cache keeps one layout for both 8-bit types: codes where the float elements were, scales in a
+tensor of their own whose first two dimensions are the block's (so whatever copies or frees a block copies
+or frees its scales with it). The arithmetic of the codes is in `tinyvllm.attention.kv_quant`.
+
 The pool size is derived once, from a memory budget, and passed in (config flows one way):
 
-    bytes per block = 2 (K and V) * num_layers * block_size * n_kv_heads * head_dim * dtype size
-    num_blocks      = budget // bytes per block
+    bytes per block = 2 (K and V) * num_layers * block_size * n_kv_heads * (head_dim * element size + scale size)
+    num_blocks      = budget // bytes per block - 1 (the null block)
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-from tinygrad import dtypes
+from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
 from tinyvllm.device_memory import zeros
@@ -37,14 +54,78 @@ def parse_memory(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DType = dtypes.float32) -> int:
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * dtype.itemsize
+@dataclass(frozen=True)
+class KVCacheDtype:
+    """How the cache stores one element of K or V.
+
+    storage: the element dtype of k_cache / v_cache (fp8 e4m3 codes are stored as uint8 bytes on every device)
+    qmax:    the largest code magnitude a scale maps amax onto (int8 127, fp8 448); None: stored as is, no scale
+    """
+
+    name: str
+    storage: DType
+    qmax: float | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.qmax is not None
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        """K (or V) bytes of one token for one KV head: its elements, plus its scale when quantized."""
+        return head_dim * self.storage.itemsize + (dtypes.float32.itemsize if self.quantized else 0)
+
+
+KV_CACHE_DTYPES = {
+    "float32": KVCacheDtype("float32", dtypes.float32),
+    "float16": KVCacheDtype("float16", dtypes.float16),
+    "int8": KVCacheDtype("int8", dtypes.int8, 127.0),
+    "fp8": KVCacheDtype("fp8", dtypes.uint8, 448.0),  # e4m3 (OCP "fn": no infinities, 448 the largest finite)
+}
+_ALIASES = {"fp8_e4m3": "fp8", "half": "float16", "float": "float32"}
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16", "int8", "fp8")
+
+
+def resolve_kv_cache_dtype(name: str | KVCacheDtype, compute_dtype: DType = dtypes.float32) -> KVCacheDtype:
+    """'auto' (the compute dtype), 'float32', 'float16', 'int8', 'fp8' (alias 'fp8_e4m3') -> KVCacheDtype."""
+    if isinstance(name, KVCacheDtype):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {name!r}")
+    key = name.strip().lower()
+    if key == "auto":
+        key = {dtypes.float32: "float32", dtypes.float16: "float16"}.get(compute_dtype, "")
+        if not key:
+            raise ValueError(f"kv_cache_dtype 'auto' follows the model's dtype, and {compute_dtype} has no KV cache "
+                             f"of its own: give one of {', '.join(KV_CACHE_DTYPE_CHOICES[1:])}")
+    key = _ALIASES.get(key, key)
+    if key not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {name!r}")
+    return KV_CACHE_DTYPES[key]
+
+
+def kv_cache_dtype_of(cache: Tensor) -> KVCacheDtype:
+    """The KVCacheDtype a k_cache / v_cache tensor was made for, from its element dtype."""
+    for spec in KV_CACHE_DTYPES.values():
+        if spec.storage == cache.dtype:
+            return spec
+    raise ValueError(f"a KV cache of {cache.dtype} is none of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: DType | KVCacheDtype = dtypes.float32) -> int:
+    """K and V bytes of one token of context over every layer, scales included."""
+    spec = dtype if isinstance(dtype, KVCacheDtype) else resolve_kv_cache_dtype("auto", dtype)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * spec.bytes_per_token_head(config.head_dim)
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DType | KVCacheDtype = dtypes.float32) -> int:
+    return block_size * kv_cache_bytes_per_token(config, dtype)
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
-                          dtype: DType = dtypes.float32) -> int:
+                          dtype: DType | KVCacheDtype = dtypes.float32) -> int:
     """How many blocks the BlockManager can hand out within the budget. The budget also holds the null
-    block (see PagedKVCache), so it must fit at least two; otherwise a ValueError says how much that is."""
+    block (see PagedKVCache), so it must fit at least two; otherwise a ValueError says how much that is.
+    `dtype`: the compute dtype (a cache of it) or a KVCacheDtype, whose scales are counted too."""
     budget, per_block = parse_memory(memory), kv_cache_bytes_per_block(config, block_size, dtype)
     if budget < 2 * per_block:
         raise ValueError(f"kv cache memory {budget} bytes is less than two blocks (one to hand out plus the null "
@@ -54,17 +135,25 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
 
 
 class PagedKVCache:
-    """The block tensors of every layer. `kv_caches[layer] = (k_cache, v_cache)`."""
+    """The block tensors of every layer: `kv_caches[layer] = (k_cache, v_cache)`, or
+    `(k_cache, v_cache, k_scale, v_scale)` for an int8 or fp8 cache. Every tensor of a layer has the block
+    as its first dimension."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: DType = dtypes.float32,
-                 device: str | None = None):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: DType | KVCacheDtype = dtypes.float32, device: str | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.null_block = num_blocks  # the extra block padding tokens write into
+        self.dtype = dtype if isinstance(dtype, KVCacheDtype) else resolve_kv_cache_dtype("auto", dtype)
+        self.bytes_per_token = kv_cache_bytes_per_token(config, self.dtype)
         shape = (num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(zeros(shape, dtype, device), zeros(shape, dtype, device))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = []
+        for _ in range(config.num_hidden_layers):
+            layer = (zeros(shape, self.dtype.storage, device), zeros(shape, self.dtype.storage, device))
+            if self.dtype.quantized:
+                layer += (zeros(shape[:3], dtypes.float32, device), zeros(shape[:3], dtypes.float32, device))
+            self.kv_caches.append(layer)
 
     @property
     def null_slot(self) -> int:
@@ -72,4 +161,4 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes() + v.nbytes() for k, v in self.kv_caches)
+        return sum(t.nbytes() for layer in self.kv_caches for t in layer)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory
+from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory, resolve_kv_cache_dtype
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.engine_state import StepLog, engine_state
@@ -94,13 +94,17 @@ class LLMEngine:
     between engines). `num_gpu_blocks_override` sets the number of KV blocks instead of `kv_cache_memory`
     (vLLM's flag); `portable_attention=True` keeps the portable paged attention instead of the kernels;
     `scheduling_policy="priority"` serves requests by their `priority` (lower first) and preempts the lowest;
-    `enable_prefix_caching` (on by default, as in vLLM) reuses the K/V of prompt prefixes seen before."""
+    `enable_prefix_caching` (on by default, as in vLLM) reuses the K/V of prompt prefixes seen before;
+    `kv_cache_dtype` stores K/V as "auto" (the model's dtype), "float32", "float16", "int8" or "fp8" (e4m3),
+    the last two with one scale per token per KV head (vLLM's flag; docs/phases/07c-kv-cache-quantization.md)."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
                  dtype: str = "float32", max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_memory: str | int = "512MiB", max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
-                 portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True):
+                 portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto"):
+        resolve_kv_cache_dtype(kv_cache_dtype)  # a bad name fails here, before the model loads
         if isinstance(model, LlamaForCausalLM):
             if tokenizer is None:
                 raise ValueError("an already loaded model needs its tokenizer: LLMEngine(model, tokenizer=...)")
@@ -112,12 +116,13 @@ class LLMEngine:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         config = self.model.config
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)  # "auto": the model's
         num_blocks = num_gpu_blocks_override or num_blocks_for_memory(config, block_size, kv_cache_memory,
-                                                                      self.model.dtype)
+                                                                      self.kv_cache_dtype)
         self.max_model_len = max_model_len or min(config.max_position_embeddings, num_blocks * block_size)
         if not 2 <= self.max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}], got {self.max_model_len}")
-        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.model.dtype, self.model.device)
+        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.kv_cache_dtype, self.model.device)
         self.scheduler = Scheduler(num_blocks, block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy,
                                    enable_prefix_caching=enable_prefix_caching)
@@ -344,4 +349,6 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "num_cached_blocks": len(bm.cached_blocks),  # free or not: blocks a new prompt may hit
-                "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits}
+                "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+                "kv_cache_dtype": self.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
+                "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token}
