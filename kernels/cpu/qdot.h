@@ -1,0 +1,84 @@
+/* Helpers shared by the quantized matmuls (qmatmul.c, qmatmul_k.c): float16 scales, and x rounded to 8 bits.
+ *
+ * x is quantized the same way in both files, per block of 32 (qmatmul.c) or 256 (qmatmul_k.c) floats:
+ *     d = max|x| / 127        q = rint(x * (127 / max|x|))   (round half to even; q in -127..127; all zero if x is)
+ * tests/test_kernels_qlinear.py repeats these float32 operations in numpy and gets the same q and d.
+ *
+ * Everything is TV_INLINE (always inlined): a kernel's entry must stay the first function of its object.
+ */
+#ifndef TV_QDOT_H
+#define TV_QDOT_H
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TV_SCALAR)
+#define TV_AVX2 1
+#include <immintrin.h>
+#else
+#define TV_AVX2 0  /* portable C: the same numbers, one product at a time (TV_SCALAR forces it, for the tests) */
+#endif
+
+/* The little-endian float16 at p, as a float (exact: every float16 is a float). */
+TV_INLINE float f16_to_f32(const unsigned char* p) {
+  unsigned int h = p[0] | (unsigned int)p[1] << 8;
+#if TV_AVX2
+  return _cvtsh_ss((unsigned short)h);
+#else
+  unsigned int sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0) return (sign ? -1.0f : 1.0f) * (float)man * 0x1p-24f;  /* zero or subnormal */
+  union { unsigned int u; float f; } v;
+  v.u = sign | (exp == 31 ? 0x7f800000u | man << 13 : (exp + 112) << 23 | man << 13);  /* inf/nan, or rebias */
+  return v.f;
+#endif
+}
+
+/* max |x[k]| for k < n (n a multiple of 32) */
+TV_INLINE float max_abs(const float* x, int n) {
+#if TV_AVX2
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), abs_mask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+  float m = 0.0f;
+  for (int k = 0; k < n; k++) m = __builtin_fabsf(x[k]) > m ? __builtin_fabsf(x[k]) : m;
+  return m;
+#endif
+}
+
+/* q[k] = rint(x[k] * id) for 32 floats; returns sum(q) */
+TV_INLINE int quantize_32(signed char* restrict q, const float* restrict x, float id) {
+#if TV_AVX2
+  __m256i v[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; i++) {
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(id)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v[i] = _mm256_cvtps_epi32(r);
+    sum = _mm256_add_epi32(sum, v[i]);
+  }
+  /* 4 x 8 int32 -> 32 int8: the packs interleave 128-bit lanes, the permute puts the 4-byte groups back in order */
+  __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  return _mm_cvtsi128_si32(s4);
+#else
+  int sum = 0;
+  for (int k = 0; k < 32; k++) {
+    q[k] = (signed char)__builtin_rintf(x[k] * id);
+    sum += q[k];
+  }
+  return sum;
+#endif
+}
+
+#if TV_AVX2
+TV_INLINE float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+#endif
+
+#endif

@@ -1,0 +1,254 @@
+/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a 32-element GGUF block format: Q4_0, Q4_1 or Q8_0 (TV_QTYPE 2, 3, 8).
+ *
+ * Why: decoding reads every weight once per token. SmolLM2-135M's 134.5 M linear weights are 538 MB in float32
+ * (matmul.c) but 84 MB in Q4_1 (5 bits per weight) and 143 MB in Q8_0 (8.5): at M=1 this kernel has 6.4x (Q4_1)
+ * fewer bytes to stream than the float32 one, and the arithmetic stays cheap enough to keep up with the memory.
+ *
+ * The blocks (tinyvllm/model/quant.py draws them byte by byte), 32 weights each, one float16 scale d:
+ *     Q4_0  18 bytes  d, 16 bytes of nibbles q in 0..15      w = d * (q - 8)  = d * q + m   with m = -8 d
+ *     Q4_1  20 bytes  d, m, 16 bytes of nibbles q in 0..15   w = d * q + m
+ *     Q8_0  34 bytes  d, 32 int8 q                           w = d * q
+ *   (nibbles: byte j holds q[j] in its low 4 bits and q[j + 16] in its high 4 bits)
+ *
+ * The route llama.cpp's ggml-cpu takes (ggml-cpu/arch/x86/quants.c, vec_dot_q4_1_q8_1), our own code:
+ *   1. quantize each row of x once, into `scratch`: per 32 floats, d_x = max|x| / 127, q_x = round(x / d_x)
+ *      (an int8 in -127..127) and s_x = d_x * sum(q_x)                                   (struct xblock, 40 bytes)
+ *   2. per block of one row of x and one row of w:
+ *          sum_k w_k x_k  ~=  d_w d_x * sum_k q_w,k q_x,k  +  m * s_x
+ *      The sum of integer products is exact. AVX2 does 32 of them in two instructions:
+ *          _mm256_maddubs_epi16(u8 a[32], i8 b[32]) -> 16 int16  a[2i] b[2i] + a[2i+1] b[2i+1]   (|.| <= 2*15*127)
+ *          _mm256_madd_epi16(that, 1)              ->  8 int32   (pairs again)
+ *      maddubs wants its first operand unsigned: the nibbles are; a Q8_0 q_w is made so by taking |q_w| and moving
+ *      its sign onto q_x (_mm256_sign_epi8; |.| <= 2*128*127 = 32512 still fits an int16). Then one float FMA per
+ *      block applies d_w d_x. The only rounding beyond float32's is that of x to 8 bits (half a step, d_x / 2).
+ *
+ * Arguments (M, N, K, TV_QTYPE compile-time constants: one program per shape and format):
+ *   out:     (M, N) float32, written
+ *   scratch: (M * K/32 * 40) uint8, written then read: x quantized (qlinear.scratch_bytes)
+ *   x:       (M, K) float32, rows contiguous
+ *   w:       (N, K/32 * block bytes) uint8, the GGUF's blocks, row after row
+ *
+ * How the work is cut (as matmul.c): quantize x (rows spread over the thread pool), then tiles of MR rows of x
+ * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
+ * block for NR rows of w. M=1: MR=1, NR=4 (four rows of w streamed side by side, sharing each x block).
+ * M>1: MR=4, NR=2 -> 8 float accumulators + 2 unpacked blocks + temporaries, within AVX2's 16 registers.
+ * The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
+ * walked in blocks of MB rows so that a chunk's weights stay in L1/L2 while every row of x passes over them.
+ */
+#include "threadpool.h"
+#include "qdot.h"
+
+#if !defined(TV_M) || !defined(TV_N) || !defined(TV_K) || !defined(TV_QTYPE)
+#error "qmatmul.c needs TV_M, TV_N, TV_K and TV_QTYPE (the launcher defines them)"
+#endif
+#if TV_QTYPE == 2
+#define BLOCK_BYTES 18
+#define QS_AT 2  /* where the quants start in a block */
+#elif TV_QTYPE == 3
+#define BLOCK_BYTES 20
+#define QS_AT 4
+#elif TV_QTYPE == 8
+#define BLOCK_BYTES 34
+#define QS_AT 2
+#else
+#error "qmatmul.c computes Q4_0 (TV_QTYPE 2), Q4_1 (3) and Q8_0 (8); the K-quants are in qmatmul_k.c"
+#endif
+#if TV_K % 32 != 0
+#error "K must be a multiple of the 32-element block"
+#endif
+
+#define NB (TV_K / 32)                     /* blocks per row */
+#define ROW_BYTES (NB * BLOCK_BYTES)       /* bytes of one row of w */
+#if TV_M == 1
+#define MR 1
+#define NR 4
+#else
+#define MR 4
+#define NR 2
+#endif
+#define MB 64                               /* rows of x per pass over a chunk: 64 x 1536/32 x 40 B = 123 KB */
+#define CHUNK_BYTES 24576                   /* ~24 KB of w per chunk handed to a thread */
+#define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
+#define CHUNK_ROWS (CHUNK_TILES * NR)
+#define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
+#define QUANT_ROWS 16                       /* rows of x quantized per chunk */
+#define NUM_QUANT_CHUNKS ((TV_M + QUANT_ROWS - 1) / QUANT_ROWS)
+
+/* 32 elements of x, quantized: x ~= d * q. llama.cpp's block_q8_1, with d and s in float32 instead of float16 */
+struct xblock {
+  float d;             /* max|x| / 127 */
+  float s;             /* d * sum(q): what the min term m * sum(x) needs */
+  signed char q[32];
+};
+_Static_assert(sizeof(struct xblock) == 40, "qlinear.X_BLOCK_BYTES['qmatmul'] says 40");
+
+struct qmatmul_args {
+  float* out;
+  struct xblock* xq;   /* (M, NB) */
+  const float* x;
+  const unsigned char* w;
+};
+
+static void quantize_chunk(const void* ctx, int chunk);
+static void qmatmul_chunk(const void* ctx, int chunk);
+
+/* The entry point: the first function in this file, so the first in the compiled image. */
+TV_KERNEL qmatmul(float* restrict out, unsigned char* restrict scratch, const float* restrict x,
+                  const unsigned char* restrict w) {
+  struct qmatmul_args args = {out, (struct xblock*)scratch, x, w};
+  tv_parallel_for(quantize_chunk, &args, NUM_QUANT_CHUNKS);  /* every row of x, before any dot product */
+  tv_parallel_for(qmatmul_chunk, &args, NUM_CHUNKS);
+}
+
+/* ---- step 1: x -> 8-bit blocks ---- */
+
+TV_INLINE void quantize_block(struct xblock* restrict out, const float* restrict x) {
+  float max = max_abs(x, 32);
+  int sum = quantize_32(out->q, x, max != 0.0f ? 127.0f / max : 0.0f);
+  out->d = max / 127.0f;
+  out->s = out->d * (float)sum;
+}
+
+static void quantize_chunk(const void* ctx, int chunk) {
+  const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
+  for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++)
+    for (int b = 0; b < NB; b++) quantize_block(a->xq + m * NB + b, a->x + m * TV_K + 32 * b);
+}
+
+/* ---- step 2: integer dot products, scaled per block ---- */
+
+/* The min term's m of a block: Q4_1 stores it, Q4_0's is -8 d (exact: a power of two), Q8_0 has none. */
+TV_INLINE float block_min(const unsigned char* blk, float d) {
+#if TV_QTYPE == 3
+  (void)d;
+  return f16_to_f32(blk + 2);
+#else
+  return -8.0f * d;
+#endif
+}
+
+#if TV_AVX2
+/* 32 unsigned quants of one block (Q8_0: their absolute values) in one register */
+TV_INLINE __m256i unpack_block(const unsigned char* blk) {
+#if TV_QTYPE == 8
+  return _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(blk + QS_AT)),
+                          _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));
+#else
+  __m128i raw = _mm_loadu_si128((const __m128i*)(blk + QS_AT));  /* lo nibbles: q[0..15], hi: q[16..31] */
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+#endif
+}
+
+/* 8 int32 partial sums of q_w * q_x over one block (u: unpack_block's register) */
+TV_INLINE __m256i block_dot(__m256i u, const unsigned char* blk, __m256i xq) {
+#if TV_QTYPE == 8
+  xq = _mm256_sign_epi8(xq, _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));  /* x takes w's sign */
+#else
+  (void)blk;
+#endif
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+}
+
+/* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
+ * unrolls both loops and keeps acc[][] in registers. */
+TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
+                    int mr, int nr) {
+  __m256 acc[MR][NR];
+  float mins[MR][NR];  /* the m * s_x terms, one float per block */
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) {
+      acc[i][j] = _mm256_setzero_ps();
+      mins[i][j] = 0.0f;
+    }
+  for (int b = 0; b < NB; b++) {
+    __m256i u[NR];
+    float dw[NR], mw[NR];
+    for (int j = 0; j < nr; j++) {
+      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+      u[j] = unpack_block(blk);
+      dw[j] = f16_to_f32(blk);
+      mw[j] = block_min(blk, dw[j]);
+#if MR > 1
+      /* the next tile's rows, same block; past the last row of w a harmless no-op (prefetches never fault) */
+      __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);
+#endif
+    }
+    for (int i = 0; i < mr; i++) {
+      const struct xblock* xb = x + i * NB + b;
+      __m256i xq = _mm256_loadu_si256((const __m256i*)xb->q);
+      for (int j = 0; j < nr; j++) {
+        __m256 dot = _mm256_cvtepi32_ps(block_dot(u[j], w + j * ROW_BYTES + b * BLOCK_BYTES, xq));
+        acc[i][j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[j] * xb->d), acc[i][j]);
+#if TV_QTYPE != 8
+        mins[i][j] += mw[j] * xb->s;
+#else
+        (void)mw;
+#endif
+      }
+    }
+  }
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) out[i * TV_N + j] = hsum8(acc[i][j]) + mins[i][j];
+}
+
+#else  /* portable C */
+
+TV_INLINE int block_dot_scalar(const unsigned char* blk, const signed char* xq) {
+  int sum = 0;
+  for (int k = 0; k < 32; k++) {
+#if TV_QTYPE == 8
+    int q = (signed char)blk[QS_AT + k];
+#else
+    int q = k < 16 ? blk[QS_AT + k] & 0x0f : blk[QS_AT + k - 16] >> 4;
+#endif
+    sum += q * xq[k];
+  }
+  return sum;
+}
+
+TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
+                    int mr, int nr) {
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) {
+      float acc = 0.0f;
+      for (int b = 0; b < NB; b++) {
+        const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+        const struct xblock* xb = x + i * NB + b;
+        float dw = f16_to_f32(blk);
+        acc += dw * xb->d * (float)block_dot_scalar(blk, xb->q);
+#if TV_QTYPE != 8
+        acc += block_min(blk, dw) * xb->s;
+#endif
+      }
+      out[i * TV_N + j] = acc;
+    }
+}
+#endif
+
+/* rows m0..m1 of x against rows n..n+nr of w */
+TV_INLINE void tile_column(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
+                           int n, int m0, int m1, int nr) {
+  int m = m0;
+  for (; m + MR <= m1; m += MR) tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, MR, nr);
+#if MR > 1
+  switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
+    case 3: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 3, nr); break;
+    case 2: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 2, nr); break;
+    case 1: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 1, nr); break;
+    default: break;
+  }
+#endif
+}
+
+/* One chunk: output columns [n0, n1) for every row of x. */
+static void qmatmul_chunk(const void* ctx, int chunk) {
+  const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
+  int n0 = chunk * CHUNK_ROWS;
+  int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
+  for (int m0 = 0; m0 < TV_M; m0 += MB) {
+    int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
+    int n = n0;
+    for (; n + NR <= n1; n += NR) tile_column(a->out, a->xq, a->w, n, m0, m1, NR);
+    for (; n < n1; n++) tile_column(a->out, a->xq, a->w, n, m0, m1, 1);  /* N % NR leftover rows of w */
+  }
+}

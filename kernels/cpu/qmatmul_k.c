@@ -1,0 +1,285 @@
+/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a GGUF K-quant format: Q4_K or Q6_K (TV_QTYPE 12, 14).
+ *
+ * Why: the K-quants are what most downloaded GGUFs hold (a Q4_K_M file is Q4_K with some tensors in Q6_K).
+ * They pack 256 weights into a super-block with ONE float16 scale, and give each 16 or 32 of them a small
+ * integer scale of their own: 4.5 bits per weight (Q4_K) or 6.56 (Q6_K), against float32's 32. The integer
+ * sub-block scales let the whole super-block stay in integers: one float multiply per 256 weights.
+ *
+ * The super-blocks (tinyvllm/model/quant.py draws them byte by byte):
+ *   Q4_K 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales sc[8] and mins m[8], 128 bytes of nibbles q in 0..15
+ *        8 sub-blocks of 32:  w = d * sc[s] * q - dmin * m[s]
+ *        (qs byte 32c + l: lo nibble = element l of sub-block 2c, hi nibble = element l of sub-block 2c + 1)
+ *   Q6_K 210 bytes: ql[128] (4 low bits), qh[64] (2 high bits), int8 sc[16], d (f16)
+ *        16 sub-blocks of 16: w = d * sc[s] * (q - 32), q in 0..63
+ *
+ * Route (llama.cpp's ggml-cpu: x as block_q8_K, vec_dot_q4_K_q8_K / vec_dot_q6_K_q8_K; our own code):
+ *   1. each row of x, once, into `scratch`: per 256 floats d_x = max|x| / 127, q_x = rint(x / d_x) (int8), and
+ *      the sum of each 16 q_x (bsums)                                                  (struct xblock_k, 292 bytes)
+ *   2. per super-block of one row of x and one row of w, all in int32:
+ *        Q4_K:  dot ~= d_x * (d * sum_s sc[s] * sum_{k in s} q q_x  -  dmin * sum_s m[s] * sum_{k in s} q_x)
+ *        Q6_K:  dot ~= d_x * d * sum_s sc[s] * (sum_{k in s} q q_x  -  32 * sum_{k in s} q_x)
+ *      sum_{k in s} q_x is two bsums, so the min and the -32 cost one madd per super-block, not one per weight.
+ *      AVX2: _mm256_maddubs_epi16 (32 u8 x i8 products, pairs added: |.| <= 2*63*127 < 2^15), then
+ *      _mm256_madd_epi16 against the sub-block scales instead of ones: the scale is applied in integers.
+ *
+ * Arguments (M, N, K, TV_QTYPE compile-time constants: one program per shape and format):
+ *   out:     (M, N) float32, written
+ *   scratch: (M * K/256 * 292) uint8, written then read: x quantized (qlinear.scratch_bytes)
+ *   x:       (M, K) float32, rows contiguous
+ *   w:       (N, K/256 * block bytes) uint8, the GGUF's super-blocks, row after row
+ * Work is cut as in qmatmul.c: x quantized first, then MR x NR tiles over chunks of w rows on the thread pool.
+ */
+#include "threadpool.h"
+#include "qdot.h"
+
+#if !defined(TV_M) || !defined(TV_N) || !defined(TV_K) || !defined(TV_QTYPE)
+#error "qmatmul_k.c needs TV_M, TV_N, TV_K and TV_QTYPE (the launcher defines them)"
+#endif
+#if TV_QTYPE == 12
+#define BLOCK_BYTES 144
+#elif TV_QTYPE == 14
+#define BLOCK_BYTES 210
+#else
+#error "qmatmul_k.c computes Q4_K (TV_QTYPE 12) and Q6_K (14); Q4_0, Q4_1 and Q8_0 are in qmatmul.c"
+#endif
+#if TV_K % 256 != 0
+#error "K must be a multiple of the 256-element super-block"
+#endif
+
+#define NB (TV_K / 256)                    /* super-blocks per row */
+#define ROW_BYTES (NB * BLOCK_BYTES)
+#if TV_M == 1
+#define MR 1
+#define NR 2
+#else
+#define MR 2
+#define NR 2
+#endif
+#define MB 64
+#define CHUNK_BYTES 24576
+#define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
+#define CHUNK_ROWS (CHUNK_TILES * NR)
+#define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
+#define QUANT_ROWS 16
+#define NUM_QUANT_CHUNKS ((TV_M + QUANT_ROWS - 1) / QUANT_ROWS)
+
+/* 256 elements of x, quantized: x ~= d * q. llama.cpp's block_q8_K, with a symmetric 127 scale */
+struct xblock_k {
+  float d;              /* max|x| / 127 */
+  short bsums[16];      /* bsums[g] = sum of q[16g .. 16g + 15] */
+  signed char q[256];
+};
+_Static_assert(sizeof(struct xblock_k) == 292, "qlinear.X_BLOCK_BYTES['qmatmul_k'] says 292");
+
+struct qmatmul_args {
+  float* out;
+  struct xblock_k* xq;  /* (M, NB) */
+  const float* x;
+  const unsigned char* w;
+};
+
+static void quantize_chunk(const void* ctx, int chunk);
+static void qmatmul_chunk(const void* ctx, int chunk);
+
+/* The entry point: the first function in this file, so the first in the compiled image. */
+TV_KERNEL qmatmul_k(float* restrict out, unsigned char* restrict scratch, const float* restrict x,
+                    const unsigned char* restrict w) {
+  struct qmatmul_args args = {out, (struct xblock_k*)scratch, x, w};
+  tv_parallel_for(quantize_chunk, &args, NUM_QUANT_CHUNKS);  /* every row of x, before any dot product */
+  tv_parallel_for(qmatmul_chunk, &args, NUM_CHUNKS);
+}
+
+/* ---- step 1: x -> 8-bit super-blocks ---- */
+
+TV_INLINE void quantize_block(struct xblock_k* restrict out, const float* restrict x) {
+  float max = max_abs(x, 256), id = max != 0.0f ? 127.0f / max : 0.0f;
+  for (int g = 0; g < 8; g++) quantize_32(out->q + 32 * g, x + 32 * g, id);
+  for (int g = 0; g < 16; g++) {
+    int s = 0;
+    for (int k = 0; k < 16; k++) s += out->q[16 * g + k];
+    out->bsums[g] = (short)s;
+  }
+  out->d = max / 127.0f;
+}
+
+static void quantize_chunk(const void* ctx, int chunk) {
+  const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
+  for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++)
+    for (int b = 0; b < NB; b++) quantize_block(a->xq + m * NB + b, a->x + m * TV_K + 256 * b);
+}
+
+/* ---- step 2: integer dot products per super-block ---- */
+
+/* A super-block's integer scales, unpacked once per row of w and used for every row of x:
+ *   sc[s]: the scale of sub-block s (Q4_K: 8 of 32 weights, 6 bits; Q6_K: 16 of 16, int8)
+ *   sc16[g]: the scale of each 16 weights (Q4_K: sc[g / 2]; Q6_K: sc[g]), beside x's bsums[g]
+ *   m16[g]: Q4_K's min of each 16 weights, m[g / 2]                                                  */
+struct wscales {
+  float d, dmin;
+  short sc16[16];
+  short m16[16];
+};
+
+TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* restrict blk) {
+#if TV_QTYPE == 12
+  const unsigned char* p = blk + 4;  /* 12 bytes: see quant.py's _k_scales_mins */
+  for (int j = 0; j < 8; j++) {
+    int sc = j < 4 ? p[j] & 63 : (p[j + 4] & 0x0f) | (p[j - 4] >> 6) << 4;
+    int m = j < 4 ? p[j + 4] & 63 : (p[j + 4] >> 4) | (p[j] >> 6) << 4;
+    s->sc16[2 * j] = s->sc16[2 * j + 1] = (short)sc;
+    s->m16[2 * j] = s->m16[2 * j + 1] = (short)m;
+  }
+  s->d = f16_to_f32(blk);
+  s->dmin = f16_to_f32(blk + 2);
+#else
+  for (int g = 0; g < 16; g++) {
+    s->sc16[g] = (signed char)blk[192 + g];
+    s->m16[g] = 0;
+  }
+  s->d = f16_to_f32(blk + 208);
+  s->dmin = 0.0f;
+#endif
+}
+
+#if TV_AVX2
+/* 8 int32 lanes whose sum is  sum_s sc[s] * (sum_{k in s} q q_x)  over the whole super-block */
+TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct wscales* restrict s,
+                                 const signed char* restrict xq) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256i acc = _mm256_setzero_si256();
+#if TV_QTYPE == 12
+  for (int c = 0; c < 4; c++) {  /* 32 bytes of nibbles: sub-blocks 2c (lo) and 2c + 1 (hi) */
+    __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
+    __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(xq + 64 * c)));
+    __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(s->sc16[4 * c])));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(s->sc16[4 * c + 2])));
+  }
+#else
+  const __m256i low2 = _mm256_set1_epi8(0x03);
+  for (int h = 0; h < 2; h++) {  /* two halves of 128 elements */
+    __m256i ql0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
+    __m256i ql1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h + 32));
+    __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h));
+    for (int k = 0; k < 4; k++) {  /* elements 32k .. 32k + 31 of the half: sub-blocks 8h + 2k, 8h + 2k + 1 */
+      __m256i lo = k == 0 ? _mm256_and_si256(ql0, low4) : k == 1 ? _mm256_and_si256(ql1, low4)
+                 : k == 2 ? _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4)
+                          : _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), low2);
+      __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  /* 0..63: the -32 comes later, from bsums */
+      __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(xq + 128 * h + 32 * k)));
+      int g = 8 * h + 2 * k;  /* int16 lanes 0-7 are elements 0-15 (scale g), lanes 8-15 elements 16-31 (g + 1) */
+      __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s->sc16[g + 1]), _mm_set1_epi16(s->sc16[g]));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+    }
+  }
+#endif
+  return acc;
+}
+
+/* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr (constants at every call site: unrolled) */
+TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, const unsigned char* restrict w,
+                    int mr, int nr) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps();
+  for (int b = 0; b < NB; b++) {
+    struct wscales s[NR];
+    __m256i sc16[NR], m16[NR];
+    for (int j = 0; j < nr; j++) {
+      unpack_scales(&s[j], w + j * ROW_BYTES + b * BLOCK_BYTES);
+      sc16[j] = _mm256_loadu_si256((const __m256i*)s[j].sc16);
+      m16[j] = _mm256_loadu_si256((const __m256i*)s[j].m16);
+    }
+    for (int i = 0; i < mr; i++) {
+      const struct xblock_k* xb = x + i * NB + b;
+      __m256i bsums = _mm256_loadu_si256((const __m256i*)xb->bsums);
+      for (int j = 0; j < nr; j++) {
+        __m256i dot = superblock_dot(w + j * ROW_BYTES + b * BLOCK_BYTES, &s[j], xb->q);
+#if TV_QTYPE == 12
+        /* - dmin * sum_g m16[g] * bsums[g], its own float scale */
+        __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, m16[j]));
+        acc[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(-s[j].dmin * xb->d), acc[i][j]);
+        (void)sc16;
+#else
+        /* - 32 * sum_g sc16[g] * bsums[g], in integers */
+        dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16[j]), 5));
+        (void)m16;
+#endif
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[j].d * xb->d), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) out[i * TV_N + j] = hsum8(acc[i][j]);
+}
+
+#else  /* portable C */
+
+/* weight k (0..255) of a super-block as its integer q (Q4_K: 0..15, Q6_K: 0..63) */
+TV_INLINE int quant_at(const unsigned char* blk, int k) {
+#if TV_QTYPE == 12
+  int c = k / 64, l = k % 32;  /* chunk c of 32 bytes: sub-block 2c in the lo nibbles, 2c + 1 in the hi */
+  unsigned char byte = blk[16 + 32 * c + l];
+  return (k % 64) < 32 ? byte & 0x0f : byte >> 4;
+#else
+  int h = k / 128, e = k % 128;
+  int lo = e < 64 ? blk[64 * h + e] & 0x0f : blk[64 * h + e - 64] >> 4;
+  int hi = (blk[128 + 32 * h + e % 32] >> (2 * (e / 32))) & 3;
+  return lo | hi << 4;
+#endif
+}
+
+TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, const unsigned char* restrict w,
+                    int mr, int nr) {
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) {
+      float acc = 0.0f;
+      for (int b = 0; b < NB; b++) {
+        const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+        const struct xblock_k* xb = x + i * NB + b;
+        struct wscales s;
+        unpack_scales(&s, blk);
+        int dot = 0, mins = 0;
+        for (int g = 0; g < 16; g++) {  /* 16 weights share sc16[g] (and m16[g]) */
+          int d16 = 0;
+          for (int k = 16 * g; k < 16 * g + 16; k++) d16 += quant_at(blk, k) * xb->q[k];
+#if TV_QTYPE == 14
+          d16 -= 32 * xb->bsums[g];
+#endif
+          dot += s.sc16[g] * d16;
+          mins += s.m16[g] * xb->bsums[g];
+        }
+        acc += s.d * xb->d * (float)dot;
+#if TV_QTYPE == 12
+        acc -= s.dmin * xb->d * (float)mins;
+#endif
+      }
+      out[i * TV_N + j] = acc;
+    }
+}
+#endif
+
+/* rows m0..m1 of x against rows n..n+nr of w */
+TV_INLINE void tile_column(float* restrict out, const struct xblock_k* restrict x, const unsigned char* restrict w,
+                           int n, int m0, int m1, int nr) {
+  int m = m0;
+  for (; m + MR <= m1; m += MR) tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, MR, nr);
+#if MR > 1
+  if (m < m1) tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 1, nr);  /* MR = 2: one row left at most */
+#endif
+}
+
+/* One chunk: output columns [n0, n1) for every row of x. */
+static void qmatmul_chunk(const void* ctx, int chunk) {
+  const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
+  int n0 = chunk * CHUNK_ROWS;
+  int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
+  for (int m0 = 0; m0 < TV_M; m0 += MB) {
+    int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
+    int n = n0;
+    for (; n + NR <= n1; n += NR) tile_column(a->out, a->xq, a->w, n, m0, m1, NR);
+    for (; n < n1; n++) tile_column(a->out, a->xq, a->w, n, m0, m1, 1);
+  }
+}
