@@ -74,6 +74,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         before = snapshot(self.bm, self.all_seqs())
         can = self.bm.can_append_slots(seq, n)
         new_blocks = self.bm.append_slots(seq, n)
+        self.bm.take_blocks_to_copy()  # the step makes its copy-on-write copies (tests/test_block_manager_caching.py)
         assert can == (new_blocks is not None)
         if new_blocks is None:
             assert snapshot(self.bm, self.all_seqs()) == before
