@@ -19,27 +19,38 @@
  *                                         a butterfly of shuffles sums the dot product onto every lane
  *
  * Key p of the sequence is found through the block table: slot = block_tables[seq, p / block_size] * block_size
- * + p % block_size (key_offset below); a tile spans several blocks when block_size < 32. The GROUP = n_heads /
+ * + p % block_size (key_index below); a tile spans several blocks when block_size < 32. The GROUP = n_heads /
  * n_kv_heads query heads that share the KV head are all computed here, so each K/V row is loaded once for GROUP
  * heads. Each warp keeps its own online softmax over the tiles it took (per tile of scores s_1..s_n:
  * m' = max(m, s_i); alpha = exp(m - m'); p_i = exp(s_i - m'); l' = alpha l + sum p_i; acc' = alpha acc + sum p_i v_i);
  * at the end the 4 warps' (m, l, acc) are merged through shared memory the same way:
  * M = max m_w, out = sum_w exp(m_w - M) acc_w / sum_w exp(m_w - M) l_w.
  *
- * Arguments of paged_attention (row-major; TV_T is float or half, TV_CACHE_T is float or half):
+ * Arguments of paged_attention (row-major; TV_T is float or half, TV_CACHE_T float, half, signed or unsigned char):
  *   out:          (num_seqs, n_heads, head_dim)       TV_T, written
  *   q:            (num_seqs, n_heads, head_dim)       TV_T, one query token per row
  *   k_cache:      (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T
  *   v_cache:      (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T
+ *   k_scale:      (num_blocks, block_size, n_kv_heads)   float, int8 and fp8 caches only: one scale per token
+ *   v_scale:      (num_blocks, block_size, n_kv_heads)   float   per KV head
  *   block_tables: (num_seqs, max_blocks)   int32     row i: the physical blocks of row i's sequence, in order
  *   context_lens: (num_seqs,)              int32     row i attends to its keys 0 .. context_lens[i]-1
  * Arguments of reshape_and_cache (grid: one block per token):
  *   k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T, written at the given slots only
+ *   k_scale, v_scale: (num_blocks, block_size, n_kv_heads)             float, int8 and fp8 only, the same slots
  *   key, value:       (num_tokens, n_kv_heads, head_dim)               TV_T, this step's new K and V
  *   slot_mapping:     (num_tokens,) int32   slot = block * block_size + offset; a negative slot is skipped
  * Compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE, TV_MAX_BLOCKS,
- * TV_SCALE, TV_NUM_THREADS; TV_NUM_TOKENS, TV_NUM_SLOTS; TV_T, TV_CACHE_T; TV_KERNEL (extern "C" __global__ void).
- * One entry point per compilation, as on the CPU: TV_RESHAPE_AND_CACHE selects the write, otherwise the attention.
+ * TV_SCALE, TV_NUM_THREADS; TV_NUM_TOKENS, TV_NUM_SLOTS; TV_T, TV_CACHE_T, TV_KV_QUANT; TV_KERNEL (extern "C"
+ * __global__ void). One entry point per compilation, as on the CPU: TV_RESHAPE_AND_CACHE selects the write,
+ * otherwise the attention.
+ *
+ * Quantized caches (Phase 7c, docs/phases/07c-kv-cache-quantization.md; the layout of kernels/cpu/paged_attention.c):
+ * TV_KV_QUANT 0 stores TV_CACHE_T as is; 1 int8 codes, x = code * scale; 2 fp8 e4m3 codes, x = e4m3(code) * scale,
+ * with one float scale per token per KV head (amax / 127 or amax / 448), computed by the write as
+ * tinyvllm/attention/kv_quant.py does. In the attention the K scale multiplies the finished dot product (one multiply
+ * per key) and the V scale each decoded element. fp8 conversions are native cvt instructions on sm_89+ (Ada,
+ * Hopper: cvt.rn.satfinite.e4m3x2.f32 and cvt.rn.f16x2.e4m3x2), and the same bit arithmetic as the CPU elsewhere.
  */
 #include <cuda_fp16.h>
 
@@ -53,22 +64,97 @@
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(signed char x) { return (float)x; }  /* an int8 code (Phase 7c) */
 template <class T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 
+/* ------------------------------------------------------------------- the cache's element <-> float (Phase 7c) */
+#ifndef TV_KV_QUANT
+#define TV_KV_QUANT 0
+#endif
+#define KV_INT8 1
+#define KV_FP8 2
+#if TV_KV_QUANT == KV_INT8
+#define QMAX 127.0f
+#elif TV_KV_QUANT == KV_FP8
+#define QMAX 448.0f
+#endif
+
+/* fp8 e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; normals 2^(e-7) (1 + m/8), subnormals m 2^-9, max 448 */
+__device__ __forceinline__ unsigned char fp8_e4m3_encode(float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short pair;  /* two codes: y in the low byte (cvt puts its second source there), 0 in the high one */
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(y));
+  return (unsigned char)(pair & 0xFF);
+#else
+  float a = fminf(fabsf(y), 448.0f);  /* saturate */
+  const unsigned bits = __float_as_uint(a);
+  const unsigned magnitude = a < 0.015625f ? (unsigned)rintf(a * 512.0f)  /* below 2^-6: subnormal, m * 2^-9 */
+                                           : ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
+  return (unsigned char)(magnitude | ((__float_as_uint(y) >> 24) & 0x80u));
+#endif
+}
+
+__device__ __forceinline__ float fp8_e4m3_decode(unsigned char code) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned pair;  /* f16x2 */
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(pair) : "h"((unsigned short)code));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(pair & 0xFFFF)));
+  return f;
+#else
+  const unsigned magnitude = code & 0x7Fu;
+  const float value = magnitude < 8 ? (float)magnitude * 0.001953125f  /* subnormal: m * 2^-9 */
+                                    : __uint_as_float((magnitude << 20) + (120u << 23));
+  return code & 0x80u ? -value : value;
+#endif
+}
+
+/* one element of the cache as a float, before its row's scale */
+__device__ __forceinline__ float cache_to_float(TV_CACHE_T x) {
+#if TV_KV_QUANT == KV_FP8
+  return fp8_e4m3_decode(x);
+#else
+  return to_float(x);  /* float, half, or an int8 code */
+#endif
+}
+
 /* ------------------------------------------------------------------------------------------------ the write */
 #ifdef TV_RESHAPE_AND_CACHE
 TV_KERNEL __launch_bounds__(TV_NUM_THREADS)
-reshape_and_cache(TV_CACHE_T* __restrict__ k_cache, TV_CACHE_T* __restrict__ v_cache, const TV_T* __restrict__ key,
-                  const TV_T* __restrict__ value, const int* __restrict__ slot_mapping) {
+reshape_and_cache(TV_CACHE_T* __restrict__ k_cache, TV_CACHE_T* __restrict__ v_cache,
+#if TV_KV_QUANT
+                  float* __restrict__ k_scale, float* __restrict__ v_scale,
+#endif
+                  const TV_T* __restrict__ key, const TV_T* __restrict__ value, const int* __restrict__ slot_mapping) {
   const int i = blockIdx.x;
   const long slot = slot_mapping[i];
   if (slot < 0 || slot >= TV_NUM_SLOTS) return;  /* padding token (vLLM's -1), or no such slot */
+#if TV_KV_QUANT
+  /* one thread per row to quantize: K or V of one KV head (2 x n_kv_heads threads busy; a token's write is small) */
+  for (int r = threadIdx.x; r < 2 * TV_NUM_KV_HEADS; r += blockDim.x) {
+    const int h = r % TV_NUM_KV_HEADS;
+    const TV_T* x = (r < TV_NUM_KV_HEADS ? key : value) + i * ROW + h * TV_HEAD_DIM;
+    TV_CACHE_T* dst = (r < TV_NUM_KV_HEADS ? k_cache : v_cache) + slot * ROW + h * TV_HEAD_DIM;
+    float amax = 0.0f;
+    for (int d = 0; d < TV_HEAD_DIM; d++) amax = fmaxf(amax, fabsf(to_float(x[d])));
+    (r < TV_NUM_KV_HEADS ? k_scale : v_scale)[slot * TV_NUM_KV_HEADS + h] = amax * (1.0f / QMAX);
+    const float inv = amax > 0.0f ? QMAX * (1.0f / amax) : 0.0f;  /* as tinygrad: a reciprocal, then a multiply */
+    for (int d = 0; d < TV_HEAD_DIM; d++) {
+#if TV_KV_QUANT == KV_INT8
+      dst[d] = (signed char)rintf(to_float(x[d]) * inv);  /* round half to even, |code| <= 127 */
+#else
+      dst[d] = fp8_e4m3_encode(to_float(x[d]) * inv);
+#endif
+    }
+  }
+#else
   for (int j = threadIdx.x; j < ROW; j += blockDim.x) {
     k_cache[slot * ROW + j] = from_float<TV_CACHE_T>(to_float(key[i * ROW + j]));
     v_cache[slot * ROW + j] = from_float<TV_CACHE_T>(to_float(value[i * ROW + j]));
   }
+#endif
 }
 
 #else
@@ -80,15 +166,25 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 /* where token p of a sequence keeps its K (or V) for one KV head: slot = table[p / block_size] * block_size
- * + p % block_size, then (slot, kv_head, :) of the cache. A tile of keys spans several blocks when block_size < TILE. */
-__device__ __forceinline__ long key_offset(const int* table, int p, int kv_head) {
-  return ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * ROW + kv_head * TV_HEAD_DIM;
+ * + p % block_size, then (slot, kv_head): its scale's index, and times head_dim its row's first element.
+ * A tile of keys spans several blocks when block_size < TILE. */
+__device__ __forceinline__ long key_index(const int* table, int p, int kv_head) {
+  return ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS + kv_head;
 }
+
+#if TV_KV_QUANT
+#define ROW_SCALE(scales, index) ((scales)[index])
+#else
+#define ROW_SCALE(scales, index) 1.0f
+#endif
 
 TV_KERNEL __launch_bounds__(TV_NUM_THREADS)
 paged_attention(TV_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CACHE_T* __restrict__ k_cache,
-                const TV_CACHE_T* __restrict__ v_cache, const int* __restrict__ block_tables,
-                const int* __restrict__ context_lens) {
+                const TV_CACHE_T* __restrict__ v_cache,
+#if TV_KV_QUANT
+                const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+#endif
+                const int* __restrict__ block_tables, const int* __restrict__ context_lens) {
   const int kv_head = blockIdx.x, seq = blockIdx.y;
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int context_len = context_lens[seq];
@@ -115,17 +211,18 @@ paged_attention(TV_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CAC
     const int n = min(TILE, num_keys - t0);
     /* 1. scores: each K row is loaded once (coalesced across the lanes) and used by all GROUP heads */
     for (int t = 0; t < n; t++) {
-      const long row = key_offset(table, t0 + t, kv_head);
+      const long index = key_index(table, t0 + t, kv_head), row = index * TV_HEAD_DIM;
       float k[DIMS_PER_LANE];
       for (int i = 0; i < DIMS_PER_LANE; i++) {
         const int d = lane + i * WARP;
-        k[i] = d < TV_HEAD_DIM ? to_float(k_cache[row + d]) : 0.0f;
+        k[i] = d < TV_HEAD_DIM ? cache_to_float(k_cache[row + d]) : 0.0f;
       }
+      const float score_scale = TV_SCALE * ROW_SCALE(k_scale, index);  /* the key's scale, once per dot product */
       for (int g = 0; g < GROUP; g++) {
         float dot = 0.0f;
         for (int i = 0; i < DIMS_PER_LANE; i++) dot += qr[g][i] * k[i];
         dot = warp_sum(dot);
-        if (lane == 0) scores[warp][g][t] = dot * TV_SCALE;
+        if (lane == 0) scores[warp][g][t] = dot * score_scale;
       }
     }
     __syncwarp();
@@ -146,10 +243,11 @@ paged_attention(TV_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CAC
     __syncwarp();
     /* 3. acc += p_t v_t: each V row is loaded once and used by all GROUP heads */
     for (int t = 0; t < n; t++) {
-      const long row = key_offset(table, t0 + t, kv_head);
+      const long index = key_index(table, t0 + t, kv_head), row = index * TV_HEAD_DIM;
+      const float v_row_scale = ROW_SCALE(v_scale, index);
       for (int i = 0; i < DIMS_PER_LANE; i++) {
         const int d = lane + i * WARP;
-        const float v = d < TV_HEAD_DIM ? to_float(v_cache[row + d]) : 0.0f;
+        const float v = d < TV_HEAD_DIM ? cache_to_float(v_cache[row + d]) * v_row_scale : 0.0f;
         for (int g = 0; g < GROUP; g++) acc[g][i] += scores[warp][g][t] * v;
       }
     }

@@ -13,27 +13,36 @@
  * One threadgroup = one sequence x one KV head, NUM_THREADS = 4 SIMD groups of 32 threads (a SIMD group is
  * CUDA's warp): the SIMD groups take the sequence's keys in tiles of 32 in turn (keys 0..31, 32..63, ...), each key
  * found through the block table (slot = block_tables[seq, p / block_size] * block_size + p % block_size,
- * key_offset below); inside one, lane j holds dims j, j+32, ... of q, k and v, and simd_sum adds the dot product
+ * key_index below); inside one, lane j holds dims j, j+32, ... of q, k and v, and simd_sum adds the dot product
  * up onto every lane. All GROUP = n_heads / n_kv_heads query heads of the KV head are computed here, so each K/V
  * row is loaded once for GROUP heads. Each SIMD group keeps its own online softmax over its tiles (per tile of
  * scores s_1..s_n: m' = max(m, s_i); alpha = exp(m - m'); p_i = exp(s_i - m'); l' = alpha l + sum p_i;
  * acc' = alpha acc + sum p_i v_i), and the 4 are merged at the end through threadgroup memory:
  * M = max m_w, out = sum_w exp(m_w - M) acc_w / sum_w exp(m_w - M) l_w.
  *
- * Arguments of paged_attention (row-major; TV_T is float or half, TV_CACHE_T is float or half), buffers 0-5:
+ * Arguments of paged_attention (row-major; TV_T is float or half, TV_CACHE_T float, half, char or uchar), buffers
+ * 0-5 (0-7 when quantized: the scales come after v_cache):
  *   out:          (num_seqs, n_heads, head_dim)       TV_T, written
  *   q:            (num_seqs, n_heads, head_dim)       TV_T, one query token per row
  *   k_cache:      (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T
  *   v_cache:      (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T
+ *   k_scale:      (num_blocks, block_size, n_kv_heads)   float, int8 and fp8 caches only: one scale per token
+ *   v_scale:      (num_blocks, block_size, n_kv_heads)   float   per KV head
  *   block_tables: (num_seqs, max_blocks)   int32     row i: the physical blocks of row i's sequence, in order
  *   context_lens: (num_seqs,)              int32     row i attends to its keys 0 .. context_lens[i]-1
- * Arguments of reshape_and_cache (grid: one threadgroup per token), buffers 0-4:
+ * Arguments of reshape_and_cache (grid: one threadgroup per token), buffers 0-4 (0-6 when quantized):
  *   k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T, written at the given slots only
+ *   k_scale, v_scale: (num_blocks, block_size, n_kv_heads)             float, int8 and fp8 only, the same slots
  *   key, value:       (num_tokens, n_kv_heads, head_dim)               TV_T, this step's new K and V
  *   slot_mapping:     (num_tokens,) int32   slot = block * block_size + offset; a negative slot is skipped
  * Compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE, TV_MAX_BLOCKS,
- * TV_SCALE, TV_NUM_THREADS; TV_NUM_TOKENS, TV_NUM_SLOTS; TV_T, TV_CACHE_T; TV_KERNEL (kernel void).
+ * TV_SCALE, TV_NUM_THREADS; TV_NUM_TOKENS, TV_NUM_SLOTS; TV_T, TV_CACHE_T, TV_KV_QUANT; TV_KERNEL (kernel void).
  * One entry point per compilation, as on the CPU: TV_RESHAPE_AND_CACHE selects the write, otherwise the attention.
+ *
+ * Quantized caches (Phase 7c, docs/phases/07c-kv-cache-quantization.md; the layout of kernels/cpu/paged_attention.c):
+ * TV_KV_QUANT 0 stores TV_CACHE_T as is; 1 int8 codes, x = code * scale; 2 fp8 e4m3 codes, x = e4m3(code) * scale,
+ * with one float scale per token per KV head (amax / 127 or amax / 448), computed by the write as
+ * tinyvllm/attention/kv_quant.py does. Metal has no fp8 type: e4m3 is converted by the CPU's bit arithmetic.
  */
 #include <metal_stdlib>
 using namespace metal;
@@ -46,8 +55,73 @@ using namespace metal;
 #define DIMS_PER_LANE ((TV_HEAD_DIM + WARP - 1) / WARP)
 #define NEG_INF (-INFINITY)
 
+/* ------------------------------------------------------------------- the cache's element <-> float (Phase 7c) */
+#ifndef TV_KV_QUANT
+#define TV_KV_QUANT 0
+#endif
+#define KV_INT8 1
+#define KV_FP8 2
+#if TV_KV_QUANT == KV_INT8
+#define QMAX 127.0f
+#elif TV_KV_QUANT == KV_FP8
+#define QMAX 448.0f
+#endif
+
+/* fp8 e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; normals 2^(e-7) (1 + m/8), subnormals m 2^-9, max 448 */
+inline uchar fp8_e4m3_encode(float y) {
+  const float a = min(fabs(y), 448.0f);  /* saturate */
+  const uint bits = as_type<uint>(a);
+  const uint magnitude = a < 0.015625f ? uint(rint(a * 512.0f))  /* below 2^-6: subnormal, m * 2^-9 */
+                                       : ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
+  return uchar(magnitude | ((as_type<uint>(y) >> 24) & 0x80u));
+}
+
+inline float fp8_e4m3_decode(uchar code) {
+  const uint magnitude = code & 0x7Fu;
+  const float value = magnitude < 8 ? float(magnitude) * 0.001953125f  /* subnormal: m * 2^-9 */
+                                    : as_type<float>((magnitude << 20) + (120u << 23));
+  return (code & 0x80u) ? -value : value;
+}
+
+/* one element of the cache as a float, before its row's scale */
+inline float cache_to_float(TV_CACHE_T x) {
+#if TV_KV_QUANT == KV_FP8
+  return fp8_e4m3_decode(x);
+#else
+  return float(x);  /* float, half, or an int8 code */
+#endif
+}
+
 #ifdef TV_RESHAPE_AND_CACHE
 /* ------------------------------------------------------------------------------------------------ the write */
+#if TV_KV_QUANT
+TV_KERNEL reshape_and_cache(device TV_CACHE_T* k_cache [[buffer(0)]], device TV_CACHE_T* v_cache [[buffer(1)]],
+                            device float* k_scale [[buffer(2)]], device float* v_scale [[buffer(3)]],
+                            const device TV_T* key [[buffer(4)]], const device TV_T* value [[buffer(5)]],
+                            const device int* slot_mapping [[buffer(6)]],
+                            uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
+  const int i = gid.x;
+  const long slot = slot_mapping[i];
+  if (slot < 0 || slot >= TV_NUM_SLOTS) return;  /* padding token (vLLM's -1), or no such slot */
+  /* one thread per row to quantize: K or V of one KV head (2 x n_kv_heads threads busy; a token's write is small) */
+  for (int r = lid.x; r < 2 * TV_NUM_KV_HEADS; r += TV_NUM_THREADS) {
+    const int h = r % TV_NUM_KV_HEADS;
+    const device TV_T* x = (r < TV_NUM_KV_HEADS ? key : value) + i * ROW + h * TV_HEAD_DIM;
+    device TV_CACHE_T* dst = (r < TV_NUM_KV_HEADS ? k_cache : v_cache) + slot * ROW + h * TV_HEAD_DIM;
+    float amax = 0.0f;
+    for (int d = 0; d < TV_HEAD_DIM; d++) amax = max(amax, fabs(float(x[d])));
+    (r < TV_NUM_KV_HEADS ? k_scale : v_scale)[slot * TV_NUM_KV_HEADS + h] = amax * (1.0f / QMAX);
+    const float inv = amax > 0.0f ? QMAX * (1.0f / amax) : 0.0f;  /* as tinygrad: a reciprocal, then a multiply */
+    for (int d = 0; d < TV_HEAD_DIM; d++) {
+#if TV_KV_QUANT == KV_INT8
+      dst[d] = TV_CACHE_T(rint(float(x[d]) * inv));  /* round half to even, |code| <= 127 */
+#else
+      dst[d] = fp8_e4m3_encode(float(x[d]) * inv);
+#endif
+    }
+  }
+}
+#else
 TV_KERNEL reshape_and_cache(device TV_CACHE_T* k_cache [[buffer(0)]], device TV_CACHE_T* v_cache [[buffer(1)]],
                             const device TV_T* key [[buffer(2)]], const device TV_T* value [[buffer(3)]],
                             const device int* slot_mapping [[buffer(4)]],
@@ -60,18 +134,32 @@ TV_KERNEL reshape_and_cache(device TV_CACHE_T* k_cache [[buffer(0)]], device TV_
     v_cache[slot * ROW + j] = TV_CACHE_T(float(value[i * ROW + j]));
   }
 }
+#endif
 
 #else
 /* -------------------------------------------------------------------------------------------- the attention */
 /* where token p of a sequence keeps its K (or V) for one KV head: slot = table[p / block_size] * block_size
- * + p % block_size, then (slot, kv_head, :) of the cache. A tile of keys spans several blocks when block_size < TILE. */
-inline long key_offset(const device int* table, int p, int kv_head) {
-  return ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * ROW + kv_head * TV_HEAD_DIM;
+ * + p % block_size, then (slot, kv_head): its scale's index, and times head_dim its row's first element.
+ * A tile of keys spans several blocks when block_size < TILE. */
+inline long key_index(const device int* table, int p, int kv_head) {
+  return ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS + kv_head;
 }
+
+#if TV_KV_QUANT
+#define ROW_SCALE(scales, index) ((scales)[index])
+#define SCALE_BUFFERS const device float* k_scale [[buffer(4)]], const device float* v_scale [[buffer(5)]],
+#define TABLE_BUFFER 6
+#else
+#define ROW_SCALE(scales, index) 1.0f
+#define SCALE_BUFFERS
+#define TABLE_BUFFER 4
+#endif
 
 TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [[buffer(1)]],
                           const device TV_CACHE_T* k_cache [[buffer(2)]], const device TV_CACHE_T* v_cache [[buffer(3)]],
-                          const device int* block_tables [[buffer(4)]], const device int* context_lens [[buffer(5)]],
+                          SCALE_BUFFERS
+                          const device int* block_tables [[buffer(TABLE_BUFFER)]],
+                          const device int* context_lens [[buffer(TABLE_BUFFER + 1)]],
                           uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
   const int kv_head = gid.x, seq = gid.y;
   const int warp = lid.x / WARP, lane = lid.x % WARP;
@@ -99,17 +187,18 @@ TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [
     const int n = min(TILE, num_keys - t0);
     /* 1. scores: each K row is loaded once (coalesced across the lanes) and used by all GROUP heads */
     for (int t = 0; t < n; t++) {
-      const long row = key_offset(table, t0 + t, kv_head);
+      const long index = key_index(table, t0 + t, kv_head), row = index * TV_HEAD_DIM;
       float k[DIMS_PER_LANE];
       for (int i = 0; i < DIMS_PER_LANE; i++) {
         const int d = lane + i * WARP;
-        k[i] = d < TV_HEAD_DIM ? float(k_cache[row + d]) : 0.0f;
+        k[i] = d < TV_HEAD_DIM ? cache_to_float(k_cache[row + d]) : 0.0f;
       }
+      const float score_scale = TV_SCALE * ROW_SCALE(k_scale, index);  /* the key's scale, once per dot product */
       for (int g = 0; g < GROUP; g++) {
         float dot = 0.0f;
         for (int i = 0; i < DIMS_PER_LANE; i++) dot += qr[g][i] * k[i];
         dot = simd_sum(dot);
-        if (lane == 0) scores[warp][g][t] = dot * TV_SCALE;
+        if (lane == 0) scores[warp][g][t] = dot * score_scale;
       }
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
@@ -130,10 +219,11 @@ TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [
     simdgroup_barrier(mem_flags::mem_threadgroup);
     /* 3. acc += p_t v_t: each V row is loaded once and used by all GROUP heads */
     for (int t = 0; t < n; t++) {
-      const long row = key_offset(table, t0 + t, kv_head);
+      const long index = key_index(table, t0 + t, kv_head), row = index * TV_HEAD_DIM;
+      const float v_row_scale = ROW_SCALE(v_scale, index);
       for (int i = 0; i < DIMS_PER_LANE; i++) {
         const int d = lane + i * WARP;
-        const float v = d < TV_HEAD_DIM ? float(v_cache[row + d]) : 0.0f;
+        const float v = d < TV_HEAD_DIM ? cache_to_float(v_cache[row + d]) * v_row_scale : 0.0f;
         for (int g = 0; g < GROUP; g++) acc[g][i] += scores[warp][g][t] * v;
       }
     }

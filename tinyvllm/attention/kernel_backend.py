@@ -62,7 +62,7 @@ C_TYPES = {"CPU": {dtypes.float32: "float", dtypes.float16: "__fp16", dtypes.int
                    dtypes.uint8: "unsigned char"},
            "CUDA": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "signed char",
                     dtypes.uint8: "unsigned char"},
-           "METAL": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "char", dtypes.uint8: "uchar"}}
+           "METAL": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "int8_t", dtypes.uint8: "uchar"}}
 KV_QUANT = {"float32": 0, "float16": 0, "int8": 1, "fp8": 2}  # TV_KV_QUANT: what a cache element's bits mean
 
 
