@@ -117,9 +117,10 @@ def tokenizer_json(md: dict) -> dict:
 def tokenizer_config(md: dict) -> dict:
     """tokenizer_config.json: which tokens are special, whether BOS is prepended, the chat template."""
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}  # a plain wrapper around tokenizer.json
-    for key in ("bos", "eos", "unk", "pad"):
-        if _token(md, key) is not None:
-            cfg[f"{key}_token"] = _token(md, key)
+    # HF's name for each special token -> GGUF's (tokenizer.ggml.<name>_token_id)
+    for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        if _token(md, gguf_key) is not None:
+            cfg[f"{key}_token"] = _token(md, gguf_key)
     cfg["add_bos_token"] = bool(md.get("tokenizer.ggml.add_bos_token", False))
     cfg["add_eos_token"] = bool(md.get("tokenizer.ggml.add_eos_token", False))
     cfg["clean_up_tokenization_spaces"] = False
