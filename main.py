@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged KV cache (default 512MiB)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompt prefixes seen before (default on, as in vLLM)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8", "fp8"],
+                   help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per token "
+                        "per KV head, about a quarter of float32's bytes (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
     return p
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                                 seed=args.seed, stop=args.stop)
         generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                              enable_prefix_caching=args.enable_prefix_caching)
+                              enable_prefix_caching=args.enable_prefix_caching,
+                              kv_cache_dtype=args.kv_cache_dtype)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
             sys.stdout.write(chunk.text)

@@ -53,6 +53,22 @@ class Gauge(Metric):
         return [f"{self.name} {self.value}"]
 
 
+class Info(Metric):
+    """A gauge of value 1 whose labels say how the engine is configured (vLLM's `cache_config_info`)."""
+
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str):
+        super().__init__(name, help)
+        self.labels: dict[str, str] = {}
+
+    def samples(self) -> list[str]:
+        if not self.labels:
+            return []
+        labels = ",".join(f'{key}="{value}"' for key, value in self.labels.items())
+        return [f"{self.name}{{{labels}}} 1"]
+
+
 class Counter(Metric):
     """Only goes up. Optionally split by one label: `request_success_total{finished_reason="stop"}`."""
 
@@ -114,6 +130,10 @@ class ServerMetrics:
         self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        # how K/V are stored (Phase 7c: float32, float16, int8, fp8) and what one token of context costs, scales included
+        self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.")
+        self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
+                                        "over all layers (K and V, with their scales).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.success = Counter("request_success_total", "Requests finished, by reason.", "finished_reason")
@@ -144,6 +164,9 @@ class ServerMetrics:
             self.blocks_total.value = total
             self.blocks_used.value = total - stats.get("num_free_blocks", total)
             self.kv_usage.value = self.blocks_used.value / total if total else 0.0
+            if "kv_cache_dtype" in stats:
+                self.cache_config.labels = {"cache_dtype": stats["kv_cache_dtype"]}
+            self.kv_bytes_per_token.value = stats.get("kv_cache_bytes_per_token", 0)
             self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
             self.prefix_hits.set_total(stats.get("prefix_cache_hits", 0))
             if stepped:  # the batch that ran: still running, or finished by this step
@@ -176,8 +199,8 @@ class ServerMetrics:
         """The text for a scrape. `num_waiting`: the live count, requests not yet drained by the engine included."""
         if num_waiting is not None:
             self.waiting.value = num_waiting
-        metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage,
-                   self.prompt_tokens, self.generation_tokens, self.success, self.prefix_queries, self.prefix_hits,
+        metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage, self.cache_config,
+                   self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success, self.prefix_queries, self.prefix_hits,
                    self.ttft, self.itl, self.e2e, self.batch]
         with self.lock:
             return "\n".join(line for metric in metrics for line in metric.render()) + "\n"

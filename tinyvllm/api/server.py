@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fcfs: in arrival order; priority: by each request's 'priority' (lower first; default fcfs)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before (default on)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8", "fp8"],
+                   help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per token "
+                        "per KV head (default auto)")
     p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
                    help="think: send the model's <think>...</think> as reasoning_content (default none)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
@@ -346,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         return LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-                         scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching)
+                         scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
+                         kv_cache_dtype=args.kv_cache_dtype)
 
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)
