@@ -7,16 +7,13 @@ the Metal source runs only on macOS.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_emulation import can_emulate, check_ptx, compile_cuda, run_emulated
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function
 
 from tinyvllm.attention import kernel_backend
@@ -204,25 +201,6 @@ def test_selection_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
 
 # ---- CUDA: compiled here; run where a CUDA device exists ----
 
-def nvrtc_compiler():
-    """tinygrad's own CUDA compiler (nvrtc), with nvrtc from the nvidia-cuda-nvrtc wheel if it is installed."""
-    try:
-        import nvidia.cuda_nvrtc as wheel
-
-        lib = next(Path(p) / "lib" for p in wheel.__path__)
-        found = sorted(lib.glob("libnvrtc.so*"))
-        if found and "NVRTC_PATH" not in os.environ:
-            os.environ["NVRTC_PATH"] = str(found[0])
-    except ImportError:
-        pass
-    try:
-        from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
-
-        return NVRTCCompiler("sm_90")
-    except Exception:  # no libnvrtc anywhere
-        return None
-
-
 CUDA_CASES = [("paged_attention", {"TV_NUM_SEQS": 4, "TV_NUM_HEADS": 9, "TV_NUM_KV_HEADS": 3, "TV_HEAD_DIM": 64,
                                    "TV_BLOCK_SIZE": 16, "TV_MAX_BLOCKS": 8, "TV_SCALE": "0.125f"}),
               ("paged_attention", {"TV_NUM_SEQS": 32, "TV_NUM_HEADS": 8, "TV_NUM_KV_HEADS": 2, "TV_HEAD_DIM": 128,
@@ -235,160 +213,47 @@ CUDA_CASES = [("paged_attention", {"TV_NUM_SEQS": 4, "TV_NUM_HEADS": 9, "TV_NUM_
 def test_cuda_source_compiles(entry: str, defines: dict, t: str, cache_t: str, tmp_path: Path):
     defines = {**defines, "TV_NUM_THREADS": kernel_backend.NUM_THREADS, "TV_T": t, "TV_CACHE_T": cache_t}
     name, source = kernel_backend.kernel_source(entry, "CUDA", defines)
-    compiler = nvrtc_compiler()
-    if compiler is not None:
-        ptx = compiler.compile(source).decode()
-    elif shutil.which("nvcc"):
-        (tmp_path / "k.cu").write_text(source)
-        subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-o", str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")],
-                       check=True)
-        ptx = (tmp_path / "k.ptx").read_text()
-    else:
+    ptx = compile_cuda(source, tmp_path)
+    if ptx is None:
         pytest.skip("no CUDA compiler (libnvrtc or nvcc)")
-    assert f".entry {name}(" in ptx  # the name tinygrad's CUDA runtime looks up
-    assert ".local" not in ptx, "registers spilled to local memory"
+    check_ptx(ptx, name)  # the name tinygrad's CUDA runtime looks up; no spills
 
 
-# ---- the GPU sources, run on the CPU under a small emulation of the GPU thread model ----
-# Every thread of a thread block is a real thread; barriers are real barriers; a warp shuffle (simd_sum) goes
-# through memory between two barriers of the warp's 32 threads; `__shared__` / `threadgroup` arrays are statics,
-# shared by the block's threads, and blocks run one after another. This checks the kernels' index arithmetic,
-# their online softmax and the warps' merge where no GPU is available; not the real compilers (CUDA is compiled
-# above; Metal is not), nor timing, nor memory-model subtleties a real GPU could expose.
+# ---- the GPU sources, run on the CPU under a small emulation of the GPU thread model (tests/gpu_emulation.py) ----
+# This checks the kernels' index arithmetic, their online softmax, the warps' merge and the float16 caches where no
+# GPU is available; not the real compilers (CUDA is compiled above; Metal is not), nor timing, nor memory-model
+# subtleties a real GPU could expose.
 
-GPU_EMULATION = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <pthread.h>
-using std::max;
-using std::min;
-struct uint3 { unsigned x, y, z; };
-static thread_local uint3 threadIdx, blockIdx;
-static const uint3 blockDim = {TV_NUM_THREADS, 1, 1};
-static pthread_barrier_t block_barrier, warp_barrier[TV_NUM_THREADS / 32];
-static float lanes[TV_NUM_THREADS / 32][32];
-static void warp_wait() { pthread_barrier_wait(&warp_barrier[threadIdx.x / 32]); }
-static float lane_sum(float x) {  /* every lane gets the warp's sum: through memory, between warp barriers */
-  lanes[threadIdx.x / 32][threadIdx.x % 32] = x;
-  warp_wait();
-  float total = 0.0f;
-  for (int i = 0; i < 32; i++) total += lanes[threadIdx.x / 32][i];
-  warp_wait();
-  return total;
-}
-/* CUDA */
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(n)
-#define __restrict__ __restrict
-#define __shared__ static
-struct __half { unsigned short bits; };  /* a distinct type for the overloads; only float runs here */
-inline float __half2float(__half) { return 0.0f; }
-inline __half __float2half(float) { return __half{0}; }
-inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
-inline void __syncthreads() { pthread_barrier_wait(&block_barrier); }
-inline void __syncwarp() { warp_wait(); }
-inline float __shfl_xor_sync(unsigned, float x, int offset) {
-  lanes[threadIdx.x / 32][threadIdx.x % 32] = x;
-  warp_wait();
-  float y = lanes[threadIdx.x / 32][(threadIdx.x % 32) ^ offset];
-  warp_wait();
-  return y;
-}
-/* Metal */
-#define kernel
-#define device
-#define threadgroup static
-namespace metal {}
-namespace precise { inline float exp(float x) { return std::exp(x); } }
-enum class mem_flags { mem_threadgroup };
-inline void threadgroup_barrier(mem_flags) { pthread_barrier_wait(&block_barrier); }
-inline void simdgroup_barrier(mem_flags) { warp_wait(); }
-inline float simd_sum(float x) { return lane_sum(x); }
-"""
-
-GPU_EMULATION_LAUNCH = r"""
-struct Launch { void** args; unsigned block_x, block_y, thread; };
-static void* run_thread(void* p) {
-  Launch* l = (Launch*)p;
-  blockIdx = {l->block_x, l->block_y, 0};
-  threadIdx = {l->thread, 0, 0};
-  void** a = l->args;
-#ifdef TV_RESHAPE_AND_CACHE
-  reshape_and_cache((float*)a[0], (float*)a[1], (const float*)a[2], (const float*)a[3], (const int*)a[4] EXTRA_ARGS);
-#else
-  paged_attention((float*)a[0], (const float*)a[1], (const float*)a[2], (const float*)a[3], (const int*)a[4],
-                  (const int*)a[5] EXTRA_ARGS);
-#endif
-  return nullptr;
-}
-extern "C" void launch(void** args, unsigned grid_x, unsigned grid_y) {
-  for (unsigned by = 0; by < grid_y; by++)
-    for (unsigned bx = 0; bx < grid_x; bx++) {
-      pthread_barrier_init(&block_barrier, nullptr, TV_NUM_THREADS);
-      for (auto& b : warp_barrier) pthread_barrier_init(&b, nullptr, 32);
-      pthread_t threads[TV_NUM_THREADS];
-      Launch launches[TV_NUM_THREADS];
-      for (unsigned t = 0; t < TV_NUM_THREADS; t++) {
-        launches[t] = {args, bx, by, t};
-        pthread_create(&threads[t], nullptr, run_thread, &launches[t]);
-      }
-      for (auto& th : threads) pthread_join(th, nullptr);
-      pthread_barrier_destroy(&block_barrier);
-      for (auto& b : warp_barrier) pthread_barrier_destroy(&b);
-    }
-}
-"""
-
-
-def run_emulated(language: str, entry: str, defines: dict, arrays: list[np.ndarray], grid: tuple[int, int],
-                 tmp_path: Path) -> None:
-    """Compile kernels/<language>/paged_attention.* with the emulation as C++ and run `entry` on numpy arrays."""
-    defines = {**defines, "TV_NUM_THREADS": kernel_backend.NUM_THREADS, "TV_T": "float", "TV_CACHE_T": "float"}
-    _, source = kernel_backend.kernel_source(entry, {"cuda": "CUDA", "metal": "METAL"}[language], defines)
-    include = tmp_path / "include"
-    include.mkdir(exist_ok=True)
-    (include / "cuda_fp16.h").write_text("")
-    (include / "metal_stdlib").write_text("")
-    header = "\n".join(line for line in source.splitlines() if line.startswith("#define"))  # the shapes first
-    # Metal kernels take their block and thread index as arguments; CUDA kernels read them from globals
-    extra = ", blockIdx, threadIdx" if language == "metal" else ""
-    # a new file name per variant: dlopen hands back an already loaded library for a path it has seen
-    cpp = tmp_path / f"{language}_{entry}_{len(list(tmp_path.glob('*.cpp')))}.cpp"
-    cpp.write_text(header + "\n#define EXTRA_ARGS " + extra + "\n" + GPU_EMULATION + source + GPU_EMULATION_LAUNCH)
-    lib = cpp.with_suffix(".so")
-    subprocess.run(["clang++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-attributes",
-                    "-Wno-ignored-attributes", f"-I{include}", str(cpp), "-o", str(lib)], check=True)
-    args = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-    ctypes.CDLL(str(lib)).launch(args, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]))
-
-
-@pytest.mark.skipif(shutil.which("clang++") is None or sys.platform != "linux", reason="needs clang++ on Linux")
-@pytest.mark.parametrize("language,block_size,group,head_dim", [("cuda", 8, 4, 128), ("metal", 16, 3, 64)])
-def test_gpu_kernels_under_cpu_emulation(language: str, block_size: int, group: int, head_dim: int, tmp_path: Path):
+@pytest.mark.skipif(not can_emulate(), reason="needs clang++ on x86-64 Linux")
+@pytest.mark.parametrize("language,block_size,group,head_dim,cache_t",
+                         [("cuda", 8, 4, 128, "float"), ("metal", 16, 3, 64, "float"), ("cuda", 16, 3, 64, "half")])
+def test_gpu_kernels_under_cpu_emulation(language: str, block_size: int, group: int, head_dim: int, cache_t: str,
+                                         tmp_path: Path):
     # one shape per language keeps this short; the CPU tests cover the grid of shapes
+    cache_dtype, tol = (dtypes.float32, 1e-5) if cache_t == "float" else (dtypes.float16, 1e-4)
     lengths = [1, block_size + 1, 70, 200]  # 200: all 4 warps get tiles, and the merge has work to do
-    case = make_case(block_size, group * 2, 2, head_dim, lengths, seed=11)
+    case = make_case(block_size, group * 2, 2, head_dim, lengths, seed=11, cache_dtype=cache_dtype)
     q, k_cache, v_cache = (case[n].numpy() for n in ("q", "k_cache", "v_cache"))
     tables, context_lens = case["block_tables"].numpy(), case["context_lens"].numpy()
     out = np.full_like(q, np.nan)
+    types = {"TV_NUM_THREADS": kernel_backend.NUM_THREADS, "TV_T": "float", "TV_CACHE_T": cache_t}
     defines = {"TV_NUM_SEQS": len(lengths), "TV_NUM_HEADS": group * 2, "TV_NUM_KV_HEADS": 2,
                "TV_HEAD_DIM": head_dim, "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": tables.shape[1],
-               "TV_SCALE": f"{float(1 / np.sqrt(head_dim))!r}f"}
+               "TV_SCALE": f"{float(1 / np.sqrt(head_dim))!r}f", **types}
     run_emulated(language, "paged_attention", defines, [out, q, k_cache, v_cache, tables, context_lens],
-                 (2, len(lengths)), tmp_path)
-    np.testing.assert_allclose(out, portable_reference(case), atol=1e-5, rtol=1e-5)
-    # the write: K and V rows at their slots, a negative slot skipped
-    key, value = np.ones((3, 2, 64), np.float32), -np.ones((3, 2, 64), np.float32)
-    k_cache, v_cache = np.zeros((4, 8, 2, 64), np.float32), np.zeros((4, 8, 2, 64), np.float32)
+                 (2, len(lengths)), kernel_backend.NUM_THREADS, tmp_path)
+    np.testing.assert_allclose(out, portable_reference(case), atol=tol, rtol=tol)
+    # the write: K and V rows at their slots (rounded to the cache's type), a negative slot skipped
+    key, value = np.full((3, 2, 64), 1 / 3, np.float32), -np.ones((3, 2, 64), np.float32)
+    k_cache, v_cache = (np.zeros((4, 8, 2, 64), k_cache.dtype) for _ in range(2))
     slots = np.array([5, -1, 30], np.int32)
-    run_emulated(language, "reshape_and_cache", {"TV_NUM_TOKENS": 3, "TV_NUM_KV_HEADS": 2, "TV_HEAD_DIM": 64,
-                                                  "TV_NUM_SLOTS": 32}, [k_cache, v_cache, key, value, slots], (3, 1),
-                 tmp_path)
+    run_emulated(language, "paged_attention", {"TV_NUM_TOKENS": 3, "TV_NUM_KV_HEADS": 2, "TV_HEAD_DIM": 64,
+                                               "TV_NUM_SLOTS": 32, **types},
+                 [k_cache, v_cache, key, value, slots], (3, 1), kernel_backend.NUM_THREADS, tmp_path,
+                 entry="reshape_and_cache")
     written = np.flatnonzero(k_cache.reshape(32, -1).any(axis=1))
     assert list(written) == [5, 30] and (v_cache.reshape(32, -1)[written] == -1).all()
+    assert (k_cache.reshape(32, -1)[written] == k_cache.dtype.type(1 / 3)).all()  # float16: round to nearest even
 
 
 def device_or_skip(name: str) -> str:

@@ -1,0 +1,135 @@
+/* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the 32-element block
+ * formats Q4_0, Q4_1 and Q8_0, in CUDA. The twin of kernels/cpu/qmatmul.c and kernels/metal/qmatmul.metal (same
+ * arguments in the same order, launched by tinyvllm/kernels/qlinear.py); the K-quants are in qmatmul_k.cu.
+ * Compiled by tinygrad's CUDA compiler (nvrtc) from this text.
+ *
+ * Why: a decode step reads every weight once and does 2 flops with it, so its time is the weights' bytes over the
+ * memory bandwidth. SmolLM2-135M has 134.5 M weights (106.2 M in the linears, 28.3 M in the tied lm_head):
+ *     float32:                          134.5 M x 4 B                          = 538 MB read per token
+ *     the shipped GGUF, as it is:       106.2 M x 20/32 B (Q4_1) + 28.3 M x 34/32 B (Q8_0)   =  96 MB per token
+ * 5.6x fewer bytes, if the blocks are dequantized in registers on the way to the FMAs and never written back
+ * as floats. A separate dequantize kernel would write the 538 MB and read them again.
+ *
+ * How the work is cut (local_size (128, 1, 1): 4 warps; grid ((N + 3) / 4, M, 1)):
+ *
+ *     thread block (bx, m):   warp 0 -> out[m, 4 bx]   warp 1 -> out[m, 4 bx + 1]   ...   warp 3 -> out[m, 4 bx + 3]
+ *     one warp, one output:   w's row n is K / 32 blocks; lane j takes blocks j, j + 32, j + 64, ...
+ *                             (one step of the warp reads 32 consecutive blocks: 640 contiguous bytes of Q4_1)
+ *     one lane, one block:    dequantize the 32 weights in registers (d, m from float16), 32 float FMAs with
+ *                             x[m, 32 b .. 32 b + 31]; the block's scale applied once to its sum
+ *     the warp's 32 sums:     a butterfly of 5 shuffles; lane 0 writes out[m, n]
+ *
+ * Spare warps of the last thread block (N not a multiple of 4) leave at once. At K = 576 (SmolLM2's hidden size)
+ * a row has 18 blocks, so 14 lanes idle; at batch 1 the kernel is bound by the bytes of w either way.
+ *
+ * Vectorised loads: x as float4 (its rows are K * 4 bytes, a multiple of 128, and tinygrad's buffers are at
+ * least 16-byte aligned, so every block's 32 floats start 16-byte aligned). The weight bytes as wide as each
+ * format's 2-byte-aligned or 4-byte-aligned fields allow: Q4_1's blocks are 20 bytes, so its 16 bytes of quants
+ * (at byte 4) are 4-byte aligned: 4 x uint; Q4_0 (18 bytes) and Q8_0 (34 bytes) keep only 2-byte alignment for
+ * theirs (at byte 2): unsigned shorts, two joined per 32-bit word.
+ *
+ * The scratch argument is accepted and unused: the CPU twin quantizes x into it (8-bit blocks for integer dot
+ * products); here each lane dequantizes the weights instead and multiplies in float, which costs no extra bytes.
+ *
+ * Arguments (row-major):
+ *   out:     (M, N)                     float32, written
+ *   scratch: (scratch_bytes(...),)      uint8, unused here
+ *   x:       (M, K)                     float32, the activations
+ *   w:       (N, K / 32 * TYPE_SIZE)    uint8, row n = the GGUF's blocks of output feature n, as they are in the file:
+ *              Q4_0 (TV_QTYPE 2):  18 B = d (f16) | qs[16]            x = d * (q - 8)
+ *              Q4_1 (TV_QTYPE 3):  20 B = d (f16) | m (f16) | qs[16]  x = d * q + m
+ *              Q8_0 (TV_QTYPE 8):  34 B = d (f16) | qs[32] int8       x = d * q
+ *            (qs[16]: byte j holds element j in its low nibble, element j + 16 in its high nibble;
+ *             byte layouts drawn in tinyvllm/model/quant.py)
+ * Compile-time constants: TV_M, TV_N, TV_K (a multiple of 32), TV_QTYPE (ggml's type id);
+ * TV_KERNEL (extern "C" __global__ void).
+ */
+#include <cuda_fp16.h>
+
+#define WARP 32
+#define OUTS_PER_BLOCK 4  /* warps per thread block, one output each */
+#define QK 32             /* elements per block */
+
+#if TV_QTYPE == 2
+#define TYPE_SIZE 18
+#elif TV_QTYPE == 3
+#define TYPE_SIZE 20
+#elif TV_QTYPE == 8
+#define TYPE_SIZE 34
+#else
+#error "qmatmul.cu takes TV_QTYPE 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0); Q4_K (12) and Q6_K (14) are in qmatmul_k.cu"
+#endif
+#if TV_K % QK != 0
+#error "qmatmul.cu: TV_K must be a multiple of 32 (a row is whole blocks)"
+#endif
+#define ROW_BYTES (TV_K / QK * TYPE_SIZE)
+
+__device__ __forceinline__ float warp_sum(float x) {  /* on every lane (xor butterfly: 5 shuffles) */
+  for (int offset = WARP / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+__device__ __forceinline__ float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+
+/* the 4 bytes of q, each an unsigned value minus `offset`, dotted with v.x .. v.w */
+__device__ __forceinline__ float ubytes_dot(unsigned q, int offset, float4 v) {
+  float s = (float)((int)(q & 0xFF) - offset) * v.x;
+  s = fmaf((float)((int)(q >> 8 & 0xFF) - offset), v.y, s);
+  s = fmaf((float)((int)(q >> 16 & 0xFF) - offset), v.z, s);
+  return fmaf((float)((int)(q >> 24) - offset), v.w, s);
+}
+
+/* the 4 bytes of q, each an int8 (shifted to the top, then arithmetic-shifted back: sign-extended), dotted with v */
+__device__ __forceinline__ float sbytes_dot(unsigned q, float4 v) {
+  float s = (float)((int)(q << 24) >> 24) * v.x;
+  s = fmaf((float)((int)(q << 16) >> 24), v.y, s);
+  s = fmaf((float)((int)(q << 8) >> 24), v.z, s);
+  return fmaf((float)((int)q >> 24), v.w, s);
+}
+
+/* 4 bytes from a 2-byte aligned address: two unsigned short loads */
+__device__ __forceinline__ unsigned load_u32_2(const unsigned char* p) {
+  const unsigned short* h = (const unsigned short*)p;
+  return h[0] | (unsigned)h[1] << 16;
+}
+
+__device__ __forceinline__ float f16(const unsigned char* p) { return __half2float(*(const __half*)p); }
+
+/* one block of w (at b) dotted with its 32 floats of x (xb: 8 float4), dequantized in registers */
+__device__ __forceinline__ float block_dot(const unsigned char* b, const float4* xb) {
+#if TV_QTYPE == 2  /* Q4_0: d * sum (q - 8) x; word i = bytes 4i..4i+3: elements 4i.. (low nibbles), 4i+16.. (high) */
+  float s = 0.0f;
+  for (int i = 0; i < 4; i++) {
+    const unsigned q = load_u32_2(b + 2 + 4 * i);
+    s += ubytes_dot(q & 0x0F0F0F0Fu, 8, xb[i]) + ubytes_dot(q >> 4 & 0x0F0F0F0Fu, 8, xb[4 + i]);
+  }
+  return f16(b) * s;
+#elif TV_QTYPE == 3  /* Q4_1: d * sum q x + m * sum x */
+  const unsigned* qs = (const unsigned*)(b + 4);
+  float qx = 0.0f, sx = 0.0f;
+  for (int i = 0; i < 4; i++) {
+    const unsigned q = qs[i];
+    qx += ubytes_dot(q & 0x0F0F0F0Fu, 0, xb[i]) + ubytes_dot(q >> 4 & 0x0F0F0F0Fu, 0, xb[4 + i]);
+    sx += sum4(xb[i]) + sum4(xb[4 + i]);
+  }
+  return fmaf(f16(b), qx, f16(b + 2) * sx);
+#else  /* Q8_0: d * sum q x; word i = elements 4i..4i+3 */
+  float s = 0.0f;
+  for (int i = 0; i < 8; i++) s += sbytes_dot(load_u32_2(b + 2 + 4 * i), xb[i]);
+  return f16(b) * s;
+#endif
+}
+
+TV_KERNEL __launch_bounds__(WARP * OUTS_PER_BLOCK)
+qmatmul(float* __restrict__ out, unsigned char* __restrict__ scratch, const float* __restrict__ x,
+        const unsigned char* __restrict__ w) {
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int m = blockIdx.y, n = blockIdx.x * OUTS_PER_BLOCK + warp;
+  if (n >= TV_N) return;  /* a spare warp of the last thread block: the whole warp leaves, no shuffle waits on it */
+  const float4* x_row = (const float4*)(x + (long)m * TV_K);  /* (K / 4,) */
+  const unsigned char* w_row = w + (long)n * ROW_BYTES;       /* (K / 32 * TYPE_SIZE,) */
+  float acc = 0.0f;
+  for (int b = lane; b < TV_K / QK; b += WARP) acc += block_dot(w_row + b * TYPE_SIZE, x_row + b * (QK / 4));
+  acc = warp_sum(acc);
+  if (lane == 0) out[(long)m * TV_N + n] = acc;
+}

@@ -1,0 +1,144 @@
+/* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the K-quants Q4_K and
+ * Q6_K (256-element super-blocks), in Metal. The twin of kernels/cuda/qmatmul_k.cu and kernels/cpu/qmatmul_k.c
+ * (same arguments in the same order, the CUDA kernel line for line where the languages allow; launched by
+ * tinyvllm/kernels/qlinear.py); the 32-element formats are in qmatmul.metal. Compiled by tinygrad's Metal compiler.
+ *
+ * Why: a decode step reads every weight once and does 2 flops with it, so its time is the weights' bytes over the
+ * memory bandwidth. Per weight, float32 is 4 B, Q4_K 144/256 = 0.5625 B (4.5 bits), Q6_K 210/256 = 0.82 B
+ * (6.56 bits): a Q4_K_M file (Q4_K linears, Q6_K for a few) is read 6-7x faster than its float32 copy, if the
+ * super-blocks are dequantized in registers on the way to the FMAs and never written back as floats.
+ *
+ * How the work is cut (threadgroups of 128 threads: 4 SIMD groups of 32, CUDA's warps; grid ((N + 3) / 4, M, 1)):
+ *
+ *     threadgroup (gx, m):    SIMD group 0 -> out[m, 4 gx]   1 -> out[m, 4 gx + 1]   ...   3 -> out[m, 4 gx + 3]
+ *     one SIMD group:         w's row n is K / 256 super-blocks = K / 32 sub-blocks of 32 weights ("units");
+ *                             lane j takes units j, j + 32, j + 64, ... (unit u: super-block u / 8, part u % 8)
+ *     one lane, one unit:     its scale (and min) from the super-block's packed scales, 32 weights dequantized in
+ *                             registers, 32 float FMAs with x[m, 32 u .. 32 u + 31]
+ *     the 32 lanes' sums:     simd_sum; lane 0 writes out[m, n]
+ *
+ * Why units of 32 and not whole super-blocks per lane: a row of K = 1536 (SmolLM2's FFN) is only 6 super-blocks,
+ * which would leave 26 of the 32 lanes idle; it is 48 units. The 8 lanes of one super-block read its header
+ * (d, dmin, scales) each: the same bytes, served from cache.
+ *
+ * Vectorised loads: x as float4 (its rows are K * 4 bytes, a multiple of 1024, and Metal buffers are at least
+ * 16-byte aligned, so every unit's 32 floats start 16-byte aligned). Q4_K's super-blocks are 144 = 9 x 16 bytes and
+ * its quants start at byte 16, so a unit's 32 bytes of quants are read as 2 x uint4; its 12 bytes of packed scales
+ * are read byte by byte (2 of the 12 are needed). Q6_K's are 210 bytes: only 2-byte alignment survives from one
+ * super-block to the next, so its quants are read as ushorts, two joined per 32-bit word.
+ *
+ * The scratch argument is accepted and unused: the CPU twin quantizes x into it (Q8_K blocks for integer dot
+ * products); here each lane dequantizes the weights instead and multiplies in float, which costs no extra bytes.
+ *
+ * Arguments (row-major), buffers 0-3:
+ *   out:     (M, N)                        float32, written
+ *   scratch: (scratch_bytes(...),)         uint8, unused here
+ *   x:       (M, K)                        float32, the activations
+ *   w:       (N, K / 256 * TYPE_SIZE)      uint8, row n = the GGUF's super-blocks of output feature n, as in the file:
+ *     Q4_K (TV_QTYPE 12), 144 B:  d (f16) | dmin (f16) | scales[12] | qs[128]
+ *         8 sub-blocks of 32, each with a 6-bit scale sc and min mn packed in scales[12];
+ *         qs: 4 chunks of 32 bytes, chunk c holds sub-block 2c in its low nibbles, 2c + 1 in its high nibbles;
+ *         x = d * sc * q - dmin * mn, q in 0..15
+ *     Q6_K (TV_QTYPE 14), 210 B:  ql[128] | qh[64] | scales[16] int8 | d (f16)
+ *         16 sub-blocks of 16, each with an int8 scale; two halves of 128 weights, half h uses ql[64h .. 64h + 63]
+ *         and qh[32h .. 32h + 31]; weight e of a half: low 4 bits from ql[e % 64] (low nibble if e < 64, else
+ *         high), high 2 bits = bits 2 (e / 32) .. 2 (e / 32) + 1 of qh[e % 32]; x = d * scale * (q - 32), q in 0..63
+ *     (byte layouts drawn in tinyvllm/model/quant.py)
+ * Compile-time constants: TV_M, TV_N, TV_K (a multiple of 256), TV_QTYPE (ggml's type id); TV_KERNEL (kernel void).
+ */
+#include <metal_stdlib>
+using namespace metal;
+
+#define WARP 32           /* threads per SIMD group on Apple GPUs (threadExecutionWidth) */
+#define OUTS_PER_BLOCK 4  /* SIMD groups per threadgroup, one output each */
+#define QK_K 256          /* elements per super-block */
+#define UNIT 32           /* elements per unit of a lane's work: a sub-block of Q4_K, two of Q6_K */
+
+#if TV_QTYPE == 12
+#define TYPE_SIZE 144
+#elif TV_QTYPE == 14
+#define TYPE_SIZE 210
+#else
+#error "qmatmul_k.metal takes TV_QTYPE 12 (Q4_K) or 14 (Q6_K); Q4_0 (2), Q4_1 (3) and Q8_0 (8) are in qmatmul.metal"
+#endif
+#if TV_K % QK_K != 0
+#error "qmatmul_k.metal: TV_K must be a multiple of 256 (a row is whole super-blocks)"
+#endif
+#define ROW_BYTES (TV_K / QK_K * TYPE_SIZE)
+
+inline float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+
+/* the 4 bytes of q, each an unsigned value minus `offset`, dotted with v.x .. v.w */
+inline float ubytes_dot(uint q, int offset, float4 v) {
+  float s = float(int(q & 0xFF) - offset) * v.x;
+  s = fma(float(int(q >> 8 & 0xFF) - offset), v.y, s);
+  s = fma(float(int(q >> 16 & 0xFF) - offset), v.z, s);
+  return fma(float(int(q >> 24) - offset), v.w, s);
+}
+
+/* 4 bytes from a 2-byte aligned address: two ushort loads */
+inline uint load_u32_2(const device uchar* p) {
+  const device ushort* h = (const device ushort*)p;
+  return h[0] | uint(h[1]) << 16;
+}
+
+inline float f16(const device uchar* p) { return float(*(const device half*)p); }
+
+#if TV_QTYPE == 12
+/* Q4_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
+ * d * sc * sum q x - dmin * mn * sum x */
+inline float unit_dot(const device uchar* blk, int s, const device float4* xu) {
+  const device uchar* packed = blk + 4;  /* scales[12]: see quant.py's _k_scales_mins for the bit layout */
+  int sc, mn;
+  if (s < 4) {
+    sc = packed[s] & 63;
+    mn = packed[s + 4] & 63;
+  } else {
+    sc = (packed[s + 4] & 0xF) | (packed[s - 4] >> 6) << 4;
+    mn = (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
+  }
+  const device uint4* chunk = (const device uint4*)(blk + 16 + 32 * (s / 2));  /* 32 bytes; ours: nibbles at shift */
+  const int shift = 4 * (s % 2);
+  float qx = 0.0f, sx = 0.0f;
+  for (int h = 0; h < 2; h++) {
+    const uint4 v = chunk[h];
+    const uint words[4] = {v.x, v.y, v.z, v.w};  /* word i: weights 16h + 4i .. 16h + 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+      qx += ubytes_dot(words[i] >> shift & 0x0F0F0F0Fu, 0, xu[4 * h + i]);
+      sx += sum4(xu[4 * h + i]);
+    }
+  }
+  return fma(f16(blk) * float(sc), qx, -(f16(blk + 2) * float(mn)) * sx);
+}
+#else
+/* Q6_K: part p (0..7: weights 32p .. 32p + 31) of the super-block at blk, dotted with its 32 floats of x (xu):
+ * d * (scale_a * sum (q - 32) x over its first 16 + scale_b * the same over its last 16) */
+inline float unit_dot(const device uchar* blk, int p, const device float4* xu) {
+  const int h = p / 4, k = p % 4;                              /* half h, weights 32k .. 32k + 31 of it */
+  const device uchar* ql = blk + 64 * h + 32 * (k % 2);        /* low 4 bits: nibble k / 2 of these 32 bytes */
+  const device uchar* qh = blk + 128 + 32 * h;                 /* high 2 bits: bits 2k, 2k + 1 of these 32 */
+  const device char* scales = (const device char*)(blk + 192 + 8 * h + 2 * k);  /* int8, one per 16 weights */
+  float s[2] = {0.0f, 0.0f};
+  for (int i = 0; i < 8; i++) {  /* word i: weights 4i .. 4i + 3 of the part */
+    const uint lo = load_u32_2(ql + 4 * i) >> 4 * (k / 2) & 0x0F0F0F0Fu;
+    const uint hi = load_u32_2(qh + 4 * i) >> 2 * k & 0x03030303u;
+    s[i / 4] += ubytes_dot(lo | hi << 4, 32, xu[i]);
+  }
+  return f16(blk + 208) * fma(float(scales[0]), s[0], float(scales[1]) * s[1]);
+}
+#endif
+
+TV_KERNEL qmatmul_k(device float* out [[buffer(0)]], device uchar* scratch [[buffer(1)]],
+                    const device float* x [[buffer(2)]], const device uchar* w [[buffer(3)]],
+                    uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
+  const int warp = lid.x / WARP, lane = lid.x % WARP;
+  const int m = gid.y, n = gid.x * OUTS_PER_BLOCK + warp;
+  if (n >= TV_N) return;  /* a spare SIMD group of the last threadgroup: all of it leaves, simd_sum waits on none */
+  const device float4* x_row = (const device float4*)(x + (long)m * TV_K);  /* (K / 4,) */
+  const device uchar* w_row = w + (long)n * ROW_BYTES;                      /* (K / 256 * TYPE_SIZE,) */
+  float acc = 0.0f;
+  for (int u = lane; u < TV_K / UNIT; u += WARP)
+    acc += unit_dot(w_row + u / 8 * TYPE_SIZE, u % 8, x_row + u * (UNIT / 4));
+  acc = simd_sum(acc);
+  if (lane == 0) out[(long)m * TV_N + n] = acc;
+}

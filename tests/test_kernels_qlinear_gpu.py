@@ -1,0 +1,186 @@
+"""Phase 6: the GPU twins of the fused dequantize-matmul (kernels/cuda/qmatmul*.cu, kernels/metal/qmatmul*.metal).
+
+No GPU here: each kernel runs under the CPU emulation of the GPU thread model (tests/gpu_emulation.py) on random
+valid blocks of every format, and is compared with numpy: x @ dequantize(w).T, the weights dequantized by
+tinyvllm/model/quant.py (bit-exact with the `gguf` package). The CUDA sources are also compiled with nvrtc at the
+model's shapes. The kernels dequantize in registers and multiply in float32 (no 8-bit rounding of x), so they
+agree with the reference to float32 rounding: the bound below is 1e-5 of sum_k |x_k w_k|.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_emulation import (
+    can_emulate,
+    check_ptx,
+    compile_cuda,
+    kernel_file_source,
+    nvrtc_compiler,
+    run_emulated,
+    run_emulated_source,
+)
+
+from tinyvllm.model import quant
+
+# ggml type -> (name, elements per block, bytes per block, kernel file); the contract's QUANT_FORMATS
+FORMATS = {2: ("Q4_0", 32, 18, "qmatmul"), 3: ("Q4_1", 32, 20, "qmatmul"), 8: ("Q8_0", 32, 34, "qmatmul"),
+           12: ("Q4_K", 256, 144, "qmatmul_k"), 14: ("Q6_K", 256, 210, "qmatmul_k")}
+THREADS = 128  # local_size (128, 1, 1): 4 warps, one output each
+RTOL = 1e-5
+
+emulated = pytest.mark.skipif(not can_emulate(), reason="needs clang++ on x86-64 Linux")
+
+
+def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_blocks, type_size) uint8: random quants and packed scales, finite float16 scales where the format has
+    them (d > 0 as quantizers write it; Q4_1's min and Q4_K's dmin sized as real blocks have them)."""
+    _, _, type_size, _ = FORMATS[ggml_type]
+    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+
+    def put_f16(offset: int, values: np.ndarray) -> None:
+        blocks[:, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+
+    d = rng.uniform(1e-3, 2e-2, n_blocks)
+    if ggml_type == 14:
+        put_f16(208, d)
+    else:
+        put_f16(0, d)
+    if ggml_type == 3:
+        put_f16(2, -d * rng.uniform(4, 11, n_blocks))  # m: the block's minimum, about -8 d
+    if ggml_type == 12:
+        put_f16(2, d * rng.uniform(0.5, 2, n_blocks))  # dmin
+    return blocks
+
+
+def make_case(ggml_type: int, M: int, N: int, K: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (M, K) float32, w (N, K / block * type_size) uint8, and w dequantized (N, K) float32."""
+    rng = np.random.default_rng(seed)
+    _, block_size, type_size, _ = FORMATS[ggml_type]
+    w = random_blocks(ggml_type, N * K // block_size, rng).reshape(N, K // block_size * type_size)
+    assert w.size == quant.tensor_nbytes(ggml_type, (N, K))  # the table agrees with quant.py
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    return x, w, quant.dequantize(w.reshape(-1), ggml_type, (N, K))
+
+
+def check_against_reference(out: np.ndarray, x: np.ndarray, w_float: np.ndarray) -> None:
+    """|out - x @ w.T| <= RTOL * (|x| @ |w|.T), elementwise: float32 rounding of a dot product of length K, with room
+    for the order of the sums (per block, then across the lanes)."""
+    reference = x.astype(np.float64) @ w_float.astype(np.float64).T
+    bound = RTOL * (np.abs(x).astype(np.float64) @ np.abs(w_float).astype(np.float64).T)
+    error = np.abs(out - reference)
+    worst = np.unravel_index(np.argmax(error / bound), error.shape)
+    assert (error <= bound).all(), (f"out{list(worst)} = {out[worst]!r}, reference {reference[worst]!r}: error "
+                                    f"{error[worst]:.3g} over the bound {bound[worst]:.3g}")
+
+
+def run_qmatmul(language: str, ggml_type: int, x: np.ndarray, w: np.ndarray, N: int, tmp_path: Path) -> np.ndarray:
+    """The kernel under emulation, launched as the contract says: grid ((N + 3) / 4, M), 128 threads."""
+    M, K = x.shape
+    out = np.full((M, N), np.nan, np.float32)
+    scratch = np.zeros(16, np.uint8)  # unused by the GPU kernels; any size
+    defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type}
+    run_emulated(language, FORMATS[ggml_type][3], defines, [out, scratch, x, w], ((N + 3) // 4, M), THREADS,
+                 tmp_path)
+    return out
+
+
+@emulated
+@pytest.mark.parametrize("language", ["cuda", "metal"])
+@pytest.mark.parametrize("ggml_type", list(FORMATS), ids=[f[0] for f in FORMATS.values()])
+def test_qmatmul_under_emulation_matches_numpy(language: str, ggml_type: int, tmp_path: Path):
+    # K = 1280: 40 blocks (or 40 units of 32 in 5 super-blocks) per row, so lanes 0-7 take two and the rest one;
+    # N = 6: the last thread block has 2 spare warps
+    N, K = 6, 1280
+    for M in (1, 3):
+        x, w, w_float = make_case(ggml_type, M, N, K, seed=ggml_type * 10 + M)
+        out = run_qmatmul(language, ggml_type, x, w, N, tmp_path)
+        check_against_reference(out, x, w_float)
+
+
+@emulated
+def test_a_wrong_nibble_order_fails(tmp_path: Path):
+    # the check can fail: the kernel's output against the weights with each byte's two nibbles swapped (the
+    # likeliest layout mistake) is far outside the bound
+    x, w, _ = make_case(2, 1, 6, 256, seed=1)
+    out = run_qmatmul("cuda", 2, x, w, 6, tmp_path)
+    swapped = w.reshape(-1, 18).copy()
+    swapped[:, 2:] = (swapped[:, 2:] << 4) | (swapped[:, 2:] >> 4)
+    with pytest.raises(AssertionError, match="over the bound"):
+        check_against_reference(out, x, quant.dequantize(swapped.reshape(-1), 2, (6, 256)))
+
+
+@emulated
+def test_misaligned_vector_load_is_caught(tmp_path: Path):
+    # the emulation traps a load its address does not align: a float4 read one float past a 16-byte boundary
+    source = """
+    extern "C" __global__ void shifted(float* out, const float* x) {
+      out[threadIdx.x] = ((const float4*)(x + 1))[threadIdx.x].x;
+    }
+    """
+    with pytest.raises(AssertionError, match="not aligned"):
+        run_emulated_source("cuda", source, "shifted", [np.zeros(32, np.float32), np.zeros(256, np.float32)], (1, 1),
+                            32, tmp_path)
+
+
+@emulated
+@pytest.mark.parametrize("language", ["cuda", "metal"])
+def test_emulated_float16_is_ieee(language: str, tmp_path: Path):
+    # every float16 bit pattern to float (infinities, subnormals, -0 included), and floats to float16 (the ties
+    # between neighbouring halves included: round to nearest even), as numpy converts them
+    cuda = """
+    extern "C" __global__ void halves(float* wide, __half* narrow, const __half* h, const float* f) {
+      for (int i = threadIdx.x; i < 65536; i += blockDim.x) {
+        wide[i] = __half2float(h[i]);
+        narrow[i] = __float2half(f[i]);
+      }
+    }
+    """
+    metal = """
+    kernel void halves(device float* wide, device half* narrow, const device half* h, const device float* f,
+                       uint3 gid, uint3 lid) {
+      for (int i = lid.x; i < 65536; i += 128) {
+        wide[i] = float(h[i]);
+        narrow[i] = half(f[i]);
+      }
+    }
+    """
+    every = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = every[np.isfinite(every)].astype(np.float64)
+    ties = (np.sort(finite)[:-1] + np.diff(np.sort(finite)) / 2).astype(np.float32)  # halfway between neighbours
+    rng = np.random.default_rng(0)
+    f = np.concatenate([ties, rng.standard_normal(65536, dtype=np.float32) * 1e3])[:65536].astype(np.float32)
+    wide, narrow = np.zeros(65536, np.float32), np.zeros(65536, np.float16)
+    run_emulated_source(language, cuda if language == "cuda" else metal, "halves", [wide, narrow, every.copy(), f],
+                        (1, 1), 128, tmp_path)
+    nan = np.isnan(every)  # NaNs stay NaN (F16C quiets a signalling one, numpy keeps its payload)
+    assert np.isnan(wide[nan]).all()
+    np.testing.assert_array_equal(wide[~nan].view(np.uint32), every[~nan].astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(narrow.view(np.uint16), f.astype(np.float16).view(np.uint16))
+
+
+# ---- CUDA: compiled with nvrtc (or nvcc) at the model's shapes ----
+
+@pytest.mark.parametrize("ggml_type", list(FORMATS), ids=[f[0] for f in FORMATS.values()])
+@pytest.mark.parametrize("M", [1, 32])
+def test_cuda_source_compiles(ggml_type: int, M: int, tmp_path: Path):
+    # SmolLM2-135M: gate_up (N 3072, K 576) for the 32-element formats; down (N 576, K 1536) for the K-quants,
+    # whose 256-element super-blocks do not divide 576
+    name = FORMATS[ggml_type][3]
+    N, K = (3072, 576) if name == "qmatmul" else (576, 1536)
+    ptx = compile_cuda(kernel_file_source("cuda", name, {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type}),
+                       tmp_path)
+    if ptx is None:
+        pytest.skip("no CUDA compiler (libnvrtc or nvcc)")
+    check_ptx(ptx, name)
+
+
+@pytest.mark.parametrize("name,ggml_type", [("qmatmul", 12), ("qmatmul_k", 3)])
+def test_cuda_source_refuses_a_format_it_does_not_have(name: str, ggml_type: int):
+    if nvrtc_compiler() is None:
+        pytest.skip("no libnvrtc")
+    source = kernel_file_source("cuda", name, {"TV_M": 1, "TV_N": 4, "TV_K": 256, "TV_QTYPE": ggml_type})
+    with pytest.raises(Exception, match="takes TV_QTYPE"):  # the #error names the formats the file has
+        nvrtc_compiler().compile(source)
