@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 ARGS   ?= --max-tokens 64
 
-.PHONY: run test setup setup-test clang bench clean
+.PHONY: run test setup setup-test clang chromium bench clean
 
 run: setup
 	$(PY) main.py --prompt "$(PROMPT)" $(ARGS)
@@ -21,7 +21,7 @@ bench: setup-test
 	$(PY) benchmarks/bench_generate.py
 
 setup: clang $(VENV)/.stamp-run
-setup-test: clang $(VENV)/.stamp-test
+setup-test: clang chromium $(VENV)/.stamp-test
 
 # tinygrad's CPU backend compiles every kernel with clang.
 clang:
@@ -30,6 +30,16 @@ clang:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  echo "installing clang (tinygrad's CPU backend compiles kernels with it)"; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq clang >/dev/null; }
+
+# tests/test_dashboard.py drives the dashboard in a real browser: Debian's chromium and its driver. Where they
+# cannot be installed (no apt-get, no root) the step says so and the browser test is skipped with the reason.
+chromium:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+	  if ! command -v apt-get >/dev/null 2>&1; then echo "no chromium/chromedriver and no apt-get: the browser test will be skipped" >&2; exit 0; fi; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "installing chromium and chromium-driver (the dashboard's browser test)"; \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	    echo "could not install chromium: the browser test will be skipped" >&2; }
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

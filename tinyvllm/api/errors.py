@@ -30,7 +30,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tinyvllm.api.protocol import ErrorInfo, ErrorResponse
-from tinyvllm.engine.async_llm_engine import EngineDeadError, EngineNotReadyError, EngineOverloadedError
+from tinyvllm.engine.async_llm_engine import (EngineDeadError, EngineNotReadyError, EngineOverloadedError,
+                                              EngineStepError)
 
 logger = logging.getLogger("tinyvllm.api")
 
@@ -96,6 +97,9 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", retry_after=e.retry_after)
     if isinstance(e, (EngineNotReadyError, EngineDeadError)):
         return OpenAIError(503, str(e), "server_error", code="service_unavailable", retry_after=5)
+    if isinstance(e, EngineStepError):  # the engine said what failed (its own words, no traceback): pass them on
+        logger.error("engine step error: %s", e)
+        return OpenAIError(500, f"{e}; the server keeps serving", "server_error", code="internal_error")
     if isinstance(e, ValueError):  # the engine's word for bad caller input
         message = str(e)
         if "context length" in message or "max_model_len" in message:

@@ -11,8 +11,10 @@
          -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 until
-the model is loaded), GET /metrics (Prometheus text). The server listens on 127.0.0.1 unless told
-otherwise.
+the model is loaded), GET /metrics (Prometheus text), GET /v1/engine/state (+ /stream, SSE) and the page
+GET /dashboard that draws it (tinyvllm/api/dashboard.py). The server listens on 127.0.0.1 unless told
+otherwise. On SIGTERM it drains: the port is released at once, new requests get 503, and the requests in
+flight get --shutdown-timeout seconds to finish before they end with an error (`GracefulServer`).
 
 Before any route sees a request, `RequestGuard` checks, in this order and without reading the body
 until the last step:
@@ -45,6 +47,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinyvllm.api.audit import AuditLog, RequestAccounting, current_record
+from tinyvllm.api.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, install_error_handlers,
                                  request_too_large, to_openai_error)
 from tinyvllm.api.keys import ApiKey, ApiKeys, KeyedEngine
@@ -57,7 +60,8 @@ from tinyvllm.api.serving_completions import OpenAIServingCompletion
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
 
-OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe has none
+OPEN_PATHS = ("/health", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
+# and the dashboard page holds no data (its calls to /v1/engine/state carry the key)
 
 
 def host_name(host_header: str) -> str:
@@ -242,6 +246,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return to_openai_error(e).response()
 
     app.include_router(v1)
+    add_dashboard_routes(app, engine, metrics, guarded)
     return app
 
 
@@ -281,6 +286,32 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn with a graceful shutdown. On SIGTERM (or Ctrl-C) uvicorn closes the listening socket at once, so a
+    new server can take the port, and waits for the open responses to end; the engine meanwhile refuses new
+    requests (503) and gives those in flight `shutdown_timeout` seconds to finish, then ends the rest with an
+    error their clients can read (an SSE error event, then [DONE]). uvicorn's own limit, a little later, is
+    only a backstop: past it, it cancels whatever still runs, mid-stream."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.drain(self.shutdown_timeout)  # thread- and signal-safe: the work is queued on the event loop
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 10.0, log_level: str = "info") -> None:
+    """Run `app` (built around `engine`) until SIGTERM or Ctrl-C, then drain it (see `GracefulServer`)."""
+    if shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    GracefulServer(config, engine, shutdown_timeout).run()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="think: send the model's <think>...</think> as reasoning_content (default none)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM, requests in flight get this long to finish before they end with an error; "
+                        "new ones get 503 meanwhile (default 10)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -358,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(engine, served_model_names=args.served_model_name, api_keys=keys, audit_log=args.audit_log,
                     limits=limits, allowed_hosts=[*args.allowed_hosts, args.host],
                     reasoning_parser=args.reasoning_parser)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,9 @@ class OpenAIServingChat(OpenAIServing):
                     and isinstance(call["function"].get("name"), str) for call in tool_calls)):
                 raise bad_request(f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
                                   "\"function\": {\"name\", \"arguments\"}}", "messages")
+            for field in ("name", "tool_call_id"):  # the template writes them as text: strings only
+                if message.get(field) is not None and not isinstance(message[field], str):
+                    raise bad_request(f"messages[{i}].{field} must be a string, got {message[field]!r}", "messages")
             conversation.append({**message, "content": content})
         variables = {}
         if self.tokenizer.chat_template is not None and "tools" in template_variables(self.tokenizer.chat_template):

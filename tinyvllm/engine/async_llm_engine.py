@@ -130,13 +130,19 @@ class AsyncLLMEngine:
 
     def drain(self, timeout: float) -> None:
         """Graceful shutdown (the server got SIGTERM): refuse new requests (503), give the ones in flight
-        `timeout` seconds to finish, then end those left with an error their clients can read. On the event loop."""
+        `timeout` seconds to finish, then end those left with an error their clients can read. Safe to call
+        from any thread or a signal handler: the work is done on the event loop."""
+        if self._loop is not None and not self.draining:
+            self._loop.call_soon_threadsafe(self._start_draining, timeout)
+
+    def _start_draining(self, timeout: float) -> None:
         if self.draining:
             return
         self.draining = True
+        logger.info("draining: %d requests in flight get %g s to finish", len(self._routes), timeout)
         error = EngineDeadError(f"the server is shutting down: this request did not finish within the {timeout:g} s "
                                 "grace period (--shutdown-timeout); retry it")
-        asyncio.get_running_loop().call_later(timeout, self._input.put, _AbortAll(error))
+        self._loop.call_later(timeout, self._input.put, _AbortAll(error))
 
     async def get_state(self, timeout: float = 30.0) -> dict:
         """The engine's snapshot (`LLMEngine.get_state`: blocks, queues, last steps) with its `get_stats()`, taken
