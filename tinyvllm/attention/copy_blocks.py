@@ -1,0 +1,107 @@
+"""Copy-on-write on the device: `copy_blocks` copies whole KV cache blocks before a step's forward pass (Phase 7).
+
+The block manager shares blocks between sequences (`fork`: n > 1 completions of one prompt, the beams of a beam
+search) and, before a step writes into a shared block, moves the writer to a fresh block and records the copy
+(tinyvllm/core/block_manager.py, `append_slots` / `take_blocks_to_copy`). This module makes those copies:
+
+    block_mapping: (num_pairs, 2) int32   [[src, dst], ...]      for every cache tensor t of every layer:
+                                                                 t[dst] = t[src]   (the whole block)
+
+Every tensor the KV cache holds per layer has the block as its first dimension (K and V; a quantized cache's
+per-token scales too), so the copy is one kernel per tensor on a (num_blocks, block_numel) view, whatever the
+dtype: the kernels copy bits (an unsigned integer type of the element's size).
+
+    device   kernel file                      compiled by
+    CPU      kernels/cpu/copy_blocks.c        clang (tinygrad CPU)
+    CUDA     kernels/cuda/copy_blocks.cu      nvrtc (tinygrad CUDA)     one thread block per pair
+    METAL    kernels/metal/copy_blocks.metal  Metal (tinygrad METAL)    one threadgroup per pair
+    other    `copy_blocks_portable`: the same copy in tinygrad's own UOps (the reference the kernels are tested
+             against), also taken with `portable=True` or TINYVLLM_PORTABLE=1
+
+The number of pairs is padded to a power of two with (null block, null block) pairs, which every path skips or
+copies onto itself, so one captured graph per padded size serves every step (`CopyBlocks`).
+"""
+
+from __future__ import annotations
+
+from tinygrad import Tensor, UOp, dtypes
+
+from tinyvllm.attention import kernel_backend
+from tinyvllm.kernels import launcher
+from tinyvllm.kernels.cpu_graph import GraphedJit
+from tinyvllm.tinygrad_adapter import KernelInfo
+
+KERNEL = "copy_blocks"  # kernels/<device>/copy_blocks.*
+NUM_THREADS = 128  # threads per thread block on GPUs: TV_NUM_THREADS
+BITS_TYPES = {"CPU": {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long"},
+              "CUDA": {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"},
+              "METAL": {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}}
+
+
+def _copy_blocks_kernel(cache: UOp, block_mapping: UOp) -> UOp:
+    """cache: (num_blocks, W), block_mapping: (P, 2) -> cache[block_mapping[p, 1], j] = cache[block_mapping[p, 0], j]."""
+    num_pairs, width = block_mapping.shape[0], cache.shape[1]
+    p, j = UOp.range(num_pairs, 0), UOp.range(width, 1)
+    src, dst = block_mapping[p, 0].cast(dtypes.weakint), block_mapping[p, 1].cast(dtypes.weakint)
+    store = cache[dst, j].store(cache[src, j])
+    return store.end(p, j).sink(arg=KernelInfo(name="copy_blocks", opts_to_apply=()))
+
+
+def copy_blocks_portable(cache: Tensor, block_mapping: Tensor) -> Tensor:
+    """cache: (num_blocks, ...) -> the same cache after block dst := block src for each [src, dst] row of
+    block_mapping (P, 2) int32. Written in place; read it through the returned tensor."""
+    flat = cache.reshape(cache.shape[0], -1)
+    written = flat.uop.custom_kernel(block_mapping.uop, fxn=_copy_blocks_kernel)[0]
+    return Tensor(cache.uop.after(written))
+
+
+def has_kernel(device: str) -> bool:
+    return launcher.has_kernel(KERNEL, device) and launcher.device_kind(device) in BITS_TYPES
+
+
+def uses_kernel(cache: Tensor, portable: bool = False) -> bool:
+    device = cache.device
+    return (not portable and not kernel_backend.PORTABLE and isinstance(device, str) and has_kernel(device)
+            and cache.dtype.itemsize in BITS_TYPES[launcher.device_kind(device)])
+
+
+def kernel_copy_blocks(cache: Tensor, block_mapping: Tensor) -> Tensor:
+    """`copy_blocks_portable` on the hand-written kernel of the cache's device: one launch, one GPU thread block
+    per pair."""
+    num_blocks = cache.shape[0]
+    flat = cache.reshape(num_blocks, -1)
+    defines = {"TV_NUM_PAIRS": block_mapping.shape[0], "TV_NUM_BLOCKS": num_blocks, "TV_BLOCK_NUMEL": flat.shape[1],
+               "TV_NUM_THREADS": NUM_THREADS,
+               "TV_T": BITS_TYPES[launcher.device_kind(cache.device)][cache.dtype.itemsize]}
+    (written,) = launcher.launch(KERNEL, outs=[flat], ins=[block_mapping.cast(dtypes.int32).contiguous()],
+                                 defines=defines, grid=(block_mapping.shape[0], 1, 1), local_size=(NUM_THREADS, 1, 1))
+    return Tensor(cache.uop.after(written.uop))
+
+
+def copy_blocks(caches: list[Tensor], block_mapping: Tensor, portable: bool = False) -> list[Tensor]:
+    """Copy the blocks of every tensor in `caches` (each (num_blocks, ...)) by `block_mapping` (P, 2) int32."""
+    return [kernel_copy_blocks(c, block_mapping) if uses_kernel(c, portable) else copy_blocks_portable(c, block_mapping)
+            for c in caches]
+
+
+class CopyBlocks:
+    """The copies of one step, as a captured graph per padded number of pairs, over a fixed list of cache tensors
+    (the KV cache's, every layer's K, V and whatever else it keeps per block)."""
+
+    def __init__(self, caches: list[Tensor], null_block: int, portable: bool = False):
+        self.caches, self.null_block, self.portable = caches, null_block, portable
+        self._jits: dict[int, GraphedJit] = {}
+
+    def _run(self, block_mapping: Tensor) -> list[Tensor]:
+        return Tensor.realize(*copy_blocks(self.caches, block_mapping, self.portable))
+
+    def __call__(self, pairs: list[tuple[int, int]]) -> None:
+        """Make the copies now, on the caches' device: [(src, dst), ...]."""
+        if not pairs:
+            return
+        size = 1 << (len(pairs) - 1).bit_length()  # 1, 2, 4, ...: one graph per size
+        rows = list(pairs) + [(self.null_block, self.null_block)] * (size - len(pairs))
+        mapping = Tensor(rows, dtype=dtypes.int32, device=self.caches[0].device).realize()
+        if size not in self._jits:
+            self._jits[size] = GraphedJit(self._run)
+        self._jits[size](mapping)
