@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIG, write_tiny_model
+from tinyvllm.core.kv_cache import kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.llm import LLM
 from tinyvllm.sampling_params import SamplingParams
@@ -24,6 +25,13 @@ def tiny_dir(tmp_path_factory):
 def engine(tiny_dir):
     return LLMEngine(tiny_dir, max_model_len=2600, max_num_seqs=16, max_num_batched_tokens=64,
                      kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def int8_engine(tiny_dir):
+    """The same engine on an int8 KV cache (Phase 7c): scheduling must not notice."""
+    return LLMEngine(tiny_dir, max_model_len=2600, max_num_seqs=16, max_num_batched_tokens=64,
+                     kv_cache_memory="64MiB", kv_cache_dtype="int8")
 
 
 def run_all(engine, requests, arrivals=None):
@@ -81,9 +89,11 @@ def test_batched_equals_alone(engine):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_preemption_under_a_small_pool(tiny_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_preemption_under_a_small_pool(tiny_dir, kv_cache_dtype):
+    per_block = kv_cache_bytes_per_block(LONG_TINY, 16, resolve_kv_cache_dtype(kv_cache_dtype))
     small = LLMEngine(tiny_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                      kv_cache_memory=2 * 2 * 16 * 2 * 16 * 4 * 20)  # 20 blocks of 16 tokens
+                      kv_cache_memory=20 * per_block, kv_cache_dtype=kv_cache_dtype)  # 20 blocks of 16 tokens
     preemptions = []
     original = small.scheduler._preempt
     small.scheduler._preempt = lambda seq: (preemptions.append(seq.seq_id), original(seq))
@@ -97,7 +107,9 @@ def test_preemption_under_a_small_pool(tiny_dir):
     assert small.scheduler.block_manager.num_free_blocks == small.scheduler.block_manager.num_blocks
 
 
-def test_long_prompt_does_not_stall_decodes(engine):
+@pytest.mark.parametrize("engine_fixture", ["engine", "int8_engine"])
+def test_long_prompt_does_not_stall_decodes(request, engine_fixture):
+    engine = request.getfixturevalue(engine_fixture)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"d{i}", [200 + i] * 5, params)
@@ -182,14 +194,15 @@ def test_n_completions_per_request(engine):
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # seed + index: the completions differ
 
 
-def test_prefix_caching_reuses_a_prompt_and_gives_the_same_tokens(tiny_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_prefix_caching_reuses_a_prompt_and_gives_the_same_tokens(tiny_dir, kv_cache_dtype):
     """Turn 2 of a chat resends turn 1: its prompt's full blocks come from the cache, the output is unchanged."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     system = list(range(300, 340))  # 40 tokens: two full blocks of 16 shared by every request below
     outputs = {}
     for caching in (False, True):
         engine = LLMEngine(tiny_dir, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
-                           kv_cache_memory="16MiB", enable_prefix_caching=caching)
+                           kv_cache_memory="16MiB", enable_prefix_caching=caching, kv_cache_dtype=kv_cache_dtype)
         first = run_all(engine, {"t1": (system + [5, 6, 7], params)})["t1"]
         second = run_all(engine, {"t2": (system + [5, 6, 7] + first.outputs[0].token_ids + [9], params)})["t2"]
         together = run_all(engine, {f"u{i}": (system + [i], params) for i in range(3)})
