@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.model.quant import GGML_TYPES
 
 NUM_STEP_RECORDS = 256  # steps kept: what the dashboard's step chart and its rates look back over
 
@@ -69,21 +70,28 @@ def request_state(seq: Sequence, now: float) -> dict:
 
 
 def weight_formats(model) -> str:
-    """How the weights are stored: the engine's quantization method where it names one, else the formats
-    found on the weights themselves (GGUF blocks carry a `ggml_type`), else the model's dtype."""
+    """How the weights are stored: the engine's quantization method where it names one, else the formats found
+    on the weights themselves (GGUF blocks carry a `ggml_type`): "Q4_1, embeddings Q8_0"; else the dtype."""
     method = getattr(model, "quantization", None)
     if method not in (None, "auto"):
         return str(method)
+
+    def formats(weights) -> list[str]:
+        found = []
+        for weight in weights:
+            for part in weight if isinstance(weight, tuple) else (weight,):  # a fusion on paper only: a tuple
+                kind = getattr(part, "ggml_type", None)
+                if kind is not None and GGML_TYPES.get(kind, str(kind)) not in found:
+                    found.append(GGML_TYPES.get(kind, str(kind)))
+        return found
+
     layers = getattr(model, "layers", None) or []
-    weights = [getattr(model, "embed_tokens", None), *(vars(layers[0]).values() if layers else ())]
-    found = []
-    for weight in weights:
-        for part in weight if isinstance(weight, tuple) else (weight,):  # a fusion on paper only: a tuple
-            kind = getattr(part, "ggml_type", None)
-            name = str(getattr(kind, "name", kind))
-            if kind is not None and name not in found:
-                found.append(name)
-    return "+".join(found) if found else f"none ({dtype_name(getattr(model, 'dtype', None))})"
+    linears = formats(vars(layers[0]).values() if layers else ())
+    embeddings = formats([getattr(model, "embed_tokens", None)])
+    if not linears and not embeddings:
+        return f"none ({dtype_name(getattr(model, 'dtype', None))})"
+    text = "+".join(linears) or dtype_name(getattr(model, "dtype", None))
+    return text + (f", embeddings {'+'.join(embeddings)}" if embeddings and embeddings != linears else "")
 
 
 def dtype_name(dtype) -> str:
