@@ -1,0 +1,179 @@
+"""Quantizing float32 weights into GGML blocks with numpy: Q8_0, Q4_0 and Q4_1.
+
+The inverse of tinyvllm/model/quant.py (whose docstrings draw the three block layouts byte by
+byte). Each 32-element block of a row gets its own scale, chosen from that block alone:
+
+    Q8_0  d = amax / 127            q = roundf(x / d)               in -127..127    x ~ d * q
+    Q4_0  d = max / -8              q = trunc(x / d + 8.5), <= 15   in 0..15        x ~ d * (q - 8)
+          (max: the element of largest |x|, sign kept, so it lands exactly on q = 0)
+    Q4_1  d = (max - min) / 15      q = trunc((x - min) / d + 0.5)  in 0..15        x ~ d * q + min
+
+These are ggml's reference quantizers (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`,
+`quantize_row_q4_1_ref` in ggml/src/ggml-quants.c), the ones llama-quantize runs when no importance
+matrix is given, written with the same float32 operations in the same order: the bytes are
+identical to the `gguf` Python package's `gguf.quants.quantize` (tests/test_quantize.py checks it).
+Three details decide the last bit:
+  - the scale is stored as float16, but x is divided by the float32 scale (`id = 1/d`, then x * id);
+  - Q8_0 rounds half away from zero (C's roundf), not half to even as numpy's `np.rint` does;
+  - Q4_0/Q4_1 add 0.5 (8.5) in float32, then truncate, as C's `(int8_t)` cast does.
+
+Rounding error: |x - dequantized(x)| <= d / 2 for Q8_0 and Q4_1 (q is x/d rounded to nearest), and
+for Q4_0 too except the block's far end, which is clamped to q = 15 where round-to-nearest wanted 16
+(the element of largest |x| maps to q = 0 exactly; an opposite-signed one of the same size needs +8).
+The float16 scale adds a relative error of at most 2**-11 to every value.
+
+Speed. The whole of SmolLM2-135M (134.5 M weights, 538 MB of float32) quantizes at load time for
+`--quantization q8_0|q4_0`, so this must take well under a second. Working on a whole tensor at once
+would stream every temporary through memory (~10 passes of 538 MB); instead each tensor is cut into
+chunks of 2048 blocks (256 KiB of float32, they stay in the core's L2 cache while the ~10 numpy
+operations run over them), and the chunks are shared among threads (numpy releases the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from tinyvllm.model.quant import GGML_TYPES
+
+BLOCK_SIZE = 32  # elements per block in all three formats
+TYPE_SIZES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per block: Q4_0, Q4_1, Q8_0
+QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # the names users type -> ggml type id
+
+CHUNK_BLOCKS = 2048  # blocks per unit of work: 256 KiB of float32 in, fits the L2 cache with its temporaries
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """(n, 32) values 0..15 -> (n, 16) bytes: byte j holds q[j] in its lo nibble, q[j + 16] in its hi nibble."""
+    return q[:, :16] | (q[:, 16:] << np.uint8(4))
+
+
+def _pick(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """x[i, index[i]] for every block i, as (n, 1).
+
+    NOTE: numpy reduces a 32-wide row slowly (a loop call per row): x.max(axis=1) costs ~2.5x
+    x.argmax(axis=1) followed by this gather, so the quantizers find their extremes by index."""
+    n, width = x.shape
+    return np.take(x.reshape(-1), index + np.arange(0, n * width, width))[:, None]
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """1 / d in float32, 0 where d is 0 (a block of zeros quantizes to q = 0 with scale 0)."""
+    out = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=out, where=d != 0)
+    return out
+
+
+def _float16(values: np.ndarray, what: str) -> np.ndarray:
+    """A block's scale (or minimum) as float16 bytes (n, 2); a NaN, an infinity or a value past float16's
+    range (65504) in the weights shows here, once per block, instead of costing a pass over all of them."""
+    with np.errstate(over="ignore"):  # reported below, with the value
+        half = values.astype(np.float16)
+    if not np.isfinite(half).all():
+        bad = values[~np.isfinite(half)][0]
+        raise ValueError(f"cannot quantize these weights: a block's {what} is {bad:g}, which float16 cannot hold "
+                         "(the weights hold NaN, infinity, or values too large)")
+    return half.view(np.uint8)
+
+
+class _Work:
+    """Float32 work arrays for one thread, reused chunk after chunk.
+
+    NOTE: a fresh 256 KiB temporary per numpy operation costs more than the operation itself: glibc
+    serves allocations that large with mmap, and the first touch of each of its 64 pages faults."""
+
+    def __init__(self, n_blocks: int):
+        self.v = np.empty((n_blocks, BLOCK_SIZE), dtype=np.float32)
+        self.t = np.empty((n_blocks, BLOCK_SIZE), dtype=np.float32)
+        self.mask = np.empty((n_blocks, BLOCK_SIZE), dtype=bool)
+
+
+def _quantize_q8_0(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    """x (n, 32) float32 -> out (n, 34) uint8: f16 d, then 32 int8 q."""
+    n = len(x)
+    v, t, mask = work.v[:n], work.t[:n], work.mask[:n]
+    ax = np.abs(x, out=v)
+    d = _pick(ax, ax.argmax(axis=1)) / np.float32(127)  # (n, 1)
+    out[:, 0:2] = _float16(d, "scale")
+    np.multiply(x, _inverse(d), out=v)  # (n, 32), in -127..127
+    # roundf: half away from zero. t + 1 where the fraction is >= 0.5, t - 1 where it is <= -0.5
+    np.trunc(v, out=t)
+    frac = np.subtract(v, t, out=v)  # exact: v and t share their leading bits
+    np.add(t, np.greater_equal(frac, np.float32(0.5), out=mask), out=t)
+    np.subtract(t, np.less_equal(frac, np.float32(-0.5), out=mask), out=t)
+    np.copyto(out[:, 2:].view(np.int8), t, casting="unsafe")  # whole numbers in -127..127: the cast is exact
+
+
+def _quantize_q4_0(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    """x (n, 32) float32 -> out (n, 18) uint8: f16 d, then 16 bytes of packed 4-bit q."""
+    v = work.v[: len(x)]
+    # the first element of largest |x| (as ggml's loop finds it), its sign kept: it becomes q = 0
+    ax = np.abs(x, out=v)
+    d = _pick(x, ax.argmax(axis=1)) / np.float32(-8)  # (n, 1)
+    out[:, 0:2] = _float16(d, "scale")
+    np.multiply(x, _inverse(d), out=v)
+    v += np.float32(8.5)
+    np.trunc(v, out=v)  # C's (int8_t) cast
+    np.clip(v, 0, 15, out=v)
+    out[:, 2:] = _pack_nibbles(v.astype(np.uint8))
+
+
+def _quantize_q4_1(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    """x (n, 32) float32 -> out (n, 20) uint8: f16 d, f16 min, then 16 bytes of packed 4-bit q."""
+    v = work.v[: len(x)]
+    lo = _pick(x, x.argmin(axis=1))  # (n, 1)
+    d = (_pick(x, x.argmax(axis=1)) - lo) / np.float32(15)
+    out[:, 0:2] = _float16(d, "scale")
+    out[:, 2:4] = _float16(lo, "minimum")
+    np.subtract(x, lo, out=v)
+    v *= _inverse(d)
+    v += np.float32(0.5)
+    np.trunc(v, out=v)
+    np.clip(v, 0, 15, out=v)
+    out[:, 4:] = _pack_nibbles(v.astype(np.uint8))
+
+
+_QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 8: _quantize_q8_0}
+
+
+def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row.
+
+    ggml_type: 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1). K must be a multiple of 32. Any leading shape is allowed:
+    (..., K) -> (..., K // 32 * type_size). The bytes are those ggml's reference quantizers write."""
+    if ggml_type not in _QUANTIZERS:
+        supported = ", ".join(f"{GGML_TYPES[t]} ({t})" for t in sorted(_QUANTIZERS))
+        name = GGML_TYPES.get(ggml_type, "unknown")
+        raise ValueError(f"cannot quantize to ggml type {ggml_type} ({name}); supported: {supported}")
+    x = np.asarray(array)
+    if x.ndim == 0 or x.shape[-1] % BLOCK_SIZE != 0:
+        raise ValueError(f"quantizing needs rows of a multiple of {BLOCK_SIZE} elements, got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"quantizing needs float weights, got dtype {x.dtype}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    type_size = TYPE_SIZES[ggml_type]
+    out = np.empty((*x.shape[:-1], x.shape[-1] // BLOCK_SIZE * type_size), dtype=np.uint8)
+    if x.size == 0:
+        return out
+
+    blocks, out_blocks = x.reshape(-1, BLOCK_SIZE), out.reshape(-1, type_size)
+    fn = _QUANTIZERS[ggml_type]
+    n_blocks = blocks.shape[0]
+    n_threads = max(1, min(os.cpu_count() or 1, n_blocks // CHUNK_BLOCKS))
+
+    def run(thread: int) -> None:
+        """This thread's share of the blocks, a contiguous range, one chunk at a time."""
+        begin, end = n_blocks * thread // n_threads, n_blocks * (thread + 1) // n_threads
+        work = _Work(min(CHUNK_BLOCKS, end - begin))
+        for start in range(begin, end, CHUNK_BLOCKS):
+            stop = min(start + CHUNK_BLOCKS, end)
+            fn(blocks[start:stop], out_blocks[start:stop], work)
+
+    if n_threads == 1:
+        run(0)
+    else:
+        with ThreadPoolExecutor(max_workers=n_threads) as pool:
+            list(pool.map(run, range(n_threads)))  # list(): re-raises a worker's exception here
+    return out

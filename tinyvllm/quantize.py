@@ -1,0 +1,319 @@
+"""Quantize a model into a GGUF file: the blocks tinyvllm (and llama.cpp) serve without dequantizing.
+
+    python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1
+
+IN is a GGUF file (any tensor types tinyvllm reads) or an HF model directory (config.json, safetensors,
+tokenizer.json; `python -m tinyvllm.convert` writes one). What OUT holds:
+
+    metadata   a GGUF's keys all kept (tokenizer included), general.file_type set to llama.cpp's ftype
+               for the new type (MOSTLY_Q4_0 = 2, MOSTLY_Q4_1 = 3, MOSTLY_Q8_0 = 7); from an HF
+               directory, llama.* keys from config.json and tokenizer.ggml.* keys from tokenizer.json and
+               tokenizer_config.json (the inverse of convert.py's tokenizer rebuild)
+    tensors    GGUF names, q/k rows in GGUF order (weights_gguf.permute_qk), each typed as llama-quantize
+               types it for these targets (src/llama-quant.cpp, `tensor_allows_quantization` and
+               `llama_tensor_get_type_impl`):
+                 1-D tensors (the RMSNorm weights)             kept as they are (F32)
+                 output.weight, and token_embd.weight when     Q8_0 (below)
+                   the embeddings are tied (no output.weight)
+                 every other 2-D weight                        the --type
+                 rows not a multiple of 32 elements            F16 (no 32-element block fits)
+               A tensor already in its target type is copied byte for byte; any other is dequantized to
+               float32 and quantized again (llama-quantize's --allow-requantize).
+
+Why Q8_0 for the output matrix: it maps every hidden state to every token's logit, and its errors go
+straight into the sampled distribution, so llama.cpp spends more bits on it. For a Q4_0/Q4_1 target it
+picks Q6_K, and falls back to Q8_0 when a row is not a multiple of Q6_K's 256-element super-block;
+SmolLM2's rows are 576 = 2.25 x 256, which is why its shipped Q4_1 file has a Q8_0 token_embd. tinyvllm
+has no Q6_K quantizer, so it writes Q8_0 in every case: identical to llama-quantize for rows like
+SmolLM2's, one step more bits for rows that are multiples of 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from tinyvllm.model.bpe import GPT2_PATTERN, LLAMA3_PATTERN, SMOLLM_PATTERN, pattern_from_pre_tokenizer
+from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.gguf import GGUFFile
+from tinyvllm.model.gguf_writer import (
+    ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, MetadataValue, TensorData, read_metadata, write_gguf,
+)
+from tinyvllm.model.quant import tensor_nbytes, type_name
+from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize
+from tinyvllm.model.tokenizer import load_tokenizer, token_id_of
+from tinyvllm.model.weights_gguf import LAYER_NAMES, gguf_name, permute_qk, read_tensor
+from tinyvllm.model.weights_hf import load_hf
+
+F32, F16, Q8_0 = 0, 1, 8
+# ggml type -> llama.cpp's llama_ftype for a file "mostly" of that type (include/llama.h)
+FILE_TYPES = {2: 2, 3: 3, 8: 7}
+QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: bumped by ggml when a block layout changes
+
+# GGUF token types (llama.cpp's llama_token_type)
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+# the split regex of an HF tokenizer.json -> llama.cpp's name for it (tokenizer.ggml.pre)
+PRE_TOKENIZER_NAMES = {GPT2_PATTERN: "gpt2", SMOLLM_PATTERN: "smollm", LLAMA3_PATTERN: "llama-bpe"}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of the output file, before its bytes exist."""
+
+    name: str  # GGUF name
+    shape: tuple[int, ...]  # numpy order: (out_features, in_features) for a linear weight
+    source: str  # its type in the input, by name: Q4_1, F32, BF16, ...
+    source_bytes: int  # its size in the input
+    ggml_type: int  # its type in the output
+    produce: Callable[[], np.ndarray]  # its bytes in the output (or its float32/float16 values)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.ggml_type, self.shape)
+
+
+def target_type(name: str, shape: tuple[int, ...], current: int, ggml_type: int, tied: bool) -> int:
+    """The type llama-quantize gives tensor `name` for a Q8_0/Q4_0/Q4_1 file (see the module docstring)."""
+    if len(shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight"):
+        return current
+    new = Q8_0 if name == "output.weight" or (tied and name == "token_embd.weight") else ggml_type
+    return new if shape[-1] % 32 == 0 else F16
+
+
+def convert_tensor(name: str, array: np.ndarray, ggml_type: int) -> np.ndarray:
+    """float32 values -> the bytes (or values) of `ggml_type`."""
+    if ggml_type == F32:
+        return np.ascontiguousarray(array, dtype=np.float32)
+    if ggml_type == F16:
+        return array.astype(np.float16)
+    try:
+        return quantize(array, ggml_type)
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r}: {e}") from None
+
+
+# ---- from a GGUF file ----
+
+def _from_gguf(path: Path, ggml_type: int) -> tuple[dict[str, MetadataValue], list[PlannedTensor]]:
+    gguf = GGUFFile(path)
+    ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))  # a clear error unless tinyvllm runs it
+    metadata = read_metadata(path)  # every key, with its type
+    tied = "output.weight" not in gguf.tensors
+    plan = []
+    for name, info in gguf.tensors.items():
+        new = target_type(name, info.shape, info.ggml_type, ggml_type, tied)
+        try:
+            nbytes = tensor_nbytes(info.ggml_type, info.shape)
+        except ValueError as e:  # a type tinyvllm cannot read: say which tensor
+            raise ValueError(f"{path}: tensor {name!r}: {e}") from None
+        if new == info.ggml_type:
+            def produce(name=name, nbytes=nbytes):
+                return gguf.raw(name, nbytes)  # the blocks as they are
+        else:
+            def produce(name=name, new=new):
+                return convert_tensor(name, read_tensor(gguf, name), new)
+        plan.append(PlannedTensor(name, info.shape, type_name(info.ggml_type), nbytes, new, produce))
+    return metadata, plan
+
+
+# ---- from an HF directory ----
+
+def _safetensors_dtypes(model_dir: Path) -> dict[str, tuple[str, int]]:
+    """Each tensor's stored dtype and byte count, from the safetensors headers (for the size report)."""
+    out = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                out[name] = (info["dtype"], info["data_offsets"][1] - info["data_offsets"][0])
+    return out
+
+
+def llama_metadata(config: ModelConfig, name: str) -> dict[str, MetadataValue]:
+    """The general.* and llama.* keys llama.cpp's convert_hf_to_gguf.py writes for a LLaMA config."""
+    if config.rope_scaling is not None and config.rope_scaling.rope_type != "linear":
+        raise ValueError(f"rope_scaling {config.rope_scaling.rope_type!r} cannot be written as GGUF metadata: "
+                         "llama.cpp stores it as a rope_freqs tensor, which tinyvllm's GGUF loader does not read")
+    u32 = lambda v: MetadataValue(int(v), UINT32)  # noqa: E731
+    f32 = lambda v: MetadataValue(float(v), FLOAT32)  # noqa: E731
+    md = {
+        "general.architecture": MetadataValue("llama", STRING),
+        "general.name": MetadataValue(name, STRING),
+        "llama.block_count": u32(config.num_hidden_layers),
+        "llama.context_length": u32(config.max_position_embeddings),
+        "llama.embedding_length": u32(config.hidden_size),
+        "llama.feed_forward_length": u32(config.intermediate_size),
+        "llama.attention.head_count": u32(config.num_attention_heads),
+        "llama.attention.head_count_kv": u32(config.num_key_value_heads),
+        "llama.attention.key_length": u32(config.head_dim),
+        "llama.attention.value_length": u32(config.head_dim),
+        "llama.rope.freq_base": f32(config.rope_theta),
+        "llama.attention.layer_norm_rms_epsilon": f32(config.rms_norm_eps),
+        "llama.vocab_size": u32(config.vocab_size),
+        "llama.rope.dimension_count": u32(config.head_dim),
+    }
+    if config.rope_scaling is not None:
+        md["llama.rope.scaling.type"] = MetadataValue("linear", STRING)
+        md["llama.rope.scaling.factor"] = f32(config.rope_scaling.factor)
+    return md
+
+
+def tokenizer_metadata(model_dir: Path, vocab_size: int) -> dict[str, MetadataValue]:
+    """tokenizer.ggml.* keys from tokenizer.json + tokenizer_config.json: what convert.py reads back."""
+    from tinyvllm.model.bpe import ByteLevelBPETokenizer
+
+    tokenizer = load_tokenizer(model_dir)  # what the engine would use: BOS, EOS, add_bos_token, chat template
+    if not isinstance(tokenizer, ByteLevelBPETokenizer):
+        raise ValueError(f"{model_dir}: only byte-level BPE tokenizers (tokenizer.json) are written to GGUF; "
+                         f"this one is {type(tokenizer).__name__}")
+    tok_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    config_path = model_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    pattern = pattern_from_pre_tokenizer(tok_json.get("pre_tokenizer"))
+    if pattern not in PRE_TOKENIZER_NAMES:
+        raise ValueError(f"{model_dir}: tokenizer.json splits text with {pattern!r}, which has no llama.cpp "
+                         f"pre-tokenizer name here (known: {', '.join(PRE_TOKENIZER_NAMES.values())})")
+
+    vocab: dict[str, int] = tok_json["model"]["vocab"]
+    added = tok_json.get("added_tokens", [])
+    n = max([vocab_size, *(i + 1 for i in vocab.values()), *(t["id"] + 1 for t in added)])
+    tokens = [f"[PAD{i}]" for i in range(n)]  # ids no token claims, as convert_hf_to_gguf.py fills them
+    types = [TOKEN_UNUSED] * n
+    for token, i in vocab.items():
+        tokens[i], types[i] = token, TOKEN_NORMAL
+    for t in added:
+        tokens[t["id"]] = t["content"]
+        types[t["id"]] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok_json["model"].get("merges", [])]
+    ids = {**vocab, **{t["content"]: t["id"] for t in added}}
+
+    md = {
+        "tokenizer.ggml.model": MetadataValue("gpt2", STRING),
+        "tokenizer.ggml.pre": MetadataValue(PRE_TOKENIZER_NAMES[pattern], STRING),
+        "tokenizer.ggml.tokens": MetadataValue(tokens, ARRAY, STRING),
+        "tokenizer.ggml.token_type": MetadataValue(types, ARRAY, INT32),
+        "tokenizer.ggml.merges": MetadataValue(merges, ARRAY, STRING),
+    }
+    generation_path = model_dir / "generation_config.json"
+    generation = json.loads(generation_path.read_text(encoding="utf-8")) if generation_path.is_file() else {}
+    special = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id,
+               "unknown": token_id_of(tok_config.get("unk_token"), ids),
+               "padding": token_id_of(tok_config.get("pad_token"), ids) or generation.get("pad_token_id")}
+    for key, token_id in special.items():
+        if token_id is not None:
+            md[f"tokenizer.ggml.{key}_token_id"] = MetadataValue(int(token_id), UINT32)
+    md["tokenizer.ggml.add_bos_token"] = MetadataValue(bool(tokenizer.add_bos_token), BOOL)
+    if "add_eos_token" in tok_config:
+        md["tokenizer.ggml.add_eos_token"] = MetadataValue(bool(tok_config["add_eos_token"]), BOOL)
+    if tokenizer.chat_template is not None:
+        md["tokenizer.chat_template"] = MetadataValue(tokenizer.chat_template, STRING)
+    return md
+
+
+def _hf_tensor_order(config: ModelConfig) -> list[str]:
+    """GGUF names in llama.cpp's order: the embedding, each layer's tensors, the final norm, the output."""
+    names = ["token_embd.weight"]
+    for i in range(config.num_hidden_layers):
+        names += [f"blk.{i}.{name}" for name in LAYER_NAMES]
+    names.append("output_norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("output.weight")
+    return names
+
+
+def _from_hf(model_dir: Path, ggml_type: int) -> tuple[dict[str, MetadataValue], list[PlannedTensor]]:
+    config, state_dict = load_hf(model_dir)
+    metadata = {**llama_metadata(config, model_dir.name), **tokenizer_metadata(model_dir, config.vocab_size)}
+    stored = _safetensors_dtypes(model_dir)
+    hf_names = {gguf_name(hf): hf for hf in state_dict}
+    plan = []
+    for name in _hf_tensor_order(config):
+        hf = hf_names[name]
+        array = state_dict[hf]
+        if name.endswith(("attn_q.weight", "attn_k.weight")):  # HF rotate_half rows -> GGUF's interleaved rows
+            heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
+            array = permute_qk(array, heads)
+        new = target_type(name, array.shape, F32, ggml_type, config.tie_word_embeddings)
+        dtype, nbytes = stored.get(hf, ("F32", array.nbytes))
+
+        def produce(name=name, array=array, new=new):
+            return convert_tensor(name, array, new)
+        plan.append(PlannedTensor(name, array.shape, dtype, nbytes, new, produce))
+    return metadata, plan
+
+
+# ---- the command ----
+
+def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, out: TextIO | None = None) -> Path:
+    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (q8_0, q4_0 or q4_1).
+
+    Prints a line per tensor (its type and size before and after), the totals and the time to `out` (stdout)."""
+    start = time.perf_counter()
+    out = out if out is not None else sys.stdout
+    if qtype not in QUANTIZE_TYPES:
+        raise ValueError(f"unknown quantization type {qtype!r}; supported: {', '.join(QUANTIZE_TYPES)}")
+    ggml_type = QUANTIZE_TYPES[qtype]
+    src, dst = Path(src), Path(dst)
+    if not src.exists():
+        raise FileNotFoundError(f"no model at {src}: expected a .gguf file or an HF model directory")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ValueError(f"the output {dst} is the input: write the quantized model to another file")
+    if src.is_dir():
+        metadata, plan = _from_hf(src, ggml_type)
+    elif src.suffix == ".safetensors":
+        raise ValueError(f"{src} is one file of an HF checkpoint: pass its directory (with config.json) instead")
+    else:
+        metadata, plan = _from_gguf(src, ggml_type)
+    metadata["general.file_type"] = MetadataValue(FILE_TYPES[ggml_type], UINT32)
+    metadata["general.quantization_version"] = MetadataValue(QUANTIZATION_VERSION, UINT32)
+
+
+    def report(i: int, p: PlannedTensor) -> Callable[[], np.ndarray]:
+        def data() -> np.ndarray:  # the writer calls it at this tensor's turn: one tensor in memory at a time
+            array = p.produce()
+            print(f"[{i + 1:4d}/{len(plan)}] {p.name:32s} {str(p.shape):14s} {p.source:>5s} -> "
+                  f"{type_name(p.ggml_type):5s} {p.source_bytes / 2**20:9.3f} MiB -> {p.nbytes / 2**20:9.3f} MiB",
+                  file=out)
+            return array
+        return data
+
+    tensors = [TensorData(p.name, p.shape, p.ggml_type, report(i, p)) for i, p in enumerate(plan)]
+    tmp = dst.with_name(dst.name + ".tmp")  # OUT appears whole or not at all
+    try:
+        size = write_gguf(tmp, metadata, tensors)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    before, after = sum(p.source_bytes for p in plan), sum(p.nbytes for p in plan)
+    print(f"tensors: {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB ({after / before:.1%}); "
+          f"wrote {dst} ({size / 2**20:.2f} MiB, {qtype}) in {time.perf_counter() - start:.2f} s", file=out)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tinyvllm.quantize", description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="a LLaMA .gguf file, or an HF model directory (config.json + safetensors)")
+    parser.add_argument("dst", help="the .gguf file to write")
+    parser.add_argument("--type", required=True, choices=list(QUANTIZE_TYPES), dest="qtype",
+                        help="the block format of the linear weights")
+    args = parser.parse_args(argv)
+    try:
+        quantize_model(args.src, args.dst, args.qtype)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))  # a one-line message and exit status 2, not a traceback
+
+
+if __name__ == "__main__":
+    main()
