@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8", "fp8"],
                    help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per token "
                         "per KV head, about a quarter of float32's bytes (default auto)")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
+                   help="weights: auto keeps a GGUF's quantized blocks (fused kernels), none dequantizes them, "
+                        "q8_0/q4_0/q4_1 quantize at load (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
     return p
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                               enable_prefix_caching=args.enable_prefix_caching,
-                              kv_cache_dtype=args.kv_cache_dtype)
+                              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
             sys.stdout.write(chunk.text)

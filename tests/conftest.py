@@ -54,10 +54,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def generator():
-    """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once."""
+    """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once.
+
+    Its weights are dequantized (quantization="none"): the float32 weights HF transformers runs as the oracle.
+    The quantized path (the default, "auto") is checked against this one in tests/test_quantized_weights.py,
+    and serves every test that starts its own engine or server."""
     from tinyvllm.engine.generator import Generator
 
-    return Generator(max_model_len=512, kv_cache_memory="64MiB")
+    return Generator(max_model_len=512, kv_cache_memory="64MiB", quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -170,7 +170,8 @@ def test_bad_requests_are_rejected_without_side_effects(engine):
 
 
 def test_llm_generate_matches_phase1_on_the_real_model(generator):
-    llm = LLM(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="128MiB")
+    llm = LLM(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="128MiB",
+              quantization="none")  # the generator fixture's weights: dequantized
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time, in a"]
     params = SamplingParams(temperature=0, max_tokens=16)
     outputs = llm.generate(prompts, params)

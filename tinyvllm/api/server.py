@@ -358,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "per KV head (default auto)")
     p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
                    help="think: send the model's <think>...</think> as reasoning_content (default none)")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
+                   help="weights: auto keeps a GGUF's quantized blocks, none dequantizes, q8_0/q4_0/q4_1 quantize "
+                        "at load (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -384,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                          scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         kv_cache_dtype=args.kv_cache_dtype,
+                         quantization=args.quantization)
 
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)

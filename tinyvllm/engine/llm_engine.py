@@ -33,6 +33,7 @@ from tinyvllm.engine.parent_request import ParentRequests
 from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import load_model
+from tinyvllm.model.quantization import check_quantization
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sample.sampler import Sampler, logprobs_of, make_generator
@@ -96,22 +97,25 @@ class LLMEngine:
     `scheduling_policy="priority"` serves requests by their `priority` (lower first) and preempts the lowest;
     `enable_prefix_caching` (on by default, as in vLLM) reuses the K/V of prompt prefixes seen before;
     `kv_cache_dtype` stores K/V as "auto" (the model's dtype), "float32", "float16", "int8" or "fp8" (e4m3),
-    the last two with one scale per token per KV head (vLLM's flag; docs/phases/07c-kv-cache-quantization.md)."""
+    the last two with one scale per token per KV head (vLLM's flag; docs/phases/07c-kv-cache-quantization.md);
+    `quantization` (vLLM's flag: "auto" keeps a GGUF's quantized blocks, "none" dequantizes, "q8_0" / "q4_0" /
+    "q4_1" quantize at load; see tinyvllm/model/quantization.py) picks how the weights are stored."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
                  dtype: str = "float32", max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_memory: str | int = "512MiB", max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
                  portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", quantization: str = "auto"):
         resolve_kv_cache_dtype(kv_cache_dtype)  # a bad name fails here, before the model loads
+        check_quantization(quantization)
         if isinstance(model, LlamaForCausalLM):
             if tokenizer is None:
                 raise ValueError("an already loaded model needs its tokenizer: LLMEngine(model, tokenizer=...)")
             self.model, self.tokenizer, self.model_path = model, tokenizer, None
             self.model_name = "model"
         else:
-            self.model, self.tokenizer, self.model_path = load_model(model, dtype, device)
+            self.model, self.tokenizer, self.model_path = load_model(model, dtype, device, quantization)
             self.model_name = self.model_path.name
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -351,4 +355,5 @@ class LLMEngine:
                 "num_cached_blocks": len(bm.cached_blocks),  # free or not: blocks a new prompt may hit
                 "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
                 "kv_cache_dtype": self.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
-                "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token}
+                "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token,
+                "quantization": self.model.quantization, "weight_bytes": self.model.weight_formats()}

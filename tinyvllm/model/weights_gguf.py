@@ -44,7 +44,7 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile
-from tinyvllm.model.quant import dequantize, tensor_nbytes
+from tinyvllm.model.quant import KERNEL_TYPES, QuantizedArray, as_blocks, dequantize, tensor_nbytes
 from tinyvllm.model.weights import check_state_dict, expected_shapes
 
 GLOBAL_NAMES = {
@@ -103,27 +103,46 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def read_tensor(gguf: GGUFFile, name: str) -> np.ndarray:
-    """One GGUF tensor dequantized to float32, in numpy shape order."""
+def unpermute_qk_rows(w: np.ndarray | QuantizedArray, n_heads: int) -> np.ndarray | QuantizedArray:
+    """`unpermute_qk` for a float weight or one still in blocks (a row is whole blocks: the rows move as bytes)."""
+    if isinstance(w, np.ndarray):
+        return unpermute_qk(w, n_heads)
+    order = unpermute_qk(np.arange(w.shape[0])[:, None], n_heads)[:, 0]  # where each output row comes from
+    return w.rows(order)
+
+
+def read_tensor(gguf: GGUFFile, name: str, keep_quantized: bool = False) -> np.ndarray | QuantizedArray:
+    """One GGUF tensor in numpy shape order: dequantized to float32, or, with `keep_quantized` and a 2-D
+    tensor in a format the kernels read (quant.KERNEL_TYPES), its blocks as they are in the file."""
     info = gguf.tensors[name]
     try:
         raw = gguf.raw(name, tensor_nbytes(info.ggml_type, info.shape))
+        if keep_quantized and info.ggml_type in KERNEL_TYPES and len(info.shape) == 2:
+            return as_blocks(raw, info.ggml_type, info.shape)
         return dequantize(raw, info.ggml_type, info.shape)
     except ValueError as e:
         raise ValueError(f"{gguf.path}: tensor {name!r}: {e}") from None
 
 
-def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read a LLaMA GGUF file (a path, or one already opened) into (config, state dict in HF names and layout)."""
+def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32, keep_quantized: bool = False,
+              ) -> tuple[ModelConfig, dict[str, np.ndarray | QuantizedArray]]:
+    """Read a LLaMA GGUF file (a path, or one already opened) into (config, state dict in HF names and layout).
+
+    `keep_quantized`: 2-D tensors in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K stay in their blocks (`QuantizedArray`,
+    views of the memory-mapped file: no bytes are read here); everything else is dequantized to `dtype`."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
-    state_dict: dict[str, np.ndarray] = {}
+    state_dict: dict[str, np.ndarray | QuantizedArray] = {}
     file_names = {name: gguf_name(name) for name in expected_shapes(config)}
     names = [name for name in gguf.tensors if name not in IGNORED_TENSORS]
+
+    def read(name: str) -> np.ndarray | QuantizedArray:
+        t = read_tensor(gguf, name, keep_quantized)
+        return t if isinstance(t, QuantizedArray) else t.astype(dtype, copy=False)
+
     # dequantizing is numpy work that releases the GIL: one thread per core cuts the load time by that factor
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        arrays = pool.map(lambda name: read_tensor(gguf, name).astype(dtype, copy=False), names)
-        for name, array in zip(names, arrays):
+        for name, array in zip(names, pool.map(read, names)):
             hf = hf_name(name) or name  # an unknown name is kept, so check_state_dict reports it
             file_names[hf] = name
             state_dict[hf] = array
@@ -131,6 +150,6 @@ def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32) -> tuple[Mod
 
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
-        state_dict[p + "q_proj.weight"] = unpermute_qk(state_dict[p + "q_proj.weight"], config.num_attention_heads)
-        state_dict[p + "k_proj.weight"] = unpermute_qk(state_dict[p + "k_proj.weight"], config.num_key_value_heads)
+        state_dict[p + "q_proj.weight"] = unpermute_qk_rows(state_dict[p + "q_proj.weight"], config.num_attention_heads)
+        state_dict[p + "k_proj.weight"] = unpermute_qk_rows(state_dict[p + "k_proj.weight"], config.num_key_value_heads)
     return config, state_dict

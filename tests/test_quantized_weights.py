@@ -1,0 +1,121 @@
+"""Phase 6: weights kept in their GGUF blocks, end to end (loader -> model -> engine), and `--quantization`.
+
+The kernels themselves are tested in test_kernels_qlinear.py (CPU) and test_kernels_qlinear_gpu.py (CUDA/Metal
+sources under emulation); here: what the loader keeps, that nothing is dequantized at load, and that the engine's
+tokens with quantized weights agree with the same weights dequantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+from tests.test_weights import TINY, tiny_state_dict, write_tiny_gguf  # noqa: E402
+from tinyvllm.model import quantization  # noqa: E402
+from tinyvllm.model.llama import LlamaForCausalLM  # noqa: E402
+from tinyvllm.model.quant import QuantizedArray  # noqa: E402
+from tinyvllm.model.weights import load_checkpoint  # noqa: E402
+
+Q4_0, Q4_1, Q5_0, Q8_0 = (int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
+
+
+def test_auto_keeps_the_default_models_blocks_without_reading_them(default_gguf):
+    auto, none = load_checkpoint(default_gguf, quantization="auto"), load_checkpoint(default_gguf, quantization="none")
+    q = auto.state_dict["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(q, QuantizedArray) and q.type_name == "Q4_1" and q.shape == (576, 1536)
+    assert q.data.shape == (576, 1536 // 32 * 20) and q.data.dtype == np.uint8
+    assert not q.data.flags.writeable  # a view of the memory-mapped file: no bytes were copied
+    assert auto.state_dict["model.embed_tokens.weight"].type_name == "Q8_0"
+    assert isinstance(auto.state_dict["model.norm.weight"], np.ndarray)  # norms stay float
+    # q and k rows were reordered (HF's rotate_half layout) as whole blocks: the same floats as dequantizing first
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.gate_proj.weight"):
+        np.testing.assert_array_equal(auto.state_dict[name].dequantize(), none.state_dict[name], err_msg=name)
+    assert quantization.describe(auto.state_dict) == "Q4_1 79%, Q8_0 21%, F32 0%"
+
+
+def test_quantization_method_is_checked(default_gguf):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, q4_1, got 'int4'"):
+        load_checkpoint(default_gguf, quantization="int4")
+
+
+def test_a_format_without_kernel_is_dequantized_with_a_notice(tmp_path, capsys):
+    sd = tiny_state_dict()
+    path = write_tiny_gguf(tmp_path / "q5.gguf", sd, quantize={"model.layers.0.mlp.up_proj.weight": Q5_0,
+                                                               "model.layers.0.mlp.down_proj.weight": Q8_0})
+    ck = load_checkpoint(path, quantization="auto")
+    err = capsys.readouterr().err
+    assert "Q5_0 weights have no fused kernel" in err and "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K" in err
+    assert isinstance(ck.state_dict["model.layers.0.mlp.up_proj.weight"], np.ndarray)
+    assert ck.state_dict["model.layers.0.mlp.down_proj.weight"].type_name == "Q8_0"
+
+
+def tiny_logits(ck, ids: list[int]) -> np.ndarray:
+    """Last-position logits of the tiny model, on the Phase 1 contiguous runner."""
+    from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
+
+    model = LlamaForCausalLM(ck.config, ck.state_dict, quantization=ck.quantization)
+    return ContiguousModelRunner(model, max_model_len=64).prefill(ids)
+
+
+@pytest.mark.parametrize("qkv", [(Q4_0, Q4_0, Q4_0), (Q4_0, Q8_0, Q4_1)], ids=["one-format", "mixed"])
+def test_quantized_model_matches_its_dequantized_twin(tmp_path, qkv):
+    """q, k, v in one format fuse into one quantized qkv_proj; in several (as Q4_K_M files keep v in Q6_K) the
+    model keeps one weight per part. Either way the logits are those of the dequantized weights, up to the
+    kernels' 8-bit rounding of the activations: each quantized matmul's output moves by up to ~0.6% of its
+    largest |value| (test_kernels_qlinear.py), and two layers of three such matmuls add up to a few percent."""
+    # weights scaled as a trained model's are (std 1/sqrt(in_features)): activations stay O(1) through the layers,
+    # instead of growing ~8x per matmul and amplifying every rounding with them
+    sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32) for k, v in tiny_state_dict().items()}
+    names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(TINY.num_hidden_layers) for p in "qkv"]
+    types = {n: qkv["qkv".index(n.split(".")[-2][0])] for n in names}
+    types.update({f"model.layers.{i}.mlp.{p}_proj.weight": Q4_1 for i in range(2) for p in ("gate", "up", "down")})
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", sd, quantize=types)
+    ids = [1, 5, 9, 33, 2]
+    auto, none = load_checkpoint(path, quantization="auto"), load_checkpoint(path, quantization="none")
+    model = LlamaForCausalLM(auto.config, auto.state_dict, quantization="auto")
+    assert isinstance(model.layers[0].qkv_proj, tuple) == (len(set(qkv)) > 1)
+    a, b = tiny_logits(auto, ids), tiny_logits(none, ids)
+    assert np.abs(a - b).max() < 0.05 * np.abs(b).max()
+
+
+def test_online_quantization_of_a_float_checkpoint(tiny_model_dir):
+    ck = load_checkpoint(tiny_model_dir, quantization="q8_0")
+    w = ck.state_dict["model.layers.1.mlp.gate_proj.weight"]
+    assert isinstance(w, QuantizedArray) and w.type_name == "Q8_0"
+    floats = load_checkpoint(tiny_model_dir, quantization="none").state_dict["model.layers.1.mlp.gate_proj.weight"]
+    # Q8_0: one scale d = max|w| / 127 per 32 weights, stored as float16 (relative error <= 2^-11), so
+    # |error| <= d / 2 (rounding q) + 127 * d * 2^-11 (the scale's own rounding, times the largest |q|)
+    err = np.abs(w.dequantize() - floats).reshape(-1, 32).max(axis=1)
+    d = np.abs(floats).reshape(-1, 32).max(axis=1) / 127
+    assert (err <= d * (0.5 + 127 * 2.0**-11) + 1e-7).all()
+    assert isinstance(load_checkpoint(tiny_model_dir, quantization="auto").state_dict[
+        "model.layers.1.mlp.gate_proj.weight"], np.ndarray)  # auto: a float checkpoint stays float
+
+
+@pytest.mark.slow
+def test_engine_reports_weight_formats_and_agrees_with_dequantized(generator):
+    """The shipped Q4_1 model served from its blocks: greedy tokens against the same weights dequantized (the
+    session's `generator`, quantization="none", the HF oracle's twin). The kernels round each activation block
+    to 8 bits, as llama.cpp does, so near-ties may flip late: require the first 8 tokens equal on 5 of 6 prompts."""
+    from tests.test_generate import PROMPTS, prompt_ids
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.sampling_params import SamplingParams
+
+    engine = LLMEngine(None, max_model_len=512, kv_cache_memory="64MiB", quantization="auto")
+    stats = engine.get_stats()
+    assert stats["quantization"] == "auto" and set(stats["weight_bytes"]) == {"Q4_1", "Q8_0", "float32"}
+    assert sum(stats["weight_bytes"].values()) < 100 * 2**20  # vs 538 MB of float32
+    agree = 0
+    for name in PROMPTS:
+        ids = prompt_ids(generator, name)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        engine.add_request(name, ids, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    quantized = out.outputs[0].token_ids
+        agree += quantized == generator.generate(ids, params).token_ids
+    assert agree >= 5
