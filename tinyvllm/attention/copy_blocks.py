@@ -39,7 +39,7 @@ BITS_TYPES = {"CPU": {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"
 
 
 def _copy_blocks_kernel(cache: UOp, block_mapping: UOp) -> UOp:
-    """cache: (num_blocks, W), block_mapping: (P, 2) -> cache[block_mapping[p, 1], j] = cache[block_mapping[p, 0], j]."""
+    """cache: (num_blocks, W), block_mapping: (P, 2) -> cache[dst, j] = cache[src, j], [src, dst] = block_mapping[p]."""
     num_pairs, width = block_mapping.shape[0], cache.shape[1]
     p, j = UOp.range(num_pairs, 0), UOp.range(width, 1)
     src, dst = block_mapping[p, 0].cast(dtypes.weakint), block_mapping[p, 1].cast(dtypes.weakint)

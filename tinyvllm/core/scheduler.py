@@ -23,6 +23,12 @@ With prefix caching (`enable_prefix_caching`, tinyvllm/core/prefix_cache.py) a n
 starts with `num_computed_tokens` after its longest cached prefix: only the rest is scheduled. After each
 step the blocks it filled are offered to the cache.
 
+Sharing a prompt (n > 1, vLLM's `fork`): the completions of one prompt after the first are added with
+`share_prompt_with` (the first): they wait, holding nothing, until the step that computes the last token of
+its prompt; in that step they fork from it (share its blocks), are scheduled with 0 tokens and sample from
+its logits row. The prompt is computed once and held once; each completion's first write into the shared,
+partly filled last block gets it a copy (copy-on-write, `SchedulerOutput.blocks_to_copy`).
+
     add_seq -> WAITING --schedule--> RUNNING --update_from_output--> FINISHED_* (blocks freed)
                   ^                     |
                   +-----PREEMPTED-------+   (back at the head of the waiting queue)
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.sequence import Sequence, SequenceStatus
@@ -57,9 +63,13 @@ class SchedulerOutput:
     """What one step computes: for each scheduled sequence, its tokens at positions
     num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[seq_id] - 1."""
 
-    scheduled_seqs: list[Sequence]  # batch order: running ones first, then newly admitted
+    scheduled_seqs: list[Sequence]  # batch order: running ones first, then newly admitted, then forked
     num_scheduled_tokens: dict[int | str, int]  # seq_id -> tokens computed this step (1 for a decode)
     preempted_seqs: list[Sequence]  # sent back to the waiting queue by this step
+    # copy-on-write: (src, dst) blocks the step copies on the device before its forward pass (vLLM's name)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # forked this step (0 tokens scheduled): seq_id -> seq_id of the sequence whose logits row it samples from
+    forked_from: dict[int | str, int | str] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -92,13 +102,20 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.waiting_for_fork: dict[int | str, list[Sequence]] = {}  # seq_id -> those to fork from its prompt
 
-    def add_seq(self, seq: Sequence) -> None:
+    def add_seq(self, seq: Sequence, share_prompt_with: Sequence | None = None) -> None:
+        """Queue a new sequence. `share_prompt_with`: an unfinished sequence with the same prompt and no output
+        yet (n > 1): `seq` waits to fork from it when its prompt is computed, instead of computing it again."""
         if seq.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"the prompt has {seq.num_prompt_tokens} tokens: max_model_len ({self.max_model_len}) "
                              "leaves no room for output")
         assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"add_seq: {seq} is not new"
-        self._enqueue(seq)
+        if share_prompt_with is None:
+            self._enqueue(seq)
+            return
+        assert share_prompt_with.prompt_token_ids == seq.prompt_token_ids and not share_prompt_with.is_finished
+        self.waiting_for_fork.setdefault(share_prompt_with.seq_id, []).append(seq)
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
         """fcfs: at the back (a preempted sequence: at the front). priority: in (priority, arrival) order."""
@@ -118,7 +135,7 @@ class Scheduler:
         return self.running[-1]
 
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_fork)
 
     # ---- one step ----
 
@@ -133,6 +150,9 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
             num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
+            if num_new_tokens == 0:  # all computed, no token to sample yet (a beam waiting for the others)
+                i += 1
+                continue
             while self.block_manager.append_slots(seq, num_new_tokens) is None:
                 victim = self._choose_victim()
                 if victim in scheduled:  # priority order may pick one already given tokens this step: take them back
@@ -167,7 +187,37 @@ class Scheduler:
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
             token_budget -= num_new_tokens
 
-        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted)
+        # 3. n > 1: a prompt this step finishes computing is shared by the completions waiting for it
+        forked_from = {}
+        for seq in list(scheduled):
+            if seq.seq_id in self.waiting_for_fork and seq.num_output_tokens == 0 and (
+                    seq.num_computed_tokens + num_scheduled_tokens[seq.seq_id] == seq.num_tokens):
+                for child in self.waiting_for_fork.pop(seq.seq_id):
+                    if len(self.running) >= self.max_num_seqs:  # no room to run it now: it computes its own prompt
+                        self._enqueue(child)
+                        continue
+                    self.fork_seq(seq, child, num_computed_tokens=seq.num_tokens)
+                    scheduled.append(child)
+                    num_scheduled_tokens[child.seq_id] = 0
+                    forked_from[child.seq_id] = seq.seq_id
+
+        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, self.block_manager.take_blocks_to_copy(),
+                               forked_from)
+
+    def fork_seq(self, parent: Sequence, child: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Run `child`, whose tokens start with all of `parent`'s, on `parent`'s blocks (shared, copy-on-write):
+        its first `num_computed_tokens` (default: as many as `parent` has computed) need no computing. A parent
+        that holds no blocks (waiting, preempted) gives nothing to share: the child waits to compute them itself."""
+        assert child.all_token_ids[:parent.num_tokens] == parent.all_token_ids and not child.block_table
+        if parent.status != SequenceStatus.RUNNING:
+            child.status = SequenceStatus.WAITING
+            self._enqueue(child, front=True)
+            return
+        self.block_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its K/V; its tokens, prompt and output, are recomputed when readmitted."""
@@ -188,6 +238,8 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, scheduler_output.num_scheduled_tokens[seq.seq_id])
             if seq.num_uncomputed_tokens > 0:
                 continue  # a chunk that ended mid-prompt: its sample, if any, means nothing
+            if seq.seq_id not in sampled_token_ids:
+                continue  # no token for it (a beam: the beam search chooses its next token from its logprobs)
             seq.append_token_id(sampled_token_ids[seq.seq_id])
             new_token_seqs.append(seq)
             status = self._check_stop(seq)
@@ -216,6 +268,14 @@ class Scheduler:
             if seq.seq_id == seq_id:
                 self._finish(seq, status)
                 return seq
+        for source_id, children in self.waiting_for_fork.items():
+            for seq in children:
+                if seq.seq_id == seq_id:
+                    children.remove(seq)
+                    if not children:
+                        del self.waiting_for_fork[source_id]
+                    seq.status = status
+                    return seq
         return None
 
     def abort(self, seq_id: int | str) -> Sequence | None:
@@ -228,3 +288,5 @@ class Scheduler:
         else:
             self.waiting.remove(seq)  # waiting or preempted: holds no blocks
         seq.status = status
+        for child in self.waiting_for_fork.pop(seq.seq_id, []):  # its prompt will not be shared: each computes it
+            self._enqueue(child)

@@ -8,7 +8,8 @@
 
 Like nano-vllm's, `step()` is the algorithm in three lines; everything else is bookkeeping around it.
 A request with `n > 1` becomes n requests of one completion each (`parent_request.py`), as in vLLM v1: the
-scheduler only sees requests, one `Sequence` each, whose `seq_id` is the request id. The engine turns
+scheduler only sees requests, one `Sequence` each, whose `seq_id` is the request id; the n share the
+prompt's K/V (computed once, forked, copy-on-write). The engine turns
 tokens into text (TextStream: detokenization and stop strings) and builds cumulative `RequestOutput`s.
 
 Every entry point runs on this class: `main.py` and `Generator` (one request, streamed), `LLM.generate`
@@ -184,7 +185,8 @@ class LLMEngine:
             params.structured_outputs)  # a grammar that does not compile: ValueError, nothing added
         self.requests[request_id] = RequestState(request_id, text, params, seq,
                                                  TextStream(self.tokenizer, params, prompt_ids), generator, matcher)
-        self.scheduler.add_seq(seq)
+        source = self.parent_requests.prompt_source(request_id)  # n > 1: the sibling that computes the prompt
+        self.scheduler.add_seq(seq, share_prompt_with=None if source is None else self.requests[source].seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (all n completions); its blocks are free when this returns."""

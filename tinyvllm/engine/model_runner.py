@@ -15,6 +15,11 @@ The number of blocks to gather is a bound symbolic variable, so context length n
 Attention runs on the hand-written paged-attention kernels where the device has them (Phase 5): every
 token row above is one query with its own block table row and context length `position + 1`, which is
 exactly what a decode kernel takes. `portable_attention=True` keeps the portable gather.
+
+Copy-on-write (Phase 7): a step whose sequences write into blocks they shared first copies those blocks
+(`scheduler_output.blocks_to_copy`, the `copy_blocks` kernel over every cache tensor) and then runs the
+forward pass. A sequence forked this step (n > 1) computes no token: it samples from the logits row of
+the sequence it forked from, so the prompt's logits are computed once for all the completions.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, UOp
 
+from tinyvllm.attention.copy_blocks import CopyBlocks
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.core.block_manager import slot_mapping as get_slot_mapping
 from tinyvllm.core.kv_cache import PagedKVCache
@@ -56,6 +62,9 @@ class ModelRunner:
         self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
         self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
+        # every per-layer tensor of the cache, block first (K, V, and a quantized cache's scales): copy-on-write
+        self.copy_blocks = CopyBlocks([t for layer in kv_cache.kv_caches for t in layer], kv_cache.null_block,
+                                      portable=portable_attention)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
@@ -81,6 +90,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[Sequence], Tensor | None]:
         """Run the step. Returns the sequences whose tokens are now all computed (they sample a token), and
         their logits on the device: (rows, vocab), row i for sequence i, padding rows after them."""
+        self.copy_blocks(scheduler_output.blocks_to_copy)  # before anything writes into the copies
         seqs = scheduler_output.scheduled_seqs
         n_real = scheduler_output.total_num_scheduled_tokens
         n = self.bucket_for(n_real)
@@ -91,7 +101,10 @@ class ModelRunner:
         input_ids.np[...], positions.np[...], slot_mapping.np[...] = 0, 0, self.kv_cache.null_slot
         block_tables.np[...], logits_indices.np[...] = self.kv_cache.null_block, 0
         sampled_seqs, num_blocks, i = [], 1, 0
+        rows: dict[int | str, int] = {}  # seq_id -> its row of the logits
         for seq in seqs:
+            if seq.seq_id in scheduler_output.forked_from:  # no tokens: it samples from its source's row
+                continue
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
             input_ids.np[0, i:i + count] = seq.all_token_ids[start:start + count]
             positions.np[0, i:i + count] = np.arange(start, start + count)
@@ -101,13 +114,27 @@ class ModelRunner:
             i += count
             if start + count == seq.num_tokens:  # caught up: this step's last token gets sampled
                 logits_indices.np[len(sampled_seqs)] = i - 1
+                rows[seq.seq_id] = len(sampled_seqs)
                 sampled_seqs.append(seq)
         if n not in self._jits:
             self._jits[n] = GraphedJit(self._forward)
         logits = self._jits[n](input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                                block_tables.copy_to_device(), logits_indices.copy_to_device(),
                                self.v_num_blocks.bind(num_blocks))
+        if scheduler_output.forked_from:
+            forked = [seq for seq in seqs if seq.seq_id in scheduler_output.forked_from]
+            logits = self._repeat_rows(logits, [rows[scheduler_output.forked_from[seq.seq_id]] for seq in forked],
+                                       len(sampled_seqs))
+            sampled_seqs += forked
         return sampled_seqs, (logits if sampled_seqs else None)
+
+    def _repeat_rows(self, logits: Tensor, sources: list[int], num_rows: int) -> Tensor:
+        """The logits with rows `sources` appended after the first `num_rows`, padded to a bucket of rows: (R, V).
+        Only in a step that forks (n > 1): a copy through the host, a few rows of the vocabulary each."""
+        host = logits.numpy()
+        rows = list(range(num_rows)) + sources
+        rows += [0] * (self.bucket_for(len(rows)) - len(rows))
+        return Tensor(np.ascontiguousarray(host[rows]), device=self.model.device).realize()
 
     def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                min_p: np.ndarray, clocks: np.ndarray | None, use_filters: bool,

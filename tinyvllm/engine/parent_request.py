@@ -8,6 +8,11 @@ parent's id, completion i at `outputs[i]`:
     add_request("r", prompt, n=3)  -->  children "r-0", "r-1", "r-2"  (n=1 each)  -->  scheduler
     step() outputs of the children  -->  merge: RequestOutput("r", outputs=[c0, c1, c2])
 
+The children share one prompt, so its K/V are computed and held once: "r-0" computes it, and "r-1",
+"r-2" (`prompt_source` names "r-0" for them) fork from it in the step that finishes it, each sampling
+its first token from the same logits row with its own seed (copy-on-write, tinyvllm/core/scheduler.py).
+A completion's tokens are the same as if it ran alone with its seed.
+
 `ParentRequests` is the one place that does this; `LLMEngine` (and the test suite's fake engine) call it
 from `add_request`, `abort_request` and `step`.
 """
@@ -68,10 +73,22 @@ class ParentRequests:
             add_child(request_id, params)
             return
         parent = ParentRequest(request_id, child_ids, [CompletionOutput(i, "", []) for i in range(params.n)])
-        for index, child_id in enumerate(child_ids):
-            add_child(child_id, child_params(params, index))
-            self.child_of[child_id] = (parent, index)
-        self.parents[request_id] = parent
+        self.parents[request_id] = parent  # before the children: `prompt_source` answers while they are added
+        try:
+            for index, child_id in enumerate(child_ids):
+                self.child_of[child_id] = (parent, index)
+                add_child(child_id, child_params(params, index))
+        except BaseException:
+            self.forget(request_id)
+            raise
+
+    def prompt_source(self, child_id: str) -> str | None:
+        """The request whose prompt K/V child `child_id` shares: the parent's first child, for every other child
+        (None for the first child and for a request with n == 1)."""
+        found = self.child_of.get(child_id)
+        if found is None or found[1] == 0:
+            return None
+        return found[0].child_ids[0]
 
     def request_ids(self, request_id: str) -> list[str]:
         """The engine-level ids behind a user's request id: its children, or itself."""
