@@ -158,3 +158,152 @@ def test_kernel_matches_both_oracles(ggml_type: int, M: int):
         w, xt = weight(blocks, ggml_type, K), Tensor(x).realize()
         assert uses_kernel(xt, w)
         check_both_oracles(qlinear(xt, w).numpy(), x, blocks, ggml_type)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=[QUANT_FORMATS[t].name for t in FORMATS])
+def test_portable_c_path_matches_too(ggml_type: int):
+    # TV_SCALAR compiles the kernels' plain-C loops (what a CPU without AVX2 runs) instead of the intrinsics
+    fmt = QUANT_FORMATS[ggml_type]
+    N, K = SHAPES[fmt.block_size][0]
+    M = 3
+    blocks = random_blocks(ggml_type, N, K, seed=7)
+    x = np.random.default_rng(7).standard_normal((M, K), dtype=np.float32)
+    out = Tensor.empty(M, N, dtype=dtypes.float32)
+    scratch = Tensor.empty(scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
+    out, _ = launcher.launch(fmt.kernel, outs=[out, scratch], ins=[Tensor(x).realize(), Tensor(blocks).realize()],
+                             defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, "TV_SCALAR": 1})
+    check_both_oracles(out.numpy(), x, blocks, ggml_type)
+
+
+def model_tensor(name: str) -> tuple[np.ndarray, int, int]:
+    """(blocks (N, row bytes), ggml type, K) of a tensor of the default model's GGUF; skips if it is not installed."""
+    from tinyvllm.model.gguf import GGUFFile
+    from tinyvllm.model.quant import tensor_nbytes
+    from tinyvllm.model.weights import default_model_path
+    try:
+        f = GGUFFile(default_model_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    info = f.tensors[name]
+    data = f.raw(name, tensor_nbytes(info.ggml_type, info.shape))
+    return np.array(data).reshape(info.shape[0], -1), info.ggml_type, info.shape[1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,M", [("blk.0.attn_q.weight", 1), ("blk.0.ffn_down.weight", 32),
+                                    ("blk.29.ffn_gate.weight", 3), ("token_embd.weight", 1)])
+def test_real_model_tensors(name: str, M: int):
+    # the shipped file: layers in Q4_1, the (tied) embedding in Q8_0, at the model's shapes
+    blocks, ggml_type, K = model_tensor(name)
+    assert QUANT_FORMATS[ggml_type].name == ("Q8_0" if name == "token_embd.weight" else "Q4_1")
+    x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
+    check_both_oracles(qlinear(Tensor(x).realize(), weight(blocks, ggml_type, K)).numpy(), x, blocks, ggml_type)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=[QUANT_FORMATS[t].name for t in FORMATS])
+def test_portable_path_matches_kernel(ggml_type: int, monkeypatch: pytest.MonkeyPatch):
+    N, K = SHAPES[QUANT_FORMATS[ggml_type].block_size][0]
+    blocks = random_blocks(ggml_type, N, K, seed=3)
+    x = np.random.default_rng(3).standard_normal((2, 5, K), dtype=np.float32)  # leading dims (B,T,K) -> (B,T,N)
+    w, xt = weight(blocks, ggml_type, K), Tensor(x).realize()
+    kernel = qlinear(xt, w).numpy()
+    monkeypatch.setattr(linear_module, "PORTABLE", True)
+    assert not uses_kernel(xt, w)
+    portable = qlinear(xt, w).numpy()
+    assert portable.shape == kernel.shape == (2, 5, N)
+    # the portable path is the float product (float32 rounding only); the kernel adds the 8-bit activation error
+    W = dequantize(blocks.reshape(-1), ggml_type, (N, K))
+    x2 = x.reshape(-1, K)
+    bound = activation_bound(x2, W, QUANT_FORMATS[ggml_type].block_size)
+    np.testing.assert_array_less(np.abs(kernel - portable).reshape(-1, N), bound)
+    magnitude = np.abs(x2) @ np.abs(W.T)
+    np.testing.assert_array_less(np.abs(portable.reshape(-1, N) - x2 @ W.T), 1e-5 * magnitude + 1e-30)
+
+
+def test_symbolic_rows_take_portable_path():
+    blocks = random_blocks(3, 9, 64, seed=4)
+    w = weight(blocks, 3, 64)
+    x = np.random.default_rng(4).standard_normal((8, 64), dtype=np.float32)
+    v = UOp.variable("tokens", 1, 8).bind(3)
+    xs = Tensor(x).realize()[:v]
+    assert not uses_kernel(xs, w)
+    out = qlinear(xs, w)[:3].numpy()
+    W = dequantize(blocks.reshape(-1), 3, (9, 64))
+    np.testing.assert_allclose(out, x[:3] @ W.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=[QUANT_FORMATS[t].name for t in FORMATS])
+def test_embedding_rows_exact(ggml_type: int):
+    N, K = SHAPES[QUANT_FORMATS[ggml_type].block_size][0]
+    blocks = random_blocks(ggml_type, N, K, seed=5)
+    ids = np.array([[3, 0, N - 1], [1, 1, 2]], dtype=np.int32)
+    got = embedding(weight(blocks, ggml_type, K), Tensor(ids)).numpy()
+    np.testing.assert_array_equal(got, dequantize(blocks.reshape(-1), ggml_type, (N, K))[ids])
+    # and the whole weight, dequantized in tinygrad ops (the portable path's weight)
+    np.testing.assert_array_equal(dequantize_weight(weight(blocks, ggml_type, K)).numpy(),
+                                  dequantize(blocks.reshape(-1), ggml_type, (N, K)))
+
+
+def test_embedding_of_the_real_token_embd():
+    blocks, ggml_type, K = model_tensor("token_embd.weight")
+    ids = np.array([[0, 1, 49151, 9690]], dtype=np.int32)
+    got = embedding(weight(blocks, ggml_type, K), Tensor(ids)).numpy()
+    np.testing.assert_array_equal(got, dequantize(blocks[ids[0]].reshape(-1), ggml_type, (4, K))[None])
+
+
+@needs_kernel
+def test_tinyjit_replays_with_new_inputs():
+    blocks = random_blocks(3, 37, 96, seed=6)
+    w = weight(blocks, 3, 96)
+    jit = TinyJit(lambda x: qlinear(x, w).realize())
+    for i in range(4):  # run, capture, replay, replay
+        x = np.random.default_rng(10 + i).standard_normal((3, 96), dtype=np.float32)
+        check_both_oracles(jit(Tensor(x).realize()).numpy(), x, blocks, 3)
+    names = [c.src[0].arg.name for c in jit.captured.linear.src if c.src[0].op.name == "PROGRAM"]
+    assert "qmatmul_3_37_96_3" in names, names
+
+
+@needs_kernel
+def test_graphed_jit_replays_with_new_inputs():
+    # the engine's JIT: the whole capture replayed by one C call (kernels/cpu/graph_runner.c)
+    from tinyvllm.kernels.cpu_graph import GraphedJit
+    blocks = random_blocks(12, 5, 512, seed=8)
+    w = weight(blocks, 12, 512)
+    jit = GraphedJit(lambda x: qlinear(x, w).realize())
+    for i in range(3):
+        x = np.random.default_rng(20 + i).standard_normal((2, 512), dtype=np.float32)
+        check_both_oracles(jit(Tensor(x).realize()).numpy(), x, blocks, 12)
+
+
+@needs_kernel
+def test_same_bits_with_and_without_threads():
+    blocks = random_blocks(3, 960, 576, seed=9)  # 960 rows of w: many chunks for the thread pool
+    w, x = weight(blocks, 3, 576), Tensor(np.random.default_rng(9).standard_normal((32, 576), dtype=np.float32))
+    with cpu_threads.threads_enabled(True):
+        a = qlinear(x.realize(), w).numpy()
+    with cpu_threads.threads_enabled(False):
+        b = qlinear(x.realize(), w).numpy()
+    np.testing.assert_array_equal(a, b)
+
+
+def test_bad_input_is_a_clear_error():
+    data = Tensor(random_blocks(3, 4, 64, seed=1))
+    with pytest.raises(ValueError, match=r"Q5_K \(ggml type 13\).*supported: Q4_0"):
+        QuantizedWeight(data, 13, (4, 64))
+    with pytest.raises(ValueError, match=r"needs data of shape \(4, 60\) uint8"):
+        QuantizedWeight(data, 3, (4, 96))
+    with pytest.raises(ValueError, match="not a multiple"):
+        QuantizedWeight(data, 3, (4, 48))
+    with pytest.raises(ValueError, match="K=64"):
+        qlinear(Tensor.ones(2, 32), QuantizedWeight(data, 3, (4, 64)))
+    assert scratch_bytes(3, 2, 64) == 2 * 2 * 40 and scratch_bytes(12, 1, 512) == 2 * 292
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,qtype", [("qmatmul", 3), ("qmatmul_k", 14)])
+def test_entry_function_is_first_in_object(name: str, qtype: int):
+    defines = {"TV_M": 3, "TV_N": 5, "TV_K": 256, "TV_QTYPE": qtype, "TV_POOL_ADDR": hex(cpu_threads.pool_address())}
+    launcher.check_entry_is_first(Device["CPU"].compiler.compile_cached(launcher.kernel_source(name, "CPU", defines)),
+                                  name)

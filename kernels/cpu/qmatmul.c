@@ -20,7 +20,8 @@
  *          _mm256_madd_epi16(that, 1)              ->  8 int32   (pairs again)
  *      maddubs wants its first operand unsigned: the nibbles are; a Q8_0 q_w is made so by taking |q_w| and moving
  *      its sign onto q_x (_mm256_sign_epi8; |.| <= 2*128*127 = 32512 still fits an int16). Then one float FMA per
- *      block applies d_w d_x. The only rounding beyond float32's is that of x to 8 bits (half a step, d_x / 2).
+ *      block applies d_w d_x, and the min term m s_x is summed beside it (see `tile`). The only rounding beyond
+ *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *
  * Arguments (M, N, K, TV_QTYPE compile-time constants: one program per shape and format):
  *   out:     (M, N) float32, written
@@ -31,7 +32,8 @@
  * How the work is cut (as matmul.c): quantize x (rows spread over the thread pool), then tiles of MR rows of x
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
  * block for NR rows of w. M=1: MR=1, NR=4 (four rows of w streamed side by side, sharing each x block).
- * M>1: MR=4, NR=2 -> 8 float accumulators + 2 unpacked blocks + temporaries, within AVX2's 16 registers.
+ * M>1: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers
+ * and with AVX-512's 32, though its 8 + 8 accumulators spill a few to the stack on AVX2).
  * The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
  * walked in blocks of MB rows so that a chunk's weights stay in L1/L2 while every row of x passes over them.
  */
@@ -117,16 +119,6 @@ static void quantize_chunk(const void* ctx, int chunk) {
 
 /* ---- step 2: integer dot products, scaled per block ---- */
 
-/* The min term's m of a block: Q4_1 stores it, Q4_0's is -8 d (exact: a power of two), Q8_0 has none. */
-TV_INLINE float block_min(const unsigned char* blk, float d) {
-#if TV_QTYPE == 3
-  (void)d;
-  return f16_to_f32(blk + 2);
-#else
-  return -8.0f * d;
-#endif
-}
-
 #if TV_AVX2
 /* 32 unsigned quants of one block (Q8_0: their absolute values) in one register */
 TV_INLINE __m256i unpack_block(const unsigned char* blk) {
@@ -149,25 +141,35 @@ TV_INLINE __m256i block_dot(__m256i u, const unsigned char* blk, __m256i xq) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
 }
 
+/* The block's float16 scale(s) as 8 floats: Q4_1 [d, m, d, m, ...] (d and m are adjacent), else [d, d, ...] */
+TV_INLINE __m256 block_scales(const unsigned char* blk) {
+#if TV_QTYPE == 3
+  unsigned int dm;
+  __builtin_memcpy(&dm, blk, 4);
+  return _mm256_cvtph_ps(_mm_set1_epi32((int)dm));
+#else
+  unsigned short d;
+  __builtin_memcpy(&d, blk, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16((short)d));
+#endif
+}
+
 /* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
- * unrolls both loops and keeps acc[][] in registers. */
+ * unrolls both loops and keeps acc[][] in registers.
+ * Per block, one multiply gives both scales: [d_w, m_w, ...] * [d_x, s_x, ...] = [d_w d_x, m_w s_x, ...]
+ * (x's d and s are adjacent in struct xblock): the even lanes scale the integer dot, lane 1 is the min term. */
 TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
                     int mr, int nr) {
-  __m256 acc[MR][NR];
-  float mins[MR][NR];  /* the m * s_x terms, one float per block */
+  __m256 acc[MR][NR], mins[MR][NR];  /* mins: lane 1 sums m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) {
-      acc[i][j] = _mm256_setzero_ps();
-      mins[i][j] = 0.0f;
-    }
+    for (int j = 0; j < nr; j++) acc[i][j] = mins[i][j] = _mm256_setzero_ps();
   for (int b = 0; b < NB; b++) {
     __m256i u[NR];
-    float dw[NR], mw[NR];
+    __m256 ws[NR];
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
       u[j] = unpack_block(blk);
-      dw[j] = f16_to_f32(blk);
-      mw[j] = block_min(blk, dw[j]);
+      ws[j] = block_scales(blk);
 #if MR > 1
       /* the next tile's rows, same block; past the last row of w a harmless no-op (prefetches never fault) */
       __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);
@@ -176,22 +178,38 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
     for (int i = 0; i < mr; i++) {
       const struct xblock* xb = x + i * NB + b;
       __m256i xq = _mm256_loadu_si256((const __m256i*)xb->q);
+      __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)&xb->d));  /* [d_x, s_x, d_x, s_x, ...] */
       for (int j = 0; j < nr; j++) {
         __m256 dot = _mm256_cvtepi32_ps(block_dot(u[j], w + j * ROW_BYTES + b * BLOCK_BYTES, xq));
-        acc[i][j] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw[j] * xb->d), acc[i][j]);
+        __m256 p = _mm256_mul_ps(ws[j], xs);
+        acc[i][j] = _mm256_fmadd_ps(dot, _mm256_moveldup_ps(p), acc[i][j]);
 #if TV_QTYPE != 8
-        mins[i][j] += mw[j] * xb->s;
-#else
-        (void)mw;
+        mins[i][j] = _mm256_add_ps(mins[i][j], p);
 #endif
       }
     }
   }
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) out[i * TV_N + j] = hsum8(acc[i][j]) + mins[i][j];
+    for (int j = 0; j < nr; j++) {
+      float m = mins[i][j][1];
+#if TV_QTYPE == 2
+      m *= -8.0f;  /* Q4_0: w = d (q - 8), so the min term is -8 d_w s_x */
+#endif
+      out[i * TV_N + j] = hsum8(acc[i][j]) + m;
+    }
 }
 
 #else  /* portable C */
+
+/* The min term's m of a block: Q4_1 stores it, Q4_0's is -8 d (exact: a power of two), Q8_0 has none. */
+TV_INLINE float block_min(const unsigned char* blk, float d) {
+#if TV_QTYPE == 3
+  (void)d;
+  return f16_to_f32(blk + 2);
+#else
+  return -8.0f * d;
+#endif
+}
 
 TV_INLINE int block_dot_scalar(const unsigned char* blk, const signed char* xq) {
   int sum = 0;

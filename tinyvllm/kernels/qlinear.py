@@ -46,6 +46,7 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import device_kind, has_kernel, launch
+from tinyvllm.model.quant import type_name
 from tinyvllm.tinygrad_adapter import Estimates
 
 
@@ -81,7 +82,7 @@ X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 def quant_format(ggml_type: int) -> QuantFormat:
     if ggml_type not in QUANT_FORMATS:
         supported = ", ".join(f"{f.name} ({t})" for t, f in QUANT_FORMATS.items())
-        raise ValueError(f"no quantized matmul for ggml type {ggml_type}; supported: {supported}")
+        raise ValueError(f"no quantized matmul for {type_name(ggml_type)} (ggml type {ggml_type}); supported: {supported}")
     return QUANT_FORMATS[ggml_type]
 
 
