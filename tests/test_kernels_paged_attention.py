@@ -184,7 +184,8 @@ def test_selection_and_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
     assert not uses_kernels(q, cache)
     monkeypatch.setattr(kernel_backend, "PORTABLE", False)
     if device_kind(q.device) == "CPU":
-        assert not uses_kernels(q, cache.cast(dtypes.float16))  # float16 caches: GPU kernels only
+        assert uses_kernels(q, cache.cast(dtypes.float16)) and uses_kernels(q, cache.cast(dtypes.int8))  # Phase 7c
+        assert not uses_kernels(q.cast(dtypes.float16), cache)  # the C kernel's queries are float32
         assert not uses_kernels(Tensor.empty(2, 4, 12), Tensor.empty(3, 8, 2, 12))  # head_dim not a multiple of 8
     assert kernel_backend.has_kernel("CUDA") and kernel_backend.has_kernel("METAL")
     assert not kernel_backend.has_kernel("PYTHON")

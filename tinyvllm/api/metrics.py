@@ -130,7 +130,7 @@ class ServerMetrics:
         self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
-        # how K/V are stored (Phase 7c: float32, float16, int8, fp8) and what one token of context costs, scales included
+        # how K/V are stored (Phase 7c: float32, float16, int8, fp8) and what a token of context costs, scales included
         self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.")
         self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
                                         "over all layers (K and V, with their scales).")
@@ -200,8 +200,8 @@ class ServerMetrics:
         if num_waiting is not None:
             self.waiting.value = num_waiting
         metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage, self.cache_config,
-                   self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success, self.prefix_queries, self.prefix_hits,
-                   self.ttft, self.itl, self.e2e, self.batch]
+                   self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success,
+                   self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e, self.batch]
         with self.lock:
             return "\n".join(line for metric in metrics for line in metric.render()) + "\n"
 

@@ -203,11 +203,12 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
             table = table.reshape(B, 1, -1).expand(B, T, table.shape[1]).reshape(rows, -1).contiguous()
         self.row_block_tables = table
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then attends over the blocks.
-        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized."""
+        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized (q, k, v come in
+        rotated then: `PagedAttentionMetadata.attend`)."""
         if not uses_kernels(q, kv_cache[0], self.portable):
-            return super().attend(q, k, v, kv_cache)
+            return super()._attend(q, k, v, kv_cache)
         B, T, H, Hd = q.shape
         kv_heads = k.shape[2]
         written = kernel_reshape_and_cache(k.reshape(B * T, kv_heads, Hd), v.reshape(B * T, kv_heads, Hd),

@@ -14,6 +14,13 @@ Why per token: a token's K/V are written once, when it is computed, and never ch
 computed then from its own values alone; a per-tensor scale would have to be known in advance (calibrated)
 or grow, rewriting every stored code. And one outlier token spoils only its own 64 codes.
 
+Before quantizing, the attention rotates K and V (and q, and back the output) by a Hadamard matrix H
+(`rotate`, QuaRot's trick: https://arxiv.org/abs/2404.00456): H is orthonormal and symmetric, so
+(Hq).(Hk) = q.k and sum_t p_t (H v_t) = H (sum_t p_t v_t), while the rotated row spreads a few large channels over
+all 64. A K row of SmolLM2-135M has amax / rms ~ 4.5; rotated, the rounding error of its int8 codes is 1.6x
+smaller (measured on the real model's K/V, all layers: 0.91% -> 0.57% relative). It costs no byte, and
+O(head_dim^2) work per new token and per query, none per cached token.
+
 Every formula is written as the kernels compute it, so that the codes come out bit for bit the same:
 tinygrad divides by multiplying with the reciprocal, so the kernels do too:
 
@@ -36,6 +43,27 @@ from tinyvllm.core.kv_cache import KVCacheDtype
 
 FP8_E4M3_MAX = 448.0
 FP8_MIN_NORMAL = 2.0**-6
+
+
+def hadamard(n: int, dtype=dtypes.float32, device: str | None = None) -> Tensor:
+    """Sylvester's Hadamard matrix of order n (a power of 2), normalized: H[i, j] = (-1)^popcount(i & j) / sqrt(n).
+    Orthonormal and symmetric, so H @ H = I. Built from aranges, in the graph (no host buffer to capture)."""
+    assert n > 0 and n & (n - 1) == 0, f"a Hadamard matrix of order {n}: the order must be a power of 2"
+    index = Tensor.arange(n).to(device)
+    both = index.reshape(n, 1) & index.reshape(1, n)
+    parity = both * 0
+    for bit in range(n.bit_length() - 1):
+        parity = parity ^ ((both >> bit) & 1)
+    return ((1 - 2 * parity).cast(dtypes.float32) * (1.0 / n**0.5)).cast(dtype)
+
+
+def rotate(x: Tensor) -> Tensor:
+    """x: (..., head_dim) -> x rotated by H in groups of g channels, g the largest power of 2 dividing head_dim
+    (all of it for 64 or 128). Its own inverse."""
+    head_dim = x.shape[-1]
+    group = head_dim & -head_dim
+    h = hadamard(group, x.dtype, x.device)
+    return (x.reshape(*x.shape[:-1], head_dim // group, group) @ h).reshape(x.shape)
 
 
 def scales_of(x: Tensor, spec: KVCacheDtype) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,8 @@ traffic on every step is what Phase 5's kernels avoid by reading the blocks in p
 A quantized cache (Phase 7c, int8 or fp8: `tinyvllm.core.kv_cache`) has per-layer scale tensors beside the
 blocks, (num_blocks, block_size, n_kv_heads): `reshape_and_cache` quantizes each new token's K/V per KV head
 and writes the codes and the scale to the same slot; `paged_attention` gathers both and dequantizes
-(`tinyvllm.attention.kv_quant`) before attending. A float16 cache is written and read with a cast.
+(`tinyvllm.attention.kv_quant`) before attending. `attend` rotates q, K and V first (a Hadamard matrix, which
+shrinks the rounding error) and the output back. A float16 cache is written and read with a cast.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.contiguous import grouped_query_attention
-from tinyvllm.attention.kv_quant import dequantize, quantize
+from tinyvllm.attention.kv_quant import dequantize, quantize, rotate
 from tinyvllm.core.kv_cache import kv_cache_dtype_of
 from tinyvllm.tinygrad_adapter import KernelInfo
 
@@ -112,7 +113,13 @@ class PagedAttentionMetadata:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.
-        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized."""
+        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized: then q, k, v go in
+        rotated by a Hadamard matrix, and the output comes back rotated back (`kv_quant.rotate`, its own inverse)."""
+        if len(kv_cache) == 4:
+            return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache))
+        return self._attend(q, k, v, kv_cache)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
         B, T, kv_heads, head_dim = k.shape
         k, v = k.reshape(B * T, kv_heads, head_dim), v.reshape(B * T, kv_heads, head_dim)
         if len(kv_cache) == 4:
