@@ -55,7 +55,8 @@ def test_quantize_is_bit_exact_with_gguf(name):
     x = block_test_data(np.random.default_rng(TYPES[name]))
     got = quantize(x, TYPES[name])
     expected = gguf_quantize(x, GGMLQuantizationType(TYPES[name]))
-    assert got.dtype == np.uint8 and got.shape == expected.shape == (64, 1024 // 32 * {8: 34, 2: 18, 3: 20}[TYPES[name]])
+    type_size = {8: 34, 2: 18, 3: 20}[TYPES[name]]
+    assert got.dtype == np.uint8 and got.shape == expected.shape == (64, 1024 // 32 * type_size)
     np.testing.assert_array_equal(got, expected)
     # many threads over chunks give the same bytes as one call per row (a row is one chunk)
     np.testing.assert_array_equal(np.concatenate([quantize(row[None], TYPES[name]) for row in x]), got)
@@ -401,7 +402,8 @@ def test_default_model_q8_0_generates_the_same_text(default_q8_0, generator):
         original, margins = greedy_with_margins(generator, f"quantize-test-q4_1-{i}", ids)
         requantized, _ = greedy_with_margins(q8, f"quantize-test-q8_0-{i}", ids)
         n = next((step for step, m in enumerate(margins) if m < NEAR_TIE), len(margins))
-        assert original[:n] == requantized[:n], (prompt, q8.tokenizer.decode(original), q8.tokenizer.decode(requantized))
+        texts = q8.tokenizer.decode(original), q8.tokenizer.decode(requantized)
+        assert original[:n] == requantized[:n], (prompt, *texts)
         compared += n
         if i == 0:
             assert q8.tokenizer.decode(requantized).startswith(" Paris")

@@ -26,6 +26,10 @@ picks Q6_K, and falls back to Q8_0 when a row is not a multiple of Q6_K's 256-el
 SmolLM2's rows are 576 = 2.25 x 256, which is why its shipped Q4_1 file has a Q8_0 token_embd. tinyvllm
 has no Q6_K quantizer, so it writes Q8_0 in every case: identical to llama-quantize for rows like
 SmolLM2's, one step more bits for rows that are multiples of 256.
+
+From the same float weights (SmolLM2's F32 GGUF), the files this writes are byte for byte the ones
+llama-quantize writes for Q8_0, Q4_0 and Q4_1: metadata, tensor types, blocks and padding
+(tests/test_quantize.py, run with TINYVLLM_PEERS set to a benchmarks `--peers` directory).
 """
 
 from __future__ import annotations
