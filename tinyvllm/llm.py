@@ -7,7 +7,8 @@
         print(out.prompt, "->", out.outputs[0].text)
 
 All prompts go into the engine at once; continuous batching runs them together, and the outputs
-come back in the order of the prompts.
+come back in the order of the prompts. `LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens))`
+returns the best beams of each prompt (tinyvllm/engine/beam_search.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from tinyvllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.outputs import RequestOutput
@@ -62,3 +64,38 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         return [finished[request_id] for request_id in request_ids]
+
+    def beam_search(self, prompts: Sequence[str | list[int] | dict], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...});
+        returns one BeamSearchOutput per prompt, its `beam_width` sequences best first (vLLM's `LLM.beam_search`;
+        the scoring and stopping rules are HF transformers', see tinyvllm/engine/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [p.get("prompt", p.get("prompt_token_ids")) if isinstance(p, dict) else p for p in prompts]
+        engine = self.llm_engine
+        request_ids = [f"beam-{id(self)}-{i}" for i in range(len(prompts))]
+        finished: dict[str, RequestOutput] = {}
+        try:
+            for request_id, prompt in zip(request_ids, prompts):
+                engine.add_request(request_id, prompt, params)
+            with tqdm(total=len(prompts), desc="beam search", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        results = []
+        for request_id in request_ids:
+            out = finished[request_id]
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.cumulative_logprob,
+                                   c.cumulative_logprob / len(c.token_ids) ** params.length_penalty, c.text,
+                                   c.finish_reason) for c in out.outputs]))
+        return results

@@ -20,6 +20,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
     # per generated token: (logprob of the sampled token, [(token_id, logprob), ...] top alternatives)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cumulative_logprob: float | None = None  # of its tokens (vLLM's field); set by beam search
 
     @property
     def finished(self) -> bool:

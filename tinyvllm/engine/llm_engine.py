@@ -29,6 +29,7 @@ from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory, resolve_
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.engine_state import StepLog, engine_state
+from tinyvllm.engine.beam_search import BeamSearchParams, BeamSearchRequests
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.engine.parent_request import ParentRequests
 from tinyvllm.engine.text_stream import TextStream
@@ -138,17 +139,26 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}  # unfinished requests the scheduler knows, by request id
         self._failed: list[RequestState] = []  # requests this step finished with an error, reported by step()
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
+        self.beam_search = BeamSearchRequests(self.scheduler, self.tokenizer)  # beams: forks of one another
         self.step_log = StepLog()  # the last steps' records, for get_state() (the server's dashboard)
 
     # ---- requests in ----
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | BeamSearchParams | None = None, priority: int = 0) -> None:
         """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing. `priority`
-        counts under the "priority" scheduling policy: lower is served first (vLLM's convention)."""
+        counts under the "priority" scheduling policy: lower is served first (vLLM's convention).
+        `BeamSearchParams` make it a beam search (engine/beam_search.py): one output, when it ends."""
         params = sampling_params or SamplingParams()
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
+        if isinstance(params, BeamSearchParams):
+            text, prompt_ids = self._process_prompt(prompt)
+            if request_id in self.requests or request_id in self.beam_search.requests or (
+                    request_id in self.parent_requests.parents):
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.beam_search.add(request_id, text, prompt_ids, params, RequestMetrics(time.monotonic()))
+            return
         self._check_params(params)
         text, prompt_ids = self._process_prompt(prompt)
         self.parent_requests.add(request_id, params, in_use=lambda rid: rid in self.requests,
@@ -189,7 +199,9 @@ class LLMEngine:
         self.scheduler.add_seq(seq, share_prompt_with=None if source is None else self.requests[source].seq)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now (all n completions); its blocks are free when this returns."""
+        """Stop a request now (all n completions, or all beams); its blocks are free when this returns."""
+        if self.beam_search.abort(request_id):
+            return
         for rid in self.parent_requests.request_ids(request_id):
             state = self.requests.pop(rid, None)
             if state is not None and not state.seq.is_finished:
@@ -206,7 +218,7 @@ class LLMEngine:
         begun = self.step_log.begin(scheduler_output)
         sampled = self._run_and_sample(scheduler_output)
         new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)
-        outputs = self._make_outputs(new_token_seqs)
+        outputs = self._make_outputs(new_token_seqs) + self.beam_search.update()
         self.step_log.end(begun, len(new_token_seqs))
         return outputs
 
@@ -220,6 +232,11 @@ class LLMEngine:
         seqs, logits = self.model_runner.execute_model(scheduler_output)
         if not seqs:
             return {}
+        beam_rows = [row for row, seq in enumerate(seqs) if self.beam_search.owns(seq.seq_id)]
+        if beam_rows:  # beams sample nothing: the beam search reads their log-probabilities
+            host = logits.numpy()
+            for row in beam_rows:
+                self.beam_search.record(seqs[row], host[row])
         batch = self._sampling_batch(seqs, *logits.shape)
         tokens = self.model_runner.sample(logits, *batch.device_params, batch.clocks, batch.use_filters,
                                           batch.bitmask)
@@ -246,7 +263,9 @@ class LLMEngine:
         batch = SamplingBatch(np.zeros(rows, np.float32), np.full(rows, vocab, np.int32), np.ones(rows, np.float32),
                               np.zeros(rows, np.float32))
         for row, seq in enumerate(seqs):
-            state = self.requests[seq.seq_id]
+            state = self.requests.get(seq.seq_id)
+            if state is None:
+                continue  # a beam (its row stays greedy, its token unused)
             params = state.params
             try:
                 if state.matcher is not None:

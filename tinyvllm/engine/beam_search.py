@@ -1,0 +1,235 @@
+"""Beam search: keep the k most likely continuations, each a sequence forked from the one before (Phase 7).
+
+Each step every running beam b has its next-token log-probabilities; a candidate is (b, token) scored by the
+beam's cumulative log-probability plus the token's. The best candidates become the next running beams, and
+each of those is a fork of its parent: it shares the parent's blocks (copy-on-write), so k beams of one prompt
+hold the prompt once and only the tokens where they differ:
+
+    step t:    beam 0 "The cat"   beam 1 "The dog"          (blocks [0, 1] and [0, 2]: block 0 shared)
+    step t+1:  "The cat sat" (from 0), "The cat is" (from 0): both forks of beam 0, beam 1 dropped (its block
+               freed); the two write their new token into the shared, partly filled block 1: one copies it first
+
+The rules are HF transformers' (`GenerationMixin._beam_search`, transformers 5), so that `generate(num_beams=k,
+do_sample=False, num_return_sequences=k, length_penalty=..., early_stopping=...)` is the oracle:
+
+  - the top `max(2, 1 + number of eos ids) * k` candidates are ranked by cumulative log-probability, with no
+    length penalty; the best k that do not end the beam (eos, or the length limit) run on;
+  - a candidate that ends its beam is kept as a finished hypothesis only if it ranks among the top k, with the
+    score cum_logprob / generated_length ** length_penalty (generated tokens, the eos included); the k best
+    hypotheses are kept;
+  - the search stops when the running beams cannot beat the worst of k hypotheses (the best running beam's
+    score divided by the current generated length ** length_penalty; with early_stopping="never" and a positive
+    length_penalty, by max_tokens ** length_penalty), when k hypotheses exist and early_stopping is True, or at
+    max_tokens (then the top k candidates all become hypotheses); the k hypotheses are returned, best first.
+
+Where vLLM's `LLM.beam_search` differs (vllm/entrypoints/llm.py, vllm/beam_search.py): it ranks candidates by the
+length-penalized score, over the prompt and output length (less one for an eos); an eos candidate among the best
+k leaves the running set, so fewer beams run on; it has no early stopping (it runs max_tokens steps unless every
+beam has finished) and returns the best k of finished and running beams together. Ties between candidates of
+equal log-probability are broken by beam, then token id (torch.topk leaves them unspecified).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tinyvllm.core.sequence import Sequence, SequenceStatus
+from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, plus HF's `early_stopping` (True, False or "never"; False as in HF).
+
+    `temperature` > 0 divides the logits before the log-softmax (vLLM's); 0 leaves them as they are."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam (vLLM's): the prompt and generated tokens, the cumulative log-probability, the text of the
+    generated tokens (an ending eos left out), and the score it was ranked by."""
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass
+class Hypothesis:
+    score: float  # cum_logprob / generated_length ** length_penalty
+    tokens: list[int]  # generated tokens
+    cum_logprob: float
+
+
+class BeamSearch:
+    """The beams of one prompt, as plain lists: `step` takes each running beam's log-probabilities and answers
+    which (parent beam, token) pairs run on. No model, no device: tests drive it with any numbers."""
+
+    def __init__(self, params: BeamSearchParams, eos_token_ids: set[int], max_new_tokens: int):
+        self.params, self.eos_token_ids = params, set() if params.ignore_eos else set(eos_token_ids)
+        self.max_new_tokens = min(params.max_tokens, max_new_tokens)  # max_model_len may cap it
+        self.running: list[tuple[list[int], float]] = [([], 0.0)]  # (generated tokens, cum_logprob); one at first
+        self.finished: list[Hypothesis] = []  # the k best, best first (HF's `sequences` / `beam_scores`)
+        self.improvement_possible = True  # HF's is_early_stop_heuristic_unsatisfied
+        self.done = False
+
+    def step(self, logprobs: list[np.ndarray]) -> list[tuple[int, int]]:
+        """logprobs[b]: (vocab,) log-probabilities of running beam b's next token. Returns the new running beams
+        as (index of the parent beam, token), best first; none once `done`."""
+        k, lp, p = self.params.beam_width, self.params.length_penalty, self.params
+        assert not self.done and len(logprobs) == len(self.running)
+        scores = np.stack([cum + row.astype(np.float64) for (_, cum), row in zip(self.running, logprobs)])
+        num_keep = min(max(2, 1 + len(self.eos_token_ids)) * k, scores.size)
+        flat = scores.reshape(-1)
+        top = np.argpartition(-flat, num_keep - 1)[:num_keep]
+        top = top[np.lexsort((top, -flat[top]))]  # best first; ties by beam, then token
+        vocab = scores.shape[1]
+        gen_len = len(self.running[0][0]) + 1  # generated tokens once this step's token is added
+        candidates = [(float(flat[i]), int(i // vocab), int(i % vocab)) for i in top]
+        ends = [token in self.eos_token_ids or gen_len >= self.max_new_tokens for _, _, token in candidates]
+
+        # finished hypotheses: candidates among the top k that end their beam (HF's _update_finished_beams)
+        full = len(self.finished) == k and p.early_stopping is True
+        if not full and self.improvement_possible:
+            new = [Hypothesis(score / gen_len ** lp, self.running[b][0] + [token], score)
+                   for rank, ((score, b, token), end) in enumerate(zip(candidates, ends)) if rank < k and end]
+            self.finished = sorted(self.finished + new, key=lambda h: -h.score)[:k]  # stable: older first on ties
+
+        # the running beams: the best k candidates that do not end (HF's _get_running_beams_for_next_iteration)
+        order = sorted(range(len(candidates)), key=lambda i: (ends[i], i))[:k]
+        next_running = [(self.running[candidates[i][1]][0] + [candidates[i][2]], candidates[i][0]) for i in order]
+        chosen = [(candidates[i][1], candidates[i][2]) for i in order]
+
+        # can the running beams still improve on the worst hypothesis? (HF's _check_early_stop_heuristic)
+        best_len = self.max_new_tokens if p.early_stopping == "never" and lp > 0 else gen_len
+        best_running = next_running[0][1] - (1e9 if ends[order[0]] else 0.0)
+        if len(self.finished) == k:
+            self.improvement_possible &= best_running / best_len ** lp > self.finished[-1].score
+        self.done = (not self.improvement_possible or (len(self.finished) == k and p.early_stopping is True)
+                     or all(ends))
+        self.running = [] if self.done else next_running
+        return [] if self.done else chosen
+
+
+@dataclass
+class BeamSearchRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    search: BeamSearch
+    seqs: list[Sequence]  # the running beams' sequences, in the search's order
+    logprobs: dict[int | str, np.ndarray] = field(default_factory=dict)  # seq_id -> its next-token logprobs
+    metrics: RequestMetrics | None = None
+
+
+class BeamSearchRequests:
+    """The engine's beam search requests. Their beams are sequences in the scheduler like any other, except that
+    no token is sampled for them: the engine hands each beam's logits row to `record`, and `update` forks the
+    beams that run on (scheduler.fork_seq: shared blocks) and finishes the rest, once every beam of a request has
+    its row."""
+
+    def __init__(self, scheduler, tokenizer):
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.requests: dict[str, BeamSearchRequest] = {}
+        self.request_of: dict[int | str, BeamSearchRequest] = {}  # seq_id -> its request
+        self._next_id = 0
+
+    def _new_seq(self, request: BeamSearchRequest, output_token_ids: list[int]) -> Sequence:
+        self._next_id += 1
+        seq = Sequence(f"{request.request_id}#beam{self._next_id}", request.prompt_token_ids)
+        seq.output_token_ids = list(output_token_ids)
+        self.request_of[seq.seq_id] = request
+        return seq
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
+            metrics: RequestMetrics) -> None:
+        max_new = self.scheduler.max_model_len - len(prompt_token_ids)
+        search = BeamSearch(params, set(self.tokenizer.stop_token_ids), max_new)
+        request = BeamSearchRequest(request_id, prompt, list(prompt_token_ids), search, [], metrics=metrics)
+        request.seqs = [self._new_seq(request, [])]
+        self.requests[request_id] = request
+        self.scheduler.add_seq(request.seqs[0])
+
+    def owns(self, seq_id: int | str) -> bool:
+        return seq_id in self.request_of
+
+    def record(self, seq: Sequence, logits: np.ndarray) -> None:
+        """A beam's logits row, computed this step: its log-softmax (of logits / temperature, if any)."""
+        request = self.request_of[seq.seq_id]
+        temperature = request.search.params.temperature
+        x = logits.astype(np.float32) / (temperature if temperature > 0 else 1.0)
+        x = x - x.max()
+        request.logprobs[seq.seq_id] = x - np.log(np.exp(x).sum())
+
+    def update(self) -> list[RequestOutput]:
+        """Advance every request whose beams all have their row; returns the outputs of those that finished."""
+        outputs = []
+        for request in list(self.requests.values()):
+            if any(seq.seq_id not in request.logprobs for seq in request.seqs):
+                continue
+            request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()
+            chosen = request.search.step([request.logprobs[seq.seq_id] for seq in request.seqs])
+            old, request.logprobs = request.seqs, {}
+            request.seqs = []
+            for parent_index, token in chosen:  # fork first: the parents' blocks stay held while shared
+                parent = old[parent_index]
+                child = self._new_seq(request, parent.output_token_ids + [token])
+                self.scheduler.fork_seq(parent, child)
+                request.seqs.append(child)
+            for seq in old:
+                self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+                del self.request_of[seq.seq_id]
+            if request.search.done:
+                outputs.append(self._finish(request))
+        return outputs
+
+    def _finish(self, request: BeamSearchRequest) -> RequestOutput:
+        del self.requests[request.request_id]
+        completions = []
+        for index, hyp in enumerate(request.search.finished):
+            ended_by_eos = bool(hyp.tokens) and hyp.tokens[-1] in request.search.eos_token_ids
+            text_ids = hyp.tokens[:-1] if ended_by_eos else hyp.tokens
+            completions.append(CompletionOutput(index, self.tokenizer.decode(text_ids), list(hyp.tokens),
+                                                "stop" if ended_by_eos else "length",
+                                                cumulative_logprob=hyp.cum_logprob))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished=True, metrics=request.metrics)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a beam search request and free its beams' blocks. False if there is no such request."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+            del self.request_of[seq.seq_id]
+        return True
