@@ -197,6 +197,15 @@ def test_writer_layout_by_hand(tmp_path):
     assert raw[start:start + 16] == data.tobytes() and len(raw) == start + 32  # the tensor padded to 32 too
 
 
+def test_default_types():
+    """A value without a stated type gets the one llama.cpp's writers use for it."""
+    assert gw.typed(5).type == gw.UINT32 and gw.typed(-5).type == gw.INT32 and gw.typed(2**40).type == gw.INT64
+    assert gw.typed(np.int64(3)) == gw.MetadataValue(3, gw.UINT32)  # numpy scalars as the numbers they hold
+    assert gw.typed(np.float32(0.5)) == gw.MetadataValue(0.5, gw.FLOAT32) and gw.typed(True).type == gw.BOOL
+    assert gw.typed([1, -2]).item_type == gw.INT32  # token types
+    assert gw.typed([1, 2**31]).item_type == gw.UINT32 and gw.typed([2**63]).item_type == gw.UINT64
+
+
 def test_writer_errors(tmp_path):
     path = tmp_path / "bad.gguf"
     t = gw.TensorData("t", (4,), 0, np.zeros(4, np.float32))
@@ -419,7 +428,9 @@ def test_command_line_errors(tmp_path, tiny_dirs):
         ([str(not_gguf), str(out), "--type", "q8_0"], "is not a GGUF file"),
         ([str(tmp_path), str(out), "--type", "q8_0"], "has no config.json"),
         ([str(tiny_dirs["untied"]), str(out), "--type", "q5_k"], "invalid choice: 'q5_k'"),
-        ([str(not_gguf), str(not_gguf), "--type", "q8_0"], "the output"),
+        ([str(not_gguf), str(not_gguf), "--type", "q8_0"], "is the input"),
+        ([str(not_gguf), str(tmp_path), "--type", "q8_0"], "must be a file path in an existing directory"),
+        ([str(not_gguf), str(tmp_path / "no" / "x.gguf"), "--type", "q8_0"], "in an existing directory"),
     ]:
         result = subprocess.run([sys.executable, "-m", "tinyvllm.quantize", *args], capture_output=True, text=True)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -274,6 +274,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, o
         raise FileNotFoundError(f"no model at {src}: expected a .gguf file or an HF model directory")
     if dst.exists() and dst.resolve() == src.resolve():
         raise ValueError(f"the output {dst} is the input: write the quantized model to another file")
+    if dst.is_dir() or not dst.parent.is_dir():
+        raise ValueError(f"the output {dst} must be a file path in an existing directory (e.g. model-{qtype}.gguf)")
     if src.is_dir():
         metadata, plan = _from_hf(src, ggml_type)
     elif src.suffix == ".safetensors":
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         quantize_model(args.src, args.dst, args.qtype)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a missing input, an output path that cannot be written
         parser.error(str(e))  # a one-line message and exit status 2, not a traceback
 
 

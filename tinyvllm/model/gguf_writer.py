@@ -89,6 +89,8 @@ def typed(value: Any) -> MetadataValue:
     """`value` with its GGUF type: kept if it is a MetadataValue already, else the usual one for it."""
     if isinstance(value, MetadataValue):
         return value
+    if isinstance(value, np.generic):  # np.int64(5), np.float32(0.5): as the Python number they hold
+        value = value.item()
     if isinstance(value, bool):
         return MetadataValue(value, BOOL)
     if isinstance(value, int):
@@ -104,7 +106,9 @@ def typed(value: Any) -> MetadataValue:
         if all(isinstance(v, bool) for v in items):
             return MetadataValue(items, ARRAY, BOOL)
         if all(isinstance(v, int) and not isinstance(v, bool) for v in items):
-            return MetadataValue(items, ARRAY, INT32 if _int_type(items) in (UINT32, INT32) else _int_type(items))
+            lo, hi = _INT_RANGES[INT32]
+            fits = all(lo <= v < hi for v in items)  # llama.cpp's integer arrays are i32 (token types)
+            return MetadataValue(items, ARRAY, INT32 if fits else _int_type(items))
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
             return MetadataValue(items, ARRAY, FLOAT32)
         raise ValueError(f"a GGUF array holds items of one type; got {sorted({type(v).__name__ for v in items})}")
