@@ -118,3 +118,23 @@ def test_search_rules_by_hand():
     assert np.isclose(search.finished[0].score, np.log(0.54) / 2)
     search.step([logprobs({0: 0.5, 5: 0.5}), logprobs({0: 1.0})])  # "2 3 0" ranks first: a second hypothesis, k reached
     assert search.done and [h.tokens for h in search.finished] == [[1, 0], [2, 3, 0]]
+
+
+def test_server_completions_with_use_beam_search(tiny_model_dir, tiny_engine):
+    import httpx
+
+    from api_helpers import serve
+
+    prompt = [(3 * i) % 200 + 9 for i in range(21)]
+    offline, _ = run_beam_search(tiny_engine, prompt, BeamSearchParams(beam_width=3, max_tokens=6,
+                                                                       length_penalty=0.5))
+    with serve(lambda: LLMEngine(tiny_model_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                                 kv_cache_memory="16MiB")) as server:
+        body = {"prompt": prompt, "n": 3, "max_tokens": 6, "use_beam_search": True, "length_penalty": 0.5}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert [c["text"] for c in choices] == [c.text for c in offline.outputs]
+        assert [c["index"] for c in choices] == [0, 1, 2]
+        refused = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 2}, timeout=120)
+        assert refused.status_code == 400 and "beam search" in refused.text

@@ -147,6 +147,9 @@ class CompletionRequest(SamplingFields):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+    # vLLM's extras: n beams instead of n samples (tinyvllm/engine/beam_search.py), ranked with this penalty
+    use_beam_search: StrictBool = False
+    length_penalty: StrictFloat = 1.0
 
 
 class FunctionDefinition(BaseModel):

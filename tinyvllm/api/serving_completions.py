@@ -8,6 +8,8 @@ Both paths read the same stream of `RequestOutput`s: the streaming one sends dif
 other waits for the end. `echo` puts the prompt in front of the text; `logprobs=k` returns, per
 token, its log-probability and the k most likely alternatives. `response_format`, `structured_outputs`
 and the `guided_*` fields constrain the text as on the chat route (see `serving_engine.py`).
+`use_beam_search=true` (vLLM's extra) returns the n best beams instead of n samples, ranked with
+`length_penalty`; they arrive at once, when the search ends.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tinyvllm.api.protocol import (CompletionLogProbs, CompletionRequest, Comple
                                    CompletionResponseChoice, CompletionStreamResponse)
 from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, choice_deltas, last_output, sse, sse_error,
                                         usage)
+from tinyvllm.engine.beam_search import BeamSearchParams
 from tinyvllm.outputs import RequestOutput
 
 
@@ -35,13 +38,16 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix is not None:
             raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
-            raise bad_request("best_of must equal n: beam search is not supported", "best_of")
+            raise bad_request("best_of must equal n (for the n best beams: use_beam_search=true)", "best_of")
         if request.echo and request.logprobs is not None:
             raise bad_request("echo with logprobs needs the prompt's logprobs, which this engine does not compute",
                               "echo")
         prompt_ids, prompt_text = self.prompt(request.prompt)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "prompt")
-        params = self.sampling_params(request, max_tokens, request.logprobs, self.structured_outputs(request))
+        if request.use_beam_search:
+            params = self.beam_search_params(request, max_tokens)
+        else:
+            params = self.sampling_params(request, max_tokens, request.logprobs, self.structured_outputs(request))
 
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
@@ -54,6 +60,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
         return self.full_response(final, head, echo, request.logprobs)
+
+    def beam_search_params(self, request: CompletionRequest, max_tokens: int) -> BeamSearchParams:
+        """n beams of up to max_tokens tokens (vLLM's `to_beam_search_params`); what beams cannot do is a 400."""
+        for field in ("logprobs", "stop", "stop_token_ids", "logit_bias", "seed", "top_p", "top_k", "min_p",
+                      "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+            if getattr(request, field) is not None:
+                raise bad_request(f"{field} does not apply to beam search (use_beam_search=true)", field)
+        if self.structured_outputs(request) is not None:
+            raise bad_request("structured outputs do not apply to beam search (use_beam_search=true)",
+                              "use_beam_search")
+        return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=bool(request.ignore_eos),
+                                temperature=request.temperature or 0.0, length_penalty=request.length_penalty)
 
     def prompt(self, prompt: str | list) -> tuple[list[int], str]:
         """Token ids and text of the one prompt, given either way."""

@@ -65,6 +65,11 @@ class BeamSearchParams:
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
 
+    @property
+    def n(self) -> int:
+        """Completions returned: one per beam (what a server counts against its queue)."""
+        return self.beam_width
+
 
 @dataclass
 class BeamSearchSequence:
