@@ -163,7 +163,7 @@ for name, size, m in zip(files, sizes, maps):
 
 DEVICES = {"cuda": "CUDA", "metal": "METAL"}
 C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "tv_half", np.dtype(np.int32): "int",
-           np.dtype(np.uint32): "unsigned", np.dtype(np.uint8): "unsigned char"}
+           np.dtype(np.uint32): "unsigned", np.dtype(np.uint8): "unsigned char", np.dtype(np.int8): "signed char"}
 
 
 def can_emulate() -> bool:
@@ -235,8 +235,8 @@ def run_emulated(language: str, name: str, defines: dict, arrays: list[np.ndarra
 
 # ---- CUDA: compiled to PTX here; run where a CUDA device exists ----
 
-def nvrtc_compiler():
-    """tinygrad's own CUDA compiler (nvrtc), with nvrtc from the nvidia-cuda-nvrtc wheel if it is installed."""
+def nvrtc_compiler(arch: str = "sm_90"):
+    """tinygrad's own CUDA compiler (nvrtc) for `arch`, with nvrtc from the nvidia-cuda-nvrtc wheel if installed."""
     try:
         import nvidia.cuda_nvrtc as wheel
 
@@ -249,20 +249,20 @@ def nvrtc_compiler():
     try:
         from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 
-        return NVRTCCompiler("sm_90")
+        return NVRTCCompiler(arch)
     except Exception:  # no libnvrtc anywhere
         return None
 
 
-def compile_cuda(source: str, tmp_path: Path) -> str | None:
-    """PTX for sm_90 from nvrtc (tinygrad's compiler), else from `nvcc -ptx`; None where neither exists.
+def compile_cuda(source: str, tmp_path: Path, arch: str = "sm_90") -> str | None:
+    """PTX for `arch` from nvrtc (tinygrad's compiler), else from `nvcc -ptx`; None where neither exists.
     A compile error raises (tinygrad's CompileError, or CalledProcessError from nvcc)."""
-    compiler = nvrtc_compiler()
+    compiler = nvrtc_compiler(arch)
     if compiler is not None:
         return compiler.compile(source).decode()
     if shutil.which("nvcc"):
         (tmp_path / "k.cu").write_text(source)
-        subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-o", str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")],
+        subprocess.run(["nvcc", "-ptx", f"-arch={arch}", "-o", str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")],
                        check=True)
         return (tmp_path / "k.ptx").read_text()
     return None
