@@ -281,3 +281,62 @@ def test_int8_greedy_agrees_with_float32_on_the_oracle_prompts(generator):
             same.append(name)
     print(f"int8 KV cache: {len(same)} of {len(prompts)} greedy continuations equal float32's ({same})")
     assert len(same) >= 4, same
+
+
+# ---- the GPU sources: under the CPU emulation (tests/gpu_emulation.py), and CUDA compiled by nvrtc ----
+
+def gpu_defines(language: str, name: str) -> dict:
+    spec = KV_CACHE_DTYPES[name]
+    return {"TV_NUM_THREADS": kernel_backend.NUM_THREADS, "TV_T": "float",
+            "TV_CACHE_T": kernel_backend.C_TYPES[language.upper()][spec.storage],
+            "TV_CACHE_BITS": 8 * spec.storage.itemsize, "TV_KV_QUANT": kernel_backend.KV_QUANT[name]}
+
+
+@pytest.mark.parametrize("language", ["cuda", "metal"])
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_gpu_kernels_under_cpu_emulation(language: str, name: str, tmp_path):
+    from gpu_emulation import can_emulate, run_emulated
+
+    if not can_emulate():
+        pytest.skip("the GPU emulation needs clang++ on x86-64 Linux")
+    rng = np.random.default_rng(7)
+    block_size, group, n_kv_heads, head_dim, lengths = 8, 3, 2, 64, [1, 9, 70, 200]  # 200: all 4 warps, merged
+    num_blocks, tables, key, value, slots = make_pool(rng, lengths, block_size, n_kv_heads, head_dim)
+    written = [np.zeros(c.shape, NUMPY_STORAGE[name] if c.ndim == 4 else np.float32)
+               for c in empty_caches(name, num_blocks, block_size, n_kv_heads, head_dim)]
+    defines = {"TV_NUM_TOKENS": len(slots), "TV_NUM_KV_HEADS": n_kv_heads, "TV_HEAD_DIM": head_dim,
+               "TV_NUM_SLOTS": num_blocks * block_size, **gpu_defines(language, name)}
+    run_emulated(language, "paged_attention", defines, [*written, key, value, slots], (len(slots), 1),
+                 kernel_backend.NUM_THREADS, tmp_path, entry="reshape_and_cache")
+    caches = empty_caches(name, num_blocks, block_size, n_kv_heads, head_dim)
+    for got, want in zip(written, portable_write(key, value, caches, slots)):
+        np.testing.assert_array_equal(got, want)  # the same codes and scales as the portable path, bit for bit
+    q = rng.standard_normal((len(lengths), group * n_kv_heads, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    defines = {"TV_NUM_SEQS": len(lengths), "TV_NUM_HEADS": group * n_kv_heads, "TV_NUM_KV_HEADS": n_kv_heads,
+               "TV_HEAD_DIM": head_dim, "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": tables.shape[1],
+               "TV_SCALE": f"{1 / math.sqrt(head_dim)!r}f", **gpu_defines(language, name)}
+    run_emulated(language, "paged_attention", defines, [out, q, *written, tables, np.array(lengths, np.int32)],
+                 (n_kv_heads, len(lengths)), kernel_backend.NUM_THREADS, tmp_path)
+    np.testing.assert_allclose(out, portable_attention(q, written, tables, lengths), atol=2e-5, rtol=1e-5)
+    check_against_float32(out, q, key, value, written, slots, lengths, name)
+
+
+@pytest.mark.parametrize("entry", ["paged_attention", "reshape_and_cache"])
+def test_cuda_quantized_sources_compile(entry: str, tmp_path):
+    """int8 and fp8 caches, float and half queries, for sm_80 (fp8 by bit arithmetic) and sm_90 (native cvt)."""
+    from gpu_emulation import check_ptx, compile_cuda
+
+    shapes = {"paged_attention": {"TV_NUM_SEQS": 4, "TV_NUM_HEADS": 9, "TV_NUM_KV_HEADS": 3, "TV_HEAD_DIM": 64,
+                                  "TV_BLOCK_SIZE": 16, "TV_MAX_BLOCKS": 8, "TV_SCALE": "0.125f"},
+              "reshape_and_cache": {"TV_NUM_TOKENS": 8, "TV_NUM_KV_HEADS": 3, "TV_HEAD_DIM": 64, "TV_NUM_SLOTS": 512}}
+    for name in ("int8", "fp8"):
+        for t in ("float", "half"):
+            defines = {**shapes[entry], **gpu_defines("cuda", name), "TV_T": t}
+            program, source = kernel_backend.kernel_source(entry, "CUDA", defines)
+            for arch in ("sm_80", "sm_90"):
+                ptx = compile_cuda(source, tmp_path, arch)
+                if ptx is None:
+                    pytest.skip("no CUDA compiler (libnvrtc or nvcc)")
+                check_ptx(ptx, program)
+                assert ("e4m3" in ptx) == (name == "fp8" and arch == "sm_90"), (name, arch)  # native fp8 on sm_89+

@@ -114,9 +114,9 @@ TV_INLINE void store_row(cache_t* restrict dst, float* restrict scale, const flo
 #if TV_KV_QUANT
   float amax = 0.0f;
   for (int j = 0; j < TV_HEAD_DIM; j++) amax = __builtin_fmaxf(amax, __builtin_fabsf(x[j]));
-  /* as tinygrad computes them (a division is a multiplication by the reciprocal): bit-equal codes */
+  /* as tinygrad computes them (one division for inv, then x * inv): bit-equal codes */
   *scale = amax * (1.0f / QMAX);
-  const float inv = amax > 0.0f ? QMAX * (1.0f / amax) : 0.0f;
+  const float inv = amax > 0.0f ? QMAX / amax : 0.0f;
   for (int j = 0; j < TV_HEAD_DIM; j++) {
 #if TV_KV_QUANT == KV_INT8
     dst[j] = (cache_t)__builtin_rintf(x[j] * inv);  /* round half to even, |code| <= 127 */

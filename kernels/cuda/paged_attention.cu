@@ -140,7 +140,7 @@ reshape_and_cache(TV_CACHE_T* __restrict__ k_cache, TV_CACHE_T* __restrict__ v_c
     float amax = 0.0f;
     for (int d = 0; d < TV_HEAD_DIM; d++) amax = fmaxf(amax, fabsf(to_float(x[d])));
     (r < TV_NUM_KV_HEADS ? k_scale : v_scale)[slot * TV_NUM_KV_HEADS + h] = amax * (1.0f / QMAX);
-    const float inv = amax > 0.0f ? QMAX * (1.0f / amax) : 0.0f;  /* as tinygrad: a reciprocal, then a multiply */
+    const float inv = amax > 0.0f ? QMAX / amax : 0.0f;  /* as tinygrad: one division, then x * inv */
     for (int d = 0; d < TV_HEAD_DIM; d++) {
 #if TV_KV_QUANT == KV_INT8
       dst[d] = (signed char)rintf(to_float(x[d]) * inv);  /* round half to even, |code| <= 127 */

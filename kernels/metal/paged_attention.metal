@@ -111,7 +111,7 @@ TV_KERNEL reshape_and_cache(device TV_CACHE_T* k_cache [[buffer(0)]], device TV_
     float amax = 0.0f;
     for (int d = 0; d < TV_HEAD_DIM; d++) amax = max(amax, fabs(float(x[d])));
     (r < TV_NUM_KV_HEADS ? k_scale : v_scale)[slot * TV_NUM_KV_HEADS + h] = amax * (1.0f / QMAX);
-    const float inv = amax > 0.0f ? QMAX * (1.0f / amax) : 0.0f;  /* as tinygrad: a reciprocal, then a multiply */
+    const float inv = amax > 0.0f ? QMAX / amax : 0.0f;  /* as tinygrad: one division, then x * inv */
     for (int d = 0; d < TV_HEAD_DIM; d++) {
 #if TV_KV_QUANT == KV_INT8
       dst[d] = TV_CACHE_T(rint(float(x[d]) * inv));  /* round half to even, |code| <= 127 */

@@ -21,10 +21,12 @@ all 64. A K row of SmolLM2-135M has amax / rms ~ 4.5; rotated, the rounding erro
 smaller (measured on the real model's K/V, all layers: 0.91% -> 0.57% relative). It costs no byte, and
 O(head_dim^2) work per new token and per query, none per cached token.
 
-Every formula is written as the kernels compute it, so that the codes come out bit for bit the same:
-tinygrad divides by multiplying with the reciprocal, so the kernels do too:
+Every formula is written as the kernels compute it, so that the codes come out bit for bit the same (tinygrad
+0.14 renders `qmax / amax` as one division and the constant 1 / qmax folded; a code is the rounding of x_i * inv,
+and computing inv another way, say qmax * (1 / amax), moves a code by one where x_i * inv lands within a float
+rounding of a half):
 
-    s = amax * (1 / qmax)        inv = amax > 0 ? qmax * (1 / amax) : 0        y_i = x_i * inv
+    s = amax * (1 / qmax)        inv = amax > 0 ? qmax / amax : 0        y_i = x_i * inv
 
 fp8 e4m3 (OCP "fn"): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no infinities; 0x7F is NaN.
     normal    (e > 0):  (-1)^s * 2^(e-7) * (1 + m/8)      largest 0x7E = 1.75 * 2^8 = 448
@@ -71,7 +73,7 @@ def scales_of(x: Tensor, spec: KVCacheDtype) -> tuple[Tensor, Tensor]:
     assert spec.qmax is not None, f"{spec.name} is not quantized"
     amax = x.abs().max(axis=-1)
     scale = amax * (1.0 / spec.qmax)
-    inv = (amax > 0).where(spec.qmax * amax.reciprocal(), 0.0)
+    inv = (amax > 0).where(spec.qmax / amax, 0.0)
     return scale, inv
 
 
