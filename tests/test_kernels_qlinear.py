@@ -2,7 +2,8 @@
 
 Two oracles, for every format at M = 1, 3, 37 and N not a multiple of the tiles:
   (a) a numpy reference that quantizes x exactly as the kernel does (8-bit blocks, rint, float32 scales) and then
-      computes the block sums in float64: the kernel must agree to float32 rounding;
+      computes the block sums in float64: the kernel must agree to float32 rounding (from FLOAT_PATH_MIN_M rows
+      on the kernel multiplies dequantized weights in float32 instead: there the reference is the float product);
   (b) the float product x @ W.T with W from tinyvllm.model.quant.dequantize (bit-exact with the `gguf` package):
       the kernel may differ only by what rounding x to 8 bits allows (the bound is derived in `activation_bound`).
 Blocks are random with valid float16 scales (and random 6-bit / int8 sub-block scales for the K-quants), plus real
@@ -18,6 +19,7 @@ from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 from tinyvllm.kernels import cpu_threads, launcher
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.qlinear import (
+    FLOAT_PATH_MIN_M,
     QUANT_FORMATS,
     QuantizedWeight,
     dequantize_weight,
@@ -135,8 +137,9 @@ def activation_bound(x: np.ndarray, W: np.ndarray, block: int) -> np.ndarray:
 def check_both_oracles(out: np.ndarray, x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> None:
     fmt = QUANT_FORMATS[ggml_type]
     N, K = blocks.shape[0], x.shape[1]
-    ref = reference(x, blocks, ggml_type)
     W = dequantize(blocks.reshape(-1), ggml_type, (N, K))
+    float_path = x.shape[0] >= FLOAT_PATH_MIN_M
+    ref = x.astype(np.float64) @ W.T.astype(np.float64) if float_path else reference(x, blocks, ggml_type)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64)  # sum_k |x w|: what rounding scales
     # (a) float32 rounding only: ~K/32 block sums each rounded at 2^-24 stay far inside 1e-5 of the magnitudes
     np.testing.assert_array_less(np.abs(out - ref), 1e-5 * magnitude + 1e-30)
@@ -145,7 +148,13 @@ def check_both_oracles(out: np.ndarray, x: np.ndarray, blocks: np.ndarray, ggml_
     np.testing.assert_array_less(np.abs(out - exact), activation_bound(x, W, fmt.block_size))
 
 
-SHAPES = {32: [(37, 96), (7, 576)], 256: [(37, 512), (5, 256)]}  # N not a multiple of the 4- and 2-row tiles
+SHAPES = {32: [(37, 96), (7, 576)], 256: [(37, 512), (5, 256)]}  # N not a multiple of the 4-, 3- and 2-row tiles
+
+
+def test_float_path_threshold_is_the_kernels():
+    qdot = (launcher.KERNELS_DIR / "cpu" / "qdot.h").read_text()
+    assert f"#define TV_FLOAT_MIN_M {FLOAT_PATH_MIN_M} " in qdot
+    assert 3 < FLOAT_PATH_MIN_M <= 37  # the tests below run M = 1 and 3 on the integer path, 37 on the float path
 
 
 @needs_kernel
@@ -166,14 +175,14 @@ def test_portable_c_path_matches_too(ggml_type: int):
     # TV_SCALAR compiles the kernels' plain-C loops (what a CPU without AVX2 runs) instead of the intrinsics
     fmt = QUANT_FORMATS[ggml_type]
     N, K = SHAPES[fmt.block_size][0]
-    M = 3
     blocks = random_blocks(ggml_type, N, K, seed=7)
-    x = np.random.default_rng(7).standard_normal((M, K), dtype=np.float32)
-    out = Tensor.empty(M, N, dtype=dtypes.float32)
-    scratch = Tensor.empty(scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
-    out, _ = launcher.launch(fmt.kernel, outs=[out, scratch], ins=[Tensor(x).realize(), Tensor(blocks).realize()],
-                             defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, "TV_SCALAR": 1})
-    check_both_oracles(out.numpy(), x, blocks, ggml_type)
+    for M in (3, 37):  # the integer path and the float path
+        x = np.random.default_rng(7).standard_normal((M, K), dtype=np.float32)
+        out = Tensor.empty(M, N, dtype=dtypes.float32)
+        scratch = Tensor.empty(scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
+        out, _ = launcher.launch(fmt.kernel, outs=[out, scratch], ins=[Tensor(x).realize(), Tensor(blocks).realize()],
+                                 defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, "TV_SCALAR": 1})
+        check_both_oracles(out.numpy(), x, blocks, ggml_type)
 
 
 def model_tensor(name: str) -> tuple[np.ndarray, int, int]:
@@ -278,9 +287,10 @@ def test_graphed_jit_replays_with_new_inputs():
 
 
 @needs_kernel
-def test_same_bits_with_and_without_threads():
+@pytest.mark.parametrize("M", [8, 32])  # the integer path and the float path
+def test_same_bits_with_and_without_threads(M: int):
     blocks = random_blocks(3, 960, 576, seed=9)  # 960 rows of w: many chunks for the thread pool
-    w, x = weight(blocks, 3, 576), Tensor(np.random.default_rng(9).standard_normal((32, 576), dtype=np.float32))
+    w, x = weight(blocks, 3, 576), Tensor(np.random.default_rng(9).standard_normal((M, 576), dtype=np.float32))
     with cpu_threads.threads_enabled(True):
         a = qlinear(x.realize(), w).numpy()
     with cpu_threads.threads_enabled(False):

@@ -32,9 +32,10 @@
  * How the work is cut (as matmul.c): quantize x (rows spread over the thread pool), then tiles of MR rows of x
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
  * block for NR rows of w. M=1: MR=1, NR=4 (four rows of w streamed side by side, sharing each x block).
- * M>1: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers
- * and with AVX-512's 32, though its 8 + 8 accumulators spill a few to the stack on AVX2).
- * The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
+ * 1 < M < TV_FLOAT_MIN_M (12): MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with
+ * AVX2's 16 registers and with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2).
+ * M >= 12: no integers: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (qdot.h says
+ * why). The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
  * walked in blocks of MB rows so that a chunk's weights stay in L1/L2 while every row of x passes over them.
  */
 #include "threadpool.h"
@@ -64,9 +65,12 @@
 #if TV_M == 1
 #define MR 1
 #define NR 4
-#else
+#elif TV_M < TV_FLOAT_MIN_M
 #define MR 4
 #define NR 2
+#else
+#define MR FMR   /* the float path (qdot.h): tiles of FNR dequantized rows of w */
+#define NR FNR
 #endif
 #define MB 64                               /* rows of x per pass over a chunk: 64 x 1536/32 x 40 B = 123 KB */
 #define CHUNK_BYTES 24576                   /* ~24 KB of w per chunk handed to a thread */
@@ -91,17 +95,22 @@ struct qmatmul_args {
   const unsigned char* w;
 };
 
+#if TV_M < TV_FLOAT_MIN_M
 static void quantize_chunk(const void* ctx, int chunk);
+#endif
 static void qmatmul_chunk(const void* ctx, int chunk);
 
 /* The entry point: the first function in this file, so the first in the compiled image. */
 TV_KERNEL qmatmul(float* restrict out, unsigned char* restrict scratch, const float* restrict x,
                   const unsigned char* restrict w) {
   struct qmatmul_args args = {out, (struct xblock*)scratch, x, w};
+#if TV_M < TV_FLOAT_MIN_M
   tv_parallel_for(quantize_chunk, &args, NUM_QUANT_CHUNKS);  /* every row of x, before any dot product */
+#endif
   tv_parallel_for(qmatmul_chunk, &args, NUM_CHUNKS);
 }
 
+#if TV_M < TV_FLOAT_MIN_M
 /* ---- step 1: x -> 8-bit blocks ---- */
 
 TV_INLINE void quantize_block(struct xblock* restrict out, const float* restrict x) {
@@ -258,15 +267,41 @@ TV_INLINE void tile_column(float* restrict out, const struct xblock* restrict x,
 #endif
 }
 
+#endif  /* TV_M < TV_FLOAT_MIN_M */
+
+/* One row of w as floats, for the float path (qdot.h): its integers q, then d * q + m per block */
+TV_INLINE void dequantize_row(float* restrict dst, const unsigned char* restrict row) {
+  for (int b = 0; b < NB; b++) {
+    const unsigned char* blk = row + b * BLOCK_BYTES;
+    float d = f16_to_f32(blk);
+#if TV_QTYPE == 8
+    float m = 0.0f;
+    const signed char* q = (const signed char*)(blk + QS_AT);
+#else
+    float m = TV_QTYPE == 3 ? f16_to_f32(blk + 2) : -8.0f * d;
+    signed char q[32];
+    for (int k = 0; k < 16; k++) {
+      q[k] = (signed char)(blk[QS_AT + k] & 0x0f);
+      q[k + 16] = (signed char)(blk[QS_AT + k] >> 4);
+    }
+#endif
+    affine_to_float(dst + 32 * b, q, 32, 32, &d, &m);
+  }
+}
+
 /* One chunk: output columns [n0, n1) for every row of x. */
 static void qmatmul_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
   int n0 = chunk * CHUNK_ROWS;
   int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
+#if TV_M >= TV_FLOAT_MIN_M
+  float_chunk(a->out, a->x, a->w, ROW_BYTES, n0, n1);
+#else
   for (int m0 = 0; m0 < TV_M; m0 += MB) {
     int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
     int n = n0;
     for (; n + NR <= n1; n += NR) tile_column(a->out, a->xq, a->w, n, m0, m1, NR);
     for (; n < n1; n++) tile_column(a->out, a->xq, a->w, n, m0, m1, 1);  /* N % NR leftover rows of w */
   }
+#endif
 }
