@@ -336,7 +336,7 @@ def start_server(command: list[str], port: int, timeout: float = 600) -> subproc
     raise RuntimeError(f"the server on port {port} did not become healthy within {timeout} s")
 
 
-def restart(command: Callable[[int], list[str]], grace_s: float, streams: int = 8, short_tokens: int = 120,
+def restart(command: Callable[[int], list[str]], grace_s: float, streams: int = 8, short_tokens: int = 48,
             long_tokens: int = 2000) -> dict:
     """SIGTERM while `streams` stream (half short enough to finish within the grace period, half not); a new
     server is started on the same port right after the signal, while the old one drains."""
@@ -344,8 +344,31 @@ def restart(command: Callable[[int], list[str]], grace_s: float, streams: int = 
     old = start_server(command(port), port)
     url = f"http://127.0.0.1:{port}"
 
+    async def poll_new_server(new: subprocess.Popen, signalled: float) -> tuple[float | None, float | None]:
+        """Seconds after the signal until the port answers again (/health: 503 while the new server loads),
+        and until the new server has served a completion. A new connection each time: never the old server's."""
+        listening = None
+        while time.perf_counter() - signalled < 600:
+            if new.poll() is not None:
+                raise RuntimeError(f"the new server exited: {new.stderr.read()[-2000:]}")
+            try:
+                async with httpx.AsyncClient(base_url=url, timeout=60) as fresh:
+                    health = await fresh.get("/health")
+                    listening = listening or time.perf_counter() - signalled
+                    if health.status_code == 200 and (await fresh.post("/v1/completions", json={
+                            "prompt": "Back:", "max_tokens": 2})).status_code == 200:
+                        return listening, time.perf_counter() - signalled
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.05)
+        return listening, None
+
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            # the same batch once, short: the kernels for its shapes compile now, not during the grace period
+            # (a step that is compiling cannot be interrupted; the drain acts between steps)
+            await asyncio.gather(*(stream(client, "/v1/completions", {"prompt": f"Tale {i}:", "max_tokens": 4})
+                                   for i in range(streams)))
             tasks = [asyncio.ensure_future(stream(client, "/v1/completions", {
                 "prompt": f"Tale {i}:", "max_tokens": short_tokens if i % 2 else long_tokens,
                 "temperature": 0, "ignore_eos": True})) for i in range(streams)]
@@ -354,23 +377,17 @@ def restart(command: Callable[[int], list[str]], grace_s: float, streams: int = 
             old.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             try:  # the old server takes no new connection now
-                refused = (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})).status_code == 503
+                response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                refused = response.status_code == 503
             except httpx.TransportError:
                 refused = True
             new = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            serving = asyncio.ensure_future(poll_new_server(new, signalled))  # meanwhile, the old one drains
             results = await asyncio.gather(*tasks, return_exceptions=True)
             drained = time.perf_counter() - signalled
             exit_code = await asyncio.to_thread(old.wait, grace_s + 30)
             exited = time.perf_counter() - signalled
-            first_200 = None
-            while first_200 is None and time.perf_counter() - signalled < 600:
-                if new.poll() is not None:
-                    raise RuntimeError(f"the new server exited: {new.stderr.read()[-2000:]}")
-                try:
-                    response = await client.post("/v1/completions", json={"prompt": "Back:", "max_tokens": 2})
-                    first_200 = time.perf_counter() - signalled if response.status_code == 200 else None
-                except httpx.TransportError:
-                    await asyncio.sleep(0.1)
+            listening, first_200 = await serving
             new.send_signal(signal.SIGTERM)
             new.wait(60)
             ok = [r for r in results if not isinstance(r, BaseException)]
@@ -381,6 +398,7 @@ def restart(command: Callable[[int], list[str]], grace_s: float, streams: int = 
                     "cut_without_done": streams - sum(r["done"] for r in ok),
                     "new_requests_refused_while_draining": refused,
                     "drain_s": round(drained, 2), "old_exit_s": round(exited, 2), "old_exit_code": exit_code,
+                    "new_server_listening_s": None if listening is None else round(listening, 2),
                     "new_server_first_200_s": None if first_200 is None else round(first_200, 2)}
 
     try:
@@ -412,7 +430,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per soak request (default 16)")
     p.add_argument("--max-waiting", type=int, default=16, help="the overload scenario's queue limit (default 16)")
     p.add_argument("--fuzz-cases", type=int, default=200, help="schemathesis examples per operation and mode")
-    p.add_argument("--grace", type=float, default=5.0, help="the restart scenario's --shutdown-timeout")
+    p.add_argument("--grace", type=float, default=10.0, help="the restart scenario's --shutdown-timeout (default 10)")
     p.add_argument("--no-write", action="store_true", help="print, but do not write the results file")
     args = p.parse_args()
     log(f"bench_reliability on {machine_description()}")

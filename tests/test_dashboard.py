@@ -6,7 +6,7 @@ by two requests (ref_cnt 2); a finished request's full blocks stay cached while 
 driven in a real browser (Debian's chromium, headless, through selenium) against the real default model:
 its grid shows blocks in use while a long request runs and none after, and its queues follow the engine.
 
-    TINYVLLM_UPDATE_SCREENSHOT=1 .venv/bin/pytest tests/test_dashboard.py -k browser   # rewrites docs/images/dashboard.png
+    TINYVLLM_UPDATE_SCREENSHOT=1 .venv/bin/pytest tests/test_dashboard.py -k browser  # rewrites the screenshot
 """
 
 from __future__ import annotations

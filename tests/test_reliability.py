@@ -121,4 +121,4 @@ def test_restart_drains_within_the_grace_period():
     assert result["finished"] == 4 and result["ended_with_error_event"] == 4, result
     assert result["cut_without_done"] == 0 and result["new_requests_refused_while_draining"]
     assert grace - 0.5 <= result["drain_s"] <= grace + 2.0, result
-    assert result["new_server_first_200_s"] is not None
+    assert result["new_server_listening_s"] is not None and result["new_server_first_200_s"] is not None

@@ -82,9 +82,10 @@ def test_wheel_holds_every_module_and_kernel(wheel: Path):
     modules = [str(p.relative_to(ROOT)) for p in (ROOT / "tinyvllm").rglob("*.py") if "__pycache__" not in p.parts]
     kernels = [f"tinyvllm/kernel_sources/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*")
                if p.is_file()]
-    missing = [m for m in modules + kernels if m not in names]
+    page = [str(p.relative_to(ROOT)) for p in (ROOT / "tinyvllm" / "api" / "static").iterdir()]  # the dashboard
+    missing = [m for m in modules + kernels + page if m not in names]
     assert not missing, f"the wheel lacks {missing} (pyproject.toml: [tool.setuptools] packages, package-data)"
-    assert "tinyvllm/kernel_sources/cpu/matmul.c" in kernels
+    assert "tinyvllm/kernel_sources/cpu/matmul.c" in kernels and "tinyvllm/api/static/dashboard.js" in page
 
 
 def test_installed_wheel_runs_its_own_kernels(wheel: Path, tmp_path: Path):

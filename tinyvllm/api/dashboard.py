@@ -76,7 +76,8 @@ class RateWindow:
                     "ttft": list(m.ttft.counts), "itl": list(m.itl.counts)}
 
     def rates(self, extra_stats: dict) -> dict:
-        """Rates over the window (the first call: since the server started)."""
+        """Rates over the window. The first call has nothing to diff against: no rates yet, and the
+        percentiles count every observation so far."""
         if self.metrics is None:
             return {}
         now, current = time.monotonic(), self.read()
@@ -93,7 +94,8 @@ class RateWindow:
                  "generation_tok_s": (current["generation_tokens"] - old["generation_tokens"]) / dt if dt else None,
                  "prompt_tok_s": (current["prompt_tokens"] - old["prompt_tokens"]) / dt if dt else None,
                  "prefix_cache_hit_rate": (current["prefix_hits"] - old["prefix_hits"]) / queries if queries else None,
-                 "generation_tokens_total": current["generation_tokens"], "prompt_tokens_total": current["prompt_tokens"]}
+                 "generation_tokens_total": current["generation_tokens"],
+                 "prompt_tokens_total": current["prompt_tokens"]}
         for name, histogram in (("ttft", self.metrics.ttft), ("itl", self.metrics.itl)):
             gained = [c - o for c, o in zip(current[name], old[name])]
             for q in (0.5, 0.99):
