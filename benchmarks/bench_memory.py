@@ -17,6 +17,11 @@
      block-table gather and the causal mask, plus a variant of the paged read whose mask is built from
      a fixed-length arange (not in the engine: it isolates the cost of the gather itself); and the
      host-side cost of a step's inputs (the engine's model runner fills 5 small input arrays, the contiguous runner 1).
+  6. The KV cache's dtype (Phase 7c: float32, float16, int8, fp8), each in the same run: bytes per token, how many
+     sequences of the mix fit the budget, decode tokens/s of 8 sequences at context 4,096 on the kernels (the
+     engines stepped in turn), one layer's attention kernel alone there, and the perplexity of a fixed text.
+
+    .venv/bin/python benchmarks/bench_memory.py --kv-only     # parts 1-3 and 6 (prints; writes only --json)
 
 On the CPU the model's matmuls run on the C kernel and its helper threads, which park when the gap
 between two matmuls grows (the paged attention kernels widen it). `TINYVLLM_PORTABLE=1` runs tinygrad's
@@ -40,12 +45,20 @@ sys.path.insert(0, str(ROOT))
 from common import add_peers_arg, machine_description, no_peer_twin, table, write_results  # noqa: E402
 
 from tinyvllm.core.block_manager import BlockManager  # noqa: E402
-from tinyvllm.core.kv_cache import num_blocks_for_memory, parse_memory  # noqa: E402
+from tinyvllm.core.kv_cache import (  # noqa: E402
+    KV_CACHE_DTYPES,
+    KVCacheDtype,
+    kv_cache_bytes_per_token,
+    num_blocks_for_memory,
+    parse_memory,
+)
 from tinyvllm.core.sequence import Sequence  # noqa: E402
 from tinyvllm.model.config import ModelConfig  # noqa: E402
 
 MiB = 2**20
 BLOCK_SIZES = (8, 16, 32)
+KV_FIT_SEQS = 512  # part 6's mixes: part 2's distribution, long enough that no dtype runs out of sequences
+KV_FIT_DRAWS = 50
 BENCH_TEXT = ("A library keeps its books on shelves of equal size. When a new book arrives it goes on any free "
               "shelf, and a card in the catalogue says where; nobody reserves a whole wing for a reader who "
               "might, one day, borrow a thousand books. ")
@@ -107,10 +120,11 @@ def replay(mix: list[tuple[int, int]], block_size: int) -> list[int]:
     return held
 
 
-def fit_in_budget(lengths: list[int], config: ModelConfig, block_size: int, budget: int) -> int:
+def fit_in_budget(lengths: list[int], config: ModelConfig, block_size: int, budget: int,
+                  kv_dtype: KVCacheDtype = KV_CACHE_DTYPES["float32"]) -> int:
     """How many sequences of the mix, taken in order at their full length, the BlockManager admits at once
-    (with the engine's own count of blocks for the budget, float32)."""
-    bm = BlockManager(num_blocks_for_memory(config, block_size, budget), block_size)
+    (with the engine's own count of blocks for the budget, float32 unless `kv_dtype` says otherwise)."""
+    bm = BlockManager(num_blocks_for_memory(config, block_size, budget, kv_dtype), block_size)
     admitted = 0
     for seq_id, n in enumerate(lengths):
         if bm.allocate(Sequence(seq_id, [0] * n)) is None:
@@ -294,6 +308,143 @@ def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
+# ---- 6. the KV cache's dtype ----
+
+def kv_decode_speed(model, tokenizer, names: list[str], num_seqs: int, context: int, steps: int, warmup: int,
+                    block_size: int) -> dict:
+    """num_seqs greedy sequences decoding at ~`context` tokens of context, one engine per KV dtype on the same model
+    (the kernels), the engines' steps interleaved. The sequences share one prompt through the prefix cache: the first
+    is prefilled alone, the others then find its blocks cached and compute only their last token. Every step still
+    reads each sequence's whole context (the kernel reads a block once per sequence that holds it); only the prefill
+    and the memory are shared."""
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.sampling_params import SamplingParams
+
+    prompt = prompt_of_length(tokenizer, context - warmup)
+    tail_blocks = -(-(warmup + steps + 4) // block_size) + 1  # each sequence's own blocks past the shared prompt
+    num_blocks = -(-context // block_size) + num_seqs * tail_blocks
+    max_model_len = -(-(context + steps + 8) // 256) * 256
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=warmup + steps + 4)
+    engines, prefill_s = {}, {}
+    for name in names:
+        print(f"  kv {name}: prefilling {len(prompt)} tokens, then {num_seqs - 1} more sequences on the prefix "
+              "cache ...", file=sys.stderr, flush=True)
+        engine = LLMEngine(model, tokenizer=tokenizer, max_model_len=max_model_len, block_size=block_size,
+                           num_gpu_blocks_override=num_blocks, max_num_seqs=num_seqs, kv_cache_dtype=name)
+        t = time.perf_counter()
+        engine.add_request("kv-0", prompt, params)
+        while engine.requests["kv-0"].seq.num_output_tokens == 0:
+            engine.step()
+        prefill_s[name] = time.perf_counter() - t
+        for i in range(1, num_seqs):
+            engine.add_request(f"kv-{i}", prompt, params)
+        while any(state.seq.num_output_tokens == 0 for state in engine.requests.values()):
+            engine.step()
+        for _ in range(warmup):  # the num_seqs-row decode graph compiles here
+            engine.step()
+        assert len(engine.scheduler.running) == num_seqs, "every sequence must be decoding"
+        engines[name] = engine
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - t)
+    tokens = {name: engine.requests["kv-0"].seq.output_token_ids[:warmup + steps] for name, engine in engines.items()}
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"num_seqs": num_seqs, "context": context, "steps": steps, "block_size": block_size,
+            "prefill_s": prefill_s, "step_ms_median": {k: 1e3 * v for k, v in med.items()},
+            "tok_per_s": {k: num_seqs / v for k, v in med.items()},
+            "over_float32": {k: med["float32"] / v for k, v in med.items()} if "float32" in med else {},
+            "same_tokens_as_float32": {k: v == tokens.get("float32") for k, v in tokens.items()}}
+
+
+def kv_attention_kernel_ms(config: ModelConfig, names: list[str], num_seqs: int, context: int, block_size: int,
+                           repeats: int) -> dict[str, float]:
+    """Median ms of one layer's decode attention kernel alone (num_seqs rows at `context`), per KV dtype, the
+    kernels interleaved: what dequantizing costs against what the smaller reads save."""
+    from tinygrad import Tensor, TinyJit
+
+    from tinyvllm.attention.kernel_backend import kernel_paged_attention
+
+    H, KvH, Hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_seq = -(-context // block_size)
+    rng = np.random.default_rng(0)
+    tables = Tensor(rng.permutation(num_seqs * per_seq).reshape(num_seqs, per_seq).astype(np.int32)).realize()
+    lens = Tensor(np.full(num_seqs, context, np.int32)).realize()
+    shape = (num_seqs * per_seq + 1, block_size, KvH, Hd)
+    jits = {}
+    for name in names:
+        spec = KV_CACHE_DTYPES[name]
+        if spec.quantized:  # random codes; their values do not change the work
+            codes = rng.integers(-120, 120, shape).astype(np.int8).view(np.uint8 if name == "fp8" else np.int8)
+            caches = [Tensor(codes).realize(), Tensor(codes.copy()).realize(),
+                      *(Tensor(rng.random(shape[:3], dtype=np.float32)).realize() for _ in range(2))]
+        else:
+            caches = [Tensor(rng.standard_normal(shape, dtype=np.float32)).cast(spec.storage).realize()
+                      for _ in range(2)]
+        jits[name] = TinyJit(lambda q, c=caches: kernel_paged_attention(q, c[0], c[1], tables, lens, None,
+                                                                        *c[2:]).realize())
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats + 3):
+        for name, jit in jits.items():
+            q = Tensor(rng.standard_normal((num_seqs, H, Hd), dtype=np.float32)).realize()
+            t = time.perf_counter()
+            jit(q)
+            if i >= 3:
+                times[name].append(time.perf_counter() - t)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def perplexity_text() -> tuple[str, str]:
+    """The fixed text: Python's LICENSE.txt (every Python has it), one trailing newline dropped, as
+    `llama-perplexity -f` reads a file."""
+    import sysconfig
+
+    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    text = path.read_text()
+    return (text[:-1] if text.endswith("\n") else text), str(path.name)
+
+
+def kv_perplexity(model, tokenizer, names: list[str], n_ctx: int, max_chunks: int, block_size: int) -> dict:
+    """Perplexity of the fixed text with each KV dtype, by llama-perplexity's method: chunks of n_ctx tokens, each
+    from an empty cache, the second half of each scored (every scored token has >= n_ctx/2 of context). One
+    forward per chunk writes its K/V into a paged cache of the dtype and attends over them as stored: the
+    quantization is in every score."""
+    from tinygrad import Tensor, dtypes
+
+    from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
+    from tinyvllm.core.kv_cache import PagedKVCache
+
+    text, text_name = perplexity_text()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    chunks = min(max_chunks, len(ids) // n_ctx)
+    nb = -(-n_ctx // block_size)
+    first = n_ctx // 2
+    positions = Tensor(np.arange(n_ctx, dtype=np.int32).reshape(1, -1)).realize()
+    slots = Tensor(np.arange(n_ctx, dtype=np.int32)).realize()
+    table = Tensor(np.arange(nb, dtype=np.int32).reshape(1, -1)).realize()
+    out = {"text": text_name, "tokens": len(ids), "n_ctx": n_ctx, "chunks": chunks,
+           "scored_tokens": chunks * (n_ctx - first - 1), "ppl": {}, "nll": {}}
+    for name in names:
+        cache = PagedKVCache(model.config, nb, block_size, KV_CACHE_DTYPES[name], model.device)
+        nll = 0.0
+        for c in range(chunks):
+            chunk = ids[c * n_ctx:(c + 1) * n_ctx]
+            metadata = KernelPagedAttentionMetadata(slots, table, positions, nb)
+            hidden = model(Tensor([chunk], dtype=dtypes.int32), positions, cache.kv_caches, metadata)
+            logits = model.compute_logits(hidden[0][first:n_ctx - 1]).numpy().astype(np.float64)
+            logits -= logits.max(-1, keepdims=True)
+            logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            nll -= logprobs[np.arange(len(logprobs)), chunk[first + 1:]].sum()
+        out["nll"][name] = nll / out["scored_tokens"]
+        out["ppl"][name] = float(np.exp(out["nll"][name]))
+        print(f"  kv {name}: perplexity {out['ppl'][name]:.4f}", file=sys.stderr, flush=True)
+    if "float32" in out["ppl"]:
+        out["ppl_delta_pct"] = {k: 100 * (v / out["ppl"]["float32"] - 1) for k, v in out["ppl"].items()}
+    return out
+
+
 # ---- reporting ----
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,6 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="block size of the paged engine (default 16)")
     p.add_argument("--repeats", type=int, default=30, help="timed rounds of part 5 (default 30)")
     p.add_argument("--memory-only", action="store_true", help="parts 1-3 only: no model, no device")
+    p.add_argument("--kv-only", action="store_true", help="parts 1-3 and 6 only; writes only --json, not the "
+                   "results file")
+    p.add_argument("--kv-dtypes", default="float32,float16,int8,fp8", help="KV cache dtypes of part 6 "
+                   "(default float32,float16,int8,fp8)")
+    p.add_argument("--kv-seqs", type=int, default=8, help="sequences decoding at once in part 6 (default 8)")
+    p.add_argument("--kv-context", type=int, default=4096, help="their context in part 6 (default 4096)")
+    p.add_argument("--kv-steps", type=int, default=8, help="timed decode steps per KV dtype (default 8)")
+    p.add_argument("--ppl-ctx", type=int, default=512, help="perplexity chunk length (default 512)")
+    p.add_argument("--ppl-chunks", type=int, default=4, help="perplexity chunks at most (default 4)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     add_peers_arg(p)
     return p
@@ -377,12 +537,56 @@ def main(argv: list[str] | None = None) -> int:
                   fit_in_budget(cached, config, bs, budget)) for bs in BLOCK_SIZES]
     print(table(fit_rows, ("KV cache", "sequences")))
     results["fit"] = {"budget_bytes": budget, "rows": dict(fit_rows)}
+    kv_names = [n.strip() for n in args.kv_dtypes.split(",") if n.strip()]
+    for name in kv_names:
+        if name not in KV_CACHE_DTYPES:
+            raise SystemExit(f"--kv-dtypes: {name!r} is none of {', '.join(KV_CACHE_DTYPES)}")
+    kv: dict = {"bytes_per_token": {n: kv_cache_bytes_per_token(config, KV_CACHE_DTYPES[n]) for n in kv_names},
+                "fit_draws": KV_FIT_DRAWS}
+    # how many sequences fit is a small count at float32 (~25), and which sequence comes next decides it; so each
+    # dtype is measured on KV_FIT_DRAWS draws of part 2's length distribution (seeds seed .. seed + draws - 1)
+    draws = [[p + o - 1 for p, o in length_mix(KV_FIT_SEQS, args.seed + i, max_model_len)] for i in range(KV_FIT_DRAWS)]
+    kv["fit_per_draw"] = {n: [fit_in_budget(d, config, args.block_size, budget, KV_CACHE_DTYPES[n]) for d in draws]
+                          for n in kv_names}
+    assert max(max(v) for v in kv["fit_per_draw"].values()) < KV_FIT_SEQS, "a draw ran out before the budget did"
+    kv["fit"] = {n: float(np.mean(v)) for n, v in kv["fit_per_draw"].items()}
+    if "float32" in kv_names:
+        kv["fit_over_float32"] = {n: kv["fit"][n] / kv["fit"]["float32"] for n in kv_names}
+    print(f"\n== 6a. the KV cache's dtype: bytes, and how many sequences of part 2's length distribution fit in "
+          f"{args.budget} at once (block_size {args.block_size}; mean of {KV_FIT_DRAWS} draws) ==")
+    print(table([(n, f"{kv['bytes_per_token'][n]:,}", f"{kv['fit'][n]:.1f}",
+                  f"{kv.get('fit_over_float32', {}).get(n, float('nan')):.2f}") for n in kv_names],
+                ("kv_cache_dtype", "bytes / token", "sequences", "x float32")))
 
-    if not args.memory_only:
+    if args.kv_only or not args.memory_only:
         from tinyvllm.model.loader import load_model
 
-        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
         model, tokenizer, _ = load_model(args.model)
+        print("\n(part 6: one engine per KV dtype, each prefilling its own cache: minutes on a small CPU)",
+              file=sys.stderr, flush=True)
+        kv["decode"] = kv_decode_speed(model, tokenizer, kv_names, args.kv_seqs, args.kv_context, args.kv_steps,
+                                       args.warmup, args.block_size)
+        kv["attention_kernel_ms"] = kv_attention_kernel_ms(config, kv_names, args.kv_seqs, args.kv_context,
+                                                           args.block_size, args.repeats)
+        kv["perplexity"] = kv_perplexity(model, tokenizer, kv_names, args.ppl_ctx, args.ppl_chunks, args.block_size)
+        d, ppl = kv["decode"], kv["perplexity"]
+        print(f"\n== 6b. {d['num_seqs']} sequences decoding at context {d['context']} (the kernels; median of "
+              f"{d['steps']} steps, engines in turn); one layer's attention kernel alone; perplexity of "
+              f"{ppl['text']} ({ppl['chunks']} chunks of {ppl['n_ctx']}, {ppl['scored_tokens']} tokens scored) ==")
+        print(table([(n, f"{d['tok_per_s'][n]:.1f}", f"{d.get('over_float32', {}).get(n, float('nan')):.2f}",
+                      f"{kv['attention_kernel_ms'][n]:.2f}", f"{d['prefill_s'][n]:.1f}", f"{ppl['ppl'][n]:.4f}",
+                      f"{ppl.get('ppl_delta_pct', {}).get(n, float('nan')):+.2f}%",
+                      "yes" if d["same_tokens_as_float32"].get(n) else "no") for n in kv_names],
+                    ("kv_cache_dtype", "decode tok/s", "x float32", "attention ms/layer", "prefill s",
+                     "perplexity", "vs float32", "same tokens")))
+    results["kv_dtypes"] = kv
+    if args.kv_only:
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        return 0
+
+    if not args.memory_only:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
         # ---- 4 ----
         print("\nloading the model and compiling both runners (minutes on a small CPU) ...", file=sys.stderr,
               flush=True)

@@ -18,7 +18,7 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.attention import kernel_backend
 from tinyvllm.attention.kernel_backend import kernel_paged_attention, kernel_reshape_and_cache, uses_kernels
-from tinyvllm.attention.kv_quant import dequantize, fp8_e4m3_decode, fp8_e4m3_encode, quantize
+from tinyvllm.attention.kv_quant import dequantize, fp8_e4m3_decode, fp8_e4m3_encode, hadamard, quantize, rotate
 from tinyvllm.attention.paged import paged_attention, reshape_and_cache
 from tinyvllm.core.kv_cache import (
     KV_CACHE_DTYPES,
@@ -69,6 +69,17 @@ def test_quantize_per_token_per_head(name: str):
     back = dequantize(Tensor(codes), Tensor(scales), spec).numpy()
     assert (back[4, 1] == 0).all()
     np.testing.assert_array_less(np.abs(back - x), element_error_bound(x, scales, name) + 1e-12)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_rotation_is_hadamard_and_its_own_inverse(head_dim: int):
+    x = np.random.default_rng(2).standard_normal((5, 3, head_dim)).astype(np.float32)
+    group = head_dim & -head_dim  # 64, or 32 for 96: the rotation works on groups of a power of 2
+    h = hadamard(group).numpy()
+    np.testing.assert_allclose(h @ h.T, np.eye(group), atol=1e-6)
+    want = (x.reshape(5, 3, head_dim // group, group) @ h).reshape(x.shape)
+    np.testing.assert_allclose(rotate(Tensor(x)).numpy(), want, atol=1e-5)
+    np.testing.assert_allclose(rotate(rotate(Tensor(x))).numpy(), x, atol=1e-5)
 
 
 def test_kv_cache_dtypes_and_bytes():

@@ -60,12 +60,20 @@ def hadamard(n: int, dtype=dtypes.float32, device: str | None = None) -> Tensor:
 
 
 def rotate(x: Tensor) -> Tensor:
-    """x: (..., head_dim) -> x rotated by H in groups of g channels, g the largest power of 2 dividing head_dim
-    (all of it for 64 or 128). Its own inverse."""
+    """x: (..., head_dim) -> x @ H in groups of g channels, g the largest power of 2 dividing head_dim (all of it for
+    64 or 128). Its own inverse. Computed as the fast Walsh-Hadamard transform, log2(g) butterflies of adds and
+    subtracts (a, b -> a + b, a - b at strides g/2, ..., 2, 1): elementwise, so tinygrad fuses it into the kernel
+    that produces or consumes x, where a matmul by H would be a kernel of its own."""
     head_dim = x.shape[-1]
     group = head_dim & -head_dim
-    h = hadamard(group, x.dtype, x.device)
-    return (x.reshape(*x.shape[:-1], head_dim // group, group) @ h).reshape(x.shape)
+    lead = x.shape[:-1]
+    half = group // 2
+    while half >= 1:
+        pairs = x.reshape(*lead, head_dim // (2 * half), 2, half)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = Tensor.stack(a + b, a - b, dim=-2).reshape(*lead, head_dim)
+        half //= 2
+    return x * (1.0 / group**0.5)
 
 
 def scales_of(x: Tensor, spec: KVCacheDtype) -> tuple[Tensor, Tensor]:
