@@ -396,6 +396,30 @@ def kv_attention_kernel_ms(config: ModelConfig, names: list[str], num_seqs: int,
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
+def kv_rounding_error(layers: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """Relative RMS error, ||x' - x|| / ||x||, of the real model's K and V (all layers) stored as int8 and fp8 with
+    per-token scales: as stored (rotated by the Hadamard matrix first) and without the rotation."""
+    from tinygrad import Tensor
+
+    from tinyvllm.attention.kv_quant import dequantize, quantize, rotate
+
+    out: dict = {}
+    for name in ("int8", "fp8"):
+        spec = KV_CACHE_DTYPES[name]
+        for label, rotated in (("rotated", True), ("plain", False)):
+            err = total = 0.0
+            for k, v in layers:
+                for x in (k, v):
+                    t = Tensor(x.reshape(-1, *x.shape[2:]))
+                    t = rotate(t) if rotated else t
+                    back = dequantize(*quantize(t, spec), spec)
+                    err += float(((back - t) ** 2).sum().item())
+                    total += float((t ** 2).sum().item())
+            out.setdefault(name, {})[label] = (err / total) ** 0.5
+        out[name]["plain_over_rotated"] = out[name]["plain"] / out[name]["rotated"]
+    return out
+
+
 def perplexity_text() -> tuple[str, str]:
     """The fixed text: Python's LICENSE.txt (every Python has it), one trailing newline dropped, as
     `llama-perplexity -f` reads a file."""
@@ -437,6 +461,8 @@ def kv_perplexity(model, tokenizer, names: list[str], n_ctx: int, max_chunks: in
             logits -= logits.max(-1, keepdims=True)
             logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
             nll -= logprobs[np.arange(len(logprobs)), chunk[first + 1:]].sum()
+        if name == "float32":  # the real K/V of the last chunk: what rounding them costs, with and without rotation
+            out["rounding_error"] = kv_rounding_error([(k.numpy()[:nb], v.numpy()[:nb]) for k, v in cache.kv_caches])
         out["nll"][name] = nll / out["scored_tokens"]
         out["ppl"][name] = float(np.exp(out["nll"][name]))
         print(f"  kv {name}: perplexity {out['ppl'][name]:.4f}", file=sys.stderr, flush=True)
@@ -573,6 +599,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== 6b. {d['num_seqs']} sequences decoding at context {d['context']} (the kernels; median of "
               f"{d['steps']} steps, engines in turn); one layer's attention kernel alone; perplexity of "
               f"{ppl['text']} ({ppl['chunks']} chunks of {ppl['n_ctx']}, {ppl['scored_tokens']} tokens scored) ==")
+        if "rounding_error" in ppl:
+            print("  the real K/V (float32 run, last chunk) stored per token: relative RMS error " + "; ".join(
+                f"{n} {100 * e['rotated']:.2f}% rotated, {100 * e['plain']:.2f}% without the rotation"
+                for n, e in ppl["rounding_error"].items()))
         print(table([(n, f"{d['tok_per_s'][n]:.1f}", f"{d.get('over_float32', {}).get(n, float('nan')):.2f}",
                       f"{kv['attention_kernel_ms'][n]:.2f}", f"{d['prefill_s'][n]:.1f}", f"{ppl['ppl'][n]:.4f}",
                       f"{ppl.get('ppl_delta_pct', {}).get(n, float('nan')):+.2f}%",

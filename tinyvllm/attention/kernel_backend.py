@@ -206,7 +206,7 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then attends over the blocks.
         kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized (q, k, v come in
-        rotated then: `PagedAttentionMetadata.attend`)."""
+        rotated for int8: `PagedAttentionMetadata.attend`)."""
         if not uses_kernels(q, kv_cache[0], self.portable):
             return super()._attend(q, k, v, kv_cache)
         B, T, H, Hd = q.shape

@@ -14,12 +14,13 @@ Why per token: a token's K/V are written once, when it is computed, and never ch
 computed then from its own values alone; a per-tensor scale would have to be known in advance (calibrated)
 or grow, rewriting every stored code. And one outlier token spoils only its own 64 codes.
 
-Before quantizing, the attention rotates K and V (and q, and back the output) by a Hadamard matrix H
-(`rotate`, QuaRot's trick: https://arxiv.org/abs/2404.00456): H is orthonormal and symmetric, so
+Before an int8 cache quantizes them, the attention rotates K and V (and q, and back the output) by a Hadamard
+matrix H (`rotate`, QuaRot's trick: https://arxiv.org/abs/2404.00456): H is orthonormal and symmetric, so
 (Hq).(Hk) = q.k and sum_t p_t (H v_t) = H (sum_t p_t v_t), while the rotated row spreads a few large channels over
-all 64. A K row of SmolLM2-135M has amax / rms ~ 4.5; rotated, the rounding error of its int8 codes is 1.6x
-smaller (measured on the real model's K/V, all layers: 0.91% -> 0.57% relative). It costs no byte, and
-O(head_dim^2) work per new token and per query, none per cached token.
+all 64, and evenly spaced int8 codes then waste fewer of their 255 steps. bench_memory measures the rounding
+error of the real model's K/V both ways (part 6). It costs no byte, and O(head_dim log head_dim) adds per new
+token and per query, none per cached token. fp8 is not rotated: its error is relative to each element, and a
+flatter row only makes the small elements larger.
 
 Every formula is written as the kernels compute it, so that the codes come out bit for bit the same (tinygrad
 0.14 renders `qmax / amax` as one division and the constant 1 / qmax folded; a code is the rounding of x_i * inv,

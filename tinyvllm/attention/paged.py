@@ -28,8 +28,9 @@ traffic on every step is what Phase 5's kernels avoid by reading the blocks in p
 A quantized cache (Phase 7c, int8 or fp8: `tinyvllm.core.kv_cache`) has per-layer scale tensors beside the
 blocks, (num_blocks, block_size, n_kv_heads): `reshape_and_cache` quantizes each new token's K/V per KV head
 and writes the codes and the scale to the same slot; `paged_attention` gathers both and dequantizes
-(`tinyvllm.attention.kv_quant`) before attending. `attend` rotates q, K and V first (a Hadamard matrix, which
-shrinks the rounding error) and the output back. A float16 cache is written and read with a cast.
+(`tinyvllm.attention.kv_quant`) before attending. For an int8 cache `attend` rotates q, K and V first (a
+Hadamard matrix, which halves the rounding error) and the output back. A float16 cache is written and read
+with a cast.
 """
 
 from __future__ import annotations
@@ -113,9 +114,10 @@ class PagedAttentionMetadata:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.
-        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized: then q, k, v go in
-        rotated by a Hadamard matrix, and the output comes back rotated back (`kv_quant.rotate`, its own inverse)."""
-        if len(kv_cache) == 4:
+        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized. An int8 cache holds
+        K/V rotated by a Hadamard matrix: q, k, v go in rotated, the output is rotated back (`kv_quant.rotate`,
+        its own inverse)."""
+        if kv_cache_dtype_of(kv_cache[0]).rotated:
             return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache))
         return self._attend(q, k, v, kv_cache)
 

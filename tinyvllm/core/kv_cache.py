@@ -16,7 +16,7 @@ the `slot_mapping` (see `tinyvllm.attention.paged.reshape_and_cache`). The extra
     name      element                      scale per token per KV head   bytes per token per KV head (head_dim 64)
     float32   float32                      -                             256
     float16   float16                      -                             128
-    int8      round(x / s), s = amax / 127  float32                       64 + 4 = 68
+    int8      round(x / s), s = amax / 127  float32                       64 + 4 = 68   (x: the row rotated)
     fp8       e4m3(x / s),  s = amax / 448  float32                       64 + 4 = 68
     auto      the model's compute dtype
 
@@ -60,11 +60,15 @@ class KVCacheDtype:
 
     storage: the element dtype of k_cache / v_cache (fp8 e4m3 codes are stored as uint8 bytes on every device)
     qmax:    the largest code magnitude a scale maps amax onto (int8 127, fp8 448); None: stored as is, no scale
+    rotated: K and V are stored rotated by a Hadamard matrix (and q and the output rotated to match: see
+             `tinyvllm.attention.kv_quant.rotate`). It halves int8's rounding error on the real model's K/V
+             (evenly spaced codes: a flatter row wastes fewer); fp8's is relative to each element and grows.
     """
 
     name: str
     storage: DType
     qmax: float | None = None
+    rotated: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -78,7 +82,7 @@ class KVCacheDtype:
 KV_CACHE_DTYPES = {
     "float32": KVCacheDtype("float32", dtypes.float32),
     "float16": KVCacheDtype("float16", dtypes.float16),
-    "int8": KVCacheDtype("int8", dtypes.int8, 127.0),
+    "int8": KVCacheDtype("int8", dtypes.int8, 127.0, rotated=True),
     "fp8": KVCacheDtype("fp8", dtypes.uint8, 448.0),  # e4m3 (OCP "fn": no infinities, 448 the largest finite)
 }
 _ALIASES = {"fp8_e4m3": "fp8", "half": "float16", "float": "float32"}
