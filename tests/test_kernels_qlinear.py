@@ -3,7 +3,7 @@
 Two oracles, for every format at M = 1, 3, 37 and N not a multiple of the tiles:
   (a) a numpy reference that quantizes x exactly as the kernel does (8-bit blocks, rint, float32 scales) and then
       computes the block sums in float64: the kernel must agree to float32 rounding (from FLOAT_PATH_MIN_M rows
-      on the kernel multiplies dequantized weights in float32 instead: there the reference is the float product);
+      on, Q4_0/Q4_1/Q8_0 multiply dequantized weights in float32 instead: there the reference is the float product);
   (b) the float product x @ W.T with W from tinyvllm.model.quant.dequantize (bit-exact with the `gguf` package):
       the kernel may differ only by what rounding x to 8 bits allows (the bound is derived in `activation_bound`).
 Blocks are random with valid float16 scales (and random 6-bit / int8 sub-block scales for the K-quants), plus real
@@ -138,7 +138,7 @@ def check_both_oracles(out: np.ndarray, x: np.ndarray, blocks: np.ndarray, ggml_
     fmt = QUANT_FORMATS[ggml_type]
     N, K = blocks.shape[0], x.shape[1]
     W = dequantize(blocks.reshape(-1), ggml_type, (N, K))
-    float_path = x.shape[0] >= FLOAT_PATH_MIN_M
+    float_path = fmt.kernel == "qmatmul" and x.shape[0] >= FLOAT_PATH_MIN_M
     ref = x.astype(np.float64) @ W.T.astype(np.float64) if float_path else reference(x, blocks, ggml_type)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64)  # sum_k |x w|: what rounding scales
     # (a) float32 rounding only: ~K/32 block sums each rounded at 2^-24 stay far inside 1e-5 of the magnitudes
@@ -152,8 +152,8 @@ SHAPES = {32: [(37, 96), (7, 576)], 256: [(37, 512), (5, 256)]}  # N not a multi
 
 
 def test_float_path_threshold_is_the_kernels():
-    qdot = (launcher.KERNELS_DIR / "cpu" / "qdot.h").read_text()
-    assert f"#define TV_FLOAT_MIN_M {FLOAT_PATH_MIN_M} " in qdot
+    source = (launcher.KERNELS_DIR / "cpu" / "qmatmul.c").read_text()
+    assert f"#define TV_FLOAT_MIN_M {FLOAT_PATH_MIN_M} " in source
     assert 3 < FLOAT_PATH_MIN_M <= 37  # the tests below run M = 1 and 3 on the integer path, 37 on the float path
 
 
@@ -176,7 +176,7 @@ def test_portable_c_path_matches_too(ggml_type: int):
     fmt = QUANT_FORMATS[ggml_type]
     N, K = SHAPES[fmt.block_size][0]
     blocks = random_blocks(ggml_type, N, K, seed=7)
-    for M in (3, 37):  # the integer path and the float path
+    for M in (3, 37):  # the integer path and (qmatmul.c) the float path
         x = np.random.default_rng(7).standard_normal((M, K), dtype=np.float32)
         out = Tensor.empty(M, N, dtype=dtypes.float32)
         scratch = Tensor.empty(scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)

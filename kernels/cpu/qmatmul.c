@@ -31,11 +31,12 @@
  *
  * How the work is cut (as matmul.c): quantize x (rows spread over the thread pool), then tiles of MR rows of x
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
- * block for NR rows of w. M=1: MR=1, NR=4 (four rows of w streamed side by side, sharing each x block).
+ * block for NR rows of w. M=1: MR=1, NR=1: one row of w streamed at a time (measured from memory, Q8_0: 25 GB/s
+ * on one core against 5 with four rows side by side, the hardware prefetcher keeps up with one stream only).
  * 1 < M < TV_FLOAT_MIN_M (12): MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with
  * AVX2's 16 registers and with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2).
- * M >= 12: no integers: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (qdot.h says
- * why). The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
+ * M >= 12: no integers: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many
+ * rows of x" below for why). The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
  * walked in blocks of MB rows so that a chunk's weights stay in L1/L2 while every row of x passes over them.
  */
 #include "threadpool.h"
@@ -60,16 +61,21 @@
 #error "K must be a multiple of the 32-element block"
 #endif
 
+#define TV_FLOAT_MIN_M 12  /* qlinear.FLOAT_PATH_MIN_M says the same (a test checks) */
+#define FMR 4
+#define FNR 3
+#define FMB 64              /* rows of x per dequantized tile */
+
 #define NB (TV_K / 32)                     /* blocks per row */
 #define ROW_BYTES (NB * BLOCK_BYTES)       /* bytes of one row of w */
 #if TV_M == 1
 #define MR 1
-#define NR 4
+#define NR 1
 #elif TV_M < TV_FLOAT_MIN_M
 #define MR 4
 #define NR 2
 #else
-#define MR FMR   /* the float path (qdot.h): tiles of FNR dequantized rows of w */
+#define MR FMR   /* the float path: tiles of FNR dequantized rows of w */
 #define NR FNR
 #endif
 #define MB 64                               /* rows of x per pass over a chunk: 64 x 1536/32 x 40 B = 123 KB */
@@ -269,7 +275,95 @@ TV_INLINE void tile_column(float* restrict out, const struct xblock* restrict x,
 
 #endif  /* TV_M < TV_FLOAT_MIN_M */
 
-/* One row of w as floats, for the float path (qdot.h): its integers q, then d * q + m per block */
+/* ---- many rows of x (M >= TV_FLOAT_MIN_M): dequantize a few rows of w once, then float32 FMAs ----
+ *
+ * Per block and pair (row of x, row of w) the integer route costs a maddubs, a madd, a conversion, a scale and an
+ * FMA: more than the 4 float32 FMAs that do the same 32 products (measured on one core: ~75 GFLOP/s against
+ * matmul.c's ~100 once M >= 8, weights in cache). Its advantage is touching each weight once per row of x; with
+ * many rows it is the arithmetic that counts. So from TV_FLOAT_MIN_M rows on, the kernel dequantizes FNR rows of
+ * w into a float buffer (L1) and runs matmul.c's 4x3 register tile over the rows of x, in float32 (x not rounded:
+ * these rows get the float product of the dequantized weights). The weights still come from memory as blocks,
+ * 4.5-8.5 bits per weight, and each dequantized tile serves up to FMB rows of x. Measured on one core, Q4_1
+ * 960x576 in cache: M=8 integer 76 GFLOP/s, float path 66; M=12: 76 against 85; M=32: 73 against 97 (matmul.c
+ * float32: 102); M=128: float path 102, matmul.c 98. Hence the switch at 12 rows.
+ * dequantize_row (below) gives one row of w as K floats; the first pass (x to 8 bits) is skipped on this path.
+ * (qmatmul_k.c has no such path: its integer sums are cheaper, see there.)
+ */
+TV_INLINE void dequantize_row(float* restrict dst, const unsigned char* restrict row);  /* below */
+
+/* 8 floats; aligned(4): loads through it are unaligned loads (as matmul.c's f8) */
+typedef float tv_f8 __attribute__((vector_size(32), aligned(4)));
+
+/* dst[k] = scale[k / sub] * q[k] + offset[k / sub] for k < n: integers of a block to floats (n, sub: multiples of 8) */
+TV_INLINE void affine_to_float(float* restrict dst, const signed char* restrict q, int n, int sub,
+                               const float* restrict scale, const float* restrict offset) {
+#if TV_AVX2
+  for (int k = 0; k < n; k += 8) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + k))));
+    _mm256_storeu_ps(dst + k, _mm256_fmadd_ps(v, _mm256_set1_ps(scale[k / sub]), _mm256_set1_ps(offset[k / sub])));
+  }
+#else
+  for (int k = 0; k < n; k++) dst[k] = scale[k / sub] * (float)q[k] + offset[k / sub];
+#endif
+}
+
+TV_INLINE float hsum_f8(tv_f8 v) {
+  typedef float f4 __attribute__((vector_size(16)));
+  f4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  a = a + __builtin_shufflevector(a, a, 2, 3, 0, 1);
+  a = a + __builtin_shufflevector(a, a, 1, 0, 3, 2);
+  return a[0];
+}
+
+/* out[i, j] = dot(x[i, :], wt[j, :]) for i < mr, j < nr (constants at each call site: unrolled, in registers) */
+TV_INLINE void float_tile(float* restrict out, const float* restrict x, const float* restrict wt, int mr, int nr) {
+  tv_f8 acc[FMR][FNR];
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) acc[i][j] = (tv_f8){0};
+  for (int k = 0; k < TV_K; k += 8) {
+    tv_f8 wv[FNR];
+    for (int j = 0; j < nr; j++) wv[j] = *(const tv_f8*)(wt + j * TV_K + k);
+    for (int i = 0; i < mr; i++) {
+      tv_f8 xv = *(const tv_f8*)(x + i * TV_K + k);
+      for (int j = 0; j < nr; j++) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) out[i * TV_N + j] = hsum_f8(acc[i][j]);
+}
+
+/* rows m0..m1 of x against the nr dequantized rows in wt (out: column n) */
+TV_INLINE void float_tile_column(float* restrict out, const float* restrict x, const float* restrict wt,
+                                 int m0, int m1, int nr) {
+  int m = m0;
+  for (; m + FMR <= m1; m += FMR) float_tile(out + m * TV_N, x + m * TV_K, wt, FMR, nr);
+  switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
+    case 3: float_tile(out + m * TV_N, x + m * TV_K, wt, 3, nr); break;
+    case 2: float_tile(out + m * TV_N, x + m * TV_K, wt, 2, nr); break;
+    case 1: float_tile(out + m * TV_N, x + m * TV_K, wt, 1, nr); break;
+    default: break;
+  }
+}
+
+/* output columns [n0, n1) for every row of x: w's rows n0..n1 (row_bytes each) dequantized FNR at a time */
+TV_INLINE void float_chunk(float* restrict out, const float* restrict x, const unsigned char* restrict w,
+                           int row_bytes, int n0, int n1) {
+  float wt[FNR * TV_K];  /* FNR rows of w as floats: 3 x 1536 x 4 B = 18 KB for the model's widest K */
+  for (int m0 = 0; m0 < TV_M; m0 += FMB) {
+    int m1 = m0 + FMB < TV_M ? m0 + FMB : TV_M;
+    for (int n = n0; n < n1; n += FNR) {
+      int nr = n1 - n < FNR ? n1 - n : FNR;
+      for (int j = 0; j < nr; j++) dequantize_row(wt + j * TV_K, w + (long)(n + j) * row_bytes);
+      switch (nr) {
+        case 3: float_tile_column(out + n, x, wt, m0, m1, 3); break;
+        case 2: float_tile_column(out + n, x, wt, m0, m1, 2); break;
+        default: float_tile_column(out + n, x, wt, m0, m1, 1); break;
+      }
+    }
+  }
+}
+
+/* One row of w as floats, for the float path: its integers q, then d * q + m per block */
 TV_INLINE void dequantize_row(float* restrict dst, const unsigned char* restrict row) {
   for (int b = 0; b < NB; b++) {
     const unsigned char* blk = row + b * BLOCK_BYTES;

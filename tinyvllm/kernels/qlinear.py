@@ -30,9 +30,10 @@ K-quants) compute a dot product, the route llama.cpp's ggml-cpu takes:
 
 Multiplying 8-bit integers is exact, so the only new error is rounding x to 8 bits (half a step, d_x / 2,
 per element); tests/test_kernels_qlinear.py derives the bound and checks it. With many rows of x (prefill
-chunks, large decode batches: M >= FLOAT_PATH_MIN_M) the arithmetic, not the reading, is what costs, and float32
-FMAs do more products per instruction than the integer route: there the kernels dequantize a few rows of w at a
-time into a buffer in L1 and multiply in float32 (x not rounded), still reading the weights as blocks.
+chunks, large decode batches: M >= FLOAT_PATH_MIN_M) the arithmetic, not the reading, is what costs, and for
+Q4_0/Q4_1/Q8_0 float32 FMAs do more products per instruction than the integer route with its per-block float
+scale: there qmatmul.c dequantizes a few rows of w at a time into a buffer in L1 and multiplies in float32 (x not
+rounded), still reading the weights as blocks.
 
 Everywhere else (`TINYVLLM_PORTABLE=1` / `tinyvllm.kernels.linear.PORTABLE`, symbolic shapes, a device without
 a kernel) the portable path runs: dequantize the blocks in tinygrad ops, then `x @ w.T` in float32. A GPU
@@ -81,9 +82,10 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
 #   qmatmul_k.c  struct xblock_k  { float d; int16 bsums[16]; int8 q[256]; } bsums: sums of each 16 q
 X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 
-# From this many rows of x on, the CPU kernels stop rounding x to 8 bits: they dequantize a few rows of w at a time
-# and multiply in float32 (more products per instruction once many rows share each weight; kernels/cpu/qdot.h,
-# TV_FLOAT_MIN_M). Those rows get the float product of the dequantized weights.
+# From this many rows of x on, the CPU kernel for the 32-element formats (kernels/cpu/qmatmul.c, TV_FLOAT_MIN_M)
+# stops rounding x to 8 bits: it dequantizes a few rows of w at a time and multiplies in float32 (more products per
+# instruction once many rows share each weight). Those rows get the float product of the dequantized weights.
+# The K-quants' kernel keeps its integer sums at every M (their sub-block scales make them cheaper).
 FLOAT_PATH_MIN_M = 12
 
 
