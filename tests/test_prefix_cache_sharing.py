@@ -83,7 +83,8 @@ def test_the_prompt_is_computed_once_and_held_once(engine):
 
 @pytest.mark.parametrize("kw", [dict(num_gpu_blocks_override=9, max_model_len=144),  # copies preempt: 3 + 4 x 2 > 9
                                 dict(max_num_seqs=2),  # only one completion can fork: two compute the prompt too
-                                dict(enable_prefix_caching=True)])
+                                dict(enable_prefix_caching=True),
+                                dict(kv_cache_dtype="int8")])  # the copies carry the int8 codes and their scales
 def test_every_completion_is_the_one_it_is_alone(tiny_model_dir, kw):
     engine = make_engine(tiny_model_dir, **kw)
     sampled = SamplingParams(n=4, temperature=0.9, top_p=0.95, seed=3, max_tokens=20, ignore_eos=True)
