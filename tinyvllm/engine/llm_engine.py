@@ -214,13 +214,36 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
+        self._lap(None)
         scheduler_output = self.scheduler.schedule()
+        self._lap("schedule")
         begun = self.step_log.begin(scheduler_output)
         sampled = self._run_and_sample(scheduler_output)
         new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)
+        self._lap("bookkeeping")
         outputs = self._make_outputs(new_token_seqs) + self.beam_search.update()
         self.step_log.end(begun, len(new_token_seqs))
+        self._lap("detokenize")
         return outputs
+
+    @property
+    def step_timer(self):
+        """A StepTimer (engine/step_timer.py) that times each phase of a step, or None (the default: no timing)."""
+        return self.model_runner.step_timer
+
+    @step_timer.setter
+    def step_timer(self, timer) -> None:
+        self.model_runner.step_timer = timer  # the runner times input preparation and the forward pass
+
+    def _lap(self, phase: str | None) -> None:
+        """Profiling only: the time since the last lap belongs to `phase` (None: a step starts)."""
+        timer = self.model_runner.step_timer
+        if timer is None:
+            return
+        if phase is None:
+            timer.start()
+        else:
+            timer.lap(phase)
 
     def _run_and_sample(self, scheduler_output) -> dict[int | str, int]:
         """Forward pass, then one token per sequence that caught up: on the device in one batched graph,
@@ -238,8 +261,10 @@ class LLMEngine:
             for row in beam_rows:
                 self.beam_search.record(seqs[row], host[row])
         batch = self._sampling_batch(seqs, *logits.shape)
+        self._lap("bookkeeping")
         tokens = self.model_runner.sample(logits, *batch.device_params, batch.clocks, batch.use_filters,
                                           batch.bitmask)
+        self._lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs) if row not in batch.on_host}
         host_logits = logits.numpy() if batch.on_host else None
         for row in batch.on_host:

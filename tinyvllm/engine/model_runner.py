@@ -65,6 +65,7 @@ class ModelRunner:
         # every per-layer tensor of the cache, block first (K, V, and a quantized cache's scales): copy-on-write
         self.copy_blocks = CopyBlocks([t for layer in kv_cache.kv_caches for t in layer], kv_cache.null_block,
                                       portable=portable_attention)
+        self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
@@ -118,9 +119,13 @@ class ModelRunner:
                 sampled_seqs.append(seq)
         if n not in self._jits:
             self._jits[n] = GraphedJit(self._forward)
-        logits = self._jits[n](input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
-                               block_tables.copy_to_device(), logits_indices.copy_to_device(),
-                               self.v_num_blocks.bind(num_blocks))
+        inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
+                  block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
+        if self.step_timer is not None:
+            self.step_timer.lap("prepare_inputs")
+        logits = self._jits[n](*inputs)
+        if self.step_timer is not None:
+            self.step_timer.lap("forward")
         if scheduler_output.forked_from:
             forked = [seq for seq in seqs if seq.seq_id in scheduler_output.forked_from]
             logits = self._repeat_rows(logits, [rows[scheduler_output.forked_from[seq.seq_id]] for seq in forked],

@@ -1,0 +1,53 @@
+"""Where the host's time goes in one engine step: an optional profiling hook (seed roadmap 6.8 / 6.10).
+
+A decode step on a small model is short (milliseconds), so the Python around the forward pass (scheduling,
+filling the input buffers, sampling bookkeeping, detokenizing) can be a large share of it: the "host stall"
+that vLLM's async output processing and multi-step scheduling hide. To see it, set a StepTimer on the engine:
+
+    engine.step_timer = StepTimer()       # LLMEngine.step and ModelRunner.execute_model call lap() only if set
+    ... engine.step() ...
+    engine.step_timer.per_step_ms()       # {"schedule": 0.4, "prepare_inputs": 0.3, "forward": 9.1, ...}
+
+Each `lap(phase)` adds the time since the previous lap (or since `start()`) to that phase, so the phases of
+one step add up to the step's wall time. With no timer set (the default) the engine only tests `is not None`.
+
+    start  schedule  prepare_inputs  forward (graph + device sampler)  bookkeeping  detokenize
+      |------|------------|-------------------------|-------------------|-----------|
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+PHASES = ("schedule", "prepare_inputs", "forward", "bookkeeping", "detokenize")
+
+
+class StepTimer:
+    """Accumulates perf_counter time per phase over the steps it sees."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = defaultdict(float)  # phase -> seconds, summed over steps
+        self.num_steps = 0
+        self._last = 0.0
+
+    def start(self) -> None:
+        """A step begins."""
+        self.num_steps += 1
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """The time since the last lap belongs to `phase`."""
+        now = time.perf_counter()
+        self.totals[phase] += now - self._last
+        self._last = now
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.num_steps = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Mean milliseconds per step in each phase (PHASES order, then any other phase seen)."""
+        steps = max(self.num_steps, 1)
+        names = [p for p in PHASES if p in self.totals] + [p for p in self.totals if p not in PHASES]
+        return {name: self.totals[name] / steps * 1e3 for name in names}
