@@ -7,6 +7,8 @@
         -> {1: {"tok_s": ...}, 32: {...}, ...}                   llama-batched-bench, the twin of bench_throughput
     llama.cold_start("F32")
         -> {"first_token_s": ...}                                llama-server: process start -> first token
+    llama.perplexity("Q4_1", text_file, n_ctx=512)
+        -> {"ppl": ..., "chunks": ..., ...}                      llama-perplexity, the twin of bench_quality
 
 Figures from another day or another machine of "the same type" were off by 1.5-2x here, so peers are only
 ever compared with tinyvllm inside one run. Formats: "F32" (the float32 weights tinyvllm computes with), "Q8_0",
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import statistics
+import struct
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -90,6 +95,28 @@ def parse_batched_bench(text: str) -> dict[int, dict]:
                         "prefill_tok_s": float(s_pp), "generation_tok_s": float(s_tg),
                         "tok_s": b * tg / float(t)}
     return rows
+
+
+def parse_perplexity(text: str) -> dict:
+    """llama-perplexity's output (stdout and stderr together) -> {"ppl", "ppl_stderr", "chunks", "n_ctx",
+    "chunk_ppl"}: the final estimate, its +/- (the standard error of the mean NLL, scaled to ppl), the chunk
+    count and context it announced, and the running perplexity it printed after each chunk ("[3]13.8962,")."""
+    final = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", text)
+    plan = re.search(r"perplexity over (\d+) chunks, n_ctx=(\d+)", text)
+    if final is None or plan is None:
+        raise ValueError(f"no perplexity in llama-perplexity's output:\n{text[-2000:]}")
+    return {"ppl": float(final.group(1)), "ppl_stderr": float(final.group(2)), "chunks": int(plan.group(1)),
+            "n_ctx": int(plan.group(2)), "chunk_ppl": [float(v) for v in re.findall(r"\[\d+\]([\d.]+),", text)]}
+
+
+def read_logits_file_tokens(path: str | Path) -> list[int]:
+    """The token ids at the head of a `llama-perplexity --kl-divergence-base FILE`: the tokens its chunks were
+    cut from. Layout: b"_logits_", n_ctx, n_vocab, n_chunk (int32 each), then n_chunk * n_ctx int32 token ids."""
+    with open(path, "rb") as f:
+        magic, (n_ctx, _, n_chunk) = f.read(8), struct.unpack("<3i", f.read(12))
+        if magic != b"_logits_":
+            raise ValueError(f"{path} is not a llama-perplexity logits file (starts {magic!r})")
+        return list(struct.unpack(f"<{n_ctx * n_chunk}i", f.read(4 * n_ctx * n_chunk)))
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -182,6 +209,46 @@ class LlamaCpp:
                                                     "cache_prompt": False})
             first_token = time.perf_counter() - start
         return {"healthy_s": healthy, "first_token_s": first_token, "text": reply.get("content", "")}
+
+    def perplexity(self, model: str | Path, text_file: str | Path, n_ctx: int = 512, chunks: int | None = None,
+                   tokens: bool = False) -> dict:
+        """llama-perplexity on a format of `models` or a .gguf path: the text cut into chunks of n_ctx tokens, each
+        evaluated from scratch, the second half of each scored (parse_perplexity's fields, plus "seconds").
+        tokens=True also returns the token ids the chunks were cut from ("tokens"), read back from a logits
+        file written for the purpose (~50 MB per chunk, deleted after)."""
+        tool = self.bin_dir / "llama-perplexity"
+        if not tool.is_file():
+            raise SystemExit(f"{tool} is missing: rebuild with {BUILD_COMMAND.format(dir=self.bin_dir.parents[2])}")
+        path = self.models.get(model, model)
+        cmd = [str(tool), "-m", str(path), "-t", str(self.threads), "-f", str(text_file), "-c", str(n_ctx)]
+        cmd += [] if chunks is None else ["--chunks", str(chunks)]
+        with tempfile.TemporaryDirectory() as tmp:
+            logits_file = Path(tmp) / "base.kld"
+            cmd += ["--kl-divergence-base", str(logits_file)] if tokens else []
+            start = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            seconds = time.perf_counter() - start
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+            out = {**parse_perplexity(r.stdout + r.stderr), "seconds": seconds, "file": Path(path).name}
+            if tokens:
+                out["tokens"] = read_logits_file_tokens(logits_file)
+        return out
+
+    def quantize(self, source: str | Path, out: Path, qtype: str, pure: bool = False) -> Path:
+        """`out`, made once by llama-quantize from a format of `models` or a .gguf path (cached: an existing
+        file is kept). qtype as llama-quantize spells it ("Q4_K_M", "Q4_0"); pure: every tensor in that type,
+        no k-quant mixture and no Q6_K output tensor."""
+        if out.is_file():
+            return out
+        tmp = out.with_suffix(".partial")
+        cmd = [str(self.bin_dir / "llama-quantize"), "--allow-requantize", *(["--pure"] if pure else []),
+               str(self.models.get(source, source)), str(tmp), qtype, str(self.threads)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        tmp.rename(out)
+        return out
 
     @contextmanager
     def server(self, fmt: str, context: int = 2048, parallel: int = 1) -> Iterator[str]:

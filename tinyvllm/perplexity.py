@@ -1,0 +1,242 @@
+"""Perplexity: how surprised the model is by a fixed text, the quality meter of quantized weights.
+
+    python -m tinyvllm.perplexity [--model PATH] [--quantization auto|none|q8_0|q4_0|q4_1]
+                                  [--n-ctx 512] [--chunks N] [--tokens-per-step N] [--file PATH]
+
+Perplexity is exp(mean negative log-likelihood) of a text's tokens: ppl = exp(-(1/N) sum_i log p(t_i | t_<i)).
+A model that put probability 1 on every next token would score 1; one that guessed uniformly over SmolLM2's
+49,152 tokens would score 49,152. Quantizing weights moves it a little: the shift is what a format costs.
+
+The method is llama.cpp's `llama-perplexity` (tools/perplexity/perplexity.cpp, `perplexity()`), followed
+exactly so that the two numbers are comparable:
+
+    tokens  [t0 t1 ...................................................... t3766]   (LICENSE.txt, SmolLM2: 3,767)
+    chunks  [ chunk 0: 512 tokens ][ chunk 1: 512 tokens ] ... [ chunk 6 ][rest: dropped]
+              |<- context 256 ->|<- scored 255 ->|
+              positions 0..255    logits at 256..510 predict tokens 257..511
+
+  - the text is tokenized once, BOS prepended only if the vocab says `add_bos` (SmolLM2: no), and cut into
+    floor(tokens / n_ctx) chunks of n_ctx (fewer with --chunks); at least 2 * n_ctx tokens are needed;
+  - each chunk is evaluated from scratch (an empty KV cache), its first token replaced by BOS when `add_bos`;
+  - only the second half is scored: the logits at positions n_ctx/2 .. n_ctx-2 against the tokens after them,
+    n_ctx - n_ctx/2 - 1 tokens per chunk (255 at 512), so every scored token has at least n_ctx/2 of context.
+
+Here each chunk is one forward of the model (`LlamaForCausalLM.__call__`, then `compute_logits`) over n_ctx
+tokens at positions 0..n_ctx-1, as one sequence on a paged KV cache of its own, captured once with TinyJit and
+replayed per chunk. Only the scored positions go
+through the lm_head. Their logits leave the device as float32 and the log-softmax is computed on the host in
+float64, as llama-perplexity sums its exponentials in double.
+
+The default text is Python's own LICENSE.txt from the standard library directory: every machine with Python
+has it, no download needed. Its wording changes a little between Python releases, so the CLI prints its size
+and digest with the figure. Like `llama-perplexity -f`, one trailing newline is dropped before tokenizing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tinygrad import Tensor
+
+from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
+from tinyvllm.core.kv_cache import PagedKVCache
+from tinyvllm.engine.input_buffer import InputBuffer
+from tinyvllm.kernels.cpu_graph import GraphedJit
+from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float  # exp(nll)
+    nll: float  # mean negative log-likelihood of a scored token, in nats
+    tokens_scored: int  # chunks * (n_ctx - n_ctx // 2 - 1)
+    chunks: int
+    text_tokens: int = 0  # the whole text's token count (most of it, not all, is in the chunks)
+    seconds: float = 0.0  # forward passes and log-softmax, tokenizing and compilation included
+
+
+def default_text_path() -> Path:
+    """Python's LICENSE.txt in the standard library directory: a fixed text every machine has."""
+    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from this Python installation: pass a text file with --file")
+    return path
+
+
+def read_text(path: str | Path) -> str:
+    """The file's text with one trailing newline dropped, as `llama-perplexity -f` reads it."""
+    text = Path(path).read_text(encoding="utf-8")
+    return text[:-1] if text.endswith("\n") else text
+
+
+def text_digest(text: str) -> str:
+    """A short sha256 of the text, to tell two machines' LICENSE.txt apart."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def num_chunks(num_tokens: int, n_ctx: int, max_chunks: int | None = None) -> int:
+    """How many chunks llama-perplexity evaluates: floor(tokens / n_ctx), at most max_chunks."""
+    if n_ctx < 4 or n_ctx % 2:
+        raise ValueError(f"n_ctx must be an even number >= 4 (half context, half scored), got {n_ctx}")
+    if max_chunks is not None and max_chunks < 1:
+        raise ValueError(f"chunks must be >= 1 (or None for all of them), got {max_chunks}")
+    if num_tokens < 2 * n_ctx:
+        raise ValueError(f"the text has {num_tokens} tokens; perplexity with n_ctx {n_ctx} needs at least "
+                         f"{2 * n_ctx} (llama-perplexity's rule): use a longer text or a smaller n_ctx")
+    n = num_tokens // n_ctx
+    return n if max_chunks is None else min(n, max_chunks)
+
+
+def chunk_tokens(token_ids: list[int], n_ctx: int, chunks: int, bos_token_id: int | None) -> list[list[int]]:
+    """The chunks' token ids; with a BOS id, each chunk's first token is replaced by it (llama-perplexity's add_bos)."""
+    out = []
+    for i in range(chunks):
+        chunk = list(token_ids[i * n_ctx:(i + 1) * n_ctx])
+        if bos_token_id is not None:
+            chunk[0] = bos_token_id
+        out.append(chunk)
+    return out
+
+
+def scored_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """logits (T, V) float32, targets (T,) -> -log softmax(logits)[target] per row, (T,) float64."""
+    x = logits.astype(np.float64)
+    top = x.max(axis=-1, keepdims=True)  # (T,1): subtracted so that exp never overflows
+    log_z = top[:, 0] + np.log(np.exp(x - top).sum(axis=-1))  # (T,)
+    return log_z - x[np.arange(len(targets)), targets]
+
+
+class ChunkScorer:
+    """One chunk of n_ctx tokens -> the float32 logits of its scored positions, (n_ctx - n_ctx/2 - 1, vocab).
+
+    The chunk is one sequence on a paged KV cache of its own (Phase 2), attended by the engine's attention
+    kernels (Phase 5; the portable paged path on a device without them): block table [0, 1, ..., n_ctx/16 - 1],
+    token i at position i in slot i. A chunk always starts at position 0, so each forward overwrites every slot
+    the next one reads: no state carries over from chunk to chunk, which is what "evaluated from scratch" asks.
+    NOTE: the contiguous cache of Phase 1 gives the same logits, but its attention is tinygrad's generic
+    (T, S) kernels: ~8 s per 512-token chunk on 2 cores against ~1 s here.
+
+    tokens_per_step: feed the chunk that many tokens per forward instead of all at once (it must divide n_ctx).
+    The logits are the same up to float rounding, except on quantized weights: from FLOAT_PATH_MIN_M (12) rows
+    on the CPU kernels multiply dequantized weights in float32, below it they round the activations to 8 bits,
+    as a decode step does. So a whole chunk measures the weights, and steps of 1 to 11 tokens measure what a
+    decode step computes (and what llama.cpp computes at every batch size)."""
+
+    BLOCK_SIZE = 16
+
+    def __init__(self, model: LlamaForCausalLM, n_ctx: int, tokens_per_step: int | None = None):
+        step = n_ctx if tokens_per_step is None else tokens_per_step
+        if not 0 < step <= n_ctx or n_ctx % step:
+            raise ValueError(f"tokens_per_step must divide n_ctx ({n_ctx}), got {tokens_per_step}")
+        self.model, self.n_ctx, self.first, self.step = model, n_ctx, n_ctx // 2, step
+        device, num_blocks = model.device, -(-n_ctx // self.BLOCK_SIZE)
+        self.cache = PagedKVCache(model.config, num_blocks, self.BLOCK_SIZE, dtype=model.dtype, device=device)
+        self.block_table = Tensor(np.arange(num_blocks, dtype=np.int32).reshape(1, -1), device=device).realize()
+        # refilled in place per step: token ids, positions (1,step) and slots (step,); slot i holds position i
+        self._ids = InputBuffer((1, step), np.int32, device)
+        self._positions = InputBuffer((1, step), np.int32, device)
+        self._slots = InputBuffer((step,), np.int32, device)
+        self._jit = GraphedJit(self._forward)
+
+    def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor) -> Tensor:
+        metadata = KernelPagedAttentionMetadata(slot_mapping=slot_mapping, block_tables=self.block_table,
+                                                positions=positions, num_blocks=self.block_table.shape[1])
+        hidden = self.model(input_ids, positions, self.cache.kv_caches, metadata)  # (1,step,D)
+        if self.step == self.n_ctx:  # only the scored rows through the lm_head: first .. T-2 predict first+1 .. T-1
+            hidden = hidden[:, self.first:self.n_ctx - 1]
+        return self.model.compute_logits(hidden).realize()  # (1,rows,V)
+
+    def __call__(self, chunk: list[int]) -> np.ndarray:
+        if len(chunk) != self.n_ctx:
+            raise ValueError(f"a chunk has {self.n_ctx} tokens, got {len(chunk)}")
+        scored = []
+        for start in range(0, self.n_ctx, self.step):
+            positions = np.arange(start, start + self.step, dtype=np.int32)
+            logits = self._jit(self._ids.write(np.asarray(chunk[start:start + self.step], dtype=np.int32)),
+                               self._positions.write(positions), self._slots.write(positions)).numpy()[0]
+            if self.step == self.n_ctx:
+                return logits
+            lo, hi = max(self.first, start), min(self.n_ctx - 1, start + self.step)  # rows of this step to keep
+            if lo < hi:
+                scored.append(logits[lo - start:hi - start])
+        return np.concatenate(scored)
+
+
+def perplexity(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, n_ctx: int = 512,
+               max_chunks: int | None = None, tokens_per_step: int | None = None, progress=None) -> PerplexityResult:
+    """llama-perplexity's chunked perplexity of `text` (see the module docstring).
+
+    tokens_per_step: see `ChunkScorer` (None: each chunk in one forward).
+    progress: called after each chunk with (chunk index, running perplexity), as llama-perplexity prints
+    `[i]ppl` per chunk."""
+    start = time.perf_counter()
+    token_ids = tokenizer.encode(text, add_special_tokens=True)  # BOS first iff the vocab's add_bos
+    chunks = num_chunks(len(token_ids), n_ctx, max_chunks)
+    bos = tokenizer.bos_token_id if tokenizer.add_bos_token else None
+    scorer = ChunkScorer(model, n_ctx, tokens_per_step)
+    total, count = 0.0, 0
+    for i, chunk in enumerate(chunk_tokens(token_ids, n_ctx, chunks, bos)):
+        logits = scorer(chunk)  # (n_ctx-1-first, V)
+        nll = scored_nll(logits, np.asarray(chunk[scorer.first + 1:]))
+        total, count = total + float(nll.sum()), count + len(nll)
+        if progress is not None:
+            progress(i, math.exp(total / count))
+    mean = total / count
+    return PerplexityResult(ppl=math.exp(mean), nll=mean, tokens_scored=count, chunks=chunks,
+                            text_tokens=len(token_ids), seconds=time.perf_counter() - start)
+
+
+def describe_formats(model: LlamaForCausalLM) -> str:
+    """The weights' storage formats by bytes on the device, e.g. 'Q4_1 62.4 MB, Q8_0 28.3 MB, float32 0.1 MB'."""
+    formats = sorted(model.weight_formats().items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in formats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tinyvllm.model.loader import load_model
+    from tinyvllm.model.quantization import METHODS
+
+    p = argparse.ArgumentParser(prog="python -m tinyvllm.perplexity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--quantization", default="auto", choices=METHODS,
+                   help="how the weights are served (default auto: the checkpoint's own format; "
+                   "none: dequantized to float32; q8_0/q4_0/q4_1: quantized at load)")
+    p.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)")
+    p.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks (default: all)")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="feed each chunk N tokens per forward (default: all at once). On quantized weights 1 to 11 "
+                   "measure the decode path, whose kernels round activations to 8 bits")
+    p.add_argument("--file", default=None, help="the text (default: Python's LICENSE.txt from the stdlib directory)")
+    args = p.parse_args(argv)
+
+    path = Path(args.file) if args.file else default_text_path()
+    text = read_text(path)
+    load_start = time.perf_counter()
+    model, tokenizer, model_path = load_model(args.model, quantization=args.quantization)
+    load_s = time.perf_counter() - load_start
+    print(f"model {model_path.name}, --quantization {args.quantization}: weights {describe_formats(model)}; "
+          f"loaded in {load_s:.1f} s")
+
+    def progress(i: int, ppl: float) -> None:
+        print(f"[{i + 1}]{ppl:.4f}", end=" ", flush=True)
+
+    r = perplexity(model, tokenizer, text, n_ctx=args.n_ctx, max_chunks=args.chunks,
+                   tokens_per_step=args.tokens_per_step, progress=progress)
+    print()
+    print(f"text {path.name}: {len(text):,} characters, {r.text_tokens:,} tokens, sha256 {text_digest(text)}")
+    print(f"perplexity {r.ppl:.4f} (mean NLL {r.nll:.5f}) over {r.tokens_scored:,} scored tokens in {r.chunks} "
+          f"chunks of {args.n_ctx}; {r.seconds:.1f} s ({r.chunks * args.n_ctx / r.seconds:.0f} tokens/s evaluated)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
