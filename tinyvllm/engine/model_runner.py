@@ -62,9 +62,7 @@ class ModelRunner:
         self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
         self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
-        # every per-layer tensor of the cache, block first (K, V, and a quantized cache's scales): copy-on-write
-        self.copy_blocks = CopyBlocks([t for layer in kv_cache.kv_caches for t in layer], kv_cache.null_block,
-                                      portable=portable_attention)
+        self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
@@ -91,7 +89,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[Sequence], Tensor | None]:
         """Run the step. Returns the sequences whose tokens are now all computed (they sample a token), and
         their logits on the device: (rows, vocab), row i for sequence i, padding rows after them."""
-        self.copy_blocks(scheduler_output.blocks_to_copy)  # before anything writes into the copies
+        if scheduler_output.blocks_to_copy:  # before anything writes into the copies
+            self.copy_blocks(scheduler_output.blocks_to_copy)
         seqs = scheduler_output.scheduled_seqs
         n_real = scheduler_output.total_num_scheduled_tokens
         n = self.bucket_for(n_real)
@@ -132,6 +131,14 @@ class ModelRunner:
                                        len(sampled_seqs))
             sampled_seqs += forked
         return sampled_seqs, (logits if sampled_seqs else None)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst := block src, [(src, dst), ...], in every per-layer tensor of the cache (block
+        first: K, V, and a quantized cache's scales), on the device."""
+        if self._copy_blocks is None:
+            tensors = [t for layer in self.kv_cache.kv_caches for t in layer]
+            self._copy_blocks = CopyBlocks(tensors, self.kv_cache.null_block, portable=self.portable_attention)
+        self._copy_blocks(pairs)
 
     def _repeat_rows(self, logits: Tensor, sources: list[int], num_rows: int) -> Tensor:
         """The logits with rows `sources` appended after the first `num_rows`, padded to a bucket of rows: (R, V).
