@@ -12,6 +12,8 @@ tensors of the default model's GGUF (Q4_1 layers, the Q8_0 token embedding).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
@@ -20,6 +22,7 @@ from tinyvllm.kernels import cpu_threads, launcher
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.qlinear import (
     FLOAT_PATH_MIN_M,
+    uses_float_path,
     QUANT_FORMATS,
     QuantizedWeight,
     dequantize_weight,
@@ -134,11 +137,12 @@ def activation_bound(x: np.ndarray, W: np.ndarray, block: int) -> np.ndarray:
     return (d / 2 * (1 + 1e-5)) @ wsum.T + 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64))
 
 
-def check_both_oracles(out: np.ndarray, x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> None:
+def check_both_oracles(out: np.ndarray, x: np.ndarray, blocks: np.ndarray, ggml_type: int,
+                       float_path: bool | None = None) -> None:
     fmt = QUANT_FORMATS[ggml_type]
     N, K = blocks.shape[0], x.shape[1]
     W = dequantize(blocks.reshape(-1), ggml_type, (N, K))
-    float_path = fmt.kernel == "qmatmul" and x.shape[0] >= FLOAT_PATH_MIN_M
+    float_path = uses_float_path(ggml_type, x.shape[0]) if float_path is None else float_path
     ref = x.astype(np.float64) @ W.T.astype(np.float64) if float_path else reference(x, blocks, ggml_type)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64)  # sum_k |x w|: what rounding scales
     # (a) float32 rounding only: ~K/32 block sums each rounded at 2^-24 stay far inside 1e-5 of the magnitudes
@@ -151,10 +155,26 @@ def check_both_oracles(out: np.ndarray, x: np.ndarray, blocks: np.ndarray, ggml_
 SHAPES = {32: [(37, 96), (7, 576)], 256: [(37, 512), (5, 256)]}  # N not a multiple of the 4-, 3- and 2-row tiles
 
 
-def test_float_path_threshold_is_the_kernels():
+def test_float_path_is_off_unless_asked_for():
     source = (launcher.KERNELS_DIR / "cpu" / "qmatmul.c").read_text()
-    assert f"#define TV_FLOAT_MIN_M {FLOAT_PATH_MIN_M} " in source
-    assert 3 < FLOAT_PATH_MIN_M <= 37  # the tests below run M = 1 and 3 on the integer path, 37 on the float path
+    assert "#define TV_FLOAT_MIN_M 0 " in source  # the kernel's own default: the integer route at every M
+    if os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M") is None:
+        assert FLOAT_PATH_MIN_M == 0 and not uses_float_path(3, 10_000)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", [2, 3, 8, 12, 14])
+def test_a_rows_result_does_not_depend_on_its_batch(ggml_type):
+    """Batch invariance: row 0 of a 37-row product is bit-identical to the same row multiplied alone (M=1), and to
+    it inside 2-, 5- and 11-row batches: the engine's batched requests equal the same requests run alone."""
+    fmt = QUANT_FORMATS[ggml_type]
+    N, K = SHAPES[fmt.block_size][0]
+    blocks = random_blocks(ggml_type, N, K, seed=3)
+    w = QuantizedWeight(Tensor(blocks), ggml_type, (N, K))
+    x = np.random.default_rng(3).standard_normal((37, K), dtype=np.float32)
+    alone = qlinear(Tensor(x[:1]), w).numpy()[0]
+    for M in (2, 5, 11, 37):
+        np.testing.assert_array_equal(qlinear(Tensor(x[:M]), w).numpy()[0], alone, err_msg=f"M={M}")
 
 
 @needs_kernel
@@ -176,13 +196,15 @@ def test_portable_c_path_matches_too(ggml_type: int):
     fmt = QUANT_FORMATS[ggml_type]
     N, K = SHAPES[fmt.block_size][0]
     blocks = random_blocks(ggml_type, N, K, seed=7)
-    for M in (3, 37):  # the integer path and (qmatmul.c) the float path
+    # the integer path at 3 and 37 rows, and (qmatmul.c, when a user turns it on) the float path at 37
+    for M, float_min_m in ((3, 0), (37, 0), (37, 12)):
         x = np.random.default_rng(7).standard_normal((M, K), dtype=np.float32)
         out = Tensor.empty(M, N, dtype=dtypes.float32)
         scratch = Tensor.empty(scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
         out, _ = launcher.launch(fmt.kernel, outs=[out, scratch], ins=[Tensor(x).realize(), Tensor(blocks).realize()],
-                                 defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, "TV_SCALAR": 1})
-        check_both_oracles(out.numpy(), x, blocks, ggml_type)
+                                 defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type,
+                                          "TV_FLOAT_MIN_M": float_min_m, "TV_SCALAR": 1})
+        check_both_oracles(out.numpy(), x, blocks, ggml_type, float_path=float_min_m > 0 and fmt.kernel == "qmatmul")
 
 
 def model_tensor(name: str) -> tuple[np.ndarray, int, int]:

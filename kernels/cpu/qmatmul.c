@@ -33,10 +33,13 @@
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
  * block for NR rows of w. M=1: MR=1, NR=1: one row of w streamed at a time (measured from memory, Q8_0: 25 GB/s
  * on one core against 5 with four rows side by side, the hardware prefetcher keeps up with one stream only).
- * 1 < M < TV_FLOAT_MIN_M (12): MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with
- * AVX2's 16 registers and with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2).
- * M >= 12: no integers: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many
- * rows of x" below for why). The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
+ * M > 1: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers and
+ * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
+ * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
+ * other rows of the step (batch invariance), which the engine's batched-equals-alone tests rely on.
+ * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
+ * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
+ * below for why and what it gains). The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
  * walked in blocks of MB rows so that a chunk's weights stay in L1/L2 while every row of x passes over them.
  */
 #include "threadpool.h"
@@ -61,7 +64,10 @@
 #error "K must be a multiple of the 32-element block"
 #endif
 
-#define TV_FLOAT_MIN_M 12  /* qlinear.FLOAT_PATH_MIN_M says the same (a test checks) */
+#ifndef TV_FLOAT_MIN_M
+#define TV_FLOAT_MIN_M 0    /* qlinear.FLOAT_PATH_MIN_M passes it: 0 = never the float path (batch-invariant) */
+#endif
+#define TV_FLOAT_PATH (TV_FLOAT_MIN_M > 0 && TV_M >= TV_FLOAT_MIN_M)
 #define FMR 4
 #define FNR 3
 #define FMB 64              /* rows of x per dequantized tile */
@@ -71,7 +77,7 @@
 #if TV_M == 1
 #define MR 1
 #define NR 1
-#elif TV_M < TV_FLOAT_MIN_M
+#elif !TV_FLOAT_PATH
 #define MR 4
 #define NR 2
 #else
@@ -101,7 +107,7 @@ struct qmatmul_args {
   const unsigned char* w;
 };
 
-#if TV_M < TV_FLOAT_MIN_M
+#if !TV_FLOAT_PATH
 static void quantize_chunk(const void* ctx, int chunk);
 #endif
 static void qmatmul_chunk(const void* ctx, int chunk);
@@ -110,13 +116,13 @@ static void qmatmul_chunk(const void* ctx, int chunk);
 TV_KERNEL qmatmul(float* restrict out, unsigned char* restrict scratch, const float* restrict x,
                   const unsigned char* restrict w) {
   struct qmatmul_args args = {out, (struct xblock*)scratch, x, w};
-#if TV_M < TV_FLOAT_MIN_M
+#if !TV_FLOAT_PATH
   tv_parallel_for(quantize_chunk, &args, NUM_QUANT_CHUNKS);  /* every row of x, before any dot product */
 #endif
   tv_parallel_for(qmatmul_chunk, &args, NUM_CHUNKS);
 }
 
-#if TV_M < TV_FLOAT_MIN_M
+#if !TV_FLOAT_PATH
 /* ---- step 1: x -> 8-bit blocks ---- */
 
 TV_INLINE void quantize_block(struct xblock* restrict out, const float* restrict x) {
@@ -273,7 +279,7 @@ TV_INLINE void tile_column(float* restrict out, const struct xblock* restrict x,
 #endif
 }
 
-#endif  /* TV_M < TV_FLOAT_MIN_M */
+#endif  /* !TV_FLOAT_PATH */
 
 /* ---- many rows of x (M >= TV_FLOAT_MIN_M): dequantize a few rows of w once, then float32 FMAs ----
  *
@@ -388,7 +394,7 @@ static void qmatmul_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
   int n0 = chunk * CHUNK_ROWS;
   int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
-#if TV_M >= TV_FLOAT_MIN_M
+#if TV_FLOAT_PATH
   float_chunk(a->out, a->x, a->w, ROW_BYTES, n0, n1);
 #else
   for (int m0 = 0; m0 < TV_M; m0 += MB) {

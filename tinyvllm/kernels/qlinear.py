@@ -29,11 +29,14 @@ K-quants) compute a dot product, the route llama.cpp's ggml-cpu takes:
                                                           float scale, once per block of 32 (or 256) weights
 
 Multiplying 8-bit integers is exact, so the only new error is rounding x to 8 bits (half a step, d_x / 2,
-per element); tests/test_kernels_qlinear.py derives the bound and checks it. With many rows of x (prefill
-chunks, large decode batches: M >= FLOAT_PATH_MIN_M) the arithmetic, not the reading, is what costs, and for
-Q4_0/Q4_1/Q8_0 float32 FMAs do more products per instruction than the integer route with its per-block float
-scale: there qmatmul.c dequantizes a few rows of w at a time into a buffer in L1 and multiplies in float32 (x not
-rounded), still reading the weights as blocks.
+per element); tests/test_kernels_qlinear.py derives the bound and checks it. Each row's result is computed by
+the same operations whatever the other rows are, so a request's tokens never depend on its batch (batch
+invariance: test_api_real_engine and the reliability soak compare batched requests with each run alone).
+With many rows of x (prefill chunks, large decode batches) the arithmetic, not the reading, is what costs,
+and for Q4_0/Q4_1/Q8_0 float32 FMAs do more products per instruction than the integer route: qmatmul.c has a
+float path (dequantize a few rows of w at a time into L1, multiply in float32, x not rounded) that a user may
+turn on from FLOAT_PATH_MIN_M rows (`TINYVLLM_QMATMUL_FLOAT_MIN_M=12`: ~1.3x at M=32) at the price of batch
+invariance, as vLLM makes the opposite trade (batch invariance is its opt-in mode).
 
 Everywhere else (`TINYVLLM_PORTABLE=1` / `tinyvllm.kernels.linear.PORTABLE`, symbolic shapes, a device without
 a kernel) the portable path runs: dequantize the blocks in tinygrad ops, then `x @ w.T` in float32. A GPU
@@ -44,6 +47,7 @@ output (m, n), four warps per block: grid ((N + 3) // 4, M, 1), 128 threads.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from tinygrad import Tensor, dtypes
@@ -82,11 +86,17 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
 #   qmatmul_k.c  struct xblock_k  { float d; int16 bsums[16]; int8 q[256]; } bsums: sums of each 16 q
 X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 
-# From this many rows of x on, the CPU kernel for the 32-element formats (kernels/cpu/qmatmul.c, TV_FLOAT_MIN_M)
-# stops rounding x to 8 bits: it dequantizes a few rows of w at a time and multiplies in float32 (more products per
-# instruction once many rows share each weight). Those rows get the float product of the dequantized weights.
+# 0 (the default): the integer route at every M, batch-invariant. N > 0: from N rows of x on, the CPU kernel for the
+# 32-element formats (kernels/cpu/qmatmul.c, TV_FLOAT_MIN_M) stops rounding x to 8 bits: it dequantizes a few rows of
+# w at a time and multiplies in float32 (more products per instruction once many rows share each weight), so those
+# rows get the float product of the dequantized weights and a row's result depends on how many rows share its step.
 # The K-quants' kernel keeps its integer sums at every M (their sub-block scales make them cheaper).
-FLOAT_PATH_MIN_M = 12
+FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
+
+
+def uses_float_path(ggml_type: int, M: int) -> bool:
+    """Does qmatmul.c take its float path for M rows of x (only where a user turned it on)?"""
+    return QUANT_FORMATS[ggml_type].kernel == "qmatmul" and 0 < FLOAT_PATH_MIN_M <= M
 
 
 def quant_format(ggml_type: int) -> QuantFormat:
@@ -154,8 +164,11 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
     out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)  # (M,N), every element written
     scratch = Tensor.invalids(max(1, scratch_bytes(w.ggml_type, M, K)), dtype=dtypes.uint8, device=x.device)
     grid = (1, 1, 1) if device_kind(x.device) == "CPU" else ((N + 3) // 4, M, 1)  # GPU: one warp per (m, n)
+    defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}
+    if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
+        defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
     out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x.reshape(M, K).contiguous(), w.data.contiguous()],
-                    defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}, estimates=estimates,
+                    defines=defines, estimates=estimates,
                     grid=grid, local_size=(128, 1, 1))
     return out.reshape(*x.shape[:-1], N)
 
