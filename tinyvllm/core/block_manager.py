@@ -292,6 +292,18 @@ class BlockManager:
             self.held_for_copy.remove(block)
             self.free_block_queue.append(block)
 
+    def free_slots_after(self, seq: Sequence, num_slots: int) -> None:
+        """Keep the blocks that hold `seq`'s first `num_slots` slots; free the blocks after them (speculative
+        decoding: blocks that only rejected draft tokens were written into). The slots after `num_slots` in the
+        last kept block are simply written again later: attention never reads past a token's own position."""
+        num_kept = -(-num_slots // self.block_size)
+        for block_id in reversed(seq.block_table[num_kept:]):
+            block = self.blocks[block_id]
+            assert block.ref_cnt == 1 and block.block_hash is None, f"block {block_id} of {seq} is shared or cached"
+            block.ref_cnt = 0
+            self.free_block_queue.append(block)
+        del seq.block_table[num_kept:]
+
     # ---- where each token's K/V goes ----
 
     def get_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:

@@ -70,6 +70,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # forked this step (0 tokens scheduled): seq_id -> seq_id of the sequence whose logits row it samples from
     forked_from: dict[int | str, int | str] = field(default_factory=dict)
+    # speculative decoding: seq_id -> the draft tokens it verifies this step, counted in its num_scheduled_tokens
+    # after its last sampled token (vLLM v1's name)
+    scheduled_spec_decode_tokens: dict[int | str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -144,12 +147,14 @@ class Scheduler:
         scheduled: list[Sequence] = []
         num_scheduled_tokens: dict[int | str, int] = {}
         preempted: list[Sequence] = []
+        spec_tokens: dict[int | str, list[int]] = {}
 
-        # 1. running sequences, oldest first: each one's next chunk (one token for a decode)
+        # 1. running sequences, oldest first: each one's next chunk (one token for a decode, plus its draft
+        # tokens when it speculates: num_tokens_with_spec)
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
+            num_new_tokens = min(self._num_tokens_with_spec(seq) - seq.num_computed_tokens, token_budget)
             if num_new_tokens == 0:  # all computed, no token to sample yet (a beam waiting for the others)
                 i += 1
                 continue
@@ -158,6 +163,7 @@ class Scheduler:
                 if victim in scheduled:  # priority order may pick one already given tokens this step: take them back
                     scheduled.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.seq_id)
+                    spec_tokens.pop(victim.seq_id, None)
                     i -= 1
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -168,6 +174,8 @@ class Scheduler:
                 continue  # it preempted itself: the next one now stands at index i
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            if num_new_tokens > seq.num_uncomputed_tokens:  # the budget may cut the drafts short
+                spec_tokens[seq.seq_id] = seq.spec_token_ids[:num_new_tokens - seq.num_uncomputed_tokens]
             token_budget -= num_new_tokens
             i += 1
 
@@ -202,7 +210,12 @@ class Scheduler:
                     forked_from[child.seq_id] = seq.seq_id
 
         return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, self.block_manager.take_blocks_to_copy(),
-                               forked_from)
+                               forked_from, spec_tokens)
+
+    @staticmethod
+    def _num_tokens_with_spec(seq: Sequence) -> int:
+        """Its tokens plus its draft tokens, when it has drafts and only its last sampled token left to compute."""
+        return seq.num_tokens + (len(seq.spec_token_ids) if seq.num_uncomputed_tokens == 1 else 0)
 
     def fork_seq(self, parent: Sequence, child: Sequence, num_computed_tokens: int | None = None) -> None:
         """Run `child`, whose tokens start with all of `parent`'s, on `parent`'s blocks (shared, copy-on-write):
@@ -223,17 +236,27 @@ class Scheduler:
         """Preemption by recompute: drop its K/V; its tokens, prompt and output, are recomputed when readmitted."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         self._enqueue(seq, front=True)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[int | str, int]) -> list[Sequence]:
+                           sampled_token_ids: dict[int | str, int | list[int]]) -> list[Sequence]:
         """Advance each scheduled sequence by the tokens it computed; those that caught up get their sampled
-        token, and may finish (their blocks are freed). Returns the sequences that got a new token."""
+        token, and may finish (their blocks are freed). Returns the sequences that got a new token.
+        A sequence that verified draft tokens gets a list: the tokens it emits (see `_accept_spec_tokens`)."""
         new_token_seqs = []
         for seq in scheduler_output.scheduled_seqs:
             if seq.is_finished:
                 continue  # aborted while the step ran
+            if seq.seq_id in scheduler_output.scheduled_spec_decode_tokens:
+                if seq.seq_id in sampled_token_ids:
+                    self._accept_spec_tokens(seq, scheduler_output, sampled_token_ids[seq.seq_id])
+                    new_token_seqs.append(seq)
+                else:  # its request failed this step: only its last sampled token counts as computed
+                    seq.num_computed_tokens = seq.num_tokens
+                    self.block_manager.free_slots_after(seq, seq.num_computed_tokens)
+                continue
             seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq.seq_id]
             self.block_manager.cache_full_blocks(seq, scheduler_output.num_scheduled_tokens[seq.seq_id])
             if seq.num_uncomputed_tokens > 0:
@@ -246,6 +269,36 @@ class Scheduler:
             if status is not None:
                 self._finish(seq, status)
         return new_token_seqs
+
+    def _accept_spec_tokens(self, seq: Sequence, scheduler_output: SchedulerOutput, emitted: list[int]) -> None:
+        """The step computed seq's last sampled token and its drafts d0..d(s-1); `emitted` is what the target
+        accepts: d0..d(a-1) and one token of its own (1 <= len(emitted) <= s + 1). Tokens are appended one at a
+        time with the stop checks of plain decoding, so a stop token or max_tokens cuts the run where plain
+        decoding would have stopped. The K/V of the rejected drafts are rolled back: num_computed_tokens moves
+        back to cover only tokens that are kept, and blocks holding nothing but rejected slots are freed.
+
+            block_size 4; tokens t0..t5 computed up to t4; t5 sampled last step; drafts d0 d1 d2 d3
+            this step computes:  t5 d0 d1 d2 d3     (positions 5..9, blocks [A B C])
+            target accepts d0 d1, emits d0 d1 x:    tokens t0..t5 d0 d1 x, num_computed_tokens 8
+            block C (positions 8..11) holds only rejected slots (d2 d3): freed. x is computed next step.
+        """
+        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens[seq.seq_id])
+        assert 1 <= len(emitted) <= num_drafts + 1, f"{len(emitted)} tokens emitted from {num_drafts} drafts"
+        num_computed_before = seq.num_computed_tokens
+        seq.num_computed_tokens = seq.num_tokens  # the last sampled token; the drafts count once they are kept
+        for j, token in enumerate(emitted):
+            if j > 0:
+                seq.num_computed_tokens += 1  # the token emitted before this one was a draft: its K/V are good
+            seq.append_token_id(token)
+            status = self._check_stop(seq)
+            if status is not None:
+                self._finish(seq, status)
+                break
+        seq.spec_token_ids = []
+        if seq.is_finished:
+            return
+        self.block_manager.free_slots_after(seq, seq.num_computed_tokens)
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens - num_computed_before)
 
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         params = seq.sampling_params

@@ -91,6 +91,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = -1  # of the prompt, found in the prefix cache at first admission (-1: not yet)
         self.block_table: list[int] = []
+        self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding; vLLM's name)
         self._block_hashes: list[bytes] = []  # of its full blocks, for prefix caching (see block_hashes)
 
     def __repr__(self) -> str:

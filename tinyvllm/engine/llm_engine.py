@@ -41,6 +41,9 @@ from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.sample.sampler import Sampler, logprobs_of, make_generator
 from tinyvllm.sample.structured_output import StructuredOutputManager, apply_bitmask_numpy
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.spec_decode.config import SpeculativeConfig
+from tinyvllm.spec_decode.ngram_proposer import NgramProposer
+from tinyvllm.spec_decode.verify import accept_greedy
 
 logger = logging.getLogger("tinyvllm.engine")
 
@@ -101,15 +104,20 @@ class LLMEngine:
     `kv_cache_dtype` stores K/V as "auto" (the model's dtype), "float32", "float16", "int8" or "fp8" (e4m3),
     the last two with one scale per token per KV head (vLLM's flag; docs/phases/07c-kv-cache-quantization.md);
     `quantization` (vLLM's flag: "auto" keeps a GGUF's quantized blocks, "none" dequantizes, "q8_0" / "q4_0" /
-    "q4_1" quantize at load; see tinyvllm/model/quantization.py) picks how the weights are stored."""
+    "q4_1" quantize at load; see tinyvllm/model/quantization.py) picks how the weights are stored.
+    `speculative_config` (vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    "prompt_lookup_max": b}) turns on speculative decoding for greedy requests (tinyvllm/spec_decode/); requests
+    with temperature > 0, penalties, logit bias, logprobs, min_tokens or a grammar decode one token a step."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
                  dtype: str = "float32", max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_memory: str | int = "512MiB", max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
                  portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", quantization: str = "auto"):
+                 kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None):
         resolve_kv_cache_dtype(kv_cache_dtype)  # a bad name fails here, before the model loads
+        self.speculative_config = None if speculative_config is None else SpeculativeConfig.from_dict(
+            speculative_config)
         check_quantization(quantization)
         if isinstance(model, LlamaForCausalLM):
             if tokenizer is None:
@@ -132,8 +140,16 @@ class LLMEngine:
         self.scheduler = Scheduler(num_blocks, block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy,
                                    enable_prefix_caching=enable_prefix_caching)
+        spec = self.speculative_config
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.max_model_len, max_num_batched_tokens,
-                                        max_num_seqs, portable_attention=portable_attention)
+                                        max_num_seqs, portable_attention=portable_attention,
+                                        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
+        self.proposer = None if spec is None else NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                                spec.prompt_lookup_max)
+        self.spec_decode_num_draft_tokens = 0  # drafts verified (vLLM's spec_decode_num_draft_tokens)
+        self.spec_decode_num_accepted_tokens = 0  # of those, accepted by the target
+        self.spec_decode_num_emitted_tokens = 0  # tokens the verifying requests got (accepted + one of the target's)
+        self._spec_output_start: dict[str, int] = {}  # this step: request id -> its output length before the step
         self.sampler = Sampler()
         self.structured_outputs = StructuredOutputManager(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests the scheduler knows, by request id
@@ -215,6 +231,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self._lap(None)
+        self._propose_drafts()
         scheduler_output = self.scheduler.schedule()
         self._lap("schedule")
         begun = self.step_log.begin(scheduler_output)
@@ -235,6 +252,23 @@ class LLMEngine:
     def step_timer(self, timer) -> None:
         self.model_runner.step_timer = timer  # the runner times input preparation and the forward pass
 
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: each running request that decodes greedily gets its draft tokens for this step
+        (seq.spec_token_ids, which the scheduler counts in its num_tokens_with_spec). Never more than could be
+        kept: max_tokens and max_model_len bound the run."""
+        if self.proposer is None:
+            return
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            state = self.requests.get(seq.seq_id)
+            if (state is None or seq.num_uncomputed_tokens != 1 or not state.params.is_greedy
+                    or state.matcher is not None or self._needs_host_sampler(seq, state.params)):
+                continue  # a beam, a prefill, a sampled request, or one the host sampler serves
+            limit = self.max_model_len - seq.num_tokens  # the drafts' positions must fit
+            if state.params.max_tokens is not None:  # the target adds one token after the drafts
+                limit = min(limit, state.params.max_tokens - seq.num_output_tokens - 1)
+            seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, limit)
+
     def _lap(self, phase: str | None) -> None:
         """Profiling only: the time since the last lap belongs to `phase` (None: a step starts)."""
         timer = self.model_runner.step_timer
@@ -252,7 +286,7 @@ class LLMEngine:
         if not scheduler_output.scheduled_seqs:
             self._fail_unschedulable(scheduler_output)
             return {}
-        seqs, logits = self.model_runner.execute_model(scheduler_output)
+        seqs, logits, spec_rows = self.model_runner.execute_model(scheduler_output)
         if not seqs:
             return {}
         beam_rows = [row for row, seq in enumerate(seqs) if self.beam_search.owns(seq.seq_id)]
@@ -266,6 +300,8 @@ class LLMEngine:
                                           batch.bitmask)
         self._lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs) if row not in batch.on_host}
+        if spec_rows:
+            self._verify_drafts(seqs, tokens, spec_rows, scheduler_output, sampled)
         host_logits = logits.numpy() if batch.on_host else None
         for row in batch.on_host:
             try:
@@ -281,6 +317,22 @@ class LLMEngine:
                 except Exception as e:
                     self._fail(seq, e)
         return {seq_id: token for seq_id, token in sampled.items() if seq_id in self.requests}
+
+    def _verify_drafts(self, seqs: list[Sequence], tokens: np.ndarray, spec_rows: dict, scheduler_output,
+                       sampled: dict) -> None:
+        """Speculative decoding: the target's greedy token at each draft's position decides how many drafts are
+        kept (spec_decode/verify.py); the request gets every emitted token (the scheduler appends them)."""
+        for row, seq in enumerate(seqs):
+            if seq.seq_id not in spec_rows or seq.seq_id not in sampled:
+                continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]
+            targets = [sampled[seq.seq_id]] + [int(tokens[r]) for r in spec_rows[seq.seq_id]]
+            emitted, num_accepted = accept_greedy(drafts, targets)
+            sampled[seq.seq_id] = emitted
+            self._spec_output_start[seq.seq_id] = seq.num_output_tokens
+            self.spec_decode_num_draft_tokens += len(drafts)
+            self.spec_decode_num_accepted_tokens += num_accepted
+            self.spec_decode_num_emitted_tokens += len(emitted)
 
     def _sampling_batch(self, seqs: list[Sequence], rows: int, vocab: int) -> SamplingBatch:
         """Each row's sampling parameters, clocks and grammar mask, one request at a time: a request whose
@@ -360,6 +412,7 @@ class LLMEngine:
                 self._process_token(seq, now)
             except Exception as e:  # detokenizing or a stop string failed: this request alone ends
                 self._fail(seq, e)
+        self._spec_output_start.clear()
         outputs = [state.output() for state in self._failed]
         self._failed.clear()
         for seq in new_token_seqs:
@@ -375,6 +428,9 @@ class LLMEngine:
         """The new token's text, stop strings (the scheduler checked stop tokens and lengths), timings."""
         state = self.requests[seq.seq_id]
         state.metrics.first_token_time = state.metrics.first_token_time or now
+        start = self._spec_output_start.pop(seq.seq_id, None)
+        if start is not None and self._process_spec_tokens(seq, state, start, now):
+            return
         token = seq.last_token_id
         if seq.status == SequenceStatus.FINISHED_STOPPED and token in state.params.all_stop_token_ids(
                 self.tokenizer.stop_token_ids):
@@ -389,6 +445,24 @@ class LLMEngine:
                 state.text.finish()  # release text held back for a stop string that never came
             state.metrics.finished_time = now
 
+    def _process_spec_tokens(self, seq: Sequence, state: RequestState, start: int, now: float) -> bool:
+        """The text of the tokens a verify step emitted before its last one, each in turn as plain decoding would
+        see them. A stop string in one of them ends the request there: the tokens after it are dropped (they were
+        never produced, as far as the user can tell). Returns True if it ended; the last token is then done."""
+        for j in range(start, seq.num_output_tokens - 1):
+            _, stopped = state.text.add(seq.output_token_ids[j])
+            if not stopped:
+                continue
+            if seq.is_finished:  # the scheduler ended it at a later token (stop token, length): the string comes first
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+            del seq.output_token_ids[j + 1:]
+            state.stop_reason = state.text.stop_str
+            state.metrics.finished_time = now
+            return True
+        return False
+
     def get_state(self) -> dict:
         """A snapshot of the block pool, the queues and the last steps (tinyvllm/engine/engine_state.py); take it on
         the thread that steps the engine."""
@@ -402,4 +476,14 @@ class LLMEngine:
                 "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
                 "kv_cache_dtype": self.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
                 "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token,
-                "quantization": self.model.quantization, "weight_bytes": self.model.weight_formats()}
+                "quantization": self.model.quantization, "weight_bytes": self.model.weight_formats(),
+                **self._spec_decode_stats()}
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding's counters (vLLM's spec_decode_* metric names), when it is on."""
+        if self.proposer is None:
+            return {}
+        drafts, accepted = self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens
+        return {"spec_decode_num_draft_tokens": drafts, "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_num_emitted_tokens": self.spec_decode_num_emitted_tokens,
+                "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0}

@@ -50,12 +50,15 @@ def buckets_up_to(limit: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False):
+                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
+                 num_speculative_tokens: int = 0):
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.token_buckets = buckets_up_to(max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
+        # rows of logits a step may need: one per sequence, and one per draft token when speculating
+        self.max_logits_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[int, GraphedJit] = {}  # one captured graph per token bucket
@@ -86,15 +89,19 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[Sequence], Tensor | None]:
+    def execute_model(self, scheduler_output: SchedulerOutput
+                      ) -> tuple[list[Sequence], Tensor | None, dict[int | str, list[int]]]:
         """Run the step. Returns the sequences whose tokens are now all computed (they sample a token), and
-        their logits on the device: (rows, vocab), row i for sequence i, padding rows after them."""
+        their logits on the device: (rows, vocab), row i for sequence i, padding rows after them; and for each
+        sequence that verifies draft tokens (speculative decoding), the rows of the logits at its drafts' positions
+        (after the sequences' rows): row i is the target's prediction after its last sampled token, these rows
+        its predictions after each draft."""
         if scheduler_output.blocks_to_copy:  # before anything writes into the copies
             self.copy_blocks(scheduler_output.blocks_to_copy)
         seqs = scheduler_output.scheduled_seqs
         n_real = scheduler_output.total_num_scheduled_tokens
         n = self.bucket_for(n_real)
-        num_rows = min(n, self.bucket_for(self.max_num_seqs))  # rows of logits: one per sequence at most
+        num_rows = min(n, self.bucket_for(self.max_logits_rows))  # rows of logits: one per sequence (and draft)
         bs = self.block_size
 
         input_ids, positions, slot_mapping, block_tables, logits_indices = self._inputs(n, num_rows)
@@ -102,20 +109,31 @@ class ModelRunner:
         block_tables.np[...], logits_indices.np[...] = self.kv_cache.null_block, 0
         sampled_seqs, num_blocks, i = [], 1, 0
         rows: dict[int | str, int] = {}  # seq_id -> its row of the logits
+        spec_positions: dict[int | str, list[int]] = {}  # seq_id -> where its drafts are in the flat row
         for seq in seqs:
             if seq.seq_id in scheduler_output.forked_from:  # no tokens: it samples from its source's row
                 continue
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
-            input_ids.np[0, i:i + count] = seq.all_token_ids[start:start + count]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
+            input_ids.np[0, i:i + count] = (seq.all_token_ids + drafts)[start:start + count]
             positions.np[0, i:i + count] = np.arange(start, start + count)
             slot_mapping.np[i:i + count] = get_slot_mapping(seq.block_table, bs, start, start + count)
             block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table
             num_blocks = max(num_blocks, -(-(start + count) // bs))
             i += count
-            if start + count == seq.num_tokens:  # caught up: this step's last token gets sampled
-                logits_indices.np[len(sampled_seqs)] = i - 1
+            if start + count - len(drafts) == seq.num_tokens:  # caught up: this step's last token gets sampled
+                logits_indices.np[len(sampled_seqs)] = i - len(drafts) - 1
                 rows[seq.seq_id] = len(sampled_seqs)
                 sampled_seqs.append(seq)
+            if drafts:
+                spec_positions[seq.seq_id] = list(range(i - len(drafts), i))
+        spec_rows, num_extra = {}, 0  # the drafts' rows follow the sequences' rows (and those of forked sequences)
+        for seq_id, where in spec_positions.items():
+            first = len(sampled_seqs) + num_extra
+            logits_indices.np[first:first + len(where)] = where
+            spec_rows[seq_id] = list(range(first + len(scheduler_output.forked_from),
+                                           first + len(scheduler_output.forked_from) + len(where)))
+            num_extra += len(where)
         if n not in self._jits:
             self._jits[n] = GraphedJit(self._forward)
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
@@ -128,9 +146,9 @@ class ModelRunner:
         if scheduler_output.forked_from:
             forked = [seq for seq in seqs if seq.seq_id in scheduler_output.forked_from]
             logits = self._repeat_rows(logits, [rows[scheduler_output.forked_from[seq.seq_id]] for seq in forked],
-                                       len(sampled_seqs))
+                                       len(sampled_seqs), num_extra)
             sampled_seqs += forked
-        return sampled_seqs, (logits if sampled_seqs else None)
+        return sampled_seqs, (logits if sampled_seqs else None), spec_rows
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src, [(src, dst), ...], in every per-layer tensor of the cache (block
@@ -140,11 +158,11 @@ class ModelRunner:
             self._copy_blocks = CopyBlocks(tensors, self.kv_cache.null_block, portable=self.portable_attention)
         self._copy_blocks(pairs)
 
-    def _repeat_rows(self, logits: Tensor, sources: list[int], num_rows: int) -> Tensor:
-        """The logits with rows `sources` appended after the first `num_rows`, padded to a bucket of rows: (R, V).
-        Only in a step that forks (n > 1): a copy through the host, a few rows of the vocabulary each."""
+    def _repeat_rows(self, logits: Tensor, sources: list[int], num_rows: int, num_extra: int = 0) -> Tensor:
+        """The logits with rows `sources` inserted after the first `num_rows` (before the `num_extra` drafts' rows),
+        padded to a bucket of rows: (R, V). Only in a step that forks (n > 1): a copy through the host."""
         host = logits.numpy()
-        rows = list(range(num_rows)) + sources
+        rows = list(range(num_rows)) + sources + list(range(num_rows, num_rows + num_extra))
         rows += [0] * (self.bucket_for(len(rows)) - len(rows))
         return Tensor(np.ascontiguousarray(host[rows]), device=self.model.device).realize()
 

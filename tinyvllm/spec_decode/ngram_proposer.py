@@ -1,0 +1,41 @@
+"""Prompt lookup decoding (vLLM's `ngram` method; Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding).
+
+No second model: the draft is copied from the request's own tokens. Find the last n tokens (n from
+prompt_lookup_max down to prompt_lookup_min) earlier in the prompt and output; propose the k tokens that followed
+that earlier occurrence. Text that quotes its prompt (edit this code, repeat this passage, extract fields)
+continues the way it did the first time, so many drafts are right:
+
+    tokens:  def area ( r ) : return 3.14 * r * r  ...  def area ( r ) :
+                                                        `-------------' the last 5 tokens (n = 5)
+             `-------------' found here first    -> propose "return 3.14 * r" (k = 4)
+
+The longest n that matches wins; among its matches the earliest, as vLLM's NgramProposer does. Cost: one
+vectorized scan of the tokens per n, on the host, for each speculating request each step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.k = num_speculative_tokens
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """Up to min(k, max_tokens) draft tokens to follow `token_ids`, or [] when no suffix recurs."""
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        if k <= 0:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        num = len(tokens)
+        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
+            suffix = tokens[num - n:]
+            # windows starting at 0 .. num - n - 1: every n-gram before the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:num - 1], n)  # (num - n, n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                start = int(hits[0]) + n  # the tokens that followed the earliest occurrence
+                return tokens[start:start + k].tolist()
+        return []
