@@ -286,7 +286,8 @@ class LLMEngine:
         if not scheduler_output.scheduled_seqs:
             self._fail_unschedulable(scheduler_output)
             return {}
-        seqs, logits, spec_rows = self.model_runner.execute_model(scheduler_output)
+        seqs, logits = self.model_runner.execute_model(scheduler_output)
+        spec_rows = self.model_runner.spec_logits_rows  # speculative decoding: the drafts' rows of the logits
         if not seqs:
             return {}
         beam_rows = [row for row, seq in enumerate(seqs) if self.beam_search.owns(seq.seq_id)]

@@ -66,6 +66,7 @@ class ModelRunner:
         self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
         self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
+        self.spec_logits_rows: dict[int | str, list[int]] = {}  # of the last step (see execute_model)
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
@@ -89,13 +90,12 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def execute_model(self, scheduler_output: SchedulerOutput
-                      ) -> tuple[list[Sequence], Tensor | None, dict[int | str, list[int]]]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[Sequence], Tensor | None]:
         """Run the step. Returns the sequences whose tokens are now all computed (they sample a token), and
-        their logits on the device: (rows, vocab), row i for sequence i, padding rows after them; and for each
-        sequence that verifies draft tokens (speculative decoding), the rows of the logits at its drafts' positions
-        (after the sequences' rows): row i is the target's prediction after its last sampled token, these rows
-        its predictions after each draft."""
+        their logits on the device: (rows, vocab), row i for sequence i, padding rows after them. Speculative
+        decoding: `self.spec_logits_rows` then maps each sequence that verified draft tokens to the rows of the
+        logits at its drafts' positions (after the sequences' rows): row i is the target's prediction after its
+        last sampled token, these rows its predictions after each draft."""
         if scheduler_output.blocks_to_copy:  # before anything writes into the copies
             self.copy_blocks(scheduler_output.blocks_to_copy)
         seqs = scheduler_output.scheduled_seqs
@@ -148,7 +148,8 @@ class ModelRunner:
             logits = self._repeat_rows(logits, [rows[scheduler_output.forked_from[seq.seq_id]] for seq in forked],
                                        len(sampled_seqs), num_extra)
             sampled_seqs += forked
-        return sampled_seqs, (logits if sampled_seqs else None), spec_rows
+        self.spec_logits_rows = spec_rows
+        return sampled_seqs, (logits if sampled_seqs else None)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src, [(src, dst), ...], in every per-layer tensor of the cache (block
