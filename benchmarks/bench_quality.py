@@ -23,11 +23,10 @@ every row starts from the same numbers: the F32 file holds exactly the Q4_1 weig
 here (Q4_0, Q4_K_M) are cached in the peers' models folder. Each row says what its weights were stored as on
 the device (`LlamaForCausalLM.weight_formats()`), so a format that tinyvllm dequantizes at load shows as float32.
 
-Two tinyvllm figures per quantized row, because its CPU kernels have two paths (tinyvllm/kernels/qlinear.py):
-"whole chunk" feeds each chunk in one forward (512 rows of x: the kernels multiply the dequantized weights in
-float32, as a long prefill does) and "8-token steps" feeds it 8 tokens per forward (the kernels round x to 8-bit
-blocks and take integer dot products, as a decode step does, and as llama.cpp does at every batch size). Float
-rows have one path; the steps figure is left out there. --step-tokens sets the step (below FLOAT_PATH_MIN_M).
+The quantized kernels round the activations to 8-bit blocks at every batch size (tinyvllm/kernels/qlinear.py),
+as llama.cpp's do, so feeding a chunk in one forward measures what a decode step computes. Where their float path
+is turned on (TINYVLLM_QMATMUL_FLOAT_MIN_M=N), a whole chunk would take it instead: the run records N, and
+--step-tokens feeds the chunks that many tokens per forward.
 
 With --peers, the token ids llama-perplexity cut its chunks from are read back once and compared with
 tinyvllm's: the two figures score the same tokens only if they are equal. --hf adds HF transformers' perplexity
@@ -56,9 +55,6 @@ from tinyvllm.kernels.qlinear import FLOAT_PATH_MIN_M  # noqa: E402
 from tinyvllm.model.loader import load_model  # noqa: E402
 from tinyvllm.model.weights import default_model_path  # noqa: E402
 from tinyvllm.perplexity import default_text_path, perplexity, read_text, text_digest  # noqa: E402
-
-
-FLOAT_FORMATS = {"float32", "float16"}  # weight_formats() names of unquantized weights
 
 
 @dataclass(frozen=True)
@@ -122,13 +118,11 @@ def main() -> None:
     p.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk, the second half scored (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="only the first N chunks (default: all of the text)")
     p.add_argument("--file", default=None, help="the text (default: Python's LICENSE.txt)")
-    p.add_argument("--step-tokens", type=int, default=8,
-                   help="tokens per forward of the decode-path figure (default 8; below FLOAT_PATH_MIN_M)")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="tokens per forward (default: a whole chunk; see the float path above)")
     p.add_argument("--hf", action="store_true", help="also HF transformers' perplexity of the float row")
     add_peers_arg(p)
     args = p.parse_args()
-    if not 0 < args.step_tokens < FLOAT_PATH_MIN_M or args.n_ctx % args.step_tokens:
-        p.error(f"--step-tokens must divide --n-ctx and be below {FLOAT_PATH_MIN_M} (the kernels' float path)")
     peers = find_peers(args)
     text_path = Path(args.file) if args.file else default_text_path()
     text = read_text(text_path)
@@ -141,16 +135,12 @@ def main() -> None:
         log(f"{row.key}: tinyvllm on {row.model.name}, --quantization {row.quantization}")
         model, tokenizer, _ = load_model(row.model, quantization=row.quantization)
         weights = model.weight_formats()
-        r = perplexity(model, tokenizer, text, n_ctx=args.n_ctx, max_chunks=args.chunks)
-        log(f"  ppl {r.ppl:.4f}, whole chunks ({r.chunks} chunks, {r.seconds:.1f} s)")
+        r = perplexity(model, tokenizer, text, n_ctx=args.n_ctx, max_chunks=args.chunks,
+                       tokens_per_step=args.step_tokens)
+        log(f"  ppl {r.ppl:.4f} ({r.chunks} chunks, {r.seconds:.1f} s)")
         results[row.key] = {"label": row.label, "file": row.model.name, "quantization": row.quantization,
                             "stored_as": stored_as(weights), "weight_bytes": weights, "ppl": r.ppl, "nll": r.nll,
                             "seconds": r.seconds}
-        if set(weights) - FLOAT_FORMATS:  # quantized weights: the kernels' decode path too
-            steps = perplexity(model, tokenizer, text, n_ctx=args.n_ctx, max_chunks=args.chunks,
-                               tokens_per_step=args.step_tokens)
-            results[row.key].update(steps_ppl=steps.ppl, steps_nll=steps.nll, steps_seconds=steps.seconds)
-            log(f"  ppl {steps.ppl:.4f}, {args.step_tokens}-token steps ({steps.seconds:.1f} s)")
         token_ids = tokenizer.encode(text)
         del model
         gc.collect()  # the next row's weights replace this one's
@@ -162,8 +152,6 @@ def main() -> None:
             assert ref["chunks"] == r.chunks, f"llama-perplexity ran {ref['chunks']} chunks, tinyvllm {r.chunks}"
             results[row.key]["llama_cpp"] = ref
             results[row.key]["ratio"] = r.ppl / ref["ppl"]
-            if "steps_ppl" in results[row.key]:
-                results[row.key]["steps_ratio"] = results[row.key]["steps_ppl"] / ref["ppl"]
             log(f"  llama.cpp ppl {ref['ppl']:.4f} ({ref['seconds']:.1f} s)")
         if row.key == "f32" and args.hf:
             log("  HF transformers on the same weights and chunks")
@@ -180,19 +168,14 @@ def main() -> None:
     if tokens_match is not None:
         verdict = "yes" if tokens_match else "NO: the two figures score different tokens"
         print(f"token ids identical to llama-perplexity's: {verdict}")
-    headers = ("format", "--quantization", "stored as", "ppl whole chunks", f"ppl {args.step_tokens}-token steps",
-               "vs F32")
+    headers = ("format", "--quantization", "stored as", "tinyvllm ppl", "vs F32")
     if peers:
-        headers += ("llama.cpp ppl", "ratio whole", "ratio steps")
+        headers += ("llama.cpp ppl", "ratio")
     out_rows = []
     for e in results.values():
-        steps = f"{e['steps_ppl']:.4f}" if "steps_ppl" in e else "-"
-        cells = (e["label"], e["quantization"], e["stored_as"], f"{e['ppl']:.4f}", steps, f"{e['vs_f32']:+.2%}")
-        if peers and "llama_cpp" in e:
-            cells += (f"{e['llama_cpp']['ppl']:.4f}", f"{e['ratio']:.4f}",
-                      f"{e['steps_ratio']:.4f}" if "steps_ratio" in e else "-")
-        elif peers:
-            cells += ("-", "-", "-")
+        cells = (e["label"], e["quantization"], e["stored_as"], f"{e['ppl']:.4f}", f"{e['vs_f32']:+.2%}")
+        if peers:
+            cells += (f"{e['llama_cpp']['ppl']:.4f}", f"{e['ratio']:.4f}") if "llama_cpp" in e else ("-", "-")
         out_rows.append(cells)
     print(table(out_rows, headers))
     print("files: " + ", ".join(f"{e['label']}: {e['file']}" for e in results.values()))
@@ -203,7 +186,8 @@ def main() -> None:
         "text": {"file": text_path.name, "python": platform.python_version(), "characters": len(text),
                  "tokens": len(token_ids), "sha256": text_digest(text)},
         "n_ctx": args.n_ctx, "chunks": chunks, "tokens_scored": r.tokens_scored,
-        "tokens_identical_to_llama_cpp": tokens_match, "formats": results}, args)
+        "tokens_identical_to_llama_cpp": tokens_match, "qmatmul_float_min_m": FLOAT_PATH_MIN_M,
+        "formats": results}, args)
 
 
 if __name__ == "__main__":

@@ -126,10 +126,10 @@ class ChunkScorer:
     (T, S) kernels: ~8 s per 512-token chunk on 2 cores against ~1 s here.
 
     tokens_per_step: feed the chunk that many tokens per forward instead of all at once (it must divide n_ctx).
-    The logits are the same up to float rounding, except on quantized weights: from FLOAT_PATH_MIN_M (12) rows
-    on the CPU kernels multiply dequantized weights in float32, below it they round the activations to 8 bits,
-    as a decode step does. So a whole chunk measures the weights, and steps of 1 to 11 tokens measure what a
-    decode step computes (and what llama.cpp computes at every batch size)."""
+    The logits are the same up to float rounding: the quantized kernels round the activations to 8 bits at every
+    number of rows, as a decode step does (and as llama.cpp does). Only where a user turned on their float path
+    (TINYVLLM_QMATMUL_FLOAT_MIN_M=N, tinyvllm/kernels/qlinear.py) does a whole chunk multiply the dequantized
+    weights in float32 instead; steps of fewer than N tokens still measure what a decode step computes."""
 
     BLOCK_SIZE = 16
 
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks (default: all)")
     p.add_argument("--tokens-per-step", type=int, default=None,
-                   help="feed each chunk N tokens per forward (default: all at once). On quantized weights 1 to 11 "
-                   "measure the decode path, whose kernels round activations to 8 bits")
+                   help="feed each chunk N tokens per forward (default: all at once; the same figure unless the "
+                   "quantized kernels' float path is turned on, see tinyvllm/kernels/qlinear.py)")
     p.add_argument("--file", default=None, help="the text (default: Python's LICENSE.txt from the stdlib directory)")
     args = p.parse_args(argv)
 
