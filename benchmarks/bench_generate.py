@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "the memory-bandwidth ceiling, and llama.cpp in the same run (--peers)")
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
+                   help="how the weights are stored (the engine's flag, default auto: the GGUF's own blocks). "
+                        "Results go to results/bench_generate.json for none (float32 weights), "
+                        "results/bench_generate_<method>.json otherwise")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per decode run (default 128)")
     p.add_argument("--decode-runs", type=int, default=3, help="measured decode runs (default 3)")
     p.add_argument("--prompt-lens", default="32,128,512", help="prefill lengths, comma-separated (default 32,128,512)")
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     t_imports = time.perf_counter() - t
 
     t = time.perf_counter()
-    gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization)
     t_load = time.perf_counter() - t
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
@@ -366,15 +370,24 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 4. the ceiling and 5. llama.cpp, after tinyvllm's runs ----
     weight_bytes = weight_bytes_per_token(config, dtype_bytes)
+    if args.quantization != "none":  # the bytes the weights really occupy (blocks), less what a step does not read
+        formats, embed = gen.model.weight_formats(), gen.model.embed_tokens
+        input_embedding = 0 if config.tie_word_embeddings else (embed.data if hasattr(embed, "data") else embed).nbytes()
+        weight_bytes = sum(formats.values()) - input_embedding  # one step reads one row of an untied embedding
+        results["weight_bytes_by_format"] = formats
     kv_bytes = config.kv_bytes_per_token * dtype_bytes // 4 * (len(prompt_ids) + args.max_tokens // 2)
     read = measure_read_bandwidth()
     peers = measure_peers(llama, prompt_lens, args.max_tokens) if llama is not None else {}
+    # what tinyvllm's weights are, in the tables: "float32", or e.g. "Q4_1/Q8_0 (auto)"
+    label = args.dtype if args.quantization == "none" else (
+        "/".join(f for f in gen.model.weight_formats() if not f.startswith("float")) + f" ({args.quantization})")
     results["ceiling"] = report_ceiling(read, weight_bytes, weight_bytes_per_token(config, 4), kv_bytes,
-                                        engine_tok_s, peers, args.dtype)
+                                        engine_tok_s, peers, label)
     if peers:
-        report_peers(results, peers, args.dtype)
+        report_peers(results, peers, label)
         results["peers"] = peers
-    write_results("bench_generate", file_figures(results), args, also=args.json_path)
+    name = "bench_generate" if args.quantization == "none" else f"bench_generate_{args.quantization}"
+    write_results(name, file_figures(results), args, also=args.json_path)
     return 0
 
 
