@@ -23,9 +23,13 @@ exactly so that the two numbers are comparable:
 
 Here each chunk is one forward of the model (`LlamaForCausalLM.__call__`, then `compute_logits`) over n_ctx
 tokens at positions 0..n_ctx-1, as one sequence on a paged KV cache of its own, captured once with TinyJit and
-replayed per chunk. Only the scored positions go
-through the lm_head. Their logits leave the device as float32 and the log-softmax is computed on the host in
-float64, as llama-perplexity sums its exponentials in double.
+replayed per chunk. Only the scored positions go through the lm_head. Their logits leave the device as
+float32 and the log-softmax is computed on the host in float64, as llama-perplexity sums its exponentials in
+double.
+
+NOTE: an added token's text written in the file ("<|im_end|>") becomes that token here, as HF tokenizes;
+llama-perplexity tokenizes it as plain text (parse_special false). LICENSE.txt holds none; with another text,
+benchmarks/bench_quality.py --peers checks that the two engines scored the same token ids.
 
 The default text is Python's own LICENSE.txt from the standard library directory: every machine with Python
 has it, no download needed. Its wording changes a little between Python releases, so the CLI prints its size
