@@ -233,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     def progress(i: int, ppl: float) -> None:
         print(f"[{i + 1}]{ppl:.4f}", end=" ", flush=True)
 
-    r = perplexity(model, tokenizer, text, n_ctx=args.n_ctx, max_chunks=args.chunks,
-                   tokens_per_step=args.tokens_per_step, progress=progress)
+    try:
+        r = perplexity(model, tokenizer, text, n_ctx=args.n_ctx, max_chunks=args.chunks,
+                       tokens_per_step=args.tokens_per_step, progress=progress)
+    except ValueError as e:  # a text too short for n_ctx, an odd n_ctx, a step that does not divide it
+        p.error(str(e))
     print()
     print(f"text {path.name}: {len(text):,} characters, {r.text_tokens:,} tokens, sha256 {text_digest(text)}")
     print(f"perplexity {r.ppl:.4f} (mean NLL {r.nll:.5f}) over {r.tokens_scored:,} scored tokens in {r.chunks} "
