@@ -97,25 +97,26 @@ def test_online_quantization_of_a_float_checkpoint(tiny_model_dir):
 
 @pytest.mark.slow
 def test_engine_reports_weight_formats_and_agrees_with_dequantized(generator):
-    """The shipped Q4_1 model served from its blocks: greedy tokens against the same weights dequantized (the
-    session's `generator`, quantization="none", the HF oracle's twin). The kernels round each activation block
-    to 8 bits, as llama.cpp does, so near-ties may flip late: require the first 8 tokens equal on 5 of 6 prompts."""
+    """The shipped Q4_1 model served from its blocks against the same weights dequantized (the session's
+    `generator`, quantization="none", the HF oracle's twin). The only difference is the kernels' rounding of each
+    activation block to 8 bits (as llama.cpp does): perplexity moves by under 1% (tests/test_perplexity.py), and a
+    token's logprob by a few hundredths of a nat, so greedy decoding agrees until the reference itself is within
+    NEAR_TIE of a tie, where either token may win and the texts then go their own ways. Required: the same tokens
+    up to that step on every prompt, and enough steps so compared."""
     from tests.test_generate import PROMPTS, prompt_ids
-    from tinyvllm.engine.llm_engine import LLMEngine
-    from tinyvllm.sampling_params import SamplingParams
+    from tests.test_quantize import NEAR_TIE, greedy_with_margins
+    from tinyvllm.engine.generator import Generator
 
-    engine = LLMEngine(None, max_model_len=512, kv_cache_memory="64MiB", quantization="auto")
-    stats = engine.get_stats()
+    quantized = Generator(None, max_model_len=512, kv_cache_memory="64MiB", quantization="auto")
+    stats = quantized.engine.get_stats()
     assert stats["quantization"] == "auto" and set(stats["weight_bytes"]) == {"Q4_1", "Q8_0", "float32"}
     assert sum(stats["weight_bytes"].values()) < 100 * 2**20  # vs 538 MB of float32
-    agree = 0
+    compared = 0
     for name in PROMPTS:
         ids = prompt_ids(generator, name)
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        engine.add_request(name, ids, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    quantized = out.outputs[0].token_ids
-        agree += quantized == generator.generate(ids, params).token_ids
-    assert agree >= 5
+        reference, margins = greedy_with_margins(generator, f"dequantized-{name}", ids)
+        tokens, _ = greedy_with_margins(quantized, f"quantized-{name}", ids)
+        n = next((step for step, m in enumerate(margins) if m < NEAR_TIE), len(margins))
+        assert tokens[:n] == reference[:n], (name, n, tokens, reference)
+        compared += n
+    assert compared >= 16, compared  # 23 on these prompts today: several meet a near-tie within a few tokens
