@@ -47,23 +47,30 @@ class LLM:
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities: give one per prompt")
+        requests = [(f"generate-{id(self)}-{i}", prompt, params, rank)
+                    for i, (prompt, params, rank) in enumerate(zip(prompts, sampling_params, priority))]
+        return self._run_to_completion(requests, "generating", use_tqdm and len(prompts) >= 8)
+
+    def _run_to_completion(self, requests: list[tuple], desc: str, show_progress: bool) -> list[RequestOutput]:
+        """Add every (request_id, prompt, params, priority), step the engine until all finish, and return their
+        final outputs in order. On any error (Ctrl-C included) every request is aborted: none is left holding
+        KV blocks."""
         engine = self.llm_engine
-        request_ids = [f"generate-{id(self)}-{i}" for i in range(len(prompts))]
+        finished: dict[str, RequestOutput] = {}
         try:
-            for request_id, prompt, params, rank in zip(request_ids, prompts, sampling_params, priority):
+            for request_id, prompt, params, rank in requests:
                 engine.add_request(request_id, prompt, params, priority=rank)
-            finished: dict[str, RequestOutput] = {}
-            with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm or len(prompts) < 8) as bar:
+            with tqdm(total=len(requests), desc=desc, disable=not show_progress) as bar:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         if output.finished:
                             finished[output.request_id] = output
                             bar.update(1)
         except BaseException:
-            for request_id in request_ids:  # leave no request behind to hold KV blocks
+            for request_id, *_ in requests:
                 engine.abort_request(request_id)
             raise
-        return [finished[request_id] for request_id in request_ids]
+        return [finished[request_id] for request_id, *_ in requests]
 
     def beam_search(self, prompts: Sequence[str | list[int] | dict], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -75,25 +82,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [p.get("prompt", p.get("prompt_token_ids")) if isinstance(p, dict) else p for p in prompts]
-        engine = self.llm_engine
-        request_ids = [f"beam-{id(self)}-{i}" for i in range(len(prompts))]
-        finished: dict[str, RequestOutput] = {}
-        try:
-            for request_id, prompt in zip(request_ids, prompts):
-                engine.add_request(request_id, prompt, params)
-            with tqdm(total=len(prompts), desc="beam search", disable=not use_tqdm) as bar:
-                while engine.has_unfinished_requests():
-                    for output in engine.step():
-                        if output.finished:
-                            finished[output.request_id] = output
-                            bar.update(1)
-        except BaseException:
-            for request_id in request_ids:
-                engine.abort_request(request_id)
-            raise
+        requests = [(f"beam-{id(self)}-{i}", prompt, params, 0) for i, prompt in enumerate(prompts)]
         results = []
-        for request_id in request_ids:
-            out = finished[request_id]
+        for out in self._run_to_completion(requests, "beam search", use_tqdm):
             results.append(BeamSearchOutput([
                 BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.cumulative_logprob,
                                    c.cumulative_logprob / len(c.token_ids) ** params.length_penalty, c.text,
