@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import add_peers_arg, machine_description, no_peer_twin, table, write_results  # noqa: E402
+from kv_dtypes import kv_attention_kernel_ms, kv_decode_speed, kv_perplexity  # noqa: E402  (part 6)
 
 from tinyvllm.core.block_manager import BlockManager  # noqa: E402
 from tinyvllm.core.kv_cache import (  # noqa: E402
@@ -308,169 +309,6 @@ def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
-# ---- 6. the KV cache's dtype ----
-
-def kv_decode_speed(model, tokenizer, names: list[str], num_seqs: int, context: int, steps: int, warmup: int,
-                    block_size: int) -> dict:
-    """num_seqs greedy sequences decoding at ~`context` tokens of context, one engine per KV dtype on the same model
-    (the kernels), the engines' steps interleaved. The sequences share one prompt through the prefix cache: the first
-    is prefilled alone, the others then find its blocks cached and compute only their last token. Every step still
-    reads each sequence's whole context (the kernel reads a block once per sequence that holds it); only the prefill
-    and the memory are shared."""
-    from tinyvllm.engine.llm_engine import LLMEngine
-    from tinyvllm.sampling_params import SamplingParams
-
-    prompt = prompt_of_length(tokenizer, context - warmup)
-    tail_blocks = -(-(warmup + steps + 4) // block_size) + 1  # each sequence's own blocks past the shared prompt
-    num_blocks = -(-context // block_size) + num_seqs * tail_blocks
-    max_model_len = -(-(context + steps + 8) // 256) * 256
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=warmup + steps + 4)
-    engines, prefill_s = {}, {}
-    for name in names:
-        print(f"  kv {name}: prefilling {len(prompt)} tokens, then {num_seqs - 1} more sequences on the prefix "
-              "cache ...", file=sys.stderr, flush=True)
-        engine = LLMEngine(model, tokenizer=tokenizer, max_model_len=max_model_len, block_size=block_size,
-                           num_gpu_blocks_override=num_blocks, max_num_seqs=num_seqs, kv_cache_dtype=name)
-        t = time.perf_counter()
-        engine.add_request("kv-0", prompt, params)
-        while engine.requests["kv-0"].seq.num_output_tokens == 0:
-            engine.step()
-        prefill_s[name] = time.perf_counter() - t
-        for i in range(1, num_seqs):
-            engine.add_request(f"kv-{i}", prompt, params)
-        while any(state.seq.num_output_tokens == 0 for state in engine.requests.values()):
-            engine.step()
-        for _ in range(warmup):  # the num_seqs-row decode graph compiles here
-            engine.step()
-        assert len(engine.scheduler.running) == num_seqs, "every sequence must be decoding"
-        engines[name] = engine
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(steps):
-        for name, engine in engines.items():
-            t = time.perf_counter()
-            engine.step()
-            times[name].append(time.perf_counter() - t)
-    tokens = {name: engine.requests["kv-0"].seq.output_token_ids[:warmup + steps] for name, engine in engines.items()}
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    return {"num_seqs": num_seqs, "context": context, "steps": steps, "block_size": block_size,
-            "prefill_s": prefill_s, "step_ms_median": {k: 1e3 * v for k, v in med.items()},
-            "tok_per_s": {k: num_seqs / v for k, v in med.items()},
-            "over_float32": {k: med["float32"] / v for k, v in med.items()} if "float32" in med else {},
-            "same_tokens_as_float32": {k: v == tokens.get("float32") for k, v in tokens.items()}}
-
-
-def kv_attention_kernel_ms(config: ModelConfig, names: list[str], num_seqs: int, context: int, block_size: int,
-                           repeats: int) -> dict[str, float]:
-    """Median ms of one layer's decode attention kernel alone (num_seqs rows at `context`), per KV dtype, the
-    kernels interleaved: what dequantizing costs against what the smaller reads save."""
-    from tinygrad import Tensor, TinyJit
-
-    from tinyvllm.attention.kernel_backend import kernel_paged_attention
-
-    H, KvH, Hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_seq = -(-context // block_size)
-    rng = np.random.default_rng(0)
-    tables = Tensor(rng.permutation(num_seqs * per_seq).reshape(num_seqs, per_seq).astype(np.int32)).realize()
-    lens = Tensor(np.full(num_seqs, context, np.int32)).realize()
-    shape = (num_seqs * per_seq + 1, block_size, KvH, Hd)
-    jits = {}
-    for name in names:
-        spec = KV_CACHE_DTYPES[name]
-        if spec.quantized:  # random codes; their values do not change the work
-            codes = rng.integers(-120, 120, shape).astype(np.int8).view(np.uint8 if name == "fp8" else np.int8)
-            caches = [Tensor(codes).realize(), Tensor(codes.copy()).realize(),
-                      *(Tensor(rng.random(shape[:3], dtype=np.float32)).realize() for _ in range(2))]
-        else:
-            caches = [Tensor(rng.standard_normal(shape, dtype=np.float32)).cast(spec.storage).realize()
-                      for _ in range(2)]
-        jits[name] = TinyJit(lambda q, c=caches: kernel_paged_attention(q, c[0], c[1], tables, lens, None,
-                                                                        *c[2:]).realize())
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(repeats + 3):
-        for name, jit in jits.items():
-            q = Tensor(rng.standard_normal((num_seqs, H, Hd), dtype=np.float32)).realize()
-            t = time.perf_counter()
-            jit(q)
-            if i >= 3:
-                times[name].append(time.perf_counter() - t)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-
-
-def kv_rounding_error(layers: list[tuple[np.ndarray, np.ndarray]]) -> dict:
-    """Relative RMS error, ||x' - x|| / ||x||, of the real model's K and V (all layers) stored as int8 and fp8 with
-    per-token scales: as stored (rotated by the Hadamard matrix first) and without the rotation."""
-    from tinygrad import Tensor
-
-    from tinyvllm.attention.kv_quant import dequantize, quantize, rotate
-
-    out: dict = {}
-    for name in ("int8", "fp8"):
-        spec = KV_CACHE_DTYPES[name]
-        for label, rotated in (("rotated", True), ("plain", False)):
-            err = total = 0.0
-            for k, v in layers:
-                for x in (k, v):
-                    t = Tensor(x.reshape(-1, *x.shape[2:]))
-                    t = rotate(t) if rotated else t
-                    back = dequantize(*quantize(t, spec), spec)
-                    err += float(((back - t) ** 2).sum().item())
-                    total += float((t ** 2).sum().item())
-            out.setdefault(name, {})[label] = (err / total) ** 0.5
-        out[name]["plain_over_rotated"] = out[name]["plain"] / out[name]["rotated"]
-    return out
-
-
-def perplexity_text() -> tuple[str, str]:
-    """The fixed text: Python's LICENSE.txt (every Python has it), one trailing newline dropped, as
-    `llama-perplexity -f` reads a file."""
-    import sysconfig
-
-    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-    text = path.read_text()
-    return (text[:-1] if text.endswith("\n") else text), str(path.name)
-
-
-def kv_perplexity(model, tokenizer, names: list[str], n_ctx: int, max_chunks: int, block_size: int) -> dict:
-    """Perplexity of the fixed text with each KV dtype, by llama-perplexity's method: chunks of n_ctx tokens, each
-    from an empty cache, the second half of each scored (every scored token has >= n_ctx/2 of context). One
-    forward per chunk writes its K/V into a paged cache of the dtype and attends over them as stored: the
-    quantization is in every score."""
-    from tinygrad import Tensor, dtypes
-
-    from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
-    from tinyvllm.core.kv_cache import PagedKVCache
-
-    text, text_name = perplexity_text()
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    chunks = min(max_chunks, len(ids) // n_ctx)
-    nb = -(-n_ctx // block_size)
-    first = n_ctx // 2
-    positions = Tensor(np.arange(n_ctx, dtype=np.int32).reshape(1, -1)).realize()
-    slots = Tensor(np.arange(n_ctx, dtype=np.int32)).realize()
-    table = Tensor(np.arange(nb, dtype=np.int32).reshape(1, -1)).realize()
-    out = {"text": text_name, "tokens": len(ids), "n_ctx": n_ctx, "chunks": chunks,
-           "scored_tokens": chunks * (n_ctx - first - 1), "ppl": {}, "nll": {}}
-    for name in names:
-        cache = PagedKVCache(model.config, nb, block_size, KV_CACHE_DTYPES[name], model.device)
-        nll = 0.0
-        for c in range(chunks):
-            chunk = ids[c * n_ctx:(c + 1) * n_ctx]
-            metadata = KernelPagedAttentionMetadata(slots, table, positions, nb)
-            hidden = model(Tensor([chunk], dtype=dtypes.int32), positions, cache.kv_caches, metadata)
-            logits = model.compute_logits(hidden[0][first:n_ctx - 1]).numpy().astype(np.float64)
-            logits -= logits.max(-1, keepdims=True)
-            logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-            nll -= logprobs[np.arange(len(logprobs)), chunk[first + 1:]].sum()
-        if name == "float32":  # the real K/V of the last chunk: what rounding them costs, with and without rotation
-            out["rounding_error"] = kv_rounding_error([(k.numpy()[:nb], v.numpy()[:nb]) for k, v in cache.kv_caches])
-        out["nll"][name] = nll / out["scored_tokens"]
-        out["ppl"][name] = float(np.exp(out["nll"][name]))
-        print(f"  kv {name}: perplexity {out['ppl'][name]:.4f}", file=sys.stderr, flush=True)
-    if "float32" in out["ppl"]:
-        out["ppl_delta_pct"] = {k: 100 * (v / out["ppl"]["float32"] - 1) for k, v in out["ppl"].items()}
-    return out
-
-
 # ---- reporting ----
 
 def build_parser() -> argparse.ArgumentParser:
@@ -590,11 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer, _ = load_model(args.model)
         print("\n(part 6: one engine per KV dtype, each prefilling its own cache: minutes on a small CPU)",
               file=sys.stderr, flush=True)
-        kv["decode"] = kv_decode_speed(model, tokenizer, kv_names, args.kv_seqs, args.kv_context, args.kv_steps,
-                                       args.warmup, args.block_size)
+        kv["decode"] = kv_decode_speed(model, tokenizer, prompt_of_length(tokenizer, args.kv_context - args.warmup),
+                                       kv_names, args.kv_seqs, args.kv_context, args.kv_steps, args.warmup,
+                                       args.block_size)
         kv["attention_kernel_ms"] = kv_attention_kernel_ms(config, kv_names, args.kv_seqs, args.kv_context,
                                                            args.block_size, args.repeats)
-        kv["perplexity"] = kv_perplexity(model, tokenizer, kv_names, args.ppl_ctx, args.ppl_chunks, args.block_size)
+        kv["perplexity"] = kv_perplexity(model, tokenizer, kv_names, args.ppl_ctx, args.ppl_chunks)
         d, ppl = kv["decode"], kv["perplexity"]
         print(f"\n== 6b. {d['num_seqs']} sequences decoding at context {d['context']} (the kernels; median of "
               f"{d['steps']} steps, engines in turn); one layer's attention kernel alone; perplexity of "

@@ -51,7 +51,7 @@ import numpy as np
 from tinygrad import Tensor
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
-from tinyvllm.core.kv_cache import PagedKVCache
+from tinyvllm.core.kv_cache import PagedKVCache, resolve_kv_cache_dtype
 from tinyvllm.engine.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
@@ -137,13 +137,17 @@ class ChunkScorer:
 
     BLOCK_SIZE = 16
 
-    def __init__(self, model: LlamaForCausalLM, n_ctx: int, tokens_per_step: int | None = None):
+    def __init__(self, model: LlamaForCausalLM, n_ctx: int, tokens_per_step: int | None = None,
+                 kv_cache_dtype: str = "auto"):
         step = n_ctx if tokens_per_step is None else tokens_per_step
         if not 0 < step <= n_ctx or n_ctx % step:
             raise ValueError(f"tokens_per_step must divide n_ctx ({n_ctx}), got {tokens_per_step}")
         self.model, self.n_ctx, self.first, self.step = model, n_ctx, n_ctx // 2, step
         device, num_blocks = model.device, -(-n_ctx // self.BLOCK_SIZE)
-        self.cache = PagedKVCache(model.config, num_blocks, self.BLOCK_SIZE, dtype=model.dtype, device=device)
+        # kv_cache_dtype (Phase 7c): the chunk's K/V stored as float16/int8/fp8 and read back, so the quantization
+        # is in every score
+        self.cache = PagedKVCache(model.config, num_blocks, self.BLOCK_SIZE,
+                                  dtype=resolve_kv_cache_dtype(kv_cache_dtype, model.dtype), device=device)
         self.block_table = Tensor(np.arange(num_blocks, dtype=np.int32).reshape(1, -1), device=device).realize()
         # refilled in place per step: token ids, positions (1,step) and slots (step,); slot i holds position i
         self._ids = InputBuffer((1, step), np.int32, device)
@@ -176,17 +180,19 @@ class ChunkScorer:
 
 
 def perplexity(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, n_ctx: int = 512,
-               max_chunks: int | None = None, tokens_per_step: int | None = None, progress=None) -> PerplexityResult:
+               max_chunks: int | None = None, tokens_per_step: int | None = None, progress=None,
+               kv_cache_dtype: str = "auto") -> PerplexityResult:
     """llama-perplexity's chunked perplexity of `text` (see the module docstring).
 
-    tokens_per_step: see `ChunkScorer` (None: each chunk in one forward).
+    tokens_per_step: see `ChunkScorer` (None: each chunk in one forward); kv_cache_dtype: how the chunk's K/V are
+    stored ("auto": the model's dtype; "float16", "int8", "fp8": tinyvllm/core/kv_cache.py).
     progress: called after each chunk with (chunk index, running perplexity), as llama-perplexity prints
     `[i]ppl` per chunk."""
     start = time.perf_counter()
     token_ids = tokenizer.encode(text, add_special_tokens=True)  # BOS first iff the vocab's add_bos
     chunks = num_chunks(len(token_ids), n_ctx, max_chunks)
     bos = tokenizer.bos_token_id if tokenizer.add_bos_token else None
-    scorer = ChunkScorer(model, n_ctx, tokens_per_step)
+    scorer = ChunkScorer(model, n_ctx, tokens_per_step, kv_cache_dtype)
     total, count = 0.0, 0
     for i, chunk in enumerate(chunk_tokens(token_ids, n_ctx, chunks, bos)):
         logits = scorer(chunk)  # (n_ctx-1-first, V)
