@@ -176,6 +176,7 @@ class LlamaForCausalLM:
             copy.result()
         pool.shutdown()
         Tensor.realize(*loaded, self.inv_freq)  # only casts (float16) and inv_freq are left to compute
+        self._weight_formats = self._count_weight_formats()  # fixed from here on; get_stats() reads it every step
 
     @property
     def device(self) -> str:
@@ -183,6 +184,9 @@ class LlamaForCausalLM:
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of weights on the device, by storage format: {'Q4_1': ..., 'Q8_0': ..., 'float32': ...}."""
+        return dict(self._weight_formats)
+
+    def _count_weight_formats(self) -> dict[str, int]:
         formats: dict[str, int] = {}
         weights = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
         for layer in self.layers:
