@@ -11,7 +11,7 @@ import pytest
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode.config import SpeculativeConfig
-from tinyvllm.spec_decode.ngram_proposer import NgramProposer
+from tinyvllm.spec_decode.ngram_proposer import find_ngram_drafts
 from tinyvllm.spec_decode.verify import accept_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -109,13 +109,13 @@ def test_stops_inside_an_accepted_run(tiny):
         same(run(tiny, cases), run(on, cases))
 
 
-def replay_counts(proposer: NgramProposer, prompt: list[int], output: list[int], max_tokens: int):
+def replay_counts(k: int, min_n: int, max_n: int, prompt: list[int], output: list[int], max_tokens: int):
     """Drafts and accepted drafts that speculation must have had, from the plain output alone: at each verify step
     the proposer sees the tokens so far and the target agrees with a draft exactly when it equals the next token."""
     drafts = accepted = 0
     tokens, pos = prompt + output, len(prompt) + 1  # the first token comes from the prefill
     while pos < len(tokens):
-        guess = proposer.propose(tokens[:pos], max_tokens - (pos - len(prompt)) - 1)
+        guess = find_ngram_drafts(tokens[:pos], min(k, max_tokens - (pos - len(prompt)) - 1), min_n, max_n)
         _, num_accepted = accept_greedy(guess, (tokens[pos:] + [0] * (len(guess) + 1))[:len(guess) + 1])
         drafts, accepted = drafts + len(guess), accepted + num_accepted
         pos += num_accepted + 1
@@ -128,7 +128,7 @@ def test_acceptance_counters_match_a_replay(tiny):
     on = engine_like(tiny, speculative_config=NGRAM)
     run(on, {"spec": (prompt, greedy(30))})
     stats = on.get_stats()
-    expected = replay_counts(NgramProposer(4, 1, 3), prompt, base.token_ids, 30)
+    expected = replay_counts(4, 1, 3, prompt, base.token_ids, 30)
     assert (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]) == expected
     assert stats["spec_decode_num_draft_tokens"] > 0
 
@@ -146,11 +146,12 @@ def test_rollback_frees_emptied_blocks(tiny):
 
 
 def test_ngram_proposer():
-    p = NgramProposer(3, 1, 3)
-    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]  # "1 2 3" seen at the start
-    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3], max_tokens=1) == [4]
-    assert p.propose([7, 8, 9]) == []
-    assert p.propose([5, 1, 5, 2, 5]) == [1, 5, 2]  # only n = 1 matches: the earliest occurrence wins
+    def p(tokens, k=3):
+        return find_ngram_drafts(tokens, k, 1, 3)
+    assert p([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]  # "1 2 3" seen at the start
+    assert p([1, 2, 3, 4, 9, 1, 2, 3], k=1) == [4]
+    assert p([7, 8, 9]) == []
+    assert p([5, 1, 5, 2, 5]) == [1, 5, 2]  # only n = 1 matches: the earliest occurrence wins
     assert accept_greedy([4, 9, 1], [4, 9, 2, 7]) == ([4, 9, 2], 2)
     assert accept_greedy([4, 9, 1], [4, 9, 1, 7]) == ([4, 9, 1, 7], 3)
     assert accept_greedy([], [6]) == ([6], 0)

@@ -43,6 +43,7 @@ from tinyvllm.sample.structured_output import StructuredOutputManager, apply_bit
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode.config import SpeculativeConfig
 from tinyvllm.spec_decode.ngram_proposer import NgramProposer
+from tinyvllm.spec_decode.proposer import DraftRequest
 from tinyvllm.spec_decode.verify import accept_greedy
 
 logger = logging.getLogger("tinyvllm.engine")
@@ -267,7 +268,7 @@ class LLMEngine:
             limit = self.max_model_len - seq.num_tokens  # the drafts' positions must fit
             if state.params.max_tokens is not None:  # the target adds one token after the drafts
                 limit = min(limit, state.params.max_tokens - seq.num_output_tokens - 1)
-            seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, limit)
+            seq.spec_token_ids = self.proposer.propose([DraftRequest(seq, state.params, None, limit)])[0].token_ids
 
     def _lap(self, phase: str | None) -> None:
         """Profiling only: the time since the last lap belongs to `phase` (None: a step starts)."""

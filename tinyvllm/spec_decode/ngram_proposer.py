@@ -10,32 +10,45 @@ continues the way it did the first time, so many drafts are right:
              `-------------' found here first    -> propose "return 3.14 * r" (k = 4)
 
 The longest n that matches wins; among its matches the earliest, as vLLM's NgramProposer does. Cost: one
-vectorized scan of the tokens per n, on the host, for each speculating request each step.
+vectorized scan of the tokens per n, on the host, for each speculating request each step. The proposal is
+deterministic, so its distribution q is one-hot at each draft token (`Draft.probs` None, see proposer.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tinyvllm.spec_decode.proposer import Draft, DraftRequest
+
+
+def find_ngram_drafts(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the earliest earlier occurrence of the longest recurring suffix (n in
+    [min_n, max_n]) of `token_ids`, or [] when no suffix recurs."""
+    if k <= 0:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        suffix = tokens[num - n:]
+        # windows starting at 0 .. num - n - 1: every n-gram before the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:num - 1], n)  # (num - n, n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[0]) + n  # the tokens that followed the earliest occurrence
+            return tokens[start:start + k].tolist()
+    return []
+
 
 class NgramProposer:
+    """The `Proposer` of the ngram method: it keeps nothing between steps (each scan starts from the tokens)."""
+
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.k = num_speculative_tokens
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
-        """Up to min(k, max_tokens) draft tokens to follow `token_ids`, or [] when no suffix recurs."""
-        k = self.k if max_tokens is None else min(self.k, max_tokens)
-        if k <= 0:
-            return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        num = len(tokens)
-        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            suffix = tokens[num - n:]
-            # windows starting at 0 .. num - n - 1: every n-gram before the suffix itself
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:num - 1], n)  # (num - n, n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(hits):
-                start = int(hits[0]) + n  # the tokens that followed the earliest occurrence
-                return tokens[start:start + k].tolist()
-        return []
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft(find_ngram_drafts(r.seq.all_token_ids, min(self.k, r.max_drafts), self.min_n, self.max_n))
+                for r in requests]
+
+    def free(self, seq_id: int | str) -> None:
+        pass  # no per-sequence state
