@@ -1,11 +1,15 @@
 """`speculative_config`, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-"prompt_lookup_max": b}, validated once when the engine is built (STYLE: config flows one way)."""
+"prompt_lookup_max": b} or {"method": "draft_model", "model": path, "num_speculative_tokens": k, "quantization":
+"q4_1"}, validated once when the engine is built (STYLE: config flows one way)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-METHODS = ("ngram",)  # vLLM also has "draft_model", "eagle", "medusa", ...: not built here
+from tinyvllm.model.quantization import METHODS as QUANTIZATION_METHODS
+
+METHODS = ("ngram", "draft_model")  # vLLM also has "eagle", "medusa", ...: not built here
 
 
 @dataclass(frozen=True)
@@ -14,6 +18,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: draft tokens proposed per request per step
     prompt_lookup_min: int  # ngram: the shortest suffix matched against the earlier tokens
     prompt_lookup_max: int  # ngram: the longest
+    model: str | None = None  # draft_model: the draft's checkpoint (a .gguf file or an HF directory)
+    quantization: str = "auto"  # draft_model: how the draft's weights are stored (as the engine's --quantization)
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
@@ -21,7 +27,7 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
                              f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; the keys are {sorted(known)}")
@@ -39,4 +45,18 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config[{name!r}] must be an integer >= 1, got {value!r}")
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return cls(method, k, lo, hi)
+        model, quantization = config.get("model"), config.get("quantization")
+        if method == "draft_model":
+            if model is None:
+                raise ValueError("speculative_config with method 'draft_model' needs 'model': the draft's checkpoint "
+                                 "path (a .gguf file or an HF directory sharing the target's tokenizer)")
+            if not isinstance(model, (str, os.PathLike)):
+                raise ValueError(f"speculative_config['model'] must be a checkpoint path, got {model!r}")
+            if quantization is not None and quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"speculative_config['quantization'] (the draft's weights) must be one of "
+                                 f"{', '.join(QUANTIZATION_METHODS)}, got {quantization!r}")
+        elif model is not None or quantization is not None:
+            raise ValueError(f"speculative_config: 'model' and 'quantization' are for method 'draft_model', "
+                             f"not {method!r}")
+        return cls(method, k, lo, hi, None if model is None else os.fspath(model),
+                   "auto" if quantization is None else quantization)
