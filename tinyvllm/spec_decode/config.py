@@ -20,6 +20,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int  # ngram: the longest
     model: str | None = None  # draft_model: the draft's checkpoint (a .gguf file or an HF directory)
     quantization: str = "auto"  # draft_model: how the draft's weights are stored (as the engine's --quantization)
+    # no request speculates in a step where this many or more are running (None: never off). At large batches
+    # the forward pass is no longer bound by reading the weights, and verifying drafts that miss costs compute
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
@@ -27,7 +30,8 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
                              f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization",
+                 "disable_by_batch_size"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; the keys are {sorted(known)}")
@@ -58,5 +62,9 @@ class SpeculativeConfig:
         elif model is not None or quantization is not None:
             raise ValueError(f"speculative_config: 'model' and 'quantization' are for method 'draft_model', "
                              f"not {method!r}")
+        disable = config.get("disable_by_batch_size")
+        if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
+            raise ValueError(f"speculative_config['disable_by_batch_size'] must be an integer >= 1 (speculation is off "
+                             f"in steps with that many running requests) or None (never off), got {disable!r}")
         return cls(method, k, lo, hi, None if model is None else os.fspath(model),
-                   "auto" if quantization is None else quantization)
+                   "auto" if quantization is None else quantization, disable)
