@@ -5,11 +5,14 @@ It runs on the same engine as `LLM.generate` and the server (`LLMEngine`, throug
     python main.py --prompt "The capital of France is" --max-tokens 32 --temperature 0
     python main.py --chat --prompt "Write a haiku about paged attention"
     python main.py --model path/to/model.gguf --prompt "..."       (or an HF checkpoint directory)
+    python main.py --chat --prompt "Repeat: ..." --temperature 0 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'     (speculative decoding)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -44,7 +47,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "q8_0/q4_0/q4_1 quantize at load (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (docs/phases/07b-speculative-decoding.md; default off)')
     return p
+
+
+def parse_speculative_config(text: str | None) -> dict | None:
+    """--speculative-config's JSON as the dict LLMEngine takes, checked before the model loads: a typo is said
+    at once, as a ValueError naming the problem (SpeculativeConfig.from_dict names the keys and values)."""
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not JSON ({e}); give e.g. "
+                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'") from None
+    from tinyvllm.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_dict(config)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,13 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     from tinyvllm.sampling_params import SamplingParams
 
     try:
+        speculative_config = parse_speculative_config(args.speculative_config)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                 seed=args.seed, stop=args.stop)
         generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                               enable_prefix_caching=args.enable_prefix_caching,
-                              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+                              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                              speculative_config=speculative_config)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
             sys.stdout.write(chunk.text)
@@ -79,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
           f"(finish_reason={result.finish_reason}) | time to first token {result.time_to_first_token:.2f} s "
           f"({time.perf_counter() - PROCESS_START - result.decode_time:.2f} s since process start) | "
           f"decode {result.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+    stats = generator.engine.get_stats()
+    if "spec_decode_num_draft_tokens" in stats:  # speculation was on: how many of its guesses the model kept
+        print(f"[speculative decoding] {stats['spec_decode_num_draft_tokens']} draft tokens, "
+              f"{stats['spec_decode_num_accepted_tokens']} accepted "
+              f"(acceptance rate {stats['spec_decode_acceptance_rate']:.2f}, mean accepted length "
+              f"{stats.get('spec_decode_mean_accepted_length', float('nan')):.2f})", file=sys.stderr)
     return 0
 
 

@@ -146,6 +146,15 @@ class ServerMetrics:
                              LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS)
         self.batch = Histogram("num_running_per_step", "Requests in the batch of each engine step.", BATCH_BUCKETS)
+        # speculative decoding (Phase 7b), shown only when it is on: the engine's own running totals, copied
+        self.spec_decode_on = False
+        self.spec_draft = Counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.")
+        self.spec_accepted = Counter("spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.")
+        self.spec_emitted = Counter("spec_decode_num_emitted_tokens_total",
+                                    "Tokens the verifying requests got: the accepted drafts plus one of the target's.")
+        self.spec_acceptance = Gauge("spec_decode_acceptance_rate", "Accepted / draft tokens, since the start.")
+        self.spec_mean_length = Gauge("spec_decode_mean_accepted_length",
+                                      "Tokens emitted per verify step: accepted drafts + 1, since the start.")
         self._requests: dict[str, _RequestTimes] = {}
 
     def record_added(self, request_id: str, arrival_time: float) -> None:
@@ -169,10 +178,20 @@ class ServerMetrics:
             self.kv_bytes_per_token.value = stats.get("kv_cache_bytes_per_token", 0)
             self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
             self.prefix_hits.set_total(stats.get("prefix_cache_hits", 0))
+            if "spec_decode_num_draft_tokens" in stats:
+                self._record_spec_decode(stats)
             if stepped:  # the batch that ran: still running, or finished by this step
                 self.batch.observe(self.running.value + sum(output.finished for output in outputs))
             for output in outputs:
                 self._record_output(now, output)
+
+    def _record_spec_decode(self, stats: dict) -> None:
+        self.spec_decode_on = True
+        self.spec_draft.set_total(stats["spec_decode_num_draft_tokens"])
+        self.spec_accepted.set_total(stats["spec_decode_num_accepted_tokens"])
+        self.spec_emitted.set_total(stats["spec_decode_num_emitted_tokens"])
+        self.spec_acceptance.value = stats["spec_decode_acceptance_rate"]
+        self.spec_mean_length.value = stats.get("spec_decode_mean_accepted_length", 0.0)
 
     def _record_output(self, now: float, output: RequestOutput) -> None:
         times = self._requests.get(output.request_id)
@@ -202,6 +221,9 @@ class ServerMetrics:
         metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage, self.cache_config,
                    self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success,
                    self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e, self.batch]
+        if self.spec_decode_on:
+            metrics += [self.spec_draft, self.spec_accepted, self.spec_emitted, self.spec_acceptance,
+                        self.spec_mean_length]
         with self.lock:
             return "\n".join(line for metric in metrics for line in metric.render()) + "\n"
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import threading
 import time
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
                    help="weights: auto keeps a GGUF's quantized blocks, none dequantizes, q8_0/q4_0/q4_1 quantize "
                         "at load (default auto)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (default off); its counters are on /metrics')
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -370,6 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_speculative_config(text: str | None) -> dict | None:
+    """--speculative-config's JSON as the dict LLMEngine takes (None: off), checked by SpeculativeConfig: a
+    ValueError names what is wrong and what would be right."""
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e}); give e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'"
+                         ) from None
+    from tinyvllm.spec_decode.config import SpeculativeConfig
+
+    SpeculativeConfig.from_dict(config)
+    return config
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -377,6 +397,10 @@ def main(argv: list[str] | None = None) -> None:
         keys = ApiKeys.build(args.api_key, args.api_keys_file)
     except (OSError, ValueError) as e:
         parser.error(f"--api-keys-file: {e}")
+    try:  # before the model loads, as vLLM does: a typo in the JSON is said at once
+        speculative_config = parse_speculative_config(args.speculative_config)
+    except ValueError as e:
+        parser.error(f"--speculative-config: {e}")
     if args.device:
         os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
 
@@ -387,8 +411,8 @@ def main(argv: list[str] | None = None) -> None:
                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                          scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
-                         kv_cache_dtype=args.kv_cache_dtype,
-                         quantization=args.quantization)
+                         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                         speculative_config=speculative_config)
 
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                           max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)
