@@ -43,9 +43,7 @@ from tinyvllm.sample.sampler import Sampler, logprobs_of, make_generator
 from tinyvllm.sample.structured_output import StructuredOutputManager, apply_bitmask_numpy
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode.config import SpeculativeConfig
-from tinyvllm.spec_decode.ngram_proposer import NgramProposer
-from tinyvllm.spec_decode.proposer import DraftRequest
-from tinyvllm.spec_decode.verify import accept_greedy
+from tinyvllm.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("tinyvllm.engine")
 
@@ -107,9 +105,10 @@ class LLMEngine:
     the last two with one scale per token per KV head (vLLM's flag; docs/phases/07c-kv-cache-quantization.md);
     `quantization` (vLLM's flag: "auto" keeps a GGUF's quantized blocks, "none" dequantizes, "q8_0" / "q4_0" /
     "q4_1" quantize at load; see tinyvllm/model/quantization.py) picks how the weights are stored.
-    `speculative_config` (vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    "prompt_lookup_max": b}) turns on speculative decoding for greedy requests (tinyvllm/spec_decode/); requests
-    with temperature > 0, penalties, logit bias, logprobs, min_tokens or a grammar decode one token a step."""
+    `speculative_config` (vLLM's: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}, see
+    spec_decode/config.py) turns on speculative decoding (tinyvllm/spec_decode/): greedy requests and sampled ones
+    (exact rejection sampling); requests with penalties, logit bias, logprobs, min_tokens or a grammar decode one
+    token a step (spec_decode/speculator.py says why)."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
                  dtype: str = "float32", max_model_len: int | None = None, block_size: int = 16,
@@ -147,11 +146,10 @@ class LLMEngine:
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.max_model_len, max_num_batched_tokens,
                                         max_num_seqs, portable_attention=portable_attention,
                                         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
-        self.proposer = None if spec is None else NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                                                spec.prompt_lookup_max)
-        self.spec_decode_num_draft_tokens = 0  # drafts verified (vLLM's spec_decode_num_draft_tokens)
-        self.spec_decode_num_accepted_tokens = 0  # of those, accepted by the target
-        self.spec_decode_num_emitted_tokens = 0  # tokens the verifying requests got (accepted + one of the target's)
+        self.speculator = None if spec is None else Speculator(
+            spec, self.model_runner, self.model, self.tokenizer, max_model_len=self.max_model_len,
+            num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, portable_attention=portable_attention, model_name=self.model_name)
         self._spec_output_start: dict[str, int] = {}  # this step: request id -> its output length before the step
         self.sampler = Sampler()
         self.structured_outputs = StructuredOutputManager(self.tokenizer)
@@ -243,7 +241,8 @@ class LLMEngine:
         if self.async_output:
             return self._step_async_output()
         self._lap(None)
-        self._propose_drafts()
+        if self.speculator is not None:  # drafts for this step (seq.spec_token_ids), counted by the scheduler
+            self.speculator.propose(self.scheduler.running, self.requests)
         scheduler_output = self.scheduler.schedule()
         self._lap("schedule")
         begun = self.step_log.begin(scheduler_output)
@@ -251,6 +250,8 @@ class LLMEngine:
         new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)
         self._lap("bookkeeping")
         outputs = self._make_outputs(new_token_seqs) + self.beam_search.update()
+        if self.speculator is not None:  # the proposer drops what it holds for sequences that stopped running
+            self.speculator.free_stale(self.scheduler.running)
         self.step_log.end(begun, len(new_token_seqs))
         self._lap("detokenize")
         return outputs
@@ -291,23 +292,6 @@ class LLMEngine:
     def step_timer(self, timer) -> None:
         self.model_runner.step_timer = timer  # the runner times input preparation and the forward pass
 
-    def _propose_drafts(self) -> None:
-        """Speculative decoding: each running request that decodes greedily gets its draft tokens for this step
-        (seq.spec_token_ids, which the scheduler counts in its num_tokens_with_spec). Never more than could be
-        kept: max_tokens and max_model_len bound the run."""
-        if self.proposer is None:
-            return
-        for seq in self.scheduler.running:
-            seq.spec_token_ids = []
-            state = self.requests.get(seq.seq_id)
-            if (state is None or seq.num_uncomputed_tokens != 1 or not state.params.is_greedy
-                    or state.matcher is not None or self._needs_host_sampler(seq, state.params)):
-                continue  # a beam, a prefill, a sampled request, or one the host sampler serves
-            limit = self.max_model_len - seq.num_tokens  # the drafts' positions must fit
-            if state.params.max_tokens is not None:  # the target adds one token after the drafts
-                limit = min(limit, state.params.max_tokens - seq.num_output_tokens - 1)
-            seq.spec_token_ids = self.proposer.propose([DraftRequest(seq, state.params, None, limit)])[0].token_ids
-
     def _lap(self, phase: str | None) -> None:
         """Profiling only: the time since the last lap belongs to `phase` (None: a step starts)."""
         timer = self.model_runner.step_timer
@@ -334,14 +318,16 @@ class LLMEngine:
             host = logits.numpy()
             for row in beam_rows:
                 self.beam_search.record(seqs[row], host[row])
-        batch = self._sampling_batch(seqs, *logits.shape)
+        batch = self._sampling_batch(seqs, *logits.shape, verifying=spec_rows)
         self._lap("bookkeeping")
         tokens = self.model_runner.sample(logits, *batch.device_params, batch.clocks, batch.use_filters,
                                           batch.bitmask)
         self._lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs) if row not in batch.on_host}
-        if spec_rows:
-            self._verify_drafts(seqs, tokens, spec_rows, scheduler_output, sampled)
+        if spec_rows:  # the tokens each verifying request emits (a list), and where its output stood before them
+            for seq in self.speculator.verify(seqs, logits, tokens, spec_rows, scheduler_output, sampled,
+                                              self.requests):
+                self._spec_output_start[seq.seq_id] = seq.num_output_tokens
         host_logits = logits.numpy() if batch.on_host else None
         for row in batch.on_host:
             try:
@@ -358,25 +344,12 @@ class LLMEngine:
                     self._fail(seq, e)
         return {seq_id: token for seq_id, token in sampled.items() if seq_id in self.requests}
 
-    def _verify_drafts(self, seqs: list[Sequence], tokens: np.ndarray, spec_rows: dict, scheduler_output,
-                       sampled: dict) -> None:
-        """Speculative decoding: the target's greedy token at each draft's position decides how many drafts are
-        kept (spec_decode/verify.py); the request gets every emitted token (the scheduler appends them)."""
-        for row, seq in enumerate(seqs):
-            if seq.seq_id not in spec_rows or seq.seq_id not in sampled:
-                continue
-            drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]
-            targets = [sampled[seq.seq_id]] + [int(tokens[r]) for r in spec_rows[seq.seq_id]]
-            emitted, num_accepted = accept_greedy(drafts, targets)
-            sampled[seq.seq_id] = emitted
-            self._spec_output_start[seq.seq_id] = seq.num_output_tokens
-            self.spec_decode_num_draft_tokens += len(drafts)
-            self.spec_decode_num_accepted_tokens += num_accepted
-            self.spec_decode_num_emitted_tokens += len(emitted)
-
-    def _sampling_batch(self, seqs: list[Sequence], rows: int, vocab: int) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence], rows: int, vocab: int,
+                        verifying: dict | tuple = ()) -> SamplingBatch:
         """Each row's sampling parameters, clocks and grammar mask, one request at a time: a request whose
-        parameters fail here ends alone (its row stays greedy and its token is dropped)."""
+        parameters fail here ends alone (its row stays greedy and its token is dropped). A sampled request that
+        verifies drafts (`verifying`, seq_id -> its drafts' rows) stays greedy here too: rejection sampling
+        draws its tokens (spec_decode/rejection_sampler.py)."""
         batch = SamplingBatch(np.zeros(rows, np.float32), np.full(rows, vocab, np.int32), np.ones(rows, np.float32),
                               np.zeros(rows, np.float32))
         for row, seq in enumerate(seqs):
@@ -392,7 +365,7 @@ class LLMEngine:
                 if self._needs_host_sampler(seq, params):
                     batch.on_host.append(row)
                     continue
-                if params.is_greedy:
+                if params.is_greedy or seq.seq_id in verifying:
                     continue
                 top_k = min(params.top_k, vocab) if params.top_k > 0 else vocab
                 draws = state.generator.standard_exponential(vocab)  # same draws as the host sampler
@@ -517,13 +490,4 @@ class LLMEngine:
                 "kv_cache_dtype": self.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
                 "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token,
                 "quantization": self.model.quantization, "weight_bytes": self.model.weight_formats(),
-                **self._spec_decode_stats()}
-
-    def _spec_decode_stats(self) -> dict:
-        """Speculative decoding's counters (vLLM's spec_decode_* metric names), when it is on."""
-        if self.proposer is None:
-            return {}
-        drafts, accepted = self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens
-        return {"spec_decode_num_draft_tokens": drafts, "spec_decode_num_accepted_tokens": accepted,
-                "spec_decode_num_emitted_tokens": self.spec_decode_num_emitted_tokens,
-                "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0}
+                **(self.speculator.stats() if self.speculator is not None else {})}

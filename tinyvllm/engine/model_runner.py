@@ -25,7 +25,7 @@ the sequence it forked from, so the prompt's logits are computed once for all th
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, UOp
+from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.copy_blocks import CopyBlocks
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
@@ -37,6 +37,7 @@ from tinyvllm.engine.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
+from tinyvllm.spec_decode import rejection_sampler
 
 
 def buckets_up_to(limit: int) -> list[int]:
@@ -203,4 +204,28 @@ class ModelRunner:
             if greedy:
                 return device_sampler.greedy(logits).realize()
             return device_sampler.sample(logits, *inputs, use_filters=use_filters).realize()
+        return run
+
+    def rejection_sample(self, logits: Tensor, row_index: np.ndarray, batch, draft_probs: Tensor | None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """Speculative decoding's exact rejection sampling (spec_decode/rejection_sampler.py) on the device, one
+        graph per (logits rows, verify rows, filters used, q given). row_index (R,) int32: the row of `logits` each
+        verify row reads; batch: a VerifyBatch of R rows; draft_probs (R, V) or None (q one-hot at each draft).
+        Returns accepted (R,) bool and tokens (R,) int32: two numbers per row come back."""
+        key = ("rejection", logits.shape[0], batch.rows, batch.use_filters, draft_probs is not None)
+        if key not in self._sampler_jits:
+            self._sampler_jits[key] = GraphedJit(self._rejection_graph(batch.use_filters, draft_probs is not None))
+        inputs = [row_index, *batch.inputs()]
+        if key not in self._sampler_inputs:
+            self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
+        buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
+        out = self._sampler_jits[key](logits, *buffers, *([] if draft_probs is None else [draft_probs])).numpy()
+        return out[0] != 0, out[1]  # (R,), (R,)
+
+    @staticmethod
+    def _rejection_graph(use_filters: bool, has_q: bool):
+        def run(logits: Tensor, row_index: Tensor, *inputs: Tensor) -> Tensor:
+            accepted, tokens = rejection_sampler.rejection_sample(
+                logits[row_index], *inputs[:7], draft_probs=inputs[7] if has_q else None, use_filters=use_filters)
+            return accepted.cast(dtypes.int32).stack(tokens).realize()  # (2, R)
         return run

@@ -1,0 +1,124 @@
+"""Exact rejection sampling (Leviathan et al. 2023, arxiv.org/abs/2211.17192; Chen et al. 2023,
+arxiv.org/abs/2302.01318): speculative decoding for requests that sample (temperature > 0) without changing
+the distribution of what they emit.
+
+The verify pass gives the target's logits at the request's last sampled token and at each of its k drafts, so
+its distribution p_j for each of the next k + 1 positions (after the request's temperature, min-p, top-k and
+top-p: the same filters and order as the device sampler). Each draft d_j was drawn from the proposer's q_j.
+Going left to right:
+
+    accept d_j with probability min(1, p_j(d_j) / q_j(d_j))           (u_j ~ U[0,1): accept when u_j q_j(d_j) < p_j(d_j))
+    at the first rejection: emit a token drawn from norm(max(0, p_j - q_j)), the run ends
+    all k accepted: emit a bonus token drawn from p_k
+
+Why the emitted token at position j is distributed as p_j: it is d_j = x with probability q(x) min(1, p(x)/q(x))
+= min(q(x), p(x)), and comes from the resampling with probability (1 - sum_y min(q(y), p(y))) * max(0, p(x) -
+q(x)) / sum_y max(0, p(y) - q(y)). Both sums equal the same mass (sum min(q,p) = 1 - sum max(0, p - q)), so the
+second term is max(0, p(x) - q(x)); and min(q, p) + max(0, p - q) = p. Worked numbers, vocabulary {a, b, c}:
+
+    p = (.5, .3, .2)    q = (.2, .6, .2)    draft d = b:  accept with .3/.6 = 1/2
+    rejected: max(0, p - q) = (.3, 0, 0) -> emit a
+    P(b) = q(b) * 1/2 = .3    P(c) = q(c) * 1 = .2    P(a) = q(a) * 1 + P(rejected) = .2 + (.6 * 1/2) = .5   = p
+
+A deterministic proposer (ngram) has q one-hot at its draft: accept with probability p(d), else resample from p
+with d removed. The bonus row has no draft: with q = 0 there, "resample from max(0, p - q)" is sampling from p, so
+every row runs the same formula. All rows of a step's sampled verify requests go through one graph on the device;
+only two numbers per row come back (accepted, and the token that row would emit if the run ended there). The
+random draws (u_j, and Exp(1) clocks for the exponential race that samples: see sampler.random_sample) come from
+the request's own generator on the host, as the device sampler's clocks do, so a seeded request reproduces.
+
+Greedy requests keep the argmax comparison of verify.py: with temperature 0, p is one-hot at the argmax, and the
+rule above reduces to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.sample.device_sampler import apply_min_p, apply_top_k, apply_top_p
+from tinyvllm.sampling_params import SamplingParams
+
+NO_DRAFT = -1  # draft_token_ids on a bonus row (and on padding rows): q is 0 there
+
+
+def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                     draft_token_ids: Tensor, uniforms: Tensor, clocks: Tensor, draft_probs: Tensor | None = None,
+                     use_filters: bool = True) -> tuple[Tensor, Tensor]:
+    """One row per position a sampled request verifies: each draft's row, then its bonus row.
+
+    logits (R,V) the target's; temperature (R,) > 0, top_k (R,) int (V = off), top_p (R,), min_p (R,);
+    draft_token_ids (R,) int32, NO_DRAFT on bonus rows; uniforms (R,) U[0,1); clocks (R,V) Exp(1);
+    draft_probs (R,V) q, zero rows on bonus rows, or None: q one-hot at the draft (a deterministic proposer).
+    Returns accepted (R,) bool (draft rows: is the draft kept) and tokens (R,) int32 (what the row emits if the
+    run ends there: the resampled token on a draft row, the bonus token on a bonus row).
+    """
+    rows, vocab = logits.shape
+    scaled = logits / temperature.reshape(-1, 1)
+    if use_filters:  # the device sampler's filters, in vLLM v1's order: min-p, top-k, top-p
+        scaled = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
+    p = scaled.softmax(-1)  # (R,V): the target's distribution, filtered tokens exactly 0
+    is_draft = Tensor.arange(vocab, dtype=dtypes.int32).reshape(1, vocab) == draft_token_ids.reshape(-1, 1)  # (R,V)
+    q = is_draft.where(1.0, 0.0) if draft_probs is None else draft_probs  # (R,V)
+    p_draft = is_draft.where(p, 0.0).sum(-1)  # (R,) p(d), 0 on bonus rows
+    q_draft = is_draft.where(q, 0.0).sum(-1)  # (R,) q(d)
+    accepted = uniforms * q_draft < p_draft  # u < p/q without dividing by q
+    residual = (p - q).maximum(0.0)  # (R,V), = p on a bonus row
+    # p == q up to rounding leaves nothing: a rejection then has probability ~0 anyway; sample from p
+    residual = (residual.sum(-1, keepdim=True) > 0).where(residual, p)
+    # exponential race: argmax(r / c), c ~ Exp(1), is token i with probability r_i / sum(r); r = 0 never wins
+    tokens = (residual / clocks.maximum(1e-30)).argmax(-1).cast(dtypes.int32)
+    return accepted, tokens
+
+
+class VerifyBatch:
+    """The host's inputs to `rejection_sample` for one step, built request by request (`add`), padded to `rows`
+    (padding rows hold harmless values and are never read back)."""
+
+    def __init__(self, rows: int, vocab: int):
+        self.rows, self.vocab = rows, vocab
+        self.temperature = np.ones(rows, np.float32)  # (rows,)
+        self.top_k = np.full(rows, vocab, np.int32)  # (rows,) vocab = off
+        self.top_p = np.ones(rows, np.float32)  # (rows,) 1 = off
+        self.min_p = np.zeros(rows, np.float32)  # (rows,) 0 = off
+        self.draft_token_ids = np.full(rows, NO_DRAFT, np.int32)  # (rows,)
+        self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
+        self.clocks = np.ones((rows, vocab), np.float32)  # (rows, vocab) Exp(1)
+        self.spans: list[tuple[int, int]] = []  # per request: (its first row, its number of drafts)
+
+    @property
+    def num_rows_used(self) -> int:
+        return sum(k + 1 for _, k in self.spans)
+
+    @property
+    def use_filters(self) -> bool:
+        return bool((self.top_k < self.vocab).any() or (self.top_p < 1).any() or (self.min_p > 0).any())
+
+    def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator) -> None:
+        """One request's k drafts: k + 1 rows (its drafts', then the bonus row). Draws k uniforms, then (k + 1, V)
+        clocks, from its generator, always in that order."""
+        k, first = len(draft_token_ids), self.num_rows_used
+        assert first + k + 1 <= self.rows, f"{first + k + 1} verify rows do not fit in {self.rows}"
+        span = slice(first, first + k + 1)
+        self.temperature[span] = params.temperature
+        self.top_k[span] = min(params.top_k, self.vocab) if params.top_k > 0 else self.vocab
+        self.top_p[span], self.min_p[span] = params.top_p, params.min_p
+        self.draft_token_ids[first:first + k] = draft_token_ids
+        self.uniforms[first:first + k] = generator.random(k)
+        self.clocks[span] = generator.standard_exponential((k + 1, self.vocab))
+        self.spans.append((first, k))
+
+    def inputs(self) -> tuple[np.ndarray, ...]:
+        """rejection_sample's host inputs after the logits, in its order (draft_probs apart)."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.draft_token_ids, self.uniforms,
+                self.clocks)
+
+
+def emitted_tokens(draft_token_ids: list[int], accepted: np.ndarray, tokens: np.ndarray) -> tuple[list[int], int]:
+    """(emitted tokens, number of drafts accepted) from one request's rows: accepted (k,) and tokens (k + 1,).
+    The drafts up to the first rejection, then the token of the row where the run ended (the bonus row's when
+    every draft was accepted)."""
+    num_accepted = 0
+    while num_accepted < len(draft_token_ids) and accepted[num_accepted]:
+        num_accepted += 1
+    return list(draft_token_ids[:num_accepted]) + [int(tokens[num_accepted])], num_accepted

@@ -1,0 +1,186 @@
+"""The speculator: speculative decoding's part of an engine step, in one place (vLLM v1 spreads it over the
+scheduler, the model runner's `propose_draft_token_ids` and its `RejectionSampler`).
+
+    step():  speculator.propose()  ->  schedule()  ->  execute_model()  ->  sample  ->  speculator.verify()
+                  |                       |                   |                               |
+          who speculates, the      counts each request's   the drafts' rows of     greedy: argmax comparison
+          proposer's drafts        num_tokens_with_spec    logits come back too    sampled: rejection sampling
+          (seq.spec_token_ids)     (drafts included)                               -> the tokens each emits
+
+The scheduler appends the emitted tokens and rolls back the rejected drafts' KV slots (`_accept_spec_tokens`).
+The speculator keeps vLLM's counters (spec_decode_num_draft_tokens, ...), and frees what the proposer holds for a
+sequence once it no longer runs (finished, aborted, preempted).
+
+Who speculates in a step: nobody when `disable_by_batch_size` or more requests are running (a large batch is no
+longer bound by reading the weights: the drafts' extra rows cost compute, and the misses are wasted); otherwise
+every running request that decodes one token (a prefill has nothing to draft after) and whose tokens come from
+the device sampler. Not the others, each for a reason:
+
+- penalties (repetition, frequency, presence): the target's distribution at draft j depends on the counts of the
+  tokens before it, drafts included, so each verify row would need its own counts: not built.
+- logit bias and min_tokens: the host reference sampler applies them (one row, one token a step).
+- logprobs: each emitted token would need its logprobs from its row of the verify pass: not built.
+- a grammar (structured outputs): the allowed tokens at draft j depend on the grammar state after d0 .. d(j-1),
+  which needs a matcher that advances over the drafts and rolls back; not built.
+- beams: the beam search picks their tokens from their log-probabilities.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tinygrad import Tensor
+
+from tinyvllm.core.scheduler import SchedulerOutput
+from tinyvllm.core.sequence import Sequence
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.spec_decode.config import SpeculativeConfig
+from tinyvllm.spec_decode.proposer import Draft, DraftRequest, Proposer
+from tinyvllm.spec_decode.rejection_sampler import VerifyBatch, emitted_tokens
+from tinyvllm.spec_decode.verify import accept_greedy
+
+
+def speculates(seq: Sequence, params: SamplingParams, has_grammar: bool) -> bool:
+    """Whether a running request may get drafts this step (see the module docstring for why not)."""
+    return (seq.num_uncomputed_tokens == 1 and not has_grammar and not params.uses_penalties
+            and not params.logit_bias and params.logprobs is None and seq.num_output_tokens >= params.min_tokens)
+
+
+class Speculator:
+    """Built by the engine from its `speculative_config`; `runner` is the target's ModelRunner (its rejection
+    sampling graphs); the keyword arguments describe the target for a draft model (DraftModelProposer)."""
+
+    def __init__(self, config: SpeculativeConfig, runner, model, tokenizer, *, max_model_len: int, num_blocks: int,
+                 block_size: int, max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
+                 model_name: str = "(the target)"):
+        self.config, self.runner, self.max_model_len = config, runner, max_model_len
+        if config.method == "ngram":
+            from tinyvllm.spec_decode.ngram_proposer import NgramProposer
+            self.proposer: Proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                                    config.prompt_lookup_max)
+        else:  # "draft_model"; imported here so that ngram never loads it
+            from tinyvllm.spec_decode.draft_model import DraftModelProposer
+            self.proposer = DraftModelProposer(config, model, tokenizer, num_blocks=num_blocks, block_size=block_size,
+                                               max_model_len=max_model_len,
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               max_num_seqs=max_num_seqs, portable_attention=portable_attention,
+                                               target_name=model_name)
+        self._drafts: dict[int | str, Draft] = {}  # this step's drafts, by seq_id
+        self._holding: set[int | str] = set()  # seq_ids the proposer has been asked about (it may hold state)
+        self.num_draft_tokens = 0  # drafts verified (vLLM's spec_decode_num_draft_tokens)
+        self.num_accepted_tokens = 0  # of those, accepted by the target
+        self.num_emitted_tokens = 0  # tokens the verifying requests got (accepted + one of the target's)
+        self.num_verify_steps = 0  # one per request per step that verified drafts
+
+    # ---- before the schedule ----
+
+    def propose(self, running: list[Sequence], requests: dict) -> None:
+        """Set each running sequence's `spec_token_ids` for this step (the scheduler counts them in its
+        num_tokens_with_spec). `requests`: the engine's RequestStates by seq_id (beams have none). Never more
+        drafts than could be kept: max_tokens and max_model_len bound the run."""
+        self.free_stale(running)
+        self._drafts.clear()
+        asks = []
+        disabled = self.config.disable_by_batch_size is not None and len(running) >= self.config.disable_by_batch_size
+        for seq in running:
+            seq.spec_token_ids = []
+            state = requests.get(seq.seq_id)
+            if disabled or state is None or not speculates(seq, state.params, state.matcher is not None):
+                continue
+            limit = self.max_model_len - seq.num_tokens  # the drafts' positions must fit
+            if state.params.max_tokens is not None:  # the target adds one token after the drafts
+                limit = min(limit, state.params.max_tokens - seq.num_output_tokens - 1)
+            asks.append(DraftRequest(seq, state.params, state.generator, max(limit, 0)))
+        if not asks:
+            return
+        for ask, draft in zip(asks, self.proposer.propose(asks), strict=True):
+            assert len(draft.token_ids) <= ask.max_drafts, f"{len(draft.token_ids)} drafts, at most {ask.max_drafts}"
+            ask.seq.spec_token_ids = list(draft.token_ids)
+            self._drafts[ask.seq.seq_id] = draft
+            self._holding.add(ask.seq.seq_id)
+
+    def free_stale(self, running: list[Sequence]) -> None:
+        """The proposer lets go of every sequence that no longer runs (finished, aborted, failed, preempted)."""
+        stale = self._holding - {seq.seq_id for seq in running}
+        for seq_id in stale:
+            self.proposer.free(seq_id)
+        self._holding -= stale
+
+    # ---- after the forward pass ----
+
+    def verify(self, seqs: list[Sequence], logits: Tensor, tokens: np.ndarray, spec_rows: dict,
+               scheduler_output: SchedulerOutput, sampled: dict, requests: dict) -> list[Sequence]:
+        """Replace each verifying sequence's sampled token by the list of tokens it emits (the scheduler appends
+        them). logits (rows, V): the target's, sequence i at row i, the drafts at spec_rows[seq_id]; tokens
+        (rows,): the device sampler's argmax of every row a greedy request owns. Returns the sequences that
+        verified."""
+        verifying = [(row, seq) for row, seq in enumerate(seqs)
+                     if seq.seq_id in spec_rows and seq.seq_id in sampled and seq.seq_id in requests]
+        sampling = [(row, seq) for row, seq in verifying if not requests[seq.seq_id].params.is_greedy]
+        emitted = self._rejection_sample(logits, sampling, spec_rows, scheduler_output, requests) if sampling else {}
+        for row, seq in verifying:
+            drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]
+            if seq.seq_id in emitted:
+                tokens_out, num_accepted = emitted[seq.seq_id]
+            else:  # greedy: the target's argmax after the last sampled token and after each draft
+                targets = [int(tokens[row])] + [int(tokens[r]) for r in spec_rows[seq.seq_id]]
+                tokens_out, num_accepted = accept_greedy(drafts, targets)
+            sampled[seq.seq_id] = tokens_out
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_accepted
+            self.num_emitted_tokens += len(tokens_out)
+            self.num_verify_steps += 1
+        return [seq for _, seq in verifying]
+
+    def _rejection_sample(self, logits: Tensor, sampling: list[tuple[int, Sequence]], spec_rows: dict,
+                          scheduler_output: SchedulerOutput, requests: dict) -> dict:
+        """Exact rejection sampling (rejection_sampler.py) for the sampled requests, one graph on the device:
+        seq_id -> (emitted tokens, number accepted)."""
+        vocab = logits.shape[1]
+        num_rows = sum(len(spec_rows[seq.seq_id]) + 1 for _, seq in sampling)
+        batch = VerifyBatch(self.runner.bucket_for(num_rows), vocab)
+        row_index = np.zeros(batch.rows, np.int32)  # which row of the logits each verify row reads
+        draft_probs = []  # (k, V) per request, then a zero bonus row: only when the proposer has a q
+        for row, seq in sampling:
+            drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]  # the budget may have cut some
+            first = batch.num_rows_used
+            row_index[first:first + len(drafts) + 1] = [row] + spec_rows[seq.seq_id]
+            state = requests[seq.seq_id]
+            batch.add(drafts, state.params, state.generator)
+            probs = self._drafts[seq.seq_id].probs
+            draft_probs.append(None if probs is None else probs[:len(drafts)])
+        q = None
+        if any(p is not None for p in draft_probs):
+            q = self._draft_probs(draft_probs, batch, vocab, logits.device)
+        accepted, tokens = self.runner.rejection_sample(logits, row_index, batch, q)
+        out = {}
+        for (first, k), (_, seq) in zip(batch.spans, sampling):
+            drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]
+            out[seq.seq_id] = emitted_tokens(drafts, accepted[first:first + k], tokens[first:first + k + 1])
+        return out
+
+    @staticmethod
+    def _draft_probs(draft_probs: list[Tensor | None], batch: VerifyBatch, vocab: int, device) -> Tensor:
+        """q for every verify row (rows, V): each request's drafts' distributions, then zeros on its bonus row
+        (and on padding); one-hot at the draft for a request whose proposer gave none."""
+        parts = []
+        for probs, (first, k) in zip(draft_probs, batch.spans):
+            if probs is None:
+                ids = Tensor(batch.draft_token_ids[first:first + k].reshape(-1, 1), device=device)
+                probs = (Tensor.arange(vocab, device=device).reshape(1, vocab) == ids).float()
+            parts.append(probs.float())
+            parts.append(Tensor.zeros(1, vocab, device=device))
+        padding = batch.rows - batch.num_rows_used
+        if padding:
+            parts.append(Tensor.zeros(padding, vocab, device=device))
+        return parts[0].cat(*parts[1:]).contiguous().realize()  # (rows, V)
+
+    # ---- counters ----
+
+    def stats(self) -> dict:
+        """vLLM's spec_decode_* metrics. mean accepted length: tokens a verify step gives a request (accepted + 1)."""
+        drafts, accepted, steps = self.num_draft_tokens, self.num_accepted_tokens, self.num_verify_steps
+        return {"spec_decode_num_draft_tokens": drafts, "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_num_emitted_tokens": self.num_emitted_tokens,
+                "spec_decode_num_verify_steps": steps,
+                "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
+                "spec_decode_mean_accepted_length": (accepted + steps) / steps if steps else 0.0}
