@@ -13,9 +13,17 @@ engine steps until every one has its first token (the prefills, untimed); then a
     bookkeeping      each row's sampling parameters, then Scheduler.update_from_output (append, stop checks)
     detokenize       token ids to text, stop strings, RequestOutputs
 
-"host share" is everything but `forward` over the step. What the host does while the forward pass runs is
-what async output processing and multi-step scheduling would hide. Results go to
+"host share" is everything but `forward` over the step. Two upper bounds follow from the phases (key
+"upper_bounds"): async output processing can hide at most `detokenize` (the text, stop strings and outputs of
+step N made while step N+1's forward pass runs), multi-step scheduling at most `schedule` + `prepare_inputs`
+(one schedule for several decode steps; the inputs then only move by one position). Results go to
 benchmarks/results/bench_host_stalls.json.
+
+`--async-output` also measures the async output processing prototype (LLMEngine(disable_async_output_proc=False),
+engine/async_output.py) against the synchronous step, in the same run: for each concurrency, `--repeats` rounds
+of `--steps` decode steps each way, alternating, on the same engine. The gain is the mean step time saved; the
+noise is the spread (max - min) of the synchronous rounds' means, over their mean. Results go to
+benchmarks/results/bench_host_stalls_async_output.json.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 from bench_throughput import buckets_used, make_prompts, warm_up  # (benchmarks/bench_throughput.py)
 from common import add_engine_args, code_version, load_average, log, machine_description, table, write_results
 
+from tinyvllm.engine.async_output import OutputWorker
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.step_timer import PHASES, StepTimer
 from tinyvllm.sampling_params import SamplingParams
@@ -51,16 +60,58 @@ def measure(engine: LLMEngine, n: int, prompt_len: int, steps: int, first: int) 
             "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3), "host_share": round(host_ms / step_ms, 4)}
 
 
+def upper_bounds(r: dict) -> dict:
+    """The share of a step each host-side fix could hide at most (see the module doc)."""
+    phases, step = r["phases_ms"], r["step_ms"]
+    return {"async_output_proc_ms": phases.get("detokenize", 0.0),
+            "async_output_proc_share": round(phases.get("detokenize", 0.0) / step, 4),
+            "multi_step_ms": round(phases.get("schedule", 0.0) + phases.get("prepare_inputs", 0.0), 3),
+            "multi_step_share": round((phases.get("schedule", 0.0) + phases.get("prepare_inputs", 0.0)) / step, 4)}
+
+
+def set_async_output(engine: LLMEngine, on: bool) -> None:
+    """Turn the prototype on or off between measurements (no outputs are pending: every request has finished)."""
+    assert not engine.has_unfinished_requests() and not engine._pending_outputs
+    engine.async_output = on
+    if on and engine.model_runner.output_worker is None:
+        engine.model_runner.output_worker = OutputWorker()
+
+
+def compare_async_output(engine: LLMEngine, n: int, args, first: int) -> dict:
+    """`args.repeats` rounds each of the synchronous step and the async output processing prototype, alternating."""
+    rounds = {"sync": [], "async": []}
+    for k in range(args.repeats):
+        for mode in ("sync", "async"):
+            set_async_output(engine, mode == "async")
+            r = measure(engine, n, args.prompt_len, args.steps, first=first + 100 * (2 * k + (mode == "async")))
+            rounds[mode].append(r)
+    set_async_output(engine, False)
+    sync_ms = [r["step_ms"] for r in rounds["sync"]]
+    async_ms = [r["step_ms"] for r in rounds["async"]]
+    sync_mean, async_mean = sum(sync_ms) / len(sync_ms), sum(async_ms) / len(async_ms)
+    mean_phases = {mode: {ph: round(sum(r["phases_ms"].get(ph, 0.0) for r in rs) / len(rs), 3) for ph in PHASES}
+                   for mode, rs in rounds.items()}
+    return {"concurrency": n, "rounds": args.repeats, "steps_per_round": args.steps,
+            "sync_step_ms": sync_ms, "async_step_ms": async_ms,
+            "sync_mean_ms": round(sync_mean, 3), "async_mean_ms": round(async_mean, 3),
+            "gain_ms": round(sync_mean - async_mean, 3), "gain": round((sync_mean - async_mean) / sync_mean, 4),
+            "noise": round((max(sync_ms) - min(sync_ms)) / sync_mean, 4),
+            "phases_ms": mean_phases}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,32,64", help="comma-separated numbers of requests at once")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=40, help="decode steps timed per concurrency")
+    p.add_argument("--async-output", action="store_true",
+                   help="also compare the async output processing prototype with the synchronous step")
+    p.add_argument("--repeats", type=int, default=3, help="--async-output: rounds of each, alternating")
     add_engine_args(p, max_num_batched_tokens=512, kv_cache_memory="256MiB", max_model_len=1024)
     args = p.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    if min(concurrency) < 1 or args.steps < 1 or args.prompt_len < 1:
-        raise SystemExit("--concurrency, --steps and --prompt-len must be >= 1")
+    if min(concurrency) < 1 or args.steps < 1 or args.prompt_len < 1 or args.repeats < 2:
+        raise SystemExit("--concurrency, --steps and --prompt-len must be >= 1, --repeats >= 2")
 
     engine = LLMEngine(args.model, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                        max_num_seqs=max(concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
@@ -79,8 +130,28 @@ def main() -> None:
         log(f"{n} concurrent: {r['step_ms']:.2f} ms per step, host {100 * r['host_share']:.1f}%")
     print(f"# {machine_description()}\n# {code_version()}\n# ms per decode step, mean of {args.steps} steps")
     print(table(rows, ("concurrent", *PHASES, "step", "host share", "load")))
-    write_results("bench_host_stalls", {"decode_steps": {str(r["concurrency"]): r for r in results}}, args,
-                  also=args.json)
+    bounds = {str(r["concurrency"]): upper_bounds(r) for r in results}
+    print("\n# at most hidden, ms per step (share of the step)")
+    print(table([(n, f"{b['async_output_proc_ms']:.2f} ({100 * b['async_output_proc_share']:.1f}%)",
+                  f"{b['multi_step_ms']:.2f} ({100 * b['multi_step_share']:.1f}%)") for n, b in bounds.items()],
+                ("concurrent", "async output processing", "multi-step scheduling")))
+    write_results("bench_host_stalls", {"decode_steps": {str(r["concurrency"]): r for r in results},
+                                        "upper_bounds": bounds}, args, also=args.json)
+    if not args.async_output:
+        return
+    compared = []
+    for k, n in enumerate(concurrency):
+        c = compare_async_output(engine, n, args, first=10000 * (k + 1))
+        compared.append(c)
+        log(f"{n} concurrent: sync {c['sync_mean_ms']:.2f} ms, async {c['async_mean_ms']:.2f} ms per step")
+    print(f"\n# async output processing (prototype) against the synchronous step, {args.repeats} rounds of "
+          f"{args.steps} steps each, alternating; ms per step")
+    print(table([(str(c["concurrency"]), " ".join(f"{x:.2f}" for x in c["sync_step_ms"]),
+                  " ".join(f"{x:.2f}" for x in c["async_step_ms"]), f"{c['gain_ms']:+.3f}",
+                  f"{100 * c['gain']:+.2f}%", f"{100 * c['noise']:.2f}%") for c in compared],
+                ("concurrent", "sync rounds", "async rounds", "gain", "gain share", "noise (sync spread)")))
+    write_results("bench_host_stalls_async_output",
+                  {"async_output_proc": {str(c["concurrency"]): c for c in compared}}, args)
 
 
 if __name__ == "__main__":
