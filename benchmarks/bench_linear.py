@@ -93,6 +93,27 @@ def with_threads(enabled: bool, run: Callable[[], None]) -> Callable[[], None]:
     return wrapped
 
 
+def without_vnni(run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with qlinear's kernels built for AVX2's dot products (TV_NO_VNNI) on a CPU that has AVX-512 VNNI: the
+    flag is read when the graph is captured (the first call), later calls replay what was built then."""
+    def wrapped() -> None:
+        before, qlinear_module.VNNI = qlinear_module.VNNI, False
+        try:
+            run()
+        finally:
+            qlinear_module.VNNI = before
+    return wrapped
+
+
+def has_vnni() -> bool:
+    """Does this CPU have AVX-512 VNNI (the kernels, compiled for this machine, then use it)?"""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_vnni" in f.read()
+    except OSError:
+        return False
+
+
 def rate(M: int, N: int, K: int, t: float) -> str:
     """M=1 is bound by reading the weights: GB/s. Larger M by arithmetic: GFLOP/s."""
     return f"{4 * N * K / t / 1e9:.1f} GB/s" if M == 1 else f"{2 * M * N * K / t / 1e9:.1f} GFLOP/s"
@@ -105,6 +126,7 @@ def main() -> None:
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="quantized formats, comma-separated subset of " + ",".join(FORMATS) + " ('' for none)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quantized-only", action="store_true", help="skip the float32 table (C kernel vs tinygrad)")
     add_peers_arg(p)
     args = p.parse_args()
 
@@ -117,7 +139,7 @@ def main() -> None:
     print(f"| weight (N x K) | M | C kernel ms | C 1 thread ms | {tg_name} ms | C rate | {tg_name} rate | C speedup |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for name in args.shapes.split(","):
+    for name in args.shapes.split(",") if not args.quantized_only else []:
         N, K = SHAPES[name]
         copies = max(2, min(32, (64 << 20) // (4 * N * K) + 1))
         ws = [Tensor(rng.standard_normal((N, K), dtype=np.float32)).realize() for _ in range(copies)]
@@ -145,11 +167,13 @@ def quantized_table(args: argparse.Namespace, rng: np.random.Generator) -> list[
     formats = [FORMATS[f.strip().lower()] for f in args.formats.split(",") if f.strip()]
     if not formats:
         return []
+    vnni = has_vnni()
     print(f"\nquantized weights (kernels/cpu/qmatmul*.c), ms per matmul; GB/s of the weights' bytes; "
-          f"load average {os.getloadavg()[0]:.1f}\n")
+          f"load average {os.getloadavg()[0]:.1f}; AVX-512 VNNI: {'yes' if vnni else 'no'} (AVX2 ms: the same "
+          f"kernels built with AVX2's dot products)\n")
     print("| weight (N x K) | M | format | bits/weight | ms | float32 ms | weight GB/s | GFLOP/s | vs float32 | "
-          "1 thread ms | float32 1 thread ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "1 thread ms | float32 1 thread ms | AVX2 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.shapes.split(","):
         N, K = SHAPES[name]
@@ -171,6 +195,7 @@ def quantized_table(args: argparse.Namespace, rng: np.random.Generator) -> list[
                 assert (err <= 0.02 * (np.abs(x.numpy()) @ np.abs(W.T))).all(), f"{QUANT_FORMATS[t].name}: wrong"
                 variants[t] = graphed(qlinear, x, ws[t])
             variants.update({(t, 1): with_threads(False, run) for t, run in list(variants.items())})  # 1 thread
+            variants.update({(t, "avx2"): without_vnni(graphed(qlinear, x, ws[t])) for t in fmts})
             times = time_variants(variants, x, 1, args.repeats)
             t_f32, t_f32_1 = times[0] / len(ws[0]), times[(0, 1)] / len(ws[0])
             for t in fmts:
@@ -179,11 +204,13 @@ def quantized_table(args: argparse.Namespace, rng: np.random.Generator) -> list[
                 row = {"weight": name, "n": N, "k": K, "m": M, "format": fmt.name, "ms": sec * 1e3,
                        "float32_ms": t_f32 * 1e3, "weights_gb_s": nbytes / sec / 1e9,
                        "gflop_s": 2 * M * N * K / sec / 1e9, "speedup_vs_float32": t_f32 / sec,
-                       "ms_1_thread": sec_1 * 1e3, "float32_ms_1_thread": t_f32_1 * 1e3}
+                       "ms_1_thread": sec_1 * 1e3, "float32_ms_1_thread": t_f32_1 * 1e3,
+                       "avx2_ms": times[(t, "avx2")] / len(ws[t]) * 1e3, "vnni": vnni}
                 rows.append(row)
                 print(f"| {name} {N}x{K} | {M} | {fmt.name} | {fmt.bits_per_weight:.2f} | {row['ms']:.3f} | "
                       f"{row['float32_ms']:.3f} | {row['weights_gb_s']:.1f} | {row['gflop_s']:.1f} | "
-                      f"{row['speedup_vs_float32']:.1f}x | {row['ms_1_thread']:.3f} | {row['float32_ms_1_thread']:.3f} |",
+                      f"{row['speedup_vs_float32']:.1f}x | {row['ms_1_thread']:.3f} | {row['float32_ms_1_thread']:.3f} | "
+                      f"{row['avx2_ms']:.3f} |",
                       flush=True)
     return rows
 

@@ -207,6 +207,27 @@ def test_portable_c_path_matches_too(ggml_type: int):
         check_both_oracles(out.numpy(), x, blocks, ggml_type, float_path=float_min_m > 0 and fmt.kernel == "qmatmul")
 
 
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_vnni_and_avx2_give_the_same_bits(ggml_type: int):
+    # on a CPU with AVX-512 VNNI the dot products take _mm256_dpbusd_epi32; TV_NO_VNNI compiles AVX2's maddubs + madd.
+    # Both sum the same exact integers, so the outputs must be bit-identical (elsewhere both builds are AVX2's)
+    N, K = 37, 576
+    blocks = random_blocks(ggml_type, N, K, seed=11)
+    for M in (1, 3, 37):
+        x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
+        x[0, :32] *= 40.0  # a block whose 8-bit x reaches -127..127 against Q8_0's -128: the widest int16 pairs
+        outs = []
+        for extra in ({}, {"TV_NO_VNNI": 1}):
+            out, scratch = Tensor.empty(M, N, dtype=dtypes.float32), Tensor.empty(scratch_bytes(ggml_type, M, K),
+                                                                                 dtype=dtypes.uint8)
+            out, _ = launcher.launch("qmatmul", outs=[out, scratch], ins=[Tensor(x).realize(), Tensor(blocks).realize()],
+                                     defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, **extra})
+            outs.append(out.numpy())
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"M={M}")
+        check_both_oracles(outs[0], x, blocks, ggml_type)
+
+
 def model_tensor(name: str) -> tuple[np.ndarray, int, int]:
     """(blocks (N, row bytes), ggml type, K) of a tensor of the default model's GGUF; skips if it is not installed."""
     from tinyvllm.model.gguf import GGUFFile

@@ -16,6 +16,17 @@
 #define TV_AVX2 0  /* portable C: the same numbers, one product at a time (TV_SCALAR forces it, for the tests) */
 #endif
 
+/* AVX-512 VNNI (with VL: its 256-bit forms): _mm256_dpbusd_epi32 does maddubs + madd (u8 x i8, groups of 4 added
+ * into int32) in one instruction and without the int16 step. The kernels are compiled on the machine that runs them
+ * (clang -march=native, tinyvllm/kernels/launcher.py), so the compiler's __AVX512VNNI__ is this CPU's cpuid bit: the
+ * choice is made per machine when the kernel is built. The integer sums are exact either way (maddubs' int16 pairs
+ * stay below 2^15, see qmatmul.c), so both routes give the same bits; TV_NO_VNNI forces AVX2's, for the tests. */
+#if TV_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(TV_NO_VNNI)
+#define TV_VNNI 1
+#else
+#define TV_VNNI 0
+#endif
+
 /* The little-endian float16 at p, as a float (exact: every float16 is a float). */
 TV_INLINE float f16_to_f32(const unsigned char* p) {
   unsigned int h = p[0] | (unsigned int)p[1] << 8;

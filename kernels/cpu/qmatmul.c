@@ -159,7 +159,11 @@ TV_INLINE __m256i block_dot(__m256i u, const unsigned char* blk, __m256i xq) {
 #else
   (void)blk;
 #endif
+#if TV_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xq);  /* one instruction, the same int32 sums */
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+#endif
 }
 
 /* The block's float16 scale(s) as 8 floats: Q4_1 [d, m, d, m, ...] (d and m are adjacent), else [d, d, ...] */

@@ -94,6 +94,11 @@ X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 
 
+# 1 (the default): on a CPU with AVX-512 VNNI, kernels/cpu/qmatmul.c's integer dot products take _mm256_dpbusd_epi32
+# (one instruction where AVX2 needs maddubs + madd; the same int32 sums, so the same bits). 0: AVX2's route everywhere.
+VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "1") != "0"
+
+
 def uses_float_path(ggml_type: int, M: int) -> bool:
     """Does qmatmul.c take its float path for M rows of x (only where a user turned it on)?"""
     return QUANT_FORMATS[ggml_type].kernel == "qmatmul" and 0 < FLOAT_PATH_MIN_M <= M
@@ -167,6 +172,8 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
     defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}
     if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
         defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
+    if not VNNI:
+        defines["TV_NO_VNNI"] = 1
     out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x.reshape(M, K).contiguous(), w.data.contiguous()],
                     defines=defines, estimates=estimates,
                     grid=grid, local_size=(128, 1, 1))
