@@ -85,10 +85,7 @@ class VerifyBatch:
         self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
         self.clocks = np.ones((rows, vocab), np.float32)  # (rows, vocab) Exp(1)
         self.spans: list[tuple[int, int]] = []  # per request: (its first row, its number of drafts)
-
-    @property
-    def num_rows_used(self) -> int:
-        return sum(k + 1 for _, k in self.spans)
+        self.num_rows_used = 0  # rows the requests added so far fill; the rest is padding
 
     @property
     def use_filters(self) -> bool:
@@ -107,6 +104,7 @@ class VerifyBatch:
         self.uniforms[first:first + k] = generator.random(k)
         self.clocks[span] = generator.standard_exponential((k + 1, self.vocab))
         self.spans.append((first, k))
+        self.num_rows_used += k + 1
 
     def inputs(self) -> tuple[np.ndarray, ...]:
         """rejection_sample's host inputs after the logits, in its order (draft_probs apart)."""
