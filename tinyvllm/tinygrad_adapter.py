@@ -11,7 +11,8 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     cpu_graph.py                JitBase, capture_on_next_call, is_replaying, count_replay, jit_inputs,
                                 inputs_written_by, get_runtime, get_call_arg_uops, resolve_params, buffer_address
     cpu_threads.py              default_cpu_threads
-    program_cache.py            lowered_program_cache, set_lowered_program_cache
+    program_cache.py            lowered_program_cache, set_lowered_program_cache, chosen_default_device,
+                                choose_default_device, set_default_device, lower_cpu_device_programs_through
     device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
@@ -188,6 +189,48 @@ def set_lowered_program_cache(cache: dict) -> None:
     every call, so rebinding the name in both is enough."""
     tinygrad.codegen.to_program_cache = cache
     tinygrad.engine.realize.to_program_cache = cache
+
+
+# ---- opening the device without redoing what an earlier process did (tinyvllm/kernels/program_cache.py) ----
+
+def chosen_default_device() -> str | None:
+    """The device tinygrad's `Device.DEFAULT` is, if that is already settled without probing: DEV names it, or
+    this process has probed (`_Device._select_device`, a cached property, is in the instance dict)."""
+    return DEV.device or Device.__dict__.get("_select_device")
+
+
+def choose_default_device() -> str:
+    """`Device.DEFAULT`: with no DEV set, tinygrad opens METAL, AMD, NV, CUDA, QCOM, CL in turn until one works
+    (`_Device.get_available_devices`); on a machine with none of them that is ~0.45 s of imports and failures
+    before it settles on CPU."""
+    return Device.DEFAULT
+
+
+def set_default_device(name: str) -> None:
+    """Settle `Device.DEFAULT` on `name` without probing: store it where `_Device._select_device` caches its answer
+    and, as that method does, in the environment for child processes."""
+    Device.__dict__["_select_device"] = name
+    os.environ["DEV"] = name
+
+
+def lower_cpu_device_programs_through(cache: dict) -> None:
+    """Build the CPU device's helper programs through `cache` (a lowered-program dict, as `to_program_cache`).
+
+    tinygrad's CPU device, when it opens, lowers and compiles four programs of its own (the worker thread's
+    loop, signal, wait, timestamp: `tinygrad.runtime.ops_cpu.CPUDevice.__init__`) by calling `do_to_program`
+    directly, past `to_program_cache`: ~0.25 s of rewrites in every process. ops_cpu looks `do_to_program` up by
+    its global name, so rebinding that name routes the calls through `cache`. The key is tinygrad's own
+    (`to_program_key`) plus the ast's tag, which tinygrad's key leaves out and which says "do not optimize"."""
+    import tinygrad.runtime.ops_cpu as ops_cpu
+
+    lower = tinygrad.codegen.do_to_program
+
+    def lower_through_cache(ast: UOp, renderer) -> UOp:
+        key = (*tinygrad.codegen.to_program_key(ast, renderer), f"tag={ast.tag!r}")
+        if (program := cache.get(key)) is None:
+            cache[key] = program = lower(ast, renderer)
+        return program
+    ops_cpu.do_to_program = lower_through_cache
 
 
 # ---- device memory seen from the host (tinyvllm/device_memory.py, tinyvllm/model/llama.py) ----

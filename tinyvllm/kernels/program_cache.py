@@ -20,12 +20,22 @@ never a wrong hit; the directory name carries the tinygrad and Python versions. 
 code compiled for this machine (clang `-march=native`), as tinygrad's own cache does: do not share the
 directory between different CPUs. A file that does not load is a miss (and is written again).
 
-`TINYVLLM_PROGRAM_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it (default `~/.cache/tinyvllm`).
+Opening the device is the other thing every process redid. `install()` also
+  - builds the CPU device's own helper programs (its worker loop, signal, wait, timestamp: tinygrad lowers
+    them each time the device opens, ~0.25 s) through this cache, and
+  - remembers which device tinygrad chose as its default. With no DEV set, tinygrad tries METAL, AMD, NV, CUDA,
+    QCOM and CL before it settles on CPU (~0.45 s of imports and failed opens on a machine without a GPU).
+    The choice is kept in `default_device.json` beside the programs with what it depended on (the platform,
+    the accelerator nodes under /dev, the device variables in the environment): when any of those differs,
+    tinygrad probes again.
+
+`TINYVLLM_PROGRAM_CACHE=0` turns all of it off; `TINYVLLM_CACHE_DIR` moves it (default `~/.cache/tinyvllm`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import sys
@@ -34,7 +44,14 @@ import threading
 from importlib.metadata import version
 from pathlib import Path
 
-from tinyvllm.tinygrad_adapter import lowered_program_cache, set_lowered_program_cache
+from tinyvllm.tinygrad_adapter import (
+    choose_default_device,
+    chosen_default_device,
+    lower_cpu_device_programs_through,
+    lowered_program_cache,
+    set_default_device,
+    set_lowered_program_cache,
+)
 
 ENABLED = os.getenv("TINYVLLM_PROGRAM_CACHE", "1") != "0"
 
@@ -106,8 +123,9 @@ class DiskProgramCache(dict):
             self.write_failed = True
 
 
-def install(directory: Path | None = None) -> DiskProgramCache | None:
-    """Make tinygrad's lowered-program cache a `DiskProgramCache` (once per process; None when turned off)."""
+def install(directory: Path | None = None, device: str | None = None) -> DiskProgramCache | None:
+    """Make tinygrad's lowered-program cache a `DiskProgramCache` (once per process; None when turned off), and,
+    unless `device` names one, settle tinygrad's default device from what an earlier process found."""
     with _lock:
         current = lowered_program_cache()
         if isinstance(current, DiskProgramCache):
@@ -116,4 +134,48 @@ def install(directory: Path | None = None) -> DiskProgramCache | None:
             return None
         cache = DiskProgramCache(directory or cache_dir(), current)
         set_lowered_program_cache(cache)
+        lower_cpu_device_programs_through(cache)
+        if device is None:
+            settle_default_device(cache.directory / "default_device.json")
         return cache
+
+
+# where tinygrad looks for an accelerator: the platform, device nodes, and the environment
+ACCELERATOR_NODES = ("nvidia", "kfd", "dri", "kgsl", "accel")
+DEVICE_NAMES = ("METAL", "AMD", "NV", "CUDA", "HIP", "QCOM", "CL", "GPU")  # as variables, and NV_..., CUDA_... ones
+
+
+def machine_fingerprint() -> dict:
+    """What tinygrad's choice of default device depends on, as far as it can be read cheaply."""
+    try:
+        nodes = sorted(n for n in os.listdir("/dev") if n.startswith(ACCELERATOR_NODES))
+    except OSError:
+        nodes = []
+    env = {k: v for k, v in sorted(os.environ.items()) if k in DEVICE_NAMES or k == "LD_LIBRARY_PATH"
+           or k.startswith(tuple(f"{name}_" for name in DEVICE_NAMES)) or k.endswith("_VISIBLE_DEVICES")}
+    return {"platform": sys.platform, "tinygrad": version("tinygrad"), "dev_nodes": nodes, "env": env}
+
+
+def settle_default_device(path: Path) -> str:
+    """tinygrad's default device: the one remembered in `path` if the machine still looks the same, else tinygrad's
+    own probe (remembered for the next process)."""
+    if (chosen := chosen_default_device()) is not None:
+        return chosen
+    fingerprint = machine_fingerprint()
+    try:
+        remembered = json.loads(path.read_text())
+        if remembered["fingerprint"] == fingerprint and isinstance(remembered["device"], str):
+            set_default_device(remembered["device"])
+            return remembered["device"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: probe
+    chosen = choose_default_device()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"device": chosen, "fingerprint": fingerprint}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: probe again next time
+    return chosen

@@ -34,7 +34,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "flo
     as float32 on the host and cast to `dtype` on the device.
     """
     dt = parse_dtype(dtype)
-    program_cache.install()  # kernels lowered by earlier processes (see tinyvllm/kernels/program_cache.py)
+    program_cache.install(device=device)  # what earlier processes lowered and chose (kernels/program_cache.py)
     checkpoint = load_checkpoint(model, quantization=quantization)
     tokenizer = load_tokenizer(checkpoint.path)
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device,
