@@ -209,23 +209,30 @@ def test_portable_c_path_matches_too(ggml_type: int):
 
 @needs_kernel
 @pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
-def test_vnni_and_avx2_give_the_same_bits(ggml_type: int):
-    # on a CPU with AVX-512 VNNI the dot products take _mm256_dpbusd_epi32; TV_NO_VNNI compiles AVX2's maddubs + madd.
-    # Both sum the same exact integers, so the outputs must be bit-identical (elsewhere both builds are AVX2's)
-    N, K = 37, 576
-    blocks = random_blocks(ggml_type, N, K, seed=11)
-    for M in (1, 3, 37):
-        x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
+def test_avx512_and_avx2_routes(ggml_type: int):
+    # on a CPU with AVX-512 VNNI qmatmul.c takes two blocks per 512-bit register (_mm512_dpbusd_epi32); TV_NO_VNNI
+    # compiles AVX2's maddubs + madd. Each route must meet both oracles and be batch-invariant on its own; they sum in
+    # different orders, so they agree to float32 rounding. K=96: an odd number of blocks (the 512-bit route's last
+    # block alone), K=576: the model's
+    for N, K in ((37, 96), (37, 576)):
+        blocks = random_blocks(ggml_type, N, K, seed=11)
+        x = np.random.default_rng(K).standard_normal((37, K), dtype=np.float32)
         x[0, :32] *= 40.0  # a block whose 8-bit x reaches -127..127 against Q8_0's -128: the widest int16 pairs
-        outs = []
+        routes = []
         for extra in ({}, {"TV_NO_VNNI": 1}):
-            out, scratch = Tensor.empty(M, N, dtype=dtypes.float32), Tensor.empty(scratch_bytes(ggml_type, M, K),
-                                                                                 dtype=dtypes.uint8)
-            out, _ = launcher.launch("qmatmul", outs=[out, scratch], ins=[Tensor(x).realize(), Tensor(blocks).realize()],
-                                     defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, **extra})
-            outs.append(out.numpy())
-        np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"M={M}")
-        check_both_oracles(outs[0], x, blocks, ggml_type)
+            rows = {}
+            for M in (1, 3, 37):
+                out, scratch = Tensor.empty(M, N, dtype=dtypes.float32), Tensor.empty(
+                    scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
+                out, _ = launcher.launch("qmatmul", outs=[out, scratch],
+                                         ins=[Tensor(x[:M]).realize(), Tensor(blocks).realize()],
+                                         defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, **extra})
+                rows[M] = out.numpy()
+                check_both_oracles(rows[M], x[:M], blocks, ggml_type)
+                np.testing.assert_array_equal(rows[M][0], rows[1][0], err_msg=f"{extra} M={M}: row 0 moved")
+            routes.append(rows[37])
+        scale = np.abs(x).astype(np.float64) @ np.abs(dequantize(blocks.reshape(-1), ggml_type, (N, K))).T
+        assert (np.abs(routes[0] - routes[1]) <= 1e-5 * scale).all(), "the two routes differ beyond float32 rounding"
 
 
 def model_tensor(name: str) -> tuple[np.ndarray, int, int]:

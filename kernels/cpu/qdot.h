@@ -26,6 +26,12 @@
 #else
 #define TV_VNNI 0
 #endif
+/* ... and with AVX-512F/BW as well, qmatmul.c takes two blocks per 512-bit register (its "pairs", see there) */
+#if TV_VNNI && defined(__AVX512F__) && defined(__AVX512BW__)
+#define TV_AVX512 1
+#else
+#define TV_AVX512 0
+#endif
 
 /* The little-endian float16 at p, as a float (exact: every float16 is a float). */
 TV_INLINE float f16_to_f32(const unsigned char* p) {
