@@ -23,10 +23,16 @@ same shape with made-up tokens) is compiled and captured by TinyJit: two passes,
 the second captures. The load average is printed with every row: on shared cores, compare the rows of
 one run, not runs.
 
+`--quantization` is the engine's flag (default none: float32 weights); several, comma-separated, run one engine after
+the other in the same run, e.g. `-q auto,q8_0,none` for the shipped Q4_1 blocks, Q8_0 blocks and float32:
+
+    .venv/bin/python benchmarks/bench_throughput.py --concurrency 1,32,64 -q auto,q8_0,none --peers ../peers-cache
+
 With `--peers DIR`, llama.cpp's llama-batched-bench runs the same load in the same run after tinyvllm's: for each N,
 N sequences of `--prompt-len` (random) tokens prefilled together, then `--output-len` decode steps of N tokens,
-on F32 (tinyvllm's float32 weights), Q8_0 and the shipped Q4_1 weights; its total tok/s is counted as tinyvllm's
-(N * output_len / the whole time, prefill included). Results go to benchmarks/results/bench_throughput.json.
+on F32, Q8_0 and the shipped Q4_1 weights; its total tok/s is counted as tinyvllm's (N * output_len / the whole
+time, prefill included), and each format is set beside tinyvllm's of the same kind (auto: Q4_1, q8_0: Q8_0, none:
+F32). Results go to benchmarks/results/bench_throughput.json for `-q none` alone, else bench_throughput_quantized.json.
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ from common import (  # (benchmarks/common.py)
     load_average,
     log,
     machine_description,
-    side_by_side_headers,
     table,
     write_results,
 )
@@ -51,6 +56,7 @@ from common import (  # (benchmarks/common.py)
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.model.quantization import check_quantization
 from tinyvllm.sampling_params import SamplingParams
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books cheap "
@@ -156,6 +162,10 @@ def run_batch(engine: LLMEngine, recorder: StepRecorder, prompts: list[list[int]
             "load_average": [load_before, load_average()]}
 
 
+# --quantization method -> the llama.cpp weight format of the same kind (peers/llama_cpp.FORMATS)
+SAME_FORMAT = {"auto": "Q4_1", "q4_1": "Q4_1", "q8_0": "Q8_0", "none": "F32"}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated numbers of requests at once")
@@ -163,17 +173,69 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--one-by-one", type=int, default=1,
                    help="requests run alone before the first and after each batched run")
+    p.add_argument("--quantization", "-q", default="none",
+                   help="the engine's --quantization, or several comma-separated (e.g. auto,q8_0,none: one engine "
+                        "after the other in this run). Results: results/bench_throughput.json for none alone, "
+                        "results/bench_throughput_quantized.json otherwise")
     add_engine_args(p, max_num_batched_tokens=1024, kv_cache_memory="1GiB", max_model_len=2048)
     add_peers_arg(p)
     p.add_argument("--peer-repeats", type=int, default=3,
                    help="runs of llama-batched-bench per weight format with --peers; the median counts (default 3)")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    methods = [m.strip() for m in args.quantization.split(",") if m.strip()]
+    for m in methods:
+        check_quantization(m)
     llama = find_peers(args)  # fails here, not after minutes of measuring, if llama.cpp is not built
 
+    by_method, model_name = {}, None
+    for method in methods:
+        model_name, by_method[method] = run_engine(args, levels, method)
+    for method, (rows, alone, info) in by_method.items():
+        print(f"bench_throughput: {model_name}, quantization {method} ({info['weights']}), "
+              f"{machine_description(False)}, {time.strftime('%Y-%m-%d %H:%M')}")
+        print(f"code: {code_version()}; attention: {'portable gather' if args.portable_attention else 'kernels'}")
+        print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, ignore_eos; "
+              f"max_num_batched_tokens {info['max_num_batched_tokens']}, max_num_seqs {info['max_num_seqs']}, "
+              f"{info['num_blocks']} blocks of {info['block_size']}")
+        header = (f"{'N':>3} {'total tok/s':>11} {'x 1-by-1':>8} {'wall s':>7} {'1-by-1 s':>8} {'steps':>5} "
+                  f"{'TTFT p50/max ms':>16} {'TPOT p50/max ms':>16} {'decode step':>11} {'preempt':>7}  load avg after")
+        print(header)
+        print("-" * len(header))
+        for n, r in rows.items():
+            step_ms = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.0f} ms"
+            print(f"{n:>3} {r['tok_s']:>11.1f} {r['speedup']:>8.2f} {r['wall_s']:>7.1f} {r['one_by_one_s']:>8.1f} "
+                  f"{r['steps']:>5} {r['ttft_ms']['p50']:>8.0f}/{r['ttft_ms']['max']:<7.0f} "
+                  f"{r['tpot_ms']['p50']:>8.1f}/{r['tpot_ms']['max']:<7.1f} {step_ms:>11} {r['preemptions']:>7}  "
+                  f"{r['load_average'][1]}")
+        print(f"1-by-1 s: N x the mean time of one request run alone ({args.one_by_one} run just before and "
+              f"{args.one_by_one} just after this row's batch):")
+        print("  extrapolated, not run N times. x 1-by-1 = that / wall s. TPOT = (last token - first) / (tokens - 1).\n")
+    first_rows, first_alone, first_info = by_method[methods[0]]
+    figures = {"model": model_name, "portable_attention": args.portable_attention,
+               "prompt_len": args.prompt_len, "output_len": args.output_len,
+               "max_num_batched_tokens": first_info["max_num_batched_tokens"],
+               "one_by_one_requests_per_run": args.one_by_one, "one_by_one_s_per_request": first_alone,
+               "concurrency": {str(n): r for n, r in first_rows.items()}}
+    if len(methods) > 1 or methods != ["none"]:
+        figures["quantization"] = {m: {"weights": info["weights"], "one_by_one_s_per_request": alone,
+                                       "concurrency": {str(n): r for n, r in rows.items()}}
+                                   for m, (rows, alone, info) in by_method.items()}
+    if llama is not None and args.model is None:  # llama.cpp's model files are the default model's
+        figures["peers"] = measure_peers(llama, {m: rows for m, (rows, _, _) in by_method.items()},
+                                         args.prompt_len, args.output_len, args.peer_repeats)
+    elif llama is not None:
+        print("--peers: llama.cpp runs the default model only; no peer figure for --model")
+    write_results("bench_throughput" if methods == ["none"] else "bench_throughput_quantized", figures, args,
+                  also=args.json)
+
+
+def run_engine(args: argparse.Namespace, levels: list[int], method: str) -> tuple[str, tuple[dict, list, dict]]:
+    """One engine with --quantization `method`: every concurrency level, with the one-by-one runs between them.
+    Returns (model name, (rows by N, one-by-one seconds per request, the engine's settings))."""
     engine = LLMEngine(args.model, max_model_len=args.max_model_len, max_num_seqs=max(levels),
                        max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels)),
-                       kv_cache_memory=args.kv_cache_memory)
+                       kv_cache_memory=args.kv_cache_memory, quantization=method)
     # the runner's own switch (ModelRunner(portable_attention=...)); read when a bucket's graph is first built
     engine.model_runner.portable_attention = args.portable_attention
     bm = engine.scheduler.block_manager
@@ -209,48 +271,27 @@ def main(argv: list[str] | None = None) -> None:
         rows[n]["alone_s_per_request"] = sec_per_request
         rows[n]["one_by_one_s"] = n * sec_per_request
         rows[n]["speedup"] = n * sec_per_request / rows[n]["wall_s"]
-        log(f"concurrency {n}: {rows[n]['tok_s']:.1f} tok/s in {rows[n]['wall_s']:.1f} s, one request alone "
-            f"{sec_per_request:.1f} s, load average {rows[n]['load_average'][1]}")
+        log(f"{method}, concurrency {n}: {rows[n]['tok_s']:.1f} tok/s in {rows[n]['wall_s']:.1f} s, one request "
+            f"alone {sec_per_request:.1f} s, load average {rows[n]['load_average'][1]}")
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
-
-    print(f"bench_throughput: {engine.model_name}, float32, {machine_description(False)}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"code: {code_version()}; attention: {'portable gather' if args.portable_attention else 'kernels'}")
-    print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, ignore_eos; "
-          f"max_num_batched_tokens {engine.scheduler.max_num_batched_tokens}, max_num_seqs "
-          f"{engine.scheduler.max_num_seqs}, {bm.num_blocks} blocks of {bm.block_size}")
-    header = (f"{'N':>3} {'total tok/s':>11} {'x 1-by-1':>8} {'wall s':>7} {'1-by-1 s':>8} {'steps':>5} "
-              f"{'TTFT p50/max ms':>16} {'TPOT p50/max ms':>16} {'decode step':>11} {'preempt':>7}  load avg after")
-    print(header)
-    print("-" * len(header))
-    for n, r in rows.items():
-        step_ms = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.0f} ms"
-        print(f"{n:>3} {r['tok_s']:>11.1f} {r['speedup']:>8.2f} {r['wall_s']:>7.1f} {r['one_by_one_s']:>8.1f} "
-              f"{r['steps']:>5} {r['ttft_ms']['p50']:>8.0f}/{r['ttft_ms']['max']:<7.0f} "
-              f"{r['tpot_ms']['p50']:>8.1f}/{r['tpot_ms']['max']:<7.1f} {step_ms:>11} {r['preemptions']:>7}  "
-              f"{r['load_average'][1]}")
-    print(f"1-by-1 s: N x the mean time of one request run alone ({args.one_by_one} run just before and "
-          f"{args.one_by_one} just after this row's batch):")
-    print("  extrapolated, not run N times. x 1-by-1 = that / wall s. TPOT = (last token - first) / (tokens - 1).")
-    figures = {"model": engine.model_name, "portable_attention": args.portable_attention,
-               "prompt_len": args.prompt_len, "output_len": args.output_len,
-               "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-               "one_by_one_requests_per_run": args.one_by_one, "one_by_one_s_per_request": alone,
-               "concurrency": {str(n): r for n, r in rows.items()}}
-    if llama is not None and args.model is None:  # llama.cpp's model files are the default model's
-        figures["peers"] = measure_peers(llama, rows, args.prompt_len, args.output_len, args.peer_repeats)
-    elif llama is not None:
-        print("--peers: llama.cpp runs the default model only; no peer figure for --model")
-    write_results("bench_throughput", figures, args, also=args.json)
+    formats = engine.model.weight_formats()
+    info = {"weights": ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in formats.items()),
+            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+            "max_num_seqs": engine.scheduler.max_num_seqs, "num_blocks": bm.num_blocks, "block_size": bm.block_size}
+    return engine.model_name, (rows, alone, info)
 
 
-def measure_peers(llama, rows: dict[int, dict], prompt_len: int, output_len: int, repeats: int) -> dict:
+def measure_peers(llama, by_method: dict[str, dict[int, dict]], prompt_len: int, output_len: int,
+                  repeats: int) -> dict:
     """llama-batched-bench on each weight format at the same N, prompt and output lengths, `repeats` times (the
     formats taking turns, so a burst of other load falls on one run, not on one format), the median run of each
-    row; printed beside tinyvllm's total tok/s. Returns {"llama_cpp_f32": {"concurrency": {"32": {"tok_s": ..}}}}."""
+    row; printed beside tinyvllm's total tok/s for each --quantization measured. Ratios: tinyvllm over llama.cpp,
+    the first method's against every format ("tinyvllm_ratio", as before), and each method against its own format
+    ("same_format_ratio"). Returns {"llama_cpp_f32": {"concurrency": {"32": {"tok_s": ..}}}}."""
     from peers.llama_cpp import FORMATS, median_run, result_key  # benchmarks/peers/
 
-    levels = list(rows)
+    methods = list(by_method)
+    levels = list(by_method[methods[0]])
     runs: dict[str, dict[int, list[dict]]] = {fmt: {n: [] for n in levels} for fmt in FORMATS}
     for i in range(repeats):
         for fmt in FORMATS:
@@ -262,22 +303,30 @@ def measure_peers(llama, rows: dict[int, dict], prompt_len: int, output_len: int
     for fmt in FORMATS:
         theirs = {n: median_run(runs[fmt][n]) for n in levels}
         for n, r in theirs.items():
-            r["tinyvllm_ratio"] = rows[n]["tok_s"] / r["tok_s"]
+            r["tinyvllm_ratio"] = by_method[methods[0]][n]["tok_s"] / r["tok_s"]
+            for m in methods:
+                if SAME_FORMAT.get(m) == fmt:
+                    r["same_format_ratio"] = by_method[m][n]["tok_s"] / r["tok_s"]
+                    r["same_format_method"] = m
         peers[result_key(fmt)] = {"threads": llama.threads, "repeats": repeats,
                                   "concurrency": {str(n): r for n, r in theirs.items()}}
     table_rows = []
     for n in levels:
-        row = [n, f"{rows[n]['tok_s']:.1f}"]
+        row = [n] + [f"{by_method[m][n]['tok_s']:.1f}" for m in methods]
         for fmt in FORMATS:
             r = peers[result_key(fmt)]["concurrency"][str(n)]
-            row += [f"{r['tok_s']:.1f}", f"{r['tinyvllm_ratio']:.2f}"]
+            row += [f"{r['tok_s']:.1f}", f"{r.get('same_format_ratio', r['tinyvllm_ratio']):.2f}"]
         table_rows.append(row)
-    headers = side_by_side_headers("N", "tinyvllm float32", FORMATS)
+    headers = ("N", *(f"tinyvllm {m}" for m in methods),
+               *(cell for fmt in FORMATS for cell in (f"llama.cpp {fmt}", "ratio")))
     print(f"\n== total tok/s, tinyvllm and llama.cpp (llama-batched-bench, {llama.threads} threads), this run: N "
-          f"requests of {prompt_len} prompt tokens, {output_len} generated each; ratio = tinyvllm / llama.cpp ==")
+          f"requests of {prompt_len} prompt tokens, {output_len} generated each ==")
     print(table(table_rows, headers))
-    print(f"total tok/s = N x output tokens / the whole time, prefill included, for both engines; llama.cpp: "
-          f"the median of {repeats} runs, tinyvllm: one run.")
+    same = ", ".join(f"{fmt}: tinyvllm {next((m for m in methods if SAME_FORMAT.get(m) == fmt), methods[0])}"
+                     for fmt in FORMATS)
+    print(f"ratio = tinyvllm / llama.cpp, each format against its own ({same}). total tok/s = N x output tokens / "
+          f"the whole time, prefill included, for both engines; llama.cpp: the median of {repeats} runs, tinyvllm: "
+          f"one run.")
     return peers
 
 

@@ -1,0 +1,161 @@
+"""Where a decode step's time goes: every kernel of the captured step timed on its own, in the step's order.
+
+    .venv/bin/python benchmarks/profile_decode.py                          # the shipped Q4_1 file, M = 1, 32, 64
+    .venv/bin/python benchmarks/profile_decode.py --quantization none --batch 1
+
+The engine captures each decode batch size as one graph (tinyvllm/kernels/cpu_graph.py: a table of calls that
+kernels/cpu/graph_runner.c walks). Here the same table is walked one call at a time from Python, each call timed
+(perf_counter_ns around a one-call graph_runner; the cost of an empty call, measured here, is subtracted), so every
+kernel runs exactly as in a step (same buffers, same order, the weights coming from memory as they do) and its time
+is its own. Kernels are grouped by program (the quantized matmuls by shape), summed over the step, best of
+`--repeats` steps. Beside them: the whole graph in one call (what a step's kernels cost together) and
+`LLMEngine.step()` (scheduling, inputs, sampling, outputs: what the step costs in Python). The machine's other
+load is printed: on shared cores, compare rows of one run. Results: benchmarks/results/profile_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import statistics
+import time
+from collections import defaultdict
+
+import numpy as np
+from common import code_version, load_average, log, machine_description, table, write_results
+
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.kernels import cpu_graph
+from tinyvllm.sampling_params import SamplingParams
+
+
+def call_offsets(graph: cpu_graph.CPUGraph) -> list[int]:
+    """Where each call starts in the table: [function address, n, n arguments] back to back."""
+    offsets, at = [], 0
+    for _ in range(graph.num_calls):
+        offsets.append(at)
+        at += 2 + int(graph.table[at + 1])
+    return offsets
+
+
+def kernel_label(name: str) -> str:
+    """A program's name, short: the quantized matmuls keep their shape and format, tinygrad's kernels their name."""
+    m = re.match(r"(qmatmul(?:_k)?)\D*?(\d+)\D+?(\d+)\D+?(\d+)\D+?(\d+)", name)
+    return f"{m[1]} M={m[2]} N={m[3]} K={m[4]} type {m[5]}" if m else name
+
+
+class StepProfiler:
+    """Replaces CPUGraph.__call__: when `armed`, walks the table call by call and adds each call's time."""
+
+    def __init__(self):
+        self.armed = False
+        self.times: list[dict[str, float]] = []  # one dict per profiled step: label -> ns
+        self.graph_ns: list[float] = []  # per step, its graphs each in one call
+        self.empty_ns = 0.0
+        original = cpu_graph.CPUGraph.__call__
+        profiler = self
+
+        def call(graph, input_uops, var_vals):
+            original(graph, input_uops, var_vals)  # patches the table; runs the step once (the outputs)
+            if not profiler.armed:
+                return
+            names = {p.addr: getattr(p, "name", hex(p.addr)) for p in graph._programs}
+            run, base = graph._runner.fxn, graph.table.ctypes.data
+            t = time.perf_counter_ns()
+            run(ctypes.c_uint64(base), ctypes.c_uint64(graph.num_calls))
+            profiler.graph_ns[-1] += time.perf_counter_ns() - t
+            step = profiler.times[-1]  # a step may replay several graphs (the model's, the sampler's)
+            for at in call_offsets(graph):
+                t = time.perf_counter_ns()
+                run(ctypes.c_uint64(base + 8 * at), ctypes.c_uint64(1))
+                step[kernel_label(names.get(int(graph.table[at]), "?"))] += time.perf_counter_ns() - t - \
+                    profiler.empty_ns
+
+        cpu_graph.CPUGraph.__call__ = call
+
+    def measure_empty_call(self) -> None:
+        runner = cpu_graph._graph_runner()
+        table = np.zeros(4, dtype=np.int64)
+        samples = []
+        for _ in range(2000):
+            t = time.perf_counter_ns()
+            runner.fxn(ctypes.c_uint64(table.ctypes.data), ctypes.c_uint64(0))
+            samples.append(time.perf_counter_ns() - t)
+        self.empty_ns = float(np.percentile(samples, 10))
+
+
+def profile_batch(engine: LLMEngine, profiler: StepProfiler, batch: int, prompt_len: int, steps: int) -> dict:
+    """`batch` requests decoding together; `steps` decode steps profiled after a few to warm up and capture."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    body = engine.tokenizer.encode("The history of the printing press begins in the fifteenth century. " * 8)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", (engine.tokenizer.encode(f"Request {i}:") + body)[:prompt_len], params)
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):  # the decode bucket compiles, captures, replays
+        engine.step()
+    profiler.times, profiler.graph_ns = [], []
+    step_ms = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()  # unprofiled: the step as the engine runs it
+        step_ms.append(1e3 * (time.perf_counter() - t))
+    profiler.armed = True
+    for _ in range(steps):
+        profiler.times.append(defaultdict(float))
+        profiler.graph_ns.append(0.0)
+        engine.step()
+    profiler.armed = False
+    while engine.has_unfinished_requests():
+        engine.step()
+    graphed = [i for i, ns in enumerate(profiler.graph_ns) if ns > 0]
+    if not graphed:
+        raise RuntimeError(f"no decode step of {batch} sequences replayed a captured graph (TINYVLLM_CPU_GRAPH=0?)")
+    per_step = [profiler.times[i] for i in graphed]
+    labels = set().union(*per_step)
+    best = {k: min(t.get(k, 0.0) for t in per_step) / 1e6 for k in labels}  # ms, best of the steps
+    return {"batch": batch, "engine_step_ms_p50": statistics.median(step_ms),
+            "graph_one_call_ms_p50": statistics.median(profiler.graph_ns[i] for i in graphed) / 1e6,
+            "steps_replaying_a_graph": f"{len(graphed)} of {steps}",
+            "kernels_ms": dict(sorted(best.items(), key=lambda kv: -kv[1])),
+            "kernels_sum_ms": sum(best.values())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quantization", default="auto", help="the engine's --quantization (default auto: the Q4_1 file)")
+    p.add_argument("--batch", default="1,32,64", help="comma-separated decode batch sizes")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    p.add_argument("--top", type=int, default=14, help="kernels listed per batch size")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    engine = LLMEngine(None, quantization=args.quantization, max_num_seqs=max(batches), max_model_len=512,
+                       max_num_batched_tokens=max(256, max(batches) * args.prompt_len))
+    profiler = StepProfiler()
+    profiler.measure_empty_call()
+    load_before = load_average()
+    rows = {}
+    for b in batches:
+        rows[str(b)] = profile_batch(engine, profiler, b, args.prompt_len, args.steps)
+        log(f"batch {b}: step {rows[str(b)]['engine_step_ms_p50']:.2f} ms")
+    print(f"profile_decode: {engine.model_name}, quantization {args.quantization}, {machine_description(False)}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; code {code_version()}; load average {load_before} -> {load_average()}")
+    print(f"empty graph_runner call {profiler.empty_ns / 1e3:.1f} us (subtracted from each kernel)")
+    for b, r in rows.items():
+        print(f"\n== decode step, {b} sequences: LLMEngine.step() {r['engine_step_ms_p50']:.2f} ms, its graph in one "
+              f"call {r['graph_one_call_ms_p50']:.2f} ms, kernels one by one {r['kernels_sum_ms']:.2f} ms ==")
+        total = r["kernels_sum_ms"]
+        items = list(r["kernels_ms"].items())
+        shown = [[k, f"{v:.3f}", f"{100 * v / total:.1f}"] for k, v in items[:args.top]]
+        rest = sum(v for _, v in items[args.top:])
+        shown.append([f"({len(items) - args.top} other programs)", f"{rest:.3f}", f"{100 * rest / total:.1f}"])
+        print(table(shown, ["program (summed over the step)", "ms", "%"]))
+    write_results("profile_decode", {"model": engine.model_name, "quantization": args.quantization,
+                                     "empty_call_us": profiler.empty_ns / 1e3, "batch": rows,
+                                     "load_average": [load_before, load_average()]}, args)
+
+
+if __name__ == "__main__":
+    main()
