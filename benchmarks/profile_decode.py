@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import re
 import statistics
 import time
@@ -122,6 +123,43 @@ def profile_batch(engine: LLMEngine, profiler: StepProfiler, batch: int, prompt_
             "kernels_sum_ms": sum(best.values())}
 
 
+def rss_kib() -> dict[str, int]:
+    """This process's resident memory from /proc/self/status (kB): anonymous and shared (its own allocations;
+    tinygrad's CPU buffers are shared mappings) and file-backed (pages of mapped files, such as a memory-mapped GGUF,
+    that it has touched: clean pages the kernel can drop and read again)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                fields[name] = int(value.split()[0])
+    return fields
+
+
+def weight_memory(quantization: str) -> dict:
+    """Resident weight memory against the GGUF's tensor bytes: the model loaded alone (no KV cache, no step), the
+    process's resident memory before and after, and the bytes of the weights the model holds per format."""
+    from tinyvllm.model.gguf import GGUFFile
+    from tinyvllm.model.loader import load_model
+    from tinyvllm.model.quant import tensor_nbytes
+    from tinyvllm.model.weights import default_model_path
+
+    gguf = GGUFFile(default_model_path())
+    tensor_bytes = sum(tensor_nbytes(t.ggml_type, t.shape) for t in gguf.tensors.values())
+    before = rss_kib()
+    model, _, _ = load_model(None, quantization=quantization)
+    gc.collect()  # whatever loading dropped is gone before the second reading
+    after = rss_kib()
+    held = model.weight_formats()
+    grown = {k: 1024 * (after[k] - before[k]) for k in after}
+    private = grown["RssAnon"] + grown["RssShmem"]
+    return {"gguf_tensor_bytes": tensor_bytes, "weight_bytes_by_format": held,
+            "weight_bytes": sum(held.values()), "weights_over_gguf": sum(held.values()) / tensor_bytes,
+            "rss_growth_bytes": grown, "rss_private_growth_bytes": private,
+            "rss_private_growth_over_gguf": private / tensor_bytes,
+            "rss_shmem_growth_over_gguf": grown["RssShmem"] / tensor_bytes}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantization", default="auto", help="the engine's --quantization (default auto: the Q4_1 file)")
@@ -131,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=14, help="kernels listed per batch size")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
+    memory = weight_memory(args.quantization)
     engine = LLMEngine(None, quantization=args.quantization, max_num_seqs=max(batches), max_model_len=512,
                        max_num_batched_tokens=max(256, max(batches) * args.prompt_len))
     profiler = StepProfiler()
@@ -142,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
         log(f"batch {b}: step {rows[str(b)]['engine_step_ms_p50']:.2f} ms")
     print(f"profile_decode: {engine.model_name}, quantization {args.quantization}, {machine_description(False)}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}; code {code_version()}; load average {load_before} -> {load_average()}")
+    print(f"weights: {memory['weight_bytes'] / 1e6:.1f} MB held ("
+          + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in memory["weight_bytes_by_format"].items())
+          + f"), {memory['weights_over_gguf']:.3f}x the GGUF's {memory['gguf_tensor_bytes'] / 1e6:.1f} MB of tensors; "
+          f"loading grew resident memory by {memory['rss_growth_bytes']['RssShmem'] / 1e6:.1f} MB of device buffers "
+          f"(shared mappings: {memory['rss_shmem_growth_over_gguf']:.3f}x the tensors), "
+          f"{memory['rss_growth_bytes']['RssAnon'] / 1e6:.1f} MB anonymous (the tokenizer, Python objects, modules "
+          f"imported while loading) and {memory['rss_growth_bytes']['RssFile'] / 1e6:.1f} MB of mapped file pages")
     print(f"empty graph_runner call {profiler.empty_ns / 1e3:.1f} us (subtracted from each kernel)")
     for b, r in rows.items():
         print(f"\n== decode step, {b} sequences: LLMEngine.step() {r['engine_step_ms_p50']:.2f} ms, its graph in one "
@@ -153,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         shown.append([f"({len(items) - args.top} other programs)", f"{rest:.3f}", f"{100 * rest / total:.1f}"])
         print(table(shown, ["program (summed over the step)", "ms", "%"]))
     write_results("profile_decode", {"model": engine.model_name, "quantization": args.quantization,
+                                     "weight_memory": memory,
                                      "empty_call_us": profiler.empty_ns / 1e3, "batch": rows,
                                      "load_average": [load_before, load_average()]}, args)
 
