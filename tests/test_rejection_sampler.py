@@ -64,10 +64,10 @@ def verify_many(p_rows: np.ndarray, q_rows: np.ndarray | None, temperature: floa
     for _ in range(TRIALS):
         d = [4] * k if q_rows is None else [int(rng.choice(vocab, p=q_rows[j])) for j in range(k)]
         drafts.append(d)
-        batch.add(d, params, rng)
+        batch.add(d, params, rng, None if q_rows is None else q_rows)
     logits = np.tile(np.log(p_rows), (TRIALS, 1)).astype(np.float32)
-    q = None if q_rows is None else Tensor(np.tile(np.vstack([q_rows, np.zeros(vocab)]), (TRIALS, 1)).astype(np.float32))
-    accepted, tokens = rejection_sample(Tensor(logits), *(Tensor(a) for a in batch.inputs()), draft_probs=q,
+    inputs = [Tensor(a) for a in batch.inputs()]
+    accepted, tokens = rejection_sample(Tensor(logits), *inputs[:7], draft_probs=inputs[7] if len(inputs) > 7 else None,
                                         use_filters=batch.use_filters)
     accepted, tokens = accepted.numpy(), tokens.numpy()
     return [emitted_tokens(d, accepted[first:first + k], tokens[first:first + k + 1])
@@ -276,3 +276,54 @@ def test_rollback_leaves_no_stale_slots(tiny):
     assert set(on_logits) <= set(off_logits) and len(on_logits) >= 20
     for pos, logits in on_logits.items():
         np.testing.assert_allclose(logits, off_logits[pos], rtol=0, atol=1e-4, err_msg=f"position {pos}")
+
+
+class OneHotProposer(ScriptedProposer):
+    """The scripted drafts with q given explicitly, one-hot at each draft (`probs` of the right shape): exact
+    rejection sampling must then decide exactly as with q None (the same draws, the same tokens)."""
+
+    def __init__(self, k, script, wrong, vocab, with_probs: set):
+        super().__init__(k, script, wrong)
+        self.vocab, self.with_probs = vocab, with_probs
+
+    def propose(self, requests):
+        drafts = super().propose(requests)
+        for r, d in zip(requests, drafts):
+            if r.seq.seq_id in self.with_probs and d.token_ids:
+                q = np.zeros((len(d.token_ids), self.vocab), np.float32)  # (k, V)
+                q[np.arange(len(d.token_ids)), d.token_ids] = 1.0
+                d.probs = Tensor(q)
+        return drafts
+
+
+def test_mixed_batch_with_and_without_q_under_preemption(tiny):
+    """Greedy and sampled requests speculate side by side, a sampled one with an explicit q; a small pool preempts.
+    Greedy tokens equal speculation off; the sampled ones equal the same run with q None; every sequence the
+    proposer saw is freed, the preempted ones included."""
+    requests = {f"g{i}": ([50 + i, 51, 52, 53] * 3, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+                for i in range(3)}
+    requests.update({f"s{i}": ([60 + i, 61, 62] * 4, sampled(40, seed=i)) for i in range(3)})
+    ref = run(tiny, requests)
+    script = {rid: requests[rid][0] + out.token_ids for rid, out in ref.items()}
+    outs = []
+    for with_probs in (set(), {"s0", "s2"}):
+        engine = engine_like(tiny, max_model_len=128, num_gpu_blocks_override=14,
+                             speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+        proposer = engine.speculator.proposer = OneHotProposer(4, script, 3, tiny.model.config.vocab_size, with_probs)
+        preempted = []  # (seq_id, whether the proposer had seen it by then)
+        schedule = engine.scheduler.schedule
+
+        def recording(schedule=schedule, preempted=preempted, proposer=proposer):
+            out = schedule()
+            preempted.extend((seq.seq_id, seq.seq_id in proposer.proposed) for seq in out.preempted_seqs)
+            return out
+        engine.scheduler.schedule = recording
+        outs.append(run(engine, requests))
+        assert any(seen for _, seen in preempted), "the small pool should have preempted a speculating request"
+        assert set(proposer.freed) == proposer.proposed
+        for seq_id, seen in preempted:  # freed when preempted, and again when it finished
+            assert not seen or proposer.freed.count(seq_id) >= 2, seq_id
+    for rid in requests:
+        assert outs[0][rid].token_ids == outs[1][rid].token_ids, rid
+        if rid.startswith("g"):
+            assert outs[0][rid].token_ids == ref[rid].token_ids, rid

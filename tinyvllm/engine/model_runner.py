@@ -34,6 +34,7 @@ from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.input_buffer import InputBuffer
+from tinyvllm.kernels import graph_cache
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
@@ -140,7 +141,7 @@ class ModelRunner:
                                            first + len(scheduler_output.forked_from) + len(where)))
             num_extra += len(where)
         if n not in self._jits:
-            self._jits[n] = GraphedJit(self._forward)
+            self._jits[n] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(self, "forward", n))
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
         if self.step_timer is not None:
@@ -190,7 +191,8 @@ class ModelRunner:
         inputs += [bitmask] if masked else []
         key = (rows, "greedy" if clocks is None else use_filters, masked)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(self._sampler_graph(clocks is None, use_filters, masked))
+            self._sampler_jits[key] = GraphedJit(self._sampler_graph(clocks is None, use_filters, masked),
+                                                 persist=graph_cache.for_model_runner(self, "sample", *key))
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
         buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
@@ -206,20 +208,20 @@ class ModelRunner:
             return device_sampler.sample(logits, *inputs, use_filters=use_filters).realize()
         return run
 
-    def rejection_sample(self, logits: Tensor, row_index: np.ndarray, batch, draft_probs: Tensor | None
-                         ) -> tuple[np.ndarray, np.ndarray]:
+    def rejection_sample(self, logits: Tensor, row_index: np.ndarray, batch) -> tuple[np.ndarray, np.ndarray]:
         """Speculative decoding's exact rejection sampling (spec_decode/rejection_sampler.py) on the device, one
-        graph per (logits rows, verify rows, filters used, q given). row_index (R,) int32: the row of `logits` each
-        verify row reads; batch: a VerifyBatch of R rows; draft_probs (R, V) or None (q one-hot at each draft).
-        Returns accepted (R,) bool and tokens (R,) int32: two numbers per row come back."""
-        key = ("rejection", logits.shape[0], batch.rows, batch.use_filters, draft_probs is not None)
+        graph per (logits rows, filters used, q given). row_index (R,) int32: the row of `logits` (R, V) each verify
+        row reads; batch: a VerifyBatch of R rows. Returns accepted (R,) bool and tokens (R,) int32: two numbers per
+        row come back."""
+        has_q = batch.draft_probs is not None
+        key = ("rejection", logits.shape[0], batch.use_filters, has_q)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(self._rejection_graph(batch.use_filters, draft_probs is not None))
+            self._sampler_jits[key] = GraphedJit(self._rejection_graph(batch.use_filters, has_q))
         inputs = [row_index, *batch.inputs()]
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
         buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
-        out = self._sampler_jits[key](logits, *buffers, *([] if draft_probs is None else [draft_probs])).numpy()
+        out = self._sampler_jits[key](logits, *buffers).numpy()
         return out[0] != 0, out[1]  # (R,), (R,)
 
     @staticmethod

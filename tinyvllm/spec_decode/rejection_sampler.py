@@ -7,7 +7,7 @@ its distribution p_j for each of the next k + 1 positions (after the request's t
 top-p: the same filters and order as the device sampler). Each draft d_j was drawn from the proposer's q_j.
 Going left to right:
 
-    accept d_j with probability min(1, p_j(d_j) / q_j(d_j))           (u_j ~ U[0,1): accept when u_j q_j(d_j) < p_j(d_j))
+    accept d_j with probability min(1, p_j(d_j) / q_j(d_j))      (u_j ~ U[0,1): accept when u_j q_j(d_j) < p_j(d_j))
     at the first rejection: emit a token drawn from norm(max(0, p_j - q_j)), the run ends
     all k accepted: emit a bonus token drawn from p_k
 
@@ -84,6 +84,7 @@ class VerifyBatch:
         self.draft_token_ids = np.full(rows, NO_DRAFT, np.int32)  # (rows,)
         self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
         self.clocks = np.ones((rows, vocab), np.float32)  # (rows, vocab) Exp(1)
+        self.draft_probs: np.ndarray | None = None  # (rows, vocab) q, once a request comes with one
         self.spans: list[tuple[int, int]] = []  # per request: (its first row, its number of drafts)
         self.num_rows_used = 0  # rows the requests added so far fill; the rest is padding
 
@@ -91,9 +92,11 @@ class VerifyBatch:
     def use_filters(self) -> bool:
         return bool((self.top_k < self.vocab).any() or (self.top_p < 1).any() or (self.min_p > 0).any())
 
-    def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator) -> None:
+    def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator,
+            draft_probs: np.ndarray | None = None) -> None:
         """One request's k drafts: k + 1 rows (its drafts', then the bonus row). Draws k uniforms, then (k + 1, V)
-        clocks, from its generator, always in that order."""
+        clocks, from its generator, always in that order. draft_probs (k, V): the distribution q each draft was
+        drawn from, None for a deterministic proposer (q one-hot at the draft)."""
         k, first = len(draft_token_ids), self.num_rows_used
         assert first + k + 1 <= self.rows, f"{first + k + 1} verify rows do not fit in {self.rows}"
         span = slice(first, first + k + 1)
@@ -103,13 +106,23 @@ class VerifyBatch:
         self.draft_token_ids[first:first + k] = draft_token_ids
         self.uniforms[first:first + k] = generator.random(k)
         self.clocks[span] = generator.standard_exponential((k + 1, self.vocab))
+        if draft_probs is not None and self.draft_probs is None:  # the first q: the requests before get one-hot rows
+            self.draft_probs = np.zeros((self.rows, self.vocab), np.float32)
+            drafted = np.flatnonzero(self.draft_token_ids[:first] != NO_DRAFT)
+            self.draft_probs[drafted, self.draft_token_ids[drafted]] = 1.0
+        if self.draft_probs is not None:  # the bonus row stays 0
+            if draft_probs is None:
+                self.draft_probs[np.arange(first, first + k), draft_token_ids] = 1.0
+            else:
+                self.draft_probs[first:first + k] = draft_probs
         self.spans.append((first, k))
         self.num_rows_used += k + 1
 
     def inputs(self) -> tuple[np.ndarray, ...]:
-        """rejection_sample's host inputs after the logits, in its order (draft_probs apart)."""
+        """rejection_sample's inputs after the logits, in its order (draft_probs last, when there is a q)."""
+        q = () if self.draft_probs is None else (self.draft_probs,)
         return (self.temperature, self.top_k, self.top_p, self.min_p, self.draft_token_ids, self.uniforms,
-                self.clocks)
+                self.clocks, *q)
 
 
 def emitted_tokens(draft_token_ids: list[int], accepted: np.ndarray, tokens: np.ndarray) -> tuple[list[int], int]:

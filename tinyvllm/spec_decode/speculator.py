@@ -135,44 +135,24 @@ class Speculator:
                           scheduler_output: SchedulerOutput, requests: dict) -> dict:
         """Exact rejection sampling (rejection_sampler.py) for the sampled requests, one graph on the device:
         seq_id -> (emitted tokens, number accepted)."""
-        vocab = logits.shape[1]
-        num_rows = sum(len(spec_rows[seq.seq_id]) + 1 for _, seq in sampling)
-        batch = VerifyBatch(self.runner.bucket_for(num_rows), vocab)
-        row_index = np.zeros(batch.rows, np.int32)  # which row of the logits each verify row reads
-        draft_probs = []  # (k, V) per request, then a zero bonus row: only when the proposer has a q
+        rows, vocab = logits.shape
+        # as many verify rows as the logits have (they are a subset of them): one graph per logits bucket
+        batch = VerifyBatch(rows, vocab)
+        row_index = np.zeros(rows, np.int32)  # which row of the logits each verify row reads
         for row, seq in sampling:
             drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]  # the budget may have cut some
             first = batch.num_rows_used
             row_index[first:first + len(drafts) + 1] = [row] + spec_rows[seq.seq_id]
-            state = requests[seq.seq_id]
-            batch.add(drafts, state.params, state.generator)
-            probs = self._drafts[seq.seq_id].probs
-            draft_probs.append(None if probs is None else probs[:len(drafts)])
-        q = None
-        if any(p is not None for p in draft_probs):
-            q = self._draft_probs(draft_probs, batch, vocab, logits.device)
-        accepted, tokens = self.runner.rejection_sample(logits, row_index, batch, q)
+            state, probs = requests[seq.seq_id], self._drafts[seq.seq_id].probs
+            # NOTE: q goes through the host (one (k, V) copy per request): rows of a device tensor could be
+            # gathered on the device instead, at the cost of a graph per layout of the step's requests
+            batch.add(drafts, state.params, state.generator, None if probs is None else probs.numpy()[:len(drafts)])
+        accepted, tokens = self.runner.rejection_sample(logits, row_index, batch)
         out = {}
         for (first, k), (_, seq) in zip(batch.spans, sampling):
             drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]
             out[seq.seq_id] = emitted_tokens(drafts, accepted[first:first + k], tokens[first:first + k + 1])
         return out
-
-    @staticmethod
-    def _draft_probs(draft_probs: list[Tensor | None], batch: VerifyBatch, vocab: int, device) -> Tensor:
-        """q for every verify row (rows, V): each request's drafts' distributions, then zeros on its bonus row
-        (and on padding); one-hot at the draft for a request whose proposer gave none."""
-        parts = []
-        for probs, (first, k) in zip(draft_probs, batch.spans):
-            if probs is None:
-                ids = Tensor(batch.draft_token_ids[first:first + k].reshape(-1, 1), device=device)
-                probs = (Tensor.arange(vocab, device=device).reshape(1, vocab) == ids).float()
-            parts.append(probs.float())
-            parts.append(Tensor.zeros(1, vocab, device=device))
-        padding = batch.rows - batch.num_rows_used
-        if padding:
-            parts.append(Tensor.zeros(padding, vocab, device=device))
-        return parts[0].cat(*parts[1:]).contiguous().realize()  # (rows, V)
 
     # ---- counters ----
 
