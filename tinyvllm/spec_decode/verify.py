@@ -11,8 +11,8 @@ the target's choice after the last draft comes free (the bonus token):
     all equal                   ->  emitted: t0 t1 t2 t3 t4   (4 accepted + the bonus)
 
 Every emitted token is what greedy decoding would have produced one step at a time, so the output is the same
-token for token. (Sampling with temperature > 0 needs the exact rejection rule of Leviathan et al. 2023,
-accept with min(1, p/q); not built: such requests do not speculate.)
+token for token. Requests that sample (temperature > 0) take the exact rejection rule of Leviathan et al. 2023
+instead, accept with min(1, p/q) (rejection_sampler.py); with temperature 0 it reduces to this comparison.
 """
 
 from __future__ import annotations
