@@ -2,6 +2,7 @@
 
 The oracle is the same engine with speculation off: every emitted token must be the one plain greedy decoding
 produces, whatever the proposer guessed, in mixed batches, under preemption, chunked prefill and prefix caching.
+Sampled requests (exact rejection sampling) are tested in test_rejection_sampler.py.
 """
 
 from __future__ import annotations
@@ -131,6 +132,12 @@ def test_acceptance_counters_match_a_replay(tiny):
     expected = replay_counts(4, 1, 3, prompt, base.token_ids, 30)
     assert (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]) == expected
     assert stats["spec_decode_num_draft_tokens"] > 0
+    # the names vLLM uses; one verify step per step after the prefill, each emitting accepted + 1 tokens
+    drafts, accepted, steps = expected[0], expected[1], stats["spec_decode_num_verify_steps"]
+    assert stats["spec_decode_num_emitted_tokens"] == accepted + steps
+    assert stats["spec_decode_acceptance_rate"] == accepted / drafts
+    assert stats["spec_decode_mean_accepted_length"] == (accepted + steps) / steps
+    assert 0 < steps < 30 - 1
 
 
 def test_rollback_frees_emptied_blocks(tiny):
