@@ -6,13 +6,27 @@
     kv_perplexity            perplexity of a fixed text with each dtype (tinyvllm/perplexity.py's method)
 
 Run through `benchmarks/bench_memory.py` (all parts, or `--kv-only`), which writes the figures.
+
+Run on its own, this script measures one more thing, with llama.cpp's q8_0 cache beside ours under --peers, and
+writes benchmarks/results/kv_dtypes.json:
+
+    greedy_agreement         the 6 oracle prompts of tests/test_generate.py (as token ids, chat-templated as the
+                             tests do), 16 greedy tokens each on the float32 weights: how many continuations with an
+                             8-bit cache equal the same engine's with a float32 cache, and how close float32's own
+                             top two tokens were where they part (a near tie, which any rounding can flip)
+
+    python benchmarks/kv_dtypes.py [--peers DIR]
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -23,10 +37,10 @@ from tinyvllm.model.config import ModelConfig
 def kv_decode_speed(model, tokenizer, prompt: list[int], names: list[str], num_seqs: int, context: int, steps: int,
                     warmup: int, block_size: int) -> dict:
     """num_seqs greedy sequences decoding at ~`context` tokens of context (`prompt`: context - warmup tokens), one
-    engine per KV dtype on the same model (the kernels), the engines' steps interleaved. The sequences share one prompt through the prefix cache: the first
-    is prefilled alone, the others then find its blocks cached and compute only their last token. Every step still
-    reads each sequence's whole context (the kernel reads a block once per sequence that holds it); only the prefill
-    and the memory are shared."""
+    engine per KV dtype on the same model (the kernels), the engines' steps interleaved. The sequences share one
+    prompt through the prefix cache: the first is prefilled alone, the others then find its blocks cached and compute
+    only their last token. Every step still reads each sequence's whole context (the kernel reads a block once per
+    sequence that holds it); only the prefill and the memory are shared."""
     from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.sampling_params import SamplingParams
 
@@ -155,3 +169,286 @@ def kv_perplexity(model, tokenizer, names: list[str], n_ctx: int, max_chunks: in
     if "float32" in out["ppl"]:
         out["ppl_delta_pct"] = {k: 100 * (v / out["ppl"]["float32"] - 1) for k, v in out["ppl"].items()}
     return out
+
+
+# ---- greedy agreement on the oracle prompts (run on its own) ----
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_CACHES = {"f32": ("-ctk", "f32", "-ctv", "f32"), "f16": ("-ctk", "f16", "-ctv", "f16"),
+                "q8_0": ("-ctk", "q8_0", "-ctv", "q8_0")}  # llama-server's cache types, flash attention on for all
+
+
+def oracle_prompts(tokenizer) -> dict[str, list[int]]:
+    """tests/test_generate.py's PROMPTS as token ids, by its own prompt_ids (the "chat" one chat-templated) on a
+    stand-in for the tests' Generator that encodes as Generator.encode_prompt does."""
+    from types import SimpleNamespace
+
+    from tinyvllm.engine.generator import Generator
+
+    spec = importlib.util.spec_from_file_location("test_generate", ROOT / "tests" / "test_generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    generator = SimpleNamespace(tokenizer=tokenizer)
+    generator.encode_prompt = lambda prompt, chat=False: Generator.encode_prompt(generator, prompt, chat)
+    return {name: module.prompt_ids(generator, name) for name in module.PROMPTS}
+
+
+def agreement(runs: dict[str, dict], reference: str) -> dict:
+    """runs: cache -> prompt -> {"tokens": [...], "margins": [top-1 minus top-2 logprob at each step]}. Per cache:
+    how many prompts' tokens equal the reference cache's, where each first differs with the reference's margin
+    there (nats between its top two tokens), and the mean |change| of the margins over the steps before that."""
+    ref = runs[reference]
+    out = {}
+    for cache, by_prompt in runs.items():
+        prompts, changes = {}, []
+        for name, run in by_prompt.items():
+            want, margins = ref[name]["tokens"], ref[name]["margins"]
+            first = next((i for i, (a, b) in enumerate(zip(want, run["tokens"])) if a != b), None)
+            prompts[name] = {"first_difference": first,
+                             "reference_margin_there": None if first is None or margins is None else margins[first]}
+            if margins is not None and run["margins"] is not None:
+                changes += [abs(a - b) for a, b in zip(margins[:first], run["margins"][:first])]
+        out[cache] = {"agree": sum(p["first_difference"] is None for p in prompts.values()), "of": len(prompts),
+                      "margin_change_mean": float(np.mean(changes)), "margin_change_steps": len(changes),
+                      "prompts": prompts}
+    return out
+
+
+def tinyvllm_greedy(model, tokenizer, prompts: dict[str, list[int]], names: list[str], max_tokens: int) -> dict:
+    """One engine per KV dtype, all prompts in one batch, greedy, logprobs of the top 2. A name "int8:portable" runs
+    that dtype on the portable tinygrad path instead of the kernels (the same codes, bit for bit, and the same
+    attention up to the order of its float sums)."""
+    from tinyvllm.attention import kernel_backend
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    runs = {}
+    for name in names:
+        dtype, _, path = name.partition(":")
+        # the switch, and the variable that says so (the on-disk graph cache keys its graphs by TINYVLLM_ variables)
+        before = kernel_backend.PORTABLE, os.environ.get("TINYVLLM_PORTABLE")
+        kernel_backend.PORTABLE = path == "portable" or before[0]
+        os.environ["TINYVLLM_PORTABLE"] = "1" if kernel_backend.PORTABLE else "0"
+        try:
+            engine = LLMEngine(model, tokenizer=tokenizer, max_model_len=512, kv_cache_memory="64MiB",
+                               kv_cache_dtype=dtype)
+            for prompt, ids in prompts.items():
+                engine.add_request(prompt, ids, params)
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
+        finally:
+            kernel_backend.PORTABLE = before[0]
+            if before[1] is None:
+                del os.environ["TINYVLLM_PORTABLE"]
+            else:
+                os.environ["TINYVLLM_PORTABLE"] = before[1]
+        runs[name] = {p: {"tokens": list(done[p].token_ids),
+                          "margins": [top[0][1] - top[1][1] for _, top in done[p].logprobs]} for p in prompts}
+        print(f"  tinyvllm {name}: done", file=sys.stderr, flush=True)
+    return runs
+
+
+def llama_cpp_greedy(llama, prompts: dict[str, list[int]], caches: list[str], max_tokens: int) -> dict:
+    """llama-server on the F32 weights, one server per cache type (flash attention on), the prompts as token ids,
+    greedy (temperature 0), the top 2 logprobs of each step."""
+    from peers.llama_cpp import http_json
+
+    runs = {}
+    for cache in caches:
+        with llama.server("F32", context=512, extra=("-fa", "on", *LLAMA_CACHES[cache])) as url:
+            runs[cache] = {}
+            for prompt, ids in prompts.items():
+                r = http_json(f"{url}/completion", {"prompt": ids, "n_predict": max_tokens, "temperature": 0,
+                                                    "n_probs": 2, "ignore_eos": True, "cache_prompt": False,
+                                                    "return_tokens": True}, timeout=600)
+                assert r["tokens_evaluated"] == len(ids), f"llama-server read {r['tokens_evaluated']} prompt tokens"
+                # one entry per token, except that tokens ending inside a UTF-8 character share one entry
+                # ('unicode'): then the steps' margins cannot be told apart and are left out
+                steps = r["completion_probabilities"]
+                margins = [s["top_logprobs"][0]["logprob"] - s["top_logprobs"][1]["logprob"] for s in steps]
+                runs[cache][prompt] = {"tokens": list(r["tokens"]),
+                                       "margins": margins if len(margins) == len(r["tokens"]) else None}
+        print(f"  llama.cpp {cache} cache: done", file=sys.stderr, flush=True)
+    return runs
+
+
+# What a variant of the 8-bit rounding does to the oracle prompts' greedy choices: HF transformers (float32, the
+# tests' oracle) with each variant's rounding applied to every layer's K and V (after RoPE, as the cache stores
+# them), teacher-forced on float32's own greedy continuation. Up to its first different choice a free-running
+# greedy continuation sees exactly these inputs, so "agree" below is the greedy agreement, from one forward.
+ROUNDING_VARIANTS = {
+    "int8 (as stored: K and V rotated)": {"k": True, "v": True, "rotate_k": True, "rotate_v": True},
+    "int8 K only": {"k": True, "rotate_k": True},
+    "int8 V only": {"v": True, "rotate_v": True},
+    "int8, no rotation": {"k": True, "v": True},
+    "int8 K only, no rotation": {"k": True},
+    "int8 V only, no rotation": {"v": True},
+    "int8, K rotated, V not": {"k": True, "v": True, "rotate_k": True},
+    "int8, V rotated, K not": {"k": True, "v": True, "rotate_v": True},
+    "int8, scale stored as float16": {"k": True, "v": True, "rotate_k": True, "rotate_v": True, "scale_f16": True},
+    "int8, least-squares scale for the codes": {"k": True, "v": True, "rotate_k": True, "rotate_v": True,
+                                                "refit": True},
+    "int8, one scale per 32 (not this format)": {"k": True, "v": True, "rotate_k": True, "rotate_v": True,
+                                                 "group": 32},
+    "int8, one scale per 32, no rotation (q8_0's grouping)": {"k": True, "v": True, "group": 32},
+    **{f"int8, rotation with random signs (seed {seed})": {"k": True, "v": True, "rotate_k": True, "rotate_v": True,
+                                                           "signs": seed} for seed in range(1, 6)},
+}
+
+
+def round_rows(x, variant: dict, rotate: bool):
+    """x: torch (..., head_dim) -> x after int8 rounding, one symmetric scale per row (or per `group` elements),
+    optionally through the Hadamard rotation (with random signs first: QuaRot's randomized form)."""
+    import torch
+
+    head_dim = x.shape[-1]
+    if rotate:
+        h = torch.ones(1, 1)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = h / head_dim**0.5
+        if "signs" in variant:
+            rng = np.random.default_rng(variant["signs"])
+            h = torch.tensor(rng.choice([-1.0, 1.0], head_dim), dtype=torch.float32)[:, None] * h
+        return round_rows(x @ h, variant, False) @ h.T
+    group = variant.get("group", head_dim)
+    g = x.reshape(*x.shape[:-1], head_dim // group, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = amax * (1.0 / 127)
+    codes = torch.round(g * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))  # half to even
+    if variant.get("scale_f16"):
+        scale = scale.half().float()
+    if variant.get("refit"):  # the scale minimizing |x - s * codes|^2 for these codes
+        scale = torch.where(amax > 0, (g * codes).sum(-1, keepdim=True) / (codes * codes).sum(-1, keepdim=True)
+                            .clamp_min(1), scale)
+    return (codes * scale).reshape(x.shape)
+
+
+def rounding_variants(prompts: dict[str, list[int]], max_tokens: int) -> dict:
+    """Per variant: prompts whose 16 greedy choices all stay float32's, the mean |change| of the margin between
+    float32's top two tokens over every step, and the change at each prompt's closest tie."""
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tinyvllm.model.weights import default_model_path
+
+    current: dict = {}
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if current.get("k"):
+            key = round_rows(key, current, current.get("rotate_k", False))
+        if current.get("v"):
+            value = round_rows(value, current, current.get("rotate_v", False))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kv_rounding", attention)
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation="kv_rounding").eval()
+
+    def logprobs(ids: list[int], start: int):
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, start:].log_softmax(-1)
+
+    reference = {}
+    for name, ids in prompts.items():  # float32's greedy continuation, then its logprobs in one forward
+        tokens = list(ids)
+        for _ in range(max_tokens):
+            tokens.append(int(logprobs(tokens, len(tokens) - 1)[-1].argmax()))
+        lp = logprobs(tokens[:-1], len(ids) - 1)
+        top2 = lp.topk(2, -1).indices
+        reference[name] = (tokens[:-1], len(ids) - 1, top2, lp.gather(1, top2[:, :1]) - lp.gather(1, top2[:, 1:]))
+    out = {"float32_closest_tie": {name: {"step": int(m.argmin()), "margin": float(m.min())}
+                                   for name, (_, _, _, m) in reference.items()}, "variants": {}}
+    for label, variant in ROUNDING_VARIANTS.items():
+        current.clear()
+        current.update(variant)
+        agree, moved, at_tie = [], [], {}
+        for name, (tokens, start, top2, margin) in reference.items():
+            lp = logprobs(tokens, start)
+            changed = (lp.gather(1, top2[:, :1]) - lp.gather(1, top2[:, 1:])) - margin
+            if bool((lp.argmax(-1) == top2[:, 0]).all()):
+                agree.append(name)
+            moved.append(changed.abs().mean().item())
+            at_tie[name] = float(changed[int(margin.argmin())])
+        out["variants"][label] = {"agree": len(agree), "agreeing": agree, "margin_change_mean": float(np.mean(moved)),
+                                  "margin_change_at_closest_tie": at_tie}
+        print(f"  {label}: {len(agree)} of {len(prompts)}, margins move {np.mean(moved):.4f} nats on average",
+              file=sys.stderr, flush=True)
+    current.clear()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT))
+    from common import add_peers_arg, find_peers, machine_description, table, write_results
+
+    from tinyvllm.model.loader import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kv-dtypes", default="float32,int8,fp8,int8:portable", help="our caches, the first the "
+                   "reference; NAME:portable on the portable path (default float32,int8,fp8,int8:portable)")
+    p.add_argument("--llama-caches", default="f32,f16,q8_0", help="llama.cpp's cache types under --peers, the "
+                   "first the reference (default f32,f16,q8_0)")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    p.add_argument("--rounding-variants", action="store_true", help="also measure variants of the int8 rounding "
+                   "on HF transformers' float32 model (needs torch and transformers)")
+    add_peers_arg(p)
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.kv_dtypes.split(",") if n.strip()]
+    caches = [c.strip() for c in args.llama_caches.split(",") if c.strip()]
+    for name in names:
+        if name.partition(":")[0] not in KV_CACHE_DTYPES or name.partition(":")[2] not in ("", "portable"):
+            raise SystemExit(f"--kv-dtypes: {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}, optionally "
+                             "followed by :portable")
+    for cache in caches:
+        if cache not in LLAMA_CACHES:
+            raise SystemExit(f"--llama-caches: {cache!r} is none of {', '.join(LLAMA_CACHES)}")
+    llama = find_peers(args)
+    print(f"machine   {machine_description()}")
+    model, tokenizer, _ = load_model(quantization="none")  # the float32 weights, as the tests' generator
+    prompts = oracle_prompts(tokenizer)
+    figures: dict = {"prompts": {k: len(v) for k, v in prompts.items()}, "max_tokens": args.max_tokens}
+    ours = tinyvllm_greedy(model, tokenizer, prompts, names, args.max_tokens)
+    figures["greedy_agreement"] = {"tinyvllm": agreement(ours, names[0])}
+    runs = {"tinyvllm": ours}
+    if llama is not None:
+        theirs = llama_cpp_greedy(llama, prompts, caches, args.max_tokens)
+        figures["greedy_agreement"]["llama_cpp"] = agreement(theirs, caches[0])
+        runs["llama_cpp"] = theirs
+        figures["llama_cpp_f32_cache_vs_tinyvllm_float32"] = agreement(
+            {"tinyvllm": ours[names[0]], "llama_cpp": theirs[caches[0]]}, "tinyvllm")["llama_cpp"]
+    figures["runs"] = runs
+    if args.rounding_variants:
+        figures["rounding_variants"] = rounding_variants(prompts, args.max_tokens)
+    rows = []
+    for engine, by_cache in figures["greedy_agreement"].items():
+        for cache, a in by_cache.items():
+            where = ", ".join(f"{p} at {v['first_difference']} (margin {v['reference_margin_there']:.3f})"
+                              for p, v in a["prompts"].items() if v["first_difference"] is not None)
+            rows.append((engine, cache, f"{a['agree']} of {a['of']}", f"{a['margin_change_mean']:.4f}",
+                         where or "-"))
+    print(f"\n== greedy continuations ({args.max_tokens} tokens) equal to the same engine's with the first cache; how "
+          "far the margins between the first cache's top two tokens move, on average over the steps before any "
+          "difference; where they part, that margin (nats) ==")
+    print(table(rows, ("engine", "cache", "equal", "mean |margin change|", "first difference")))
+    if args.rounding_variants:
+        r = figures["rounding_variants"]
+        ties = sorted(r["float32_closest_tie"], key=lambda n: r["float32_closest_tie"][n]["margin"])[:2]
+        print(f"\n== variants of the int8 rounding (HF transformers, float32, teacher-forced): prompts whose greedy "
+              f"choices all stay float32's; how far the margins between float32's top two tokens move ==")
+        print(table([(label, f"{v['agree']} of {len(prompts)}", f"{v['margin_change_mean']:.4f}",
+                      *(f"{v['margin_change_at_closest_tie'][n]:+.4f}" for n in ties))
+                     for label, v in r["variants"].items()],
+                    ("variant", "equal", "mean |margin change|",
+                     *(f"at {n}'s tie ({r['float32_closest_tie'][n]['margin']:.3f})" for n in ties))))
+    write_results("kv_dtypes", figures, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

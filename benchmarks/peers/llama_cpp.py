@@ -251,12 +251,13 @@ class LlamaCpp:
         return out
 
     @contextmanager
-    def server(self, fmt: str, context: int = 2048, parallel: int = 1) -> Iterator[str]:
-        """A llama-server on a free port of 127.0.0.1, healthy when the block starts (its URL), stopped after."""
+    def server(self, fmt: str, context: int = 2048, parallel: int = 1, extra: tuple[str, ...] = ()) -> Iterator[str]:
+        """A llama-server on a free port of 127.0.0.1, healthy when the block starts (its URL), stopped after.
+        extra: more llama-server arguments (e.g. ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"))."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [str(self.bin_dir / "llama-server"), "-m", str(self.models[fmt]), "-t", str(self.threads),
-               "--host", "127.0.0.1", "--port", str(port), "-c", str(context), "-np", str(parallel)]
+               "--host", "127.0.0.1", "--port", str(port), "-c", str(context), "-np", str(parallel), *extra]
         start = time.perf_counter()
         process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
