@@ -28,6 +28,7 @@ from common import code_version, load_average, log, machine_description, table, 
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.kernels import cpu_graph
+from tinyvllm.model.quant import type_name
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -41,9 +42,19 @@ def call_offsets(graph: cpu_graph.CPUGraph) -> list[int]:
 
 
 def kernel_label(name: str) -> str:
-    """A program's name, short: the quantized matmuls keep their shape and format, tinygrad's kernels their name."""
-    m = re.match(r"(qmatmul(?:_k)?)\D*?(\d+)\D+?(\d+)\D+?(\d+)\D+?(\d+)", name)
-    return f"{m[1]} M={m[2]} N={m[3]} K={m[4]} type {m[5]}" if m else name
+    """A program's name, as a results-file key: the quantized matmuls by shape and format (qmatmul_M1_N960_K576_Q4_1),
+    the other kernels by their program name."""
+    m = re.match(r"(qmatmul(?:_k)?)_(\d+)_(\d+)_(\d+)_(\d+)", name)
+    return f"{m[1]}_M{m[2]}_N{m[3]}_K{m[4]}_{type_name(int(m[5]))}" if m else name.replace(".", "_")
+
+
+def group_of(label: str, vocab_size: int) -> str:
+    """lm_head (the matmul with the vocabulary's rows), the layers' quantized matmuls, attention, or the rest."""
+    if label.startswith("qmatmul"):
+        return "lm_head" if f"_N{vocab_size}_" in label else "qmatmul_layers"
+    if label.startswith(("paged_attention", "reshape_and_cache")):
+        return "attention"
+    return "other"
 
 
 class StepProfiler:
@@ -116,7 +127,10 @@ def profile_batch(engine: LLMEngine, profiler: StepProfiler, batch: int, prompt_
     per_step = [profiler.times[i] for i in graphed]
     labels = set().union(*per_step)
     best = {k: min(t.get(k, 0.0) for t in per_step) / 1e6 for k in labels}  # ms, best of the steps
-    return {"batch": batch, "engine_step_ms_p50": statistics.median(step_ms),
+    groups: dict[str, float] = defaultdict(float)
+    for k, v in best.items():
+        groups[group_of(k, engine.model.config.vocab_size)] += v
+    return {"batch": batch, "engine_step_ms_p50": statistics.median(step_ms), "groups_ms": dict(groups),
             "graph_one_call_ms_p50": statistics.median(profiler.graph_ns[i] for i in graphed) / 1e6,
             "steps_replaying_a_graph": f"{len(graphed)} of {steps}",
             "kernels_ms": dict(sorted(best.items(), key=lambda kv: -kv[1])),
@@ -193,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n== decode step, {b} sequences: LLMEngine.step() {r['engine_step_ms_p50']:.2f} ms, its graph in one "
               f"call {r['graph_one_call_ms_p50']:.2f} ms, kernels one by one {r['kernels_sum_ms']:.2f} ms ==")
         total = r["kernels_sum_ms"]
+        print("by group: " + ", ".join(f"{g} {v:.2f} ms ({100 * v / total:.0f}%)" for g, v in r["groups_ms"].items()))
         items = list(r["kernels_ms"].items())
         shown = [[k, f"{v:.3f}", f"{100 * v / total:.1f}"] for k, v in items[:args.top]]
         rest = sum(v for _, v in items[args.top:])
