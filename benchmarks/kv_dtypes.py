@@ -278,23 +278,23 @@ def llama_cpp_greedy(llama, prompts: dict[str, list[int]], caches: list[str], ma
 # tests' oracle) with each variant's rounding applied to every layer's K and V (after RoPE, as the cache stores
 # them), teacher-forced on float32's own greedy continuation. Up to its first different choice a free-running
 # greedy continuation sees exactly these inputs, so "agree" below is the greedy agreement, from one forward.
-ROUNDING_VARIANTS = {
-    "int8 (as stored: K and V rotated)": {"k": True, "v": True, "rotate_k": True, "rotate_v": True},
-    "int8 K only": {"k": True, "rotate_k": True},
-    "int8 V only": {"v": True, "rotate_v": True},
-    "int8, no rotation": {"k": True, "v": True},
-    "int8 K only, no rotation": {"k": True},
-    "int8 V only, no rotation": {"v": True},
-    "int8, K rotated, V not": {"k": True, "v": True, "rotate_k": True},
-    "int8, V rotated, K not": {"k": True, "v": True, "rotate_v": True},
-    "int8, scale stored as float16": {"k": True, "v": True, "rotate_k": True, "rotate_v": True, "scale_f16": True},
-    "int8, least-squares scale for the codes": {"k": True, "v": True, "rotate_k": True, "rotate_v": True,
-                                                "refit": True},
-    "int8, one scale per 32 (not this format)": {"k": True, "v": True, "rotate_k": True, "rotate_v": True,
-                                                 "group": 32},
-    "int8, one scale per 32, no rotation (q8_0's grouping)": {"k": True, "v": True, "group": 32},
-    **{f"int8, rotation with random signs (seed {seed})": {"k": True, "v": True, "rotate_k": True, "rotate_v": True,
-                                                           "signs": seed} for seed in range(1, 6)},
+ROTATED = {"k": True, "v": True, "rotate_k": True, "rotate_v": True}
+ROUNDING_VARIANTS = {  # name (a results key) -> (what it is, the rounding)
+    "as_stored": ("int8 as the cache stores it: K and V rotated", ROTATED),
+    "k_only": ("int8 K only (V exact)", {"k": True, "rotate_k": True}),
+    "v_only": ("int8 V only (K exact)", {"v": True, "rotate_v": True}),
+    "no_rotation": ("int8, no rotation", {"k": True, "v": True}),
+    "k_only_no_rotation": ("int8 K only, no rotation", {"k": True}),
+    "v_only_no_rotation": ("int8 V only, no rotation", {"v": True}),
+    "rotate_k_only": ("int8, K rotated, V not", {"k": True, "v": True, "rotate_k": True}),
+    "rotate_v_only": ("int8, V rotated, K not", {"k": True, "v": True, "rotate_v": True}),
+    "scale_float16": ("int8, the scale rounded to float16", {**ROTATED, "scale_f16": True}),
+    "least_squares_scale": ("int8, the scale that fits the codes best (least squares)", {**ROTATED, "refit": True}),
+    "group_32": ("int8, a scale per 32 elements (not this format)", {**ROTATED, "group": 32}),
+    "group_32_no_rotation": ("int8, a scale per 32, no rotation (q8_0's grouping)", {"k": True, "v": True,
+                                                                                    "group": 32}),
+    **{f"random_signs_{seed}": (f"int8, the rotation with random signs (seed {seed})", {**ROTATED, "signs": seed})
+       for seed in range(1, 6)},
 }
 
 
@@ -363,7 +363,7 @@ def rounding_variants(prompts: dict[str, list[int]], max_tokens: int) -> dict:
         reference[name] = (tokens[:-1], len(ids) - 1, top2, lp.gather(1, top2[:, :1]) - lp.gather(1, top2[:, 1:]))
     out = {"float32_closest_tie": {name: {"step": int(m.argmin()), "margin": float(m.min())}
                                    for name, (_, _, _, m) in reference.items()}, "variants": {}}
-    for label, variant in ROUNDING_VARIANTS.items():
+    for label, (what, variant) in ROUNDING_VARIANTS.items():
         current.clear()
         current.update(variant)
         agree, moved, at_tie = [], [], {}
@@ -374,9 +374,9 @@ def rounding_variants(prompts: dict[str, list[int]], max_tokens: int) -> dict:
                 agree.append(name)
             moved.append(changed.abs().mean().item())
             at_tie[name] = float(changed[int(margin.argmin())])
-        out["variants"][label] = {"agree": len(agree), "agreeing": agree, "margin_change_mean": float(np.mean(moved)),
-                                  "margin_change_at_closest_tie": at_tie}
-        print(f"  {label}: {len(agree)} of {len(prompts)}, margins move {np.mean(moved):.4f} nats on average",
+        out["variants"][label] = {"what": what, "agree": len(agree), "agreeing": agree,
+                                  "margin_change_mean": float(np.mean(moved)), "margin_change_at_closest_tie": at_tie}
+        print(f"  {what}: {len(agree)} of {len(prompts)}, margins move {np.mean(moved):.4f} nats on average",
               file=sys.stderr, flush=True)
     current.clear()
     return out
@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for engine, by_cache in figures["greedy_agreement"].items():
         for cache, a in by_cache.items():
-            where = ", ".join(f"{p} at {v['first_difference']} (margin {v['reference_margin_there']:.3f})"
+            where = ", ".join(f"{p} at {v['first_difference']}" + ("" if v["reference_margin_there"] is None else
+                                                                  f" (margin {v['reference_margin_there']:.3f})")
                               for p, v in a["prompts"].items() if v["first_difference"] is not None)
             rows.append((engine, cache, f"{a['agree']} of {a['of']}", f"{a['margin_change_mean']:.4f}",
                          where or "-"))
@@ -441,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         ties = sorted(r["float32_closest_tie"], key=lambda n: r["float32_closest_tie"][n]["margin"])[:2]
         print(f"\n== variants of the int8 rounding (HF transformers, float32, teacher-forced): prompts whose greedy "
               f"choices all stay float32's; how far the margins between float32's top two tokens move ==")
-        print(table([(label, f"{v['agree']} of {len(prompts)}", f"{v['margin_change_mean']:.4f}",
+        print(table([(v["what"], f"{v['agree']} of {len(prompts)}", f"{v['margin_change_mean']:.4f}",
                       *(f"{v['margin_change_at_closest_tie'][n]:+.4f}" for n in ties))
-                     for label, v in r["variants"].items()],
+                     for v in r["variants"].values()],
                     ("variant", "equal", "mean |margin change|",
                      *(f"at {n}'s tie ({r['float32_closest_tie'][n]['margin']:.3f})" for n in ties))))
     write_results("kv_dtypes", figures, args)
