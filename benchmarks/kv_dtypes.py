@@ -379,6 +379,10 @@ def rounding_variants(prompts: dict[str, list[int]], max_tokens: int) -> dict:
         print(f"  {what}: {len(agree)} of {len(prompts)}, margins move {np.mean(moved):.4f} nats on average",
               file=sys.stderr, flush=True)
     current.clear()
+    signs = [v for k, v in out["variants"].items() if k.startswith("random_signs_")]
+    out["random_signs"] = {"agree_min": min(v["agree"] for v in signs), "agree_max": max(v["agree"] for v in signs),
+                           "margin_change_mean_min": min(v["margin_change_mean"] for v in signs),
+                           "margin_change_mean_max": max(v["margin_change_mean"] for v in signs)}
     return out
 
 
