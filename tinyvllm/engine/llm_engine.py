@@ -29,7 +29,6 @@ from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory, resolve_
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.engine_state import StepLog, engine_state
-from tinyvllm.engine.async_output import OutputWorker
 from tinyvllm.engine.beam_search import BeamSearchParams, BeamSearchRequests
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.engine.parent_request import ParentRequests
@@ -115,8 +114,7 @@ class LLMEngine:
                  kv_cache_memory: str | int = "512MiB", max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
                  portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None,
-                 disable_async_output_proc: bool = True):
+                 kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None):
         resolve_kv_cache_dtype(kv_cache_dtype)  # a bad name fails here, before the model loads
         self.speculative_config = None if speculative_config is None else SpeculativeConfig.from_dict(
             speculative_config)
@@ -158,13 +156,6 @@ class LLMEngine:
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
         self.beam_search = BeamSearchRequests(self.scheduler, self.tokenizer)  # beams: forks of one another
         self.step_log = StepLog()  # the last steps' records, for get_state() (the server's dashboard)
-        if not disable_async_output_proc and self.speculative_config is not None:
-            raise ValueError("async output processing (disable_async_output_proc=False) cannot be combined with "
-                             "speculative_config: leave disable_async_output_proc at True to speculate")
-        self.async_output = not disable_async_output_proc  # engine/async_output.py: outputs made beside the next forward
-        self._pending_outputs: list[Sequence] = []  # async output processing: last step's sequences with a new token
-        if self.async_output:
-            self.model_runner.output_worker = OutputWorker()
 
     # ---- requests in ----
 
@@ -238,8 +229,6 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
-        if self.async_output:
-            return self._step_async_output()
         self._lap(None)
         if self.speculator is not None:  # drafts for this step (seq.spec_token_ids), counted by the scheduler
             self.speculator.propose(self.scheduler.running, self.requests)
@@ -252,33 +241,6 @@ class LLMEngine:
         outputs = self._make_outputs(new_token_seqs) + self.beam_search.update()
         if self.speculator is not None:  # the proposer drops what it holds for sequences that stopped running
             self.speculator.free_stale(self.scheduler.running)
-        self.step_log.end(begun, len(new_token_seqs))
-        self._lap("detokenize")
-        return outputs
-
-    def _step_async_output(self) -> list[RequestOutput]:
-        """step() with async output processing (engine/async_output.py): the outputs of the previous step are made
-        on a worker thread while this step's graph runs, and returned now; this step's wait for the next step,
-        or are made at once when nothing is left to run. A stop string found there ends its request one step late
-        (the token computed meanwhile is dropped: the request is finished before update_from_output)."""
-        self._lap(None)
-        scheduler_output = self.scheduler.schedule()
-        self._lap("schedule")
-        begun = self.step_log.begin(scheduler_output)
-        pending = [seq for seq in self._pending_outputs if seq.seq_id in self.requests]  # not aborted since
-        self._pending_outputs, outputs = [], []
-        self.model_runner.beside_forward = lambda: outputs.extend(self._make_outputs(pending))
-        sampled = self._run_and_sample(scheduler_output)
-        if self.model_runner.beside_forward is not None:  # no graph ran this step: make them here
-            self.model_runner.beside_forward = None
-            outputs.extend(self._make_outputs(pending))
-        new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)  # skips those ended above
-        self._lap("bookkeeping")
-        if self.scheduler.has_unfinished_seqs():
-            self._pending_outputs = new_token_seqs
-        else:  # no next step to hide them behind
-            outputs.extend(self._make_outputs(new_token_seqs))
-        outputs += self.beam_search.update()
         self.step_log.end(begun, len(new_token_seqs))
         self._lap("detokenize")
         return outputs

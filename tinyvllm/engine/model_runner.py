@@ -70,10 +70,6 @@ class ModelRunner:
         self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
         self.spec_logits_rows: dict[int | str, list[int]] = {}  # of the last step (see execute_model)
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
-        # async output processing (engine/async_output.py): host work run on `output_worker` while the next graph
-        # replays, then cleared; None: nothing to overlap
-        self.beside_forward = None
-        self.output_worker = None
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
@@ -146,11 +142,7 @@ class ModelRunner:
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
         if self.step_timer is not None:
             self.step_timer.lap("prepare_inputs")
-        beside, self.beside_forward = self.beside_forward, None
-        if beside is None:
-            logits = self._jits[n](*inputs)
-        else:  # the graph is one C call that releases the GIL: the worker's Python runs meanwhile
-            logits = self.output_worker.run_beside(lambda: self._jits[n](*inputs), beside)
+        logits = self._jits[n](*inputs)
         if self.step_timer is not None:
             self.step_timer.lap("forward")
         if scheduler_output.forked_from:
