@@ -258,6 +258,7 @@ def run_batch(engine, prompts: dict[str, list[int]], params) -> dict:
 
 
 NEAR_TIE = 0.05  # nats between float32's top two tokens: an 8-bit cache's logprob noise (~0.02-0.06 here) can flip it
+MARGIN_CHANGE = 0.04  # nats, on average: how far int8 may move the margins between float32's top two tokens
 
 
 @on_cpu
@@ -265,9 +266,17 @@ def test_int8_greedy_agrees_with_float32_on_the_oracle_prompts(generator):
     """The 6 oracle prompts of tests/test_generate.py, 16 greedy tokens each, int8 cache against float32 cache.
 
     Every continuation must agree up to the first near tie of float32's own choice (top two within NEAR_TIE nats),
-    with the chosen tokens' logprobs within 0.1 nats; at least 4 of 6 must agree on all 16 tokens. (Measured:
-    'code' has a tie of 0.012 nats at token 7 and 'long' one of 0.033 at token 10, and int8 flips both; the other
-    four agree throughout.)"""
+    with the chosen tokens' logprobs within 0.1 nats, and the margins between the top two tokens moved by under
+    MARGIN_CHANGE nats on average over the steps where both agree; at least 4 of 6 must agree on all 16 tokens.
+
+    Measured (benchmarks/kv_dtypes.py, docs/phases/07c-kv-cache-quantization.md): 'code' has a tie of 0.012 nats
+    at token 7 and 'long' one of 0.033 at token 10, and int8 flips both; the margins move 0.021 nats on average.
+    Which of those two ties flips is decided by rounding far below the cache's: the portable path, whose codes are
+    the kernels' bit for bit but whose attention sums in another order, keeps 'long' (5 of 6); llama.cpp's q8_0
+    cache on the same weights moves the margins further (0.03 on average) and keeps all 6; the rotation with its
+    signs drawn at random, the same format with the same noise, keeps from 3 to 6 of 6 (HF transformers with the
+    rounding applied). So the count asserted stays 4; the margins' average change is what the format decides (a
+    cache without the rotation fails this test)."""
     from test_generate import PROMPTS, prompt_ids
 
     from tinyvllm.engine.llm_engine import LLMEngine
@@ -279,7 +288,7 @@ def test_int8_greedy_agrees_with_float32_on_the_oracle_prompts(generator):
     int8_engine = LLMEngine(generator.model, tokenizer=generator.tokenizer, max_model_len=512,
                             kv_cache_memory="16MiB", kv_cache_dtype="int8")
     int8 = run_batch(int8_engine, prompts, params)
-    same = []
+    same, changes = [], []
     for name in prompts:
         want, got = float32[name], int8[name]
         margins = [top[0][1] - top[1][1] for _, top in want.logprobs]
@@ -288,9 +297,13 @@ def test_int8_greedy_agrees_with_float32_on_the_oracle_prompts(generator):
         agree = next((i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b), 16)
         drift = max(abs(a[0] - b[0]) for a, b in zip(want.logprobs[:agree], got.logprobs[:agree]))
         assert drift < 0.1, f"{name}: the chosen tokens' logprobs moved by {drift:.3f} nats"
+        changes += [abs(m - (top[0][1] - top[1][1])) for m, (_, top) in zip(margins, got.logprobs[:agree])]
         if agree == 16:
             same.append(name)
-    print(f"int8 KV cache: {len(same)} of {len(prompts)} greedy continuations equal float32's ({same})")
+    change = sum(changes) / len(changes)
+    print(f"int8 KV cache: {len(same)} of {len(prompts)} greedy continuations equal float32's ({same}); "
+          f"margins moved {change:.4f} nats on average")
+    assert change < MARGIN_CHANGE, f"int8 moved the top-two margins by {change:.4f} nats on average"
     assert len(same) >= 4, same
 
 
