@@ -6,10 +6,15 @@ Loading and compiling a model is the slow part of the suite, so each is built on
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# the suite must not depend on graphs an earlier run kept on disk (tinyvllm/kernels/graph_cache.py): off unless a
+# test turns it on with a directory of its own (tests/test_cold_start.py)
+os.environ.setdefault("TINYVLLM_GRAPH_CACHE", "0")
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile

@@ -4,10 +4,14 @@ still holds, and give exactly what rebuilding it gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
+from conftest import TINY_CONFIG, write_tiny_model
+
 from tinyvllm import tinygrad_adapter
-from tinyvllm.kernels import program_cache
+from tinyvllm.kernels import graph_cache, program_cache
 
 
 def test_the_default_device_is_remembered_and_probed_again_when_the_machine_changes(tmp_path, monkeypatch):
@@ -38,3 +42,80 @@ def test_the_remembered_device_is_what_tinygrad_probes():
     fingerprint = program_cache.machine_fingerprint()
     assert fingerprint["tinygrad"] == tinygrad_adapter.INSTALLED_VERSION
     assert tinygrad_adapter.chosen_default_device() in (None, Device.DEFAULT)
+
+
+# ---- captured graphs kept on disk (tinyvllm/kernels/graph_cache.py) ----
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 9]  # bucket 8 and bucket 64 prefills, then decodes
+
+
+@pytest.fixture()
+def graph_dir(tmp_path, monkeypatch):
+    """Graphs kept in a directory of this test's own, whatever TINYVLLM_GRAPH_CACHE says for the suite."""
+    monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(graph_cache, "ENABLED", True)
+    return tmp_path / graph_cache.cache_dir().name
+
+
+def greedy_tokens(model_dir, graphs: bool = True) -> tuple[list[list[int]], list]:
+    """Each prompt's 6 greedy tokens on a new engine, one request after the other; and the engine's persisted
+    graphs. graphs=False: no graph is read or written (what the engine did before graphs were kept)."""
+    from tinyvllm.engine.generator import Generator
+    from tinyvllm.sampling_params import SamplingParams
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(graph_cache, "ENABLED", graphs and graph_cache.ENABLED)
+        gen = Generator(model_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                        kv_cache_memory="16MiB", enable_prefix_caching=False)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        tokens = [gen.generate(p, params).token_ids for p in PROMPTS]
+    runner = gen.engine.model_runner
+    jits = list(runner._jits.values()) + list(runner._sampler_jits.values())
+    return tokens, [j.persist for j in jits if j.persist is not None]
+
+
+def test_a_persisted_graph_gives_the_tokens_of_a_built_one(tiny_model_dir, graph_dir):
+    want, _ = greedy_tokens(tiny_model_dir, graphs=False)
+    first, persisted = greedy_tokens(tiny_model_dir)  # builds every graph and writes it
+    assert first == want
+    assert sum(p.writes for p in persisted) >= 4 and not any(p.skipped for p in persisted), \
+        [p.skipped for p in persisted]
+    files = sorted(graph_dir.glob("*.graph"))
+    again, persisted = greedy_tokens(tiny_model_dir)  # a new engine: every graph read back, none built
+    assert again == want
+    assert sum(p.hits for p in persisted) == len(files) and sum(p.writes for p in persisted) == 0
+
+
+def test_a_corrupt_or_foreign_graph_file_is_rebuilt(tiny_model_dir, graph_dir):
+    want, _ = greedy_tokens(tiny_model_dir)
+    files = sorted(graph_dir.glob("*.graph"))
+    data = files[0].read_bytes()
+    files[0].write_bytes(data[:-100] + bytes(b ^ 0xFF for b in data[-100:]))  # flipped bits: checksum mismatch
+    files[1].write_bytes(data[: len(data) // 2])  # truncated
+    got, persisted = greedy_tokens(tiny_model_dir)
+    assert got == want
+    assert sum(p.writes for p in persisted) == 2 and sum(p.hits for p in persisted) == len(files) - 2
+
+
+def test_other_weights_reuse_the_graph_and_another_config_does_not(tmp_path, tiny_model_dir, graph_dir):
+    greedy_tokens(tiny_model_dir)  # the graphs of TINY_CONFIG
+    other_weights = write_tiny_model(tmp_path / "other-weights", TINY_CONFIG, seed=5)
+    want, _ = greedy_tokens(other_weights, graphs=False)
+    got, persisted = greedy_tokens(other_weights)  # same layout: the same graphs, bound to these weights
+    assert got == want and sum(p.hits for p in persisted) > 0 and sum(p.writes for p in persisted) == 0
+    other_config = write_tiny_model(tmp_path / "other-config", dataclasses.replace(TINY_CONFIG, rms_norm_eps=1e-2))
+    want, _ = greedy_tokens(other_config, graphs=False)
+    got, persisted = greedy_tokens(other_config)  # the epsilon is compiled into a kernel: new graphs
+    assert got == want and sum(p.hits for p in persisted) == 0 and sum(p.writes for p in persisted) > 0
+
+
+def test_the_state_a_graph_finds_must_fit_it(tiny_model_dir, graph_dir):
+    _, persisted = greedy_tokens(tiny_model_dir)
+    forward = next(p for p in persisted if p.settings[0][0] == "forward")
+    state = forward.state()
+    path = next(graph_dir.glob("*.graph"))
+    plan = graph_cache.read_plan(path.read_bytes())
+    name = next(iter(plan["state"]))
+    plan["state"][name] += 4  # as if the file had been written for a bigger tensor of that name
+    with pytest.raises(graph_cache.NotPersistable):
+        forward._bind(plan, state)

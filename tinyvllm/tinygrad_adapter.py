@@ -9,7 +9,9 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     launcher.py                 renderer_name, CLANG_KERNEL_PREFIX, source_program, compile_cpu, load_cpu_program,
                                 elf_symbol_at_start, Estimates
     cpu_graph.py                JitBase, capture_on_next_call, is_replaying, count_replay, jit_inputs,
-                                inputs_written_by, get_runtime, get_call_arg_uops, resolve_params, buffer_address
+                                inputs_written_by, get_runtime, get_call_arg_uops, resolve_params, buffer_address,
+                                buffer_nbytes, compiled_object
+    graph_cache.py              tinygrad_settings, is_realized, buffer_address, load_cpu_program
     cpu_threads.py              default_cpu_threads
     program_cache.py            lowered_program_cache, set_lowered_program_cache, chosen_default_device,
                                 choose_default_device, set_default_device, lower_cpu_device_programs_through
@@ -41,7 +43,7 @@ from tinygrad.device import BufferSpec, TinyELF
 from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype
 from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit  # noqa: F401
 from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params  # noqa: F401
-from tinygrad.helpers import DEV, NUM_CPU_THREADS
+from tinygrad.helpers import DEV, NUM_CPU_THREADS, ContextVar
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.runtime.autogen import libc
@@ -168,6 +170,29 @@ def inputs_written_by(captured: CapturedJit, input_uops: list[UOp]) -> bool:
 def buffer_address(u: UOp, device: str) -> int:
     """The device address of a buffer uop's memory, allocated here if it is not yet (`Buffer.get_buf().va_addr`)."""
     return u.buffer.ensure_allocated().get_buf(device).va_addr
+
+
+def buffer_nbytes(u: UOp) -> int:
+    """Bytes of a buffer uop's buffer (`Buffer.nbytes`; of the view, for a view)."""
+    return u.buffer.nbytes
+
+
+def is_realized(t: Tensor) -> bool:
+    """Does `t` stand for a buffer already (`UOp.is_realized`), rather than a computation still to run?"""
+    return t.uop.is_realized
+
+
+def compiled_object(program: UOp) -> tuple[bytes, str]:
+    """(compiled object, entry name) of a compiled PROGRAM uop (`UOp.to_elf`): what `load_cpu_program` loads."""
+    elf = program.to_elf()
+    return elf.lib, elf.name
+
+
+def tinygrad_settings() -> dict[str, str]:
+    """The settings tinygrad read from the environment (its `ContextVar`s: DEV, BEAM, NOOPT, ...) that the
+    environment sets, by name, as text: what a kernel tinygrad built may depend on beyond its defaults. (Only
+    those set: which ContextVars exist depends on which tinygrad modules this process happened to import.)"""
+    return {key: repr(var.value) for key, var in sorted(ContextVar._cache.items()) if key in os.environ}
 
 
 # ---- the CPU thread pool (tinyvllm/kernels/cpu_threads.py) ----

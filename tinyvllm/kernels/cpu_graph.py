@@ -44,7 +44,9 @@ from tinyvllm.tinygrad_adapter import (
     JitError,
     Ops,
     buffer_address,
+    buffer_nbytes,
     capture_on_next_call,
+    compiled_object,
     count_replay,
     get_call_arg_uops,
     get_runtime,
@@ -89,13 +91,20 @@ def _graph_runner():
 class CPUGraph:
     """One captured linear as a table that kernels/cpu/graph_runner.c calls through."""
 
-    def __init__(self, captured: CapturedJit, input_uops: list[UOp], var_vals: dict[str, int]):
+    def __init__(self, captured: CapturedJit, input_uops: list[UOp], var_vals: dict[str, int], describe: bool = False):
         table: list[int] = []
         input_patches: list[tuple[int, int, int]] = []  # (table index, input slot, byte offset into that input)
         var_patches: list[tuple[int, str]] = []  # (table index, variable name)
         self._programs: list[Any] = []  # keep the compiled kernels (their code) alive as long as the table
         self.num_calls = 0  # entries in the table
         input_addrs = [buffer_address(u, u.device) for u in input_uops]
+        # describe=True: what each table entry is, for kernels/graph_cache.py to write the graph to disk:
+        #   self.objects  [(compiled object, entry name)], one per distinct program
+        #   self.calls    [(table index of the function address, index into objects,
+        #                   [(table index, address, bytes, read, written)] for each buffer that is not an input)]
+        self.objects: list[tuple[bytes, str]] = []
+        self.calls: list[tuple[int, int, list[tuple[int, int, int, bool, bool]]]] = []
+        object_index: dict[int, int] = {}
         for call in captured.linear.src:
             ast = call.src[0]
             if ast.op is not Ops.PROGRAM:
@@ -114,13 +123,22 @@ class CPUGraph:
                 raise NotGraphable(f"a kernel with {num_args} arguments (at most {MAX_ARGS})")
             self._programs.append(program)
             arg_uops, resolved = get_call_arg_uops(call), resolve_params(call, input_uops)
+            if describe and id(program) not in object_index:
+                object_index[id(program)] = len(self.objects)
+                self.objects.append(compiled_object(ast))
             for core_id in range(info.global_size[0]):  # tinygrad calls a core_id kernel once per core_id
                 self.num_calls += 1
+                buffers: list[tuple[int, int, int, bool, bool]] = []
+                if describe:
+                    self.calls.append((len(table), object_index[id(program)], buffers))
                 table += [program.addr, num_args]
                 for i in info.globals:
                     addr = buffer_address(resolved[i], device)
                     if (slot := _input_slot(arg_uops[i])) is not None:
                         input_patches.append((len(table), slot, addr - input_addrs[slot]))
+                    elif describe:
+                        buffers.append((len(table), addr, buffer_nbytes(resolved[i]),
+                                        i in info.ins or i not in info.outs, i in info.outs))
                     table.append(addr)
                 for v in info.vars:
                     if v.expr == "core_id":
@@ -128,6 +146,10 @@ class CPUGraph:
                     else:
                         var_patches.append((len(table), v.expr))
                         table.append(var_vals[v.expr])
+        self._set_table(table, input_patches, var_patches)
+
+    def _set_table(self, table: list[int], input_patches: list[tuple[int, int, int]],
+                   var_patches: list[tuple[int, str]]) -> None:
         self.table = np.array(table, dtype=np.int64)
         self.input_index = np.array([p[0] for p in input_patches], dtype=np.int64)
         self.input_slot = np.array([p[1] for p in input_patches], dtype=np.int64)
@@ -136,6 +158,15 @@ class CPUGraph:
         self.var_index = np.array([p[0] for p in var_patches], dtype=np.int64)
         self.var_which = np.array([self.var_names.index(name) for _, name in var_patches], dtype=np.int64)
         self._runner = _graph_runner()
+
+    @classmethod
+    def from_table(cls, table: list[int], num_calls: int, programs: list[Any],
+                   input_patches: list[tuple[int, int, int]], var_patches: list[tuple[int, str]]) -> CPUGraph:
+        """A graph from a table filled elsewhere (kernels/graph_cache.py: read back from disk)."""
+        graph = cls.__new__(cls)
+        graph._programs, graph.num_calls, graph.objects, graph.calls = programs, num_calls, [], []
+        graph._set_table(table, input_patches, var_patches)
+        return graph
 
     def __call__(self, input_uops: list[UOp], var_vals: dict[str, int]) -> None:
         addrs = np.array([buffer_address(u, u.device) for u in input_uops], dtype=np.int64)
@@ -146,22 +177,43 @@ class CPUGraph:
 
 
 class GraphedJit(JitBase):
-    """TinyJit that captures on the first call and replays through a `CPUGraph` where it can (see module doc)."""
+    """TinyJit that captures on the first call and replays through a `CPUGraph` where it can (see module doc).
 
-    def __init__(self, fxn, capture_first: bool = True):
+    `persist` (a `kernels.graph_cache.PersistedGraph`): the graph is also written to disk once built, and a later
+    process whose first call finds it there replays it at once, without tracing, scheduling or capturing."""
+
+    def __init__(self, fxn, capture_first: bool = True, persist=None):
         super().__init__(fxn)
         self.capture_first = capture_first
         self.graph: CPUGraph | None | bool = None  # None: not built yet; False: not graphable
+        self.persist = persist if ENABLED else None
+        self.loaded = None  # a graph_cache.LoadedGraph: replayed until this JIT captures one of its own
         if capture_first:
             capture_on_next_call(self)
 
     def reset(self) -> None:
         super().reset()
-        self.graph = None
+        self.graph, self.loaded = None, None
         if self.capture_first:
             capture_on_next_call(self)
 
     def __call__(self, *args, **kwargs):
+        if self.persist is not None and not is_replaying(self):
+            input_uops, var_vals, names, input_info = jit_inputs(args, kwargs)
+            if self.loaded is None:
+                self.loaded = self.persist.load(names, input_info) or False  # False: looked, nothing usable
+            if self.loaded and self.loaded.accepts(names, input_info):
+                self.loaded.graph(input_uops, var_vals)
+                return self.loaded.ret
+            ret = super().__call__(*args, **kwargs)  # captures
+            if is_replaying(self) and not inputs_written_by(self.captured, input_uops):
+                try:
+                    self.graph = CPUGraph(self.captured, input_uops, var_vals, describe=True)
+                except NotGraphable:
+                    self.graph = False
+                else:
+                    self.persist.save(self.graph, self.captured.ret, names, input_info)
+            return ret
         if not is_replaying(self) or self.graph is False or not ENABLED:
             return super().__call__(*args, **kwargs)
         captured = self.captured

@@ -1,0 +1,356 @@
+"""Captured CPU graphs kept on disk, so that a new process replays its first step instead of building it.
+
+Before a process can run the model once, tinygrad traces the forward pass (~600 tensor ops for SmolLM2-135M),
+schedules it into kernels, rewrites and lowers them (from the program cache, kernels/program_cache.py) and
+captures the result: ~1.5 s of Python on a 2-core machine, the largest part of the time to the first token,
+and the same work in every process. What comes out of it is small: `CPUGraph` (kernels/cpu_graph.py) is a
+table of function addresses and buffer addresses. Written down with each address said by what it points at,
+the table can be rebuilt in a new process in milliseconds, the way a dynamic linker relocates a program:
+
+    one entry of the table                   on disk                                  in a new process
+    [&qmatmul, 4,                            program 17 (its compiled object)   ->    loaded: its new address
+     &layer3.gate_up_proj.data,              state "layers.3.gate_up_proj.data" ->    that weight's address
+     &x (input 0) + 0,                       input 0, offset 0                  ->    patched at every call
+     &scratch + 81920,                       region 2, offset 81920             ->    a fresh buffer of its size
+     num_blocks]                             variable "num_blocks"              ->    patched at every call
+
+  state      buffers that live outside the graph and are the same in every process: the weights, the KV
+             cache, the rope frequencies. Named by the path to them (`named_tensors`), never copied.
+  regions    the graph's own buffers (intermediates; tinygrad's memory planner lets them overlap, so
+             overlapping ones become one region). A region the graph reads before it writes and never
+             writes is a constant tinygrad made while tracing: its bytes are saved. One it reads before
+             writing and also writes would carry state from one replay to the next: such a graph is not saved.
+  ret        the graph's output: a region that becomes the Tensor a replay returns.
+
+The file is keyed by everything the traced graph depends on: the graph's name and input shapes, the model's
+config and dtype, the runner's and the KV cache's settings, the names, shapes and dtypes of the state, the
+source of tinyvllm (its Python and its C kernels), tinygrad's version and settings, the CPU, and the CPU thread
+pool's address (compiled into the kernels). A change in any of them is another file; the weights' values are
+not in the key because no kernel depends on them (they are read from their buffers at every replay). A file
+that is truncated, corrupt (a checksum over its bytes) or does not fit the state it finds is a miss: the
+graph is built and written again, never replayed wrong.
+
+`TINYVLLM_GRAPH_CACHE=0` turns it off (the graphs are then built in every process, as before);
+`TINYVLLM_CACHE_DIR` moves it with the program cache (default `~/.cache/tinyvllm/graphs-...`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import functools
+import hashlib
+import os
+import pickle
+import platform
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.kernels import cpu_threads, program_cache
+from tinyvllm.kernels.cpu_graph import CPUGraph
+from tinyvllm.kernels.launcher import KERNELS_DIR
+from tinyvllm.tinygrad_adapter import buffer_address, is_realized, load_cpu_program, tinygrad_settings
+
+ENABLED = os.getenv("TINYVLLM_GRAPH_CACHE", "1") != "0"
+MAGIC = b"tinyvllm-graph 1\n"
+PAGE = 4096  # a region keeps its address modulo a page, so every buffer in it keeps its alignment
+
+
+class NotPersistable(Exception):
+    """The graph holds something a new process could not rebuild from the file; it is not written."""
+
+
+def cache_dir() -> Path:
+    return program_cache.cache_dir().parent / program_cache.cache_dir().name.replace("programs-", "graphs-", 1)
+
+
+@functools.cache
+def code_identity() -> str:
+    """sha256 of tinyvllm's Python source and its CPU kernels' C source: a graph is the code that traced it."""
+    package = Path(__file__).resolve().parents[1]
+    files = sorted(package.rglob("*.py"))
+    if KERNELS_DIR is not None:
+        files += sorted(p for p in (KERNELS_DIR / "cpu").rglob("*") if p.is_file())
+    h = hashlib.sha256()
+    for path in files:
+        h.update(str(path.relative_to(path.parents[1])).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def cpu_identity() -> str:
+    """The CPU the kernels were compiled for (clang -march=native): its model name and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))][:2]
+    except OSError:
+        wanted = []
+    return platform.machine() + "|" + "|".join(wanted)
+
+
+def simple_settings(obj: Any) -> dict[str, str]:
+    """An object's attributes that are plain values (ints, strings, dtypes, ...): the settings a traced graph
+    may have baked in."""
+    return {k: repr(v) for k, v in sorted(vars(obj).items())
+            if isinstance(v, (bool, int, float, str)) or type(v).__name__ == "DType"}
+
+
+def named_tensors(*objects: Any) -> dict[str, Tensor]:
+    """Every Tensor reachable from `objects` through attributes, lists, tuples and dicts, by its path
+    ("0.layers.3.qkv_proj.data"): the same names in every process that builds the same objects."""
+    found: dict[str, Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, Tensor):
+            if is_realized(x):  # a lazy tensor has no buffer a graph could point at
+                found.setdefault(path, x)
+            return
+        if id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None))):
+            return
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}.{i}")
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}.{k}")
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
+            for k, v in vars(x).items():
+                walk(v, f"{path}.{k}")
+
+    for i, obj in enumerate(objects):
+        walk(obj, str(i))
+    return found
+
+
+@dataclass
+class LoadedGraph:
+    """A graph read back from disk and bound to this process's buffers."""
+
+    graph: CPUGraph
+    ret: Tensor
+    signature: str
+    keep: list  # the regions' tensors: the table points into them
+
+    def accepts(self, names: list, input_info: list) -> bool:
+        return input_signature(names, input_info) == self.signature
+
+
+def input_signature(names: list, input_info: list) -> str:
+    """A call's inputs as text: their names, and per input its view, variables, dtype and device."""
+    def part(x: Any) -> str:
+        return x.key.hex() if hasattr(x, "key") and isinstance(x.key, bytes) else repr(x)
+    return repr(names) + "|" + "|".join(",".join(part(p) if not isinstance(p, tuple) else repr([part(q) for q in p])
+                                                 for p in info) for info in input_info)
+
+
+class PersistedGraph:
+    """Where one GraphedJit's graph lives on disk (see the module doc). `settings`: what, besides the inputs,
+    names this graph (its name, the model's config, ...); `state`: the tensors outside the graph it may use."""
+
+    def __init__(self, settings: tuple, state: Callable[[], dict[str, Tensor]], device: str,
+                 directory: Path | None = None):
+        self.settings, self.state, self.device = settings, state, device
+        self.directory = directory or cache_dir()
+        self.hits = self.writes = 0
+        self.skipped: str | None = None  # why the graph was not written (NotPersistable), if it was not
+
+    def key(self, names: list, input_info: list, state: dict[str, Tensor]) -> str:
+        layout = [(name, tuple(t.shape), repr(t.dtype)) for name, t in sorted(state.items())]
+        return repr((self.settings, input_signature(names, input_info), layout, code_identity(), cpu_identity(),
+                     version("tinygrad"), tinygrad_settings(), sys.version_info[:2], cpu_threads.pool_address(),
+                     sorted((k, v) for k, v in os.environ.items() if k.startswith("TINYVLLM_"))))
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()}.graph"
+
+    # ---- reading ----
+
+    def load(self, names: list, input_info: list) -> LoadedGraph | None:
+        """The graph for these inputs if a file holds it and it fits this process; None otherwise."""
+        state = self.state()
+        key = self.key(names, input_info, state)
+        try:
+            data = self.path(key).read_bytes()
+        except OSError:
+            return None
+        try:
+            plan = read_plan(data)
+            if plan["key"] != key:
+                return None
+            loaded = self._bind(plan, state)
+        except Exception:  # corrupt, truncated, or not fitting this state: build the graph again
+            return None
+        loaded.signature = input_signature(names, input_info)
+        self.hits += 1
+        return loaded
+
+    def _bind(self, plan: dict, state: dict[str, Tensor]) -> LoadedGraph:
+        table = list(plan["table"])
+        programs = [load_cpu_program(lib, name) for lib, name in plan["objects"]]
+        for index, which in plan["program_slots"]:
+            table[index] = programs[which].addr
+        state_addrs = {}
+        for name, nbytes in plan["state"].items():
+            t = state[name]
+            if t.nbytes() != nbytes:
+                raise NotPersistable(f"state {name} is {t.nbytes()} bytes, the graph was built for {nbytes}")
+            state_addrs[name] = buffer_address(t.uop, self.device)
+        keep, region_addrs = [], []
+        ret_region, ret_shape, ret_dtype = plan["ret"]
+        for i, (start, size, contents) in enumerate(plan["regions"]):
+            if i == ret_region:
+                t = Tensor.empty(*ret_shape, dtype=getattr(dtypes, ret_dtype), device=self.device)
+                base = buffer_address(t.uop, self.device)
+                ret = t
+            else:
+                t = Tensor.empty(size + PAGE, dtype=dtypes.uint8, device=self.device)
+                base = buffer_address(t.uop, self.device)
+                base += (start - base) % PAGE  # the same address modulo a page as when it was captured
+                if contents is not None:
+                    ctypes.memmove(base, contents, size)
+            keep.append(t)
+            region_addrs.append(base)
+        for index, kind, ref, offset in plan["relocations"]:
+            table[index] = (state_addrs[ref] if kind == "state" else region_addrs[ref]) + offset
+        graph = CPUGraph.from_table(table, plan["num_calls"], programs, plan["input_patches"], plan["var_patches"])
+        return LoadedGraph(graph, ret, "", keep)
+
+    # ---- writing ----
+
+    def save(self, graph: CPUGraph, ret: Any, names: list, input_info: list) -> None:
+        """Write `graph` (built with describe=True) for a later process; quietly not where it cannot be."""
+        state = self.state()
+        try:
+            plan = describe(graph, ret, state, self.device)
+        except NotPersistable as e:
+            self.skipped = str(e)
+            return
+        plan["key"] = self.key(names, input_info, state)
+        payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = None
+        try:  # a temporary file renamed into place: a reader never sees half a graph
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
+            os.replace(tmp, self.path(plan["key"]))
+            self.writes += 1
+        except OSError as e:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            self.skipped = f"could not write {self.directory}: {e}"
+
+
+def read_plan(data: bytes) -> dict:
+    """A file's plan, after checking its header and checksum (ValueError if either is wrong)."""
+    if not data.startswith(MAGIC):
+        raise ValueError("not a tinyvllm graph file")
+    digest, payload = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError("graph file checksum mismatch")
+    return pickle.loads(payload)
+
+
+def describe(graph: CPUGraph, ret: Any, state: dict[str, Tensor], device: str) -> dict:
+    """The plan of a graph: its table with every address said by what it points at (see the module doc)."""
+    if not isinstance(ret, Tensor):
+        raise NotPersistable(f"the graph returns a {type(ret).__name__}, not one Tensor")
+    if not graph.calls:
+        raise NotPersistable("the graph was built without describe=True")
+    # the state, by address: (start, end, name); a tensor reachable under two names is kept under the first
+    by_address = {buffer_address(t.uop, device): (t.nbytes(), name) for name, t in sorted(state.items(), reverse=True)}
+    spans = sorted(by_address.items())
+    starts = [s for s, _ in spans]
+
+    def in_state(addr: int, nbytes: int) -> tuple[str, int] | None:
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr + nbytes <= spans[i][0] + spans[i][1][0]:
+            return spans[i][1][1], addr - spans[i][0]
+        return None
+
+    table = graph.table.tolist()
+    program_slots, relocations, state_used, scratch = [], [], {}, []
+    for program_index, which, buffers in graph.calls:
+        program_slots.append((program_index, which))
+        table[program_index] = 0
+        for index, addr, nbytes, _, _ in buffers:
+            if (where := in_state(addr, nbytes)) is not None:
+                relocations.append((index, "state", where[0], where[1]))
+                state_used[where[0]] = state[where[0]].nbytes()
+            else:
+                scratch.append((addr, addr + nbytes))
+            table[index] = 0
+    for index in graph.input_index.tolist():
+        table[index] = 0
+    # the graph's own buffers: overlapping ranges are one region
+    regions: list[list[int]] = []
+    for start, end in sorted(scratch):
+        if regions and start < regions[-1][1]:
+            regions[-1][1] = max(regions[-1][1], end)
+        else:
+            regions.append([start, end])
+    region_starts = [r[0] for r in regions]
+
+    def region_of(addr: int) -> int:
+        return bisect.bisect_right(region_starts, addr) - 1
+
+    # which regions are read before the graph writes them (a constant, or state the graph keeps to itself)
+    written: dict[int, list[tuple[int, int]]] = {}
+    read_first: set[int] = set()
+    ever_written: set[int] = set()
+    for _, _, buffers in graph.calls:
+        for index, addr, nbytes, reads, _ in buffers:
+            if in_state(addr, nbytes) is None:
+                r = region_of(addr)
+                relocations.append((index, "region", r, addr - regions[r][0]))
+                if reads and not _covered(written.get(r, []), addr, addr + nbytes):
+                    read_first.add(r)
+        for _, addr, nbytes, _, writes in buffers:
+            if writes and in_state(addr, nbytes) is None:
+                r = region_of(addr)
+                written.setdefault(r, []).append((addr, addr + nbytes))
+                ever_written.add(r)
+    if read_first & ever_written:
+        raise NotPersistable("the graph keeps buffers of its own from one replay to the next")
+    ret_addr = buffer_address(ret.uop, device)
+    ret_region = region_of(ret_addr)
+    if ret_region < 0 or regions[ret_region] != [ret_addr, ret_addr + ret.nbytes()]:
+        raise NotPersistable("the graph's output is not a buffer of its own")
+    plan_regions = [(start, end - start, ctypes.string_at(start, end - start) if i in read_first else None)
+                    for i, (start, end) in enumerate(regions)]
+    return {"table": table, "num_calls": graph.num_calls, "objects": graph.objects, "program_slots": program_slots,
+            "relocations": relocations, "state": state_used, "regions": plan_regions,
+            "ret": (ret_region, tuple(ret.shape), ret.dtype.name),
+            "input_patches": list(zip(graph.input_index.tolist(), graph.input_slot.tolist(),
+                                      graph.input_offset.tolist())),
+            "var_patches": [(int(i), graph.var_names[w]) for i, w in zip(graph.var_index, graph.var_which)]}
+
+
+def _covered(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Is [start, end) inside the union of `intervals`?"""
+    for s, e in sorted(intervals):
+        if s > start:
+            return False
+        start = max(start, e)
+        if start >= end:
+            return True
+    return start >= end
+
+
+def for_model_runner(runner: Any, *name: Any) -> PersistedGraph | None:
+    """The PersistedGraph of one of a ModelRunner's graphs (`name`: which, e.g. ("forward", 8)); None where graphs
+    are not kept (turned off, or a device other than the CPU, where CPUGraph does not apply)."""
+    model, kv_cache = runner.model, runner.kv_cache
+    if not ENABLED or not str(model.device).startswith("CPU"):
+        return None
+    settings = (name, repr(model.config), simple_settings(model), simple_settings(runner), simple_settings(kv_cache))
+    return PersistedGraph(settings, lambda: named_tensors(model, kv_cache), model.device)
