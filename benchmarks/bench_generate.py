@@ -7,9 +7,11 @@
 Five measurements, in the order a user meets them (the fifth with --peers):
 
   1. cold start: from the moment the process started to the first generated token, split into
-     imports | weight loading | first prefill (kernel compilation and JIT capture included) | sampling.
-     tinygrad keeps compiled kernels in an on-disk cache, so "cold" here means a new process; the
-     cache's state is printed, and --fresh-kernel-cache points tinygrad at an empty one.
+     imports | load (device open, checkpoint, tokenizer, weights, the rest of the engine) | first prefill
+     and sample. tinygrad keeps compiled kernels on disk, tinyvllm its lowered programs and captured graphs
+     (kernels/program_cache.py, kernels/graph_cache.py), so "cold" here means a new process after an
+     earlier one with the same code ran: the caches' state and how many of the first step's graphs were read
+     from disk are printed; --fresh-kernel-cache points every cache at an empty directory.
   2. prefill tokens/s for a few prompt lengths, after a warm-up run of each length.
   3. single-stream decode tokens/s (greedy, ignore_eos), after warm-up: mean, p50 and p90 per-token
      latency through the engine (`Generator.stream`, one request on `LLMEngine`).
@@ -38,6 +40,7 @@ SCRIPT_START = time.perf_counter()
 
 # imported after the clock starts, so that the cold-start breakdown sees them
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -126,7 +129,8 @@ def kernel_cache_state() -> str:
         state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
     cache_dir = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
     programs = list(cache_dir.glob("programs-*/*.pkl"))
-    return state + f"; tinyvllm program cache {len(programs)} programs"
+    graphs = list(cache_dir.glob("graphs-*/*.graph"))
+    return state + f"; tinyvllm program cache {len(programs)} programs, {len(graphs)} captured graphs"
 
 
 def prompt_of_length(tokenizer, n: int, variant: int = 0) -> list[int]:
@@ -134,6 +138,55 @@ def prompt_of_length(tokenizer, n: int, variant: int = 0) -> list[int]:
     default) finds nothing of it cached and every timed run computes its whole prompt."""
     ids = tokenizer.encode(BENCH_TEXT, add_special_tokens=False)
     return ([1000 + variant] + ids * (n // len(ids) + 1))[:n]
+
+
+LOAD_PART_NAMES = {"device_open_s": "device: choose and open (program_cache.install)",
+                   "checkpoint_s": "checkpoint: GGUF header, tensors memory-mapped",
+                   "tokenizer_s": "tokenizer", "weights_s": "weights onto the device",
+                   "engine_rest_s": "KV cache, scheduler, runner"}
+
+
+@contextlib.contextmanager
+def load_parts():
+    """Time the parts of the engine's load by wrapping what tinyvllm/model/loader.py calls: {part: seconds}."""
+    from tinygrad import Device
+
+    from tinyvllm.kernels import program_cache
+    from tinyvllm.model import loader
+
+    parts = dict.fromkeys(["device_open_s", "checkpoint_s", "tokenizer_s", "weights_s"], 0.0)
+
+    def timed(fn, part, after=None):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                out = fn(*a, **k)
+                if after is not None:
+                    after(a, k)
+                return out
+            finally:
+                parts[part] += time.perf_counter() - t
+        return run
+
+    def open_device(a, k):  # the device opens at the first weight otherwise: count it here
+        Device[k.get("device") or Device.DEFAULT]
+
+    saved = (program_cache.install, loader.load_checkpoint, loader.load_tokenizer, loader.LlamaForCausalLM)
+    program_cache.install = timed(program_cache.install, "device_open_s", open_device)
+    loader.load_checkpoint = timed(loader.load_checkpoint, "checkpoint_s")
+    loader.load_tokenizer = timed(loader.load_tokenizer, "tokenizer_s")
+    loader.LlamaForCausalLM = timed(loader.LlamaForCausalLM, "weights_s")
+    try:
+        yield parts
+    finally:
+        program_cache.install, loader.load_checkpoint, loader.load_tokenizer, loader.LlamaForCausalLM = saved
+
+
+def graph_counts(runner) -> dict:
+    """How many of the first step's graphs were read from disk (kernels/graph_cache.py) and how many built."""
+    persisted = [j.persist for j in list(runner._jits.values()) + list(runner._sampler_jits.values())]
+    read = sum(p.hits for p in persisted if p is not None)
+    return {"read": read, "built": len(persisted) - read}
 
 
 # ---- 4 and 5: the ceiling and llama.cpp, measured after tinyvllm's runs (one thing at a time on the cores) ----
@@ -271,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     t_imports = time.perf_counter() - t
 
     t = time.perf_counter()
-    gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization)
+    with load_parts() as parts:
+        gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization)
     t_load = time.perf_counter() - t
+    parts["engine_rest_s"] = t_load - sum(parts.values())  # KV cache, scheduler, model runner
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     t = time.perf_counter()
@@ -281,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     t_prefill = time.perf_counter() - t
     ttft = time.perf_counter() - PROCESS_START
     t_setup = t_setup_end - SCRIPT_START
+    graphs = graph_counts(gen.engine.model_runner)
     cold = {"interpreter_start_s": INTERPRETER_START_S, "script_setup_s": t_setup, "imports_s": t_imports,
-            "load_s": t_load, "first_prefill_s": t_prefill,
+            "load_s": t_load, "load_parts": parts, "first_prefill_s": t_prefill,
             "process_start_to_first_token_s": ttft, "prompt_tokens": len(prompt_ids),
-            "first_token": gen.tokenizer.decode([first])}
+            "first_token": gen.tokenizer.decode([first]), "first_step_graphs": graphs}
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_description(),
                      "code": code_version(), "args": vars(args), "engine": "LLMEngine",
                      "kernel_cache": cache_state, "cold_start": cold}
@@ -306,12 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = [("Python start (interpreter, before this script)", SCRIPT_START - PROCESS_START),
              ("script setup (numpy, arguments)", t_setup),
              ("imports (tinygrad, tinyvllm)", t_imports), ("load (weights, tokenizer, KV cache)", t_load),
-             ("first prefill + sample, incl. compile + JIT capture", t_prefill)]
+             (f"first prefill + sample ({graphs['read']} graphs read from disk, {graphs['built']} built)", t_prefill)]
     if INTERPRETER_START_S is None:
         steps = steps[1:]  # no /proc: the clock started at the top of this script
     for name, dt in steps:
         clock += dt
         rows.append((name, f"{dt:.2f}", f"{clock:.2f}"))
+        if name.startswith("load"):
+            rows += [(f"  {LOAD_PART_NAMES[k]}", f"{v:.2f}", "") for k, v in cold["load_parts"].items()]
     rows.append(("first token (process start -> token)", "", f"{ttft:.2f}"))
     print(table(rows, ("step", "seconds", "since start")))
 
