@@ -79,12 +79,21 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {char: b for b, char in bytes_to_unicode().items()}
 
 
+@lru_cache(maxsize=1)
+def _unspell_table() -> dict[int, str]:
+    """`str.translate` table: each character of the alphabet -> the character of its byte (code point < 256);
+    code points < 256 that are not in the alphabet -> one above 255, so that encoding to latin-1 fails."""
+    table = {ord(char): chr(b) for char, b in _unicode_to_bytes().items()}
+    return {**{c: "\U00010000" for c in range(256) if c not in table}, **table}
+
+
 def unspell(token: str) -> bytes | None:
-    """The raw bytes of a token written in GPT-2's byte alphabet ("Ġthe" -> b" the"), None if it is not."""
-    table = _unicode_to_bytes()
-    if not all(char in table for char in token):
+    """The raw bytes of a token written in GPT-2's byte alphabet ("Ġthe" -> b" the"), None if it is not.
+    (One `translate` and one `encode` in C: a vocabulary of 49k tokens in ~10 ms instead of ~60.)"""
+    try:
+        return token.translate(_unspell_table()).encode("latin-1")
+    except UnicodeEncodeError:  # a character outside the alphabet
         return None
-    return bytes(table[char] for char in token)
 
 
 class ByteLevelBPETokenizer(Tokenizer):
