@@ -209,8 +209,8 @@ def quantized_table(args: argparse.Namespace, rng: np.random.Generator) -> list[
                 rows.append(row)
                 print(f"| {name} {N}x{K} | {M} | {fmt.name} | {fmt.bits_per_weight:.2f} | {row['ms']:.3f} | "
                       f"{row['float32_ms']:.3f} | {row['weights_gb_s']:.1f} | {row['gflop_s']:.1f} | "
-                      f"{row['speedup_vs_float32']:.1f}x | {row['ms_1_thread']:.3f} | {row['float32_ms_1_thread']:.3f} | "
-                      f"{row['avx2_ms']:.3f} |",
+                      f"{row['speedup_vs_float32']:.1f}x | {row['ms_1_thread']:.3f} | "
+                      f"{row['float32_ms_1_thread']:.3f} | {row['avx2_ms']:.3f} |",
                       flush=True)
     return rows
 

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['load_average'][1]}")
         print(f"1-by-1 s: N x the mean time of one request run alone ({args.one_by_one} run just before and "
               f"{args.one_by_one} just after this row's batch):")
-        print("  extrapolated, not run N times. x 1-by-1 = that / wall s. TPOT = (last token - first) / (tokens - 1).\n")
+        print("  extrapolated, not run N times. x 1-by-1 = that / wall s. "
+              "TPOT = (last token - first) / (tokens - 1).\n")
     first_rows, first_alone, first_info = by_method[methods[0]]
     figures = {"model": model_name, "portable_attention": args.portable_attention,
                "prompt_len": args.prompt_len, "output_len": args.output_len,
