@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import TINY_CONFIG, write_tiny_model
@@ -119,3 +123,24 @@ def test_the_state_a_graph_finds_must_fit_it(tiny_model_dir, graph_dir):
     plan["state"][name] += 4  # as if the file had been written for a bigger tensor of that name
     with pytest.raises(graph_cache.NotPersistable):
         forward._bind(plan, state)
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import test_cold_start
+tokens, persisted = test_cold_start.greedy_tokens(sys.argv[1])
+print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted), "writes": sum(p.writes for p in persisted)}))
+"""
+
+
+def test_a_new_process_reads_the_graphs_back(tiny_model_dir, tmp_path):
+    """What the cache is for: a second process (its own thread pool, device and program loads) reads every graph
+    the first one wrote, and gives the same tokens."""
+    env = {**os.environ, "TINYVLLM_CACHE_DIR": str(tmp_path), "TINYVLLM_GRAPH_CACHE": "1"}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), str(Path(__file__).parent)],
+                                      env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            for _ in range(2)]
+    assert runs[0]["writes"] >= 4 and runs[0]["hits"] == 0
+    assert runs[1]["hits"] == runs[0]["writes"] and runs[1]["writes"] == 0
+    assert runs[1]["tokens"] == runs[0]["tokens"]
