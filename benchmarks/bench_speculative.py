@@ -27,6 +27,7 @@ looked for in --peers DIR; where they are not built, the run says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -253,10 +254,10 @@ def main(argv: list[str] | None = None) -> None:
         wins_up_to, loses_from = crossover(sweep)
         # the check runs the config's default; while it has none, the value this sweep suggests
         checked_value = default_disable if default_disable is not None else loses_from
-        del on  # its memory, before the next engine
-        on_default = LLMEngine(**engine_args, speculative_config={**ngram, "disable_by_batch_size": checked_value})
-        warm_up(on_default, buckets, log=log)
-        checked = compare_batches(off, on_default, list(CHECKED_BATCH_SIZES), args, first_prompt=sum(levels))
+        # the same engine, its graphs already captured, as if built with that value (the speculator reads its
+        # config each step)
+        on.speculator.config = dataclasses.replace(on.speculator.config, disable_by_batch_size=checked_value)
+        checked = compare_batches(off, on, list(CHECKED_BATCH_SIZES), args, first_prompt=sum(levels))
         figures["batch"] = {"prompt_len": args.prompt_len, "output_len": args.output_len, "sweep": sweep,
                             "wins_up_to": wins_up_to, "loses_from": loses_from,
                             "config_default_disable_by_batch_size": default_disable,
