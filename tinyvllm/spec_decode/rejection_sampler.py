@@ -53,7 +53,7 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     Returns accepted (R,) bool (draft rows: is the draft kept) and tokens (R,) int32 (what the row emits if the
     run ends there: the resampled token on a draft row, the bonus token on a bonus row).
     """
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     scaled = logits / temperature.reshape(-1, 1)
     if use_filters:  # the device sampler's filters, in vLLM v1's order: min-p, top-k, top-p
         scaled = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
