@@ -173,9 +173,10 @@ class DraftModelProposer:
             self._seqs[r.seq.seq_id] = Sequence(r.seq.seq_id, tokens)
             return
         fed = shadow.prompt_token_ids[:shadow.num_computed_tokens]
-        n = min(len(fed), len(tokens) - 1)  # the last token is always fed again: its logits give d0
-        same = np.asarray(fed[:n]) == np.asarray(tokens[:n])
-        keep = n if same.all() else int(np.argmin(same))
+        n = min(len(fed), len(tokens) - 1)  # the last token is always fed (again, if need be): its logits give d0
+        keep = n
+        if fed[:n] != tokens[:n]:  # a rollback (rejected drafts), or tokens that changed: find the first difference
+            keep = int(np.argmin(np.asarray(fed[:n]) == np.asarray(tokens[:n])))
         if keep < shadow.num_computed_tokens:
             shadow.num_computed_tokens = keep
             if shadow.block_table:
