@@ -126,7 +126,8 @@ def main() -> None:
     p.add_argument("--formats", default=",".join(FORMATS),
                    help="quantized formats, comma-separated subset of " + ",".join(FORMATS) + " ('' for none)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quantized-only", action="store_true", help="skip the float32 table (C kernel vs tinygrad)")
+    p.add_argument("--quantized-only", action="store_true",
+                   help="skip the float32 table (C kernel vs tinygrad); results go to bench_linear_quantized.json")
     add_peers_arg(p)
     args = p.parse_args()
 
@@ -159,7 +160,9 @@ def main() -> None:
     quantized = quantized_table(args, rng)
     no_peer_twin(args, "llama.cpp's matmuls are timed inside whole-model runs (bench_generate and bench_throughput "
                  "--peers), not alone")
-    write_results("bench_linear", {"device": Device.DEFAULT, "rows": rows, "quantized": quantized}, args)
+    # --quantized-only: a file of its own, so that bench_linear.json keeps both tables of one run
+    write_results("bench_linear_quantized" if args.quantized_only else "bench_linear",
+                  {"device": Device.DEFAULT, "rows": rows, "quantized": quantized}, args)
 
 
 def quantized_table(args: argparse.Namespace, rng: np.random.Generator) -> list[dict]:

@@ -24,7 +24,7 @@
  *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *      On a CPU with AVX-512 VNNI (clang -march=native defines __AVX512VNNI__: the kernels are built on the machine
  *      that runs them) the same sums take two blocks per 512-bit register and one _mm512_dpbusd_epi32 (maddubs +
- *      madd in one instruction, no int16 step): 5 instructions per 64 products and pair of rows instead of 12, with
+ *      madd in one instruction, no int16 step): 5 instructions per 64 products and pair of rows instead of 14, with
  *      x's scratch laid out per pair of blocks (struct xpair). The float sums go in another order, so this route
  *      and AVX2's agree to float32 rounding; each is batch-invariant. TV_NO_VNNI builds AVX2's route (the tests,
  *      qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
@@ -228,7 +228,7 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
 /* ---- AVX-512: two blocks per register ----
  * Per pair of blocks and pair (row of x, row of w), 64 products in 5 instructions: _mm512_dpbusd_epi32 (16 int32
  * sums of 4 products: lanes of block b and of b+1), a conversion, one multiply for the 16 lanes' scales
- * (d_w d_x of b or b+1), one FMA, and one 4-wide FMA for the min terms, against 12 on the AVX2 route for 2 blocks.
+ * (d_w d_x of b or b+1), one FMA, and one 4-wide FMA for the min terms, against 14 on the AVX2 route for 2 blocks.
  * The lanes' scales: [d_w,b, m_w,b, d_w,b+1, m_w,b+1] * [d_x,b, s_x,b, d_x,b+1, s_x,b+1] (x's from struct xpair)
  * gives both blocks' d_w d_x (lanes 0, 2) and m_w s_x (lanes 1, 3); the w and x halves are each spread over the 16
  * lanes once per row (permutexvar with LANE_OF_BLOCK), then multiplied per pair. A row's sums are added in the same
