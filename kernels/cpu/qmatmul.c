@@ -228,7 +228,8 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
 /* ---- AVX-512: two blocks per register ----
  * Per pair of blocks and pair (row of x, row of w), 64 products in 5 instructions: _mm512_dpbusd_epi32 (16 int32
  * sums of 4 products: lanes of block b and of b+1), a conversion, one multiply for the 16 lanes' scales
- * (d_w d_x of b or b+1), one FMA, and one 4-wide FMA for the min terms, against 14 on the AVX2 route for 2 blocks.
+ * (d_w d_x of b or b+1), one FMA, and one 4-wide FMA for the min terms (Q8_0: no min term, but x takes w's sign:
+ * a masked negate), against 14 on the AVX2 route for 2 blocks.
  * The lanes' scales: [d_w,b, m_w,b, d_w,b+1, m_w,b+1] * [d_x,b, s_x,b, d_x,b+1, s_x,b+1] (x's from struct xpair)
  * gives both blocks' d_w d_x (lanes 0, 2) and m_w s_x (lanes 1, 3); the w and x halves are each spread over the 16
  * lanes once per row (permutexvar with LANE_OF_BLOCK), then multiplied per pair. A row's sums are added in the same
