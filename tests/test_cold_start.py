@@ -144,3 +144,12 @@ def test_a_new_process_reads_the_graphs_back(tiny_model_dir, tmp_path):
     assert runs[0]["writes"] >= 4 and runs[0]["hits"] == 0
     assert runs[1]["hits"] == runs[0]["writes"] and runs[1]["writes"] == 0
     assert runs[1]["tokens"] == runs[0]["tokens"]
+
+
+def test_the_graph_directory_keeps_the_most_recently_used_files(tmp_path):
+    for i, name in enumerate(["old", "used", "new"]):
+        (tmp_path / f"{name}.graph").write_bytes(b"x" * 100)
+        os.utime(tmp_path / f"{name}.graph", (1000 + i, 1000 + i))
+    os.utime(tmp_path / "used.graph", (2000, 2000))  # read after the others were written
+    graph_cache.evict(tmp_path, 200)
+    assert sorted(p.stem for p in tmp_path.glob("*.graph")) == ["new", "used"]

@@ -30,6 +30,9 @@ not in the key because no kernel depends on them (they are read from their buffe
 that is truncated, corrupt (a checksum over its bytes) or does not fit the state it finds is a miss: the
 graph is built and written again, never replayed wrong.
 
+Every change to the code makes new files, so the directory is kept under `MAX_BYTES` (256 MiB; a graph of
+SmolLM2-135M is ~0.2 MiB): after a write, the files used longest ago go (a read touches its file).
+
 `TINYVLLM_GRAPH_CACHE=0` turns it off (the graphs are then built in every process, as before);
 `TINYVLLM_CACHE_DIR` moves it with the program cache (default `~/.cache/tinyvllm/graphs-...`).
 """
@@ -60,6 +63,7 @@ from tinyvllm.tinygrad_adapter import buffer_address, is_realized, load_cpu_prog
 
 ENABLED = os.getenv("TINYVLLM_GRAPH_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-graph 1\n"
+MAX_BYTES = 256 << 20  # of graph files kept; the least recently used go first
 PAGE = 4096  # a region keeps its address modulo a page, so every buffer in it keeps its alignment
 
 
@@ -191,6 +195,10 @@ class PersistedGraph:
             return None
         loaded.signature = input_signature(names, input_info)
         self.hits += 1
+        try:
+            os.utime(self.path(key))  # used now: the last to be evicted
+        except OSError:
+            pass
         return loaded
 
     def _bind(self, plan: dict, state: dict[str, Tensor]) -> LoadedGraph:
@@ -244,10 +252,31 @@ class PersistedGraph:
                 f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
             os.replace(tmp, self.path(plan["key"]))
             self.writes += 1
+            evict(self.directory, MAX_BYTES)
         except OSError as e:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
             self.skipped = f"could not write {self.directory}: {e}"
+
+
+def evict(directory: Path, max_bytes: int) -> None:
+    """Delete the least recently used graph files until those left take at most `max_bytes`."""
+    files = []
+    for path in directory.glob("*.graph"):
+        try:
+            st = path.stat()
+        except OSError:  # deleted meanwhile by another process
+            continue
+        files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files, key=lambda f: f[0]):
+        if total <= max_bytes:
+            break
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        total -= size
 
 
 def read_plan(data: bytes) -> dict:
