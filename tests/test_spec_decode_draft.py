@@ -168,7 +168,8 @@ def test_sampled_drafts_come_with_their_distribution(tiny, tiny_model_dir):
     prompt = [5, 6, 7, 8]
 
     def propose(seed):
-        requests = [DraftRequest(Sequence("s", prompt), SamplingParams(temperature=1.0), np.random.default_rng(seed), 3),
+        sampled = SamplingParams(temperature=1.0)
+        requests = [DraftRequest(Sequence("s", prompt), sampled, np.random.default_rng(seed), 3),
                     DraftRequest(Sequence("g", prompt), greedy(), None, 2)]
         out = draft.propose(requests)
         draft.free("s"), draft.free("g")
