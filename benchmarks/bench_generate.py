@@ -3,6 +3,7 @@
     python benchmarks/bench_generate.py                       # default model, float32
     python benchmarks/bench_generate.py --beam 2              # tinygrad's BEAM kernel search (slow the first time)
     python benchmarks/bench_generate.py --model path/to/model.gguf --json results.json
+    python benchmarks/bench_generate.py --cold-start-only --peers DIR   # run it twice: the second start is warm
 
 Five measurements, in the order a user meets them (the fifth with --peers):
 
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "empty tinyvllm program cache, so the cold start includes lowering and compiling every kernel")
     p.add_argument("--no-cpu-graph", action="store_true", help="replay captured graphs with tinygrad's own "
                    "per-kernel Python loop instead of tinyvllm's CPU graph (TINYVLLM_CPU_GRAPH=0)")
+    p.add_argument("--cold-start-only", action="store_true", help="measure only the cold start (and, with --peers, "
+                   "llama-server's on the same format); results to results/bench_generate_cold_start[_<method>].json")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     add_peers_arg(p)
     return p
@@ -187,6 +190,26 @@ def graph_counts(runner) -> dict:
     persisted = [j.persist for j in list(runner._jits.values()) + list(runner._sampler_jits.values())]
     read = sum(p.hits for p in persisted if p is not None)
     return {"read": read, "built": len(persisted) - read}
+
+
+def finish_cold_start_only(args, results: dict, llama) -> int:
+    """--cold-start-only: llama-server's cold start on the file of the same format beside tinyvllm's, then write."""
+    if llama is not None:
+        from peers.llama_cpp import FORMATS, result_key  # benchmarks/peers/
+
+        wanted = "q4_1" if args.quantization == "auto" else "f32" if args.quantization == "none" else args.quantization
+        fmt = next((f for f in FORMATS if result_key(f).endswith(wanted)), None)
+        if fmt is not None:
+            cold = llama.cold_start(fmt)
+            ours = results["cold_start"]["process_start_to_first_token_s"]
+            results["peers"] = {result_key(fmt): {"cold_start_s": cold["first_token_s"],
+                                                  "cold_start_runs_s": [r["first_token_s"] for r in cold["runs"]],
+                                                  "tinyvllm_ratio": {"cold_start": ours / cold["first_token_s"]}}}
+            print(f"llama-server {fmt}: process start -> first token {cold['first_token_s']:.2f} s "
+                  f"(tinyvllm {ours / cold['first_token_s']:.2f}x that)")
+    name = "bench_generate_cold_start" + ("" if args.quantization == "none" else f"_{args.quantization}")
+    write_results(name, file_figures(results), args, also=args.json_path)
+    return 0
 
 
 # ---- 4 and 5: the ceiling and llama.cpp, measured after tinyvllm's runs (one thing at a time on the cores) ----
@@ -372,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += [(f"  {LOAD_PART_NAMES[k]}", f"{v:.2f}", "") for k, v in cold["load_parts"].items()]
     rows.append(("first token (process start -> token)", "", f"{ttft:.2f}"))
     print(table(rows, ("step", "seconds", "since start")))
+
+    if args.cold_start_only:
+        return finish_cold_start_only(args, results, llama)
 
     # ---- 2. prefill ----
     prefill_rows, prefill = [], []
