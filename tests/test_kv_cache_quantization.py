@@ -273,10 +273,10 @@ def test_int8_greedy_agrees_with_float32_on_the_oracle_prompts(generator):
     at token 7 and 'long' one of 0.033 at token 10, and int8 flips both; the margins move 0.021 nats on average.
     Which of those two ties flips is decided by rounding far below the cache's: the portable path, whose codes are
     the kernels' bit for bit but whose attention sums in another order, keeps 'long' (5 of 6); llama.cpp's q8_0
-    cache on the same weights moves the margins further (0.03 on average) and keeps all 6; the rotation with its
-    signs drawn at random, the same format with the same noise, keeps from 3 to 6 of 6 (HF transformers with the
-    rounding applied). So the count asserted stays 4; the margins' average change is what the format decides (a
-    cache without the rotation fails this test)."""
+    cache on the same weights moves the margins further (0.03 on average) and keeps all 6; in HF transformers with
+    the same rounding applied, the cache's format keeps 5, and the rotation with its signs drawn at random (the
+    same format, the same noise) 5 or 6. So the count asserted stays 4; the margins' average change is what the
+    format decides (a cache without the rotation fails this test)."""
     from test_generate import PROMPTS, prompt_ids
 
     from tinyvllm.engine.llm_engine import LLMEngine
