@@ -134,11 +134,12 @@ def machine_info() -> dict:
 
 
 def recorded_options(options: argparse.Namespace | dict) -> dict:
-    """The options as a results file keeps them: a --peers directory by its name only (where llama.cpp was built
-    on one machine says nothing about the figures)."""
+    """The options as a results file keeps them: a --peers directory and a --json copy by their names only (where
+    llama.cpp was built, or where a copy went, on one machine says nothing about the figures)."""
     recorded = dict(vars(options) if isinstance(options, argparse.Namespace) else options)
-    if recorded.get("peers"):
-        recorded["peers"] = Path(recorded["peers"]).name
+    for key in ("peers", "json_path"):
+        if recorded.get(key) and recorded[key] != "-":
+            recorded[key] = Path(recorded[key]).name
     return recorded
 
 
