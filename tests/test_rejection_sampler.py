@@ -168,7 +168,8 @@ def run(engine, requests):
 
 def speculating(tiny, script, k=4, wrong=0, block_size=16, **kwargs):
     engine = engine_like(tiny, block_size=block_size,
-                         speculative_config={"method": "ngram", "num_speculative_tokens": k, **kwargs})
+                         speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                             "disable_by_batch_size": None, **kwargs})
     engine.speculator.proposer = ScriptedProposer(k, script, wrong)
     return engine
 
@@ -308,7 +309,8 @@ def test_mixed_batch_with_and_without_q_under_preemption(tiny):
     outs = []
     for with_probs in (set(), {"s0", "s2"}):
         engine = engine_like(tiny, max_model_len=128, num_gpu_blocks_override=14,
-                             speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+                             speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                 "disable_by_batch_size": None})
         proposer = engine.speculator.proposer = OneHotProposer(4, script, 3, tiny.model.config.vocab_size, with_probs)
         preempted = []  # (seq_id, whether the proposer had seen it by then)
         schedule = engine.scheduler.schedule

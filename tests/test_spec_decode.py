@@ -15,7 +15,9 @@ from tinyvllm.spec_decode.config import SpeculativeConfig
 from tinyvllm.spec_decode.ngram_proposer import find_ngram_drafts
 from tinyvllm.spec_decode.verify import accept_greedy
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# speculating at every batch size (the default turns it off from 4 running requests): the mixed batches verify too
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")

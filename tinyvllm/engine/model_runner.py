@@ -59,13 +59,16 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.token_buckets = buckets_up_to(max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
-        # rows of logits a step may need: one per sequence, and one per draft token when speculating
+        # rows of logits a step may need: one per sequence, and one per draft token in a step that verifies drafts
+        # (such a step gets graphs of its own: a step without drafts computes lm_head for no more rows than it
+        # would without speculation, so a prefill never pays for drafts nobody proposed)
+        self.max_sampled_rows = min(max_num_batched_tokens, max_num_seqs)
         self.max_logits_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
-        self._jits: dict[int, GraphedJit] = {}  # one captured graph per token bucket
+        self._jits: dict[tuple[int, int], GraphedJit] = {}  # one captured graph per (token bucket, rows of logits)
         self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
-        self._input_buffers: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
+        self._input_buffers: dict[tuple[int, int], tuple[InputBuffer, ...]] = {}  # as _jits (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
         self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
         self.spec_logits_rows: dict[int | str, list[int]] = {}  # of the last step (see execute_model)
@@ -81,13 +84,13 @@ class ModelRunner:
     def _inputs(self, n: int, num_rows: int) -> tuple[InputBuffer, ...]:
         """The inputs of an n-token bucket, allocated once and refilled every step: input_ids (1,n),
         positions (1,n), slot_mapping (n,), block_tables (n, max_blocks), logits_indices (num_rows,)."""
-        if n not in self._input_buffers:
+        if (n, num_rows) not in self._input_buffers:
             dev = self.model.device
-            self._input_buffers[n] = (InputBuffer((1, n), np.int32, dev), InputBuffer((1, n), np.int32, dev),
+            self._input_buffers[n, num_rows] = (InputBuffer((1, n), np.int32, dev), InputBuffer((1, n), np.int32, dev),
                                       InputBuffer((n,), np.int32, dev),
                                       InputBuffer((n, self.max_blocks_per_seq), np.int32, dev),
                                       InputBuffer((num_rows,), np.int32, dev))
-        return self._input_buffers[n]
+        return self._input_buffers[n, num_rows]
 
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -103,7 +106,8 @@ class ModelRunner:
         seqs = scheduler_output.scheduled_seqs
         n_real = scheduler_output.total_num_scheduled_tokens
         n = self.bucket_for(n_real)
-        num_rows = min(n, self.bucket_for(self.max_logits_rows))  # rows of logits: one per sequence (and draft)
+        max_rows = self.max_logits_rows if scheduler_output.scheduled_spec_decode_tokens else self.max_sampled_rows
+        num_rows = min(n, self.bucket_for(max_rows))  # rows of logits: one per sequence (and draft)
         bs = self.block_size
 
         input_ids, positions, slot_mapping, block_tables, logits_indices = self._inputs(n, num_rows)
@@ -136,13 +140,14 @@ class ModelRunner:
             spec_rows[seq_id] = list(range(first + len(scheduler_output.forked_from),
                                            first + len(scheduler_output.forked_from) + len(where)))
             num_extra += len(where)
-        if n not in self._jits:
-            self._jits[n] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(self, "forward", n))
+        if (n, num_rows) not in self._jits:
+            self._jits[n, num_rows] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(
+                self, "forward", n, num_rows))
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
         if self.step_timer is not None:
             self.step_timer.lap("prepare_inputs")
-        logits = self._jits[n](*inputs)
+        logits = self._jits[n, num_rows](*inputs)
         if self.step_timer is not None:
             self.step_timer.lap("forward")
         if scheduler_output.forked_from:

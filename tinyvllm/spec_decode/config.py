@@ -11,6 +11,11 @@ from tinyvllm.model.quantization import METHODS as QUANTIZATION_METHODS
 
 METHODS = ("ngram", "draft_model")  # vLLM also has "eagle", "medusa", ...: not built here
 
+# Left out of the dict, disable_by_batch_size is this (vLLM's default is None): bench_speculative's sweep of the
+# batch size finds speculation ahead at 1 and 2 running requests and behind from 4 on, on this project's CPU
+# (results/bench_speculative.json: batch.sweep); an explicit None keeps it on at every batch size
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -62,7 +67,7 @@ class SpeculativeConfig:
         elif model is not None or quantization is not None:
             raise ValueError(f"speculative_config: 'model' and 'quantization' are for method 'draft_model', "
                              f"not {method!r}")
-        disable = config.get("disable_by_batch_size")
+        disable = config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if disable is not None and (not isinstance(disable, int) or isinstance(disable, bool) or disable < 1):
             raise ValueError(f"speculative_config['disable_by_batch_size'] must be an integer >= 1 (speculation is off "
                              f"in steps with that many running requests) or None (never off), got {disable!r}")
