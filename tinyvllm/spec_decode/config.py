@@ -12,8 +12,9 @@ from tinyvllm.model.quantization import METHODS as QUANTIZATION_METHODS
 METHODS = ("ngram", "draft_model")  # vLLM also has "eagle", "medusa", ...: not built here
 
 # Left out of the dict, disable_by_batch_size is this (vLLM's default is None): bench_speculative's sweep of the
-# batch size finds speculation ahead at 1 and 2 running requests and behind from 4 on, on this project's CPU
-# (results/bench_speculative.json: batch.sweep); an explicit None keeps it on at every batch size
+# batch size finds speculation ahead up to 4 running requests and behind from 8 on, on this project's CPU
+# (results/bench_speculative.json: batch.sweep; an earlier run was behind at 4 already, so the smaller side); an
+# explicit None keeps it on at every batch size
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
