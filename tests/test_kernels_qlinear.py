@@ -321,7 +321,8 @@ def test_tinyjit_replays_with_new_inputs():
         x = np.random.default_rng(10 + i).standard_normal((3, 96), dtype=np.float32)
         check_both_oracles(jit(Tensor(x).realize()).numpy(), x, blocks, 3)
     names = [c.src[0].arg.name for c in jit.captured.linear.src if c.src[0].op.name == "PROGRAM"]
-    assert "qmatmul_3_37_96_3" in names, names
+    # the program is named by its entry point and defines: M, N, K, the format (and TV_NO_VNNI's 1 on the AVX2 route)
+    assert any(name.startswith("qmatmul_3_37_96_3") for name in names), names
 
 
 @needs_kernel
