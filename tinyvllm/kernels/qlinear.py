@@ -98,7 +98,8 @@ FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 # per register; faster). 0 (the default): AVX2's route everywhere. Off by default because, although the two routes
 # agree to float32 rounding on every shape the tests and the model's tensors give them, the whole model with the
 # AVX-512 route scores a perplexity 0.9% above the AVX2 route's (16.49 against 16.35 on test_perplexity's two chunks,
-# the dequantized model 16.28; llama.cpp's Q4_1 agrees with the AVX2 route): a difference not yet explained
+# the dequantized model 16.28; llama.cpp's Q4_1 agrees with the AVX2 route). The AVX-512 route on down_proj alone
+# (N 576, K 1536, whose input is silu(gate) * up) gives all of it, on the other shapes alone none: not yet explained
 VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "0") == "1"
 
 
