@@ -12,7 +12,6 @@ It runs on the same engine as `LLM.generate` and the server (`LLMEngine`, throug
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -53,25 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_speculative_config(text: str | None) -> dict | None:
-    """--speculative-config's JSON as the dict LLMEngine takes, checked before the model loads: a typo is said
-    at once, as a ValueError naming the problem (SpeculativeConfig.from_dict names the keys and values)."""
-    if text is None:
-        return None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not JSON ({e}); give e.g. "
-                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'") from None
-    from tinyvllm.spec_decode.config import SpeculativeConfig
-
-    try:
-        SpeculativeConfig.from_dict(config)
-    except ValueError as e:
-        raise ValueError(f"--speculative-config: {e}") from None
-    return config
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.device:
@@ -80,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     from tinyvllm.engine.generator import GenerationResult, Generator
     from tinyvllm.sampling_params import SamplingParams
 
+    from tinyvllm.spec_decode.config import parse_speculative_config
+
     try:
-        speculative_config = parse_speculative_config(args.speculative_config)
+        try:  # before the model loads: a typo in the JSON is said at once
+            speculative_config = parse_speculative_config(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                 seed=args.seed, stop=args.stop)

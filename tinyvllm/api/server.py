@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import os
 import threading
 import time
@@ -60,6 +59,7 @@ from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.serving_completions import OpenAIServingCompletion
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
+from tinyvllm.spec_decode.config import parse_speculative_config
 
 OPEN_PATHS = ("/health", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
 # and the dashboard page holds no data (its calls to /v1/engine/state carry the key)
@@ -372,22 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "new ones get 503 meanwhile (default 10)")
     p.add_argument("--log-level", default="info")
     return p
-
-
-def parse_speculative_config(text: str | None) -> dict | None:
-    """--speculative-config's JSON as the dict LLMEngine takes (None: off), checked by SpeculativeConfig: a
-    ValueError names what is wrong and what would be right."""
-    if text is None:
-        return None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e}); give e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'"
-                         ) from None
-    from tinyvllm.spec_decode.config import SpeculativeConfig
-
-    SpeculativeConfig.from_dict(config)
-    return config
 
 
 def main(argv: list[str] | None = None) -> None:

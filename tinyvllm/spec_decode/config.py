@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -74,3 +75,17 @@ class SpeculativeConfig:
                              f"in steps with that many running requests) or None (never off), got {disable!r}")
         return cls(method, k, lo, hi, None if model is None else os.fspath(model),
                    "auto" if quantization is None else quantization, disable)
+
+
+def parse_speculative_config(text: str | None) -> dict | None:
+    """`--speculative-config`'s JSON (main.py and the server) as the dict LLMEngine takes (None: off), checked before
+    the model loads, as vLLM does: a ValueError names what is wrong and what would be right."""
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the value is not JSON ({e}); give e.g. "
+                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'") from None
+    SpeculativeConfig.from_dict(config)
+    return config
