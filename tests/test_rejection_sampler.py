@@ -10,12 +10,14 @@ produced, with mistakes where a test wants rejections.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import pytest
 from tinygrad import Tensor
 
+from test_spec_decode import run as run_to_end
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode.proposer import Draft, DraftRequest
@@ -127,6 +129,9 @@ def engine_like(tiny, **kwargs):
     return LLMEngine(tiny.model, tokenizer=tiny.tokenizer, **{**ARGS, **kwargs})
 
 
+run = functools.partial(run_to_end, max_steps=2000)  # these runs are short: a stall shows sooner
+
+
 class ScriptedProposer:
     """Drafts for request r are script[r]'s tokens after the request's own, with every `wrong`-th draft replaced by
     a token that is never right; records which sequences it was told to free."""
@@ -149,21 +154,6 @@ class ScriptedProposer:
 
     def free(self, seq_id):
         self.freed.append(seq_id)
-
-
-def run(engine, requests):
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outputs, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0]
-        steps += 1
-        assert steps < 2000, "no progress"
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
-    return outputs
 
 
 def speculating(tiny, script, k=4, wrong=0, block_size=16, **kwargs):

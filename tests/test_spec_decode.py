@@ -33,7 +33,10 @@ def engine_like(tiny, **kwargs):
     return LLMEngine(tiny.model, tokenizer=tiny.tokenizer, **args)
 
 
-def run(engine, requests):
+def run(engine, requests, max_steps=3000):
+    """Every request to its end ({request id: (prompt, params)}); their completions by request id. The speculative
+    tests' one loop (test_rejection_sampler and test_spec_decode_draft import it): no request may stall, and no
+    block of the engine's pool stays taken."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     outputs, steps = {}, 0
@@ -42,9 +45,9 @@ def run(engine, requests):
             if out.finished:
                 outputs[out.request_id] = out.outputs[0]
         steps += 1
-        assert steps < 3000, "no progress"
+        assert steps < max_steps, "no progress"
     bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked from the engine's (the target's) pool"
     return outputs
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import write_tiny_model
+from test_spec_decode import run
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.model.weights_hf import read_safetensors, save_hf_weights
@@ -66,21 +67,6 @@ def proposer(tiny, path, k=4, **kw) -> DraftModelProposer:
 
 def greedy(max_tokens=30, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def run(engine, requests):
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outputs, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0]
-        steps += 1
-        assert steps < 3000, "no progress"
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "target blocks leaked"
-    return outputs
 
 
 # ---- configuration and loading ----
