@@ -95,11 +95,22 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
 
     `use_filters=False` builds the cheaper graph for batches where no row uses min-p, top-k or top-p.
     """
-    greedy_tokens = logits.argmax(-1)
-    greedy = temperature <= 0
-    scaled = logits / greedy.where(1.0, temperature).reshape(-1, 1)
-    if use_filters:  # vLLM v1's order, as on the host: min-p, then top-k, then top-p
+    scaled = processed_logits(logits, temperature, top_k, top_p, min_p, use_filters)
+    return (temperature <= 0).where(logits.argmax(-1), exponential_race(scaled, clocks)).cast(dtypes.int32)
+
+
+def processed_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                     use_filters: bool = True) -> Tensor:
+    """logits (S,V) -> what each row draws from: divided by its temperature (a greedy row's 0 by 1), then min-p,
+    top-k and top-p (vLLM v1's order, as on the host); filtered tokens are -inf. Its softmax is the request's
+    distribution: what the sampler, speculative decoding's rejection sampler and a draft model's q all use."""
+    scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
+    if use_filters:
         scaled = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
-    # exponential race: argmax(p / q) == argmax(logit - log q); masked tokens are -inf and never win
-    sampled_tokens = (scaled - clocks.maximum(1e-30).log()).argmax(-1)
-    return greedy.where(greedy_tokens, sampled_tokens).cast(dtypes.int32)
+    return scaled
+
+
+def exponential_race(scaled: Tensor, clocks: Tensor) -> Tensor:
+    """One token per row drawn from softmax(scaled) (S,V), clocks (S,V) Exp(1): argmax(p / c) == argmax(logit -
+    log c) is token i with probability p_i; -inf (filtered) tokens never win."""
+    return (scaled - clocks.maximum(1e-30).log()).argmax(-1)

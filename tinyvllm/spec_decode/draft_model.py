@@ -247,13 +247,9 @@ class DraftModelProposer:
         def run(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                 clocks: Tensor) -> tuple[Tensor, Tensor]:
             """logits (S,V), params (S,), clocks (S,V) -> tokens (S,) int32 and q (S,V) float32."""
-            greedy = temperature <= 0
-            scaled = logits / greedy.where(1.0, temperature).reshape(-1, 1)
-            if use_filters:  # the order of device_sampler.sample: min-p, then top-k, then top-p
-                scaled = device_sampler.apply_top_p(device_sampler.apply_top_k(
-                    device_sampler.apply_min_p(scaled, min_p), top_k), top_p)
+            scaled = device_sampler.processed_logits(logits, temperature, top_k, top_p, min_p, use_filters)
             q = scaled.softmax(-1)  # (S,V): the distribution the exponential race below draws from
-            race = (scaled - clocks.maximum(1e-30).log()).argmax(-1)
-            tokens = greedy.where(logits.argmax(-1), race).cast(dtypes.int32)
+            race = device_sampler.exponential_race(scaled, clocks)
+            tokens = (temperature <= 0).where(logits.argmax(-1), race).cast(dtypes.int32)
             return tokens.realize(), q.realize()
         return run

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.sample.device_sampler import apply_min_p, apply_top_k, apply_top_p
+from tinyvllm.sample.device_sampler import processed_logits
 from tinyvllm.sampling_params import SamplingParams
 
 NO_DRAFT = -1  # draft_token_ids on a bonus row (and on padding rows): q is 0 there
@@ -54,10 +54,8 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     run ends there: the resampled token on a draft row, the bonus token on a bonus row).
     """
     vocab = logits.shape[1]
-    scaled = logits / temperature.reshape(-1, 1)
-    if use_filters:  # the device sampler's filters, in vLLM v1's order: min-p, top-k, top-p
-        scaled = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
-    p = scaled.softmax(-1)  # (R,V): the target's distribution, filtered tokens exactly 0
+    # (R,V): the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
+    p = processed_logits(logits, temperature, top_k, top_p, min_p, use_filters).softmax(-1)
     is_draft = Tensor.arange(vocab, dtype=dtypes.int32).reshape(1, vocab) == draft_token_ids.reshape(-1, 1)  # (R,V)
     q = is_draft.where(1.0, 0.0) if draft_probs is None else draft_probs  # (R,V)
     p_draft = is_draft.where(p, 0.0).sum(-1)  # (R,) p(d), 0 on bonus rows
