@@ -1,6 +1,7 @@
 # tinyvllm: two commands do everything on a fresh machine.
 #   make run    set up (clang, .venv, the package, the default model) and generate text
 #   make test   set up (plus the test and oracle extras) and run the whole test suite
+#   make test-phase P=3   the same, Phases 1-3's tests only (a learner at Phase 3)
 # Re-running is fast: each step leaves a stamp and is redone only when its inputs change.
 
 PYTHON ?= python3
@@ -9,13 +10,18 @@ PY     := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 ARGS   ?= --max-tokens 64
 
-.PHONY: run test setup setup-test clang chromium bench clean
+.PHONY: run test test-phase setup setup-test clang chromium bench clean
 
 run: setup
 	$(PY) main.py --prompt "$(PROMPT)" $(ARGS)
 
 test: setup-test
 	$(PY) -m pytest -q tests
+
+# Phases 1..P only (tests/phases.py says which phase each test file tests): make test-phase P=3
+P ?= 9
+test-phase: setup-test
+	$(PY) -m pytest -q tests -m "$$(seq -s ' ' 1 $(P) | sed 's/\([0-9]\)/phase\1/g; s/ / or /g')"
 
 bench: setup-test
 	$(PY) benchmarks/bench_generate.py

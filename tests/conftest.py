@@ -80,3 +80,23 @@ def hf_model(default_gguf):
     model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+def pytest_configure(config):
+    for phase in range(1, 10):
+        config.addinivalue_line("markers", f"phase{phase}: tests of Phase {phase} (tests/phases.py); "
+                                           f"`make test-phase P={phase}` runs Phases 1-{phase}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets the marker of its file's phase (tests/phases.py); a tutorial's test, its chapter's phase."""
+    from phases import PHASE_OF_TEST_FILE, phase_of_chapter
+
+    for item in items:
+        stem = Path(str(item.fspath)).stem
+        phase = PHASE_OF_TEST_FILE.get(stem)
+        callspec = getattr(item, "callspec", None)
+        if stem == "test_docs" and callspec is not None and "doc" in callspec.params:
+            phase = phase_of_chapter(callspec.params["doc"].name) or phase
+        if phase is not None:
+            item.add_marker(getattr(pytest.mark, f"phase{phase}"))
