@@ -10,8 +10,9 @@
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 until
-the model is loaded), GET /metrics (Prometheus text), GET /v1/engine/state (+ /stream, SSE) and the page
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (+ /{model}), GET /health (503
+until the model is loaded), GET|POST /ping (the same), GET /version, POST /tokenize and /detokenize
+(serving_tokenize.py), GET /metrics (Prometheus text), GET /v1/engine/state (+ /stream, SSE) and the page
 GET /dashboard that draws it (tinyvllm/api/dashboard.py). The server listens on 127.0.0.1 unless told
 otherwise. On SIGTERM it drains: the port is released at once, new requests get 503, and the requests in
 flight get --shutdown-timeout seconds to finish before they end with an error (`GracefulServer`).
@@ -27,21 +28,26 @@ until the last step:
 Outside it, `audit.RequestAccounting` keeps a record of each request (the key's id, status, tokens,
 latency) for --audit-log and the per-key counters of /metrics; `keys.KeyedEngine` charges the key's
 tokens per minute as the request is admitted to the engine and as its tokens are generated.
+`RequestIdHeader` echoes a client's `X-Request-Id` on the response (the serving code uses it as the
+request's id); with --allowed-origins, Starlette's CORSMiddleware answers browsers' cross-origin checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import ipaddress
 import os
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,7 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tinyvllm.api.audit import AuditLog, RequestAccounting, current_record
 from tinyvllm.api.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, install_error_handlers,
-                                 request_too_large, to_openai_error)
+                                 model_not_found, request_too_large, to_openai_error)
 from tinyvllm.api.keys import ApiKey, ApiKeys, KeyedEngine
 from tinyvllm.api.metrics import KeyMetrics, ServerMetrics
 from tinyvllm.api.openapi import openapi_schema, responses
@@ -58,10 +64,12 @@ from tinyvllm.api.protocol import (ChatCompletionRequest, ChatCompletionResponse
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.serving_completions import OpenAIServingCompletion
 from tinyvllm.api.serving_engine import ServerLimits
+from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
+                                           TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse)
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
 from tinyvllm.spec_decode.config import parse_speculative_config
 
-OPEN_PATHS = ("/health", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
+OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
 # and the dashboard page holds no data (its calls to /v1/engine/state carry the key)
 
 
@@ -169,15 +177,47 @@ class RequestGuard:
                 return b"".join(chunks)
 
 
+class RequestIdHeader:
+    """ASGI middleware: a request's `X-Request-Id` comes back on its response, errors included (vLLM's
+    --enable-request-id-headers, always on here), so a client can match its logs with the server's."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = Headers(scope=scope).get("x-request-id") if scope["type"] == "http" else None
+        if not request_id:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+@dataclass(frozen=True)
+class CorsConfig:
+    """vLLM's CORS flags. No origin is allowed unless given: a server on localhost that answered every origin
+    would let any web page a user opens read from it (vLLM's default is "*"; here it is a choice to make)."""
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, api_keys: ApiKeys | None = None, audit_log: str | Path | None = None,
               limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, cors: CorsConfig | None = None) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server. `allowed_hosts`:
     the DNS names the server answers to besides localhost and IP addresses ("*": any). `api_key`: one
     key without limits; `api_keys`: several, with limits (not both: `ApiKeys.build` merges them).
     `audit_log`: a file to append one JSON line per request to. `reasoning_parser`: "think" sends what the
-    model writes in <think>...</think> as `reasoning_content`."""
+    model writes in <think>...</think> as `reasoning_content`. `cors`: the origins browsers may call it from."""
     if api_key is not None and api_keys is not None:
         raise ValueError("give api_key or api_keys, not both (ApiKeys.build(api_key, keys_file) merges them)")
     keys = api_keys if api_key is None else ApiKeys.build(api_key)
@@ -190,6 +230,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     keyed_engine = KeyedEngine(engine, keys)  # the serving code's view: each request charged to its key
     completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits)
     chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser)
+    tokenization = OpenAIServingTokenization(chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -203,8 +244,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     install_error_handlers(app)
     app.add_middleware(RequestGuard, keys=keys, max_body_bytes=limits.max_request_body_bytes,
                        allowed_hosts=frozenset(host_name(h) if h != "*" else h for h in allowed_hosts or ()))
-    if keys is not None or audit is not None:  # added last: the outermost, it sees the guard's refusals too
+    if keys is not None or audit is not None:  # added after the guard: outside it, it sees the guard's refusals too
         app.add_middleware(RequestAccounting, audit_log=audit, key_metrics=key_metrics, skip_paths=OPEN_PATHS)
+    app.add_middleware(RequestIdHeader)
+    if cors is not None and cors.allowed_origins:  # the outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
     app.openapi = lambda: openapi_schema(app, secured=keys is not None, open_paths=OPEN_PATHS)
     v1 = APIRouter(prefix="/v1")
     guarded = (401, 413, 421)  # what RequestGuard may answer on any path but /health
@@ -214,6 +260,31 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         if engine.is_ready:
             return JSONResponse({})
         return to_openai_error(EngineNotReadyError("the model is not loaded (yet)")).response()
+
+    # vLLM's (SageMaker's) name for the health check, GET or POST
+    app.get("/ping", responses=responses({"application/json": {"type": "object"}}, 413, 421, 503),
+            operation_id="ping_get")(health)
+    app.post("/ping", responses=responses({"application/json": {"type": "object"}}, 413, 421, 503),
+             operation_id="ping_post")(health)
+
+    @app.get("/version", responses=responses({"application/json": {
+        "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}, *guarded))
+    async def version() -> dict:
+        return {"version": importlib.metadata.version("tinyvllm")}
+
+    @app.post("/tokenize", responses=responses(TokenizeResponse, 400, *guarded, 404, 503))
+    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest):
+        try:
+            return tokenization.tokenize(request).model_dump()
+        except Exception as e:
+            return to_openai_error(e).response()
+
+    @app.post("/detokenize", responses=responses(DetokenizeResponse, 400, *guarded, 404, 503))
+    async def detokenize(request: DetokenizeRequest):
+        try:
+            return tokenization.detokenize(request).model_dump()
+        except Exception as e:
+            return to_openai_error(e).response()
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses=responses({"text/plain": {"type": "string"}}, *guarded))
@@ -229,6 +300,17 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         except Exception as e:
             return to_openai_error(e).response()
         return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len) for name in names]).model_dump()
+
+    @v1.get("/models/{model:path}", responses=responses(ModelCard, *guarded, 404, 429, 503))
+    async def retrieve_model(model: str) -> dict:  # the openai client's models.retrieve (a name may hold "/")
+        try:
+            engine.check_ready()
+            names = completions.model_names()
+            if model not in names:
+                raise model_not_found(model, names)
+            return ModelCard(id=model, max_model_len=engine.engine.max_model_len).model_dump()
+        except Exception as e:
+            return to_openai_error(e).response()
 
     generation_errors = (400, *guarded, 404, 429, 500, 503)
 
@@ -332,6 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
                    help="host names (the Host header) to answer to, besides localhost, IP addresses and the "
                         "--host value; '*' for any. Others get 421: a guard against DNS rebinding (default: none)")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins browsers may call this server from (CORS), e.g. https://app.example; '*' for any "
+                        "(default: none: vLLM allows any, which lets any web page read a local server)")
+    p.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD",
+                   help="HTTP methods allowed cross-origin (default '*')")
+    p.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
+                   help="request headers allowed cross-origin (default '*')")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="let cross-origin requests carry cookies and Authorization (default off)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients ask for in 'model' (default: the model's own name)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
@@ -403,7 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
     app = build_app(engine, served_model_names=args.served_model_name, api_keys=keys, audit_log=args.audit_log,
                     limits=limits, allowed_hosts=[*args.allowed_hosts, args.host],
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser,
+                    cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                    tuple(args.allowed_headers), args.allow_credentials))
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
 

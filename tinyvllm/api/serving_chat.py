@@ -24,7 +24,6 @@ goes through a `ChoiceParser` before it is sent, the same one streamed or not:
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -38,8 +37,8 @@ from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest
                                    DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ToolCall,
                                    TopLogprob)
 from tinyvllm.api.reasoning_parser import ThinkReasoningParser
-from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, choice_deltas, grammar_error,
-                                         last_output, sse, sse_error, usage)
+from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, base_request_id, choice_deltas,
+                                         grammar_error, last_output, sse, sse_error, usage)
 from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, HermesToolParser, forced_tool_grammar,
                                       with_default_tool_prompt, with_parsed_arguments)
 from tinyvllm.model.chat_template import template_variables
@@ -135,7 +134,7 @@ class OpenAIServingChat(OpenAIServing):
             return ChoiceParser(ThinkReasoningParser(prompt_opened) if self.reasoning_parser else None,
                                 HermesToolParser() if tool_use.parse else None)
 
-        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        request_id, created = f"chatcmpl-{base_request_id(raw_request)}", int(time.time())
         stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         if request.stream:
@@ -182,8 +181,20 @@ class OpenAIServingChat(OpenAIServing):
                 return True
         return False
 
-    def render_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt text: the conversation (and the tools) through the model's chat template."""
+    def render_text(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text: the conversation (and the tools) through the model's chat template. vLLM's fields:
+        `add_generation_prompt` ends it with the assistant's header; `continue_final_message` instead leaves the
+        last message open, so the model continues it (a prefill of the answer); `chat_template_kwargs` are more
+        variables for the template (e.g. `enable_thinking`)."""
+        if add_generation_prompt and continue_final_message:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both be true: the first opens "
+                              "a new assistant turn, the second continues the last message", "continue_final_message")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted({"messages", "add_generation_prompt", "tools"} & set(extra))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: they have their own fields",
+                              "chat_template_kwargs")
         conversation = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or message.get("role") not in ROLES:
@@ -213,11 +224,24 @@ class OpenAIServingChat(OpenAIServing):
         else:
             conversation = with_default_tool_prompt(conversation, tools)
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **variables)
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      **extra, **variables)
         except (ValueError, TypeError) as e:  # malformed messages, or the template's own raise_exception
             raise bad_request(f"the messages do not fit the model's chat template: {e}", "messages") from e
+        if continue_final_message:
+            text = self.open_final_message(text, conversation)
         self.check_prompt_chars(text, "messages")
         return text
+
+    @staticmethod
+    def open_final_message(text: str, conversation: list[dict]) -> str:
+        """The rendered text cut right after the last message's content, dropping the end-of-turn the template
+        wrote after it (what HF's and vLLM's `continue_final_message` do)."""
+        final = conversation[-1]["content"] if conversation else ""
+        if not final or final not in text:
+            raise bad_request("continue_final_message needs a last message with text content to continue",
+                              "continue_final_message")
+        return text[:text.rindex(final) + len(final)]
 
     def tokenize(self, text: str) -> list[int]:
         # the template wrote the special tokens (BOS included, where the model uses one): add none

@@ -15,7 +15,6 @@ and the `guided_*` fields constrain the text as on the chat route (see `serving_
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
@@ -24,8 +23,8 @@ from fastapi.responses import StreamingResponse
 from tinyvllm.api.errors import bad_request
 from tinyvllm.api.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                    CompletionResponseChoice, CompletionStreamResponse)
-from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, choice_deltas, last_output, sse, sse_error,
-                                        usage)
+from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, base_request_id, choice_deltas, last_output, sse,
+                                        sse_error, usage)
 from tinyvllm.engine.beam_search import BeamSearchParams
 from tinyvllm.outputs import RequestOutput
 
@@ -49,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             params = self.sampling_params(request, max_tokens, request.logprobs, self.structured_outputs(request))
 
-        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        request_id, created = f"cmpl-{base_request_id(raw_request)}", int(time.time())
         stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         echo = prompt_text if request.echo else ""

@@ -33,6 +33,7 @@ import asyncio
 import json
 import math
 import re
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -296,6 +297,13 @@ def grammar_error(params: StructuredOutputsParams) -> str:
         return LLMatcher.validate_grammar(grammar_of(params))
     except ValueError as e:
         return str(e)
+
+
+def base_request_id(raw_request: Request | None) -> str:
+    """The client's `X-Request-Id` where it sent one (vLLM's rule: the engine then runs the request under that id,
+    so the server's logs and the client's match), else a fresh one."""
+    header = None if raw_request is None else raw_request.headers.get("x-request-id")
+    return header or uuid.uuid4().hex
 
 
 def usage(output: RequestOutput) -> UsageInfo:

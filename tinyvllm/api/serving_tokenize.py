@@ -1,0 +1,90 @@
+"""`POST /tokenize` and `POST /detokenize`: the model's tokenizer, over HTTP (vLLM's endpoints, same shapes).
+
+A client that budgets its context (how many tokens is this prompt? this conversation, once the chat
+template has written it?) asks the server that will run it, so the count is the engine's own:
+
+    POST /tokenize    {"prompt": "Hello world"}                  -> {"count": 2, "max_model_len": 2048,
+                      {"messages": [...], "add_generation_prompt": true}   "tokens": [19556, 905], "token_strs": null}
+    POST /detokenize  {"tokens": [19556, 905]}                   -> {"prompt": "Hello world"}
+
+A `messages` body goes through the same `render_text` as /v1/chat/completions (the chat template, the tools,
+`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`), so its count is the prompt a chat
+request with the same fields would run. `return_token_strs` gives each token's text; where vLLM gives the
+tokenizer's vocabulary strings ("Ġworld"), this server gives the token's bytes as text (" world"), as its
+logprobs do.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
+
+from tinyvllm.api.errors import bad_request
+from tinyvllm.api.protocol import ChatCompletionToolParam
+from tinyvllm.api.serving_chat import OpenAIServingChat
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True  # the model's BOS, where it has one
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model: StrictStr | None = None
+    messages: list[dict] = Field(min_length=1)
+    tools: list[ChatCompletionToolParam] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: StrictBool = False  # the template writes them (vLLM's default for chat)
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: StrictStr | None = None
+    tokens: list[StrictInt] = Field(fail_fast=True)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class OpenAIServingTokenization:
+    """Tokenize with the chat serving's template path: one rendering of a conversation, not two."""
+
+    def __init__(self, chat: OpenAIServingChat):
+        self.chat = chat
+
+    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        chat = self.chat
+        chat.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+            text = chat.render_text(request.messages, tools or None,
+                                    add_generation_prompt=request.add_generation_prompt,
+                                    continue_final_message=request.continue_final_message,
+                                    chat_template_kwargs=request.chat_template_kwargs)
+        else:
+            text = request.prompt
+            chat.check_prompt_chars(text, "prompt")
+        tokens = chat.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        token_strs = [chat.token_text(t) for t in tokens] if request.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=chat.engine.engine.max_model_len, tokens=tokens,
+                                token_strs=token_strs)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        chat = self.chat
+        chat.check_model(request.model)
+        vocab_size = chat.tokenizer.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"tokens must be token ids in [0, {vocab_size}), got {bad[:5]}", "tokens")
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
