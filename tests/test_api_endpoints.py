@@ -101,3 +101,66 @@ def test_cors_only_for_the_allowed_origins():
     with serve(lambda: FakeLLMEngine()) as default:  # no --allowed-origins: no CORS headers at all
         response = httpx.options(f"{default.url}/v1/completions", headers=preflight)
         assert "access-control-allow-origin" not in response.headers
+
+
+def offline(prompt, **params):
+    from fake_engine import run_offline
+
+    from tinyvllm.sampling_params import SamplingParams
+
+    return run_offline(FakeLLMEngine(), prompt, SamplingParams(**params))
+
+
+def test_batched_prompts_index_choices_across_prompts_and_n(server, tokenizer):
+    prompts = ["Hello", "The capital of France is", "1, 2, 3,"]
+    response = client(server).completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=4, seed=7,
+                                                  temperature=1.0, echo=True)
+    assert [c.index for c in response.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        expected = offline(prompt, n=2, max_tokens=4, seed=7, temperature=1.0)
+        for k in range(2):
+            assert response.choices[i * 2 + k].text == prompt + expected.outputs[k].text
+    num_prompt = sum(len(tokenizer.encode(p)) for p in prompts)
+    assert response.usage.prompt_tokens == num_prompt and response.usage.completion_tokens == 6 * 4
+    ids = [tokenizer.encode(p) for p in prompts[:2]]  # a batch of token-id prompts, streamed
+    chunks = list(client(server).completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0,
+                                                    stream=True))
+    for i, prompt in enumerate(ids):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == offline(
+            prompt, max_tokens=3, temperature=0).outputs[0].text
+
+
+def test_best_of_returns_the_most_likely_samples(server):
+    # the fake engine gives each sampled token logprob -0.25: the most likely samples are the shortest ones
+    params = dict(max_tokens=6, seed=3, temperature=1.0, stop=[" red", " blue"])
+    expected = offline("Hello", n=5, logprobs=0, **params).outputs
+    lengths = sorted(len(c.token_ids) for c in expected)
+    assert lengths[0] < lengths[-1], "the samples should differ in length for this test to mean anything"
+    response = client(server).completions.create(model=MODEL, prompt="Hello", n=2, best_of=5, **params)
+    best = sorted(expected, key=lambda c: len(c.token_ids))[:2]
+    assert [c.text for c in response.choices] == [c.text for c in best] and response.choices[0].logprobs is None
+    assert response.usage.completion_tokens == sum(lengths)  # every sample is billed
+    with pytest.raises(openai.BadRequestError, match="best_of must be at least n"):
+        client(server).completions.create(model=MODEL, prompt="Hello", n=3, best_of=2)
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        client(server).completions.create(model=MODEL, prompt="Hello", best_of=2, stream=True)
+
+
+def test_suffix_is_refused_without_fim_tokens(server):
+    with pytest.raises(openai.BadRequestError, match="<fim_prefix>") as e:
+        client(server).completions.create(model=MODEL, prompt="def f(x):", suffix="    return y")
+    assert e.value.body["param"] == "suffix"
+
+
+def test_continuous_usage_stats(server):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                                    stream=True, stream_options=options))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]  # the usage so far, on every chunk
+    assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    chat = list(client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=3, temperature=0, stream=True,
+                                                       stream_options=options))
+    counts = [c.usage.completion_tokens for c in chat if c.choices and c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == chat[-1].usage.completion_tokens

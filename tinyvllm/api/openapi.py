@@ -49,7 +49,7 @@ def responses(ok: type | dict, *statuses: int, stream: bool = False) -> dict:
 # Two fields whose pydantic type is looser than what the serving code serves, described as served, so
 # that a client generated from the schema, or a fuzzer, sends requests that can reach the engine:
 # `messages` are plain dicts to pydantic (tool calls and all) and serving_chat checks their roles and
-# content; a completion's prompt is one text or one list of token ids (a batch only of one), not empty.
+# content; a completion's prompt is one text or one list of token ids, or a batch of them, not empty.
 CHAT_MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string", "enum": list(ROLES)},
     "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
@@ -60,7 +60,7 @@ TEXT = {"type": "string", "minLength": 1}
 TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 SERVED_AS = {("ChatCompletionRequest", "messages"): {"type": "array", "items": CHAT_MESSAGE, "minItems": 1},
              ("CompletionRequest", "prompt"): {"anyOf": [TEXT, TOKEN_IDS, *(
-                 {"type": "array", "items": one, "minItems": 1, "maxItems": 1} for one in (TEXT, TOKEN_IDS))]}}
+                 {"type": "array", "items": one, "minItems": 1} for one in (TEXT, TOKEN_IDS))]}}
 
 
 def openapi_schema(app: FastAPI, secured: bool, open_paths: tuple[str, ...] = ()) -> dict:

@@ -68,6 +68,7 @@ class UsageInfo(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False  # one last chunk with `usage` (and no choices) before [DONE]
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
 # ---- requests ----------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         self.check_limits(request)
         include_usage = self.check_stream_options(request)
+        continuous_usage = self.continuous_usage(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         tool_use = self.tool_use(request)
@@ -138,7 +139,8 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         if request.stream:
-            chunks = self.stream_chunks(stream, head, num_logprobs, include_usage, make_parser, bool(tool_use.forced))
+            chunks = self.stream_chunks(stream, head, num_logprobs, include_usage, make_parser, bool(tool_use.forced),
+                                        continuous_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         final = await last_output(raw_request, stream)
         if final is None:  # the client left; nobody reads this
@@ -266,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, num_logprobs: int | None,
                             include_usage: bool, make_parser: Callable[[], ChoiceParser],
-                            forced_tool: bool = False) -> AsyncIterator[str]:
+                            forced_tool: bool = False, continuous_usage: bool = False) -> AsyncIterator[str]:
         parsers: dict[int, ChoiceParser] = {}  # choice index -> its parser
         final = None
         try:
@@ -281,8 +283,9 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if num_logprobs is not None:
                         logprobs = self.logprobs(delta.token_ids, delta.logprobs, num_logprobs)
+                    so_far = usage(final) if continuous_usage else None  # vLLM's continuous_usage_stats
                     for choice in self.stream_choices(delta, parsers[delta.index], logprobs):
-                        yield sse(ChatCompletionStreamResponse(**head, choices=[choice]))
+                        yield sse(ChatCompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
                 yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=usage(final)))
         except Exception as e:  # after the 200: the error travels as an event

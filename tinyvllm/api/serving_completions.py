@@ -10,10 +10,19 @@ token, its log-probability and the k most likely alternatives. `response_format`
 and the `guided_*` fields constrain the text as on the chat route (see `serving_engine.py`).
 `use_beam_search=true` (vLLM's extra) returns the n best beams instead of n samples, ranked with
 `length_penalty`; they arrive at once, when the search ends.
+
+A list of prompts is a batch: each prompt runs as its own engine request (`{id}-{i}`), side by side in the
+engine's batch, and the answer holds len(prompts) x n choices, choice `i * n + k` being prompt i's k-th
+(`merged_outputs` joins the requests' streams into one). `best_of` samples that many per prompt and returns
+the n with the highest cumulative log-probability (OpenAI's rule; every sample counts in `usage`), so it
+cannot stream. `suffix` (fill-in-the-middle) needs a model trained with FIM tokens, which the supported
+models are not: it is refused, naming the tokens a model would need.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -22,11 +31,13 @@ from fastapi.responses import StreamingResponse
 
 from tinyvllm.api.errors import bad_request
 from tinyvllm.api.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                   CompletionResponseChoice, CompletionStreamResponse)
+                                   CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
 from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, base_request_id, choice_deltas, last_output, sse,
                                         sse_error, usage)
 from tinyvllm.engine.beam_search import BeamSearchParams
 from tinyvllm.outputs import RequestOutput
+
+FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # StarCoder's fill-in-the-middle markers
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -34,31 +45,80 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(request.model)
         self.check_limits(request)
         include_usage = self.check_stream_options(request)
+        continuous_usage = self.continuous_usage(request)
         if request.suffix is not None:
-            raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise bad_request("best_of must equal n (for the n best beams: use_beam_search=true)", "best_of")
+            self.check_fim()
+        width = self.best_of(request)  # samples per prompt
         if request.echo and request.logprobs is not None:
             raise bad_request("echo with logprobs needs the prompt's logprobs, which this engine does not compute",
                               "echo")
-        prompt_ids, prompt_text = self.prompt(request.prompt)
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "prompt")
-        if request.use_beam_search:
-            params = self.beam_search_params(request, max_tokens)
-        else:
-            params = self.sampling_params(request, max_tokens, request.logprobs, self.structured_outputs(request))
+        prompts = self.prompts(request.prompt)
+        if len(prompts) > 1:  # each prompt is a request of `width` choices: all must be able to wait at once
+            self.check_batch_width(len(prompts) * width)
+        params_of = []
+        for prompt_ids, _ in prompts:
+            max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "prompt")
+            if request.use_beam_search:
+                params_of.append(self.beam_search_params(request, max_tokens))
+            else:  # best_of ranks by the samples' log-probabilities: the engine computes them
+                logprobs = request.logprobs if width == request.n else (request.logprobs or 0)
+                params_of.append(self.sampling_params(request, max_tokens, logprobs, self.structured_outputs(request)))
+                if width != request.n:
+                    params_of[-1] = dataclasses.replace(params_of[-1], n=width)
 
         request_id, created = f"cmpl-{base_request_id(raw_request)}", int(time.time())
-        stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
+        # 429 now, before any 200
+        streams = [self.engine.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt_ids,
+                                           params, request.priority)
+                   for i, ((prompt_ids, _), params) in enumerate(zip(prompts, params_of))]
+        stream = streams[0] if len(streams) == 1 else merged_outputs(request_id, streams, width)
         head = {"id": request_id, "created": created, "model": model}
-        echo = prompt_text if request.echo else ""
+        echo = [text if request.echo else "" for _, text in prompts]
         if request.stream:
-            chunks = self.stream_chunks(stream, head, echo, request.logprobs, include_usage)
+            chunks = self.stream_chunks(stream, head, echo, request.n, request.logprobs, include_usage,
+                                        continuous_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         final = await last_output(raw_request, stream)
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        return self.full_response(final, head, echo, request.logprobs)
+        billed = usage(final)  # every sample of best_of counts
+        if width != request.n:
+            final = best_of_choices(final, width, request.n)
+        return self.full_response(final, head, echo, request.n, request.logprobs, billed)
+
+    def best_of(self, request: CompletionRequest) -> int:
+        """How many samples each prompt draws: best_of (>= n) where given, else n."""
+        best_of = request.best_of
+        if best_of is None or best_of == request.n:
+            return request.n
+        if best_of < request.n:
+            raise bad_request(f"best_of must be at least n ({request.n}), got {best_of}", "best_of")
+        if request.stream:
+            raise bad_request("best_of cannot be streamed: the best samples are known only when all have finished",
+                              "best_of")
+        if request.use_beam_search:
+            raise bad_request("best_of does not apply to beam search: n beams are already the n best", "best_of")
+        if best_of > self.limits.max_n:
+            raise bad_request(f"best_of must be at most {self.limits.max_n} on this server (--max-n), got {best_of}",
+                              "best_of")
+        return best_of
+
+    def check_fim(self) -> None:
+        """`suffix` asks for fill-in-the-middle: prompt and suffix around a hole, in markers the model was trained
+        on. A model without them would read them as plain text and answer something unrelated."""
+        missing = [t for t in FIM_TOKENS if t not in self.tokenizer.added_tokens]
+        if missing:
+            raise bad_request(f"suffix (fill-in-the-middle) needs a model trained with FIM tokens; this model's "
+                              f"vocabulary has no {', '.join(missing)}: send the text before the hole as the prompt "
+                              "alone", "suffix")
+        raise bad_request("suffix (fill-in-the-middle) is not implemented for this model's FIM format", "suffix")
+
+    def check_batch_width(self, total: int) -> None:
+        max_waiting = self.engine.max_waiting
+        if max_waiting is not None and total > max_waiting:
+            raise bad_request(f"a batch of prompts x n = {total} requests can never be admitted: at most "
+                              f"{max_waiting} requests may wait on this server (--max-waiting)", "prompt")
+        self.engine.check_can_accept(total)
 
     def beam_search_params(self, request: CompletionRequest, max_tokens: int) -> BeamSearchParams:
         """n beams of up to max_tokens tokens (vLLM's `to_beam_search_params`); what beams cannot do is a 400."""
@@ -72,13 +132,16 @@ class OpenAIServingCompletion(OpenAIServing):
         return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=bool(request.ignore_eos),
                                 temperature=request.temperature or 0.0, length_penalty=request.length_penalty)
 
-    def prompt(self, prompt: str | list) -> tuple[list[int], str]:
-        """Token ids and text of the one prompt, given either way."""
+    def prompts(self, prompt: str | list) -> list[tuple[list[int], str]]:
+        """Token ids and text of each prompt: one text, one list of ids, or a batch (a list of either)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(f"a batch of {len(prompt)} prompts is not supported: send one request per prompt "
-                                  "(they run batched in the engine all the same)", "prompt")
-            prompt = prompt[0]
+            return [self.prompt(one) for one in prompt]
+        if isinstance(prompt, list) and not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return [self.prompt(prompt)]
+
+    def prompt(self, prompt: str | list[int]) -> tuple[list[int], str]:
+        """Token ids and text of one prompt, given either way."""
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
@@ -87,18 +150,22 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids = self.check_token_ids(prompt, "prompt")
         return token_ids, self.tokenizer.decode(token_ids)
 
-    def full_response(self, final: RequestOutput, head: dict, echo: str, num_logprobs: int | None) -> dict:
+    def full_response(self, final: RequestOutput, head: dict, echo: list[str], n: int, num_logprobs: int | None,
+                      billed: UsageInfo) -> dict:
+        """`echo`: each prompt's text, or "" (choice i*n + k belongs to prompt i)."""
         choices = []
         for completion in final.outputs:
             logprobs = None
             if num_logprobs is not None:
                 logprobs, _ = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs, 0)
-            choices.append(CompletionResponseChoice(index=completion.index, text=echo + completion.text,
-                                                    logprobs=logprobs, finish_reason=completion.finish_reason))
-        return CompletionResponse(**head, choices=choices, usage=usage(final)).model_dump()
+            choices.append(CompletionResponseChoice(index=completion.index, text=echo[completion.index // n]
+                                                    + completion.text, logprobs=logprobs,
+                                                    finish_reason=completion.finish_reason))
+        return CompletionResponse(**head, choices=choices, usage=billed).model_dump()
 
-    async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, echo: str,
-                            num_logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+    async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, echo: list[str], n: int,
+                            num_logprobs: int | None, include_usage: bool,
+                            continuous_usage: bool = False) -> AsyncIterator[str]:
         text_offset: dict[int, int] = {}  # choice index -> where its next token starts in its text
         final = None
         try:
@@ -108,10 +175,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     if num_logprobs is not None:
                         logprobs, text_offset[delta.index] = self.logprobs(
                             delta.token_ids, delta.logprobs, num_logprobs, text_offset.get(delta.index, 0))
-                    text = (echo if delta.first else "") + delta.text
+                    text = (echo[delta.index // n] if delta.first else "") + delta.text
                     choice = CompletionResponseChoice(index=delta.index, text=text, logprobs=logprobs,
                                                       finish_reason=delta.finish_reason)
-                    yield sse(CompletionStreamResponse(**head, choices=[choice]))
+                    so_far = usage(final) if continuous_usage else None  # vLLM's continuous_usage_stats
+                    yield sse(CompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
                 yield sse(CompletionStreamResponse(**head, choices=[], usage=usage(final)))
         except Exception as e:  # after the 200: the error travels as an event
@@ -134,3 +202,48 @@ class OpenAIServingCompletion(OpenAIServing):
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result, text_offset
+
+
+def best_of_choices(final: RequestOutput, best_of: int, n: int) -> RequestOutput:
+    """Of each prompt's `best_of` samples (choices i*best_of ...), the n with the highest cumulative
+    log-probability, best first, as choices i*n ... (OpenAI's `best_of`)."""
+    chosen = []
+    for start in range(0, len(final.outputs), best_of):
+        samples = final.outputs[start:start + best_of]
+        ranked = sorted(samples, key=lambda c: sum(logprob for logprob, _ in c.logprobs or []), reverse=True)
+        chosen += [dataclasses.replace(c, index=start // best_of * n + k) for k, c in enumerate(ranked[:n])]
+    return dataclasses.replace(final, outputs=chosen)
+
+
+async def merged_outputs(request_id: str, streams: list[AsyncIterator[RequestOutput]],
+                         n: int) -> AsyncIterator[RequestOutput]:
+    """Several prompts' requests (n choices each) as one stream of cumulative outputs: completion k of prompt i
+    becomes choice i * n + k; `prompt_token_ids` holds the prompts one after another, so `usage` counts them
+    all. Leaving early cancels every request's reader, which aborts the requests (their streams' `finally`)."""
+    latest: list[RequestOutput | None] = [None] * len(streams)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def read(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as e:  # this prompt's error ends the whole answer
+            queue.put_nowait((i, e))
+
+    readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        while not all(output is not None and output.finished for output in latest):
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            latest[i] = item
+            outputs = [dataclasses.replace(c, index=j * n + c.index)
+                       for j, output in enumerate(latest) if output is not None for c in output.outputs]
+            yield RequestOutput(request_id, None, [t for output in latest if output is not None
+                                                   for t in output.prompt_token_ids], outputs,
+                                finished=all(output is not None and output.finished for output in latest),
+                                num_cached_tokens=sum(o.num_cached_tokens for o in latest if o is not None))
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)

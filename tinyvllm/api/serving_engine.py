@@ -245,6 +245,13 @@ class OpenAIServing:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         return request.stream and request.stream_options is not None and request.stream_options.include_usage
 
+    @staticmethod
+    def continuous_usage(request: SamplingFields) -> bool:
+        """vLLM's `stream_options.continuous_usage_stats`: each chunk carries the usage so far (with
+        include_usage, as in vLLM)."""
+        options = request.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
     def token_text(self, token_id: int) -> str:
         """A token as text for logprobs; a token that is part of a character shows its bytes."""
         raw = self.tokenizer.token_bytes(token_id)
