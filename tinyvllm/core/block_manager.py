@@ -154,11 +154,12 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence, hits: list[Block] | None = None) -> bool:
-        """Enough free blocks for `seq`, given its cached prefix `hits` (looked up here when not given)?"""
+    def can_allocate(self, seq: Sequence, hits: list[Block] | None = None, num_spare: int = 0) -> bool:
+        """Enough free blocks for `seq`, given its cached prefix `hits` (looked up here when not given), with
+        `num_spare` more left free after it (the first copy-on-write of each sequence it will fork)?"""
         hits = self.cached_prefix(seq) if hits is None else hits
         num_free_hits = sum(self._is_free(block) for block in hits)  # taking those also shrinks the free queue
-        return seq.num_blocks(self.block_size) - len(hits) + num_free_hits <= self.num_free_blocks
+        return seq.num_blocks(self.block_size) - len(hits) + num_free_hits + num_spare <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> list[int] | None:
         """Give a sequence with no blocks enough blocks for all its tokens (the prompt, or prompt and

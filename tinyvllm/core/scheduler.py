@@ -33,6 +33,16 @@ partly filled last block gets it a copy (copy-on-write, `SchedulerOutput.blocks_
                   ^                     |
                   +-----PREEMPTED-------+   (back at the head of the waiting queue)
 
+A request's width counts at admission (vLLM v0's `get_max_num_running_seqs`): a sequence that will fork
+reserves a seat for each sequence it forks, so a step never holds more than `max_num_seqs` sequences.
+The n - 1 completions waiting to fork from a prompt, and the beams a beam search will fork from its first
+one (`add_seq(num_forks=k - 1)`), are admitted with it or not at all, with a spare free block each for its
+first copy-on-write:
+
+    max_num_seqs 4, running a b c     waiting: beam search k=4 (1 sequence, 3 forks to come)
+    admitted alone it would fork to 4 beams beside a b c: 7 rows in a 4-row step. It needs 1 + 3 seats,
+    so it waits until a b c have finished; then it runs, and forks, alone.
+
 Because running sequences are served first, a long prompt being prefilled in chunks takes only
 what the decodes leave of the budget: the others keep producing a token every step. Running
 sequences keep admission order, so the one part-way through its prompt is always the newest.
@@ -106,19 +116,37 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.waiting_for_fork: dict[int | str, list[Sequence]] = {}  # seq_id -> those to fork from its prompt
+        self.num_forks: dict[int | str, int] = {}  # seq_id -> sequences it will fork itself (a first beam)
 
-    def add_seq(self, seq: Sequence, share_prompt_with: Sequence | None = None) -> None:
+    def add_seq(self, seq: Sequence, share_prompt_with: Sequence | None = None, num_forks: int = 0) -> None:
         """Queue a new sequence. `share_prompt_with`: an unfinished sequence with the same prompt and no output
-        yet (n > 1): `seq` waits to fork from it when its prompt is computed, instead of computing it again."""
+        yet (n > 1): `seq` waits to fork from it when its prompt is computed, instead of computing it again.
+        `num_forks`: how many sequences `seq` will fork once it runs (a beam search's first beam: width - 1);
+        it is admitted only with a seat and a spare block for each."""
         if seq.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"the prompt has {seq.num_prompt_tokens} tokens: max_model_len ({self.max_model_len}) "
                              "leaves no room for output")
+        if not 0 <= num_forks < self.max_num_seqs:
+            raise ValueError(f"a request of width {num_forks + 1} can never run: a step holds at most max_num_seqs "
+                             f"({self.max_num_seqs}) sequences")
         assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"add_seq: {seq} is not new"
-        if share_prompt_with is None:
-            self._enqueue(seq)
+        if num_forks:
+            self.num_forks[seq.seq_id] = num_forks
+        forks = [] if share_prompt_with is None else self.waiting_for_fork.get(share_prompt_with.seq_id, [])
+        if share_prompt_with is None or len(forks) + 2 > self.max_num_seqs:  # wider than a step: the rest compute
+            self._enqueue(seq)                                                # their own prompt
             return
         assert share_prompt_with.prompt_token_ids == seq.prompt_token_ids and not share_prompt_with.is_finished
         self.waiting_for_fork.setdefault(share_prompt_with.seq_id, []).append(seq)
+
+    def num_reserved_seats(self, seq: Sequence) -> int:
+        """Seats `seq` holds, itself and the sequences it will fork: what its admission needs."""
+        return 1 + len(self.waiting_for_fork.get(seq.seq_id, ())) + self.num_forks.get(seq.seq_id, 0)
+
+    @property
+    def num_seats_in_use(self) -> int:
+        """Running sequences and the forks they reserved; never more than max_num_seqs."""
+        return sum(self.num_reserved_seats(seq) for seq in self.running)
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
         """fcfs: at the back (a preempted sequence: at the front). priority: in (priority, arrival) order."""
@@ -179,11 +207,19 @@ class Scheduler:
             token_budget -= num_new_tokens
             i += 1
 
-        # 2. waiting sequences, first come first served; none while this step had to preempt
-        while self.waiting and not preempted and token_budget > 0 and len(self.running) < self.max_num_seqs:
+        # 2. waiting sequences, first come first served; none while this step had to preempt. A sequence that
+        # will fork is admitted with seats for its forks and a spare block each (their first copy-on-write).
+        seats_in_use = self.num_seats_in_use
+        while self.waiting and not preempted and token_budget > 0:
             seq = self.waiting[0]
+            seats = self.num_reserved_seats(seq)
+            if seats_in_use + seats > self.max_num_seqs:
+                break  # the head waits for seats; no skipping ahead, or a wide request could wait forever
+            if seats > 1 and not self.block_manager.can_allocate(seq, num_spare=seats - 1):
+                break
             if self.block_manager.allocate(seq) is None:
-                break  # the head waits for blocks; no skipping ahead, or a long prompt could wait forever
+                break  # the head waits for blocks, for the same reason
+            seats_in_use += seats
             self.waiting.popleft()
             if seq.num_cached_tokens < 0:  # first admission: how much of the prompt the prefix cache had
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -200,15 +236,13 @@ class Scheduler:
         for seq in list(scheduled):
             if seq.seq_id in self.waiting_for_fork and seq.num_output_tokens == 0 and (
                     seq.num_computed_tokens + num_scheduled_tokens[seq.seq_id] == seq.num_tokens):
-                for child in self.waiting_for_fork.pop(seq.seq_id):
-                    if len(self.running) >= self.max_num_seqs:  # no room to run it now: it computes its own prompt
-                        self._enqueue(child)
-                        continue
+                for child in self.waiting_for_fork.pop(seq.seq_id):  # their seats were reserved at admission
                     self.fork_seq(seq, child, num_computed_tokens=seq.num_tokens)
                     scheduled.append(child)
                     num_scheduled_tokens[child.seq_id] = 0
                     forked_from[child.seq_id] = seq.seq_id
 
+        assert len(scheduled) <= self.max_num_seqs, f"{len(scheduled)} sequences in a step of {self.max_num_seqs}"
         return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, self.block_manager.take_blocks_to_copy(),
                                forked_from, spec_tokens)
 
@@ -231,6 +265,22 @@ class Scheduler:
         child.num_cached_tokens = max(parent.num_cached_tokens, 0)
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+
+    def replace_seqs(self, forks: list[tuple[Sequence, Sequence]], replaced: list[Sequence]) -> None:
+        """One beam search step: fork each (parent, child), then finish the `replaced` sequences (the old beams).
+        The children take the seats the old beams held (and a first beam's reserved forks); children beyond
+        the free seats (their parents were preempted, so held no seat) wait and compute their tokens themselves,
+        as a preempted sequence does."""
+        for parent, child in forks:  # fork first: the parents' blocks stay held while shared
+            self.fork_seq(parent, child)
+        for seq in replaced:
+            self.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        excess = self.num_seats_in_use - self.max_num_seqs
+        for _, child in reversed(forks):
+            if excess > 0 and child.status == SequenceStatus.RUNNING:
+                self.running.remove(child)
+                self._preempt(child)
+                excess -= 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its K/V; its tokens, prompt and output, are recomputed when readmitted."""
@@ -335,6 +385,7 @@ class Scheduler:
         return self.finish_seq(seq_id, SequenceStatus.FINISHED_ABORTED)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.num_forks.pop(seq.seq_id, None)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)

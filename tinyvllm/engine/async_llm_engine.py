@@ -54,8 +54,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step failed for this request: the request's own sampling or stop handling (only it ends), or the
-    forward pass (every request in the engine ends). The engine keeps serving new requests."""
+    """A step failed for this request: its own sampling or stop handling, or a forward pass that failed again when
+    the engine retried it with this request alone (LLMEngine._retry_in_parts): only it ends. A failure outside
+    the forward pass and sampling (the scheduler's bookkeeping) leaves the engine's state unknown: then every
+    request in the engine ends. Either way the engine keeps serving new requests."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -283,7 +285,7 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except Exception as e:  # the engine isolates failures of its forward pass and sampling: this is worse
             logger.exception("engine step failed; aborting the %d requests in the engine", len(self._in_engine))
             self._abort_all(EngineStepError(f"the engine failed while running this request: {type(e).__name__}"))
             return

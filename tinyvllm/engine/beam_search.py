@@ -181,8 +181,12 @@ class BeamSearchRequests:
         search = BeamSearch(params, set(self.tokenizer.stop_token_ids), max_new)
         request = BeamSearchRequest(request_id, prompt, list(prompt_token_ids), search, [], metrics=metrics)
         request.seqs = [self._new_seq(request, [])]
+        try:  # its width counts at admission: the first beam reserves a seat for each beam it will fork
+            self.scheduler.add_seq(request.seqs[0], num_forks=params.beam_width - 1)
+        except ValueError:
+            del self.request_of[request.seqs[0].seq_id]
+            raise
         self.requests[request_id] = request
-        self.scheduler.add_seq(request.seqs[0])
 
     def owns(self, seq_id: int | str) -> bool:
         return seq_id in self.request_of
@@ -204,14 +208,10 @@ class BeamSearchRequests:
             request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()
             chosen = request.search.step([request.logprobs[seq.seq_id] for seq in request.seqs])
             old, request.logprobs = request.seqs, {}
-            request.seqs = []
-            for parent_index, token in chosen:  # fork first: the parents' blocks stay held while shared
-                parent = old[parent_index]
-                child = self._new_seq(request, parent.output_token_ids + [token])
-                self.scheduler.fork_seq(parent, child)
-                request.seqs.append(child)
+            forks = [(old[i], self._new_seq(request, old[i].output_token_ids + [token])) for i, token in chosen]
+            request.seqs = [child for _, child in forks]
+            self.scheduler.replace_seqs(forks, old)  # the new beams take the old ones' seats
             for seq in old:
-                self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
                 del self.request_of[seq.seq_id]
             if request.search.done:
                 outputs.append(self._finish(request))
@@ -228,6 +228,15 @@ class BeamSearchRequests:
                                                 cumulative_logprob=hyp.cum_logprob))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished=True, metrics=request.metrics)
+
+    def fail(self, seq_id: int | str, error: str) -> RequestOutput:
+        """End the beam search that `seq_id` belongs to with an error (its beams' blocks freed)."""
+        request = self.request_of[seq_id]
+        self.abort(request.request_id)
+        request.metrics.finished_time = time.monotonic()
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [CompletionOutput(0, "", [], "error")], finished=True, metrics=request.metrics,
+                             error=error)
 
     def abort(self, request_id: str) -> bool:
         """Drop a beam search request and free its beams' blocks. False if there is no such request."""

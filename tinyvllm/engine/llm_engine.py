@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory, resolve_kv_cache_dtype
-from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.core.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.engine_state import StepLog, engine_state
 from tinyvllm.engine.beam_search import BeamSearchParams, BeamSearchRequests
@@ -152,7 +152,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.structured_outputs = StructuredOutputManager(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests the scheduler knows, by request id
-        self._failed: list[RequestState] = []  # requests this step finished with an error, reported by step()
+        self._failed: list[RequestOutput] = []  # requests this step finished with an error, reported by step()
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
         self.beam_search = BeamSearchRequests(self.scheduler, self.tokenizer)  # beams: forks of one another
         self.step_log = StepLog()  # the last steps' records, for get_state() (the server's dashboard)
@@ -235,7 +235,11 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self._lap("schedule")
         begun = self.step_log.begin(scheduler_output)
-        sampled = self._run_and_sample(scheduler_output)
+        rng_states = self._rng_states(scheduler_output)
+        try:
+            sampled = self._run_and_sample(scheduler_output)
+        except Exception as e:  # no request's own try caught it: the forward pass, or the batch's sampling
+            sampled = self._retry_in_parts(scheduler_output, rng_states, e)
         new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)
         self._lap("bookkeeping")
         outputs = self._make_outputs(new_token_seqs) + self.beam_search.update()
@@ -306,6 +310,49 @@ class LLMEngine:
                     self._fail(seq, e)
         return {seq_id: token for seq_id, token in sampled.items() if seq_id in self.requests}
 
+    def _rng_states(self, scheduler_output: SchedulerOutput) -> dict[str, dict]:
+        """The state of each scheduled sampled request's random generator, so that a step retried in parts
+        draws the same numbers as the step that failed would have (seeded outputs stay reproducible)."""
+        states = {}
+        for seq in scheduler_output.scheduled_seqs:
+            state = self.requests.get(seq.seq_id)
+            if state is not None and state.generator is not None:
+                states[seq.seq_id] = state.generator.bit_generator.state
+        return states
+
+    def _retry_in_parts(self, scheduler_output: SchedulerOutput, rng_states: dict[str, dict],
+                        error: Exception) -> dict[int | str, int]:
+        """The step failed as a whole (say an index past a buffer, a kernel refusing a shape): retry it one part
+        at a time, a part being one sequence and the completions forked from it this step. The parts that fail
+        again caused it: their requests end with the error; the others get their tokens as if nothing had
+        happened (a part recomputes the same K/V; the generators restart from their states before the step).
+        vLLM aborts the requests a failed step held; retrying costs one forward pass per part, once."""
+        logger.error("the engine step failed (%s: %s); retrying its %d sequences one at a time",
+                     type(error).__name__, error, len(scheduler_output.scheduled_seqs))
+        parts: dict[int | str, list[Sequence]] = {}
+        for seq in scheduler_output.scheduled_seqs:  # a forked sequence samples its source's row: same part
+            parts.setdefault(scheduler_output.forked_from.get(seq.seq_id, seq.seq_id), []).append(seq)
+        sampled: dict[int | str, int] = {}
+        blocks_to_copy = scheduler_output.blocks_to_copy  # copied once, by the first part, before any write
+        for part in parts.values():
+            part = [seq for seq in part if not seq.is_finished]  # a beam search failed by an earlier part ended
+            if not part:
+                continue
+            ids = {seq.seq_id for seq in part}
+            sub = SchedulerOutput(part, {i: scheduler_output.num_scheduled_tokens[i] for i in ids}, [], blocks_to_copy,
+                                  {i: src for i, src in scheduler_output.forked_from.items() if i in ids},
+                                  {i: d for i, d in scheduler_output.scheduled_spec_decode_tokens.items() if i in ids})
+            blocks_to_copy = []
+            for seq_id in ids & rng_states.keys():
+                self.requests[seq_id].generator.bit_generator.state = rng_states[seq_id]
+            try:
+                sampled.update(self._run_and_sample(sub))
+            except Exception as part_error:
+                for seq in part:
+                    if not seq.is_finished:
+                        self._fail(seq, part_error)
+        return sampled
+
     def _sampling_batch(self, seqs: list[Sequence], rows: int, vocab: int,
                         verifying: dict | tuple = ()) -> SamplingBatch:
         """Each row's sampling parameters, clocks and grammar mask, one request at a time: a request whose
@@ -361,11 +408,15 @@ class LLMEngine:
         as vLLM aborts the offending request, not the batch. step() reports it."""
         logger.exception("request %s failed in the engine step; the other requests go on", seq.seq_id,
                          exc_info=error)
+        message = f"the engine failed while running this request: {type(error).__name__}: {error}"
+        if self.beam_search.owns(seq.seq_id):  # a beam: its whole beam search ends
+            self._failed.append(self.beam_search.fail(seq.seq_id, message))
+            return
         state = self.requests.pop(seq.seq_id)
-        state.error = f"the engine failed while running this request: {type(error).__name__}: {error}"
+        state.error = message
         self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ERROR)
         state.metrics.finished_time = time.monotonic()
-        self._failed.append(state)
+        self._failed.append(state.output())
 
     def _fail_unschedulable(self, scheduler_output) -> None:
         """Nothing was scheduled, nothing runs and nothing was preempted: no block will come free, so the head
@@ -388,7 +439,7 @@ class LLMEngine:
             except Exception as e:  # detokenizing or a stop string failed: this request alone ends
                 self._fail(seq, e)
         self._spec_output_start.clear()
-        outputs = [state.output() for state in self._failed]
+        outputs = list(self._failed)
         self._failed.clear()
         for seq in new_token_seqs:
             state = self.requests.get(seq.seq_id)
