@@ -15,7 +15,7 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     cpu_threads.py              default_cpu_threads
     program_cache.py            lowered_program_cache, set_lowered_program_cache, chosen_default_device,
                                 choose_default_device, set_default_device, lower_cpu_device_programs_through
-    device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype
+    device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
     llama.py                    apply_fixes (speed fixes; each changes how fast, never what tinygrad computes)
@@ -291,8 +291,35 @@ def allocate_zeroed_host_memory(t: Tensor) -> None:
 
 
 def copy_in(t: Tensor, data: memoryview) -> None:
-    """Copy bytes into `t`'s device buffer, no graph (`Buffer.copyin`)."""
-    t.uop.buffer.copyin(data)
+    """Copy the bytes `data` into `t`'s device buffer (allocated here if it is not yet), now, with no graph.
+
+    tinygrad 0.14's `Buffer` has no public copy-in; its own copies (`exec_copy` in tinygrad/engine/realize.py)
+    call the allocator's `_copyin(buf._buf, memoryview)`, which every backend has: a memmove on the CPU, a copy
+    through pinned host memory queued on the device's stream on CUDA (so `data` may be reused at once)."""
+    buf = t.uop.buffer.ensure_allocated()
+    assert len(data) == buf.nbytes, f"copy_in: {len(data)} bytes into a buffer of {buf.nbytes}"
+    buf.allocator._copyin(buf._buf, data)
+
+
+def memory_info(device: str) -> tuple[int, int] | None:
+    """(free, total) bytes of a GPU's memory, as its driver reports them; None where tinygrad has no way to ask.
+
+    CUDA: `cuMemGetInfo_v2` (tinygrad.runtime.autogen.cuda) in the device's context. METAL: the working set the
+    system recommends (`recommendedMaxWorkingSetSize`) less what the device has allocated
+    (`currentAllocatedSize`). Opens the device."""
+    kind = device.split(":")[0].upper()
+    dev = Device[device]
+    if kind == "CUDA":
+        from tinygrad.runtime.autogen import cuda
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        cuda.cuCtxSetCurrent(dev.context)
+        if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+            return None
+        return free.value, total.value
+    if kind == "METAL":
+        total = int(dev.sysdevice.recommendedMaxWorkingSetSize())
+        return max(total - int(dev.sysdevice.currentAllocatedSize()), 0), total
+    return None
 
 
 # ---- one kernel cache for every thread (tinyvllm/engine/async_llm_engine.py) ----

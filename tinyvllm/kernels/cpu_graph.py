@@ -20,8 +20,10 @@ in kernels/cpu/graph_runner.c. Per step, Python only patches what changes and ma
 
 The buffers the graph owns (weights, KV cache, intermediates planned by the JIT) never move, so their
 addresses are written once. Anything the table cannot express (a copy between devices, a kernel with more
-than 24 arguments, a device other than the CPU) makes `GraphedJit` keep tinygrad's own replay, so it is
-correct everywhere and only faster where it applies. `TINYVLLM_CPU_GRAPH=0` turns it off.
+than 24 arguments) makes `GraphedJit` keep tinygrad's own replay, so it is correct everywhere and only faster
+where it applies. Which devices it applies to is the device table's call (tinyvllm/platforms.py, `cpu_graph`):
+the CPU, unless forced onto the discrete path. Everywhere else `GraphedJit` is tinygrad's TinyJit, which
+replays a step as one CUDA graph (Metal: an indirect command buffer). `TINYVLLM_CPU_GRAPH=0` turns it off.
 
 `GraphedJit` also captures on its first call (`capture_first=True`). A plain TinyJit runs the function
 eagerly once, captures on the second call and replays from the third: for a graph whose weights and caches
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 from tinygrad import UOp
 
+from tinyvllm.platforms import platform_for
 from tinyvllm.tinygrad_adapter import (
     CapturedJit,
     JitBase,
@@ -176,8 +179,17 @@ class CPUGraph:
         self._runner.fxn(ctypes.c_uint64(self.table.ctypes.data), ctypes.c_uint64(self.num_calls))
 
 
+def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
+    """Does the device table let the inputs' device replay through a CPUGraph? (No inputs: the default device.)"""
+    devices = {u.device for u in input_uops}
+    if any(not isinstance(d, str) for d in devices) or len(devices) > 1:
+        return False  # several devices: tinygrad's replay
+    return platform_for(devices.pop() if devices else None).cpu_graph
+
+
 class GraphedJit(JitBase):
-    """TinyJit that captures on the first call and replays through a `CPUGraph` where it can (see module doc).
+    """TinyJit that captures on the first call and replays through a `CPUGraph` where the device table says the
+    device uses one and the graph fits (see module doc); elsewhere tinygrad's own replay (CUDA graphs on CUDA).
 
     `persist` (a `kernels.graph_cache.PersistedGraph`): the graph is also written to disk once built, and a later
     process whose first call finds it there replays it at once, without tracing, scheduling or capturing."""
@@ -185,7 +197,7 @@ class GraphedJit(JitBase):
     def __init__(self, fxn, capture_first: bool = True, persist=None):
         super().__init__(fxn)
         self.capture_first = capture_first
-        self.graph: CPUGraph | None | bool = None  # None: not built yet; False: not graphable
+        self.graph: CPUGraph | None | bool = None  # None: not built yet; False: not graphable (or not this device)
         self.persist = persist if ENABLED else None
         self.loaded = None  # a graph_cache.LoadedGraph: replayed until this JIT captures one of its own
         if capture_first:
@@ -198,6 +210,8 @@ class GraphedJit(JitBase):
             capture_on_next_call(self)
 
     def __call__(self, *args, **kwargs):
+        if self.graph is None and not is_replaying(self) and not _uses_cpu_graph(jit_inputs(args, kwargs)[0]):
+            self.graph, self.persist = False, None  # decided once, at the first call: tinygrad's TinyJit from here on
         if self.persist is not None and not is_replaying(self):
             input_uops, var_vals, names, input_info = jit_inputs(args, kwargs)
             if self.loaded is None:

@@ -59,6 +59,7 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.kernels import cpu_threads, program_cache
 from tinyvllm.kernels.cpu_graph import CPUGraph
 from tinyvllm.kernels.launcher import KERNELS_DIR
+from tinyvllm.platforms import platform_for
 from tinyvllm.tinygrad_adapter import buffer_address, is_realized, load_cpu_program, tinygrad_settings
 
 ENABLED = os.getenv("TINYVLLM_GRAPH_CACHE", "1") != "0"
@@ -377,9 +378,9 @@ def _covered(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
 
 def for_model_runner(runner: Any, *name: Any) -> PersistedGraph | None:
     """The PersistedGraph of one of a ModelRunner's graphs (`name`: which, e.g. ("forward", 8)); None where graphs
-    are not kept (turned off, or a device other than the CPU, where CPUGraph does not apply)."""
+    are not kept (turned off, or a device the table in tinyvllm/platforms.py gives no CPU graph)."""
     model, kv_cache = runner.model, runner.kv_cache
-    if not ENABLED or not str(model.device).startswith("CPU"):
+    if not ENABLED or not platform_for(model.device).cpu_graph:
         return None
     settings = (name, repr(model.config), simple_settings(model), simple_settings(runner), simple_settings(kv_cache))
     return PersistedGraph(settings, lambda: named_tensors(model, kv_cache), model.device)

@@ -1,0 +1,172 @@
+"""The path a discrete GPU takes, run on this CPU-only machine (tinyvllm/platforms.py).
+
+A GPU's memory is not the host's: no numpy views of device buffers, bytes go in by a copy, and captured steps
+replay through tinygrad's own TinyJit (CUDA graphs), not the CPU graph runner. `TINYVLLM_DEVICE_PATH=discrete`
+puts the CPU device on that path; here it is switched per test (`platforms.DEVICE_PATH`), and the engine must
+give the CPU path's greedy tokens on it: the tiny model, the real one, through the server.
+
+Two crashes of the first GPU run are pinned on tinygrad's PYTHON device (its emulator of a GPU, which has no
+`va_addr` to hand a CPU graph) and on the CPU: bytes copied into device memory (`copy_in` called
+`Buffer.copyin`, which tinygrad 0.14 lacks), and a captured graph replayed on a device that is not the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinygrad import Tensor, dtypes
+
+from tinyvllm import platforms
+from tinyvllm.platforms import platform_for, resolve_dtype
+from tinyvllm.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+@pytest.fixture()
+def discrete(monkeypatch):
+    """The CPU device on the discrete GPU's path for the length of a test."""
+    monkeypatch.setattr(platforms, "DEVICE_PATH", "discrete")
+
+
+# ---- the two crashes of the first GPU run ----
+
+@pytest.mark.parametrize("device", ["CPU", "PYTHON"])
+def test_copy_in_writes_device_memory(device):
+    """Crash 1: weights, step inputs, draft model and perplexity all copy bytes in through `copy_in`."""
+    from tinyvllm.tinygrad_adapter import copy_in
+
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = Tensor.empty(3, 4, dtype=dtypes.float32, device=device)
+    copy_in(t, memoryview(data).cast("B"))
+    np.testing.assert_array_equal(t.numpy(), data)
+    copy_in(t, memoryview(-data).cast("B"))  # again into the same buffer: what every step does
+    np.testing.assert_array_equal(t.numpy(), -data)
+
+
+def test_graphed_jit_replays_on_a_device_without_cpu_graph():
+    """Crash 2: the model runner's, copy_blocks', the contiguous runner's and perplexity's captured graphs replay
+    through GraphedJit, which must leave a device the table gives no CPU graph to tinygrad's TinyJit."""
+    from tinyvllm.kernels.cpu_graph import GraphedJit
+
+    def f(x: Tensor, w: Tensor) -> Tensor:
+        return ((x * 2 + 1) @ w).realize()
+
+    w_np = np.arange(12, dtype=np.float32).reshape(4, 3)
+    w = Tensor(w_np, device="PYTHON").realize()
+    jit = GraphedJit(f)
+    for step in range(4):  # capture, then replays with new input buffers
+        x_np = np.full((2, 4), step, dtype=np.float32)
+        np.testing.assert_allclose(jit(Tensor(x_np, device="PYTHON").realize(), w).numpy(), (x_np * 2 + 1) @ w_np)
+    assert jit.graph is False and jit.captured is not None  # tinygrad's replay of its capture
+
+
+# ---- the table ----
+
+def test_the_table_decides_once_per_device(monkeypatch):
+    cpu, cuda, metal = platform_for("CPU"), platform_for("CUDA:1"), platform_for("METAL")
+    assert (cpu.path, cpu.host_views, cpu.cpu_graph, cpu.dtype, cpu.gpu_memory_utilization) == (
+        "host", True, True, "float32", None)
+    for gpu in (cuda, metal):
+        assert (gpu.path, gpu.host_views, gpu.cpu_graph, gpu.dtype, gpu.gpu_memory_utilization) == (
+            "discrete", False, False, "float16", 0.9)
+    assert resolve_dtype("auto", "CUDA") == "float16" and resolve_dtype("auto", "CPU") == "float32"
+    assert resolve_dtype("float32", "CUDA") == "float32"
+    monkeypatch.setattr(platforms, "DEVICE_PATH", "discrete")
+    forced = platform_for("CPU")
+    assert (forced.path, forced.host_views, forced.cpu_graph) == ("discrete", False, False)
+    assert (forced.dtype, forced.gpu_memory_utilization) == ("float32", None)  # the CPU's arithmetic and memory
+
+
+# ---- the engine on the discrete path ----
+
+def greedy_tokens(engine, prompts: list[str], max_tokens: int = 12) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+
+
+def engine_path_facts(engine) -> dict:
+    """What the engine's path looks like from inside: staged inputs, KV zeros from a kernel, TinyJit replays."""
+    runner = engine.model_runner
+    buffers = [b for bs in runner._input_buffers.values() for b in bs]
+    jits = list(runner._jits.values())
+    return {"staged_inputs": all(b._staged for b in buffers) and bool(buffers),
+            "kv_zeros_mapped": engine.kv_cache.kv_caches[0][0].uop.buffer.options is not None,
+            "cpu_graphs": any(j.graph not in (None, False) for j in jits),
+            "replayed": all(j.captured is not None for j in jits)}
+
+
+def test_tiny_model_on_the_discrete_path_gives_the_cpu_paths_tokens(tiny_model_dir, monkeypatch):
+    from tinyvllm.llm import LLM
+
+    args = dict(max_model_len=128, kv_cache_memory="4MiB", max_num_seqs=4, max_num_batched_tokens=32)
+    host = LLM(tiny_model_dir, **args)
+    want = greedy_tokens(host, PROMPTS)
+    # n=2 with a seed forks the prompt's blocks and copies them on write (copy_blocks' captured graph)
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=2, ignore_eos=True)
+    want_sampled = [o.token_ids for o in host.generate(PROMPTS[:1], sampled)[0].outputs]
+    assert engine_path_facts(host.llm_engine) == {"staged_inputs": False, "kv_zeros_mapped": True, "cpu_graphs": True,
+                                              "replayed": True}
+
+    monkeypatch.setattr(platforms, "DEVICE_PATH", "discrete")
+    gpu = LLM(tiny_model_dir, **args)
+    assert greedy_tokens(gpu, PROMPTS) == want
+    assert [o.token_ids for o in gpu.generate(PROMPTS[:1], sampled)[0].outputs] == want_sampled
+    assert engine_path_facts(gpu.llm_engine) == {"staged_inputs": True, "kv_zeros_mapped": False, "cpu_graphs": False,
+                                             "replayed": True}
+    copies = gpu.llm_engine.model_runner._copy_blocks
+    assert copies is not None and all(j.graph is False for j in copies._jits.values())
+
+
+def test_contiguous_runner_and_perplexity_on_the_discrete_path(tiny_model_dir, discrete):
+    from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
+    from tinyvllm.model.loader import load_model
+    from tinyvllm.perplexity import ChunkScorer
+
+    model, _, _ = load_model(tiny_model_dir)
+    ids = list(range(100, 132))
+    scorer = ChunkScorer(model, 32, tokens_per_step=8)
+    scored = scorer(ids)  # positions 16..30 score tokens 17..31
+    assert scorer._jit.graph is False and scorer._ids._staged
+    runner = ContiguousModelRunner(model, max_model_len=64)
+    logits = runner.prefill(ids[:20])
+    for pos in range(20, 24):
+        logits = runner.decode(ids[pos], pos)
+    np.testing.assert_allclose(logits, scored[23 - 16], rtol=1e-3, atol=1e-3)  # position 23's row, two ways
+
+
+@pytest.mark.slow
+def test_real_model_on_the_discrete_path_gives_the_cpu_paths_tokens(generator, monkeypatch):
+    """The shipped model, float32 weights (as `generator`): the same greedy tokens as the CPU path."""
+    from tinyvllm.llm import LLM
+
+    host = LLM(generator.model, tokenizer=generator.engine.tokenizer, max_model_len=512, kv_cache_memory="64MiB")
+    want = greedy_tokens(host, PROMPTS, max_tokens=16)
+    monkeypatch.setattr(platforms, "DEVICE_PATH", "discrete")
+    gpu = LLM(max_model_len=512, kv_cache_memory="64MiB", quantization="none")
+    assert gpu.llm_engine.model.device.startswith("CPU")
+    assert greedy_tokens(gpu, PROMPTS, max_tokens=16) == want
+    facts = engine_path_facts(gpu.llm_engine)
+    assert facts["staged_inputs"] and not facts["cpu_graphs"] and not facts["kv_zeros_mapped"]
+
+
+@pytest.mark.slow
+def test_server_on_the_discrete_path(tiny_model_dir, discrete):
+    """One request through the OpenAI API, the engine on the discrete path: the offline CPU path's text."""
+    from api_helpers import client, serve
+
+    from tinyvllm.llm import LLM
+
+    args = dict(max_model_len=128, kv_cache_memory="4MiB", max_num_seqs=4, max_num_batched_tokens=32)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(platforms, "DEVICE_PATH", "auto")
+        offline = LLM(tiny_model_dir, **args).generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    with serve(lambda: LLMEngine(tiny_model_dir, **args)) as server:
+        c = client(server)
+        response = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=8,
+                                        temperature=0)
+        engine = server.async_engine.engine
+    assert response.choices[0].text == offline[0].outputs[0].text
+    assert engine_path_facts(engine)["staged_inputs"]

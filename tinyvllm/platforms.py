@@ -1,0 +1,93 @@
+"""What differs between devices, decided once per device in one table (vLLM: `vllm/platforms/`).
+
+tinyvllm runs one engine on every device tinygrad has. Almost nothing in it knows which device it is on: the
+model, the scheduler, the sampler are the same code everywhere. What must differ is decided here, per device
+kind, and every module that cares asks `platform_for(device)` instead of testing the device's name itself:
+
+    kind      path       host views  CPU graph  dtype "auto"  KV cache sized by
+    CPU       host       yes         yes        float32       kv_cache_memory (default 512MiB)
+    CUDA/NV   discrete   no          no         float16       gpu_memory_utilization (default 0.9)
+    METAL     discrete   no          no         float16       gpu_memory_utilization (default 0.9)
+    AMD       discrete   no          no         float16       gpu_memory_utilization (default 0.9)
+    PYTHON    discrete   no          no         float32       kv_cache_memory (tinygrad's emulator of a GPU)
+
+  host views   the host reads and writes device memory through numpy views of tinygrad's buffers: weights load
+               straight into them, step inputs are filled in place, KV caches come zeroed from the OS
+               (device_memory.py, engine/input_buffer.py). On the discrete path bytes go in by a copy
+               (`tinygrad_adapter.copy_in`) and the zeros by a kernel.
+  CPU graph    a captured step is replayed by one C call through a table of function and buffer addresses
+               (kernels/cpu_graph.py), and may be kept on disk (kernels/graph_cache.py). A GPU has its own
+               answer, which tinygrad's TinyJit uses: it replays the step as one CUDA graph (a Metal indirect
+               command buffer), one launch for the whole step.
+  dtype        what `--dtype auto` computes in: this CPU has no float16 arithmetic, a GPU's tensor cores want it.
+  KV cache     vLLM sizes the cache from what is left of the GPU's memory (`--gpu-memory-utilization`); on the
+               CPU device the machine's memory is shared with everything else, so the budget is given.
+
+The C kernels (kernels/cpu) and their thread pool go with the device's kernel table (kernels/launcher.py), not
+with the path: a device only launches the kernels written in its language.
+
+The discrete path runs in CI without a GPU: `TINYVLLM_DEVICE_PATH=discrete` makes the CPU device take it (no host
+views, no CPU graph, tinygrad's JIT; the CPU's kernels and float32, which the CPU needs), so the code a GPU runs
+is tested on every commit. It is read once, when this module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+DEVICE_PATHS = ("auto", "discrete")
+DEVICE_PATH = os.getenv("TINYVLLM_DEVICE_PATH", "auto").strip().lower()
+if DEVICE_PATH not in DEVICE_PATHS:
+    raise ValueError(f"TINYVLLM_DEVICE_PATH must be one of {', '.join(DEVICE_PATHS)}, got {DEVICE_PATH!r}")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One row of the table in the module doc."""
+
+    kind: str  # the device kind: "CPU", "CUDA", "METAL", ...
+    path: str  # "host": the host sees the device's memory; "discrete": it does not (a GPU's own memory)
+    host_views: bool  # numpy views of device buffers (weights, step inputs, KV zeros)
+    cpu_graph: bool  # replay captured graphs with kernels/cpu_graph.py (and keep them on disk); else TinyJit's own
+    dtype: str  # what dtype "auto" means
+    gpu_memory_utilization: float | None  # default share of device memory for the engine; None: a fixed budget
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.gpu_memory_utilization is not None
+
+
+HOST = Platform("CPU", "host", host_views=True, cpu_graph=True, dtype="float32", gpu_memory_utilization=None)
+GPU = Platform("GPU", "discrete", host_views=False, cpu_graph=False, dtype="float16", gpu_memory_utilization=0.9)
+PLATFORMS: dict[str, Platform] = {
+    "CPU": HOST,
+    "CUDA": replace(GPU, kind="CUDA"),
+    "NV": replace(GPU, kind="NV"),  # tinygrad's own NVIDIA driver
+    "METAL": replace(GPU, kind="METAL"),
+    "AMD": replace(GPU, kind="AMD"),
+    "PYTHON": replace(GPU, kind="PYTHON", dtype="float32", gpu_memory_utilization=None),  # emulates a GPU on the host
+}
+
+
+def device_kind(device: str | None) -> str:
+    """'CUDA:1' -> 'CUDA'; None -> tinygrad's default device (opening it if no DEV says which)."""
+    if device is None:
+        from tinygrad import Device
+        device = Device.DEFAULT
+    return device.split(":")[0].upper()
+
+
+def platform_for(device: str | None, device_path: str | None = None) -> Platform:
+    """The row of `device` (None: tinygrad's default). `device_path` overrides TINYVLLM_DEVICE_PATH: "discrete"
+    puts a CPU device on the path a discrete GPU takes (its dtype and memory budget stay the CPU's)."""
+    kind = device_kind(device)
+    row = PLATFORMS.get(kind, replace(GPU, kind=kind))  # a device not listed: treat it as a GPU of its own
+    if (device_path or DEVICE_PATH) == "discrete" and row.path == "host":
+        row = replace(row, path="discrete", host_views=False, cpu_graph=False)
+    return row
+
+
+def resolve_dtype(dtype: str, device: str | None) -> str:
+    """`dtype` with "auto" made the device's: float16 on a GPU, float32 on the CPU."""
+    return platform_for(device).dtype if dtype == "auto" else dtype
