@@ -21,6 +21,8 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_device_sampler": 4,
     # Phase 5: custom kernels
     "test_kernels_paged_attention": 5,
+    # Phase 5b: the discrete GPU's path, forced on the CPU
+    "test_device_path": 5,
     # Phase 6: quantized weights, perplexity, cold start
     "test_kernels_qlinear": 6, "test_kernels_qlinear_gpu": 6, "test_quantize": 6, "test_quantized_weights": 6,
     "test_perplexity": 6, "test_cold_start": 6, "test_bench_peers": 6,
@@ -32,7 +34,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_async_llm_engine": 9, "test_api_server": 9, "test_api_errors": 9, "test_api_fuzz": 9,
     "test_api_isolation": 9, "test_api_keys": 9, "test_api_limits": 9, "test_api_real_engine": 9,
     "test_api_structured": 9, "test_api_tools": 9, "test_structured_outputs": 9, "test_dashboard": 9,
-    "test_reliability": 9, "test_api_endpoints": 9,
+    "test_reliability": 9, "test_api_endpoints": 9, "test_api_device_path": 9,
 }
 
 

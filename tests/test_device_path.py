@@ -3,7 +3,7 @@
 A GPU's memory is not the host's: no numpy views of device buffers, bytes go in by a copy, and captured steps
 replay through tinygrad's own TinyJit (CUDA graphs), not the CPU graph runner. `TINYVLLM_DEVICE_PATH=discrete`
 puts the CPU device on that path; here it is switched per test (`platforms.DEVICE_PATH`), and the engine must
-give the CPU path's greedy tokens on it: the tiny model, the real one, through the server.
+give the CPU path's greedy tokens on it: the tiny model and the real one (the server: tests/test_api_device_path.py).
 
 Two crashes of the first GPU run are pinned on tinygrad's PYTHON device (its emulator of a GPU, which has no
 `va_addr` to hand a CPU graph) and on the CPU: bytes copied into device memory (`copy_in` called
@@ -148,25 +148,3 @@ def test_real_model_on_the_discrete_path_gives_the_cpu_paths_tokens(generator, m
     assert greedy_tokens(gpu, PROMPTS, max_tokens=16) == want
     facts = engine_path_facts(gpu.llm_engine)
     assert facts["staged_inputs"] and not facts["cpu_graphs"] and not facts["kv_zeros_mapped"]
-
-
-@pytest.mark.slow
-def test_server_on_the_discrete_path(tiny_model_dir, discrete):
-    """One request through the OpenAI API, the engine on the discrete path: the offline CPU path's text."""
-    from api_helpers import client, serve
-
-    from tinyvllm.llm import LLM
-
-    args = dict(max_model_len=128, kv_cache_memory="4MiB", max_num_seqs=4, max_num_batched_tokens=32)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(platforms, "DEVICE_PATH", "auto")
-        offline = LLM(tiny_model_dir, **args).generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))
-    from tinyvllm.engine.llm_engine import LLMEngine
-
-    with serve(lambda: LLMEngine(tiny_model_dir, **args)) as server:
-        c = client(server)
-        response = c.completions.create(model=c.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=8,
-                                        temperature=0)
-        engine = server.async_engine.engine
-    assert response.choices[0].text == offline[0].outputs[0].text
-    assert engine_path_facts(engine)["staged_inputs"]
