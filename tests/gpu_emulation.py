@@ -5,6 +5,7 @@ The emulation compiles a `.cu` or `.metal` file as C++ after a page of shims (EM
 
     grid (gx, gy) of thread blocks, one block after another; every GPU thread of a block a real pthread
     __syncthreads / threadgroup_barrier           a real barrier of the block's threads
+    __dp4a                                         4 products of signed bytes, summed in int
     __shfl_xor_sync / simd_sum / __syncwarp        through memory, between two barriers of the warp's 32 threads
     __shared__ / threadgroup arrays                statics, shared by the block's threads
     __half (CUDA) / half (Metal)                   IEEE float16: clang's __fp16 storage type, converted by F16C
@@ -79,6 +80,10 @@ inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; 
 inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
 inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
 inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); return v; }
+inline int __dp4a(int a, int b, int c) {  /* 4 signed bytes of a times those of b, summed into c */
+  for (int i = 0; i < 32; i += 8) c += (signed char)(a >> i) * (signed char)(b >> i);
+  return c;
+}
 inline void __syncthreads() { pthread_barrier_wait(&block_barrier); }
 inline void __syncwarp() { warp_wait(); }
 inline float __shfl_xor_sync(unsigned, float x, int offset) {
@@ -92,6 +97,7 @@ inline float __shfl_xor_sync(unsigned, float x, int offset) {
 #define kernel
 #define device
 #define threadgroup static
+#define thread  /* the address space of a thread's own variables */
 typedef unsigned char uchar;
 typedef unsigned short ushort;
 typedef unsigned int uint;
@@ -115,11 +121,11 @@ inline float simd_sum(float x) { return lane_sum(x); }
 """
 
 LAUNCH = r"""
-struct Launch { void** args; unsigned block_x, block_y, thread; };
+struct Launch { void** args; unsigned block_x, block_y, thread_index; };
 static void* run_thread(void* p) {
   Launch* l = (Launch*)p;
   blockIdx = {l->block_x, l->block_y, 0};
-  threadIdx = {l->thread, 0, 0};
+  threadIdx = {l->thread_index, 0, 0};
   void** a = l->args;
   TV_EMU_CALL;
   return nullptr;
@@ -235,17 +241,24 @@ def run_emulated(language: str, name: str, defines: dict, arrays: list[np.ndarra
 
 # ---- CUDA: compiled to PTX here; run where a CUDA device exists ----
 
-def nvrtc_compiler(arch: str = "sm_90"):
-    """tinygrad's own CUDA compiler (nvrtc) for `arch`, with nvrtc from the nvidia-cuda-nvrtc wheel if installed."""
+def _nvrtc_from_wheel() -> None:
+    """Point tinygrad at libnvrtc from the nvidia-cuda-nvrtc wheel (the `test` extra), if installed and no NVRTC_PATH
+    is set. tinygrad reads NVRTC_PATH once, when its nvrtc bindings are first imported (a device opening may do
+    that), so this runs when this module is imported, before any test opens a device."""
     try:
         import nvidia.cuda_nvrtc as wheel
-
-        lib = next(Path(p) / "lib" for p in wheel.__path__)
-        found = sorted(lib.glob("libnvrtc.so*"))
-        if found and "NVRTC_PATH" not in os.environ:
-            os.environ["NVRTC_PATH"] = str(found[0])
     except ImportError:
-        pass
+        return
+    found = sorted(lib for p in wheel.__path__ for lib in (Path(p) / "lib").glob("libnvrtc.so*"))
+    if found and "NVRTC_PATH" not in os.environ:
+        os.environ["NVRTC_PATH"] = str(found[0])
+
+
+_nvrtc_from_wheel()
+
+
+def nvrtc_compiler(arch: str = "sm_90"):
+    """tinygrad's own CUDA compiler (nvrtc) for `arch`, with nvrtc from the nvidia-cuda-nvrtc wheel if installed."""
     try:
         from tinygrad.runtime.support.compiler_cuda import NVRTCCompiler
 

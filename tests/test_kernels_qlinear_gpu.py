@@ -3,9 +3,12 @@
 No GPU here: each kernel runs under the CPU emulation of the GPU thread model (tests/gpu_emulation.py) on random
 valid blocks of every format (and on the shipped model's own Q4_1 and Q8_0 rows), and is compared with numpy:
 x @ dequantize(w).T, the weights dequantized by tinyvllm/model/quant.py (bit-exact with the `gguf` package). The
-CUDA sources are also compiled with nvrtc at the model's shapes. The kernels dequantize in registers and multiply
-in float32 (no 8-bit rounding of x), so they agree with the reference to float32 rounding: the bound below is
-1e-5 of sum_k |x_k w_k| (the errors measured are ~1e-3 of the bound; a swapped nibble order is far outside it).
+CUDA sources are also compiled with nvrtc at every shape the engine launches. The GEMV route (M <= 8) dequantizes in
+registers and multiplies in float32 (no 8-bit rounding of x), so it agrees with the reference to float32 rounding:
+the bound below is 1e-5 of sum_k |x_k w_k| (the errors measured are ~1e-3 of the bound; a swapped nibble order is far
+outside it). The tiled route (M > 8) quantizes x to 8 bits as the CPU kernels do (`quantize_x`, compared byte for
+byte with test_kernels_qlinear's numpy quantizer), then sums integer products: it agrees to the same bound with
+x_hat @ w.T, x_hat the dequantized 8-bit x, and with the CPU kernel (kernels/cpu/qmatmul.c) itself.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from gpu_emulation import (
     run_emulated_source,
 )
 
-from tinyvllm.kernels.qlinear import QUANT_FORMATS
+from test_kernels_qlinear import quantize_x
+
+from tinygrad import Tensor
+
+from tinyvllm.kernels.qlinear import QUANT_FORMATS, QuantizedWeight, gpu_launches, gpu_scratch_bytes, qlinear
 from tinyvllm.model import quant
 from tinyvllm.model.gguf import GGUFFile
 
@@ -66,10 +73,12 @@ def make_case(ggml_type: int, M: int, N: int, K: int, seed: int) -> tuple[np.nda
     return x, w, quant.dequantize(w.reshape(-1), ggml_type, (N, K))
 
 
-def check_against_reference(out: np.ndarray, x: np.ndarray, w_float: np.ndarray) -> None:
+def check_against_reference(out: np.ndarray, x: np.ndarray, w_float: np.ndarray,
+                            reference: np.ndarray | None = None) -> None:
     """|out - x @ w.T| <= RTOL * (|x| @ |w|.T), elementwise: float32 rounding of a dot product of length K, with room
-    for the order of the sums (per block, then across the lanes)."""
-    reference = x.astype(np.float64) @ w_float.astype(np.float64).T
+    for the order of the sums (per block, then across the lanes). `reference`: another result to hold out to."""
+    if reference is None:
+        reference = x.astype(np.float64) @ w_float.astype(np.float64).T
     bound = RTOL * (np.abs(x).astype(np.float64) @ np.abs(w_float).astype(np.float64).T)
     error = np.abs(out - reference)
     worst = np.unravel_index(np.argmax(error / bound), error.shape)
@@ -77,15 +86,35 @@ def check_against_reference(out: np.ndarray, x: np.ndarray, w_float: np.ndarray)
                                     f"{error[worst]:.3g} over the bound {bound[worst]:.3g}")
 
 
-def run_qmatmul(language: str, ggml_type: int, x: np.ndarray, w: np.ndarray, N: int, tmp_path: Path) -> np.ndarray:
-    """The kernel under emulation, launched as the contract says: grid ((N + 3) / 4, M), 128 threads."""
+def run_qmatmul(language: str, ggml_type: int, x: np.ndarray, w: np.ndarray, N: int, tmp_path: Path,
+                scratch: np.ndarray | None = None) -> np.ndarray:
+    """The kernels under emulation, launched as qlinear launches them on a GPU (qlinear.gpu_launches: the GEMV route
+    for M <= 8, quantize_x then qmatmul_tiled above). `scratch`, if given, receives the tiled route's quantized x."""
     M, K = x.shape
     out = np.full((M, N), np.nan, np.float32)
-    scratch = np.zeros(16, np.uint8)  # unused by the GPU kernels; any size
+    if scratch is None:
+        scratch = np.zeros(max(1, gpu_scratch_bytes(M, K)), np.uint8)
     defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type}
-    run_emulated(language, FORMATS[ggml_type].kernel, defines, [out, scratch, x, w], ((N + 3) // 4, M), THREADS,
-                 tmp_path)
+    for step in gpu_launches(ggml_type, M, N, K):
+        args = [scratch, x] if step.entry == "quantize_x" else [out, scratch, x, w]
+        run_emulated(language, FORMATS[ggml_type].kernel, defines, args, step.grid[:2], step.threads, tmp_path,
+                     entry=step.entry)
     return out
+
+
+def x_hat(x: np.ndarray) -> np.ndarray:
+    """x as the tiled route sees it: quantized to 8 bits per block of 32 as the CPU kernels do, then dequantized."""
+    q, d = quantize_x(x, 32)
+    return (q * d[..., None].astype(np.float64)).reshape(x.shape)
+
+
+def xblocks(x: np.ndarray) -> np.ndarray:
+    """The scratch bytes quantize_x must write: per block of 32, float d, float s = d * sum(q), int8 q[32]."""
+    q, d = quantize_x(x, 32)
+    s = (d * q.sum(-1).astype(np.float32)).astype(np.float32)
+    blocks = np.zeros(d.shape, np.dtype([("d", "<f4"), ("s", "<f4"), ("q", "i1", 32)]))
+    blocks["d"], blocks["s"], blocks["q"] = d, s, q
+    return blocks.reshape(-1).view(np.uint8)
 
 
 @emulated
@@ -99,6 +128,52 @@ def test_qmatmul_under_emulation_matches_numpy(language: str, ggml_type: int, tm
         x, w, w_float = make_case(ggml_type, M, N, K, seed=ggml_type * 10 + M)
         out = run_qmatmul(language, ggml_type, x, w, N, tmp_path)
         check_against_reference(out, x, w_float)
+
+
+# every format in CUDA; in Metal the two whose unpacking differs most (signed int8, two scales per unit), Q4_1 in the
+# next test: each emulated variant costs a C++ compile
+TILED_CASES = [("cuda", t) for t in FORMATS] + [("metal", 8), ("metal", 14)]
+
+
+@emulated
+@pytest.mark.parametrize("language,ggml_type", TILED_CASES, ids=[f"{lang}-{FORMATS[t].name}" for lang, t in TILED_CASES])
+def test_tiled_qmatmul_under_emulation_matches_numpy(language: str, ggml_type: int, tmp_path: Path):
+    # M = 70, N = 72: a second row tile and a second column tile, each mostly past M and N (computed on zeros, not
+    # written); K = 576 (SmolLM2's hidden size: 18 units, 9 steps of 2) for the 32-element formats, 768 (3
+    # super-blocks) for the K-quants. qmatmul_tiled alone, on the scratch quantize_x would write (the next test runs
+    # both); the reference is x_hat @ w.T: the integer sums are exact, so only float32 rounding separates them
+    M, N = 70, 72
+    K = 576 if FORMATS[ggml_type].kernel == "qmatmul" else 768
+    assert [s.entry for s in gpu_launches(ggml_type, M, N, K)] == ["quantize_x", "qmatmul_tiled"]
+    x, w, w_float = make_case(ggml_type, M, N, K, seed=ggml_type)
+    out = np.full((M, N), np.nan, np.float32)
+    tiled = gpu_launches(ggml_type, M, N, K)[1]
+    run_emulated(language, FORMATS[ggml_type].kernel, {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type},
+                 [out, xblocks(x), x, w], tiled.grid[:2], tiled.threads, tmp_path, entry=tiled.entry)
+    check_against_reference(out, x_hat(x).astype(np.float32), w_float)
+
+
+@emulated
+@pytest.mark.parametrize("language,tensor,M", [("cuda", "blk.0.ffn_down.weight", 256),
+                                               ("metal", "blk.0.attn_q.weight", 64)])
+def test_tiled_route_on_the_shipped_models_blocks(language: str, tensor: str, M: int, default_gguf: Path,
+                                                  tmp_path: Path):
+    # the whole tiled route at the engine's shapes: down_proj (K 1536) with 256 rows, q_proj (K 576) with 64, on
+    # the real model's first 64 rows of the weight. quantize_x must write the CPU's 8-bit blocks bit for bit, and
+    # the result must match both x_hat @ w.T and the CPU kernel (kernels/cpu/qmatmul.c), which quantizes x alike
+    gguf = GGUFFile(default_gguf)
+    info = gguf.tensors[tensor]
+    N, K = 64, info.shape[1]
+    w = gguf.raw(tensor, quant.tensor_nbytes(info.ggml_type, (N, K))).reshape(N, -1).copy()
+    x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
+    x[1, 32:64] = 0.0  # an all-zero block of x: d = 0, q = 0
+    scratch = np.zeros(gpu_scratch_bytes(M, K), np.uint8)
+    out = run_qmatmul(language, info.ggml_type, x, w, N, tmp_path, scratch)
+    np.testing.assert_array_equal(scratch, xblocks(x))
+    w_float = quant.dequantize(w.reshape(-1), info.ggml_type, (N, K))
+    check_against_reference(out, x_hat(x).astype(np.float32), w_float)
+    cpu = qlinear(Tensor(x), QuantizedWeight(Tensor(w), info.ggml_type, (N, K))).numpy()
+    check_against_reference(out, x_hat(x).astype(np.float32), w_float, cpu)
 
 
 @emulated
@@ -176,20 +251,45 @@ def test_emulated_float16_is_ieee(language: str, tmp_path: Path):
     np.testing.assert_array_equal(narrow.view(np.uint16), f.astype(np.float16).view(np.uint16))
 
 
-# ---- CUDA: compiled with nvrtc (or nvcc) at the model's shapes ----
+# ---- CUDA: compiled with nvrtc (or nvcc) at the shapes the engine launches ----
 
-@pytest.mark.parametrize("ggml_type", list(FORMATS), ids=[f.name for f in FORMATS.values()])
-@pytest.mark.parametrize("M", [1, 32])
-def test_cuda_source_compiles(ggml_type: int, M: int, tmp_path: Path):
-    # SmolLM2-135M: gate_up (N 3072, K 576) for the 32-element formats; down (N 576, K 1536) for the K-quants,
-    # whose 256-element super-blocks do not divide 576
-    name = FORMATS[ggml_type].kernel
-    N, K = (3072, 576) if name == "qmatmul" else (576, 1536)
-    ptx = compile_cuda(kernel_file_source("cuda", name, {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type}),
-                       tmp_path)
+# SmolLM2-135M's linears (N, K) as the model fuses them, Q4_1 in the shipped GGUF, and its tied lm_head in Q8_0
+ENGINE_SHAPES = {"qkv_proj": (3, 960, 576), "o_proj": (3, 576, 576), "gate_up_proj": (3, 3072, 576),
+                 "down_proj": (3, 576, 1536), "lm_head": (8, 49152, 576)}
+
+
+def cuda_sources(ggml_type: int, M: int, N: int, K: int) -> list[tuple[str, str]]:
+    """(entry, full source) of every launch qlinear makes on a GPU for x (M, K) @ w(N, K).T."""
+    kernel, defines = FORMATS[ggml_type].kernel, {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type}
+    return [(s.entry, kernel_file_source("cuda", kernel, defines, s.entry)) for s in gpu_launches(ggml_type, M, N, K)]
+
+
+def compile_checked(entry: str, source: str, tmp_path: Path, arch: str) -> None:
+    ptx = compile_cuda(source, tmp_path, arch)
     if ptx is None:
         pytest.skip("no CUDA compiler (libnvrtc or nvcc)")
-    check_ptx(ptx, name)
+    check_ptx(ptx, entry)
+
+
+@pytest.mark.parametrize("layer", list(ENGINE_SHAPES))
+def test_cuda_sources_compile_at_the_engines_shapes(layer: str, tmp_path: Path):
+    # sm_90 (H100), every launch of both routes: M = 1 (GEMV; the source does not read TV_M, so 3 compiles alike)
+    # and M = 256 (quantize_x, qmatmul_tiled; 64 takes the same code with one row tile)
+    ggml_type, N, K = ENGINE_SHAPES[layer]
+    for M in (1, 256):
+        for entry, source in cuda_sources(ggml_type, M, N, K):
+            compile_checked(entry, source, tmp_path, "sm_90")
+
+
+@pytest.mark.parametrize("ggml_type", list(FORMATS), ids=[f.name for f in FORMATS.values()])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
+def test_cuda_sources_compile_for_every_format(ggml_type: int, arch: str, tmp_path: Path):
+    # every format's three entries, on the H100's arch and an older one (Turing: dp4a is there from sm_61); the
+    # K-quants at down_proj's shape, whose K = 1536 is whole super-blocks of 256
+    N, K = (3072, 576) if FORMATS[ggml_type].kernel == "qmatmul" else (576, 1536)
+    for M in (1, 64):
+        for entry, source in cuda_sources(ggml_type, M, N, K):
+            compile_checked(entry, source, tmp_path, arch)
 
 
 @pytest.mark.parametrize("name,ggml_type", [("qmatmul", 12), ("qmatmul_k", 3)])

@@ -120,6 +120,39 @@ __device__ __forceinline__ float block_dot(const unsigned char* b, const float4*
 #endif
 }
 
+#if defined(TV_QUANTIZE_X) || defined(TV_QMATMUL_TILED)
+/* ---- the tiled route (M > 8): qmatmul_tiled.cuh, on this file's blocks ---- */
+#define TWO_SCALES 0  /* one scale per block of 32 */
+
+/* block u of a row of w as 8 words of 4 signed bytes q (word i: elements 4i .. 4i + 3), and w = d * q + c */
+__device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, unsigned* q, float* d_lo, float* d_hi,
+                                          float* c) {
+  const unsigned char* b = w_row + u * TYPE_SIZE;
+  *d_lo = *d_hi = f16(b);
+#if TV_QTYPE == 2  /* Q4_0: q = nibble, c = -8 d; byte j: elements j (low nibble), j + 16 (high) */
+  for (int i = 0; i < 4; i++) {
+    const unsigned v = load_u32_2(b + 2 + 4 * i);
+    q[i] = v & 0x0F0F0F0Fu;
+    q[4 + i] = v >> 4 & 0x0F0F0F0Fu;
+  }
+  *c = -8.0f * *d_lo;
+#elif TV_QTYPE == 3  /* Q4_1: q = nibble, c = m */
+  const unsigned* qs = (const unsigned*)(b + 4);
+  for (int i = 0; i < 4; i++) {
+    q[i] = qs[i] & 0x0F0F0F0Fu;
+    q[4 + i] = qs[i] >> 4 & 0x0F0F0F0Fu;
+  }
+  *c = f16(b + 2);
+#else  /* Q8_0: q = the int8s as they are, c = 0 */
+  for (int i = 0; i < 8; i++) q[i] = load_u32_2(b + 2 + 4 * i);
+  *c = 0.0f;
+#endif
+}
+
+#include "qmatmul_tiled.cuh"
+
+#else
+/* ---- the GEMV route (M <= 8): one warp per output ---- */
 TV_KERNEL __launch_bounds__(WARP * OUTS_PER_BLOCK)
 qmatmul(float* __restrict__ out, unsigned char* __restrict__ scratch, const float* __restrict__ x,
         const unsigned char* __restrict__ w) {
@@ -133,3 +166,4 @@ qmatmul(float* __restrict__ out, unsigned char* __restrict__ scratch, const floa
   acc = warp_sum(acc);
   if (lane == 0) out[(long)m * TV_N + n] = acc;
 }
+#endif

@@ -115,6 +115,39 @@ inline float block_dot(const device uchar* b, const device float4* xb) {
 #endif
 }
 
+#if defined(TV_QUANTIZE_X) || defined(TV_QMATMUL_TILED)
+/* ---- the tiled route (M > 8): qmatmul_tiled.h, on this file's blocks ---- */
+#define TWO_SCALES 0  /* one scale per block of 32 */
+
+/* block u of a row of w as 8 words of 4 signed bytes q (word i: elements 4i .. 4i + 3), and w = d * q + c */
+inline void load_unit(const device uchar* w_row, int u, thread uint* q, thread float& d_lo, thread float& d_hi,
+                      thread float& c) {
+  const device uchar* b = w_row + u * TYPE_SIZE;
+  d_lo = d_hi = f16(b);
+#if TV_QTYPE == 2  /* Q4_0: q = nibble, c = -8 d; byte j: elements j (low nibble), j + 16 (high) */
+  for (int i = 0; i < 4; i++) {
+    const uint v = load_u32_2(b + 2 + 4 * i);
+    q[i] = v & 0x0F0F0F0Fu;
+    q[4 + i] = v >> 4 & 0x0F0F0F0Fu;
+  }
+  c = -8.0f * d_lo;
+#elif TV_QTYPE == 3  /* Q4_1: q = nibble, c = m */
+  const device uint* qs = (const device uint*)(b + 4);
+  for (int i = 0; i < 4; i++) {
+    q[i] = qs[i] & 0x0F0F0F0Fu;
+    q[4 + i] = qs[i] >> 4 & 0x0F0F0F0Fu;
+  }
+  c = f16(b + 2);
+#else  /* Q8_0: q = the int8s as they are, c = 0 */
+  for (int i = 0; i < 8; i++) q[i] = load_u32_2(b + 2 + 4 * i);
+  c = 0.0f;
+#endif
+}
+
+#include "qmatmul_tiled.h"
+
+#else
+/* ---- the GEMV route (M <= 8): one SIMD group per output ---- */
 TV_KERNEL qmatmul(device float* out [[buffer(0)]], device uchar* scratch [[buffer(1)]],
                   const device float* x [[buffer(2)]], const device uchar* w [[buffer(3)]],
                   uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
@@ -128,3 +161,4 @@ TV_KERNEL qmatmul(device float* out [[buffer(0)]], device uchar* scratch [[buffe
   acc = simd_sum(acc);
   if (lane == 0) out[(long)m * TV_N + n] = acc;
 }
+#endif

@@ -128,6 +128,61 @@ inline float unit_dot(const device uchar* blk, int p, const device float4* xu) {
 }
 #endif
 
+#if defined(TV_QUANTIZE_X) || defined(TV_QMATMUL_TILED)
+/* ---- the tiled route (M > 8): qmatmul_tiled.h, on this file's units of 32 ---- */
+
+/* unit u of a row of w as 8 words of 4 signed bytes q (word i: elements 4i .. 4i + 3 of the unit), and its scales:
+ * w = d_lo * q + c for elements 0-15, d_hi * q + c for 16-31 */
+inline void load_unit(const device uchar* w_row, int u, thread uint* q, thread float& d_lo, thread float& d_hi,
+                      thread float& c) {
+  const device uchar* blk = w_row + u / 8 * TYPE_SIZE;
+#if TV_QTYPE == 12  /* Q4_K: sub-block s: q = nibble, d = d * sc, c = -dmin * mn */
+#define TWO_SCALES 0
+  const int s = u % 8;
+  const device uchar* packed = blk + 4;
+  int sc, mn;
+  if (s < 4) {
+    sc = packed[s] & 63;
+    mn = packed[s + 4] & 63;
+  } else {
+    sc = (packed[s + 4] & 0xF) | (packed[s - 4] >> 6) << 4;
+    mn = (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
+  }
+  const device uint4* chunk = (const device uint4*)(blk + 16 + 32 * (s / 2));
+  const int shift = 4 * (s % 2);
+  for (int h = 0; h < 2; h++) {
+    const uint4 v = chunk[h];
+    q[4 * h] = v.x >> shift & 0x0F0F0F0Fu;
+    q[4 * h + 1] = v.y >> shift & 0x0F0F0F0Fu;
+    q[4 * h + 2] = v.z >> shift & 0x0F0F0F0Fu;
+    q[4 * h + 3] = v.w >> shift & 0x0F0F0F0Fu;
+  }
+  d_lo = d_hi = f16(blk) * float(sc);
+  c = -(f16(blk + 2) * float(mn));
+#else  /* Q6_K: part p: q = q6 - 32 (a signed byte), a scale per 16, c = 0 */
+#define TWO_SCALES 1
+  const int p = u % 8, h = p / 4, k = p % 4;
+  const device uchar* ql = blk + 64 * h + 32 * (k % 2);
+  const device uchar* qh = blk + 128 + 32 * h;
+  const device char* scales = (const device char*)(blk + 192 + 8 * h + 2 * k);
+  for (int i = 0; i < 8; i++) {
+    const uint lo = load_u32_2(ql + 4 * i) >> 4 * (k / 2) & 0x0F0F0F0Fu;
+    const uint hi = load_u32_2(qh + 4 * i) >> 2 * k & 0x03030303u;
+    /* each byte v in 0..63 to v - 32 as a signed byte: set every top bit so no borrow crosses bytes, subtract,
+     * flip the top bits back (x ^ 0x80 = x + 128 mod 256) */
+    q[i] = (((lo | hi << 4) | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+  }
+  const float d = f16(blk + 208);
+  d_lo = d * float(scales[0]);
+  d_hi = d * float(scales[1]);
+  c = 0.0f;
+#endif
+}
+
+#include "qmatmul_tiled.h"
+
+#else
+/* ---- the GEMV route (M <= 8): one SIMD group per output ---- */
 TV_KERNEL qmatmul_k(device float* out [[buffer(0)]], device uchar* scratch [[buffer(1)]],
                     const device float* x [[buffer(2)]], const device uchar* w [[buffer(3)]],
                     uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
@@ -142,3 +197,4 @@ TV_KERNEL qmatmul_k(device float* out [[buffer(0)]], device uchar* scratch [[buf
   acc = simd_sum(acc);
   if (lane == 0) out[(long)m * TV_N + n] = acc;
 }
+#endif

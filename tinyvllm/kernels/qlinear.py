@@ -40,8 +40,15 @@ invariance, as vLLM makes the opposite trade (batch invariance is its opt-in mod
 
 Everywhere else (`TINYVLLM_PORTABLE=1` / `tinyvllm.kernels.linear.PORTABLE`, symbolic shapes, a device without
 a kernel) the portable path runs: dequantize the blocks in tinygrad ops, then `x @ w.T` in float32. A GPU
-device with kernels (kernels/cuda/qmatmul*.cu, kernels/metal/qmatmul*.metal) launches them with one warp per
-output (m, n), four warps per block: grid ((N + 3) // 4, M, 1), 128 threads.
+device with kernels (kernels/cuda/qmatmul*.cu, kernels/metal/qmatmul*.metal) launches one of two routes, chosen
+by the number of rows M, as llama.cpp's CUDA backend chooses between MMVQ and MMQ (`gpu_launches`):
+
+    M <= 8 (GEMV)   qmatmul             one warp per output (m, n), four warps per block: grid ((N + 3) // 4, M),
+                                        128 threads; w dequantized in registers, float32 FMAs, x as it is
+    M > 8 (tiled)   quantize_x          x -> 8-bit blocks in `scratch` (the CPU's rounding), one thread per block
+                    qmatmul_tiled       64 x 64 output tiles, x and w staged through shared memory, dp4a integer
+                                        products: grid (ceil(N / 64), ceil(M / 64)), 256 threads; every weight is
+                                        read ceil(M / 64) times instead of M times (kernels/cuda/qmatmul_tiled.cuh)
 """
 
 from __future__ import annotations
@@ -143,9 +150,39 @@ class QuantizedWeight:
 
 
 def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
-    """Bytes of the kernel's scratch: M rows of x, each quantized to K // block_size 8-bit blocks."""
+    """Bytes of the CPU kernel's scratch: M rows of x, each quantized to K // block_size 8-bit blocks."""
     fmt = quant_format(ggml_type)
     return M * (K // fmt.block_size) * X_BLOCK_BYTES[fmt.kernel]
+
+
+# ---- the GPU launches: GEMV for a few rows of x, tiles for many ----
+GPU_GEMV_MAX_M = 8  # up to this many rows of x the GEMV route; llama.cpp's MMVQ_MAX_BATCH_SIZE (ggml-cuda/mmvq.cuh)
+GPU_TILE = 64  # rows of x and of w per thread block of the tiled route (TILE_M, TILE_N in qmatmul_tiled.*)
+
+
+@dataclass(frozen=True)
+class GpuLaunch:
+    """One kernel launch of a GPU route: `entry` of the format's file on `grid` blocks of `threads` threads."""
+
+    entry: str
+    grid: tuple[int, int, int]
+    threads: int
+
+
+def gpu_launches(ggml_type: int, M: int, N: int, K: int) -> list[GpuLaunch]:
+    """What a GPU runs for x (M, K) @ w(N, K).T: the GEMV route (one launch) for M <= GPU_GEMV_MAX_M, else the tiled
+    route (x quantized into the scratch by quantize_x, then qmatmul_tiled on it)."""
+    kernel = quant_format(ggml_type).kernel
+    if M <= GPU_GEMV_MAX_M:
+        return [GpuLaunch(kernel, ((N + 3) // 4, M, 1), 128)]  # one warp per (m, n)
+    return [GpuLaunch("quantize_x", ((K // 32 + 127) // 128, M, 1), 128),  # one thread per block of 32 of x
+            GpuLaunch("qmatmul_tiled", (-(-N // GPU_TILE), -(-M // GPU_TILE), 1), 256)]
+
+
+def gpu_scratch_bytes(M: int, K: int) -> int:
+    """Bytes of the GPU kernels' scratch: the tiled route's quantized x, 40 bytes per block of 32 for every format
+    (kernels/cpu/qmatmul.c's struct xblock); the GEMV route reads x as it is and needs none."""
+    return M * (K // 32) * X_BLOCK_BYTES["qmatmul"] if M > GPU_GEMV_MAX_M else 0
 
 
 def uses_kernel(x: Tensor, w: QuantizedWeight) -> bool:
@@ -171,16 +208,26 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
     # ops: one multiply-add per weight per row of x; mem: the blocks once, x, out and the scratch once
     estimates = Estimates(ops=2 * M * N * K, lds=nbytes + 4 * M * K, mem=nbytes + 4 * (M * K + M * N))
     out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)  # (M,N), every element written
-    scratch = Tensor.invalids(max(1, scratch_bytes(w.ggml_type, M, K)), dtype=dtypes.uint8, device=x.device)
-    grid = (1, 1, 1) if device_kind(x.device) == "CPU" else ((N + 3) // 4, M, 1)  # GPU: one warp per (m, n)
     defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}
-    if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
-        defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
-    if not VNNI:
-        defines["TV_NO_VNNI"] = 1
-    out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x.reshape(M, K).contiguous(), w.data.contiguous()],
-                    defines=defines, estimates=estimates,
-                    grid=grid, local_size=(128, 1, 1))
+    x2, wd = x.reshape(M, K).contiguous(), w.data.contiguous()  # (M,K), (N, row bytes)
+    if device_kind(x.device) == "CPU":
+        scratch = Tensor.invalids(max(1, scratch_bytes(w.ggml_type, M, K)), dtype=dtypes.uint8, device=x.device)
+        if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
+            defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
+        if not VNNI:
+            defines["TV_NO_VNNI"] = 1
+        out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x2, wd], defines=defines, estimates=estimates)
+        return out.reshape(*x.shape[:-1], N)
+    scratch = Tensor.invalids(max(1, gpu_scratch_bytes(M, K)), dtype=dtypes.uint8, device=x.device)
+    *quantize, matmul = gpu_launches(w.ggml_type, M, N, K)
+    for q in quantize:  # the tiled route: x -> 8-bit blocks first
+        (scratch,) = launch(fmt.kernel, outs=[scratch], ins=[x2], defines=defines, entry=q.entry, grid=q.grid,
+                            local_size=(q.threads, 1, 1),
+                            estimates=Estimates(ops=4 * M * K, lds=4 * M * K, mem=4 * M * K + scratch.nbytes()))
+    # the same arguments either way, (out, scratch, x, w): the GEMV route leaves the scratch alone, the tiled reads it
+    outs, ins = ([out], [scratch, x2, wd]) if quantize else ([out, scratch], [x2, wd])
+    out = launch(fmt.kernel, outs=outs, ins=ins, defines=defines, estimates=estimates, entry=matmul.entry,
+                 grid=matmul.grid, local_size=(matmul.threads, 1, 1))[0]
     return out.reshape(*x.shape[:-1], N)
 
 
