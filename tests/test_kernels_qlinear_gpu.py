@@ -133,10 +133,11 @@ def test_qmatmul_under_emulation_matches_numpy(language: str, ggml_type: int, tm
 # every format in CUDA; in Metal the two whose unpacking differs most (signed int8, two scales per unit), Q4_1 in the
 # next test: each emulated variant costs a C++ compile
 TILED_CASES = [("cuda", t) for t in FORMATS] + [("metal", 8), ("metal", 14)]
+TILED_IDS = [f"{language}-{FORMATS[t].name}" for language, t in TILED_CASES]
 
 
 @emulated
-@pytest.mark.parametrize("language,ggml_type", TILED_CASES, ids=[f"{lang}-{FORMATS[t].name}" for lang, t in TILED_CASES])
+@pytest.mark.parametrize("language,ggml_type", TILED_CASES, ids=TILED_IDS)
 def test_tiled_qmatmul_under_emulation_matches_numpy(language: str, ggml_type: int, tmp_path: Path):
     # M = 70, N = 72: a second row tile and a second column tile, each mostly past M and N (computed on zeros, not
     # written); K = 576 (SmolLM2's hidden size: 18 units, 9 steps of 2) for the 32-element formats, 768 (3
@@ -174,6 +175,32 @@ def test_tiled_route_on_the_shipped_models_blocks(language: str, tensor: str, M:
     check_against_reference(out, x_hat(x).astype(np.float32), w_float)
     cpu = qlinear(Tensor(x), QuantizedWeight(Tensor(w), info.ggml_type, (N, K))).numpy()
     check_against_reference(out, x_hat(x).astype(np.float32), w_float, cpu)
+
+
+@pytest.mark.parametrize("M,entries", [(1, ["qmatmul"]), (8, ["qmatmul"]), (9, ["quantize_x", "qmatmul_tiled"]),
+                                       (256, ["quantize_x", "qmatmul_tiled"])])
+def test_qlinear_launches_the_route_for_its_rows(M: int, entries: list[str], monkeypatch: pytest.MonkeyPatch):
+    # what qlinear puts into the graph on a GPU (its launches recorded, the device kind said to be CUDA): the GEMV
+    # kernel up to 8 rows, quantize_x then qmatmul_tiled beyond, with gpu_launches' grids, and the kernel arguments
+    # (out, scratch, x, w) in the order every twin takes them
+    import tinyvllm.kernels.qlinear as qlinear_module
+
+    launches = []
+
+    def record(name, outs, ins, defines, estimates=None, entry=None, grid=(1, 1, 1), local_size=None):
+        launches.append((name, entry, grid, local_size, [tuple(t.shape) for t in outs + ins]))
+        return outs
+
+    monkeypatch.setattr(qlinear_module, "device_kind", lambda device: "CUDA")
+    monkeypatch.setattr(qlinear_module, "launch", record)
+    N, K = 64, 576
+    w = QuantizedWeight(Tensor.empty(N, K // 32 * 20, dtype="uint8"), 3, (N, K))
+    assert qlinear(Tensor.empty(M, K), w).shape == (M, N)
+    assert [entry for _, entry, *_ in launches] == entries
+    for (name, _, grid, local_size, _), step in zip(launches, gpu_launches(3, M, N, K)):
+        assert (name, grid, local_size) == ("qmatmul", step.grid, (step.threads, 1, 1))
+    scratch = (max(1, gpu_scratch_bytes(M, K)),)
+    assert launches[-1][-1] == [(M, N), scratch, (M, K), (N, K // 32 * 20)]
 
 
 @emulated

@@ -118,7 +118,8 @@ def uses_float_path(ggml_type: int, M: int) -> bool:
 def quant_format(ggml_type: int) -> QuantFormat:
     if ggml_type not in QUANT_FORMATS:
         supported = ", ".join(f"{f.name} ({t})" for t, f in QUANT_FORMATS.items())
-        raise ValueError(f"no quantized matmul for {type_name(ggml_type)} (ggml type {ggml_type}); supported: {supported}")
+        raise ValueError(f"no quantized matmul for {type_name(ggml_type)} (ggml type {ggml_type}); "
+                         f"supported: {supported}")
     return QUANT_FORMATS[ggml_type]
 
 
