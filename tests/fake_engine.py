@@ -122,6 +122,7 @@ class FakeLLMEngine:
             if blocks > self.num_free_blocks:
                 return
             self.waiting.popleft()
+            request.metrics.first_scheduled_time = time.monotonic()
             request.num_blocks, self.num_free_blocks = blocks, self.num_free_blocks - blocks
             self.running.append(request)
 

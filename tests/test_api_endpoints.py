@@ -164,3 +164,32 @@ def test_continuous_usage_stats(server):
                                                        stream_options=options))
     counts = [c.usage.completion_tokens for c in chat if c.choices and c.usage is not None]
     assert counts == sorted(counts) and counts[-1] == chat[-1].usage.completion_tokens
+
+
+def test_request_level_metrics_split_each_request_into_its_phases():
+    from api_helpers import metrics
+
+    with serve(lambda: FakeLLMEngine(step_time=0.01, max_num_seqs=1)) as slow:
+        before = metrics(slow)
+        with httpx.Client(timeout=60) as http:  # two at once on one slot: the second waits in the queue
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                list(pool.map(lambda _: http.post(f"{slow.url}/v1/completions",
+                                                  json={"prompt": "Hello", "max_tokens": 5, "temperature": 0}),
+                              range(2)))
+        after = metrics(slow)
+
+    def grew(name: str) -> float:
+        return after[f"tinyvllm:{name}"] - before.get(f"tinyvllm:{name}", 0.0)
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert grew(f"request_{phase}_time_seconds_count") == 2, phase
+    assert grew("request_prompt_tokens_count") == 2 and grew("request_prompt_tokens_sum") == 2  # "Hello": 1 token
+    assert grew("request_generation_tokens_sum") == 10 and grew("time_per_output_token_seconds_count") == 8
+    assert grew("request_time_per_output_token_seconds_count") == 2
+    # the phases add up: queue + inference is the engine's share of e2e; the queued one waited a request's time
+    assert grew("request_queue_time_seconds_sum") + grew("request_inference_time_seconds_sum") <= \
+        grew("e2e_request_latency_seconds_sum") + 1e-3
+    assert grew("request_decode_time_seconds_sum") >= 2 * 4 * 0.01 and grew("request_queue_time_seconds_sum") >= 0.04
+    assert after["tinyvllm:num_preemptions_total"] == 0

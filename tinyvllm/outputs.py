@@ -30,6 +30,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.monotonic() when the request was added
+    first_scheduled_time: float | None = None  # when a step first ran it: the queue time ends, the prefill starts
     first_token_time: float | None = None
     finished_time: float | None = None
 

@@ -117,6 +117,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.waiting_for_fork: dict[int | str, list[Sequence]] = {}  # seq_id -> those to fork from its prompt
         self.num_forks: dict[int | str, int] = {}  # seq_id -> sequences it will fork itself (a first beam)
+        self.num_preemptions = 0  # since the start (vLLM's num_preemptions_total)
 
     def add_seq(self, seq: Sequence, share_prompt_with: Sequence | None = None, num_forks: int = 0) -> None:
         """Queue a new sequence. `share_prompt_with`: an unfinished sequence with the same prompt and no output
@@ -285,6 +286,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its K/V; its tokens, prompt and output, are recomputed when readmitted."""
         self.block_manager.free(seq)
+        self.num_preemptions += 1
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED

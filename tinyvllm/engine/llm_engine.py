@@ -233,6 +233,7 @@ class LLMEngine:
         if self.speculator is not None:  # drafts for this step (seq.spec_token_ids), counted by the scheduler
             self.speculator.propose(self.scheduler.running, self.requests)
         scheduler_output = self.scheduler.schedule()
+        self._record_scheduled(scheduler_output.scheduled_seqs)
         self._lap("schedule")
         begun = self.step_log.begin(scheduler_output)
         rng_states = self._rng_states(scheduler_output)
@@ -248,6 +249,15 @@ class LLMEngine:
         self.step_log.end(begun, len(new_token_seqs))
         self._lap("detokenize")
         return outputs
+
+    def _record_scheduled(self, seqs: list[Sequence]) -> None:
+        """The time each request is first scheduled: where its queue time ends (the server's metrics)."""
+        now = time.monotonic()
+        for seq in seqs:
+            owner = self.requests.get(seq.seq_id) or self.beam_search.request_of.get(seq.seq_id)  # a beam's search
+            metrics = None if owner is None else owner.metrics
+            if metrics is not None and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
 
     @property
     def step_timer(self):
@@ -500,6 +510,7 @@ class LLMEngine:
                 "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "num_cached_blocks": len(bm.cached_blocks),  # free or not: blocks a new prompt may hit
                 "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+                "num_preemptions": self.scheduler.num_preemptions,
                 "kv_cache_dtype": self.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
                 "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token,
                 "quantization": self.model.quantization, "weight_bytes": self.model.weight_formats(),
