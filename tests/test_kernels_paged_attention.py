@@ -207,6 +207,10 @@ CUDA_CASES = [("paged_attention", {"TV_NUM_SEQS": 4, "TV_NUM_HEADS": 9, "TV_NUM_
               ("paged_attention", {"TV_NUM_SEQS": 32, "TV_NUM_HEADS": 8, "TV_NUM_KV_HEADS": 2, "TV_HEAD_DIM": 128,
                                    "TV_BLOCK_SIZE": 32, "TV_MAX_BLOCKS": 64, "TV_SCALE": "0.08838834764831845f"}),
               ("reshape_and_cache", {"TV_NUM_TOKENS": 8, "TV_NUM_KV_HEADS": 3, "TV_HEAD_DIM": 64, "TV_NUM_SLOTS": 512})]
+# flash-decoding's two kernels at SmolLM2's shapes with the engine's table (block_size 16, 8192 keys: 16 partitions)
+SPLIT = {"TV_NUM_SEQS": 64, "TV_NUM_HEADS": 9, "TV_NUM_KV_HEADS": 3, "TV_HEAD_DIM": 64, "TV_BLOCK_SIZE": 16,
+         "TV_MAX_BLOCKS": 512, "TV_SCALE": "0.125f", "TV_PARTITION_SIZE": kernel_backend.PARTITION_SIZE}
+CUDA_CASES += [("paged_attention_split", SPLIT), ("paged_attention_reduce", SPLIT)]
 
 
 @pytest.mark.parametrize("entry,defines", CUDA_CASES)
@@ -218,6 +222,18 @@ def test_cuda_source_compiles(entry: str, defines: dict, t: str, cache_t: str, t
     if ptx is None:
         pytest.skip("no CUDA compiler (libnvrtc or nvcc)")
     check_ptx(ptx, name)  # the name tinygrad's CUDA runtime looks up; no spills
+
+
+@pytest.mark.parametrize("entry", ["paged_attention", "paged_attention_split", "paged_attention_reduce"])
+def test_cuda_source_compiles_for_an_older_arch(entry: str, tmp_path: Path):
+    # Turing (sm_75), an fp8 cache: the e4m3 bit arithmetic where sm_89+ has cvt instructions
+    defines = {**SPLIT, "TV_NUM_THREADS": kernel_backend.NUM_THREADS, "TV_T": "half", "TV_CACHE_T": "unsigned char",
+               "TV_CACHE_BITS": 8, "TV_KV_QUANT": 2}
+    name, source = kernel_backend.kernel_source(entry, "CUDA", defines)
+    ptx = compile_cuda(source, tmp_path, arch="sm_75")
+    if ptx is None:
+        pytest.skip("no CUDA compiler (libnvrtc or nvcc)")
+    check_ptx(ptx, name)
 
 
 # ---- the GPU sources, run on the CPU under a small emulation of the GPU thread model (tests/gpu_emulation.py) ----
@@ -255,6 +271,65 @@ def test_gpu_kernels_under_cpu_emulation(language: str, block_size: int, group: 
     written = np.flatnonzero(k_cache.reshape(32, -1).any(axis=1))
     assert list(written) == [5, 30] and (v_cache.reshape(32, -1)[written] == -1).all()
     assert (k_cache.reshape(32, -1)[written] == k_cache.dtype.type(1 / 3)).all()  # float16: round to nearest even
+
+
+@pytest.mark.skipif(not can_emulate(), reason="needs clang++ on x86-64 Linux")
+@pytest.mark.parametrize("language,cache_t", [("cuda", "half"), ("metal", "float")])
+def test_split_attention_under_cpu_emulation(language: str, cache_t: str, tmp_path: Path):
+    # flash-decoding as gpu_attention_launches lays it out, with partitions of 128 keys so that short rows span
+    # several (the engine's are 512): row lengths 1, 70 and 200 fill 1, 1 and 2 partitions of the table's 2 (14
+    # blocks of 16; a partition past a row's keys has m = -inf, skipped by the merge); SmolLM2's 9 heads, 3 KV heads
+    cache_dtype, tol = (dtypes.float32, 1e-5) if cache_t == "float" else (dtypes.float16, 1e-4)
+    block_size, heads, kv_heads, head_dim, lengths = 16, 9, 3, 64, [1, 70, 200]
+    case = make_case(block_size, heads, kv_heads, head_dim, lengths, seed=5, cache_dtype=cache_dtype)
+    q, k_cache, v_cache = (case[n].numpy() for n in ("q", "k_cache", "v_cache"))
+    tables, context_lens = case["block_tables"].numpy(), case["context_lens"].numpy()
+    split, reduce = kernel_backend.gpu_attention_launches(len(lengths), heads, kv_heads, tables.shape[1] * block_size,
+                                                          partition_size=128)
+    parts = split.grid[0] // kv_heads
+    assert (split.entry, reduce.entry, parts) == ("paged_attention_split", "paged_attention_reduce", 2)
+    defines = {"TV_NUM_SEQS": len(lengths), "TV_NUM_HEADS": heads, "TV_NUM_KV_HEADS": kv_heads,
+               "TV_HEAD_DIM": head_dim, "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": tables.shape[1],
+               "TV_SCALE": f"{float(1 / np.sqrt(head_dim))!r}f", "TV_NUM_THREADS": kernel_backend.NUM_THREADS,
+               "TV_T": "float", "TV_CACHE_T": cache_t, "TV_PARTITION_SIZE": 128}
+    partials = np.full((len(lengths), heads, parts, 2 + head_dim), np.nan, np.float32)
+    run_emulated(language, "paged_attention", defines, [partials, q, k_cache, v_cache, tables, context_lens],
+                 split.grid[:2], kernel_backend.NUM_THREADS, tmp_path, entry=split.entry)
+    assert not np.isnan(partials).any()  # every (row, head, partition) written
+    assert (partials[0, :, 1:, 0] == -np.inf).all() and (partials[0, :, 1:, 1:] == 0).all()  # past the context
+    out = np.full_like(q, np.nan)
+    run_emulated(language, "paged_attention", defines, [out, partials, context_lens], reduce.grid[:2],
+                 kernel_backend.NUM_THREADS, tmp_path, entry=reduce.entry)
+    np.testing.assert_allclose(out, portable_reference(case), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows,max_keys,entries", [(1, 8192, ["paged_attention_split", "paged_attention_reduce"]),
+                                                   (64, 8192, ["paged_attention_split", "paged_attention_reduce"]),
+                                                   (256, 8192, ["paged_attention"]),
+                                                   (1, 512, ["paged_attention"])])
+def test_gpu_attention_route(rows: int, max_keys: int, entries: list[str], monkeypatch: pytest.MonkeyPatch):
+    # what kernel_paged_attention puts into the graph on a GPU (launches recorded, the device said to be CUDA), at
+    # SmolLM2's heads: split while rows x 3 KV heads <= 512 and the table holds more than one partition of 512 keys
+    launches = []
+
+    def record(entry, outs, ins, defines, grid):
+        launches.append((entry, grid, [tuple(t.shape) for t in outs + ins], defines.get("TV_PARTITION_SIZE")))
+        return outs
+
+    monkeypatch.setattr(kernel_backend.launcher, "device_kind", lambda device: "CUDA")
+    monkeypatch.setattr(kernel_backend, "_launch", record)
+    block_size, heads, kv_heads, head_dim = 16, 9, 3, 64
+    cache = Tensor.empty(8, block_size, kv_heads, head_dim)
+    out = kernel_paged_attention(Tensor.empty(rows, heads, head_dim), cache, cache,
+                                 Tensor.empty(rows, max_keys // block_size, dtype=dtypes.int32),
+                                 Tensor.empty(rows, dtype=dtypes.int32))
+    assert out.shape == (rows, heads, head_dim) and [entry for entry, *_ in launches] == entries
+    expected = kernel_backend.gpu_attention_launches(rows, heads, kv_heads, max_keys)
+    assert [grid for _, grid, *_ in launches] == [s.grid for s in expected]
+    if len(entries) == 2:
+        parts = max_keys // kernel_backend.PARTITION_SIZE
+        assert launches[0][2][0] == (rows, heads, parts, 2 + head_dim) and launches[0][3] == 512
+        assert launches[1][2] == [(rows, heads, head_dim), (rows, heads, parts, 2 + head_dim), (rows,)]
 
 
 def device_or_skip(name: str) -> str:

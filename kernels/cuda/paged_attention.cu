@@ -26,6 +26,21 @@
  * at the end the 4 warps' (m, l, acc) are merged through shared memory the same way:
  * M = max m_w, out = sum_w exp(m_w - M) acc_w / sum_w exp(m_w - M) l_w.
  *
+ * Flash-decoding (Tri Dao et al., 2023; vLLM's paged_attention_v2), the split route for few rows and long tables
+ * (tinyvllm/attention/kernel_backend.py, gpu_attention_launches, chooses): with one block per sequence x KV head a
+ * single SmolLM2 sequence keeps 3 blocks busy whatever the context, so a GPU's other SMs idle while those 3 walk
+ * every key. paged_attention_split runs the same code on one partition of TV_PARTITION_SIZE keys per block:
+ *
+ *     grid (n_kv_heads x NUM_PARTS, num_seqs)   block (kv_head + n_kv_heads * part, seq): keys part * P ..
+ *                                               part * P + P - 1 of row seq (P = TV_PARTITION_SIZE)
+ *     then, instead of out:                     its merged (m, l, acc) per head -> partials[seq, head, part, :]
+ *     paged_attention_reduce, grid (n_heads, num_seqs): the row's partitions merged as the warps are,
+ *                                               one level up:
+ *                                               out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p
+ *
+ * A context of 8192 keys is then read by 16 x 3 blocks instead of 3, at the price of one more launch and the
+ * partials' (n_heads x NUM_PARTS x (2 + head_dim)) floats per row written and read back.
+ *
  * Arguments of paged_attention (row-major; TV_T is float or half, TV_CACHE_T float, half, signed or unsigned char):
  *   out:          (num_seqs, n_heads, head_dim)       TV_T, written
  *   q:            (num_seqs, n_heads, head_dim)       TV_T, one query token per row
@@ -35,6 +50,12 @@
  *   v_scale:      (num_blocks, block_size, n_kv_heads)   float   per KV head
  *   block_tables: (num_seqs, max_blocks)   int32     row i: the physical blocks of row i's sequence, in order
  *   context_lens: (num_seqs,)              int32     row i attends to its keys 0 .. context_lens[i]-1
+ * Arguments of paged_attention_split: those of paged_attention, with out replaced by
+ *   partials:     (num_seqs, n_heads, NUM_PARTS, 2 + head_dim)   float32, written: m, l, acc[head_dim] per partition
+ * Arguments of paged_attention_reduce (grid (n_heads, num_seqs)):
+ *   out:          (num_seqs, n_heads, head_dim)   TV_T, written
+ *   partials:     (num_seqs, n_heads, NUM_PARTS, 2 + head_dim)   float32
+ *   context_lens: (num_seqs,)   int32
  * Arguments of reshape_and_cache (grid: one block per token):
  *   k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T, written at the given slots only
  *   k_scale, v_scale: (num_blocks, block_size, n_kv_heads)             float, int8 and fp8 only, the same slots
@@ -43,6 +64,7 @@
  * Compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE, TV_MAX_BLOCKS,
  * TV_SCALE, TV_NUM_THREADS; TV_NUM_TOKENS, TV_NUM_SLOTS; TV_T, TV_CACHE_T, TV_KV_QUANT; TV_KERNEL (extern "C"
  * __global__ void). One entry point per compilation, as on the CPU: TV_RESHAPE_AND_CACHE selects the write,
+ * TV_PAGED_ATTENTION_SPLIT and TV_PAGED_ATTENTION_REDUCE (with TV_PARTITION_SIZE) flash-decoding's two kernels,
  * otherwise the attention.
  *
  * Quantized caches (Phase 7c, docs/phases/07c-kv-cache-quantization.md; the layout of kernels/cpu/paged_attention.c):
@@ -120,6 +142,12 @@ __device__ __forceinline__ float cache_to_float(TV_CACHE_T x) {
 #endif
 }
 
+/* flash-decoding's partials (paged_attention_split writes them, paged_attention_reduce merges them) */
+#ifdef TV_PARTITION_SIZE
+#define NUM_PARTS ((TV_MAX_BLOCKS * TV_BLOCK_SIZE + TV_PARTITION_SIZE - 1) / TV_PARTITION_SIZE)  /* per row, at most */
+#define PARTIAL (2 + TV_HEAD_DIM)  /* floats per (row, head, partition): m, l, acc[head_dim] */
+#endif
+
 /* ------------------------------------------------------------------------------------------------ the write */
 #ifdef TV_RESHAPE_AND_CACHE
 TV_KERNEL __launch_bounds__(TV_NUM_THREADS)
@@ -157,6 +185,31 @@ reshape_and_cache(TV_CACHE_T* __restrict__ k_cache, TV_CACHE_T* __restrict__ v_c
 #endif
 }
 
+#elif defined(TV_PAGED_ATTENTION_REDUCE)
+/* ------------------------------------------------------------------------------- flash-decoding's merge */
+/* grid (n_heads, num_seqs): out[seq, head] from the row's partitions that hold keys, merged as the warps are:
+ * out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M = max_p m_p. One thread per element of head_dim. */
+TV_KERNEL __launch_bounds__(TV_NUM_THREADS)
+paged_attention_reduce(TV_T* __restrict__ out, const float* __restrict__ partials,
+                       const int* __restrict__ context_lens) {
+  const int head = blockIdx.x, seq = blockIdx.y;
+  const int num_keys = min(context_lens[seq], TV_MAX_BLOCKS * TV_BLOCK_SIZE);
+  const int parts = (num_keys + TV_PARTITION_SIZE - 1) / TV_PARTITION_SIZE;
+  const float* row = partials + (long)(seq * TV_NUM_HEADS + head) * NUM_PARTS * PARTIAL;  /* (NUM_PARTS, PARTIAL) */
+  for (int d = threadIdx.x; d < TV_HEAD_DIM; d += TV_NUM_THREADS) {
+    float big_m = NEG_INF;
+    for (int p = 0; p < parts; p++) big_m = fmaxf(big_m, row[p * PARTIAL]);
+    float num = 0.0f, den = 0.0f;
+    for (int p = 0; p < parts; p++) {
+      const float m = row[p * PARTIAL];
+      const float scale = m == NEG_INF ? 0.0f : expf(m - big_m);
+      num += scale * row[p * PARTIAL + 2 + d];
+      den += scale * row[p * PARTIAL + 1];
+    }
+    out[(seq * TV_NUM_HEADS + head) * TV_HEAD_DIM + d] = from_float<TV_T>(den > 0.0f ? num / den : 0.0f);
+  }
+}
+
 #else
 /* -------------------------------------------------------------------------------------------- the attention */
 /* the sum of x over the warp, on every lane (xor butterfly: 5 shuffles) */
@@ -178,14 +231,29 @@ __device__ __forceinline__ long key_index(const int* table, int p, int kv_head) 
 #define ROW_SCALE(scales, index) 1.0f
 #endif
 
-TV_KERNEL __launch_bounds__(TV_NUM_THREADS)
-paged_attention(TV_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CACHE_T* __restrict__ k_cache,
-                const TV_CACHE_T* __restrict__ v_cache,
-#if TV_KV_QUANT
-                const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+#ifdef TV_PAGED_ATTENTION_SPLIT
+/* flash-decoding: thread block (kv_head + n_kv_heads * part, seq) takes only keys part * PARTITION_SIZE ..
+ * (part + 1) * PARTITION_SIZE - 1 of its row and writes its merged (m, l, acc) to `out`, the partials:
+ * (num_seqs, n_heads, NUM_PARTS, 2 + head_dim) float32, [m, l, acc[head_dim]]; paged_attention_reduce merges them */
+#define ENTRY paged_attention_split
+#define OUT_T float
+#else
+#define ENTRY paged_attention
+#define OUT_T TV_T
 #endif
-                const int* __restrict__ block_tables, const int* __restrict__ context_lens) {
+
+TV_KERNEL __launch_bounds__(TV_NUM_THREADS)
+ENTRY(OUT_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CACHE_T* __restrict__ k_cache,
+      const TV_CACHE_T* __restrict__ v_cache,
+#if TV_KV_QUANT
+      const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+#endif
+      const int* __restrict__ block_tables, const int* __restrict__ context_lens) {
+#ifdef TV_PAGED_ATTENTION_SPLIT
+  const int kv_head = blockIdx.x % TV_NUM_KV_HEADS, part = blockIdx.x / TV_NUM_KV_HEADS, seq = blockIdx.y;
+#else
   const int kv_head = blockIdx.x, seq = blockIdx.y;
+#endif
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int context_len = context_lens[seq];
   const int* table = block_tables + seq * TV_MAX_BLOCKS;
@@ -207,8 +275,14 @@ paged_attention(TV_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CAC
   }
 
   const int num_keys = min(context_len, TV_MAX_BLOCKS * TV_BLOCK_SIZE);
-  for (int t0 = warp * TILE; t0 < num_keys; t0 += NUM_WARPS * TILE) {  /* the warps take tiles of keys in turn */
-    const int n = min(TILE, num_keys - t0);
+#ifdef TV_PAGED_ATTENTION_SPLIT
+  const int key_begin = part * TV_PARTITION_SIZE, key_end = min(num_keys, key_begin + TV_PARTITION_SIZE);
+#else
+  const int key_begin = 0, key_end = num_keys;
+#endif
+  /* the warps take tiles of keys in turn */
+  for (int t0 = key_begin + warp * TILE; t0 < key_end; t0 += NUM_WARPS * TILE) {
+    const int n = min(TILE, key_end - t0);
     /* 1. scores: each K row is loaded once (coalesced across the lanes) and used by all GROUP heads */
     for (int t = 0; t < n; t++) {
       const long index = key_index(table, t0 + t, kv_head), row = index * TV_HEAD_DIM;
@@ -266,7 +340,9 @@ paged_attention(TV_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CAC
     }
   }
   __syncthreads();
+#ifndef TV_PAGED_ATTENTION_SPLIT
   TV_T* out_group = out + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM;
+#endif
   for (int j = threadIdx.x; j < GROUP * TV_HEAD_DIM; j += TV_NUM_THREADS) {
     const int g = j / TV_HEAD_DIM, d = j % TV_HEAD_DIM;
     float big_m = NEG_INF;
@@ -277,7 +353,16 @@ paged_attention(TV_T* __restrict__ out, const TV_T* __restrict__ q, const TV_CAC
       num += scale * warp_acc[w][g][d];
       den += scale * warp_l[w][g];
     }
+#ifdef TV_PAGED_ATTENTION_SPLIT
+    float* partial = out + ((long)(seq * TV_NUM_HEADS + kv_head * GROUP + g) * NUM_PARTS + part) * PARTIAL;
+    if (d == 0) {
+      partial[0] = big_m;  /* -inf, with l = 0 and acc = 0, for a partition past the row's context */
+      partial[1] = den;
+    }
+    partial[2 + d] = num;
+#else
     out_group[j] = from_float<TV_T>(den > 0.0f ? num / den : 0.0f);  /* an empty context gives zeros */
+#endif
   }
 }
 #endif

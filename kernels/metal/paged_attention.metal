@@ -20,6 +20,21 @@
  * acc' = alpha acc + sum p_i v_i), and the 4 are merged at the end through threadgroup memory:
  * M = max m_w, out = sum_w exp(m_w - M) acc_w / sum_w exp(m_w - M) l_w.
  *
+ * Flash-decoding (Tri Dao et al., 2023; vLLM's paged_attention_v2), the split route for few rows and long tables
+ * (tinyvllm/attention/kernel_backend.py, gpu_attention_launches, chooses): with one block per sequence x KV head a
+ * single SmolLM2 sequence keeps 3 blocks busy whatever the context, so a GPU's other SMs idle while those 3 walk
+ * every key. paged_attention_split runs the same code on one partition of TV_PARTITION_SIZE keys per block:
+ *
+ *     grid (n_kv_heads x NUM_PARTS, num_seqs)   block (kv_head + n_kv_heads * part, seq): keys part * P ..
+ *                                               part * P + P - 1 of row seq (P = TV_PARTITION_SIZE)
+ *     then, instead of out:                     its merged (m, l, acc) per head -> partials[seq, head, part, :]
+ *     paged_attention_reduce, grid (n_heads, num_seqs): the row's partitions merged as the SIMD groups are,
+ *                                               one level up:
+ *                                               out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p
+ *
+ * A context of 8192 keys is then read by 16 x 3 blocks instead of 3, at the price of one more launch and the
+ * partials' (n_heads x NUM_PARTS x (2 + head_dim)) floats per row written and read back.
+ *
  * Arguments of paged_attention (row-major; TV_T is float or half, TV_CACHE_T float, half, char or uchar), buffers
  * 0-5 (0-7 when quantized: the scales come after v_cache):
  *   out:          (num_seqs, n_heads, head_dim)       TV_T, written
@@ -30,6 +45,12 @@
  *   v_scale:      (num_blocks, block_size, n_kv_heads)   float   per KV head
  *   block_tables: (num_seqs, max_blocks)   int32     row i: the physical blocks of row i's sequence, in order
  *   context_lens: (num_seqs,)              int32     row i attends to its keys 0 .. context_lens[i]-1
+ * Arguments of paged_attention_split: those of paged_attention, with out replaced by
+ *   partials:     (num_seqs, n_heads, NUM_PARTS, 2 + head_dim)   float32, written: m, l, acc[head_dim] per partition
+ * Arguments of paged_attention_reduce (grid (n_heads, num_seqs)):
+ *   out:          (num_seqs, n_heads, head_dim)   TV_T, written
+ *   partials:     (num_seqs, n_heads, NUM_PARTS, 2 + head_dim)   float32
+ *   context_lens: (num_seqs,)   int32
  * Arguments of reshape_and_cache (grid: one threadgroup per token), buffers 0-4 (0-6 when quantized):
  *   k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim)   TV_CACHE_T, written at the given slots only
  *   k_scale, v_scale: (num_blocks, block_size, n_kv_heads)             float, int8 and fp8 only, the same slots
@@ -37,7 +58,8 @@
  *   slot_mapping:     (num_tokens,) int32   slot = block * block_size + offset; a negative slot is skipped
  * Compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE, TV_MAX_BLOCKS,
  * TV_SCALE, TV_NUM_THREADS; TV_NUM_TOKENS, TV_NUM_SLOTS; TV_T, TV_CACHE_T, TV_KV_QUANT; TV_KERNEL (kernel void).
- * One entry point per compilation, as on the CPU: TV_RESHAPE_AND_CACHE selects the write, otherwise the attention.
+ * One entry point per compilation, as on the CPU: TV_RESHAPE_AND_CACHE selects the write, TV_PAGED_ATTENTION_SPLIT
+ * and TV_PAGED_ATTENTION_REDUCE (with TV_PARTITION_SIZE) flash-decoding's two kernels, otherwise the attention.
  *
  * Quantized caches (Phase 7c, docs/phases/07c-kv-cache-quantization.md; the layout of kernels/cpu/paged_attention.c):
  * TV_KV_QUANT 0 stores TV_CACHE_T as is; 1 int8 codes, x = code * scale; 2 fp8 e4m3 codes, x = e4m3(code) * scale,
@@ -92,6 +114,12 @@ inline float cache_to_float(TV_CACHE_T x) {
 #endif
 }
 
+/* flash-decoding's partials (paged_attention_split writes them, paged_attention_reduce merges them) */
+#ifdef TV_PARTITION_SIZE
+#define NUM_PARTS ((TV_MAX_BLOCKS * TV_BLOCK_SIZE + TV_PARTITION_SIZE - 1) / TV_PARTITION_SIZE)  /* per row, at most */
+#define PARTIAL (2 + TV_HEAD_DIM)  /* floats per (row, head, partition): m, l, acc[head_dim] */
+#endif
+
 #ifdef TV_RESHAPE_AND_CACHE
 /* ------------------------------------------------------------------------------------------------ the write */
 #if TV_KV_QUANT
@@ -136,6 +164,33 @@ TV_KERNEL reshape_and_cache(device TV_CACHE_T* k_cache [[buffer(0)]], device TV_
 }
 #endif
 
+#elif defined(TV_PAGED_ATTENTION_REDUCE)
+/* ------------------------------------------------------------------------------- flash-decoding's merge */
+/* grid (n_heads, num_seqs): out[seq, head] from the row's partitions that hold keys, merged as the SIMD groups are:
+ * out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M = max_p m_p. One thread per element of head_dim. */
+TV_KERNEL paged_attention_reduce(device TV_T* out [[buffer(0)]], const device float* partials [[buffer(1)]],
+                                 const device int* context_lens [[buffer(2)]],
+                                 uint3 gid [[threadgroup_position_in_grid]],
+                                 uint3 lid [[thread_position_in_threadgroup]]) {
+  const int head = gid.x, seq = gid.y;
+  const int num_keys = min(context_lens[seq], TV_MAX_BLOCKS * TV_BLOCK_SIZE);
+  const int parts = (num_keys + TV_PARTITION_SIZE - 1) / TV_PARTITION_SIZE;
+  /* (NUM_PARTS, PARTIAL) */
+  const device float* row = partials + (long)(seq * TV_NUM_HEADS + head) * NUM_PARTS * PARTIAL;
+  for (int d = lid.x; d < TV_HEAD_DIM; d += TV_NUM_THREADS) {
+    float big_m = NEG_INF;
+    for (int p = 0; p < parts; p++) big_m = max(big_m, row[p * PARTIAL]);
+    float num = 0.0f, den = 0.0f;
+    for (int p = 0; p < parts; p++) {
+      const float m = row[p * PARTIAL];
+      const float scale = m == NEG_INF ? 0.0f : precise::exp(m - big_m);
+      num += scale * row[p * PARTIAL + 2 + d];
+      den += scale * row[p * PARTIAL + 1];
+    }
+    out[(seq * TV_NUM_HEADS + head) * TV_HEAD_DIM + d] = TV_T(den > 0.0f ? num / den : 0.0f);
+  }
+}
+
 #else
 /* -------------------------------------------------------------------------------------------- the attention */
 /* where token p of a sequence keeps its K (or V) for one KV head: slot = table[p / block_size] * block_size
@@ -155,13 +210,28 @@ inline long key_index(const device int* table, int p, int kv_head) {
 #define TABLE_BUFFER 4
 #endif
 
-TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [[buffer(1)]],
-                          const device TV_CACHE_T* k_cache [[buffer(2)]], const device TV_CACHE_T* v_cache [[buffer(3)]],
-                          SCALE_BUFFERS
-                          const device int* block_tables [[buffer(TABLE_BUFFER)]],
-                          const device int* context_lens [[buffer(TABLE_BUFFER + 1)]],
-                          uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
+#ifdef TV_PAGED_ATTENTION_SPLIT
+/* flash-decoding: thread block (kv_head + n_kv_heads * part, seq) takes only keys part * PARTITION_SIZE ..
+ * (part + 1) * PARTITION_SIZE - 1 of its row and writes its merged (m, l, acc) to `out`, the partials:
+ * (num_seqs, n_heads, NUM_PARTS, 2 + head_dim) float32, [m, l, acc[head_dim]]; paged_attention_reduce merges them */
+#define ENTRY paged_attention_split
+#define OUT_T float
+#else
+#define ENTRY paged_attention
+#define OUT_T TV_T
+#endif
+
+TV_KERNEL ENTRY(device OUT_T* out [[buffer(0)]], const device TV_T* q [[buffer(1)]],
+                const device TV_CACHE_T* k_cache [[buffer(2)]], const device TV_CACHE_T* v_cache [[buffer(3)]],
+                SCALE_BUFFERS
+                const device int* block_tables [[buffer(TABLE_BUFFER)]],
+                const device int* context_lens [[buffer(TABLE_BUFFER + 1)]],
+                uint3 gid [[threadgroup_position_in_grid]], uint3 lid [[thread_position_in_threadgroup]]) {
+#ifdef TV_PAGED_ATTENTION_SPLIT
+  const int kv_head = gid.x % TV_NUM_KV_HEADS, part = gid.x / TV_NUM_KV_HEADS, seq = gid.y;
+#else
   const int kv_head = gid.x, seq = gid.y;
+#endif
   const int warp = lid.x / WARP, lane = lid.x % WARP;
   const int context_len = context_lens[seq];
   const device int* table = block_tables + seq * TV_MAX_BLOCKS;
@@ -183,8 +253,14 @@ TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [
   }
 
   const int num_keys = min(context_len, TV_MAX_BLOCKS * TV_BLOCK_SIZE);
-  for (int t0 = warp * TILE; t0 < num_keys; t0 += NUM_WARPS * TILE) {  /* the SIMD groups take tiles of keys in turn */
-    const int n = min(TILE, num_keys - t0);
+#ifdef TV_PAGED_ATTENTION_SPLIT
+  const int key_begin = part * TV_PARTITION_SIZE, key_end = min(num_keys, key_begin + TV_PARTITION_SIZE);
+#else
+  const int key_begin = 0, key_end = num_keys;
+#endif
+  /* the SIMD groups take tiles of keys in turn */
+  for (int t0 = key_begin + warp * TILE; t0 < key_end; t0 += NUM_WARPS * TILE) {
+    const int n = min(TILE, key_end - t0);
     /* 1. scores: each K row is loaded once (coalesced across the lanes) and used by all GROUP heads */
     for (int t = 0; t < n; t++) {
       const long index = key_index(table, t0 + t, kv_head), row = index * TV_HEAD_DIM;
@@ -242,7 +318,9 @@ TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+#ifndef TV_PAGED_ATTENTION_SPLIT
   device TV_T* out_group = out + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM;
+#endif
   for (int j = lid.x; j < GROUP * TV_HEAD_DIM; j += TV_NUM_THREADS) {
     const int g = j / TV_HEAD_DIM, d = j % TV_HEAD_DIM;
     float big_m = NEG_INF;
@@ -253,7 +331,16 @@ TV_KERNEL paged_attention(device TV_T* out [[buffer(0)]], const device TV_T* q [
       num += scale * warp_acc[w][g][d];
       den += scale * warp_l[w][g];
     }
+#ifdef TV_PAGED_ATTENTION_SPLIT
+    device float* partial = out + ((long)(seq * TV_NUM_HEADS + kv_head * GROUP + g) * NUM_PARTS + part) * PARTIAL;
+    if (d == 0) {
+      partial[0] = big_m;  /* -inf, with l = 0 and acc = 0, for a partition past the row's context */
+      partial[1] = den;
+    }
+    partial[2 + d] = num;
+#else
     out_group[j] = TV_T(den > 0.0f ? num / den : 0.0f);  /* an empty context gives zeros */
+#endif
   }
 }
 #endif

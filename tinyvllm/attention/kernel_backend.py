@@ -31,6 +31,16 @@ How a raw-source program enters the graph, on every device, is explained in `tin
 this module decides only what is attention's own: which dtypes the kernels take, whether a GPU thread block's
 shared memory fits, and the launch grid: one thread block (threadgroup) per sequence x KV head, NUM_THREADS
 threads each (on the CPU one call, which shares its work with the thread pool).
+
+On a GPU with few rows that grid leaves the device idle (SmolLM2: 3 KV heads, so one sequence's decode runs 3
+thread blocks on an H100's 132 SMs, each walking the whole context). There the attention is split as
+flash-decoding does (Tri Dao et al., 2023; vLLM's paged_attention_v2), `gpu_attention_launches`:
+
+    paged_attention_split    grid (n_kv_heads x NUM_PARTS, R): block (kv_head + n_kv_heads * part, r) attends to
+                             keys part * 512 .. part * 512 + 511 of row r only, and writes its (m, l, acc) per head
+                             to the partials (R, H, NUM_PARTS, 2 + Hd) float32
+    paged_attention_reduce   grid (H, R): out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M = max_p m_p
+                             (the merge the warps of one block already do, one level up)
 """
 
 from __future__ import annotations
@@ -64,6 +74,31 @@ C_TYPES = {"CPU": {dtypes.float32: "float", dtypes.float16: "__fp16", dtypes.int
                     dtypes.uint8: "unsigned char"},
            "METAL": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "int8_t", dtypes.uint8: "uchar"}}
 KV_QUANT = {"float32": 0, "float16": 0, "int8": 1, "fp8": 2}  # TV_KV_QUANT: what a cache element's bits mean
+
+
+# flash-decoding: the split route is taken on a GPU when a row's block table can hold more than one partition and
+# the one-block-per-(row, KV head) grid has at most SPLIT_MAX_BLOCKS blocks (vLLM splits below 512 rows x heads)
+PARTITION_SIZE = 512  # keys per thread block of the split route (vLLM's); a multiple of 4 warps x 32 keys
+SPLIT_MAX_BLOCKS = 512
+
+
+@dataclass(frozen=True)
+class GpuLaunch:
+    """One kernel launch of the attention on a GPU: `entry` of paged_attention.* on `grid` thread blocks."""
+
+    entry: str
+    grid: tuple[int, int, int]
+
+
+def gpu_attention_launches(rows: int, heads: int, kv_heads: int, max_keys: int,
+                           partition_size: int = PARTITION_SIZE) -> list[GpuLaunch]:
+    """What a GPU runs for R = `rows` query rows whose tables hold up to `max_keys` keys: one block per (row, KV head),
+    or, where that grid is small and the context long, the keys split in partitions (TV_PARTITION_SIZE), then merged."""
+    parts = -(-max_keys // partition_size)
+    if parts <= 1 or rows * kv_heads > SPLIT_MAX_BLOCKS:
+        return [GpuLaunch("paged_attention", (kv_heads, rows, 1))]
+    return [GpuLaunch("paged_attention_split", (kv_heads * parts, rows, 1)),
+            GpuLaunch("paged_attention_reduce", (heads, rows, 1))]
 
 
 GPU_SHARED_BYTES = 48 * 1024  # shared (threadgroup) memory a thread block may use without asking for more
@@ -172,11 +207,20 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
                "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": block_tables.shape[1], "TV_SCALE": f"{float(scale)!r}f",
                "TV_NUM_THREADS": NUM_THREADS, **_type_defines(q.device, q, k_cache)}
     out = Tensor.invalids(rows, heads, head_dim, dtype=q.dtype, device=q.device)  # every element written
-    (out,) = _launch("paged_attention", outs=[out],
-                     ins=[q.contiguous(), k_cache, v_cache, *_check_scales(k_cache, (k_scale, v_scale)),
-                          block_tables.cast(dtypes.int32).contiguous(), context_lens.cast(dtypes.int32).contiguous()],
-                     defines=defines, grid=(kv_heads, rows, 1))
-    return out
+    context_lens = context_lens.cast(dtypes.int32).contiguous()
+    ins = [q.contiguous(), k_cache, v_cache, *_check_scales(k_cache, (k_scale, v_scale)),
+           block_tables.cast(dtypes.int32).contiguous(), context_lens]
+    if launcher.device_kind(q.device) == "CPU":
+        return _launch("paged_attention", outs=[out], ins=ins, defines=defines, grid=(1, 1, 1))[0]
+    launches = gpu_attention_launches(rows, heads, kv_heads, block_tables.shape[1] * block_size)
+    if len(launches) == 1:
+        return _launch("paged_attention", outs=[out], ins=ins, defines=defines, grid=launches[0].grid)[0]
+    split, reduce = launches
+    defines["TV_PARTITION_SIZE"] = PARTITION_SIZE
+    parts = split.grid[0] // kv_heads
+    partials = Tensor.invalids(rows, heads, parts, 2 + head_dim, dtype=dtypes.float32, device=q.device)  # all written
+    (partials,) = _launch(split.entry, outs=[partials], ins=ins, defines=defines, grid=split.grid)
+    return _launch(reduce.entry, outs=[out], ins=[partials, context_lens], defines=defines, grid=reduce.grid)[0]
 
 
 @dataclass
