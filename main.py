@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged KV cache (default 512MiB)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="memory for the paged KV cache, e.g. 2GiB (default: 512MiB on the CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of a GPU's memory the engine may take; the KV cache gets what the weights and a "
+                        "step's activations leave of it (vLLM's flag; default 0.9 on a GPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompt prefixes seen before (default on, as in vLLM)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8", "fp8"],
@@ -44,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
                    help="weights: auto keeps a GGUF's quantized blocks (fused kernels), none dequantizes them, "
                         "q8_0/q4_0/q4_1 quantize at load (default auto)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype (default float32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
@@ -72,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                                 seed=args.seed, stop=args.stop)
         generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching,
                               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                               speculative_config=speculative_config)

@@ -148,3 +148,47 @@ def test_real_model_on_the_discrete_path_gives_the_cpu_paths_tokens(generator, m
     assert greedy_tokens(gpu, PROMPTS, max_tokens=16) == want
     facts = engine_path_facts(gpu.llm_engine)
     assert facts["staged_inputs"] and not facts["cpu_graphs"] and not facts["kv_zeros_mapped"]
+
+
+# ---- what a GPU sizes and picks by itself ----
+
+def test_kv_cache_budget_from_a_gpus_free_memory(monkeypatch):
+    from tinyvllm.core import kv_cache
+    from tinyvllm.core.kv_cache import kv_cache_budget
+    from tinyvllm.device_memory import free_device_memory
+
+    gib = 2**30
+    gpu_memory = (70 * gib, 80 * gib)  # (free, total)
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: None if device == "CPU" else gpu_memory)
+    assert free_device_memory("CPU") is None  # the CPU device: no GPU memory to ask about
+    # 0.9 of 80 GiB may be used, 10 GiB are in use (weights, tinygrad, other processes), 1 GiB of activations
+    assert kv_cache_budget(None, None, "CUDA", activations=gib) == 61 * gib
+    assert kv_cache_budget(None, 0.5, "CUDA") == 30 * gib
+    assert kv_cache_budget("2GiB", 0.5, "CUDA") == 2 * gib  # given: kv_cache_memory wins, as vLLM's bytes flag
+    with pytest.raises(ValueError, match="leaves no memory"):
+        kv_cache_budget(None, 0.1, "CUDA")
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        kv_cache_budget(None, 1.5, "CUDA")
+    assert kv_cache_budget(None, None, "CPU") == 512 * 2**20  # the CPU: a fixed budget
+    with pytest.raises(ValueError, match="give kv_cache_memory"):
+        kv_cache_budget(None, 0.9, "CPU")
+
+
+def test_dtype_auto_is_the_devices(tiny_model_dir):
+    from tinygrad import dtypes as tg_dtypes
+
+    from tinyvllm.model.loader import parse_dtype
+
+    assert parse_dtype("auto", "CUDA") == tg_dtypes.float16 and parse_dtype("auto", "CPU") == tg_dtypes.float32
+    with pytest.raises(ValueError, match="auto"):
+        parse_dtype("bfloat8", "CPU")
+
+
+def test_forked_rows_are_gathered_on_the_device(tiny_model_dir):
+    from tinyvllm.engine.model_runner import ModelRunner
+
+    logits = Tensor(np.arange(12, dtype=np.float32).reshape(4, 3)).realize()
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.token_buckets, runner.model = [1, 2, 4, 8], type("M", (), {"device": logits.device})()
+    got = runner._repeat_rows(logits, sources=[0, 1], num_rows=2, num_extra=1).numpy()
+    np.testing.assert_array_equal(got, logits.numpy()[[0, 1, 0, 1, 2, 0, 0, 0]])

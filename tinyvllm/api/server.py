@@ -438,7 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most stop strings per request (default {defaults.max_stop_sequences})")
     p.add_argument("--max-stop-length", type=int, default=defaults.max_stop_length,
                    help=f"longest stop string, in characters (default {defaults.max_stop_length})")
-    p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache blocks (default 512MiB)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="memory for the KV cache blocks, e.g. 2GiB (default: 512MiB on the CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of a GPU's memory the engine may take; the KV cache gets what the weights and a "
+                        "step's activations leave of it (vLLM's flag; default 0.9 on a GPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -456,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (default off); its counters are on /metrics')
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, requests in flight get this long to finish before they end with an error; "
@@ -483,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         from tinyvllm.engine.llm_engine import LLMEngine  # here: --help stays instant, tinygrad starts on this thread
 
         return LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                          scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,

@@ -28,6 +28,14 @@ The pool size is derived once, from a memory budget, and passed in (config flows
 
     bytes per block = 2 (K and V) * num_layers * block_size * n_kv_heads * (head_dim * element size + scale size)
     num_blocks      = budget // bytes per block - 1 (the null block)
+
+The budget is `kv_cache_memory` where given. Otherwise, on a GPU, it is what vLLM's `gpu_memory_utilization`
+leaves once the weights are on the device (`kv_cache_budget`):
+
+    |<------------------------------- total device memory -------------------------------->|
+    |<----------- gpu_memory_utilization * total ------------>|<-- 1 - utilization: left -->|
+    | used: weights, tinygrad, other processes | step | KV     |     to everything else      |
+                                     free now ^      ^ activations: each graph's intermediates, allocated when captured
 """
 
 from __future__ import annotations
@@ -38,9 +46,11 @@ from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
-from tinyvllm.device_memory import zeros
+from tinyvllm.device_memory import free_device_memory, zeros
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.platforms import platform_for
 
+DEFAULT_KV_CACHE_MEMORY = "512MiB"  # where no gpu_memory_utilization applies (the CPU device)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -136,6 +146,46 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
                          f"block, {per_block} bytes each for block_size {block_size}): give at least "
                          f"{2 * per_block} bytes")
     return budget // per_block - 1  # the null block is the last one of the budget
+
+
+def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_logits_rows: int) -> int:
+    """A bound on the intermediates of the engine's captured graphs, which tinygrad allocates when it captures them
+    (after the KV cache). Per token, float32: the residual stream and its norms, q/k/v, attention's output, the
+    MLP's gate, up and product; per row of logits: the logits and the sampler's copies. Doubled: each bucket's graph
+    (1, 2, 4, ... tokens) has buffers of its own, and the buckets below the largest add up to less than it."""
+    per_token = 4 * (4 * config.hidden_size + (config.num_attention_heads + 2 * config.num_key_value_heads)
+                     * config.head_dim + 3 * config.intermediate_size)
+    per_row = 4 * 4 * config.vocab_size
+    return 2 * (max_num_batched_tokens * per_token + max_logits_rows * per_row)
+
+
+def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: float | None, device: str | None,
+                    activations: int = 0) -> int:
+    """Bytes for the KV cache: `kv_cache_memory` if given; else, on a GPU, the share `gpu_memory_utilization` of
+    its memory (the device's default, 0.9, if None) less what is in use now (the weights are loaded) and less
+    `activations` (see the module doc); else (the CPU device) DEFAULT_KV_CACHE_MEMORY. Raises ValueError when the
+    share leaves nothing, or when a utilization is given for a device whose free memory cannot be read."""
+    if kv_cache_memory is not None:
+        return parse_memory(kv_cache_memory)
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    utilization = gpu_memory_utilization or platform_for(device).gpu_memory_utilization
+    if utilization is None:
+        return parse_memory(DEFAULT_KV_CACHE_MEMORY)
+    if (info := free_device_memory(device)) is None:
+        if gpu_memory_utilization is None:  # a device without a way to ask: the fixed budget, as on the CPU
+            return parse_memory(DEFAULT_KV_CACHE_MEMORY)
+        raise ValueError(f"gpu_memory_utilization sizes the KV cache from a GPU's free memory, which device "
+                         f"{device or platform_for(device).kind} cannot report: give kv_cache_memory instead")
+    free, total = info
+    kept_free = (1 - utilization) * total
+    budget = int(free - kept_free - activations)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {utilization} leaves no memory for the KV cache: the device has "
+                         f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB, {kept_free / 2**30:.2f} GiB must "
+                         f"stay free and the step's activations need {activations / 2**30:.2f} GiB; "
+                         f"raise gpu_memory_utilization or give kv_cache_memory")
+    return budget
 
 
 class PagedKVCache:

@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory, resolve_kv_cache_dtype
+from tinyvllm.core.kv_cache import (
+    PagedKVCache,
+    activation_bytes,
+    kv_cache_budget,
+    num_blocks_for_memory,
+    resolve_kv_cache_dtype,
+)
 from tinyvllm.core.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.engine_state import StepLog, engine_state
@@ -96,7 +102,10 @@ class SamplingBatch:
 class LLMEngine:
     """model: a .gguf file, an HF checkpoint directory, None for the default model (SmolLM2-135M-Instruct), or a
     `LlamaForCausalLM` already loaded (then pass its `tokenizer` too: tests and tutorials share one model
-    between engines). `num_gpu_blocks_override` sets the number of KV blocks instead of `kv_cache_memory`
+    between engines). `dtype` "auto" computes in float16 on a GPU and float32 on the CPU (tinyvllm/platforms.py).
+    The KV cache gets `kv_cache_memory` bytes where given; otherwise, on a GPU, the share `gpu_memory_utilization`
+    (vLLM's flag, default 0.9) of the device's memory leaves once the weights are loaded, and 512MiB on the CPU
+    (core/kv_cache.py, `kv_cache_budget`). `num_gpu_blocks_override` sets the number of KV blocks instead
     (vLLM's flag); `portable_attention=True` keeps the portable paged attention instead of the kernels;
     `scheduling_policy="priority"` serves requests by their `priority` (lower first) and preempts the lowest;
     `enable_prefix_caching` (on by default, as in vLLM) reuses the K/V of prompt prefixes seen before;
@@ -110,8 +119,9 @@ class LLMEngine:
     token a step (spec_decode/speculator.py says why)."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
-                 dtype: str = "float32", max_model_len: int | None = None, block_size: int = 16,
-                 kv_cache_memory: str | int = "512MiB", max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
+                 kv_cache_memory: str | int | None = None, gpu_memory_utilization: float | None = None,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
                  portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None):
@@ -131,8 +141,12 @@ class LLMEngine:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         config = self.model.config
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)  # "auto": the model's
-        num_blocks = num_gpu_blocks_override or num_blocks_for_memory(config, block_size, kv_cache_memory,
-                                                                      self.kv_cache_dtype)
+        spec = self.speculative_config
+        if num_gpu_blocks_override is None:  # the budget: given, or what the GPU's memory leaves (core/kv_cache.py)
+            logits_rows = min(max_num_batched_tokens, max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+            budget = kv_cache_budget(kv_cache_memory, gpu_memory_utilization, self.model.device,
+                                     activation_bytes(config, max_num_batched_tokens, logits_rows))
+        num_blocks = num_gpu_blocks_override or num_blocks_for_memory(config, block_size, budget, self.kv_cache_dtype)
         self.max_model_len = max_model_len or min(config.max_position_embeddings, num_blocks * block_size)
         if not 2 <= self.max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}], got {self.max_model_len}")
@@ -140,7 +154,6 @@ class LLMEngine:
         self.scheduler = Scheduler(num_blocks, block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy,
                                    enable_prefix_caching=enable_prefix_caching)
-        spec = self.speculative_config
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.max_model_len, max_num_batched_tokens,
                                         max_num_seqs, portable_attention=portable_attention,
                                         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
@@ -266,6 +279,8 @@ class LLMEngine:
 
     @step_timer.setter
     def step_timer(self, timer) -> None:
+        if timer is not None and timer.device is None:
+            timer.device = self.model.device  # it waits for the device before each reading (engine/step_timer.py)
         self.model_runner.step_timer = timer  # the runner times input preparation and the forward pass
 
     def _lap(self, phase: str | None) -> None:

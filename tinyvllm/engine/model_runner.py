@@ -168,11 +168,11 @@ class ModelRunner:
 
     def _repeat_rows(self, logits: Tensor, sources: list[int], num_rows: int, num_extra: int = 0) -> Tensor:
         """The logits with rows `sources` inserted after the first `num_rows` (before the `num_extra` drafts' rows),
-        padded to a bucket of rows: (R, V). Only in a step that forks (n > 1): a copy through the host."""
-        host = logits.numpy()
+        padded to a bucket of rows: (R, V). Only in a step that forks (n > 1): a gather on the device (the logits
+        never come to the host; only the row numbers go to the device)."""
         rows = list(range(num_rows)) + sources + list(range(num_rows, num_rows + num_extra))
         rows += [0] * (self.bucket_for(len(rows)) - len(rows))
-        return Tensor(np.ascontiguousarray(host[rows]), device=self.model.device).realize()
+        return logits[Tensor(np.array(rows, dtype=np.int32), device=self.model.device)].contiguous().realize()
 
     def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                min_p: np.ndarray, clocks: np.ndarray | None, use_filters: bool,

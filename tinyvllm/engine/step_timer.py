@@ -11,6 +11,11 @@ that vLLM's async output processing and multi-step scheduling hide. To see it, s
 Each `lap(phase)` adds the time since the previous lap (or since `start()`) to that phase, so the phases of
 one step add up to the step's wall time. With no timer set (the default) the engine only tests `is not None`.
 
+On a GPU a kernel launch returns before the kernel has run: without waiting, "forward" would hold the launch and
+the next phase that reads a result (the sampled tokens) the device's time. So a timer given a device waits for it
+(`Device[device].synchronize()`) before each reading of the clock: every phase is charged what it made the device
+do. The engine gives its timer the model's device when the timer is set; on the CPU the wait returns at once.
+
     start  schedule  prepare_inputs  forward (graph + device sampler)  bookkeeping  detokenize
       |------|------------|-------------------------|-------------------|-----------|
 """
@@ -20,25 +25,33 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from tinygrad import Device
+
 PHASES = ("schedule", "prepare_inputs", "forward", "bookkeeping", "detokenize")
 
 
 class StepTimer:
-    """Accumulates perf_counter time per phase over the steps it sees."""
+    """Accumulates perf_counter time per phase over the steps it sees; `device`: the device to wait for first."""
 
-    def __init__(self):
+    def __init__(self, device: str | None = None):
         self.totals: dict[str, float] = defaultdict(float)  # phase -> seconds, summed over steps
         self.num_steps = 0
+        self.device = device
         self._last = 0.0
+
+    def _now(self) -> float:
+        if self.device is not None:
+            Device[self.device].synchronize()  # the device's queued work belongs to the phase that queued it
+        return time.perf_counter()
 
     def start(self) -> None:
         """A step begins."""
         self.num_steps += 1
-        self._last = time.perf_counter()
+        self._last = self._now()
 
     def lap(self, phase: str) -> None:
         """The time since the last lap belongs to `phase`."""
-        now = time.perf_counter()
+        now = self._now()
         self.totals[phase] += now - self._last
         self._last = now
 

@@ -12,29 +12,32 @@ from tinyvllm.kernels import program_cache
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import load_checkpoint
+from tinyvllm.platforms import resolve_dtype
 
 DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 
-def parse_dtype(dtype: str | DType) -> DType:
+def parse_dtype(dtype: str | DType, device: str | None = None) -> DType:
+    """'float32', 'float16', or 'auto' (vLLM's default: float16 on a GPU, float32 on the CPU, which has no float16
+    arithmetic; tinyvllm/platforms.py) -> the compute dtype on `device`."""
     if isinstance(dtype, DType):
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype not in (*DTYPES, "auto"):
+        raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]}, got {dtype!r}")
+    return DTYPES[resolve_dtype(dtype, device)]
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "float32",
+def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "auto",
                device: str | None = None, quantization: str = "auto") -> tuple[LlamaForCausalLM, Tokenizer, Path]:
     """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct.
 
     Returns (model, tokenizer, the resolved path). `quantization` (vLLM's flag, see
     tinyvllm/model/quantization.py): "auto" keeps a GGUF's blocks as they are for the fused kernels, "none"
     dequantizes every weight, "q8_0" / "q4_0" / "q4_1" quantize a checkpoint at load. Float weights are read
-    as float32 on the host and cast to `dtype` on the device.
+    as float32 on the host and cast to `dtype` on the device ("auto": the device's, see `parse_dtype`).
     """
-    dt = parse_dtype(dtype)
     program_cache.install(device=device)  # what earlier processes lowered and chose (kernels/program_cache.py)
+    dt = parse_dtype(dtype, device)
     checkpoint = load_checkpoint(model, quantization=quantization)
     tokenizer = load_tokenizer(checkpoint.path)
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device,
