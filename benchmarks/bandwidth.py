@@ -1,5 +1,8 @@
 """How fast can this machine read memory? The ceiling of single-stream decode, measured in the run.
 
+On a GPU the memory that matters is the GPU's: `measure_bandwidth_on(device)` measures the device the run uses
+(a tinygrad reduction over 1 GiB there), the CPU's cores otherwise.
+
     python benchmarks/bandwidth.py          # prints the read bandwidth with 1 thread and with every core
 
 Decoding one sequence reads every weight once per token, so the best a decode step can do is
@@ -127,6 +130,34 @@ def measure_read_bandwidth(threads: list[int] | None = None, repeats: int = 10) 
         assert total == buf.size or abs(total / buf.size - 1) < 1e-2, "the read summed the wrong values"
         out[n] = buf.nbytes / best
     return {"bytes_per_s": out, "buffer_bytes": buf.nbytes, "last_level_cache_bytes": llc}
+
+
+def measure_device_read_bandwidth(device: str, nbytes: int = 2**30, repeats: int = 10) -> dict:
+    """Bytes/s a GPU reads, measured on that device: tinygrad's own sum over a buffer of `nbytes` (far larger than
+    any GPU cache), replayed as one captured graph, the device waited for before and after, best of `repeats`.
+    A reduction kernel from tinygrad's optimizer is a little below the memory's peak: what the engine's own kernels
+    could reach. Returns measure_read_bandwidth's shape, the one "thread" being the device."""
+    from tinygrad import Device, Tensor, TinyJit
+
+    x = Tensor.ones(nbytes // 4, device=device).contiguous().realize()
+    read = TinyJit(lambda t: t.sum().realize())
+    best, total = float("inf"), None
+    for _ in range(repeats + 2):  # the first two calls compile and capture
+        Device[device].synchronize()
+        t = time.perf_counter()
+        total = read(x)
+        Device[device].synchronize()
+        best = min(best, time.perf_counter() - t)
+    assert abs(total.item() / x.numel() - 1) < 1e-2, "the read summed the wrong values"
+    return {"bytes_per_s": {1: x.nbytes() / best}, "buffer_bytes": x.nbytes(), "last_level_cache_bytes": None,
+            "method": f"{device}: tinygrad's sum, best of {repeats}"}
+
+
+def measure_bandwidth_on(device: str) -> dict:
+    """The read bandwidth of the device a run uses: the CPU's cores (AVX2 loads), or a GPU's memory."""
+    if device.split(":")[0].upper() == "CPU":
+        return {**measure_read_bandwidth(), "method": "CPU: AVX2 loads, best of 10"}
+    return measure_device_read_bandwidth(device)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ Five measurements, in the order a user meets them (the fifth with --peers):
          bytes per token = (all linear weights + lm_head) x bytes of the compute dtype
          best decode tok/s = read bandwidth / bytes per token
 
-     The read bandwidth is measured in this run (benchmarks/bandwidth.py: every core reads a buffer several
-     times the last-level cache with AVX2 loads, best of several). With --peers, a second ceiling: the rate at
+     The read bandwidth is measured in this run, on the device the run uses (benchmarks/bandwidth.py: on the
+     CPU every core reads a buffer several times the last-level cache with AVX2 loads, best of several; on a
+     GPU a tinygrad reduction reads 1 GiB of its memory). With --peers, a second ceiling: the rate at
      which llama.cpp streams the same float32 weights (its tg tok/s x the same bytes per token). The KV cache
      read and the embedding row are left out: both are small next to the weights at these lengths (the KV
      figure is printed).
@@ -54,7 +55,7 @@ import numpy as np  # numpy only here: tinygrad must not be imported before BEAM
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bandwidth import measure_read_bandwidth  # noqa: E402  (benchmarks/bandwidth.py)
+from bandwidth import measure_bandwidth_on  # noqa: E402  (benchmarks/bandwidth.py)
 from common import (  # noqa: E402  (benchmarks/common.py)
     add_peers_arg, code_version, find_peers, log, machine_description, side_by_side_headers, table, write_results)
 
@@ -82,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="tinyvllm generation benchmark: cold start, prefill, decode, "
                                 "the memory-bandwidth ceiling, and llama.cpp in the same run (--peers)")
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16"], help="compute dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
                    help="how the weights are stored (the engine's flag, default auto: the GGUF's own blocks). "
                         "Results go to results/bench_generate.json for none (float32 weights), "
@@ -239,6 +241,7 @@ def report_ceiling(read: dict, weight_bytes: int, f32_weight_bytes: int, kv_byte
     bandwidth = read["bytes_per_s"][threads]
     bound = bandwidth / weight_bytes
     out = {"read_gb_s": {str(n): b / 1e9 for n, b in read["bytes_per_s"].items()}, "read_threads": threads,
+           "read_method": read["method"],
            "read_buffer_mib": read["buffer_bytes"] / 2**20, "weight_bytes_per_token": weight_bytes,
            "kv_bytes_per_token_mid_run": kv_bytes, "read_bound_tok_s": bound,
            "decode_weights_gb_s": decode_tok_s * weight_bytes / 1e9,
@@ -246,7 +249,7 @@ def report_ceiling(read: dict, weight_bytes: int, f32_weight_bytes: int, kv_byte
     one = read["bytes_per_s"].get(1)
     rows = [(f"weights read per token (linear + lm_head, {dtype})", f"{weight_bytes / 1e6:.1f} MB"),
             ("KV cache read per token, mid-run (not counted)", f"{kv_bytes / 1e6:.1f} MB"),
-            (f"read bandwidth, {threads} threads, AVX2 loads over {read['buffer_bytes'] / 2**20:.0f} MiB, best of 10",
+            (f"read bandwidth, {read['method']}, {threads} thread(s) over {read['buffer_bytes'] / 2**20:.0f} MiB",
              f"{bandwidth / 1e9:.1f} GB/s" + (f" (1 thread {one / 1e9:.1f})" if one and threads > 1 else "")),
             ("ceiling: read bandwidth / bytes per token", f"{bound:.1f} tok/s")]
     f32 = peers.get("llama_cpp_f32", {})
@@ -372,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype_bytes = gen.model.dtype.itemsize
     print(f"model     {gen.model_path.name}  ({config.num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} "
           f"layers, dim {config.hidden_size}, vocab {config.vocab_size})")
-    print(f"dtype     {args.dtype}   device {gen.model.device}   max_model_len {gen.max_model_len}   "
+    dtype_name = {2: "float16", 4: "float32"}[gen.model.dtype.itemsize]  # --dtype auto: the device's
+    print(f"dtype     {dtype_name}   device {gen.model.device}   max_model_len {gen.max_model_len}   "
           f"engine LLMEngine   BEAM={os.environ.get('BEAM', '0')}   "
           f"CPU graph {'off' if os.environ.get('TINYVLLM_CPU_GRAPH') == '0' else 'on'}")
     print(f"machine   {results['machine']}")
@@ -460,10 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         weight_bytes = sum(formats.values()) - input_embedding  # one step reads one row of an untied embedding
         results["weight_bytes_by_format"] = formats
     kv_bytes = config.kv_bytes_per_token * dtype_bytes // 4 * (len(prompt_ids) + args.max_tokens // 2)
-    read = measure_read_bandwidth()
+    read = measure_bandwidth_on(gen.model.device)  # the device the run used: a GPU's memory, or the CPU's
     peers = measure_peers(llama, prompt_lens, args.max_tokens) if llama is not None else {}
     # what tinyvllm's weights are, in the tables: "float32", or e.g. "Q4_1/Q8_0 (auto)"
-    label = args.dtype if args.quantization == "none" else (
+    label = dtype_name if args.quantization == "none" else (
         "/".join(f for f in gen.model.weight_formats() if not f.startswith("float")) + f" ({args.quantization})")
     results["ceiling"] = report_ceiling(read, weight_bytes, weight_bytes_per_token(config, 4), kv_bytes,
                                         engine_tok_s, peers, label)

@@ -86,7 +86,7 @@ def main() -> None:
 
     engine = LLMEngine(args.model, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                        max_num_seqs=max(concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
-                       portable_attention=args.portable_attention)
+                       portable_attention=args.portable_attention, dtype=args.dtype)
     needed = set()
     for n in concurrency:
         needed |= set(buckets_used(engine, [args.prompt_len] * n, args.steps + 4))

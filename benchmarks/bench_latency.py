@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = LLMEngine(args.model, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_memory=args.kv_cache_memory)
+                       kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
     # the runner's own switch (ModelRunner(portable_attention=...)); read when a bucket's graph is first built
     engine.model_runner.portable_attention = args.portable_attention
     warm_up(engine, log=log)

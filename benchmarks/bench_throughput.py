@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
         print("-" * len(header))
         for n, r in rows.items():
             step_ms = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.0f} ms"
-            print(f"{n:>3} {r['tok_s']:>11.1f} {r['speedup']:>8.2f} {r['wall_s']:>7.1f} {r['one_by_one_s']:>8.1f} "
+            speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
+            alone_s = "-" if r["one_by_one_s"] is None else f"{r['one_by_one_s']:.1f}"
+            print(f"{n:>3} {r['tok_s']:>11.1f} {speedup:>8} {r['wall_s']:>7.1f} {alone_s:>8} "
                   f"{r['steps']:>5} {r['ttft_ms']['p50']:>8.0f}/{r['ttft_ms']['max']:<7.0f} "
                   f"{r['tpot_ms']['p50']:>8.1f}/{r['tpot_ms']['max']:<7.1f} {step_ms:>11} {r['preemptions']:>7}  "
                   f"{r['load_average'][1]}")
@@ -231,12 +233,40 @@ def main(argv: list[str] | None = None) -> None:
                   also=args.json)
 
 
-def run_engine(args: argparse.Namespace, levels: list[int], method: str) -> tuple[str, tuple[dict, list, dict]]:
+def profile_decode_steps(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
+    """Where one decode step's time goes at this batch size: the prompts run as a batch with a StepTimer on the
+    engine (engine/step_timer.py; it waits for the device before each reading), counted from the first step after
+    every request has its first token. Returns mean ms per step by phase, their total and the number of steps."""
+    from tinyvllm.engine.step_timer import StepTimer
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, params)
+    timer, started, decoding = StepTimer(), set(), False
+    engine.step_timer = timer
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    started.add(out.request_id)
+            if not decoding and len(started) == len(prompts):  # every prompt is in: decode steps from here on
+                timer.reset()
+                decoding = True
+    finally:
+        engine.step_timer = None
+    phases = timer.per_step_ms()
+    return {"batch": len(prompts), "decode_steps": timer.num_steps, "ms_per_step": phases,
+            "total_ms": sum(phases.values())}
+
+
+def run_engine(args: argparse.Namespace, levels: list[int], method: str,
+               profile: bool = False) -> tuple[str, tuple[dict, list, dict]]:
     """One engine with --quantization `method`: every concurrency level, with the one-by-one runs between them.
-    Returns (model name, (rows by N, one-by-one seconds per request, the engine's settings))."""
+    Returns (model name, (rows by N, one-by-one seconds per request, the engine's settings)); `profile`: the
+    settings also hold `step_profile`, a decode step's phases at the largest N (`profile_decode_steps`)."""
     engine = LLMEngine(args.model, max_model_len=args.max_model_len, max_num_seqs=max(levels),
                        max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels)),
-                       kv_cache_memory=args.kv_cache_memory, quantization=method)
+                       kv_cache_memory=args.kv_cache_memory, quantization=method, dtype=args.dtype)
     # the runner's own switch (ModelRunner(portable_attention=...)); read when a bucket's graph is first built
     engine.model_runner.portable_attention = args.portable_attention
     bm = engine.scheduler.block_manager
@@ -262,21 +292,27 @@ def run_engine(args: argparse.Namespace, levels: list[int], method: str) -> tupl
         return [run_batch(engine, recorder, fresh_prompts(1), args.output_len, f"alone{k}-{j}")["wall_s"]
                 for j in range(args.one_by_one)]
 
-    # the one-by-one runs go between the batched ones, so that each ratio compares runs minutes apart, not more
+    # the one-by-one runs go between the batched ones, so that each ratio compares runs minutes apart, not more;
+    # --one-by-one 0: none, and no ratio
     alone = [one_by_one(0)]
     rows = {}
     for i, n in enumerate(levels):
         rows[n] = run_batch(engine, recorder, fresh_prompts(n), args.output_len, f"c{n}")
         alone.append(one_by_one(i + 1))
-        sec_per_request = statistics.mean(alone[i] + alone[i + 1])
+        around = alone[i] + alone[i + 1]
+        sec_per_request = statistics.mean(around) if around else None
         rows[n]["alone_s_per_request"] = sec_per_request
-        rows[n]["one_by_one_s"] = n * sec_per_request
-        rows[n]["speedup"] = n * sec_per_request / rows[n]["wall_s"]
-        log(f"{method}, concurrency {n}: {rows[n]['tok_s']:.1f} tok/s in {rows[n]['wall_s']:.1f} s, one request "
-            f"alone {sec_per_request:.1f} s, load average {rows[n]['load_average'][1]}")
+        rows[n]["one_by_one_s"] = None if sec_per_request is None else n * sec_per_request
+        rows[n]["speedup"] = None if sec_per_request is None else n * sec_per_request / rows[n]["wall_s"]
+        alone_text = "" if sec_per_request is None else f", one request alone {sec_per_request:.1f} s"
+        log(f"{method}, concurrency {n}: {rows[n]['tok_s']:.1f} tok/s in {rows[n]['wall_s']:.1f} s{alone_text}, "
+            f"load average {rows[n]['load_average'][1]}")
+    profiled = profile_decode_steps(engine, fresh_prompts(max(levels)), args.output_len) if profile else None
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     formats = engine.model.weight_formats()
     info = {"weights": ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in formats.items()),
+            "dtype": {2: "float16", 4: "float32"}[engine.model.dtype.itemsize], "device": engine.model.device,
+            "step_profile": profiled,
             "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
             "max_num_seqs": engine.scheduler.max_num_seqs, "num_blocks": bm.num_blocks, "block_size": bm.block_size}
     return engine.model_name, (rows, alone, info)

@@ -74,6 +74,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, 
     p.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
                    help=f"the engine's token budget per step (default {max_num_batched_tokens})")
     p.add_argument("--kv-cache-memory", default=kv_cache_memory, help=f"KV cache budget (default {kv_cache_memory})")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
     p.add_argument("--max-model-len", type=int, default=max_model_len)
     p.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
     p.add_argument("--portable-attention", action="store_true",
@@ -143,11 +145,22 @@ def recorded_options(options: argparse.Namespace | dict) -> dict:
     return recorded
 
 
+def device_suffix() -> str:
+    """'' on the CPU device, '_cuda' (or '_metal', ...) where the run used tinygrad's default GPU: a GPU run's results
+    go beside the CPU's (bench_generate_cuda.json), never over them. Asked at write time, when tinygrad is loaded."""
+    from tinygrad import Device
+
+    kind = Device.DEFAULT.split(":")[0].lower()
+    return "" if kind == "cpu" else f"_{kind}"
+
+
 def write_results(name: str, figures: dict, options: argparse.Namespace | dict, also: str | None = None) -> Path:
     """benchmarks/results/<name>.json: when, where, which code, with which options, then the figures.
 
     The figures' keys are what docs quote (e.g. {"decode": {"tok_s": ..}, "peers": {"llama_cpp_f32": ..}}):
-    keep them stable. `also`: a second path to write the same document to ("-": stdout)."""
+    keep them stable. `also`: a second path to write the same document to ("-": stdout). On a GPU the name gets
+    the device's suffix (`device_suffix`)."""
+    name += device_suffix()
     head = code_version().split()[0]
     doc = {"bench": name, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": head,
            "engine_code_dirty": "uncommitted" in code_version(), "machine": machine_info(),
