@@ -15,7 +15,7 @@ from tinygrad import Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import allocate_zeroed_host_memory, host_memory, memory_info, numpy_dtype
+from tinyvllm.tinygrad_adapter import allocate_zeroed_host_memory, host_memory, memory_info, numpy_dtype, sharded_zeros
 
 
 def host_view(t: Tensor) -> np.ndarray | None:
@@ -26,7 +26,7 @@ def host_view(t: Tensor) -> np.ndarray | None:
     return np.frombuffer(memory, dtype=numpy_dtype(t.dtype)).reshape(t.shape)
 
 
-def zeros(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
+def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | None, axis: int = 2) -> Tensor:
     """A realized tensor of zeros, for a cache.
 
     Zeros, not garbage: attention multiplies the values of masked slots by a probability of 0, and
@@ -34,7 +34,10 @@ def zeros(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
     maps fresh anonymous memory, which the OS hands out zeroed and only backs with real pages when first
     written (so a 512 MiB cache costs nothing until used), and `BufferSpec(zero=True)` keeps the buffer out
     of tinygrad's reuse cache (`LRUAllocator`), where a freed buffer's old contents could come back.
-    Elsewhere a kernel writes the zeros."""
+    Elsewhere a kernel writes the zeros. A tuple of devices splits the tensor along `axis` over them (tensor
+    parallel: a KV cache by head), each device's slice zeroed where it lives."""
+    if isinstance(device, tuple):
+        return sharded_zeros(shape, dtype, device, axis)
     out = Tensor.empty(*shape, dtype=dtype, device=device)
     if platform_for(out.device).host_views:
         allocate_zeroed_host_memory(out)

@@ -345,6 +345,26 @@ def share_kernel_cache_across_threads() -> None:
     helpers._db_connection, helpers._db_connection_shared = connection, True
 
 
+def sharded_zeros(shape: tuple[int, ...], dtype: DType, devices: tuple[str, ...], axis: int) -> Tensor:
+    """A realized tensor of zeros of `shape` split along `axis` over `devices` (each holds shape[axis] / N of it),
+    zeroed where it lives: no whole copy on one device first. tinygrad 0.14 represents a split tensor as one buffer
+    per device of the shard's shape under an UNSHARD (what `Tensor.shard` returns once realized)."""
+    assert shape[axis] % len(devices) == 0, f"{shape} does not split along axis {axis} over {len(devices)} devices"
+    shard = tuple(s // len(devices) if i == axis else s for i, s in enumerate(shape))
+    local = Tensor.zeros(*shard, dtype=dtype, device=devices).contiguous().realize()  # (shard) on every device
+    return Tensor(local.uop.unshard(axis))
+
+
+def shard_shape(t: Tensor) -> tuple[int, ...]:
+    """The shape of one device's part of `t` (its shape, if `t` is on one device or replicated)."""
+    return tuple(t.uop.shard_shape)
+
+
+def shard_axis(t: Tensor) -> int | None:
+    """The axis `t` is split along over its devices (None: on one device, or a replica on each)."""
+    return t.uop.axis if isinstance(t.device, tuple) else None
+
+
 # ---- speed fixes (applied by tinyvllm/model/llama.py) ----
 
 def _renumber_invalid_outputs(uret):

@@ -191,10 +191,14 @@ def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: f
 class PagedKVCache:
     """The block tensors of every layer: `kv_caches[layer] = (k_cache, v_cache)`, or
     `(k_cache, v_cache, k_scale, v_scale)` for an int8 or fp8 cache. Every tensor of a layer has the block
-    as its first dimension."""
+    as its first dimension.
+
+    Tensor parallel (Phase 8): `device` a tuple of devices splits every tensor by KV head (axis 2), each device
+    holding the heads its share of the attention reads; `config.num_key_value_heads` is then the count over all
+    devices (`LlamaForCausalLM.kv_cache_config`). Every device has every block: one block table serves them all."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: DType | KVCacheDtype = dtypes.float32, device: str | None = None):
+                 dtype: DType | KVCacheDtype = dtypes.float32, device: str | tuple[str, ...] | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size

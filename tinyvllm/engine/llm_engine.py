@@ -124,7 +124,8 @@ class LLMEngine:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
                  portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None):
+                 kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None,
+                 tensor_parallel_size: int = 1):
         resolve_kv_cache_dtype(kv_cache_dtype)  # a bad name fails here, before the model loads
         self.speculative_config = None if speculative_config is None else SpeculativeConfig.from_dict(
             speculative_config)
@@ -135,11 +136,12 @@ class LLMEngine:
             self.model, self.tokenizer, self.model_path = model, tokenizer, None
             self.model_name = "model"
         else:
-            self.model, self.tokenizer, self.model_path = load_model(model, dtype, device, quantization)
+            self.model, self.tokenizer, self.model_path = load_model(model, dtype, device, quantization,
+                                                                     tensor_parallel_size=tensor_parallel_size)
             self.model_name = self.model_path.name
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        config = self.model.config
+        config = self.model.kv_cache_config  # the model's, with KV heads counted over every device (Phase 8)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)  # "auto": the model's
         spec = self.speculative_config
         if num_gpu_blocks_override is None:  # the budget: given, or what the GPU's memory leaves (core/kv_cache.py)
@@ -150,7 +152,7 @@ class LLMEngine:
         self.max_model_len = max_model_len or min(config.max_position_embeddings, num_blocks * block_size)
         if not 2 <= self.max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}], got {self.max_model_len}")
-        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.kv_cache_dtype, self.model.device)
+        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.kv_cache_dtype, self.model.devices)
         self.scheduler = Scheduler(num_blocks, block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy,
                                    enable_prefix_caching=enable_prefix_caching)

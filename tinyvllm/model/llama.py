@@ -24,6 +24,7 @@ per layer instead of five, which matters when decode is launch- and bandwidth-bo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -33,6 +34,7 @@ from tinygrad.dtype import DType
 
 from tinyvllm import tinygrad_adapter
 from tinyvllm.device_memory import host_view
+from tinyvllm.distributed.tensor_parallel import TensorParallel
 from tinyvllm.kernels.linear import linear
 from tinyvllm.kernels.qlinear import QuantizedWeight, qlinear
 from tinyvllm.kernels.qlinear import embedding as quantized_embedding
@@ -50,8 +52,10 @@ Weight = Tensor | QuantizedWeight | tuple
 
 def project(x: Tensor, w: Weight) -> Tensor:
     """x (..., K) @ w.T -> (..., N), whatever w is stored as."""
-    if isinstance(w, tuple):
-        return Tensor.cat(*[project(x, part) for part in w], dim=-1)
+    if isinstance(w, tuple):  # split over devices (tensor parallel), each device's parts side by side on it
+        shards = len(x.device) if isinstance(x.device, tuple) else 1
+        outs = [project(x, part) for part in w]
+        return Tensor.cat(*[o.reshape(*o.shape[:-1], shards, -1) for o in outs], dim=-1).reshape(*x.shape[:-1], -1)
     if isinstance(w, QuantizedWeight):
         return qlinear(x.float(), w).cast(x.dtype)  # the kernels compute in float32 (a no-op cast there)
     return linear(x, w)
@@ -71,8 +75,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class LlamaDecoderLayer:
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], tp: TensorParallel | None = None):
         self.config = config
+        self.tp = tp or TensorParallel(config)  # tensor parallel: each weight's rows of this device's heads
         self.input_layernorm = weights["input_layernorm"]  # (D,)
         self.qkv_proj = weights["qkv_proj"]  # (H*Hd + 2*KvH*Hd, D)
         self.o_proj = weights["o_proj"]  # (D, H*Hd)
@@ -81,22 +86,23 @@ class LlamaDecoderLayer:
         self.down_proj = weights["down_proj"]  # (D, F)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
-        c = self.config
         B, T, _ = x.shape
-        H, KvH, Hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = project(x, self.qkv_proj)  # (B,T,(H+2*KvH)*Hd)
-        q = qkv[..., : H * Hd].reshape(B, T, H, Hd)
-        k = qkv[..., H * Hd: (H + KvH) * Hd].reshape(B, T, KvH, Hd)
-        v = qkv[..., (H + KvH) * Hd:].reshape(B, T, KvH, Hd)
+        S, H, KvH, Hd = self.tp.size, self.tp.heads, self.tp.kv_heads, self.config.head_dim  # H, KvH: per device
+        qkv = project(x, self.qkv_proj).reshape(B, T, S, (H + 2 * KvH) * Hd)  # device s: [q_s k_s v_s]
+        q = qkv[..., : H * Hd].reshape(B, T, S * H, Hd)
+        k = qkv[..., H * Hd: (H + KvH) * Hd].reshape(B, T, S * KvH, Hd)
+        v = qkv[..., (H + KvH) * Hd:].reshape(B, T, S * KvH, Hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn_metadata.attend(q, k, v, kv_cache)  # (B,T,H,Hd)
-        return project(out.reshape(B, T, H * Hd), self.o_proj)
+        out = attn_metadata.attend(q, k, v, kv_cache)  # (B,T,S*H,Hd)
+        return project(out.reshape(B, T, S * H * Hd), self.o_proj)  # row-parallel: the all-reduce
 
     def mlp(self, x: Tensor) -> Tensor:
-        F = self.config.intermediate_size
-        gate_up = project(x, self.gate_up_proj)  # (B,T,2F)
+        B, T, _ = x.shape
+        S, F = self.tp.size, self.config.intermediate_size // self.tp.size  # F: per device
+        gate_up = project(x, self.gate_up_proj).reshape(B, T, S, 2 * F)  # (B,T,S,2F), device s: [gate_s up_s]
         # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up
-        return project(gate_up[..., :F].silu() * gate_up[..., F:], self.down_proj)
+        h = (gate_up[..., :F].silu() * gate_up[..., F:]).reshape(B, T, S * F)
+        return project(h, self.down_proj)  # row-parallel: the all-reduce
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
         return _decoder_layer(self, x, cos, sin, kv_cache, attn_metadata)
@@ -110,6 +116,20 @@ class LlamaDecoderLayer:
 @function(precompile=True)
 def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
+
+
+# The axis each weight of a layer is split along (tensor parallel): 0 column-parallel, 1 row-parallel; others replicated
+SPLIT_AXIS = {"qkv_proj": 0, "gate_up_proj": 0, "o_proj": 1, "down_proj": 1}
+
+
+def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
+    """A weight split along `axis` over the devices (or replicated): GGUF blocks split along whole rows (axis 0) or
+    between blocks (axis 1: each device's slice of a row must be whole blocks)."""
+    if isinstance(w, tuple):
+        return tuple(place(tp, part, axis) for part in w)
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(tp.place(w.data, axis), w.ggml_type, w.shape)
+    return tp.place(w, axis)
 
 
 def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor | None = None,
@@ -139,48 +159,82 @@ class LlamaForCausalLM:
     arrays, or `QuantizedArray`s whose GGUF blocks are uploaded as they are (Phase 6)."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray | QuantizedArray],
-                 dtype: DType = dtypes.float32, device: str | None = None, quantization: str = "none"):
+                 dtype: DType = dtypes.float32, device: str | None = None, quantization: str = "none",
+                 tensor_parallel_size: int = 1):
         self.config, self.dtype = config, dtype
         self.quantization = quantization  # the --quantization method the weights were loaded with
+        # Phase 8: how the weights split over devices (tinyvllm/distributed/tensor_parallel.py); size 1: one device
+        self.tp = tp = TensorParallel(config, tensor_parallel_size, device)
+        device = tp.devices[0]
 
         loaded: list[Tensor] = []
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
-        def load(*names: str) -> Weight:
+        def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = ()) -> Weight:
             # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
-            parts = [state_dict[n] for n in names]
+            # axis: the dimension split over the devices (0 column-parallel, 1 row-parallel; None replicated);
+            # parts_of: what each fused part is ("q", "k", "v", ...), for the order of its rows device by device
+            parts = [tp.pad_vocab(state_dict[n]) if "embed" in n or "lm_head" in n else state_dict[n] for n in names]
             if all(isinstance(p, np.ndarray) for p in parts):
-                loaded.append(upload(parts, device, pool, copies).cast(dtype))
+                rows = tp.fused_rows([p.shape[0] for p in parts], list(parts_of))
+                t = upload(parts if rows is None else [np.concatenate(parts)[rows]], device, pool, copies)
+                loaded.append(t.cast(dtype))
                 return loaded[-1]
             if all(isinstance(p, QuantizedArray) and p.ggml_type == parts[0].ggml_type for p in parts):
-                loaded.append(upload([p.data for p in parts], device, pool, copies))  # (N, bytes per row) uint8
-                return QuantizedWeight(loaded[-1], parts[0].ggml_type, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
-            return tuple(load(n) for n in names)  # formats differ: fused on paper only
+                rows = tp.fused_rows([p.shape[0] for p in parts], list(parts_of))
+                data = [p.data for p in parts] if rows is None else [np.concatenate([p.data for p in parts])[rows]]
+                loaded.append(upload(data, device, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
+                return QuantizedWeight(loaded[-1], parts[0].ggml_type, (sum(d.shape[0] for d in data), parts[0].shape[1]))
+            # formats differ: fused on paper only
+            return tuple(load(n, axis=axis, parts_of=parts_of[i:i + 1]) for i, n in enumerate(names))
 
-        self.embed_tokens = load("model.embed_tokens.weight")  # (V, D), or its blocks
-        self.layers = []
+        self.embed_tokens = load("model.embed_tokens.weight", axis=0)  # (V, D), or its blocks: split by vocabulary
+        layer_weights = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            self.layers.append(LlamaDecoderLayer(config, {
+            layer_weights.append({
                 "input_layernorm": load(p + "input_layernorm.weight"),
-                "qkv_proj": load(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
-                "o_proj": load(p + "self_attn.o_proj.weight"),
+                "qkv_proj": load(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                 p + "self_attn.v_proj.weight", axis=0, parts_of=("q", "k", "v")),
+                "o_proj": load(p + "self_attn.o_proj.weight", axis=1),
                 "post_attention_layernorm": load(p + "post_attention_layernorm.weight"),
-                "gate_up_proj": load(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                "down_proj": load(p + "mlp.down_proj.weight"),
-            }))
+                "gate_up_proj": load(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", axis=0,
+                                     parts_of=("gate", "up")),
+                "down_proj": load(p + "mlp.down_proj.weight", axis=1),
+            })
         self.norm = load("model.norm.weight")
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight")  # (V, D), or blocks
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight", axis=0)  # (V, D)
         self.inv_freq = Tensor(rope_frequencies(config), device=device)  # (Hd/2,)
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
         pool.shutdown()
         Tensor.realize(*loaded, self.inv_freq)  # only casts (float16) and inv_freq are left to compute
+        if tp.size > 1:  # split or replicate every weight over the devices
+            layer_weights = [{name: place(tp, w, SPLIT_AXIS.get(name)) for name, w in lw.items()}
+                             for lw in layer_weights]
+            self.embed_tokens, self.norm, self.inv_freq = (place(tp, self.embed_tokens, 0), place(tp, self.norm, None),
+                                                           place(tp, self.inv_freq, None))
+            self.lm_head = self.embed_tokens if config.tie_word_embeddings else place(tp, self.lm_head, 0)
+        self.layers = [LlamaDecoderLayer(config, lw, tp) for lw in layer_weights]
         self._weight_formats = self._count_weight_formats()  # fixed from here on; get_stats() reads it every step
 
     @property
     def device(self) -> str:
-        return self.inv_freq.device
+        """The device a step's inputs go to and its logits come back on (the first, with tensor parallel)."""
+        return self.tp.devices[0] if self.tp.size > 1 else self.inv_freq.device
+
+    @property
+    def devices(self) -> tuple[str, ...] | str:
+        """Where the weights and the KV cache live: the device, or the tuple of devices they are split over."""
+        return self.tp.devices if self.tp.size > 1 else self.device
+
+    @property
+    def kv_cache_config(self) -> ModelConfig:
+        """The config the KV cache is sized and shaped by: with more devices than KV heads, each device holds a
+        replica of one KV head, so the cache over all devices has one head per device."""
+        if self.tp.num_kv_heads == self.config.num_key_value_heads:
+            return self.config
+        return dataclasses.replace(self.config, num_key_value_heads=self.tp.num_kv_heads)
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of weights on the device, by storage format: {'Q4_1': ..., 'Q8_0': ..., 'float32': ...}."""
@@ -203,6 +257,7 @@ class LlamaForCausalLM:
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, attn_metadata) -> Tensor:
         """input_ids, positions: (B,T) -> hidden states (B,T,D), writing this step's K/V into kv_caches."""
+        input_ids, positions = self.tp.replicate(input_ids), self.tp.replicate(positions)  # on every device
         x = embed(self.embed_tokens, input_ids, self.dtype)  # (B,T,D)
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -211,4 +266,7 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: (..., D) -> logits (..., V) in float32."""
-        return project(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        logits = project(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.gather(logits)[..., : self.config.vocab_size]  # each device's vocabulary slice, on the first
