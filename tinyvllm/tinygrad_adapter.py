@@ -355,6 +355,13 @@ def sharded_zeros(shape: tuple[int, ...], dtype: DType, devices: tuple[str, ...]
     return Tensor(local.uop.unshard(axis))
 
 
+def empty_shards(shard: tuple[int, ...], dtype: DType, devices: tuple[str, ...], axis: int | None) -> Tensor:
+    """An unrealized output buffer on every device, `shard` the shape of each device's part, seen as one tensor split
+    along `axis` (None: each device's part is a whole replica). A kernel run on a split tensor writes one per device."""
+    local = Tensor.invalids(*shard, dtype=dtype, device=devices)  # (shard) on every device, contents undefined
+    return local if axis is None else Tensor(local.uop.unshard(axis))
+
+
 def shard_shape(t: Tensor) -> tuple[int, ...]:
     """The shape of one device's part of `t` (its shape, if `t` is on one device or replicated)."""
     return tuple(t.uop.shard_shape)

@@ -55,6 +55,7 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.attention.paged import PagedAttentionMetadata
 from tinyvllm.core.kv_cache import kv_cache_dtype_of
 from tinyvllm.kernels import launcher
+from tinyvllm.tinygrad_adapter import shard_axis
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 KERNEL = "paged_attention"  # kernels/<device>/paged_attention.*
@@ -117,10 +118,12 @@ def has_kernel(device: str) -> bool:
 def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
     """Would attention with this query and cache run the hand-written kernels?"""
     device = q.device
-    if portable or PORTABLE or not isinstance(device, str) or device != k_cache.device:
+    if portable or PORTABLE or device != k_cache.device:
         return False
     if not all(isinstance(s, int) for s in q.shape + k_cache.shape):
         return False
+    if isinstance(device, tuple) and (shard_axis(q) != 2 or shard_axis(k_cache) != 2):
+        return False  # tensor parallel: the kernels run per device on its heads (q and the cache split by head)
     kind = launcher.device_kind(device)
     family = "CPU" if kind == "CPU" else "GPU"
     head_dim = k_cache.shape[-1]
@@ -178,7 +181,7 @@ def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cach
 
     The caches, (num_blocks, block_size, KvH, Hd), and scales, (num_blocks, block_size, KvH), are written in
     place; read them through the returned tensors so that the read is ordered after the write."""
-    num_tokens, kv_heads, head_dim = key.shape
+    num_tokens, kv_heads, head_dim = launcher.local_shape(key)  # one device's heads (tensor parallel)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     caches = [k_cache, v_cache] + _check_scales(k_cache, (k_scale, v_scale))
     defines = {"TV_NUM_TOKENS": num_tokens, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
@@ -198,15 +201,15 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1, found
     through block_tables[r] (R, max_blocks) in k_cache, v_cache (num_blocks, block_size, KvH, Hd), and their
     k_scale, v_scale (num_blocks, block_size, KvH) for an int8 or fp8 cache."""
-    rows, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    rows, heads, head_dim = launcher.local_shape(q)  # one device's heads (tensor parallel)
+    _, block_size, kv_heads, _ = launcher.local_shape(k_cache)
     assert heads % kv_heads == 0, f"{heads} query heads do not group over {kv_heads} KV heads"
     assert block_tables.shape[0] == rows and context_lens.shape == (rows,), "one table row and length per query row"
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     defines = {"TV_NUM_SEQS": rows, "TV_NUM_HEADS": heads, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
                "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": block_tables.shape[1], "TV_SCALE": f"{float(scale)!r}f",
                "TV_NUM_THREADS": NUM_THREADS, **_type_defines(q.device, q, k_cache)}
-    out = Tensor.invalids(rows, heads, head_dim, dtype=q.dtype, device=q.device)  # every element written
+    out = launcher.output((rows, heads, head_dim), q.dtype, q, axis=1)  # every element written (per device: its heads)
     context_lens = context_lens.cast(dtypes.int32).contiguous()
     ins = [q.contiguous(), k_cache, v_cache, *_check_scales(k_cache, (k_scale, v_scale)),
            block_tables.cast(dtypes.int32).contiguous(), context_lens]
@@ -218,7 +221,7 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     split, reduce = launches
     defines["TV_PARTITION_SIZE"] = PARTITION_SIZE
     parts = split.grid[0] // kv_heads
-    partials = Tensor.invalids(rows, heads, parts, 2 + head_dim, dtype=dtypes.float32, device=q.device)  # all written
+    partials = launcher.output((rows, heads, parts, 2 + head_dim), dtypes.float32, q, axis=1)  # all written
     (partials,) = _launch(split.entry, outs=[partials], ins=ins, defines=defines, grid=split.grid)
     return _launch(reduce.entry, outs=[out], ins=[partials, context_lens], defines=defines, grid=reduce.grid)[0]
 

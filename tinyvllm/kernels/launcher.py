@@ -57,8 +57,10 @@ from tinyvllm.tinygrad_adapter import (
     Estimates,
     compile_cpu,
     elf_symbol_at_start,
+    empty_shards,
     load_cpu_program,
     renderer_name,
+    shard_shape,
     source_program,
 )
 
@@ -103,9 +105,9 @@ BACKENDS: dict[str, KernelBackend] = {
 }
 
 
-def device_kind(device: str) -> str:
-    """'CPU:1' -> 'CPU'."""
-    return device.split(":")[0].upper()
+def device_kind(device: str | tuple[str, ...]) -> str:
+    """'CPU:1' -> 'CPU'; devices of one kind (a split tensor's) -> that kind."""
+    return (device if isinstance(device, str) else device[0]).split(":")[0].upper()
 
 
 def kernel_path(name: str, device: str) -> Path | None:
@@ -180,13 +182,32 @@ def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, 
     On a GPU it runs on `grid` thread blocks (threadgroups) of `local_size` threads; on the CPU once (its
     chunks go to the thread pool), whatever the grid. Every tensor must be contiguous (the kernel sees raw
     row-major buffers); `outs` are usually `Tensor.empty(...)`. Returns the outs, valid after the kernel ran.
-    Works inside `function` and TinyJit."""
+    Works inside `function` and TinyJit.
+
+    Tensors split over several devices (tensor parallel, Phase 8: tinygrad multi-device tensors, all on the same
+    devices) run the kernel once per device, on that device's parts: tinygrad 0.14 strips the split from a custom
+    kernel's call (tinygrad/schedule/multi.py), so `defines` must give the shapes of one device's part
+    (`local_shape`), and split outs come from `output`."""
     device = outs[0].device
-    assert isinstance(device, str) and all(t.device == device for t in outs + ins), "one device for all buffers"
+    assert all(t.device == device for t in outs + ins), "one device (or one tuple of devices) for all buffers"
+    device = device if isinstance(device, str) else device[0]  # the kind is all a program's source depends on
     pname, source = program_source(name, device, defines, entry)
     global_size, local_size = ((1, 1, 1), None) if device_kind(device) == "CPU" else (grid, local_size)
     fxn = source_program(pname, source, len(outs), len(ins), estimates, global_size, local_size)
     return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
+
+
+def local_shape(t: Tensor) -> tuple[int, ...]:
+    """The shape a kernel sees of `t`: its own, or, split over devices, one device's part."""
+    return shard_shape(t) if isinstance(t.device, tuple) else tuple(t.shape)
+
+
+def output(shape: tuple[int, ...], dtype, like: Tensor, axis: int | None = None) -> Tensor:
+    """An output buffer of local shape `shape` (what the kernel writes on each device) on `like`'s device(s): split
+    along `axis`, or (None) one whole output per device. Every element must be written by the kernel."""
+    if isinstance(like.device, str):
+        return Tensor.invalids(*shape, dtype=dtype, device=like.device)
+    return empty_shards(shape, dtype, like.device, axis)
 
 
 def check_entry_is_first(lib: bytes, entry: str) -> None:

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels import linear as linear_module
-from tinyvllm.kernels.launcher import device_kind, has_kernel, launch
+from tinyvllm.kernels.launcher import device_kind, has_kernel, launch, output
 from tinyvllm.model.quant import type_name
 from tinyvllm.tinygrad_adapter import Estimates
 
@@ -188,7 +188,7 @@ def gpu_scratch_bytes(M: int, K: int) -> int:
 
 def uses_kernel(x: Tensor, w: QuantizedWeight) -> bool:
     """Would `qlinear(x, w)` run a hand-written kernel?"""
-    if linear_module.PORTABLE or not isinstance(x.device, str) or x.device != w.data.device:
+    if linear_module.PORTABLE or x.device != w.data.device or not linear_module.split_fits(x, w.data):
         return False
     if x.dtype != dtypes.float32 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
         return False
@@ -204,32 +204,34 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
         raise ValueError(f"x has {x.shape[-1]} features, the weight takes K={K} (weight shape {w.shape})")
     if not uses_kernel(x, w):
         return x.float() @ dequantize_weight(w).T
-    fmt, M = w.format, math.prod(x.shape[:-1])
-    nbytes = w.data.nbytes()
-    # ops: one multiply-add per weight per row of x; mem: the blocks once, x, out and the scratch once
-    estimates = Estimates(ops=2 * M * N * K, lds=nbytes + 4 * M * K, mem=nbytes + 4 * (M * K + M * N))
-    out = Tensor.invalids(M, N, dtype=dtypes.float32, device=x.device)  # (M,N), every element written
-    defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}
-    x2, wd = x.reshape(M, K).contiguous(), w.data.contiguous()  # (M,K), (N, row bytes)
-    if device_kind(x.device) == "CPU":
-        scratch = Tensor.invalids(max(1, scratch_bytes(w.ggml_type, M, K)), dtype=dtypes.uint8, device=x.device)
-        if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
-            defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
-        if not VNNI:
-            defines["TV_NO_VNNI"] = 1
-        out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x2, wd], defines=defines, estimates=estimates)
-        return out.reshape(*x.shape[:-1], N)
-    scratch = Tensor.invalids(max(1, gpu_scratch_bytes(M, K)), dtype=dtypes.uint8, device=x.device)
-    *quantize, matmul = gpu_launches(w.ggml_type, M, N, K)
-    for q in quantize:  # the tiled route: x -> 8-bit blocks first
-        (scratch,) = launch(fmt.kernel, outs=[scratch], ins=[x2], defines=defines, entry=q.entry, grid=q.grid,
-                            local_size=(q.threads, 1, 1),
-                            estimates=Estimates(ops=4 * M * K, lds=4 * M * K, mem=4 * M * K + scratch.nbytes()))
-    # the same arguments either way, (out, scratch, x, w): the GEMV route leaves the scratch alone, the tiled reads it
-    outs, ins = ([out], [scratch, x2, wd]) if quantize else ([out, scratch], [x2, wd])
-    out = launch(fmt.kernel, outs=outs, ins=ins, defines=defines, estimates=estimates, entry=matmul.entry,
-                 grid=matmul.grid, local_size=(matmul.threads, 1, 1))[0]
-    return out.reshape(*x.shape[:-1], N)
+    fmt = w.format
+
+    def kernel(x2: Tensor, M: int, N: int, K: int, out: Tensor) -> Tensor:  # one device's (M,K) @ (N,K).T -> out
+        nbytes = N * K // fmt.block_size * fmt.type_size
+        # ops: one multiply-add per weight per row of x; mem: the blocks once, x, out and the scratch once
+        estimates = Estimates(ops=2 * M * N * K, lds=nbytes + 4 * M * K, mem=nbytes + 4 * (M * K + M * N))
+        defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}
+        wd = w.data.contiguous()  # (N, row bytes)
+        if device_kind(x.device) == "CPU":
+            scratch = output((max(1, scratch_bytes(w.ggml_type, M, K)),), dtypes.uint8, x2)
+            if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
+                defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
+            if not VNNI:
+                defines["TV_NO_VNNI"] = 1
+            out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x2, wd], defines=defines, estimates=estimates)
+            return out
+        scratch = output((max(1, gpu_scratch_bytes(M, K)),), dtypes.uint8, x2)
+        *quantize, matmul = gpu_launches(w.ggml_type, M, N, K)
+        for q in quantize:  # the tiled route: x -> 8-bit blocks first
+            (scratch,) = launch(fmt.kernel, outs=[scratch], ins=[x2], defines=defines, entry=q.entry, grid=q.grid,
+                                local_size=(q.threads, 1, 1),
+                                estimates=Estimates(ops=4 * M * K, lds=4 * M * K, mem=4 * M * K + scratch.nbytes()))
+        # the same arguments either way, (out, scratch, x, w): the GEMV route leaves the scratch alone, the tiled reads it
+        outs, ins = ([out], [scratch, x2, wd]) if quantize else ([out, scratch], [x2, wd])
+        return launch(fmt.kernel, outs=outs, ins=ins, defines=defines, estimates=estimates, entry=matmul.entry,
+                      grid=matmul.grid, local_size=(matmul.threads, 1, 1))[0]
+    # tensor parallel: a row-parallel weight's columns are split between whole blocks (see model/llama.py `place`)
+    return linear_module.run_split(x, w.data, N, kernel)
 
 
 # ---- dequantizing in tinygrad ops: the portable path and the embedding lookup ----

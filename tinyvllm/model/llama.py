@@ -128,6 +128,11 @@ def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
     if isinstance(w, tuple):
         return tuple(place(tp, part, axis) for part in w)
     if isinstance(w, QuantizedWeight):
+        per_device = w.shape[1] // tp.size
+        if axis == 1 and per_device % w.format.block_size != 0:
+            raise ValueError(f"tensor_parallel_size {tp.size} splits a {w.format.name} weight of shape {w.shape} "
+                             f"into {per_device} columns per device, not whole blocks of {w.format.block_size}: "
+                             "load it with --quantization none (or a format of smaller blocks)")
         return QuantizedWeight(tp.place(w.data, axis), w.ggml_type, w.shape)
     return tp.place(w, axis)
 
