@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; N must "
+                        "divide the attention heads, and divide or be a multiple of the KV heads) (default 1)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/phases/07b-speculative-decoding.md; default off)')
@@ -81,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               enable_prefix_caching=args.enable_prefix_caching,
                               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                              speculative_config=speculative_config)
+                              speculative_config=speculative_config,
+                              tensor_parallel_size=args.tensor_parallel_size)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
             sys.stdout.write(chunk.text)

@@ -55,9 +55,9 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
 
 
 def shard_devices(device: str | None, size: int) -> tuple[str, ...]:
-    """N devices of one kind: 'CPU' and 3 -> ('CPU:0', 'CPU:1', 'CPU:2')."""
+    """N devices of one kind: 'CPU' and 3 -> ('CPU', 'CPU:1', 'CPU:2') (tinygrad names device 0 by its kind)."""
     kind = (device or Device.DEFAULT).split(":")[0].upper()
-    return tuple(f"{kind}:{i}" for i in range(size))
+    return tuple(Device.canonicalize(f"{kind}:{i}") for i in range(size))
 
 
 class TensorParallel:
@@ -115,10 +115,10 @@ class TensorParallel:
 
     def place(self, t: Tensor, axis: int | None) -> Tensor:
         """Put a weight (loaded on the first device) where it belongs: split along `axis`, or a replica on every
-        device (axis None). Realized: the copies happen now, not in the first step."""
+        device (axis None). Not yet realized: realize every placed weight at once (one schedule for all copies)."""
         if self.size == 1:
             return t
-        return (t.to(self.devices) if axis is None else t.shard(self.devices, axis)).realize()
+        return t.to(self.devices) if axis is None else t.shard(self.devices, axis)
 
     def replicate(self, t: Tensor) -> Tensor:
         """A step's input (on the first device) copied to every device, inside the graph."""

@@ -220,6 +220,10 @@ class LlamaForCausalLM:
             self.embed_tokens, self.norm, self.inv_freq = (place(tp, self.embed_tokens, 0), place(tp, self.norm, None),
                                                            place(tp, self.inv_freq, None))
             self.lm_head = self.embed_tokens if config.tie_word_embeddings else place(tp, self.lm_head, 0)
+            placed = [self.embed_tokens, self.norm, self.inv_freq, self.lm_head] + [w for lw in layer_weights
+                                                                                  for w in lw.values()]
+            Tensor.realize(*[t.data if isinstance(t, QuantizedWeight) else t for w in placed
+                             for t in (w if isinstance(w, tuple) else (w,))])  # every copy in one schedule
         self.layers = [LlamaDecoderLayer(config, lw, tp) for lw in layer_weights]
         self._weight_formats = self._count_weight_formats()  # fixed from here on; get_stats() reads it every step
 
