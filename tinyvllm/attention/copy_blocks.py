@@ -39,18 +39,20 @@ BITS_TYPES = {"CPU": {1: "unsigned char", 2: "unsigned short", 4: "unsigned int"
 
 
 def _copy_blocks_kernel(cache: UOp, block_mapping: UOp) -> UOp:
-    """cache: (num_blocks, W), block_mapping: (P, 2) -> cache[dst, j] = cache[src, j], [src, dst] = block_mapping[p]."""
-    num_pairs, width = block_mapping.shape[0], cache.shape[1]
-    p, j = UOp.range(num_pairs, 0), UOp.range(width, 1)
+    """cache: (num_blocks, block_size, W), block_mapping: (P, 2) -> cache[dst, i, j] = cache[src, i, j],
+    [src, dst] = block_mapping[p]."""
+    num_pairs, rows, width = block_mapping.shape[0], cache.shape[1], cache.shape[2]
+    p, i, j = UOp.range(num_pairs, 0), UOp.range(rows, 1), UOp.range(width, 2)
     src, dst = block_mapping[p, 0].cast(dtypes.weakint), block_mapping[p, 1].cast(dtypes.weakint)
-    store = cache[dst, j].store(cache[src, j])
-    return store.end(p, j).sink(arg=KernelInfo(name="copy_blocks", opts_to_apply=()))
+    store = cache[dst, i, j].store(cache[src, i, j])
+    return store.end(p, i, j).sink(arg=KernelInfo(name="copy_blocks", opts_to_apply=()))
 
 
 def copy_blocks_portable(cache: Tensor, block_mapping: Tensor) -> Tensor:
-    """cache: (num_blocks, ...) -> the same cache after block dst := block src for each [src, dst] row of
-    block_mapping (P, 2) int32. Written in place; read it through the returned tensor."""
-    flat = cache.reshape(cache.shape[0], -1)
+    """cache: (num_blocks, block_size, ...) -> the same cache after block dst := block src for each [src, dst] row
+    of block_mapping (P, 2) int32. Written in place; read it through the returned tensor. A cache split by KV head
+    over devices (tensor parallel) keeps its head axis in the view, so each device copies its own heads."""
+    flat = cache.reshape(cache.shape[0], cache.shape[1], -1)
     written = flat.uop.custom_kernel(block_mapping.uop, fxn=_copy_blocks_kernel)[0]
     return Tensor(cache.uop.after(written))
 
