@@ -13,6 +13,7 @@ x_hat @ w.T, x_hat the dequantized 8-bit x, and with the CPU kernel (kernels/cpu
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +30,17 @@ from gpu_emulation import (
 
 from test_kernels_qlinear import quantize_x
 
-from tinygrad import Tensor
+from tinygrad import Device, Tensor
 
-from tinyvllm.kernels.qlinear import QUANT_FORMATS, QuantizedWeight, gpu_launches, gpu_scratch_bytes, qlinear
+from tinyvllm.kernels.qlinear import (
+    GPU_GEMV_MAX_M,
+    QUANT_FORMATS,
+    QuantizedWeight,
+    gpu_launches,
+    gpu_scratch_bytes,
+    qlinear,
+    uses_kernel,
+)
 from tinyvllm.model import quant
 from tinyvllm.model.gguf import GGUFFile
 
@@ -326,3 +335,41 @@ def test_cuda_source_refuses_a_format_it_does_not_have(name: str, ggml_type: int
     source = kernel_file_source("cuda", name, {"TV_M": 1, "TV_N": 4, "TV_K": 256, "TV_QTYPE": ggml_type})
     with pytest.raises(Exception, match="takes TV_QTYPE"):  # the #error names the formats the file has
         nvrtc_compiler().compile(source)
+
+
+# ---- on a real device: both routes at the model's full shapes (skipped where the device is absent) ----
+
+def check_qlinear_on_device(device: str, default_gguf: Path) -> None:
+    # the shipped model's whole tensors (Q4_1 linears, the Q8_0 embedding as lm_head) at the rows the engine sends:
+    # 1 and 3 (GEMV, against x @ w.T) and 64 and 256 (tiled, against x_hat @ w.T)
+    gguf = GGUFFile(default_gguf)
+    for tensor, M in [("blk.0.ffn_down.weight", 1), ("blk.0.attn_q.weight", 3), ("blk.0.ffn_gate.weight", 64),
+                      ("blk.0.ffn_down.weight", 256), ("token_embd.weight", 256)]:
+        info = gguf.tensors[tensor]
+        N, K = info.shape
+        w = gguf.raw(tensor, quant.tensor_nbytes(info.ggml_type, (N, K))).reshape(N, -1).copy()
+        x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
+        weight = QuantizedWeight(Tensor(w, device=device).realize(), info.ggml_type, (N, K))
+        assert uses_kernel(Tensor.empty(M, K, device=device), weight)
+        out = qlinear(Tensor(x, device=device), weight).numpy()
+        w_float = quant.dequantize(w.reshape(-1), info.ggml_type, (N, K))
+        check_against_reference(out, x if M <= GPU_GEMV_MAX_M else x_hat(x).astype(np.float32), w_float)
+
+
+def device_or_skip(name: str) -> str:
+    try:
+        Device[name]
+    except Exception as e:  # no driver, no device
+        pytest.skip(f"no {name} device ({type(e).__name__})")
+    return name
+
+
+@pytest.mark.cuda
+def test_cuda_qlinear_matches_numpy(default_gguf: Path):
+    check_qlinear_on_device(device_or_skip("CUDA"), default_gguf)
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(sys.platform != "darwin", reason="Metal is macOS only")
+def test_metal_qlinear_matches_numpy(default_gguf: Path):
+    check_qlinear_on_device(device_or_skip("METAL"), default_gguf)
