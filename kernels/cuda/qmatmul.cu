@@ -10,7 +10,7 @@
  * 5.6x fewer bytes, if the blocks are dequantized in registers on the way to the FMAs and never written back
  * as floats. A separate dequantize kernel would write the 538 MB and read them again.
  *
- * How the work is cut (local_size (128, 1, 1): 4 warps; grid ((N + 3) / 4, M, 1)):
+ * How the GEMV route's work is cut (local_size (128, 1, 1): 4 warps; grid ((N + 3) / 4, M, 1)):
  *
  *     thread block (bx, m):   warp 0 -> out[m, 4 bx]   warp 1 -> out[m, 4 bx + 1]   ...   warp 3 -> out[m, 4 bx + 3]
  *     one warp, one output:   w's row n is K / 32 blocks; lane j takes blocks j, j + 32, j + 64, ...
@@ -28,12 +28,16 @@
  * (at byte 4) are 4-byte aligned: 4 x uint; Q4_0 (18 bytes) and Q8_0 (34 bytes) keep only 2-byte alignment for
  * theirs (at byte 2): unsigned shorts, two joined per 32-bit word.
  *
- * The scratch argument is accepted and unused: the CPU twin quantizes x into it (8-bit blocks for integer dot
- * products); here each lane dequantizes the weights instead and multiplies in float, which costs no extra bytes.
+ * Two routes, chosen by the rows of x (tinyvllm/kernels/qlinear.py, gpu_launches), as llama.cpp's MMVQ and MMQ:
+ *   M <= 8, this file's `qmatmul` (at its end): each lane dequantizes the weights and multiplies in float; x is
+ *          read as it is and the scratch argument is unused (the CPU twin quantizes x into it);
+ *   M > 8,  `quantize_x` then `qmatmul_tiled` (qmatmul_tiled.cuh, its header draws them): x quantized to 8-bit blocks
+ *          in the scratch, 64 x 64 output tiles from shared memory, integer dot products. TV_QUANTIZE_X or
+ *          TV_QMATMUL_TILED selects that entry; this file gives it `load_unit`, its blocks as 8-bit words.
  *
  * Arguments (row-major):
  *   out:     (M, N)                     float32, written
- *   scratch: (scratch_bytes(...),)      uint8, unused here
+ *   scratch: (gpu_scratch_bytes(M, K),) uint8: the tiled route's x in 8-bit blocks; unused by the GEMV
  *   x:       (M, K)                     float32, the activations
  *   w:       (N, K / 32 * TYPE_SIZE)    uint8, row n = the GGUF's blocks of output feature n, as they are in the file:
  *              Q4_0 (TV_QTYPE 2):  18 B = d (f16) | qs[16]            x = d * (q - 8)

@@ -8,7 +8,7 @@
  * (6.56 bits): a Q4_K_M file (Q4_K linears, Q6_K for a few) is read 6-7x faster than its float32 copy, if the
  * super-blocks are dequantized in registers on the way to the FMAs and never written back as floats.
  *
- * How the work is cut (local_size (128, 1, 1): 4 warps; grid ((N + 3) / 4, M, 1)):
+ * How the GEMV route's work is cut (local_size (128, 1, 1): 4 warps; grid ((N + 3) / 4, M, 1)):
  *
  *     thread block (bx, m):   warp 0 -> out[m, 4 bx]   warp 1 -> out[m, 4 bx + 1]   ...   warp 3 -> out[m, 4 bx + 3]
  *     one warp, one output:   w's row n is K / 256 super-blocks = K / 32 sub-blocks of 32 weights ("units");
@@ -27,12 +27,16 @@
  * are read byte by byte (2 of the 12 are needed). Q6_K's are 210 bytes: only 2-byte alignment survives from one
  * super-block to the next, so its quants are read as unsigned shorts, two joined per 32-bit word.
  *
- * The scratch argument is accepted and unused: the CPU twin quantizes x into it (Q8_K blocks for integer dot
- * products); here each lane dequantizes the weights instead and multiplies in float, which costs no extra bytes.
+ * Two routes, chosen by the rows of x (tinyvllm/kernels/qlinear.py, gpu_launches), as llama.cpp's MMVQ and MMQ:
+ *   M <= 8, this file's `qmatmul_k` (at its end): each lane dequantizes the weights and multiplies in float; x is
+ *          read as it is and the scratch argument is unused (the CPU twin quantizes x into it);
+ *   M > 8,  `quantize_x` then `qmatmul_tiled` (qmatmul_tiled.cuh, its header draws them): x quantized to 8-bit blocks
+ *          in the scratch, 64 x 64 output tiles from shared memory, integer dot products. TV_QUANTIZE_X or
+ *          TV_QMATMUL_TILED selects that entry; this file gives it `load_unit`, its blocks as 8-bit words.
  *
  * Arguments (row-major):
  *   out:     (M, N)                        float32, written
- *   scratch: (scratch_bytes(...),)         uint8, unused here
+ *   scratch: (gpu_scratch_bytes(M, K),)    uint8: the tiled route's x in 8-bit blocks; unused by the GEMV
  *   x:       (M, K)                        float32, the activations
  *   w:       (N, K / 256 * TYPE_SIZE)      uint8, row n = the GGUF's super-blocks of output feature n, as in the file:
  *     Q4_K (TV_QTYPE 12), 144 B:  d (f16) | dmin (f16) | scales[12] | qs[128]

@@ -46,7 +46,12 @@
  * Needs from the including file: TV_M, TV_N, TV_K, WARP, ROW_BYTES, TWO_SCALES, and
  *   load_unit(w_row, u, q[8], d_lo, d_hi, c): unit u (elements 32u .. 32u + 31) of a row of w, as 8 words of
  *   4 signed bytes (word i: elements 4i .. 4i + 3) and its scales.
- * Arguments: as the GEMV route (out, scratch, x, w); quantize_x takes (scratch, x).
+ * Arguments (row-major; qmatmul_tiled takes the GEMV route's four, quantize_x the middle two, scratch first):
+ *   out:     (M, N)          float32, written
+ *   scratch: (M, K / 32, 40) uint8: per block of 32 of x, float d | float s | int8 q[32]; written by quantize_x,
+ *                            read by qmatmul_tiled
+ *   x:       (M, K)          float32, read by quantize_x
+ *   w:       (N, ROW_BYTES)  uint8, the GGUF's blocks, row after row
  */
 
 #define QK_X 32                   /* elements per xblock */
