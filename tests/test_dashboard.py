@@ -209,7 +209,7 @@ def test_browser_shows_the_engine_live(browser, tmp_path):
 
     engine = AsyncLLMEngine(make_engine, max_waiting=16)
     with BackgroundServer(build_app(engine, api_key=KEY), timeout=600) as server:
-        browser.get(f"{server.url}/dashboard?key={KEY}")
+        browser.get(f"{server.url}/dashboard#key={KEY}")
         text = lambda element_id: browser.find_element(By.ID, element_id).text  # noqa: E731
         attribute = lambda element_id, name: browser.find_element(By.ID, element_id).get_attribute(name)  # noqa: E731
         wait_for(lambda: attribute("status", "data-state") == "live", 60, "the page to connect")

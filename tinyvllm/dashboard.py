@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         p.error(str(e))
     if args.direct:
-        webbrowser.open(f"{url}/dashboard" + (f"?key={args.api_key}" if args.api_key else ""))  # the page drops it
+        webbrowser.open(f"{url}/dashboard" + (f"#key={args.api_key}" if args.api_key else ""))  # a fragment: never sent
         return
     local = f"http://{args.host}:{args.port}/dashboard"
     print(f"the dashboard of {url}: {local}")

@@ -10,6 +10,8 @@ Every error the server returns has the body the official clients parse into thei
     401     missing or wrong API key                   invalid_request_error / invalid_api_key  AuthenticationError
             (with WWW-Authenticate: Bearer)
     404     a model this server does not serve         invalid_request_error / model_not_found  NotFoundError
+    408     headers or body arriving too slowly      invalid_request_error / request_timeout    APIStatusError
+            (--header-read-timeout, --body-read-timeout)
     413     a body over --max-request-body-bytes       invalid_request_error / request_too_large  APIStatusError
     421     a Host header not in --allowed-hosts       invalid_request_error / host_not_allowed   APIStatusError
     429     the waiting queue is full (Retry-After)    requests / rate_limit_exceeded        RateLimitError
@@ -65,6 +67,11 @@ def invalid_api_key() -> OpenAIError:
     # RFC 9110: a 401 names the scheme that would succeed
     return OpenAIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
                        "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def request_timeout(seconds: float) -> OpenAIError:
+    return OpenAIError(408, f"The request body did not all arrive within {seconds:g} s (--body-read-timeout)",
+                       "invalid_request_error", code="request_timeout")
 
 
 def request_too_large(limit: int) -> OpenAIError:

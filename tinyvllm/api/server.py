@@ -24,6 +24,8 @@ until the last step:
     API key          with --api-key or --api-keys-file, every path but /health -> 401 + WWW-Authenticate: Bearer
     the key's RPM    on /v1/, a key over its requests (or in debt for its tokens) per minute -> 429 + Retry-After
     body size        over --max-request-body-bytes -> 413, from Content-Length or while reading
+    body time        not all arrived within --body-read-timeout seconds -> 408 (headers: --header-read-timeout,
+                     in the connection's protocol: tinyvllm/api/read_timeouts.py)
 
 Outside it, `audit.RequestAccounting` keeps a record of each request (the key's id, status, tokens,
 latency) for --audit-log and the per-key counters of /metrics; `keys.KeyedEngine` charges the key's
@@ -35,6 +37,7 @@ request's id); with --allowed-origins, Starlette's CORSMiddleware answers browse
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.metadata
 import ipaddress
 import os
@@ -52,13 +55,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tinyvllm.api import access_log
 from tinyvllm.api.audit import AuditLog, RequestAccounting, current_record
 from tinyvllm.api.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, install_error_handlers,
-                                 model_not_found, request_too_large, to_openai_error)
+                                 model_not_found, request_timeout, request_too_large, to_openai_error)
 from tinyvllm.api.keys import ApiKey, ApiKeys, KeyedEngine
 from tinyvllm.api.metrics import KeyMetrics, ServerMetrics
 from tinyvllm.api.openapi import openapi_schema, responses
+from tinyvllm.api.read_timeouts import read_timeout_protocol
 from tinyvllm.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ModelCard, ModelList)
 from tinyvllm.api.serving_chat import OpenAIServingChat
@@ -100,8 +105,10 @@ class RequestGuard:
     """ASGI middleware: the Host, API key, rate and body size checks, before routing and before the
     body is parsed (FastAPI would answer malformed JSON before a route's own checks ran)."""
 
-    def __init__(self, app: ASGIApp, *, keys: ApiKeys | None, allowed_hosts: frozenset[str], max_body_bytes: int):
+    def __init__(self, app: ASGIApp, *, keys: ApiKeys | None, allowed_hosts: frozenset[str], max_body_bytes: int,
+                 body_read_timeout: float = 60.0):
         self.app, self.keys, self.allowed_hosts, self.max_body_bytes = app, keys, allowed_hosts, max_body_bytes
+        self.body_read_timeout = body_read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan
@@ -157,7 +164,8 @@ class RequestGuard:
 
     async def read_body(self, headers: Headers, receive: Receive) -> bytes | None:
         """The whole body, refused (413) as soon as it is known to be too big: a declared Content-Length
-        over the limit before a byte is read, a chunked one when the bytes read pass it."""
+        over the limit before a byte is read, a chunked one when the bytes read pass it; 408 when it has not
+        all arrived `body_read_timeout` seconds after the headers (a slow client holding the connection)."""
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -165,8 +173,12 @@ class RequestGuard:
             if int(declared) > self.max_body_bytes:
                 raise request_too_large(self.max_body_bytes)
         chunks, size = [], 0
+        deadline = time.monotonic() + self.body_read_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise request_timeout(self.body_read_timeout) from None
             if message["type"] == "http.disconnect":
                 return None
             chunks.append(message.get("body", b""))
@@ -243,6 +255,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     app = FastAPI(title="tinyvllm", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, keys=keys, max_body_bytes=limits.max_request_body_bytes,
+                       body_read_timeout=limits.body_read_timeout,
                        allowed_hosts=frozenset(host_name(h) if h != "*" else h for h in allowed_hosts or ()))
     if keys is not None or audit is not None:  # added after the guard: outside it, it sees the guard's refusals too
         app.add_middleware(RequestAccounting, audit_log=audit, key_metrics=key_metrics, skip_paths=OPEN_PATHS)
@@ -339,8 +352,10 @@ class BackgroundServer:
     returns once `/health` says the model is loaded; leaving the block stops the server."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
-                 wait_until_ready: bool = True):
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+                 wait_until_ready: bool = True, header_read_timeout: float = 10.0):
+        access_log.install()
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                                http=read_timeout_protocol(header_read_timeout))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.host, self.timeout, self.wait_until_ready, self.url = host, timeout, wait_until_ready, ""
@@ -388,12 +403,16 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 10.0, log_level: str = "info") -> None:
-    """Run `app` (built around `engine`) until SIGTERM or Ctrl-C, then drain it (see `GracefulServer`)."""
+          shutdown_timeout: float = 10.0, log_level: str = "info", header_read_timeout: float = 10.0) -> None:
+    """Run `app` (built around `engine`) until SIGTERM or Ctrl-C, then drain it (see `GracefulServer`).
+    Its access log redacts secret-looking query parameters (access_log.py); a request whose headers take over
+    `header_read_timeout` seconds to arrive gets 408 (read_timeouts.py)."""
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
+    access_log.install()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 5)
+                            timeout_graceful_shutdown=shutdown_timeout + 5,
+                            http=read_timeout_protocol(header_read_timeout))
     GracefulServer(config, engine, shutdown_timeout).run()
 
 
@@ -432,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ServerLimits()
     p.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
                    help=f"larger request bodies get 413 (default {defaults.max_request_body_bytes} = 4 MiB)")
+    p.add_argument("--header-read-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request whose headers have not all arrived this long after their first byte gets 408 "
+                        "and its connection closes (default 10)")
+    p.add_argument("--body-read-timeout", type=float, default=defaults.body_read_timeout, metavar="SECONDS",
+                   help=f"a request body not all arrived this long after the headers gets 408 "
+                        f"(default {defaults.body_read_timeout:g})")
     p.add_argument("--max-n", type=int, default=defaults.max_n,
                    help=f"most choices (n) one request may ask for (default {defaults.max_n})")
     p.add_argument("--max-stop-sequences", type=int, default=defaults.max_stop_sequences,
@@ -499,7 +524,8 @@ def main(argv: list[str] | None = None) -> None:
                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                          speculative_config=speculative_config, tensor_parallel_size=args.tensor_parallel_size)
 
-    limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
+    limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, body_read_timeout=args.body_read_timeout,
+                          max_n=args.max_n,
                           max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)
     engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
     app = build_app(engine, served_model_names=args.served_model_name, api_keys=keys, audit_log=args.audit_log,
@@ -507,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
                     reasoning_parser=args.reasoning_parser,
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                     tuple(args.allowed_headers), args.allow_credentials))
-    serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+          header_read_timeout=args.header_read_timeout)
 
 
 if __name__ == "__main__":

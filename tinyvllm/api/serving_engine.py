@@ -65,6 +65,9 @@ class ServerLimits:
     # any model served here fits, as token ids or as text escaped in JSON. Everything else is parsed
     # on the event loop, so a bigger body would stall every connection while it is read.
     max_request_body_bytes: int = 4 * 2**20
+    # Seconds for the whole body to arrive once the headers have (a slow client otherwise holds its connection
+    # for as long as it likes): 4 MiB in 60 s is 70 KB/s, slower than any client the server should wait for.
+    body_read_timeout: float = 60.0
     # Choices per request. Each is a sequence of its own in the batch (`parent_request.py`), so n
     # multiplies the request's cost: 16 lets one request fill at most half of the default batch
     # (--max-num-seqs 32). OpenAI allows 128; vLLM sets no bound.
@@ -78,6 +81,8 @@ class ServerLimits:
         for name in ("max_request_body_bytes", "max_n", "max_stop_sequences", "max_stop_length"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.body_read_timeout, (int, float)) or not self.body_read_timeout > 0:
+            raise ValueError(f"body_read_timeout must be > 0 seconds, got {self.body_read_timeout!r}")
 
 
 class OpenAIServing:

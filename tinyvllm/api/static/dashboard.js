@@ -1,9 +1,11 @@
 // The tinyvllm dashboard: reads /v1/engine/state/stream (server-sent events) and draws each snapshot.
 //
 // The stream is read with fetch(), not EventSource, because EventSource cannot send the Authorization
-// header that a server started with --api-key wants. The key comes from ?key=... (then dropped from the
-// address bar) or the form, and is kept in this browser's localStorage; it is sent to this page's own
-// origin only (the server itself, or `python -m tinyvllm.dashboard`, which passes it on).
+// header that a server started with --api-key wants. The key comes from #key=... (the address's fragment,
+// which the browser never sends, so it reaches no server log; then dropped from the address bar) or the
+// form, and is kept in this browser's localStorage; it is sent to this page's own origin only (the server
+// itself, or `python -m tinyvllm.dashboard`, which passes it on). An old ?key=... link still works, but
+// the server's access log then shows the parameter redacted (tinyvllm/api/access_log.py).
 "use strict";
 
 const KEY_STORAGE = "tinyvllm.dashboard.key";
@@ -12,10 +14,12 @@ const $ = (id) => document.getElementById(id);
 
 function takeKeyFromAddress() {
   const url = new URL(window.location.href);
-  const key = url.searchParams.get("key");
+  const fragment = new URLSearchParams(url.hash.slice(1));
+  const key = fragment.get("key") ?? url.searchParams.get("key");
   if (key !== null) {
     localStorage.setItem(KEY_STORAGE, key);
     url.searchParams.delete("key");
+    url.hash = "";
     history.replaceState(null, "", url);
   }
 }
