@@ -142,30 +142,31 @@ def test_retry_after_is_exact_for_requests_and_tokens():
     clock.now += 0.1
     keys.admit_request(key)  # exactly Retry-After later: admitted
 
-    keys.check_tokens(key, 60)  # a prompt of the whole budget fits an idle key
-    keys.charge_tokens(key, 50 + 30)  # prompt, then completion tokens as generated: 20 in debt
+    assert keys.reserve_tokens(key, 20, 40) == 60  # a prompt and its max_tokens x n: the whole budget
     assert keys.headers(key)["x-ratelimit-remaining-tokens"] == "0"
-    clock.now += 100  # refill the requests; the tokens are full again too
-    keys.charge_tokens(key, 80)
     with pytest.raises(Exception) as e:
-        keys.admit_request(key)  # in debt: refused before its body is read
-    assert e.value.type == "tokens" and e.value.headers["Retry-After"] == "21"  # from -20 to 1, at 1 per s
-    clock.now += 20
+        keys.admit_request(key)  # nothing left: refused before its body is read
+    assert e.value.type == "tokens" and e.value.headers["Retry-After"] == "1"
+    clock.now += 100  # the requests bucket refills; the tokens one too, to 60
+    assert keys.reserve_tokens(key, 10, 30) == 40
+    keys.settle_tokens(key, 40, 10 + 5)  # it ended having generated 5 of its 30: 25 go back
+    assert keys.headers(key)["x-ratelimit-remaining-tokens"] == "45"
     with pytest.raises(Exception) as e:
-        keys.check_tokens(key, 10)  # at 0 now, 10 needed: 10 s
-    assert e.value.headers["Retry-After"] == "10"
+        keys.reserve_tokens(key, 5, 50)  # 55 needed, 45 held: 10 s at 1 per s
+    assert e.value.status == 429 and e.value.headers["Retry-After"] == "10"
     clock.now += 10
-    keys.check_tokens(key, 10)
+    keys.reserve_tokens(key, 5, 50)
+    clock.now += 100
     with pytest.raises(Exception) as e:
-        keys.check_tokens(key, 61)  # more than a minute's budget: a 429 would never clear
-    assert e.value.status == 400 and "can never be served" in e.value.message
+        keys.reserve_tokens(key, 1, 60)  # more than a minute's budget: a 429 would never clear
+    assert e.value.status == 400 and "can never be served" in e.value.message and e.value.param == "max_tokens"
 
 
 def test_rate_limit_headers():
     clock = Clock()
     keys = ApiKeys([ApiKey("a", sha256("k"), rpm=60, tpm=6000), ApiKey("free", sha256("f"))], clock=clock)
     keys.admit_request(keys.by_id["a"])
-    keys.charge_tokens(keys.by_id["a"], 150)
+    keys.reserve_tokens(keys.by_id["a"], 50, 100)
     assert keys.headers(keys.by_id["a"]) == {
         "x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59", "x-ratelimit-reset-requests": "1s",
         "x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "5850", "x-ratelimit-reset-tokens": "1.5s"}
@@ -232,34 +233,33 @@ def test_openai_client_honours_retry_after_in_real_time(tmp_path):
         assert time.monotonic() - start >= 0.5  # what is left of the second, at least
 
 
-def test_tokens_per_minute(tmp_path):
+def test_tokens_per_minute_bound_what_is_spent(tmp_path):
+    # the defect: only the prompt counted at admission, so concurrent requests with large max_tokens x n spent
+    # many times the budget before any was refused. Now each reserves prompt + max_tokens x n, settled at its end.
     clock = Clock()
-    keys = ApiKeys([ApiKey("alice", sha256(ALICE), tpm=30)], clock=clock)  # half a token per second
-    with serve(keys) as server:
-        first = complete(server, ALICE, max_tokens=40, ignore_eos=True)  # admitted: the prompt fits
-        usage = first.json()["usage"]
-        debt = usage["total_tokens"] - 30
-        assert first.status_code == 200 and debt > 0 and first.headers["x-ratelimit-remaining-tokens"] == "0"
-        refused = complete(server, ALICE)
-        assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"
-        wait = int(refused.headers["retry-after"])
-        assert wait == (debt + 1) * 2  # from -debt to 1 token, at 1 token per 2 s
-        clock.now += wait - 1
-        assert complete(server, ALICE).status_code == 429
-        clock.now += 1
-        assert complete(server, ALICE, max_tokens=1).status_code == 200
-
-        # a prompt needs its tokens at admission: 20 tokens, with fewer in the bucket
-        clock.now += 120  # full again: 30
-        level = 30 - complete(server, ALICE, max_tokens=20, ignore_eos=True).json()["usage"]["total_tokens"]
-        prompt = [server.fake.word_ids[0]] * 20
-        refused = complete(server, ALICE, prompt=prompt)
-        assert refused.status_code == 429 and refused.headers["retry-after"] == str((20 - level) * 2)
-        clock.now += (20 - level) * 2
-        assert complete(server, ALICE, prompt=prompt, max_tokens=1).status_code == 200
-        clock.now += 120
-        too_long = complete(server, ALICE, prompt=[server.fake.word_ids[0]] * 31)
-        assert too_long.status_code == 400 and "can never be served" in too_long.json()["error"]["message"]
+    keys = ApiKeys([ApiKey("alice", sha256(ALICE), tpm=60)], clock=clock)  # one token per second
+    fake = FakeLLMEngine(step_time=0.02)
+    with serve(keys, fake) as server:
+        prompt = [fake.word_ids[0]] * 10
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "n": 2, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=bearer(ALICE)) as first:
+            assert first.status_code == 200  # reserved 10 + 20 x 2 = 50 of 60
+            lines = first.iter_lines()
+            next(lines)
+            refused = complete(server, ALICE, prompt=prompt, max_tokens=5, n=2)  # 20 more: 10 short
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"
+            assert refused.headers["retry-after"] == "10"
+            assert list(lines)[-2] == "data: [DONE]"
+        # settled: the first used all 50 (ignore_eos); a request that stops early gets the rest back
+        clock.now += 60
+        short = complete(server, ALICE, prompt=prompt, max_tokens=40, stop=[fake.tokenizer.decode([fake.word_ids[1]])])
+        assert short.status_code == 200
+        used = short.json()["usage"]["total_tokens"]
+        assert short.headers["x-ratelimit-remaining-tokens"] == str(60 - used)  # the reservation of 50, settled
+        clock.now += 60
+        too_big = complete(server, ALICE, prompt=prompt, max_tokens=30, n=2)  # 70 > 60: never
+        assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "max_tokens"
+        assert "can never be served" in too_big.json()["error"]["message"]
 
 
 # ---- audit log and metrics ----------------------------------------------------------------------------------

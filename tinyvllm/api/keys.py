@@ -20,15 +20,16 @@ holds up to `limit` units and refills at `limit` per minute, so a key may burst 
 and then runs at its steady rate. The units are taken when they are known:
 
     RPM  1 per request, when the request arrives (before its body is read)
-    TPM  the prompt's tokens when the request is admitted to the engine (a prompt needs that many in
-         the bucket: else 429), then each completion token as it is generated
+    TPM  a reservation when the request is admitted to the engine: its prompt's tokens plus the most it
+         may generate, max_tokens x n (without max_tokens: what the context leaves after the prompt, x n);
+         settled when it ends: the tokens it did not use go back to the bucket
 
-Completion tokens are charged as they come rather than reserved up front (prompt + max_tokens, as
-OpenAI estimates): a request without max_tokens would otherwise reserve the whole context, and a key
-would be refused for tokens it never uses. The price: a request already admitted is never stopped,
-so its completion may take the bucket below zero; the key then waits until the debt is repaid.
-Retry-After is exact for a key that sends nothing else meanwhile: the seconds, rounded up, until the
-bucket holds what the refused request needed.
+A reservation is what makes the limit a bound: tokens charged only as they came would let concurrent
+requests with large max_tokens x n spend many times the per-minute budget before any was refused. So
+a request fits only if the bucket holds its whole reservation (else 429), and one that could never fit,
+its reservation over the limit itself, gets a 400 naming max_tokens. A key's spending in any minute is
+then at most its limit plus a minute's refill. Retry-After is exact for a key that sends nothing else
+meanwhile: the seconds, rounded up, until the bucket holds what the refused request needed.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
 class TokenBucket:
     """Up to `per_minute` units, refilled continuously at `per_minute` / 60 per second.
 
-    `level` may go below zero: completion tokens are charged after admission (see the module docstring).
+    `level` never goes below zero: a request takes its reservation only if the bucket holds it.
     """
 
     def __init__(self, per_minute: int, now: float):
@@ -140,8 +141,9 @@ class TokenBucket:
         return 0.0 if self.level + EPSILON >= amount else (amount - self.level) / self.rate
 
     def take(self, amount: float, now: float) -> None:
+        """Take `amount` (a negative amount gives back: never above the capacity)."""
         self.refill(now)
-        self.level -= amount
+        self.level = min(self.capacity, self.level - amount)
 
     def headers(self, kind: str, now: float) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for this bucket; reset: until the bucket is full again."""
@@ -221,20 +223,29 @@ class ApiKeys:
                 raise rate_limited(key, "requests", key.rpm, 1, wait)
             requests.take(1, now)
 
-    def check_tokens(self, key: ApiKey, num_prompt_tokens: int) -> None:
-        """At admission to the engine: room for the prompt's tokens (429), or a 400 if there never can be."""
+    def reserve_tokens(self, key: ApiKey, num_prompt_tokens: int, max_completion_tokens: int) -> int:
+        """At admission to the engine: take the request's reservation, its prompt's tokens and the most it may
+        generate (429 if the bucket does not hold it now, 400 if it never can). Returns what was taken (0 for a
+        key without a tokens limit); give it to `settle_tokens` when the request ends."""
         bucket = self.tokens.get(key.id)
         if bucket is None:
-            return
-        if num_prompt_tokens > bucket.capacity:  # a 429 would never clear: say so instead
-            raise bad_request(f"the prompt has {num_prompt_tokens} tokens, more than the {bucket.capacity} tokens per "
-                              f"minute that API key {key.id!r} may use: it can never be served")
-        if (wait := bucket.seconds_until(num_prompt_tokens, self.clock())) > 0:
-            raise rate_limited(key, "tokens", key.tpm, num_prompt_tokens, wait)
+            return 0
+        needed = num_prompt_tokens + max_completion_tokens
+        if needed > bucket.capacity:  # a 429 would never clear: say so instead
+            raise bad_request(f"this request may use {needed} tokens (a prompt of {num_prompt_tokens} and up to "
+                              f"{max_completion_tokens} generated: max_tokens x n), more than the {bucket.capacity} "
+                              f"tokens per minute that API key {key.id!r} may use: it can never be served; lower "
+                              "max_tokens (or n)", "max_tokens")
+        now = self.clock()
+        if (wait := bucket.seconds_until(needed, now)) > 0:
+            raise rate_limited(key, "tokens", key.tpm, needed, wait)
+        bucket.take(needed, now)
+        return needed
 
-    def charge_tokens(self, key: ApiKey, num_tokens: int) -> None:
-        if key.id in self.tokens and num_tokens:
-            self.tokens[key.id].take(num_tokens, self.clock())
+    def settle_tokens(self, key: ApiKey, reserved: int, used: int) -> None:
+        """A request ended having used `used` of the `reserved` tokens: the rest go back to the bucket."""
+        if key.id in self.tokens and reserved != used:
+            self.tokens[key.id].take(used - reserved, self.clock())
 
     def headers(self, key: ApiKey) -> dict[str, str]:
         """x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the limits this key has."""
@@ -264,26 +275,41 @@ class KeyedEngine:
         record = current_record.get(None)
         key = self.keys.by_id.get(record.key_id) if record is not None and self.keys is not None else None
         num_prompt_tokens = len(prompt)  # the serving code passes token ids
+        reserved = 0
         if key is not None:
-            self.keys.check_tokens(key, num_prompt_tokens)
-        stream = self.async_engine.add_request(request_id, prompt, sampling_params, priority)  # may 429 itself
-        if key is not None:
-            self.keys.charge_tokens(key, num_prompt_tokens)  # only once the engine has taken the request
+            reserved = self.keys.reserve_tokens(key, num_prompt_tokens, self.max_completion_tokens(
+                num_prompt_tokens, sampling_params))
+        try:
+            stream = self.async_engine.add_request(request_id, prompt, sampling_params, priority)  # may 429 itself
+        except BaseException:
+            if key is not None:
+                self.keys.settle_tokens(key, reserved, 0)
+            raise
         if record is None:
             return stream
         record.request_id, record.prompt_tokens = request_id, num_prompt_tokens  # once however many choices (n)
-        return self.metered(stream, record, key)
+        return self.metered(stream, record, key, reserved, num_prompt_tokens)
 
-    async def metered(self, stream: AsyncIterator[RequestOutput], record, key: ApiKey | None):
-        """The stream, with each completion token charged as it arrives (all choices together)."""
+    def max_completion_tokens(self, num_prompt_tokens: int, params) -> int:
+        """The most tokens a request may generate, all its choices (n, or beams) together: max_tokens x n, or
+        without max_tokens what the context leaves after the prompt, x n."""
+        room = self.async_engine.engine.max_model_len - num_prompt_tokens
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return max(0, max_tokens) * params.n
+
+    async def metered(self, stream: AsyncIterator[RequestOutput], record, key: ApiKey | None, reserved: int,
+                      num_prompt_tokens: int):
+        """The stream, counting its completion tokens (all choices together); the key's reservation is settled
+        when it ends, however it ends."""
+        generated = 0
         try:
             async for output in stream:
                 generated = sum(len(completion.token_ids) for completion in output.outputs)
-                if key is not None:
-                    self.keys.charge_tokens(key, generated - record.completion_tokens)
                 record.completion_tokens = generated
                 yield output
         finally:  # closed early (the client left): close the engine's stream now, which aborts the request
+            if key is not None:
+                self.keys.settle_tokens(key, reserved, num_prompt_tokens + generated)
             await stream.aclose()
 
 
