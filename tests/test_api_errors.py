@@ -201,3 +201,34 @@ def test_event_loop_answers_while_the_engine_is_busy():
             assert time.monotonic() - start < 2.0
             fake.gate.set()
             assert sse_events(response)[-1] == "[DONE]"
+
+
+# ---- failures that used to come late (a 500, or a 200 then an error event): now 400s naming the field ----------
+
+VOCAB = 49152
+LATE_FAILURES = [  # (path, body as JSON text: a lone surrogate is valid JSON that json.dumps would not write, param)
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}', "messages"),
+    ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "stop_token_ids": [VOCAB]}), "stop_token_ids"),
+    ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "min_tokens": 1,
+                                    "stop_token_ids": list(range(VOCAB))}), "stop_token_ids"),  # all masked
+    ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"7" * 5000: 1.0}}), "logit_bias"),
+    ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "top_p": 0}), "top_p"),  # vLLM: (0, 1]
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+                                         "max_tokens": 2}), "messages"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", LATE_FAILURES,
+                         ids=["surrogate", "surrogate-chat", "oov-stop-id", "all-masked", "long-bias-key", "top-p-0",
+                              "non-string-text-part"])
+def test_late_failures_are_400s_before_any_200(server, path, body, param):
+    for stream in (False, True):
+        raw = body[:-1] + f', "stream": {"true" if stream else "false"}}}'
+        response = httpx.post(f"{server.url}{path}", content=raw.encode(), timeout=60,
+                              headers={"Content-Type": "application/json"})
+        error = assert_error(response, 400, param)
+        assert "Exceeds the limit" not in error["message"]  # Python's own words for a 5,000-digit int
+    if param == "logit_bias":
+        assert "(5000 characters)" in error["message"]
+    still_serving(server)

@@ -107,7 +107,26 @@ def test_json_schema_outputs_always_parse(tiny, route, way):
             check_person(text)
 
 
+# vLLM's guided_grammar example (examples/online_serving/openai_chat_completion_structured_outputs.py), in GBNF:
+# llama.cpp's grammar format, converted by llguidance (before, refused as Lark that does not parse)
+VLLM_SQL_GBNF = """
+    root ::= select_statement
+
+    select_statement ::= "SELECT " column " from " table " where " condition
+
+    column ::= "col_1 " | "col_2 "
+
+    table ::= "table_1 " | "table_2 "
+
+    condition ::= column "= " number
+
+    number ::= "1 " | "2 "
+"""
+
+
 @pytest.mark.parametrize("constraint, check", [
+    ({"grammar": VLLM_SQL_GBNF},
+     lambda text: re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", text)),
     ({"regex": r"[0-9]{3}-[a-z]{2,4}"}, lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text)),
     ({"choice": ["yes", "no", "maybe"]}, lambda text: text in ("yes", "no", "maybe")),
     ({"grammar": 'start: "(" NUMBER ("+" NUMBER)* ")"\nNUMBER: /[1-9]/'},
@@ -133,6 +152,7 @@ def test_regex_choice_and_grammar_under_both_names(tiny, constraint, check):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= missing_rule"}, "guided_grammar"),  # GBNF naming a rule it lacks
     ({"guided_choice": []}, "guided_choice"),
     ({"priority": "high"}, "priority"),
 ])

@@ -85,7 +85,7 @@ def test_a_forced_call_always_parses_and_streams_the_same(tiny, tool_choice):
     names = {"get_weather", "add"} if tool_choice == "required" else {"add"}
     for temperature, seed in [(0, None), (1.0, 0), (1.0, 1), (1.0, 2)]:
         request = dict(model="model", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
-                       temperature=temperature, seed=seed)
+                       temperature=temperature, seed=seed, parallel_tool_calls=False)
         response = c.chat.completions.create(**request)
         choice = response.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -214,6 +214,7 @@ def test_a_template_with_tool_support_renders_the_tools_itself():
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools"),  # auto
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
     ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
@@ -242,8 +243,8 @@ def test_the_real_model_makes_forced_calls_that_parse():
         c = client(server)
         for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
             for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
-                request = dict(model="SmolLM2-135M-Instruct.Q4_1.gguf", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=80,
-                               **sampling)
+                request = dict(model="SmolLM2-135M-Instruct.Q4_1.gguf", messages=ASK, tools=TOOLS,
+                               tool_choice=tool_choice, max_tokens=80, parallel_tool_calls=False, **sampling)
                 choice = c.chat.completions.create(**request).choices[0]
                 assert choice.finish_reason == "tool_calls", choice
                 (call,) = choice.message.tool_calls
@@ -252,3 +253,74 @@ def test_the_real_model_makes_forced_calls_that_parse():
                     streamed = stream.get_final_completion().choices[0]
                 assert [(t.function.name, t.function.arguments) for t in streamed.message.tool_calls] == \
                     [(call.function.name, call.function.arguments)]
+
+
+# ---- what the model writes is checked before it is a call: declared, one when parallel calls are off, valid ----
+
+OTHER_CALLS = [  # after CALL: an undeclared tool, arguments that do not fit the schema, then a good call
+    '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": 5, "unit": "kelvin"}}\n</tool_call>',
+    '<tool_call>\n{"name": "add", "arguments": {"b": true, "a": 3}}\n</tool_call>']
+
+
+@pytest.fixture(scope="module")
+def calls_server():
+    reply = "\n".join([CALL, *OTHER_CALLS])
+    with serve_app(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256)) as server:
+        yield server
+
+
+def calls_of(server, stream: bool, **request) -> tuple[list[tuple[str, dict]], str | None, str]:
+    c = client(server)
+    request = dict(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0, **request)
+    if stream:
+        with c.chat.completions.stream(**request) as s:
+            choice = s.get_final_completion().choices[0]
+    else:
+        choice = c.chat.completions.create(**request).choices[0]
+    calls = [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls or []]
+    return calls, choice.message.content, choice.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_undeclared_invalid_and_parallel_calls(calls_server, stream):
+    # before: every block was a call, the undeclared one and the invalid arguments included, parallel or not
+    weather, add = ("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"b": True, "a": 3})
+    calls, content, finish_reason = calls_of(calls_server, stream)
+    assert calls == [weather, add] and finish_reason == "tool_calls"
+    assert "delete_everything" not in (content or "")  # dropped
+    assert '"kelvin"' in content  # not a call: left as the text the model wrote
+    calls, _, _ = calls_of(calls_server, stream, parallel_tool_calls=False)
+    assert calls == [weather]
+    calls, _, _ = calls_of(calls_server, stream, tool_choice="required")  # several calls under required too
+    assert calls == [weather, add]
+
+
+def test_required_with_parallel_calls_may_make_several(tiny):
+    """The forced grammar lets a random model write one call or more, each parsing and validating."""
+    c = client(tiny)
+    counts = set()
+    for seed in range(4):
+        response = c.chat.completions.create(model="model", messages=ASK, tools=TOOLS, tool_choice="required",
+                                             max_tokens=200, temperature=1.0, seed=seed)
+        calls = response.choices[0].message.tool_calls
+        for call in calls:
+            check_arguments(call.function.name, call.function.arguments)
+        counts.add(len(calls))
+    assert min(counts) >= 1
+
+
+def test_the_llama3_json_tool_call_parser():
+    reply = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}; '
+             '{"name": "nope", "parameters": {}}')
+    with serve_app(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256),
+                   tool_call_parser="llama3_json") as server:
+        for stream in (False, True):
+            calls, content, finish_reason = calls_of(server, stream)
+            assert calls == [("get_weather", {"city": "Oslo", "unit": "celsius"})] and finish_reason == "tool_calls"
+            assert not content
+    from llguidance import LLMatcher
+
+    from tinyvllm.api.tool_parser import Llama3JsonToolParser, split_json_objects
+    assert LLMatcher.validate_grammar(Llama3JsonToolParser.forced_grammar([WEATHER["function"]], True)) == ""
+    assert split_json_objects('{"a": "}{\\"x"}; {"b": 1} tail') == ['{"a": "}{\\"x"}', '{"b": 1}', "tail"]

@@ -24,7 +24,9 @@ and failures); `to_openai_error` is the one place that maps them onto this table
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -67,6 +69,45 @@ def invalid_api_key() -> OpenAIError:
     # RFC 9110: a 401 names the scheme that would succeed
     return OpenAIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
                        "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): only where one is written can a parsed string hold a lone one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate_error(body: bytes) -> OpenAIError | None:
+    """A 400 naming the field if the JSON body holds a string with a lone surrogate (`"\ud800"`: valid JSON, but
+    no Unicode text: encoding it, to tokenize or to answer, would fail later with a 500, or mid-stream after a
+    200). Bodies without such an escape (nearly all) are not parsed here."""
+    if _SURROGATE_ESCAPE.search(body) is None:
+        return None
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None  # not JSON: FastAPI answers that itself
+    path = _lone_surrogate_path(document)
+    if path is None:
+        return None  # a pair (a character outside the BMP), or an escaped backslash before "u"
+    parts = [str(part).encode("utf-8", "backslashreplace").decode("utf-8") for part in path]  # a key may hold it
+    field = ".".join(parts) or "body"
+    return bad_request(f"{field}: the string holds a lone UTF-16 surrogate, which is not Unicode text; send UTF-8 "
+                       "text (a character outside the Basic Multilingual Plane as a \\uD8xx\\uDCxx pair)",
+                       parts[0] if parts else None)
+
+
+def _lone_surrogate_path(value: object, path: tuple = ()) -> tuple | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate_path(key, path + (key,)) or _lone_surrogate_path(item, path + (key,))
+        if found is not None:
+            return found
+    return None
 
 
 def request_timeout(seconds: float) -> OpenAIError:

@@ -113,7 +113,7 @@ class SamplingFields(BaseModel):
     model: StrictStr | None = None  # OpenAI requires it; like vLLM, a missing model means the served one
     n: StrictInt = Field(1, ge=1)  # at most the server's --max-n
     temperature: StrictFloat | None = Field(None, ge=0, le=2)  # None: OpenAI's default 1.0
-    top_p: StrictFloat | None = Field(None, ge=0, le=1)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)  # (0, 1], as vLLM's SamplingParams checks it
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = Field(None, ge=0, le=1)
     presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2)

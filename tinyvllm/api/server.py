@@ -24,6 +24,7 @@ until the last step:
     API key          with --api-key or --api-keys-file, every path but /health -> 401 + WWW-Authenticate: Bearer
     the key's RPM    on /v1/, a key over its requests (or in debt for its tokens) per minute -> 429 + Retry-After
     body size        over --max-request-body-bytes -> 413, from Content-Length or while reading
+    lone surrogates  a JSON string holding one ("\ud800": no Unicode text) -> 400 naming the field
     body time        not all arrived within --body-read-timeout seconds -> 408 (headers: --header-read-timeout,
                      in the connection's protocol: tinyvllm/api/read_timeouts.py)
 
@@ -59,7 +60,8 @@ from tinyvllm.api import access_log
 from tinyvllm.api.audit import AuditLog, RequestAccounting, current_record
 from tinyvllm.api.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, install_error_handlers,
-                                 model_not_found, request_timeout, request_too_large, to_openai_error)
+                                 lone_surrogate_error, model_not_found, request_timeout, request_too_large,
+                                 to_openai_error)
 from tinyvllm.api.keys import ApiKey, ApiKeys, KeyedEngine
 from tinyvllm.api.metrics import KeyMetrics, ServerMetrics
 from tinyvllm.api.openapi import openapi_schema, responses
@@ -124,6 +126,8 @@ class RequestGuard:
                 if scope["path"].startswith("/v1/"):
                     self.keys.admit_request(key)
             body = await self.read_body(headers, receive)
+            if body and (error := lone_surrogate_error(body)) is not None:
+                raise error
         except OpenAIError as e:
             return await e.response()(scope, receive, send)
         if body is None:  # the client left while sending
@@ -224,12 +228,14 @@ class CorsConfig:
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = None,
               api_key: str | None = None, api_keys: ApiKeys | None = None, audit_log: str | Path | None = None,
               limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
-              reasoning_parser: str | None = None, cors: CorsConfig | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, cors: CorsConfig | None = None,
+              tool_call_parser: str = "hermes") -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server. `allowed_hosts`:
     the DNS names the server answers to besides localhost and IP addresses ("*": any). `api_key`: one
     key without limits; `api_keys`: several, with limits (not both: `ApiKeys.build` merges them).
     `audit_log`: a file to append one JSON line per request to. `reasoning_parser`: "think" sends what the
-    model writes in <think>...</think> as `reasoning_content`. `cors`: the origins browsers may call it from."""
+    model writes in <think>...</think> as `reasoning_content`. `tool_call_parser`: the format the model writes
+    tool calls in, "hermes" or "llama3_json" (vLLM's --tool-call-parser; tinyvllm/api/tool_parser.py). `cors`: the origins browsers may call it from."""
     if api_key is not None and api_keys is not None:
         raise ValueError("give api_key or api_keys, not both (ApiKeys.build(api_key, keys_file) merges them)")
     keys = api_keys if api_key is None else ApiKeys.build(api_key)
@@ -241,7 +247,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     limits = limits or ServerLimits()
     keyed_engine = KeyedEngine(engine, keys)  # the serving code's view: each request charged to its key
     completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits)
-    chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser)
+    chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser,
+                             tool_call_parser=tool_call_parser)
     tokenization = OpenAIServingTokenization(chat)
 
     @asynccontextmanager
@@ -480,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "per KV head (default auto)")
     p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
                    help="think: send the model's <think>...</think> as reasoning_content (default none)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
+                   help="the format the model writes tool calls in: hermes (<tool_call> JSON </tool_call>: Qwen, "
+                        "Hermes, SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+; default hermes)")
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
                    help="weights: auto keeps a GGUF's quantized blocks, none dequantizes, q8_0/q4_0/q4_1 quantize "
                         "at load (default auto)")
@@ -530,7 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
     app = build_app(engine, served_model_names=args.served_model_name, api_keys=keys, audit_log=args.audit_log,
                     limits=limits, allowed_hosts=[*args.allowed_hosts, args.host],
-                    reasoning_parser=args.reasoning_parser,
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                     tuple(args.allowed_headers), args.allow_credentials))
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,

@@ -16,9 +16,10 @@ With `tools` (see `tool_parser.py`) and a reasoning parser (`reasoning_parser.py
 goes through a `ChoiceParser` before it is sent, the same one streamed or not:
 
     output text --ThinkReasoningParser--+--> reasoning_content
-                                        +--> the rest --HermesToolParser--+--> content
-                                                                          +--> tool_calls
-    (a choice that made a call and stopped has finish_reason "tool_calls")
+                                        +--> the rest --ToolParser--+--> content
+                                                                    +--> tool_calls (those the ToolCallPolicy keeps)
+    (a choice that made a call and stopped has finish_reason "tool_calls"; the ToolParser is the
+    --tool-call-parser's: hermes or llama3_json)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest
 from tinyvllm.api.reasoning_parser import ThinkReasoningParser
 from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, base_request_id, choice_deltas,
                                          grammar_error, last_output, sse, sse_error, usage)
-from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, HermesToolParser, forced_tool_grammar,
+from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, TOOL_PARSERS, ToolCallPolicy, ToolParser,
                                       with_default_tool_prompt, with_parsed_arguments)
 from tinyvllm.model.chat_template import template_variables
 from tinyvllm.outputs import RequestOutput
@@ -57,20 +58,27 @@ class ToolUse:
 
     tools: list[dict] | None = None  # OpenAI tool definitions, for the prompt
     parse: bool = False  # look for calls in the output: tool_choice auto, required or named
-    forced: list[dict] = field(default_factory=list)  # the functions the one call must be to (required, named)
+    forced: list[dict] = field(default_factory=list)  # the functions the calls must be to (required, named)
+    parallel: bool = True  # parallel_tool_calls: more than one call allowed
+    parser: type[ToolParser] = TOOL_PARSERS["hermes"]
 
     @property
     def constraint(self) -> tuple[str, StructuredOutputsParams] | None:
         """A forced call is a structured output, from the field that asked for it."""
         if not self.forced:
             return None
-        return "tool_choice", StructuredOutputsParams(grammar=forced_tool_grammar(self.forced))
+        return "tool_choice", StructuredOutputsParams(grammar=self.parser.forced_grammar(self.forced, self.parallel))
+
+    def make_parser(self) -> ToolParser | None:
+        if not self.parse:
+            return None
+        return self.parser(ToolCallPolicy([tool["function"] for tool in self.tools], self.parallel))
 
 
 class ChoiceParser:
     """One choice's text -> (reasoning, content, tool calls), piece by piece (see the module docstring)."""
 
-    def __init__(self, reasoning: ThinkReasoningParser | None, tools: HermesToolParser | None):
+    def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None):
         self.reasoning, self.tools = reasoning, tools
 
     @property
@@ -100,12 +108,15 @@ class ChoiceParser:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, reasoning_parser: str | None = None, **kwargs):
+    def __init__(self, *args, reasoning_parser: str | None = None, tool_call_parser: str = "hermes", **kwargs):
         super().__init__(*args, **kwargs)
         if reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {reasoning_parser!r}")
+        if tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
         self.reasoning_parser = reasoning_parser if reasoning_parser != "none" else None
+        self.tool_parser = TOOL_PARSERS[tool_call_parser]
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
@@ -133,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
         def make_parser() -> ChoiceParser:
             prompt_opened = text.rstrip().endswith(ThinkReasoningParser.START)  # the template opened <think>
             return ChoiceParser(ThinkReasoningParser(prompt_opened) if self.reasoning_parser else None,
-                                HermesToolParser() if tool_use.parse else None)
+                                tool_use.make_parser())
 
         request_id, created = f"chatcmpl-{base_request_id(raw_request)}", int(time.time())
         stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
@@ -159,21 +170,24 @@ class OpenAIServingChat(OpenAIServing):
         names = [tool["function"]["name"] for tool in tools]
         if len(set(names)) < len(names):
             raise bad_request(f"tools must have distinct function names, got {names}", "tools")
+        for i, tool in enumerate(tools):  # each arguments schema compiles (whatever tool_choice), or the 400 says which
+            error = grammar_error(StructuredOutputsParams(json=tool["function"].get("parameters") or NO_PARAMETERS))
+            if error:
+                raise bad_request(f"tools[{i}].function.parameters is not a JSON schema this server can check "
+                                  f"arguments against: {error}", "tools")
         if choice == "none":
             return ToolUse(tools)  # listed in the prompt, as OpenAI and vLLM do, but never parsed
+        parallel = request.parallel_tool_calls is not False  # OpenAI's default: true
         if choice in (None, "auto"):
-            return ToolUse(tools, parse=True)
+            return ToolUse(tools, parse=True, parallel=parallel, parser=self.tool_parser)
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools "
                               f"({', '.join(names)})", "tool_choice")
         wanted = names if choice == "required" else [choice.function.name]
         forced = [tool["function"] for tool in tools if tool["function"]["name"] in wanted]
-        for function in forced:  # each arguments schema compiles, or the 400 says which
-            error = grammar_error(StructuredOutputsParams(json=function.get("parameters") or NO_PARAMETERS))
-            if error:
-                raise bad_request(f"tools[{names.index(function['name'])}].function.parameters does not compile: "
-                                  f"{error}", "tools")
-        return ToolUse(tools, parse=True, forced=forced)
+        # a named function: one call to it (vLLM's); required: one or more, as parallel_tool_calls allows
+        return ToolUse(tools, parse=True, forced=forced, parallel=parallel and choice == "required",
+                       parser=self.tool_parser)
 
     def has_special_token(self, tags: list[str]) -> bool:
         """Whether any of `tags` is one special token of this vocabulary."""
@@ -208,7 +222,14 @@ class OpenAIServingChat(OpenAIServing):
             if isinstance(content, list):  # content parts: only text ones can be served by a text model
                 if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
                     raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
-                content = "".join(str(part.get("text", "")) for part in content)
+                for j, part in enumerate(content):
+                    if not isinstance(part.get("text"), str):
+                        raise bad_request(f"messages[{i}].content[{j}].text must be a string, got "
+                                          f"{part.get('text')!r}", "messages")
+                content = "".join(part["text"] for part in content)
+            elif not isinstance(content, str):
+                raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got "
+                                  f"{type(content).__name__}", "messages")
             tool_calls = message.get("tool_calls")
             if tool_calls is not None and not (isinstance(tool_calls, list) and all(
                     isinstance(call, dict) and isinstance(call.get("function"), dict)

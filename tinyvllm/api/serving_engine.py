@@ -15,7 +15,7 @@ grammar that does not compile is a 400 naming the field, before any 200 of a str
     response_format {"type": "json_schema", "json_schema": {"schema": S}}  -> json=S
     structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  (vLLM's)
     guided_json, guided_regex, guided_choice, guided_grammar  (vLLM's older names)
-    tool_choice "required" or a named function (chat)          -> grammar=forced_tool_grammar(...)
+    tool_choice "required" or a named function (chat)          -> grammar=ToolParser.forced_grammar(...)
 
 Server-sent events (SSE) are how a streamed response travels: an HTTP response that stays open, with
 `Content-Type: text/event-stream`, made of events separated by a blank line. OpenAI's stream is one
@@ -182,11 +182,27 @@ class OpenAIServing:
         if request.logit_bias:
             fields["logit_bias"] = self.parse_logit_bias(request.logit_bias)
         try:
-            return SamplingParams(**{**defaults, **fields}, max_tokens=max_tokens, logprobs=logprobs,
-                                  structured_outputs=structured_outputs)
+            params = SamplingParams(**{**defaults, **fields}, max_tokens=max_tokens, logprobs=logprobs,
+                                    structured_outputs=structured_outputs)
         except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1], got 2"
             field = re.match(r"\w+", str(e))
             raise bad_request(str(e), field.group() if field else None) from e
+        self.check_stop_token_ids(params)
+        return params
+
+    def check_stop_token_ids(self, params: SamplingParams) -> None:
+        """What the engine would find only after a 200: stop token ids outside the vocabulary, and min_tokens
+        with stop tokens (and the model's eos) covering the whole vocabulary, which leaves nothing to sample
+        until min_tokens tokens exist."""
+        vocab_size = self.tokenizer.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}) for this model, got {bad[:5]}",
+                              "stop_token_ids")
+        if params.min_tokens > 0 and len(params.all_stop_token_ids(self.tokenizer.stop_token_ids)) >= vocab_size:
+            raise bad_request(f"stop_token_ids (with the model's end-of-sequence tokens) cover every token of the "
+                              f"vocabulary, so none could be sampled while min_tokens ({params.min_tokens}) holds "
+                              "stop tokens back: remove some stop_token_ids, or set min_tokens to 0", "stop_token_ids")
 
     def structured_outputs(self, request: SamplingFields,
                            forced: tuple[str, StructuredOutputsParams] | None = None) -> StructuredOutputsParams | None:
@@ -237,10 +253,13 @@ class OpenAIServing:
     def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
         parsed = {}
         for key, bias in logit_bias.items():
-            # ASCII digits only: str.isdigit() also says yes to "²", which int() refuses
-            if re.fullmatch(r"[0-9]+", key) is None or int(key) >= self.tokenizer.vocab_size:
+            # ASCII digits only: str.isdigit() also says yes to "²", which int() refuses; the length first, as
+            # int() refuses (with a message of its own) strings of more than 4300 digits
+            if (re.fullmatch(r"[0-9]+", key) is None or len(key) > len(str(self.tokenizer.vocab_size))
+                    or int(key) >= self.tokenizer.vocab_size):
+                shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
                 raise bad_request(f"logit_bias keys must be token ids written as integer strings, in [0, "
-                                  f"{self.tokenizer.vocab_size}) (e.g. {{\"1234\": -100}}), got {key!r}", "logit_bias")
+                                  f"{self.tokenizer.vocab_size}) (e.g. {{\"1234\": -100}}), got {shown!r}", "logit_bias")
             parsed[int(key)] = bias
         return parsed
 
@@ -303,10 +322,10 @@ def grammar_error(params: StructuredOutputsParams) -> str:
     vocabulary: microseconds to milliseconds, on the event loop)."""
     from llguidance import LLMatcher
 
-    from tinyvllm.sample.structured_output import grammar_of
+    from tinyvllm.sample.structured_output import grammar_limits, grammar_of
 
     try:
-        return LLMatcher.validate_grammar(grammar_of(params))
+        return LLMatcher.validate_grammar(grammar_of(params), limits=grammar_limits())
     except ValueError as e:
         return str(e)
 

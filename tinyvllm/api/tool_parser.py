@@ -21,19 +21,31 @@ A model calls a tool by writing it as text; the server finds the calls in the ou
 
 3. The parser. `HermesToolParser` reads the output as it streams, sends the text around the calls as
    content, and each call once its closing tag is read. The non-streamed response runs the same parser
-   over the whole text, so the two agree.
+   over the whole text, so the two agree. `--tool-call-parser` (vLLM's flag) picks the format the served
+   model writes: `hermes` (Qwen, Hermes, and SmolLM2 through `TOOLS_PROMPT`) or `llama3_json` (Llama 3.1
+   and later: `{"name": ..., "parameters": {...}}`, several separated by `;`).
 
-vLLM: `entrypoints/openai/tool_parsers/hermes_tool_parser.py`; the prompt is Qwen2.5's.
+4. The policy (`ToolCallPolicy`). What the model writes is checked before it becomes a call a client may
+   execute: a call to a function that was not declared is dropped; with `parallel_tool_calls: false` only
+   the first call is kept; a call whose arguments do not validate against the function's `parameters` schema
+   is not a call: its text stays in the content, where the client sees what the model tried. Forced calls
+   (`required`, a named function) follow a grammar built from the same schemas, so they always pass; under
+   `required` with parallel calls allowed, the grammar lets the model make several.
+
+vLLM: `entrypoints/openai/tool_parsers/hermes_tool_parser.py`, `llama_tool_parser.py`; the prompt is Qwen2.5's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 from tinyvllm.api.protocol import FunctionCall, ToolCall
 from tinyvllm.api.reasoning_parser import partial_tag_length
-from tinyvllm.sample.structured_output import JSON_OPTIONS
+from tinyvllm.sample.structured_output import JSON_OPTIONS, schema_validator
+
+logger = logging.getLogger("tinyvllm.api")
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -104,19 +116,57 @@ def with_default_tool_prompt(messages: list[dict], tools: list[dict] | None) -> 
     return out
 
 
-def forced_tool_grammar(functions: list[dict]) -> str:
-    """A Lark grammar (llguidance's dialect) for exactly one call to one of `functions` (OpenAI function
-    definitions): the tags, then a JSON object whose "name" is one of theirs and whose "arguments" follow
-    that function's parameters schema.
+def call_schema(functions: list[dict], arguments_key: str = "arguments") -> dict:
+    """The JSON schema of one call to one of `functions`: {"name": one of theirs, arguments_key: that function's
+    parameters}."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+              "properties": {"name": {"const": f["name"]}, arguments_key: f.get("parameters") or NO_PARAMETERS}}
+             for f in functions]
+    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
 
-        start: "<tool_call>\\n" call "\\n</tool_call>"
+
+def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
+    """A Lark grammar (llguidance's dialect) for a call to one of `functions` (OpenAI function definitions), or
+    one or more when `parallel`: the tags, then a JSON object whose "name" is one of theirs and whose "arguments"
+    follow that function's parameters schema.
+
+        start: block ("\\n" block)*              (parallel; else start: block)
+        block: "<tool_call>\\n" call "\\n</tool_call>"
         call: %json {"anyOf": [{"properties": {"name": {"const": "get_weather"}, "arguments": {...}}, ...}]}
     """
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or NO_PARAMETERS}}
-             for f in functions]
-    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
-    return f'start: "{START}\\n" call "\\n{END}"\ncall: %json {json.dumps(schema)}'
+    start = 'start: block ("\\n" block)*' if parallel else "start: block"
+    return (f'{start}\nblock: "{START}\\n" call "\\n{END}"\n'
+            f"call: %json {json.dumps(call_schema(functions))}")
+
+
+class ToolCallPolicy:
+    """Which of the calls a model writes become tool calls (see the module docstring, part 4)."""
+
+    def __init__(self, functions: list[dict], parallel: bool = True):
+        self.functions = {f["name"]: f for f in functions}
+        self.parallel = parallel
+        self._validators: dict[str, object] = {}
+
+    def check(self, call: ToolCall, num_kept: int) -> str:
+        """"keep", "drop" (undeclared, or a second call when parallel calls are off) or "invalid" (arguments that
+        do not validate against the function's parameters schema)."""
+        function = self.functions.get(call.function.name)
+        if function is None:
+            logger.info("dropped a call to %r, which is not among the declared tools", call.function.name)
+            return "drop"
+        if num_kept and not self.parallel:
+            return "drop"
+        if call.function.name not in self._validators:
+            self._validators[call.function.name] = schema_validator(function.get("parameters") or NO_PARAMETERS)
+        try:
+            arguments = json.loads(call.function.arguments)
+        except json.JSONDecodeError:
+            return "invalid"
+        error = self._validators[call.function.name](arguments)
+        if error:
+            logger.info("a call to %r has arguments that do not fit its schema: %s", call.function.name, error)
+            return "invalid"
+        return "keep"
 
 
 def parse_tool_call(body: str) -> ToolCall | None:
@@ -133,7 +183,29 @@ def parse_tool_call(body: str) -> ToolCall | None:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=value["name"], arguments=arguments))
 
 
-class HermesToolParser:
+class ToolParser:
+    """The parsers' common part: `feed(text)` -> (content, calls) as the output arrives, `finish()` at its end,
+    `num_calls` so far; each call found goes through the request's `ToolCallPolicy` (None: every call kept)."""
+
+    def __init__(self, policy: ToolCallPolicy | None = None):
+        self.policy = policy
+        self.num_calls = 0
+
+    def admit(self, call: ToolCall | None, text: str) -> tuple[str, ToolCall | None]:
+        """A call found in `text` (None: the text did not parse as one) -> (content, the call if kept)."""
+        verdict = "invalid" if call is None else "keep" if self.policy is None else self.policy.check(
+            call, self.num_calls)
+        if verdict == "keep":
+            self.num_calls += 1
+            return "", call
+        return ("" if verdict == "drop" else text), None
+
+    @staticmethod
+    def forced_grammar(functions: list[dict], parallel: bool) -> str:
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
     """Split an output into content and tool calls as it arrives.
 
     Text outside the tags is content, sent at once but for what could still be the start of `<tool_call>`
@@ -141,12 +213,14 @@ class HermesToolParser:
     so a reply of only calls has no content). A block that does not parse stays in the content as written.
     """
 
-    def __init__(self):
+    def __init__(self, policy: ToolCallPolicy | None = None):
+        super().__init__(policy)
         self.inside = False
         self.held = ""  # text not yet sent: a partial tag, or the body of an unfinished call
         self.whitespace = ""  # trailing whitespace of the content, held
         self.strip_leading = False  # just after a call: its following whitespace goes too
-        self.num_calls = 0
+
+    forced_grammar = staticmethod(forced_tool_grammar)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """The content and the complete calls that `text` adds."""
@@ -167,12 +241,11 @@ class HermesToolParser:
                 if end < 0:
                     return content, calls
                 body, self.held, self.inside = self.held[:end], self.held[end + len(END):], False
-                call = parse_tool_call(body)
-                if call is None:
-                    content += self._content(START + body + END)
-                else:
+                text, call = self.admit(parse_tool_call(body), START + body + END)
+                content += self._content(text)
+                if call is not None:
                     calls.append(call)
-                    self.num_calls += 1
+                if not text:  # a call, kept or dropped: the whitespace around it goes
                     self.whitespace, self.strip_leading = "", True
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -180,12 +253,9 @@ class HermesToolParser:
         held, self.held = self.held, ""
         content, calls = "", []
         if self.inside:
-            call = parse_tool_call(held)
-            if call is None:
-                content += self._content(START + held)
-            else:
-                calls.append(call)
-                self.num_calls += 1
+            text, call = self.admit(parse_tool_call(held), START + held)
+            content += self._content(text)
+            calls += [call] if call is not None else []
         else:
             content += self._content(held)
         if not self.num_calls:
@@ -200,3 +270,81 @@ class HermesToolParser:
         sent = text.rstrip()
         self.whitespace = text[len(sent):]
         return sent
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1+'s JSON tool calls (vLLM's `llama3_json`): the output is one call or several separated by `;`,
+    each `{"name": ..., "parameters": {...}}` (or "arguments"), optionally after `<|python_tag|>`. An output
+    that starts otherwise is content, streamed as it comes; one that starts like a call is held to its end and
+    parsed then (what does not parse is content after all)."""
+
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, policy: ToolCallPolicy | None = None):
+        super().__init__(policy)
+        self.held = ""
+        self.mode: str | None = None  # "content" or "calls", once the first non-space text shows which
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.held += text
+        if self.mode is None:
+            start = self.held.lstrip()
+            if not start or (len(start) < len(self.PYTHON_TAG) and self.PYTHON_TAG.startswith(start)):
+                return "", []  # not yet known
+            self.mode = "calls" if start.startswith(("{", self.PYTHON_TAG)) else "content"
+        if self.mode == "calls":
+            return "", []
+        content, self.held = self.held, ""
+        return content, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self.held = self.held, ""
+        if self.mode != "calls":
+            return held, []
+        body = held.strip().removeprefix(self.PYTHON_TAG)
+        content, calls = [], []
+        for part in split_json_objects(body):
+            text, call = self.admit(parse_tool_call(part), part)
+            content += [text] if text else []
+            calls += [call] if call is not None else []
+        return ("; ".join(content) if calls else held if content else ""), calls
+
+    @staticmethod
+    def forced_grammar(functions: list[dict], parallel: bool) -> str:
+        """One call, or several separated by "; " when `parallel`: {"name": ..., "parameters": {...}}."""
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+        return f"{start}\ncall: %json {json.dumps(call_schema(functions, 'parameters'))}"
+
+
+def split_json_objects(text: str) -> list[str]:
+    """'{...}; {...}' -> ['{...}', '{...}']: the top-level objects, split where the braces balance (strings
+    respected), each with its text as written. Text outside them, separators and whitespace aside, is one more
+    part (it parses as no call)."""
+    parts, outside, depth, start, in_string, escaped = [], "", 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"' and depth:
+            in_string = True
+        elif ch == "{":
+            start = i if depth == 0 else start
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                parts.append(text[start:i + 1])
+        elif not depth:
+            outside += ch
+    if depth:
+        parts.append(text[start:])
+    if outside.strip(" ;\n\t"):
+        parts.append(outside.strip(" ;\n\t"))
+    return parts
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}  # vLLM's names

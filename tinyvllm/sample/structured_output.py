@@ -14,6 +14,11 @@ it walks a token trie, not 49,152 strings). The engine applies the mask to the l
 Rows without a grammar get all-ones masks, and a batch with no constrained row builds no mask at all.
 When the grammar is complete the matcher allows only the end-of-sequence token, so the request stops
 as it would on its own eos (a `max_tokens` cap can still cut it first, as in vLLM).
+
+A grammar comes as Lark (llguidance's own syntax) or as GBNF, llama.cpp's format that vLLM's `guided_grammar`
+examples use (`root ::= ...`): a GBNF grammar is converted to Lark by llguidance's converter. Compiling and
+matching are bounded (`grammar_limits`): a regex or grammar whose lexer would grow past the bounds, say a
+repetition that explodes into millions of states, is refused when it is checked, not after a 200.
 """
 
 from __future__ import annotations
@@ -32,6 +37,34 @@ from tinyvllm.sampling_params import StructuredOutputsParams
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
+# llguidance's resource limits, tighter than its defaults where a request could make one matcher costly:
+# lexer states take 1-2 kB each (20,000: at most ~40 MB a request, against the default 250,000), and the grammar
+# symbols bound its size. The fuel (work per compile and per token) keeps llguidance's defaults (~20 ms, ~14 ms).
+MAX_LEXER_STATES = 20_000
+MAX_GRAMMAR_SIZE = 100_000
+GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")  # a GBNF rule: `name ::= ...`
+
+
+def grammar_limits():
+    """The LLParserLimits every matcher, and every check of a grammar, runs under."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_lexer_states=MAX_LEXER_STATES, max_grammar_size=MAX_GRAMMAR_SIZE,
+                          verbose_errors=False)
+
+
+def lark_of(grammar: str) -> str:
+    """A Lark grammar as it is; a GBNF one (llama.cpp's, `root ::= ...`) converted by llguidance."""
+    if GBNF_RULE.search(grammar) is None:
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as e:  # GbnfToLarkError, or a construct the converter does not know
+        raise ValueError(f"the GBNF grammar does not convert: {e}") from e
+
+
 def grammar_of(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for one request's constraint (exactly one of its fields is set)."""
     from llguidance import LLMatcher
@@ -48,7 +81,7 @@ def grammar_of(params: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
         return LLMatcher.grammar_from_regex("|".join(re.escape(choice) for choice in params.choice))
-    return LLMatcher.grammar_from_lark(params.grammar)
+    return LLMatcher.grammar_from_lark(lark_of(params.grammar))
 
 
 class _VocabularyView:
@@ -89,7 +122,7 @@ class StructuredOutputManager:
         """A fresh matcher for a request; a grammar that does not compile is a ValueError naming why."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self.ll_tokenizer, grammar_of(params), log_level=0)
+        matcher = LLMatcher(self.ll_tokenizer, grammar_of(params), log_level=0, limits=grammar_limits())
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {matcher.get_error()}")
         return matcher
@@ -110,6 +143,57 @@ class StructuredOutputManager:
     def accept(matcher, token_id: int) -> None:
         if not matcher.consume_token(token_id):
             raise RuntimeError(f"token {token_id} does not fit the grammar: {matcher.get_error()}")
+
+
+class _ByteVocabulary:
+    """A vocabulary of the 256 bytes and an end token: llguidance then matches text byte by byte, with no model."""
+
+    tokens = [bytes([b]) for b in range(256)] + [b"<end>"]
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
+
+_byte_tokenizer = None
+
+
+def schema_validator(schema: dict):
+    """A function value -> "" if `value` fits the JSON `schema`, else why not: the schema's grammar (the one a
+    constrained output follows) run over the bytes of the value written as this grammar writes JSON. Objects
+    are written with their keys in the schema's order first, the order the grammar expects. A schema that
+    does not compile is a ValueError."""
+    global _byte_tokenizer
+    from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+
+    if _byte_tokenizer is None:
+        _byte_tokenizer = LLTokenizer(TokenizerWrapper(_ByteVocabulary()))
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+    error = LLMatcher.validate_grammar(grammar, limits=grammar_limits())
+    if error:
+        raise ValueError(error)
+
+    def validate(value: object) -> str:
+        matcher = LLMatcher(_byte_tokenizer, grammar, log_level=0, limits=grammar_limits())
+        text = json.dumps(in_schema_order(value, schema), ensure_ascii=False)
+        if matcher.consume_tokens(list(text.encode("utf-8"))) and matcher.is_accepting():
+            return ""
+        return matcher.get_error() or f"{text} is incomplete for the schema"
+
+    return validate
+
+
+def in_schema_order(value: object, schema: object) -> object:
+    """`value` with each object's keys in the order its schema's "properties" lists them (the others after)."""
+    if not isinstance(schema, dict):
+        return value
+    if isinstance(value, dict):
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        keys = [k for k in properties if k in value] + [k for k in value if k not in properties]
+        return {k: in_schema_order(value[k], properties.get(k)) for k in keys}
+    if isinstance(value, list):
+        return [in_schema_order(item, schema.get("items")) for item in value]
+    return value
 
 
 def apply_bitmask_numpy(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
