@@ -3,9 +3,10 @@
     python benchmarks/bench_reliability.py                  # all six, the real default model (minutes)
     python benchmarks/bench_reliability.py --only soak overload
 
-    soak         64 concurrent streaming clients x 3 rounds (chat and completions, greedy and seeded): every
-                 stream ends with [DONE], and each output equals the same request sent alone; throughput and
-                 TTFT p50/p99 per round
+    soak         64 concurrent streaming clients x 3 rounds (chat and completions, greedy and seeded, and in
+                 each 8 one beam search of 4 beams and one seeded n=3: requests of several sequences arriving
+                 beside a full batch): every stream ends with [DONE], and each output (every choice) equals the
+                 same request sent alone; throughput and TTFT p50/p99 per round
     disconnect   32 streams, half dropped mid-stream at random points, plus non-streamed clients that time out:
                  the rest finish, and every KV block is free afterwards (read from /metrics)
     faults       a failed engine step, one request's failed detokenization, a KV pool run dry
@@ -52,10 +53,15 @@ def percentile_ms(values: list[float], q: float) -> float | None:
 
 # ---- one request, as a client sees it ----
 
-def request_body(i: int, model: str, max_tokens: int) -> tuple[str, dict]:
-    """Request i of a mixed load: chat or completions, greedy or seeded sampling, in turn."""
+def request_body(i: int, model: str, max_tokens: int, wide: bool = False) -> tuple[str, dict]:
+    """Request i of a mixed load: chat or completions, greedy or seeded sampling, in turn. `wide`: of every 8,
+    request 4 is a beam search of 4 beams and request 6 a seeded n=3 (each several sequences in the batch)."""
     path = "/v1/chat/completions" if i % 2 else "/v1/completions"
     sampling = {"temperature": 0} if i % 4 < 2 else {"temperature": 0.8, "seed": 1000 + i}
+    if wide and i % 8 == 4:
+        sampling = {"temperature": 0, "use_beam_search": True, "n": 4}
+    elif wide and i % 8 == 6:
+        sampling = {**sampling, "n": 3}
     question = f"Question {i}: what is {i} plus {i + 1}? Answer:"
     body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, **sampling}
     body.update({"messages": [{"role": "user", "content": question}]} if i % 2 else {"prompt": question})
@@ -64,9 +70,11 @@ def request_body(i: int, model: str, max_tokens: int) -> tuple[str, dict]:
 
 async def stream(client: httpx.AsyncClient, path: str, body: dict, drop_after: int | None = None) -> dict:
     """POST with stream=true and read the events. `drop_after`: close the connection after that many chunks.
-    Returns status, text, finish_reason, done ([DONE] seen), error (an error event), ttft_s, chunks, dropped."""
+    Returns status, text (the choices' texts, in index order), finish_reason, done ([DONE] seen), error (an
+    error event), ttft_s, chunks, dropped."""
     result = {"status": None, "text": "", "finish_reason": None, "done": False, "error": None, "ttft_s": None,
               "chunks": 0, "dropped": False}
+    texts: dict[int, str] = {}  # choice index -> its text: with n > 1 the choices' chunks interleave
     start = time.perf_counter()
     async with client.stream("POST", path, json={**body, "stream": True}) as response:
         result["status"] = response.status_code
@@ -87,7 +95,8 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict, drop_after: i
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if piece and result["ttft_s"] is None:
                     result["ttft_s"] = time.perf_counter() - start
-                result["text"] += piece
+                texts[choice.get("index", 0)] = texts.get(choice.get("index", 0), "") + piece
+                result["text"] = "\x1e".join(texts[k] for k in sorted(texts))
                 result["finish_reason"] = choice.get("finish_reason") or result["finish_reason"]
             result["chunks"] += 1
             if drop_after is not None and result["chunks"] >= drop_after:
@@ -129,9 +138,10 @@ def soak(url: str, model: str, clients: int = 64, rounds: int = 3, max_tokens: i
     async def run() -> dict:
         limits = httpx.Limits(max_connections=clients + 8)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-            requests = [request_body(i, model, max_tokens) for i in range(clients)]
+            requests = [request_body(i, model, max_tokens, wide=True) for i in range(clients)]
             alone = [await stream(client, path, body) for path, body in requests]
             per_round, mismatches, incomplete = [], 0, 0
+            sequences = sum(body.get("n", 1) for _, body in requests)
             for r in range(rounds):
                 start = time.perf_counter()
                 results = await asyncio.gather(*(stream(client, path, body) for path, body in requests))
@@ -142,9 +152,13 @@ def soak(url: str, model: str, clients: int = 64, rounds: int = 3, max_tokens: i
                 ttfts = [res["ttft_s"] for res in results if res["ttft_s"] is not None]
                 per_round.append({"round": r + 1, "requests": len(results), "completed_with_done": done,
                                   "wall_s": round(wall, 2),
-                                  "tok_s": round(len(results) * max_tokens / wall, 1),
+                                  "tok_s": round(sequences * max_tokens / wall, 1),
                                   "ttft_p50_ms": percentile_ms(ttfts, 50), "ttft_p99_ms": percentile_ms(ttfts, 99)})
-            return {"clients": clients, "rounds": per_round, "requests": clients * rounds,
+            return {"clients": clients, "sequences_per_round": sequences,
+                    "beam_search_requests": sum(bool(body.get("use_beam_search")) for _, body in requests),
+                    "n_gt_1_requests": sum(body.get("n", 1) > 1 and not body.get("use_beam_search")
+                                           for _, body in requests),
+                    "rounds": per_round, "requests": clients * rounds,
                     "incomplete": incomplete, "mismatches_vs_alone": mismatches,
                     "alone_finished": sum(ref["done"] and ref["error"] is None for ref in alone)}
 
@@ -432,12 +446,13 @@ def main() -> None:
     p.add_argument("--fuzz-cases", type=int, default=200, help="schemathesis examples per operation and mode")
     p.add_argument("--grace", type=float, default=10.0, help="the restart scenario's --shutdown-timeout (default 10)")
     p.add_argument("--no-write", action="store_true", help="print, but do not write the results file")
+    p.add_argument("--notes", default=None, help="a sentence recorded with the figures (say, how loaded the machine was)")
     args = p.parse_args()
     log(f"bench_reliability on {machine_description()}")
     from tinyvllm.engine.fault_injection import FaultInjector
     from tinyvllm.engine.llm_engine import LLMEngine
 
-    figures: dict = {}
+    figures: dict = {} if args.notes is None else {"notes": args.notes}
     injectors = []
 
     def make_engine():  # the default model; 64 sequences at once so the soak's 64 clients run as one batch
