@@ -183,6 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=14, help="kernels listed per batch size")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
+    from tinyvllm.platforms import platform_for
+
+    if not platform_for(None).cpu_graph:  # the timings come from inside the CPU graph's replay
+        raise SystemExit("profile_decode times each kernel of the CPU graph runner, which this device does not use "
+                         "(tinyvllm/platforms.py); on a GPU, benchmarks/bench_gpu.py records a step profile, and "
+                         "tinygrad's DEBUG=2 JIT=0 prints every kernel's time")
     memory = weight_memory(args.quantization)
     engine = LLMEngine(None, quantization=args.quantization, max_num_seqs=max(batches), max_model_len=512,
                        max_num_batched_tokens=max(256, max(batches) * args.prompt_len))

@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="auto", choices=METHODS,
                    help="how the weights are served (default auto: the checkpoint's own format; "
                    "none: dequantized to float32; q8_0/q4_0/q4_1: quantized at load)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
+    p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA (default: tinygrad's choice)")
     p.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="evaluate only the first N chunks (default: all)")
     p.add_argument("--tokens-per-step", type=int, default=None,
@@ -231,10 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.file) if args.file else default_text_path()
     text = read_text(path)
     load_start = time.perf_counter()
-    model, tokenizer, model_path = load_model(args.model, quantization=args.quantization)
+    model, tokenizer, model_path = load_model(args.model, dtype=args.dtype, device=args.device,
+                                              quantization=args.quantization)
     load_s = time.perf_counter() - load_start
-    print(f"model {model_path.name}, --quantization {args.quantization}: weights {describe_formats(model)}; "
-          f"loaded in {load_s:.1f} s")
+    print(f"model {model_path.name}, --quantization {args.quantization}, {model.dtype.itemsize * 8}-bit float compute "
+          f"on {model.device}: weights {describe_formats(model)}; loaded in {load_s:.1f} s")
 
     def progress(i: int, ppl: float) -> None:
         print(f"[{i + 1}]{ppl:.4f}", end=" ", flush=True)
