@@ -41,6 +41,10 @@ flash-decoding does (Tri Dao et al., 2023; vLLM's paged_attention_v2), `gpu_atte
                              to the partials (R, H, NUM_PARTS, 2 + Hd) float32
     paged_attention_reduce   grid (H, R): out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M = max_p m_p
                              (the merge the warps of one block already do, one level up)
+
+The grid is fixed when a graph is captured, so the table's width (max_model_len / block_size keys), not this
+step's contexts, decides: a short context on the split route pays the reduce's launch per layer and partitions
+whose blocks leave at once; a long one is read by NUM_PARTS times more blocks.
 """
 
 from __future__ import annotations
