@@ -29,12 +29,13 @@
 #define THREADS 256
 #define PER_THREAD 4              /* outputs per thread along m and along n: 4 x 4 */
 
+/* byte i of w as a signed value: shifted to the top as unsigned, then arithmetic-shifted back (sign-extended) */
+inline int sbyte(int w, int i) { return int(uint(w) << (24 - 8 * i)) >> 24; }
+
 /* the 4 signed bytes of a times those of b, added to c (CUDA's __dp4a) */
 inline int dot4(int a, int b, int c) {
-  c += ((a << 24) >> 24) * ((b << 24) >> 24);
-  c += ((a << 16) >> 24) * ((b << 16) >> 24);
-  c += ((a << 8) >> 24) * ((b << 8) >> 24);
-  return c + (a >> 24) * (b >> 24);
+  for (int i = 0; i < 4; i++) c += sbyte(a, i) * sbyte(b, i);
+  return c;
 }
 
 #ifdef TV_QUANTIZE_X
