@@ -285,3 +285,15 @@ def check_ptx(ptx: str, entry: str) -> None:
     """The entry tinygrad's CUDA runtime looks up is there, and no register spilled to local memory."""
     assert f".entry {entry}(" in ptx, f"no entry {entry} in the PTX"
     assert ".local" not in ptx, "registers spilled to local memory"
+
+
+def device_or_skip(name: str) -> str:
+    """`name` if tinygrad can open that device here (a CUDA or Metal run of the GPU tests), else skip the test."""
+    import pytest
+    from tinygrad import Device
+
+    try:
+        Device[name]
+    except Exception as e:  # no driver, no device
+        pytest.skip(f"no {name} device ({type(e).__name__})")
+    return name

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpu_emulation import can_emulate, check_ptx, compile_cuda, run_emulated
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes, function
+from gpu_emulation import can_emulate, check_ptx, compile_cuda, device_or_skip, run_emulated
+from tinygrad import Tensor, TinyJit, UOp, dtypes, function
 
 from tinyvllm.attention import kernel_backend
 from tinyvllm.attention.kernel_backend import (
@@ -330,14 +330,6 @@ def test_gpu_attention_route(rows: int, max_keys: int, entries: list[str], monke
         parts = max_keys // kernel_backend.PARTITION_SIZE
         assert launches[0][2][0] == (rows, heads, parts, 2 + head_dim) and launches[0][3] == 512
         assert launches[1][2] == [(rows, heads, head_dim), (rows, heads, parts, 2 + head_dim), (rows,)]
-
-
-def device_or_skip(name: str) -> str:
-    try:
-        Device[name]
-    except Exception as e:  # no driver, no device
-        pytest.skip(f"no {name} device ({type(e).__name__})")
-    return name
 
 
 def check_on_device(device: str):

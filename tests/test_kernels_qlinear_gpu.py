@@ -22,6 +22,7 @@ from gpu_emulation import (
     can_emulate,
     check_ptx,
     compile_cuda,
+    device_or_skip,
     kernel_file_source,
     nvrtc_compiler,
     run_emulated,
@@ -30,7 +31,7 @@ from gpu_emulation import (
 
 from test_kernels_qlinear import quantize_x
 
-from tinygrad import Device, Tensor
+from tinygrad import Tensor
 
 from tinyvllm.kernels.qlinear import (
     GPU_GEMV_MAX_M,
@@ -354,14 +355,6 @@ def check_qlinear_on_device(device: str, default_gguf: Path) -> None:
         out = qlinear(Tensor(x, device=device), weight).numpy()
         w_float = quant.dequantize(w.reshape(-1), info.ggml_type, (N, K))
         check_against_reference(out, x if M <= GPU_GEMV_MAX_M else x_hat(x).astype(np.float32), w_float)
-
-
-def device_or_skip(name: str) -> str:
-    try:
-        Device[name]
-    except Exception as e:  # no driver, no device
-        pytest.skip(f"no {name} device ({type(e).__name__})")
-    return name
 
 
 @pytest.mark.cuda

@@ -94,18 +94,24 @@ __device__ __forceinline__ unsigned load_u32_2(const unsigned char* p) {
 __device__ __forceinline__ float f16(const unsigned char* p) { return __half2float(*(const __half*)p); }
 
 #if TV_QTYPE == 12
+/* Q4_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's
+ * _k_scales_mins draws the bit layout) */
+__device__ __forceinline__ void q4k_scale_min(const unsigned char* packed, int s, int* sc, int* mn) {
+  if (s < 4) {
+    *sc = packed[s] & 63;
+    *mn = packed[s + 4] & 63;
+  } else {
+    *sc = (packed[s + 4] & 0xF) | (packed[s - 4] >> 6) << 4;
+    *mn = (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
+  }
+}
+
 /* Q4_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
  * d * sc * sum q x - dmin * mn * sum x */
 __device__ __forceinline__ float unit_dot(const unsigned char* blk, int s, const float4* xu) {
   const unsigned char* packed = blk + 4;  /* scales[12]: see quant.py's _k_scales_mins for the bit layout */
   int sc, mn;
-  if (s < 4) {
-    sc = packed[s] & 63;
-    mn = packed[s + 4] & 63;
-  } else {
-    sc = (packed[s + 4] & 0xF) | (packed[s - 4] >> 6) << 4;
-    mn = (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
-  }
+  q4k_scale_min(packed, s, &sc, &mn);
   const uint4* chunk = (const uint4*)(blk + 16 + 32 * (s / 2));  /* 32 bytes; ours are the nibbles at `shift` */
   const int shift = 4 * (s % 2);
   float qx = 0.0f, sx = 0.0f;
@@ -150,13 +156,7 @@ __device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, uns
   const int s = u % 8;
   const unsigned char* packed = blk + 4;
   int sc, mn;
-  if (s < 4) {
-    sc = packed[s] & 63;
-    mn = packed[s + 4] & 63;
-  } else {
-    sc = (packed[s + 4] & 0xF) | (packed[s - 4] >> 6) << 4;
-    mn = (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
-  }
+  q4k_scale_min(packed, s, &sc, &mn);
   const uint4* chunk = (const uint4*)(blk + 16 + 32 * (s / 2));
   const int shift = 4 * (s % 2);
   for (int h = 0; h < 2; h++) {

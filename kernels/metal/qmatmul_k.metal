@@ -90,11 +90,9 @@ inline uint load_u32_2(const device uchar* p) {
 inline float f16(const device uchar* p) { return float(*(const device half*)p); }
 
 #if TV_QTYPE == 12
-/* Q4_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
- * d * sc * sum q x - dmin * mn * sum x */
-inline float unit_dot(const device uchar* blk, int s, const device float4* xu) {
-  const device uchar* packed = blk + 4;  /* scales[12]: see quant.py's _k_scales_mins for the bit layout */
-  int sc, mn;
+/* Q4_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's
+ * _k_scales_mins draws the bit layout) */
+inline void q4k_scale_min(const device uchar* packed, int s, thread int& sc, thread int& mn) {
   if (s < 4) {
     sc = packed[s] & 63;
     mn = packed[s + 4] & 63;
@@ -102,6 +100,14 @@ inline float unit_dot(const device uchar* blk, int s, const device float4* xu) {
     sc = (packed[s + 4] & 0xF) | (packed[s - 4] >> 6) << 4;
     mn = (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
   }
+}
+
+/* Q4_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
+ * d * sc * sum q x - dmin * mn * sum x */
+inline float unit_dot(const device uchar* blk, int s, const device float4* xu) {
+  const device uchar* packed = blk + 4;  /* scales[12]: see quant.py's _k_scales_mins for the bit layout */
+  int sc, mn;
+  q4k_scale_min(packed, s, sc, mn);
   const device uint4* chunk = (const device uint4*)(blk + 16 + 32 * (s / 2));  /* 32 bytes; ours: nibbles at shift */
   const int shift = 4 * (s % 2);
   float qx = 0.0f, sx = 0.0f;
@@ -146,13 +152,7 @@ inline void load_unit(const device uchar* w_row, int u, thread uint* q, thread f
   const int s = u % 8;
   const device uchar* packed = blk + 4;
   int sc, mn;
-  if (s < 4) {
-    sc = packed[s] & 63;
-    mn = packed[s + 4] & 63;
-  } else {
-    sc = (packed[s + 4] & 0xF) | (packed[s - 4] >> 6) << 4;
-    mn = (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
-  }
+  q4k_scale_min(packed, s, sc, mn);
   const device uint4* chunk = (const device uint4*)(blk + 16 + 32 * (s / 2));
   const int shift = 4 * (s % 2);
   for (int h = 0; h < 2; h++) {
