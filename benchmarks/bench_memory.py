@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import add_peers_arg, machine_description, no_peer_twin, table, write_results  # noqa: E402
+from common import add_peers_arg, machine_description, no_peer_twin, synchronize, table, write_results  # noqa: E402
 from kv_dtypes import kv_attention_kernel_ms, kv_decode_speed, kv_perplexity  # noqa: E402  (part 6)
 
 from tinyvllm.core.block_manager import BlockManager  # noqa: E402
@@ -267,8 +267,10 @@ def attention_parts(config: ModelConfig, contexts: list[int], block_size: int, n
         times: dict[str, list[float]] = {name: [] for name in variants}
         for i in range(repeats + 3):  # 3 warm-up rounds: run, capture, replay
             for name, jit in jits.items():
+                synchronize()
                 t = time.perf_counter()
                 jit(*args[name])
+                synchronize()  # on a GPU the call returns before the kernels ran
                 if i >= 3:
                     times[name].append(time.perf_counter() - t)
         out.append({"context": n, "ms": {name: 1e3 * statistics.median(ts) for name, ts in times.items()}})
@@ -302,8 +304,10 @@ def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(repeats + 3):
         for name, fn in variants.items():
+            synchronize()
             t = time.perf_counter()
             fn()
+            synchronize()
             if i >= 3:
                 times[name].append(time.perf_counter() - t)
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}

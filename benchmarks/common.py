@@ -145,6 +145,14 @@ def recorded_options(options: argparse.Namespace | dict) -> dict:
     return recorded
 
 
+def synchronize() -> None:
+    """Wait for tinygrad's default device to finish what it was given: a timer around a GPU kernel launch must, or it
+    measures the launch (on the CPU the kernels have run when the call returns, and this returns at once)."""
+    from tinygrad import Device
+
+    Device[Device.DEFAULT].synchronize()
+
+
 def device_suffix() -> str:
     """'' on the CPU device, '_cuda' (or '_metal', ...) where the run used tinygrad's default GPU: a GPU run's results
     go beside the CPU's (bench_generate_cuda.json), never over them. Asked at write time, when tinygrad is loaded."""
