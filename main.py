@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; N must "
                         "divide the attention heads, and divide or be a multiple of the KV heads) (default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="put consecutive layers on N devices of --device's kind, the hidden state passed between them "
+                        "(pipeline parallel; any head count) (default 1)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/phases/07b-speculative-decoding.md; default off)')
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                               enable_prefix_caching=args.enable_prefix_caching,
                               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                               speculative_config=speculative_config,
-                              tensor_parallel_size=args.tensor_parallel_size)
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size)
         result = GenerationResult([])
         for chunk in generator.stream(args.prompt, params, chat=args.chat, result=result):
             sys.stdout.write(chunk.text)

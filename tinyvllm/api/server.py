@@ -502,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; N must "
                         "divide the attention heads, and divide or be a multiple of the KV heads) (default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="put consecutive layers on N devices of --device's kind, the hidden state passed between them "
+                        "(pipeline parallel; any head count) (default 1)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, requests in flight get this long to finish before they end with an error; "
                         "new ones get 503 meanwhile (default 10)")
@@ -532,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
                          scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
                          kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                         speculative_config=speculative_config, tensor_parallel_size=args.tensor_parallel_size)
+                         speculative_config=speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+                         pipeline_parallel_size=args.pipeline_parallel_size)
 
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, body_read_timeout=args.body_read_timeout,
                           max_n=args.max_n,

@@ -81,9 +81,14 @@ def kernel_copy_blocks(cache: Tensor, block_mapping: Tensor) -> Tensor:
 
 
 def copy_blocks(caches: list[Tensor], block_mapping: Tensor, portable: bool = False) -> list[Tensor]:
-    """Copy the blocks of every tensor in `caches` (each (num_blocks, ...)) by `block_mapping` (P, 2) int32."""
-    return [kernel_copy_blocks(c, block_mapping) if uses_kernel(c, portable) else copy_blocks_portable(c, block_mapping)
-            for c in caches]
+    """Copy the blocks of every tensor in `caches` (each (num_blocks, ...)) by `block_mapping` (P, 2) int32. The
+    caches may live on different devices (pipeline parallel: each layer's on its stage's): the mapping is copied to
+    each."""
+    copies = []
+    for c in caches:
+        mapping = block_mapping.to(c.device)
+        copies.append(kernel_copy_blocks(c, mapping) if uses_kernel(c, portable) else copy_blocks_portable(c, mapping))
+    return copies
 
 
 class CopyBlocks:

@@ -35,6 +35,7 @@ with a cast.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tinygrad import Tensor, UOp, dtypes
@@ -111,6 +112,12 @@ class PagedAttentionMetadata:
     block_tables: Tensor
     positions: Tensor
     num_blocks: int | UOp
+
+    def to(self, device: str | tuple[str, ...]) -> PagedAttentionMetadata:
+        """The same metadata with its tensors on `device` (a pipeline stage's: copied inside the step's graph)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.init
+                 and isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **moved)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.

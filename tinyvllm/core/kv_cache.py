@@ -195,10 +195,11 @@ class PagedKVCache:
 
     Tensor parallel (Phase 8): `device` a tuple of devices splits every tensor by KV head (axis 2), each device
     holding the heads its share of the attention reads; `config.num_key_value_heads` is then the count over all
-    devices (`LlamaForCausalLM.kv_cache_config`). Every device has every block: one block table serves them all."""
+    devices (`LlamaForCausalLM.kv_cache_config`). Every device has every block: one block table serves them all.
+    Pipeline parallel: `device` a list, one device per layer (its stage's)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: DType | KVCacheDtype = dtypes.float32, device: str | tuple[str, ...] | None = None):
+                 dtype: DType | KVCacheDtype = dtypes.float32, device: str | tuple[str, ...] | list | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -207,10 +208,11 @@ class PagedKVCache:
         self.bytes_per_token = kv_cache_bytes_per_token(config, self.dtype)
         shape = (num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = []
-        for _ in range(config.num_hidden_layers):
-            layer = (zeros(shape, self.dtype.storage, device), zeros(shape, self.dtype.storage, device))
+        devices = device if isinstance(device, list) else [device] * config.num_hidden_layers
+        for dev in devices:
+            layer = (zeros(shape, self.dtype.storage, dev), zeros(shape, self.dtype.storage, dev))
             if self.dtype.quantized:
-                layer += (zeros(shape[:3], dtypes.float32, device), zeros(shape[:3], dtypes.float32, device))
+                layer += (zeros(shape[:3], dtypes.float32, dev), zeros(shape[:3], dtypes.float32, dev))
             self.kv_caches.append(layer)
 
     @property

@@ -125,7 +125,7 @@ class LLMEngine:
                  device: str | None = None, num_gpu_blocks_override: int | None = None,
                  portable_attention: bool = False, scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         resolve_kv_cache_dtype(kv_cache_dtype)  # a bad name fails here, before the model loads
         self.speculative_config = None if speculative_config is None else SpeculativeConfig.from_dict(
             speculative_config)
@@ -137,7 +137,8 @@ class LLMEngine:
             self.model_name = "model"
         else:
             self.model, self.tokenizer, self.model_path = load_model(model, dtype, device, quantization,
-                                                                     tensor_parallel_size=tensor_parallel_size)
+                                                                     tensor_parallel_size=tensor_parallel_size,
+                                                                     pipeline_parallel_size=pipeline_parallel_size)
             self.model_name = self.model_path.name
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -152,7 +153,8 @@ class LLMEngine:
         self.max_model_len = max_model_len or min(config.max_position_embeddings, num_blocks * block_size)
         if not 2 <= self.max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}], got {self.max_model_len}")
-        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.kv_cache_dtype, self.model.devices)
+        self.kv_cache = PagedKVCache(config, num_blocks, block_size, self.kv_cache_dtype,
+                                     self.model.kv_cache_devices)
         self.scheduler = Scheduler(num_blocks, block_size, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                    eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy,
                                    enable_prefix_caching=enable_prefix_caching)

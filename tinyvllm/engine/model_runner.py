@@ -80,7 +80,7 @@ class ModelRunner:
         metadata = KernelPagedAttentionMetadata(tp.replicate(slot_mapping), tp.replicate(block_tables),
                                                 tp.replicate(positions), num_blocks, portable=self.portable_attention)
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
-        return self.model.compute_logits(hidden[0][tp.replicate(logits_indices)]).realize()  # (S,V)
+        return self.model.compute_logits(hidden[0][logits_indices.to(hidden.device)]).realize()  # (S,V)
 
     def _inputs(self, n: int, num_rows: int) -> tuple[InputBuffer, ...]:
         """The inputs of an n-token bucket, allocated once and refilled every step: input_ids (1,n),

@@ -34,6 +34,7 @@ from tinygrad.dtype import DType
 
 from tinyvllm import tinygrad_adapter
 from tinyvllm.device_memory import host_view
+from tinyvllm.distributed.pipeline_parallel import PipelineParallel
 from tinyvllm.distributed.tensor_parallel import TensorParallel
 from tinyvllm.kernels.linear import linear
 from tinyvllm.kernels.qlinear import QuantizedWeight, qlinear
@@ -165,50 +166,61 @@ class LlamaForCausalLM:
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray | QuantizedArray],
                  dtype: DType = dtypes.float32, device: str | None = None, quantization: str = "none",
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.config, self.dtype = config, dtype
         self.quantization = quantization  # the --quantization method the weights were loaded with
         # Phase 8: how the weights split over devices (tinyvllm/distributed/tensor_parallel.py); size 1: one device
         self.tp = tp = TensorParallel(config, tensor_parallel_size, device)
-        device = tp.devices[0]
+        # (tinyvllm/distributed/pipeline_parallel.py): which device each layer runs on; size 1: all on one
+        self.pp = pp = PipelineParallel(config.num_hidden_layers, pipeline_parallel_size, device)
+        if tp.size > 1 and pp.size > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 together are not supported: "
+                             "give one of them")
+        device = tp.devices[0] if tp.size > 1 else pp.first
 
         loaded: list[Tensor] = []
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
-        def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = ()) -> Weight:
+        def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None) -> Weight:
             # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
             # axis: the dimension split over the devices (0 column-parallel, 1 row-parallel; None replicated);
-            # parts_of: what each fused part is ("q", "k", "v", ...), for the order of its rows device by device
+            # parts_of: what each fused part is ("q", "k", "v", ...), for the order of its rows device by device;
+            # at: the device of a pipeline stage (default: the first device)
+            dev = at or device
             parts = [tp.pad_vocab(state_dict[n]) if "embed" in n or "lm_head" in n else state_dict[n] for n in names]
             if all(isinstance(p, np.ndarray) for p in parts):
                 rows = tp.fused_rows([p.shape[0] for p in parts], list(parts_of))
-                t = upload(parts if rows is None else [np.concatenate(parts)[rows]], device, pool, copies)
+                t = upload(parts if rows is None else [np.concatenate(parts)[rows]], dev, pool, copies)
                 loaded.append(t.cast(dtype))
                 return loaded[-1]
             if all(isinstance(p, QuantizedArray) and p.ggml_type == parts[0].ggml_type for p in parts):
                 rows = tp.fused_rows([p.shape[0] for p in parts], list(parts_of))
                 data = [p.data for p in parts] if rows is None else [np.concatenate([p.data for p in parts])[rows]]
-                loaded.append(upload(data, device, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
+                loaded.append(upload(data, dev, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
                 return QuantizedWeight(loaded[-1], parts[0].ggml_type, (sum(d.shape[0] for d in data), parts[0].shape[1]))
             # formats differ: fused on paper only
-            return tuple(load(n, axis=axis, parts_of=parts_of[i:i + 1]) for i, n in enumerate(names))
+            return tuple(load(n, axis=axis, parts_of=parts_of[i:i + 1], at=at) for i, n in enumerate(names))
 
         self.embed_tokens = load("model.embed_tokens.weight", axis=0)  # (V, D), or its blocks: split by vocabulary
         layer_weights = []
         for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
+            p, at = f"model.layers.{i}.", pp.layer_devices[i]
             layer_weights.append({
-                "input_layernorm": load(p + "input_layernorm.weight"),
+                "input_layernorm": load(p + "input_layernorm.weight", at=at),
                 "qkv_proj": load(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                                 p + "self_attn.v_proj.weight", axis=0, parts_of=("q", "k", "v")),
-                "o_proj": load(p + "self_attn.o_proj.weight", axis=1),
-                "post_attention_layernorm": load(p + "post_attention_layernorm.weight"),
+                                 p + "self_attn.v_proj.weight", axis=0, parts_of=("q", "k", "v"), at=at),
+                "o_proj": load(p + "self_attn.o_proj.weight", axis=1, at=at),
+                "post_attention_layernorm": load(p + "post_attention_layernorm.weight", at=at),
                 "gate_up_proj": load(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", axis=0,
-                                     parts_of=("gate", "up")),
-                "down_proj": load(p + "mlp.down_proj.weight", axis=1),
+                                     parts_of=("gate", "up"), at=at),
+                "down_proj": load(p + "mlp.down_proj.weight", axis=1, at=at),
             })
-        self.norm = load("model.norm.weight")
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight", axis=0)  # (V, D)
+        self.norm = load("model.norm.weight", at=pp.last)  # with the last layers: the last pipeline stage's
+        if pp.size > 1:  # lm_head on the last stage; a tied one is a second copy of the embedding there
+            self.lm_head = load("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight",
+                                at=pp.last)
+        else:
+            self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight", axis=0)
         self.inv_freq = Tensor(rope_frequencies(config), device=device)  # (Hd/2,)
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
@@ -235,7 +247,14 @@ class LlamaForCausalLM:
     @property
     def devices(self) -> tuple[str, ...] | str:
         """Where the weights and the KV cache live: the device, or the tuple of devices they are split over."""
-        return self.tp.devices if self.tp.size > 1 else self.device
+        return self.tp.devices if self.tp.size > 1 else self.pp.devices if self.pp.size > 1 else self.device
+
+    @property
+    def kv_cache_devices(self) -> list:
+        """Where each layer's KV cache lives: its pipeline stage's device, or the devices it is split over."""
+        if self.pp.size > 1:
+            return list(self.pp.layer_devices)
+        return [self.devices] * self.config.num_hidden_layers
 
     @property
     def kv_cache_config(self) -> ModelConfig:
@@ -269,13 +288,18 @@ class LlamaForCausalLM:
         input_ids, positions = self.tp.replicate(input_ids), self.tp.replicate(positions)  # on every device
         x = embed(self.embed_tokens, input_ids, self.dtype)  # (B,T,D)
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if self.pp.size > 1 and (stage := self.pp.layer_devices[i]) != x.device:  # the next pipeline stage:
+                x, cos, sin = x.to(stage), cos.to(stage), sin.to(stage)  # the hidden state moves, in the same graph
+                attn_metadata = attn_metadata.to(stage)
             x = layer(x, cos, sin, kv_cache, attn_metadata)
         return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: (..., D) -> logits (..., V) in float32."""
         logits = project(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        if self.pp.size > 1:
+            return logits.to(self.device)  # from the last stage back to the first device, for the sampler
         if self.tp.size == 1:
             return logits
         return self.tp.gather(logits)[..., : self.config.vocab_size]  # each device's vocabulary slice, on the first

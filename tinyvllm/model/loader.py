@@ -29,7 +29,7 @@ def parse_dtype(dtype: str | DType, device: str | None = None) -> DType:
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "auto",
                device: str | None = None, quantization: str = "auto",
-               tensor_parallel_size: int = 1) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
+               tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
     """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct.
 
     Returns (model, tokenizer, the resolved path). `quantization` (vLLM's flag, see
@@ -37,12 +37,14 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
     dequantizes every weight, "q8_0" / "q4_0" / "q4_1" quantize a checkpoint at load. Float weights are read
     as float32 on the host and cast to `dtype` on the device ("auto": the device's, see `parse_dtype`).
     `tensor_parallel_size` N > 1 splits the model over N devices of `device`'s kind
-    (tinyvllm/distributed/tensor_parallel.py).
+    (tinyvllm/distributed/tensor_parallel.py); `pipeline_parallel_size` P > 1 puts consecutive layers on P devices
+    (tinyvllm/distributed/pipeline_parallel.py).
     """
     program_cache.install(device=device)  # what earlier processes lowered and chose (kernels/program_cache.py)
     dt = parse_dtype(dtype, device)
     checkpoint = load_checkpoint(model, quantization=quantization)
     tokenizer = load_tokenizer(checkpoint.path)
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device,
-                           quantization=quantization, tensor_parallel_size=tensor_parallel_size)
+                           quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                           pipeline_parallel_size=pipeline_parallel_size)
     return llm, tokenizer, checkpoint.path

@@ -1,0 +1,49 @@
+"""Pipeline parallel (Phase 8): the layers split into consecutive stages, one device each.
+
+    device 0: embed_tokens, layers 0 .. 9      device 1: layers 10 .. 19      device 2: layers 20 .. 29, norm, lm_head
+    input_ids --> [stage 0] --hidden (T, D)--> [stage 1] --hidden (T, D)--> [stage 2] --> logits --> device 0
+
+Each device holds its layers' weights and its layers' KV cache blocks (every block id exists on every stage: one
+block table serves them all), and the only traffic is the hidden state, T x hidden_size floats per stage boundary,
+once per step: far less than tensor parallel's two all-reduces per layer, and any head count splits. The price is
+that the stages run one after another: a step on P devices takes as long as on one, unless micro-batches keep every
+stage busy at once (vLLM's virtual engines), which needs devices that run concurrently. tinyvllm moves the hidden
+state inside the step's one captured graph (`Tensor.to(device)`), so the engine and its scheduler do not change.
+"""
+
+from __future__ import annotations
+
+from tinyvllm.distributed.tensor_parallel import shard_devices
+
+
+def split_layers(num_layers: int, size: int) -> list[range]:
+    """Consecutive layers per stage, as even as possible; the first stages take the remainder (vLLM's
+    get_pp_indices gives the last stages fewer too: the last one also holds lm_head)."""
+    base, extra = divmod(num_layers, size)
+    stages, start = [], 0
+    for s in range(size):
+        n = base + (1 if s < extra else 0)
+        stages.append(range(start, start + n))
+        start += n
+    return stages
+
+
+class PipelineParallel:
+    """Which device each layer runs on. size 1: every layer on the one device."""
+
+    def __init__(self, num_layers: int, size: int = 1, device: str | None = None):
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= num_layers:
+            raise ValueError(f"pipeline_parallel_size must be an integer in [1, {num_layers}] (the model's "
+                             f"{num_layers} layers, at least one per stage), got {size!r}")
+        self.size = size
+        self.devices = shard_devices(device, size) if size > 1 else (device,)
+        self.stages = split_layers(num_layers, size)
+        self.layer_devices = [self.devices[s] for s, layers in enumerate(self.stages) for _ in layers]
+
+    @property
+    def first(self) -> str | None:
+        return self.devices[0]
+
+    @property
+    def last(self) -> str | None:
+        return self.devices[-1]
