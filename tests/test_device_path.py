@@ -86,11 +86,15 @@ def greedy_tokens(engine, prompts: list[str], max_tokens: int = 12) -> list[list
 
 
 def engine_path_facts(engine) -> dict:
-    """What the engine's path looks like from inside: staged inputs, KV zeros from a kernel, TinyJit replays."""
+    """What the engine's path looks like from inside: staged inputs, the device's kernels, KV zeros from a kernel,
+    TinyJit replays."""
     runner = engine.model_runner
     buffers = [b for bs in runner._input_buffers.values() for b in bs]
     jits = list(runner._jits.values())
+    programs = {getattr(call.src[0].arg, "name", "") for j in jits for call in j.captured.linear.src}
     return {"staged_inputs": all(b._staged for b in buffers) and bool(buffers),
+            "device_kernels": all(any(p.startswith(k) for p in programs)  # the CPU's kernel table: its C kernels
+                                  for k in ("paged_attention", "reshape_and_cache", "matmul")),
             "kv_zeros_mapped": engine.kv_cache.kv_caches[0][0].uop.buffer.options is not None,
             "cpu_graphs": any(j.graph not in (None, False) for j in jits),
             "replayed": all(j.captured is not None for j in jits)}
@@ -105,15 +109,15 @@ def test_tiny_model_on_the_discrete_path_gives_the_cpu_paths_tokens(tiny_model_d
     # n=2 with a seed forks the prompt's blocks and copies them on write (copy_blocks' captured graph)
     sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=2, ignore_eos=True)
     want_sampled = [o.token_ids for o in host.generate(PROMPTS[:1], sampled)[0].outputs]
-    assert engine_path_facts(host.llm_engine) == {"staged_inputs": False, "kv_zeros_mapped": True, "cpu_graphs": True,
-                                              "replayed": True}
+    assert engine_path_facts(host.llm_engine) == {"staged_inputs": False, "device_kernels": True,
+                                                  "kv_zeros_mapped": True, "cpu_graphs": True, "replayed": True}
 
     monkeypatch.setattr(platforms, "DEVICE_PATH", "discrete")
     gpu = LLM(tiny_model_dir, **args)
     assert greedy_tokens(gpu, PROMPTS) == want
     assert [o.token_ids for o in gpu.generate(PROMPTS[:1], sampled)[0].outputs] == want_sampled
-    assert engine_path_facts(gpu.llm_engine) == {"staged_inputs": True, "kv_zeros_mapped": False, "cpu_graphs": False,
-                                             "replayed": True}
+    assert engine_path_facts(gpu.llm_engine) == {"staged_inputs": True, "device_kernels": True,
+                                                 "kv_zeros_mapped": False, "cpu_graphs": False, "replayed": True}
     copies = gpu.llm_engine.model_runner._copy_blocks
     assert copies is not None and all(j.graph is False for j in copies._jits.values())
 
@@ -147,7 +151,8 @@ def test_real_model_on_the_discrete_path_gives_the_cpu_paths_tokens(generator, m
     assert gpu.llm_engine.model.device.startswith("CPU")
     assert greedy_tokens(gpu, PROMPTS, max_tokens=16) == want
     facts = engine_path_facts(gpu.llm_engine)
-    assert facts["staged_inputs"] and not facts["cpu_graphs"] and not facts["kv_zeros_mapped"]
+    assert facts["staged_inputs"] and facts["device_kernels"]
+    assert not facts["cpu_graphs"] and not facts["kv_zeros_mapped"]
 
 
 # ---- what a GPU sizes and picks by itself ----
