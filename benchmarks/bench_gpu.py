@@ -22,7 +22,8 @@ it from the same checkpoint (a GGUF dequantized to float32), eager, `generate` g
 tokens, one warm-up call per N first. Each tinyvllm configuration gets its ratio to HF at every N.
 
 `--time-budget-s` (540): a configuration that would start after that many seconds is skipped and named in the
-results, so one run ends in time on a slow first compile; the figures it did measure stay.
+results, so one run ends in time on a slow first compile; the figures it did measure stay. A configuration (or the
+peer) that fails is recorded under "failed" and the rest still run; the results file is written after each one.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ def report(results: dict, levels: list[int]) -> None:
         print(f"step profile, tinyvllm {name}, {r['step_profile']['batch']} rows: {phases} ms")
     if results["skipped"]:
         print(f"skipped (time budget): {', '.join(results['skipped'])}")
+    for name, why in results.get("failed", {}).items():
+        print(f"failed: {name}: {why.splitlines()[-1] if why else ''}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,17 +218,27 @@ def main(argv: list[str] | None = None) -> int:
             results["skipped"].append(name)
             continue
         log(f"tinyvllm {name} on {device} ...")
-        results["tinyvllm"][name] = run_tinyvllm(args, levels, name)
+        try:  # one run on a lent GPU: a configuration that fails is recorded, and the others still run
+            results["tinyvllm"][name] = run_tinyvllm(args, levels, name)
+        except Exception as e:
+            log(f"tinyvllm {name} failed: {type(e).__name__}: {e}")
+            results["failed"] = {**results.get("failed", {}), name: f"{type(e).__name__}: {e}"}
+        write_results("bench_gpu", results, args)  # what is measured so far, should the run be cut short
     if args.peers == "hf":
         log(f"HF transformers on the same device ({torch_device(device)}) ...")
-        results["peers"] = {"hf": run_hf(args, levels, device)}
-        hf = results["peers"]["hf"]["concurrency"]
-        for r in results["tinyvllm"].values():
-            r["hf_ratio"] = {str(n): r["concurrency"][str(n)]["tok_s"] / hf[str(n)]["tok_s"] for n in levels}
+        try:
+            results["peers"] = {"hf": run_hf(args, levels, device)}
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            log(f"HF transformers failed: {e}")
+            results["failed"] = {**results.get("failed", {}), "hf": str(e)[-2000:]}
+        else:
+            hf = results["peers"]["hf"]["concurrency"]
+            for r in results["tinyvllm"].values():
+                r["hf_ratio"] = {str(n): r["concurrency"][str(n)]["tok_s"] / hf[str(n)]["tok_s"] for n in levels}
     results["seconds"] = time.perf_counter() - start
     report(results, levels)
     write_results("bench_gpu", results, args, also=args.json)
-    return 0
+    return 1 if results.get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_model(tiny_model_dir, tmp_path, m
     results = json.loads((tmp_path / "bench_gpu.json").read_text())  # the CPU: no device suffix
     ours = results["tinyvllm"]["auto"]
     assert results["device"].startswith("CPU") and ours["dtype"] == "float32" and results["skipped"] == []
+    assert "failed" not in results
     assert set(ours["concurrency"]) == {"1", "2"} and all(r["tok_s"] > 0 for r in ours["concurrency"].values())
     assert ours["single_stream_decode_tok_s"] > 0
     profile = ours["step_profile"]
