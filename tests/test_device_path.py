@@ -122,6 +122,24 @@ def test_tiny_model_on_the_discrete_path_gives_the_cpu_paths_tokens(tiny_model_d
     assert copies is not None and all(j.graph is False for j in copies._jits.values())
 
 
+def test_draft_model_on_the_discrete_path(tiny_model_dir, discrete):
+    """Speculative decoding's draft model (its own runner, cache, input buffers and sampler graphs) on the discrete
+    path: greedy tokens are the target's alone (exact verification), here the CPU path's."""
+    from tinyvllm.llm import LLM
+
+    args = dict(max_model_len=128, kv_cache_memory="4MiB", max_num_seqs=4, max_num_batched_tokens=32)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(platforms, "DEVICE_PATH", "auto")
+        want = greedy_tokens(LLM(tiny_model_dir, **args), PROMPTS[:1])
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    llm = LLM(tiny_model_dir, speculative_config=spec, **args)
+    assert greedy_tokens(llm, PROMPTS[:1]) == want
+    draft = llm.llm_engine.speculator.proposer  # its own model (weights copied in) and runner
+    assert engine_path_facts(llm.llm_engine)["staged_inputs"] and draft.runner._input_buffers
+    assert all(b._staged for bs in draft.runner._input_buffers.values() for b in bs)
+    assert all(j.graph is False for j in draft.runner._jits.values())
+
+
 def test_contiguous_runner_and_perplexity_on_the_discrete_path(tiny_model_dir, discrete):
     from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
     from tinyvllm.model.loader import load_model
