@@ -131,14 +131,15 @@ def blocks_all_free(url: str) -> bool:
 
 # ---- the scenarios ----
 
-def soak(url: str, model: str, clients: int = 64, rounds: int = 3, max_tokens: int = 16) -> dict:
+def soak(url: str, model: str, clients: int = 64, rounds: int = 3, max_tokens: int = 16, wide: bool = True) -> dict:
     """`clients` concurrent streams per round, the same mixed requests each round, each compared with its
-    output when sent alone (before the rounds, one at a time, on the same server)."""
+    output when sent alone (before the rounds, one at a time, on the same server). `wide`: beam searches and
+    n=3 requests in the mix (see `request_body`; an engine without beam search, such as the tests' fake: False)."""
 
     async def run() -> dict:
         limits = httpx.Limits(max_connections=clients + 8)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-            requests = [request_body(i, model, max_tokens, wide=True) for i in range(clients)]
+            requests = [request_body(i, model, max_tokens, wide) for i in range(clients)]
             alone = [await stream(client, path, body) for path, body in requests]
             per_round, mismatches, incomplete = [], 0, 0
             sequences = sum(body.get("n", 1) for _, body in requests)

@@ -43,7 +43,7 @@ def serve(engine_factory, max_waiting: int = 256):
 
 def test_soak():
     with serve(lambda: FakeLLMEngine(step_time=0.002, max_num_seqs=64, num_blocks=1024)) as server:
-        result = rel.soak(server.url, MODEL, clients=64, rounds=2, max_tokens=8)
+        result = rel.soak(server.url, MODEL, clients=64, rounds=2, max_tokens=8, wide=False)  # the fake has no beams
     assert result["alone_finished"] == 64 and result["incomplete"] == 0
     assert result["mismatches_vs_alone"] == 0
     assert [r["completed_with_done"] for r in result["rounds"]] == [64, 64]
