@@ -159,8 +159,12 @@ class FakeLLMEngine:
         if out.finished:
             request.metrics.finished_time = time.monotonic()
             self._free(request)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None:  # the first token has none: nothing predicts it
+            top = [(t, -1.0 - 0.5 * j) for j, t in enumerate(self.word_ids[: params.prompt_logprobs])]
+            prompt_logprobs = [None] + [(-0.75, top)] * (len(request.prompt_token_ids) - 1)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [out], out.finished,
-                             request.metrics)
+                             request.metrics, prompt_logprobs=prompt_logprobs)
 
     def _free(self, request: FakeRequest) -> None:
         self.running.remove(request)

@@ -193,3 +193,19 @@ def test_request_level_metrics_split_each_request_into_its_phases():
         grew("e2e_request_latency_seconds_sum") + 1e-3
     assert grew("request_decode_time_seconds_sum") >= 2 * 4 * 0.01 and grew("request_queue_time_seconds_sum") >= 0.04
     assert after["tinyvllm:num_preemptions_total"] == 0
+
+
+def test_echo_with_logprobs_streamed_and_batched(server, tokenizer):
+    # the fake engine's prompt logprobs: None for the first token, -0.75 for the others (tests/fake_engine.py)
+    prompts = ["Hello there", "The capital of France is"]
+    response = client(server).completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=2,
+                                                  temperature=0)
+    for choice, prompt in zip(response.choices, prompts):
+        ids = tokenizer.encode(prompt)
+        assert choice.logprobs.tokens[:len(ids)] == [tokenizer.token_bytes(t).decode() for t in ids]
+        assert choice.logprobs.token_logprobs[:len(ids)] == [None] + [-0.75] * (len(ids) - 1)
+        assert choice.logprobs.token_logprobs[len(ids):] == [-0.25, -0.25]
+    chunks = list(client(server).completions.create(model=MODEL, prompt=prompts[1], echo=True, logprobs=1,
+                                                    max_tokens=2, temperature=0, stream=True))
+    streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == response.choices[1].logprobs.token_logprobs

@@ -49,7 +49,6 @@ BAD_REQUESTS = [  # (path, body, param, code)
     ("/v1/completions", {"prompt": ""}, "prompt", None),
     ("/v1/completions", {"prompt": [1, 99999999]}, "prompt", None),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt", None),  # a batch with an empty prompt
-    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}, "echo", None),
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options", None),
     ("/v1/completions", {"prompt": "Hi " * 80}, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 100}, "max_tokens", "context_length_exceeded"),

@@ -49,3 +49,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     error: str | None = None  # set when this request failed inside a step (the other requests went on)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's field)
+    # SamplingParams.prompt_logprobs: per prompt token, as `CompletionOutput.logprobs` (None for the first, which
+    # nothing predicts); filled once the whole prompt is computed
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # a pooling request (PoolingParams): the prompt's pooled hidden state, (hidden_size,) floats (vLLM's
+    # PoolingOutput.data); outputs is then empty
+    pooled: list[float] | None = None

@@ -101,6 +101,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # return this many top alternatives (plus the sampled token) per position
+    prompt_logprobs: int | None = None  # the same for each prompt token (the engine computes every position)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
@@ -144,6 +145,9 @@ class SamplingParams:
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                  and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                 "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                  "structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         for token_id, bias in (self.logit_bias or {}).items():

@@ -198,6 +198,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatCompletionToolParam] | None = None
     # None: "auto" with tools, "none" without; a named function is {"type": "function", "function": {"name"}}
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # OpenAI's deprecated forms of tools and tool_choice (tinyvllm/api/legacy_functions.py)
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None  # accepted; a forced tool_choice makes one call
     max_tokens: StrictInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: StrictInt | None = None  # None: as many as the context leaves

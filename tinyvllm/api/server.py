@@ -10,7 +10,9 @@
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (+ /{model}), GET /health (503
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (serving_responses.py: the chat
+route in the Responses API's shapes), POST /v1/embeddings (serving_embeddings.py),
+GET /v1/models (+ /{model}), GET /health (503
 until the model is loaded), GET|POST /ping (the same), GET /version, POST /tokenize and /detokenize
 (serving_tokenize.py), GET /metrics (Prometheus text), GET /v1/engine/state (+ /stream, SSE) and the page
 GET /dashboard that draws it (tinyvllm/api/dashboard.py). The server listens on 127.0.0.1 unless told
@@ -56,7 +58,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tinyvllm.api import access_log
+from tinyvllm.api import access_log, legacy_functions
 from tinyvllm.api.audit import AuditLog, RequestAccounting, current_record
 from tinyvllm.api.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, install_error_handlers,
@@ -68,12 +70,16 @@ from tinyvllm.api.openapi import openapi_schema, responses
 from tinyvllm.api.read_timeouts import read_timeout_protocol
 from tinyvllm.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ModelCard, ModelList)
+from tinyvllm.api.protocol_responses import ResponsesRequest, ResponsesResponse
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.serving_completions import OpenAIServingCompletion
+from tinyvllm.api.serving_embeddings import EmbeddingRequest, EmbeddingResponse, OpenAIServingEmbedding
 from tinyvllm.api.serving_engine import ServerLimits
+from tinyvllm.api.serving_responses import OpenAIServingResponses
 from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
                                            TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse)
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
+from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.spec_decode.config import parse_speculative_config
 
 OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
@@ -229,13 +235,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               api_key: str | None = None, api_keys: ApiKeys | None = None, audit_log: str | Path | None = None,
               limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
               reasoning_parser: str | None = None, cors: CorsConfig | None = None,
-              tool_call_parser: str = "hermes") -> FastAPI:
+              tool_call_parser: str = "hermes", pooler: PoolingParams | None = None) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server. `allowed_hosts`:
     the DNS names the server answers to besides localhost and IP addresses ("*": any). `api_key`: one
     key without limits; `api_keys`: several, with limits (not both: `ApiKeys.build` merges them).
     `audit_log`: a file to append one JSON line per request to. `reasoning_parser`: "think" sends what the
     model writes in <think>...</think> as `reasoning_content`. `tool_call_parser`: the format the model writes
-    tool calls in, "hermes" or "llama3_json" (vLLM's --tool-call-parser; tinyvllm/api/tool_parser.py). `cors`: the origins browsers may call it from."""
+    tool calls in, "hermes" or "llama3_json" (vLLM's --tool-call-parser; tinyvllm/api/tool_parser.py). `cors`: the
+    origins browsers may call it from. `pooler`: how /v1/embeddings pools the hidden states (vLLM's --pooler-config)."""
     if api_key is not None and api_keys is not None:
         raise ValueError("give api_key or api_keys, not both (ApiKeys.build(api_key, keys_file) merges them)")
     keys = api_keys if api_key is None else ApiKeys.build(api_key)
@@ -250,6 +257,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser,
                              tool_call_parser=tool_call_parser)
     tokenization = OpenAIServingTokenization(chat)
+    responses_api = OpenAIServingResponses(chat)
+    embeddings = OpenAIServingEmbedding(keyed_engine, served_model_names, limits, pooler=pooler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -344,7 +353,23 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @v1.post("/chat/completions", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         try:
+            if legacy_functions.uses_functions(request):
+                return await legacy_functions.create_chat_completion(chat, request, raw_request)
             return await chat.create_chat_completion(request, raw_request)
+        except Exception as e:
+            return to_openai_error(e).response()
+
+    @v1.post("/embeddings", responses=responses(EmbeddingResponse, *generation_errors))
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request):
+        try:
+            return await embeddings.create_embedding(request, raw_request)
+        except Exception as e:
+            return to_openai_error(e).response()
+
+    @v1.post("/responses", responses=responses(ResponsesResponse, *generation_errors, stream=True))
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        try:
+            return await responses_api.create_response(request, raw_request)
         except Exception as e:
             return to_openai_error(e).response()
 
@@ -490,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
                    help="the format the model writes tool calls in: hermes (<tool_call> JSON </tool_call>: Qwen, "
                         "Hermes, SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+; default hermes)")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='how /v1/embeddings pools the final hidden states, vLLM\'s pooler config as JSON: '
+                        '\'{"pooling_type": "MEAN"}\' (LAST or MEAN; default LAST) and "normalize" (default true)')
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
                    help="weights: auto keeps a GGUF's quantized blocks, none dequantizes, q8_0/q4_0/q4_1 quantize "
                         "at load (default auto)")
@@ -523,6 +551,10 @@ def main(argv: list[str] | None = None) -> None:
         speculative_config = parse_speculative_config(args.speculative_config)
     except ValueError as e:
         parser.error(f"--speculative-config: {e}")
+    try:
+        pooler = PoolingParams.from_json(args.pooler_config)
+    except (TypeError, ValueError) as e:
+        parser.error(f"--pooler-config: {e}")
     if args.device:
         os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
 
@@ -546,7 +578,8 @@ def main(argv: list[str] | None = None) -> None:
                     limits=limits, allowed_hosts=[*args.allowed_hosts, args.host],
                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
-                                    tuple(args.allowed_headers), args.allow_credentials))
+                                    tuple(args.allowed_headers), args.allow_credentials),
+                    pooler=pooler)
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           header_read_timeout=args.header_read_timeout)
 

@@ -5,7 +5,8 @@
         stream=false: the last output, whole
 
 Both paths read the same stream of `RequestOutput`s: the streaming one sends differences, the
-other waits for the end. `echo` puts the prompt in front of the text; `logprobs=k` returns, per
+other waits for the end. `echo` puts the prompt in front of the text (with `logprobs`, the prompt tokens'
+logprobs first: the engine computes them, vLLM's `prompt_logprobs`); `logprobs=k` returns, per
 token, its log-probability and the k most likely alternatives. `response_format`, `structured_outputs`
 and the `guided_*` fields constrain the text as on the chat route (see `serving_engine.py`).
 `use_beam_search=true` (vLLM's extra) returns the n best beams instead of n samples, ranked with
@@ -49,9 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix is not None:
             self.check_fim()
         width = self.best_of(request)  # samples per prompt
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo with logprobs needs the prompt's logprobs, which this engine does not compute",
-                              "echo")
+        echo_logprobs = request.echo and request.logprobs is not None  # the prompt's own logprobs come first
         prompts = self.prompts(request.prompt)
         if len(prompts) > 1:  # each prompt is a request of `width` choices: all must be able to wait at once
             self.check_batch_width(len(prompts) * width)
@@ -65,6 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 params_of.append(self.sampling_params(request, max_tokens, logprobs, self.structured_outputs(request)))
                 if width != request.n:
                     params_of[-1] = dataclasses.replace(params_of[-1], n=width)
+                if echo_logprobs:
+                    params_of[-1] = dataclasses.replace(params_of[-1], prompt_logprobs=request.logprobs)
 
         request_id, created = f"cmpl-{base_request_id(raw_request)}", int(time.time())
         # 429 now, before any 200
@@ -74,9 +75,10 @@ class OpenAIServingCompletion(OpenAIServing):
         stream = streams[0] if len(streams) == 1 else merged_outputs(request_id, streams, width)
         head = {"id": request_id, "created": created, "model": model}
         echo = [text if request.echo else "" for _, text in prompts]
+        prompt_lengths = [len(ids) for ids, _ in prompts] if echo_logprobs else None
         if request.stream:
             chunks = self.stream_chunks(stream, head, echo, request.n, request.logprobs, include_usage,
-                                        continuous_usage)
+                                        continuous_usage, prompt_lengths)
             return StreamingResponse(chunks, media_type="text/event-stream")
         final = await last_output(raw_request, stream)
         if final is None:  # the client left; nobody reads this
@@ -84,7 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
         billed = usage(final)  # every sample of best_of counts
         if width != request.n:
             final = best_of_choices(final, width, request.n)
-        return self.full_response(final, head, echo, request.n, request.logprobs, billed)
+        return self.full_response(final, head, echo, request.n, request.logprobs, billed, prompt_lengths)
 
     def best_of(self, request: CompletionRequest) -> int:
         """How many samples each prompt draws: best_of (>= n) where given, else n."""
@@ -151,21 +153,23 @@ class OpenAIServingCompletion(OpenAIServing):
         return token_ids, self.tokenizer.decode(token_ids)
 
     def full_response(self, final: RequestOutput, head: dict, echo: list[str], n: int, num_logprobs: int | None,
-                      billed: UsageInfo) -> dict:
-        """`echo`: each prompt's text, or "" (choice i*n + k belongs to prompt i)."""
+                      billed: UsageInfo, prompt_lengths: list[int] | None = None) -> dict:
+        """`echo`: each prompt's text, or "" (choice i*n + k belongs to prompt i). `prompt_lengths`: with echo and
+        logprobs, each prompt's token count (its logprobs come first)."""
         choices = []
         for completion in final.outputs:
             logprobs = None
             if num_logprobs is not None:
-                logprobs, _ = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs, 0)
+                logprobs, offset = self.echoed_logprobs(final, completion.index // n, prompt_lengths, num_logprobs)
+                logprobs, _ = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs, offset, logprobs)
             choices.append(CompletionResponseChoice(index=completion.index, text=echo[completion.index // n]
                                                     + completion.text, logprobs=logprobs,
                                                     finish_reason=completion.finish_reason))
         return CompletionResponse(**head, choices=choices, usage=billed).model_dump()
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, echo: list[str], n: int,
-                            num_logprobs: int | None, include_usage: bool,
-                            continuous_usage: bool = False) -> AsyncIterator[str]:
+                            num_logprobs: int | None, include_usage: bool, continuous_usage: bool = False,
+                            prompt_lengths: list[int] | None = None) -> AsyncIterator[str]:
         text_offset: dict[int, int] = {}  # choice index -> where its next token starts in its text
         final = None
         try:
@@ -173,8 +177,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 for delta in deltas:
                     logprobs = None
                     if num_logprobs is not None:
+                        logprobs = None
+                        if delta.first:  # with echo: the prompt's logprobs open the choice, as its text does
+                            logprobs, text_offset[delta.index] = self.echoed_logprobs(
+                                final, delta.index // n, prompt_lengths, num_logprobs)
                         logprobs, text_offset[delta.index] = self.logprobs(
-                            delta.token_ids, delta.logprobs, num_logprobs, text_offset.get(delta.index, 0))
+                            delta.token_ids, delta.logprobs, num_logprobs, text_offset.get(delta.index, 0), logprobs)
                     text = (echo[delta.index // n] if delta.first else "") + delta.text
                     choice = CompletionResponseChoice(index=delta.index, text=text, logprobs=logprobs,
                                                       finish_reason=delta.finish_reason)
@@ -186,13 +194,34 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_error(e)
         yield SSE_DONE
 
-    def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int,
-                 text_offset: int) -> tuple[CompletionLogProbs, int]:
+    def echoed_logprobs(self, final: RequestOutput, prompt_index: int, prompt_lengths: list[int] | None,
+                        num_top: int) -> tuple[CompletionLogProbs, int]:
+        """Prompt `prompt_index`'s tokens and logprobs (the first one's is null: nothing predicts it), and the text
+        offset after them; empty without echo. A batch's outputs hold the prompts one after another."""
+        if prompt_lengths is None:
+            return CompletionLogProbs(), 0
+        start = sum(prompt_lengths[:prompt_index])
+        end = start + prompt_lengths[prompt_index]
+        if final.prompt_logprobs is None:
+            raise RuntimeError("the engine did not return the prompt logprobs it was asked for")
+        return self.logprobs(final.prompt_token_ids[start:end], final.prompt_logprobs[start:end], num_top, 0)
+
+    def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int, text_offset: int,
+                 result: CompletionLogProbs | None = None) -> tuple[CompletionLogProbs, int]:
         """OpenAI's legacy logprobs: parallel lists, one entry per token; top_logprobs maps token text to
-        logprob (the sampled token first, then the `num_top` most likely)."""
-        result = CompletionLogProbs()
-        for token_id, (logprob, top) in zip(token_ids, logprobs or []):
+        logprob (the sampled token first, then the `num_top` most likely). Appended to `result` when given.
+        An entry of None (a prompt's first token) has null logprobs."""
+        result = CompletionLogProbs() if result is None else result
+        for token_id, entry in zip(token_ids, logprobs or []):
             token = self.token_text(token_id)
+            if entry is None:
+                result.tokens.append(token)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                result.text_offset.append(text_offset)
+                text_offset += len(token)
+                continue
+            logprob, top = entry
             alternatives = {token: logprob}
             for other_id, other_logprob in top[:num_top]:
                 alternatives.setdefault(self.token_text(other_id), other_logprob)
@@ -237,12 +266,17 @@ async def merged_outputs(request_id: str, streams: list[AsyncIterator[RequestOut
             if isinstance(item, BaseException):
                 raise item
             latest[i] = item
+            if any(output is None for output in latest):
+                continue  # every prompt's first output first: then the prompts' ids line up in each output
             outputs = [dataclasses.replace(c, index=j * n + c.index)
                        for j, output in enumerate(latest) if output is not None for c in output.outputs]
-            yield RequestOutput(request_id, None, [t for output in latest if output is not None
-                                                   for t in output.prompt_token_ids], outputs,
-                                finished=all(output is not None and output.finished for output in latest),
-                                num_cached_tokens=sum(o.num_cached_tokens for o in latest if o is not None))
+            prompt_logprobs = None
+            if all(output.prompt_logprobs is not None for output in latest):
+                prompt_logprobs = [entry for output in latest for entry in output.prompt_logprobs]
+            yield RequestOutput(request_id, None, [t for output in latest for t in output.prompt_token_ids], outputs,
+                                finished=all(output.finished for output in latest),
+                                num_cached_tokens=sum(output.num_cached_tokens for output in latest),
+                                prompt_logprobs=prompt_logprobs)
     finally:
         for reader in readers:
             reader.cancel()

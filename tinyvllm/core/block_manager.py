@@ -143,8 +143,9 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:
         """The longest run of cached blocks at the start of `seq`'s tokens, short of its last token: that one is
-        always computed, so that the step has its logits to sample from (vLLM's `get_computed_blocks`)."""
-        if not self.enable_prefix_caching:
+        always computed, so that the step has its logits to sample from (vLLM's `get_computed_blocks`). None for
+        a sequence that must compute every position itself (`skip_reading_prefix_cache`: pooling, prompt logprobs)."""
+        if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return []
         hits = []
         for block_hash in seq.block_hashes(self.block_size)[:(seq.num_tokens - 1) // self.block_size]:

@@ -92,6 +92,8 @@ class Sequence:
         self.num_cached_tokens = -1  # of the prompt, found in the prefix cache at first admission (-1: not yet)
         self.block_table: list[int] = []
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding; vLLM's name)
+        # vLLM's name: computes its whole prompt, for it needs every position's output (pooling, prompt logprobs)
+        self.skip_reading_prefix_cache = False
         self._block_hashes: list[bytes] = []  # of its full blocks, for prefix caching (see block_hashes)
 
     def __repr__(self) -> str:

@@ -44,6 +44,7 @@ from tinyvllm.model.loader import load_model
 from tinyvllm.model.quantization import check_quantization
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sample.sampler import Sampler, logprobs_of, make_generator
 from tinyvllm.sample.structured_output import StructuredOutputManager, apply_bitmask_numpy
 from tinyvllm.sampling_params import SamplingParams
@@ -69,15 +70,41 @@ class RequestState:
     stop_reason: str | int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     error: str | None = None  # why the engine finished it with FINISHED_ERROR
+    pooling: PoolingParams | None = None  # a pooling request: a prefill that samples nothing
+    hidden_sum: np.ndarray | None = None  # MEAN pooling: the sum of the prompt's final hidden states so far
+    hidden_last: np.ndarray | None = None  # LAST pooling: the last computed token's
+    prompt_logprobs: list = field(default_factory=list)  # SamplingParams.prompt_logprobs: per prompt token so far
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether its next step needs every position's output, not only the last one's."""
+        return self.pooling is not None or (self.params.prompt_logprobs is not None
+                                            and self.seq.num_computed_tokens < self.seq.num_prompt_tokens)
+
+    def pooled_output(self) -> RequestOutput:
+        """A pooling request's one output: its pooled vector (see tinyvllm/pooling_params.py)."""
+        seq = self.seq
+        if self.pooling.pooling_type == "MEAN":
+            vector = self.hidden_sum / seq.num_prompt_tokens
+        else:
+            vector = self.hidden_last
+        vector = vector.astype(np.float64)
+        if self.pooling.normalize:
+            vector = vector / max(np.linalg.norm(vector), 1e-12)  # as torch's F.normalize: no division by 0
+        return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [], finished=True,
+                             metrics=self.metrics, num_cached_tokens=0, pooled=vector.tolist())
 
     def output(self) -> RequestOutput:
         seq = self.seq
         completion = CompletionOutput(index=0, text=self.text.text, token_ids=list(seq.output_token_ids),
                                       finish_reason=seq.status.finish_reason, stop_reason=self.stop_reason,
                                       logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
+        prompt_logprobs = None
+        if self.params.prompt_logprobs is not None and len(self.prompt_logprobs) == seq.num_prompt_tokens:
+            prompt_logprobs = list(self.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, seq.prompt_token_ids, [completion],
                              finished=seq.is_finished, metrics=self.metrics, error=self.error,
-                             num_cached_tokens=max(seq.num_cached_tokens, 0))
+                             num_cached_tokens=max(seq.num_cached_tokens, 0), prompt_logprobs=prompt_logprobs)
 
 
 @dataclass
@@ -170,6 +197,7 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(self.tokenizer)
         self.requests: dict[str, RequestState] = {}  # unfinished requests the scheduler knows, by request id
         self._failed: list[RequestOutput] = []  # requests this step finished with an error, reported by step()
+        self._pooled: list[RequestOutput] = []  # pooling requests this step finished, reported by step()
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
         self.beam_search = BeamSearchRequests(self.scheduler, self.tokenizer)  # beams: forks of one another
         self.step_log = StepLog()  # the last steps' records, for get_state() (the server's dashboard)
@@ -177,11 +205,21 @@ class LLMEngine:
     # ---- requests in ----
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: SamplingParams | BeamSearchParams | None = None, priority: int = 0) -> None:
+                    sampling_params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
+                    priority: int = 0) -> None:
         """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing. `priority`
         counts under the "priority" scheduling policy: lower is served first (vLLM's convention).
-        `BeamSearchParams` make it a beam search (engine/beam_search.py): one output, when it ends."""
+        `BeamSearchParams` make it a beam search (engine/beam_search.py): one output, when it ends.
+        `PoolingParams` make it a pooling request: its prompt is computed (in chunks, like any prefill) and
+        nothing is sampled; its one output carries the pooled final hidden states (`RequestOutput.pooled`)."""
         params = sampling_params or SamplingParams()
+        if isinstance(params, PoolingParams):
+            text, prompt_ids = self._process_prompt(prompt)
+            if request_id in self.requests or request_id in self.parent_requests.parents or (
+                    request_id in self.beam_search.requests):
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._add_one(request_id, text, prompt_ids, SamplingParams(max_tokens=1), priority, pooling=params)
+            return
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
         if isinstance(params, BeamSearchParams):
@@ -220,13 +258,15 @@ class LLMEngine:
         return text, prompt_ids
 
     def _add_one(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> None:
+                 priority: int = 0, pooling: PoolingParams | None = None) -> None:
         seq = Sequence(request_id, prompt_ids, params, prompt=text, priority=priority)
+        seq.skip_reading_prefix_cache = pooling is not None or params.prompt_logprobs is not None
         generator = None if params.is_greedy else make_generator(params.seed)
         matcher = None if params.structured_outputs is None else self.structured_outputs.matcher(
             params.structured_outputs)  # a grammar that does not compile: ValueError, nothing added
         self.requests[request_id] = RequestState(request_id, text, params, seq,
-                                                 TextStream(self.tokenizer, params, prompt_ids), generator, matcher)
+                                                 TextStream(self.tokenizer, params, prompt_ids), generator, matcher,
+                                                 pooling=pooling)
         source = self.parent_requests.prompt_source(request_id)  # n > 1: the sibling that computes the prompt
         self.scheduler.add_seq(seq, share_prompt_with=None if source is None else self.requests[source].seq)
 
@@ -304,8 +344,15 @@ class LLMEngine:
         if not scheduler_output.scheduled_seqs:
             self._fail_unschedulable(scheduler_output)
             return {}
-        seqs, logits = self.model_runner.execute_model(scheduler_output)
+        hidden_for = frozenset(seq.seq_id for seq in scheduler_output.scheduled_seqs
+                               if (state := self.requests.get(seq.seq_id)) is not None and state.needs_hidden_states)
+        seqs, logits = self.model_runner.execute_model(scheduler_output, hidden_for)
         spec_rows = self.model_runner.spec_logits_rows  # speculative decoding: the drafts' rows of the logits
+        if hidden_for:
+            self._record_hidden_states()
+            pooled = [seq for seq in seqs if seq.seq_id in self.requests and self.requests[seq.seq_id].pooling]
+            for seq in pooled:  # its prompt is all computed: it ends here, without a token (its row is sampled with
+                self._finish_pooled(seq)  # the batch's, as a finished request's, and dropped)
         if not seqs:
             return {}
         beam_rows = [row for row, seq in enumerate(seqs) if self.beam_search.owns(seq.seq_id)]
@@ -381,6 +428,48 @@ class LLMEngine:
                     if not seq.is_finished:
                         self._fail(seq, part_error)
         return sampled
+
+    def _record_hidden_states(self) -> None:
+        """What the requests that need every position take from this step's final hidden states: a pooling
+        request adds its tokens' to its pool, a request with prompt_logprobs the logprobs of its prompt tokens.
+        A sequence computed again from its start (preempted) starts over."""
+        for seq_id, hidden in self.model_runner.hidden_states.items():  # (count, D) each
+            state = self.requests.get(seq_id)
+            if state is None:
+                continue
+            seq = state.seq
+            start = seq.num_computed_tokens  # the step's first position (update_from_output has not run yet)
+            try:
+                if state.pooling is not None:
+                    in_prompt = hidden[:max(seq.num_prompt_tokens - start, 0)].astype(np.float64)
+                    state.hidden_sum = (0 if start == 0 else state.hidden_sum) + in_prompt.sum(axis=0)
+                    if len(in_prompt):
+                        state.hidden_last = in_prompt[-1]
+                elif len(state.prompt_logprobs) < seq.num_prompt_tokens:
+                    self._record_prompt_logprobs(state, start, hidden.shape[0])
+            except Exception as e:  # this request alone ends
+                self._fail(seq, e)
+
+    def _record_prompt_logprobs(self, state: RequestState, start: int, count: int) -> None:
+        """The logprob of each prompt token at positions start+1 .. start+count given the tokens before it, with
+        the `prompt_logprobs` most likely alternatives (raw logprobs, as the sampled tokens' are)."""
+        seq, k = state.seq, state.params.prompt_logprobs
+        if start == 0:
+            state.prompt_logprobs = [None]  # the first token: nothing comes before it to predict it
+        if len(state.prompt_logprobs) != start + 1:
+            return  # recomputed after a preemption: these positions are already recorded
+        logits = self.model_runner.position_logits(seq.seq_id)  # (count, V)
+        for j in range(count):
+            position = start + j + 1  # the token row j predicts
+            if position >= seq.num_prompt_tokens:
+                break
+            state.prompt_logprobs.append(logprobs_of(logits[j], seq.prompt_token_ids[position], k))
+
+    def _finish_pooled(self, seq: Sequence) -> None:
+        state = self.requests.pop(seq.seq_id)
+        self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        state.metrics.first_token_time = state.metrics.finished_time = time.monotonic()
+        self._pooled.append(state.pooled_output())
 
     def _sampling_batch(self, seqs: list[Sequence], rows: int, vocab: int,
                         verifying: dict | tuple = ()) -> SamplingBatch:
@@ -468,8 +557,9 @@ class LLMEngine:
             except Exception as e:  # detokenizing or a stop string failed: this request alone ends
                 self._fail(seq, e)
         self._spec_output_start.clear()
-        outputs = list(self._failed)
+        outputs = list(self._failed) + self._pooled
         self._failed.clear()
+        self._pooled = []
         for seq in new_token_seqs:
             state = self.requests.get(seq.seq_id)
             if state is None:

@@ -16,6 +16,11 @@ Attention runs on the hand-written paged-attention kernels where the device has 
 token row above is one query with its own block table row and context length `position + 1`, which is
 exactly what a decode kernel takes. `portable_attention=True` keeps the portable gather.
 
+Hidden states (a pooling request, or prompt logprobs): when a sequence in the step needs every position of
+its tokens, not only its last, the step runs another graph that returns the final hidden states of all N
+tokens (N, D); the sampled rows' logits are computed from them, and so are, on request, the logits of every
+position of one sequence (`position_logits`). The normal graph computes lm_head for the sampled rows only.
+
 Copy-on-write (Phase 7): a step whose sequences write into blocks they shared first copies those blocks
 (`scheduler_output.blocks_to_copy`, the `copy_blocks` kernel over every cache tensor) and then runs the
 forward pass. A sequence forked this step (n > 1) computes no token: it samples from the logits row of
@@ -72,15 +77,44 @@ class ModelRunner:
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
         self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
         self.spec_logits_rows: dict[int | str, list[int]] = {}  # of the last step (see execute_model)
+        self.hidden_states: dict[int | str, np.ndarray] = {}  # of the last step (see execute_model)
+        self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D), on the device
+        self._token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id -> (first row, rows) in _normed
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
 
-    def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
-                 logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
+    def _hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                num_blocks: int | UOp) -> Tensor:
+        """The model over the step's tokens: hidden states (1,N,D), before the final norm."""
         tp = self.model.tp  # tensor parallel: every device reads the step's inputs (copied to each in the graph)
         metadata = KernelPagedAttentionMetadata(tp.replicate(slot_mapping), tp.replicate(block_tables),
                                                 tp.replicate(positions), num_blocks, portable=self.portable_attention)
-        hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
+        return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
+
+    def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                 logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
+        hidden = self._hidden(input_ids, positions, slot_mapping, block_tables, num_blocks)  # (1,N,D)
         return self.model.compute_logits(hidden[0][logits_indices.to(hidden.device)]).realize()  # (S,V)
+
+    def _forward_hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                        num_blocks: int | UOp) -> Tensor:
+        hidden = self._hidden(input_ids, positions, slot_mapping, block_tables, num_blocks)  # (1,N,D)
+        return self.model.final_norm(hidden[0]).realize()  # (N,D)
+
+    def _rows_logits(self, normed: Tensor, rows: Tensor) -> Tensor:
+        """Logits of some rows of the final hidden states: normed (N,D), rows (R,) -> (R,V), one graph per (N, R)."""
+        key = ("rows", normed.shape[0], rows.shape[0])
+        if key not in self._jits:
+            self._jits[key] = GraphedJit(
+                lambda h, r: self.model.logits_of_normed(h[r.to(h.device)]).realize())
+        return self._jits[key](normed, rows)
+
+    def position_logits(self, seq_id: int | str) -> np.ndarray:
+        """The logits at every position sequence `seq_id` computed in the last step (it was in `hidden_for`):
+        (count, V) float32, row j predicting the token after its j-th computed token."""
+        start, count = self._token_rows[seq_id]
+        rows = np.zeros(self.bucket_for(count), np.int32)
+        rows[:count] = np.arange(start, start + count)
+        return self._rows_logits(self._normed, Tensor(rows, device=self.model.device)).numpy()[:count]
 
     def _inputs(self, n: int, num_rows: int) -> tuple[InputBuffer, ...]:
         """The inputs of an n-token bucket, allocated once and refilled every step: input_ids (1,n),
@@ -96,12 +130,16 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[Sequence], Tensor | None]:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      hidden_for: frozenset = frozenset()) -> tuple[list[Sequence], Tensor | None]:
         """Run the step. Returns the sequences whose tokens are now all computed (they sample a token), and
         their logits on the device: (rows, vocab), row i for sequence i, padding rows after them. Speculative
         decoding: `self.spec_logits_rows` then maps each sequence that verified draft tokens to the rows of the
         logits at its drafts' positions (after the sequences' rows): row i is the target's prediction after its
-        last sampled token, these rows its predictions after each draft."""
+        last sampled token, these rows its predictions after each draft. `hidden_for`: the seq_ids that need
+        every position (see the module doc); `self.hidden_states` then maps each of those scheduled this step to
+        the final hidden states of the tokens it computed, (count, D) on the host, and `position_logits` gives
+        their logits."""
         if scheduler_output.blocks_to_copy:  # before anything writes into the copies
             self.copy_blocks(scheduler_output.blocks_to_copy)
         seqs = scheduler_output.scheduled_seqs
@@ -116,6 +154,7 @@ class ModelRunner:
         block_tables.np[...], logits_indices.np[...] = self.kv_cache.null_block, 0
         sampled_seqs, num_blocks, i = [], 1, 0
         rows: dict[int | str, int] = {}  # seq_id -> its row of the logits
+        token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id in hidden_for -> its tokens' rows
         spec_positions: dict[int | str, list[int]] = {}  # seq_id -> where its drafts are in the flat row
         for seq in seqs:
             if seq.seq_id in scheduler_output.forked_from:  # no tokens: it samples from its source's row
@@ -127,6 +166,8 @@ class ModelRunner:
             slot_mapping.np[i:i + count] = get_slot_mapping(seq.block_table, bs, start, start + count)
             block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table
             num_blocks = max(num_blocks, -(-(start + count) // bs))
+            if seq.seq_id in hidden_for:
+                token_rows[seq.seq_id] = (i, count)
             i += count
             if start + count - len(drafts) == seq.num_tokens:  # caught up: this step's last token gets sampled
                 logits_indices.np[len(sampled_seqs)] = i - len(drafts) - 1
@@ -141,14 +182,24 @@ class ModelRunner:
             spec_rows[seq_id] = list(range(first + len(scheduler_output.forked_from),
                                            first + len(scheduler_output.forked_from) + len(where)))
             num_extra += len(where)
-        if (n, num_rows) not in self._jits:
-            self._jits[n, num_rows] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(
-                self, "forward", n, num_rows))
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
         if self.step_timer is not None:
             self.step_timer.lap("prepare_inputs")
-        logits = self._jits[n, num_rows](*inputs)
+        if token_rows:  # all positions' final hidden states, then the sampled rows' logits from them
+            if ("hidden", n) not in self._jits:
+                self._jits["hidden", n] = GraphedJit(self._forward_hidden)
+            self._normed = self._jits["hidden", n](*inputs[:4], inputs[5])
+            logits = self._rows_logits(self._normed, inputs[4])
+            host = self._normed.numpy()
+            self.hidden_states = {seq_id: host[start:start + count] for seq_id, (start, count) in token_rows.items()}
+            self._token_rows = token_rows
+        else:
+            if (n, num_rows) not in self._jits:
+                self._jits[n, num_rows] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(
+                    self, "forward", n, num_rows))
+            logits = self._jits[n, num_rows](*inputs)
+            self.hidden_states, self._token_rows = {}, {}
         if self.step_timer is not None:
             self.step_timer.lap("forward")
         if scheduler_output.forked_from:

@@ -46,13 +46,16 @@ class ParentRequest:
     latest: list[CompletionOutput]  # the newest output of each child, index i for completion i
 
     error: str | None = None  # the first child's error: the request as a whole has failed
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, from the child that computed the prompt
 
     def merge(self, index: int, child: RequestOutput) -> RequestOutput:
         self.latest[index] = dataclasses.replace(child.outputs[0], index=index)
         self.error = self.error or child.error
+        self.prompt_logprobs = self.prompt_logprobs or child.prompt_logprobs  # from the child that computed the prompt
         return RequestOutput(self.request_id, child.prompt, child.prompt_token_ids, list(self.latest),
                              finished=all(out.finished for out in self.latest), metrics=child.metrics,
-                             error=self.error, num_cached_tokens=child.num_cached_tokens)
+                             error=self.error, num_cached_tokens=child.num_cached_tokens,
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 class ParentRequests:

@@ -297,7 +297,16 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: (..., D) -> logits (..., V) in float32."""
-        logits = project(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.logits_of_normed(self.final_norm(hidden))
+
+    def final_norm(self, hidden: Tensor) -> Tensor:
+        """hidden: (..., D) -> the final hidden states (..., D), after the last norm: what lm_head reads, and
+        what a pooling request pools (vLLM's pooler reads the same)."""
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def logits_of_normed(self, normed: Tensor) -> Tensor:
+        """final hidden states (..., D) -> logits (..., V) in float32."""
+        logits = project(normed, self.lm_head).float()
         if self.pp.size > 1:
             return logits.to(self.device)  # from the last stage back to the first device, for the sampler
         if self.tp.size == 1:

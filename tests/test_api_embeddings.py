@@ -1,0 +1,141 @@
+"""Phase 9: what the engine computes at every prompt position, against HF transformers on the same weights.
+
+A pooling request (`PoolingParams`, the server's /v1/embeddings) and prompt logprobs (`SamplingParams.
+prompt_logprobs`, the server's `echo` with `logprobs`) both need the model's output at every position, not only
+the last. The tiny random model (tests/conftest.py) is enough for the truth: the final hidden states and the
+logits must equal HF's whatever the weights are. The prompts are longer than a step's token budget, so they are
+computed in chunks, and the prefix cache holds them first, which such requests must not read.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openai
+import pytest
+from api_helpers import client, serve
+
+from tinyvllm.pooling_params import PoolingParams
+from tinyvllm.sampling_params import SamplingParams
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog, and then it runs far away into the forest.",
+           "The capital of France is"]
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    # a budget of 16 tokens a step: the first prompt's prefill takes two chunks
+    return LLMEngine(str(tiny_model_dir), max_model_len=128, kv_cache_memory="4MiB", max_num_seqs=4,
+                     max_num_batched_tokens=16, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+
+    def run(ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Final hidden states (T, D) (after the last norm: HF's hidden_states[-1]) and log-softmax (T, V)."""
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        return out.hidden_states[-1][0].double().numpy(), torch.log_softmax(out.logits[0].double(), -1).numpy()
+
+    return run
+
+
+def run_all(engine, requests: dict) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    return finished
+
+
+def expected_embedding(hidden: np.ndarray, pooling: PoolingParams) -> np.ndarray:
+    vector = hidden.mean(axis=0) if pooling.pooling_type == "MEAN" else hidden[-1]
+    return vector / np.linalg.norm(vector) if pooling.normalize else vector
+
+
+def test_pooling_equals_hf_and_ignores_the_prefix_cache(engine, hf):
+    run_all(engine, {"warm": (PROMPTS[0], SamplingParams(max_tokens=1))})  # its prompt's blocks are now cached
+    poolings = [PoolingParams("MEAN"), PoolingParams("LAST"), PoolingParams("MEAN", normalize=False)]
+    requests = {f"pool-{i}-{j}": (prompt, pooling) for i, prompt in enumerate(PROMPTS)
+                for j, pooling in enumerate(poolings)}
+    requests["beside"] = (PROMPTS[1], SamplingParams(max_tokens=4, temperature=0))  # a generation in the same steps
+    outputs = run_all(engine, requests)
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    for i, prompt in enumerate(PROMPTS):
+        hidden, _ = hf(engine.tokenizer.encode(prompt))
+        for j, pooling in enumerate(poolings):
+            output = outputs[f"pool-{i}-{j}"]
+            assert output.outputs == [] and output.num_cached_tokens == 0
+            np.testing.assert_allclose(output.pooled, expected_embedding(hidden, pooling), rtol=1e-4, atol=1e-5)
+    assert len(outputs["beside"].outputs[0].token_ids) == 4
+
+
+def test_prompt_logprobs_equal_hf(engine, hf):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    output = run_all(engine, {"p": (ids, SamplingParams(max_tokens=2, n=2, temperature=1.0, seed=1,
+                                                        prompt_logprobs=3))})["p"]
+    _, logprobs = hf(ids)
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(ids)
+    for position in range(1, len(ids)):
+        logprob, top = output.prompt_logprobs[position]
+        assert logprob == pytest.approx(logprobs[position - 1, ids[position]], abs=1e-4)
+        assert [t for t, _ in top] == list(np.argsort(-logprobs[position - 1], kind="stable")[:3])
+
+
+@pytest.fixture(scope="module")
+def server(engine, hf):
+    with serve(lambda: engine, served_model_names=[MODEL]) as server:  # the engine moves to the server's thread
+        yield server
+
+
+def test_embeddings_through_the_openai_client(server, engine, hf):
+    expected = [expected_embedding(hf(engine.tokenizer.encode(p))[0], PoolingParams()) for p in PROMPTS]
+    response = client(server).embeddings.create(model=MODEL, input=PROMPTS)  # the client asks for base64
+    assert [d.index for d in response.data] == [0, 1] and response.object == "list"
+    for data, vector in zip(response.data, expected):
+        np.testing.assert_allclose(data.embedding, vector, rtol=1e-4, atol=1e-5)
+    assert response.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in PROMPTS)
+    as_floats = client(server).embeddings.create(model=MODEL, input=engine.tokenizer.encode(PROMPTS[1]),
+                                                 encoding_format="float")
+    np.testing.assert_allclose(as_floats.data[0].embedding, expected[1], rtol=1e-4, atol=1e-5)
+    with pytest.raises(openai.BadRequestError, match="dimensions") as e:
+        client(server).embeddings.create(model=MODEL, input="Hi", dimensions=8)
+    assert e.value.body["param"] == "dimensions"
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs(server, engine, hf):
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    _, logprobs = hf(ids)
+    response = client(server).completions.create(model=MODEL, prompt=PROMPTS[1], echo=True, logprobs=2,
+                                                  max_tokens=2, temperature=0)
+    got = response.choices[0].logprobs
+    assert response.choices[0].text.startswith(PROMPTS[1]) and len(got.tokens) == len(ids) + 2
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    for position in range(1, len(ids)):
+        assert got.token_logprobs[position] == pytest.approx(logprobs[position - 1, ids[position]], abs=1e-4)
+        assert len(got.top_logprobs[position]) >= 2
+    assert got.text_offset[len(ids)] == sum(len(t) for t in got.tokens[:len(ids)])  # the output starts after it
+
+
+def test_responses_structured_output_follows_the_schema(server):
+    # random weights know nothing of JSON: only the grammar from text.format makes the output parse
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
+              "properties": {"answer": {"enum": ["yes", "no"]}}}
+    text = {"format": {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}}
+    for stream in (False, True):
+        response = client(server).responses.create(model=MODEL, input="Yes or no?", text=text, temperature=0,
+                                                   max_output_tokens=40, stream=stream)
+        if stream:
+            response = list(response)[-1].response
+        assert response.status == "completed", response.output_text
+        assert json.loads(response.output_text)["answer"] in ("yes", "no")

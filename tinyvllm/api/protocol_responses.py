@@ -1,0 +1,154 @@
+"""The Responses API's request and response bodies (OpenAI's `POST /v1/responses`), as pydantic models.
+
+The Responses API is OpenAI's newer shape of a chat: `input` (a text, or a list of items: messages, the
+model's earlier function calls and their outputs) and `instructions` in; a list of `output` items out
+(a message with `output_text` parts, `function_call`s, `reasoning`). Tools are flat (`{"type": "function",
+"name", "parameters"}`, not nested under "function"), and structured outputs are `text.format`.
+
+    request                      response (stream=false)       events (stream=true, one per SSE event)
+    ResponsesRequest             ResponsesResponse             {"type": "response.created" | ... , ...}
+
+Shapes follow the openai client's `responses.create` types and vLLM's `ResponsesRequest`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from tinyvllm.sampling_params import MAX_LOGPROBS
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"]
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class NamedFunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(BaseModel):
+    """`text.format`: "text", "json_object", or "json_schema" with its schema beside the type (flat)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+class TextConfig(BaseModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model: StrictStr | None = None
+    input: StrictStr | Annotated[list[dict], Field(min_length=1)]
+    instructions: StrictStr | None = None  # a system message before the input
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, ge=0, le=1)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextConfig | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None  # accepted; this server keeps no responses
+    previous_response_id: StrictStr | None = None  # refused: nothing is kept to continue from
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's sampling extras, as on the chat route
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = Field(None, ge=0, le=1)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0)
+    seed: StrictInt | None = None
+    priority: StrictInt = 0
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponsesResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputMessage | FunctionCallItem | ReasoningItem] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: ResponseError | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: str | NamedFunctionChoice = "auto"
+    tools: list[FunctionTool] = Field(default_factory=list)
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = False  # what this server did: it keeps nothing

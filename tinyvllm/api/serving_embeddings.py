@@ -1,0 +1,129 @@
+"""`POST /v1/embeddings`: one vector per input, pooled from the model's final hidden states (OpenAI's API,
+vLLM's fields).
+
+    {"input": "some text" | ["text", ...] | [ids] | [[ids], ...], "encoding_format": "float" | "base64"}
+        --tokenize--> one pooling request per input (engine: a prefill that samples nothing)
+        --> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}], "usage": ...}
+
+How the hidden states are pooled is the server's setting, as in vLLM (`--pooler-config '{"pooling_type":
+"MEAN"}'`; LAST by default, vLLM's for decoder models); tinyvllm/pooling_params.py says what each means.
+Vectors are normalized to unit length unless the request says `"normalize": false` (vLLM's extra).
+`base64` sends each vector's float32 bytes, little-endian, base64-encoded: what the official client asks for by
+default, a quarter of the JSON's size. `dimensions` (a shorter vector) works only for models trained for it
+(Matryoshka), which the supported models are not: it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import Request, Response
+from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
+
+from tinyvllm.api.errors import bad_request
+from tinyvllm.api.protocol import UsageInfo
+from tinyvllm.api.serving_engine import OpenAIServing, base_request_id, wait_for_disconnect
+from tinyvllm.pooling_params import PoolingParams
+
+Ids = Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]
+Texts = Annotated[list[StrictStr], Field(min_length=1, fail_fast=True)]
+
+
+class EmbeddingRequest(BaseModel):
+    model: StrictStr | None = None
+    input: StrictStr | Texts | Ids | Annotated[list[Ids], Field(min_length=1, fail_fast=True)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+    normalize: StrictBool | None = None  # vLLM's extra: None is the server's default (True)
+    priority: StrictInt = 0
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string with encoding_format "base64"
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    def __init__(self, *args, pooler: PoolingParams | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pooler = pooler or PoolingParams()
+
+    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response | dict:
+        model = self.check_model(request.model)
+        if request.dimensions is not None:
+            raise bad_request("dimensions is not supported: this model was not trained to give shorter vectors "
+                              "(Matryoshka); leave it out for the full hidden size", "dimensions")
+        inputs = self.inputs(request.input)
+        if len(inputs) > 1:
+            self.engine.check_can_accept(len(inputs))
+        params = PoolingParams(self.pooler.pooling_type,
+                               self.pooler.normalize if request.normalize is None else request.normalize)
+        request_id, created = f"embd-{base_request_id(raw_request)}", int(time.time())
+        streams = [self.engine.add_request(request_id if len(inputs) == 1 else f"{request_id}-{i}", ids, params,
+                                           request.priority) for i, ids in enumerate(inputs)]
+        finals = await self.finals(raw_request, streams)
+        if finals is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        data = [EmbeddingData(index=i, embedding=self.encode(final.pooled, request.encoding_format))
+                for i, final in enumerate(finals)]
+        num_tokens = sum(len(final.prompt_token_ids) for final in finals)
+        return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=UsageInfo(
+            prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)).model_dump()
+
+    def inputs(self, given: str | list) -> list[list[int]]:
+        """Token ids of each input: a text, a list of texts, a list of ids, or a list of lists of ids."""
+        if isinstance(given, str):
+            given = [given]
+        elif given and isinstance(given[0], int):
+            given = [given]
+        ids = []
+        for one in given:
+            if isinstance(one, str):
+                if not one:
+                    raise bad_request("input must not hold an empty string", "input")
+                self.check_prompt_chars(one, "input")
+                one = self.tokenizer.encode(one)
+            ids.append(self.check_token_ids(one, "input"))
+        return ids
+
+    @staticmethod
+    async def finals(raw_request: Request, streams: list) -> list | None:
+        """Each request's last output, or None if the client left first (then every request is aborted)."""
+
+        async def last(stream):
+            final = None
+            async for final in stream:
+                pass
+            return final
+
+        gathered = asyncio.ensure_future(asyncio.gather(*(last(stream) for stream in streams)))
+        disconnect = asyncio.ensure_future(wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({gathered, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not gathered.done():
+                gathered.cancel()  # each stream's `finally` aborts its request
+                await asyncio.gather(gathered, return_exceptions=True)
+        return None if gathered.cancelled() else gathered.result()
+
+    @staticmethod
+    def encode(vector: list[float], encoding_format: str) -> list[float] | str:
+        if encoding_format == "base64":  # float32, little-endian: what the client decodes (numpy's frombuffer)
+            return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        return vector

@@ -1,0 +1,50 @@
+"""What a pooling request asks for: one vector for a whole prompt, from the model's hidden states (vLLM's
+`PoolingParams` with the pooler's settings; the server's `/v1/embeddings`).
+
+A decoder model has no embedding head, but its final hidden states (after the last norm, the vectors the
+lm_head reads) describe the text. Pooling turns the prompt's (T, D) of them into one (D,):
+
+    LAST   the last token's: in a causal model the only one that has seen the whole prompt (vLLM's default
+           for decoder models)
+    MEAN   the mean over the prompt's tokens
+
+then, by default (`normalize`, as vLLM's embed pooler), scaled to unit length, so a dot product is a cosine.
+The engine runs such a request as a prefill that samples nothing (`LLMEngine.add_request`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be True or False, got {self.normalize!r}")
+
+    @property
+    def n(self) -> int:
+        """Outputs returned: one vector (what a server counts against its queue, as `SamplingParams.n`)."""
+        return 1
+
+    @classmethod
+    def from_json(cls, text: str | None) -> PoolingParams:
+        """vLLM's --pooler-config JSON, e.g. '{"pooling_type": "MEAN", "normalize": false}'; None: the defaults."""
+        if text is None:
+            return cls()
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from e
+        if not isinstance(config, dict) or set(config) - {"pooling_type", "normalize"}:
+            raise ValueError(f'expected an object with "pooling_type" and/or "normalize", got {text}')
+        return cls(**config)
