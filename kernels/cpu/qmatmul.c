@@ -24,10 +24,9 @@
  *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *      On a CPU with AVX-512 VNNI (clang -march=native defines __AVX512VNNI__: the kernels are built on the machine
  *      that runs them) the same sums take two blocks per 512-bit register and one _mm512_dpbusd_epi32 (maddubs +
- *      madd in one instruction, no int16 step): 5 instructions per 64 products and pair of rows instead of 14, with
- *      x's scratch laid out per pair of blocks (struct xpair). The float sums go in another order, so this route
- *      and AVX2's agree to float32 rounding; each is batch-invariant. TV_NO_VNNI builds AVX2's route (the tests,
- *      qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
+ *      madd in one instruction, no int16 step), with x's scratch laid out per pair of blocks (struct xpair), and then
+ *      AVX2's float operations in AVX2's order: the two routes give the same bits. TV_NO_VNNI builds AVX2's
+ *      route (the tests, qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
  *
  * Arguments (M, N, K, TV_QTYPE compile-time constants: one program per shape and format):
  *   out:     (M, N) float32, written
@@ -141,9 +140,7 @@ TV_INLINE void quantize_block(struct xblock* restrict out, const float* restrict
 #if TV_AVX512
 /* The AVX-512 route's scratch: the same 40 bytes per block, laid out per pair of blocks b, b+1 (b even):
  *     struct xpair  { float ds[4] = d_b, s_b, d_b+1, s_b+1;  int8 q[64] }                 80 bytes = 2 x 40
- * q in the order the 512-bit register of the pair's weights has (see unpack_pair):
- *     Q4_0, Q4_1: q_b[0..15], q_b+1[0..15], q_b[16..31], q_b+1[16..31]   (lo nibbles of both blocks, then hi)
- *     Q8_0:       q_b[0..31], q_b+1[0..31]
+ * q in the order the 512-bit register of the pair's weights has (see unpack_pair): q_b[0..31], q_b+1[0..31].
  * With NB odd the last block stays a struct xblock. The numbers are the ones quantize_block computes. */
 struct xpair {
   float ds[4];
@@ -162,15 +159,8 @@ static void quantize_chunk(const void* ctx, int chunk) {
       quantize_block(&hi, x + 32 * b + 32);
       struct xpair* p = (struct xpair*)(row + b);
       p->ds[0] = lo.d, p->ds[1] = lo.s, p->ds[2] = hi.d, p->ds[3] = hi.s;
-#if TV_QTYPE == 8
       __builtin_memcpy(p->q, lo.q, 32);
       __builtin_memcpy(p->q + 32, hi.q, 32);
-#else
-      __builtin_memcpy(p->q, lo.q, 16);
-      __builtin_memcpy(p->q + 16, hi.q, 16);
-      __builtin_memcpy(p->q + 32, lo.q + 16, 16);
-      __builtin_memcpy(p->q + 48, hi.q + 16, 16);
-#endif
     }
     if (NB % 2) quantize_block(row + NB - 1, x + 32 * (NB - 1));
   }
@@ -225,23 +215,19 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
 }
 
 #if TV_AVX512
-/* ---- AVX-512: two blocks per register ----
- * Per pair of blocks and pair (row of x, row of w), 64 products in 5 instructions: _mm512_dpbusd_epi32 (16 int32
- * sums of 4 products: lanes of block b and of b+1), a conversion, one multiply for the 16 lanes' scales
- * (d_w d_x of b or b+1), one FMA, and one 4-wide FMA for the min terms (Q8_0: no min term, but x takes w's sign:
- * a masked negate), against 14 on the AVX2 route for 2 blocks.
- * The lanes' scales: [d_w,b, m_w,b, d_w,b+1, m_w,b+1] * [d_x,b, s_x,b, d_x,b+1, s_x,b+1] (x's from struct xpair)
- * gives both blocks' d_w d_x (lanes 0, 2) and m_w s_x (lanes 1, 3); the w and x halves are each spread over the 16
- * lanes once per row (permutexvar with LANE_OF_BLOCK), then multiplied per pair. A row's sums are added in the same
- * order whatever mr and nr are (batch invariance); the order differs from the AVX2 route's, so the two routes
- * agree to float32 rounding, not bit for bit. */
-#if TV_QTYPE == 8
-#define LANE_OF_BLOCK _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
-#else
-#define LANE_OF_BLOCK _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
-#endif
+/* ---- AVX-512: two blocks per register, AVX2's arithmetic ----
+ * A pair of blocks b, b+1 goes through one _mm512_dpbusd_epi32: 16 int32 sums of 4 products, block b's 8 in the
+ * low 256 bits and block b+1's 8 in the high ones, each lane the same integer AVX2's maddubs + madd gives for that
+ * block. The float operations after it are AVX2's own, in AVX2's order: per block, the scale d_w d_x is the
+ * product ws * xs's lane 0, acc = fma(dot, scale, acc) block after block on 8 lanes, the min term added to its own
+ * sum block after block, and out = hsum8(acc) + min sum. So the two routes give the same bits: a model's tokens
+ * and perplexity do not depend on which one this CPU has (an earlier 512-bit route that summed the even and odd
+ * blocks apart agreed to float32 rounding only, and the whole model's perplexity on two chunks of 512 tokens moves
+ * by up to 0.7% with float32 rounding alone, see qlinear.py). What it saves is instructions: one dpbusd for 64
+ * products against 2 x (maddubs, madd), one weight unpack and one scale product per pair. */
 
-/* blocks b, b+1 of one row of w (blk: block b): 64 unsigned quants in struct xpair's order (Q8_0: |q|) */
+/* blocks b, b+1 of one row of w (blk: block b) in one register: block b's 32 unsigned quants (Q8_0: |q|) in the
+ * low 256 bits in unpack_block's order, block b+1's in the high ones */
 TV_INLINE __m512i unpack_pair(const unsigned char* blk) {
 #if TV_QTYPE == 8
   __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
@@ -251,12 +237,12 @@ TV_INLINE __m512i unpack_pair(const unsigned char* blk) {
   __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT))),
                                         _mm_loadu_si128((const __m128i*)(blk + BLOCK_BYTES + QS_AT)), 1);
   __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+  r = _mm512_shuffle_i64x2(r, r, _MM_SHUFFLE(3, 1, 2, 0));  /* [lo b, hi b, lo b+1, hi b+1] nibbles */
   return _mm512_and_si512(r, _mm512_set1_epi8(0x0f));
 #endif
 }
 
-/* [d_b, m_b, d_b+1, m_b+1] of w's blocks b, b+1 (Q4_0: [d_b, d_b, d_b+1, d_b+1], its min term is -8 d s_x; Q8_0:
- * lanes 1 and 3 are not used) */
+/* [d_b, m_b, d_b+1, m_b+1] of w's blocks b, b+1 (Q4_0: [d_b, d_b, d_b+1, d_b+1], as block_scales' lanes) */
 TV_INLINE __m128 pair_scales(const unsigned char* blk) {
   unsigned int lo, hi;
   __builtin_memcpy(&lo, blk, 4);
@@ -265,34 +251,38 @@ TV_INLINE __m128 pair_scales(const unsigned char* blk) {
 #if TV_QTYPE == 2
   s = _mm_moveldup_ps(s);
 #endif
-  return s;
+  return s;  /* Q8_0: lanes 1 and 3 hold quants, not used (no min term) */
 }
+#endif  /* TV_AVX512 */
 
+/* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
+ * unrolls both loops and keeps acc[][] in registers.
+ * Per block, one multiply gives both scales: [d_w, m_w, ...] * [d_x, s_x, ...] = [d_w d_x, m_w s_x, ...]
+ * (x's d and s are adjacent in struct xblock): the even lanes scale the integer dot, lane 1 is the min term.
+ * With AVX-512 the blocks go by pairs (see above), with the same float operations in the same order. */
 TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
                     int mr, int nr) {
-  __m512 acc[MR][NR];
-  __m128 mins[MR][NR];
+  __m256 acc[MR][NR], mins[MR][NR];  /* mins: lane 1 sums m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps(), mins[i][j] = _mm_setzero_ps();
-  for (int b = 0; b + 1 < NB; b += 2) {
+    for (int j = 0; j < nr; j++) acc[i][j] = mins[i][j] = _mm256_setzero_ps();
+  int b = 0;
+#if TV_AVX512
+  for (; b + 1 < NB; b += 2) {
     __m512i u[NR];
     __m128 ws[NR];
-    __m512 ws16[NR];
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
       u[j] = unpack_pair(blk);
       ws[j] = pair_scales(blk);
-      ws16[j] = _mm512_permutexvar_ps(LANE_OF_BLOCK, _mm512_castps128_ps512(ws[j]));
 #if MR > 1
-      __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows (as the AVX2 route) */
+      __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, as below */
       __builtin_prefetch(blk + NR * ROW_BYTES + 2 * BLOCK_BYTES - 1, 0, 3);
 #endif
     }
     for (int i = 0; i < mr; i++) {
       const struct xpair* xp = (const struct xpair*)(x + i * NB + b);
       __m512i xq = _mm512_loadu_si512((const void*)xp->q);
-      __m128 xs = _mm_loadu_ps(xp->ds);
-      __m512 xs16 = _mm512_permutexvar_ps(LANE_OF_BLOCK, _mm512_castps128_ps512(xs));
+      __m128 xs = _mm_loadu_ps(xp->ds);  /* [d_x,b, s_x,b, d_x,b+1, s_x,b+1] */
       for (int j = 0; j < nr; j++) {
 #if TV_QTYPE == 8  /* x takes w's sign, w its absolute value (as the AVX2 route) */
         const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
@@ -303,56 +293,20 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
         __m512i xqs = xq;
 #endif
         __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], xqs));
-        acc[i][j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws16[j], xs16), acc[i][j]);
+        __m128 p = _mm_mul_ps(ws[j], xs);  /* [d_w d_x, m_w s_x] of block b, then of block b+1 */
+        __m256 dot_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dot), 1));
+        acc[i][j] = _mm256_fmadd_ps(_mm512_castps512_ps256(dot), _mm256_broadcastss_ps(p), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(dot_hi, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), _mm256_set1_epi32(2)),
+                                    acc[i][j]);
 #if TV_QTYPE != 8
-        mins[i][j] = _mm_fmadd_ps(ws[j], xs, mins[i][j]);
+        mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(p));
+        mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(_mm_movehl_ps(p, p)));
 #endif
       }
     }
   }
-  for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) {
-      float sum = _mm512_reduce_add_ps(acc[i][j]);
-#if NB % 2  /* the last block alone, on 256 bits (x's is a struct xblock) */
-      const unsigned char* blk = w + j * ROW_BYTES + (NB - 1) * BLOCK_BYTES;
-      const struct xblock* xb = x + i * NB + NB - 1;
-      __m256i xq = _mm256_loadu_si256((const __m256i*)xb->q);
-#if TV_QTYPE == 8
-      xq = _mm256_sign_epi8(xq, _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));
-      __m256i u1 = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i*)(blk + QS_AT)));
-#else
-      __m128i raw = _mm_loadu_si128((const __m128i*)(blk + QS_AT));
-      __m256i u1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
-#endif
-      float dot = hsum8(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, xq)));
-      float dw = f16_to_f32(blk);
-      sum += dot * (dw * xb->d);
-#if TV_QTYPE == 3
-      mins[i][j][1] += f16_to_f32(blk + 2) * xb->s;
-#elif TV_QTYPE == 2
-      mins[i][j][1] += dw * xb->s;
-#endif
-#endif
-#if TV_QTYPE == 3
-      sum += mins[i][j][1] + mins[i][j][3];
-#elif TV_QTYPE == 2
-      sum += -8.0f * (mins[i][j][1] + mins[i][j][3]);
-#endif
-      out[i * TV_N + j] = sum;
-    }
-}
-
-#else  /* AVX2 */
-/* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
- * unrolls both loops and keeps acc[][] in registers.
- * Per block, one multiply gives both scales: [d_w, m_w, ...] * [d_x, s_x, ...] = [d_w d_x, m_w s_x, ...]
- * (x's d and s are adjacent in struct xblock): the even lanes scale the integer dot, lane 1 is the min term. */
-TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
-                    int mr, int nr) {
-  __m256 acc[MR][NR], mins[MR][NR];  /* mins: lane 1 sums m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
-  for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) acc[i][j] = mins[i][j] = _mm256_setzero_ps();
-  for (int b = 0; b < NB; b++) {
+#endif  /* TV_AVX512: an odd NB's last block goes on below */
+  for (; b < NB; b++) {
     __m256i u[NR];
     __m256 ws[NR];
     for (int j = 0; j < nr; j++) {
@@ -387,7 +341,6 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       out[i * TV_N + j] = hsum8(acc[i][j]) + m;
     }
 }
-#endif  /* TV_AVX512 */
 
 #else  /* portable C */
 

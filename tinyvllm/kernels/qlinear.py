@@ -101,13 +101,16 @@ X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 
 
-# 1: on a CPU with AVX-512 VNNI, kernels/cpu/qmatmul.c's integer dot products take _mm512_dpbusd_epi32 (two blocks
-# per register; faster). 0 (the default): AVX2's route everywhere. Off by default because, although the two routes
-# agree to float32 rounding on every shape the tests and the model's tensors give them, the whole model with the
-# AVX-512 route scores a perplexity 0.9% above the AVX2 route's (16.49 against 16.35 on test_perplexity's two chunks,
-# the dequantized model 16.28; llama.cpp's Q4_1 agrees with the AVX2 route). The AVX-512 route on down_proj alone
-# (N 576, K 1536, whose input is silu(gate) * up) gives all of it, on the other shapes alone none: not yet explained
-VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "0") == "1"
+# 1 (the default): on a CPU with AVX-512 VNNI, kernels/cpu/qmatmul.c's integer dot products take _mm512_dpbusd_epi32
+# (two blocks per register, fewer instructions). 0: AVX2's route everywhere (TV_NO_VNNI). The two give the same bits:
+# the same integer sums, then the same float operations in the same order. (An earlier 512-bit route summed the even
+# and odd blocks apart, which agreed with AVX2 to float32 rounding only, every down_proj within 3e-6 of its largest
+# output in the model; yet test_perplexity's two chunks scored 16.49 on it against AVX2's 16.35. Float32 rounding
+# alone moves that figure by as much: the AVX2 route itself scores 16.45 with the decoder layer's elementwise ops
+# fused differently (the layer traced outside its tinygrad `function`). A route that rounds otherwise than llama.cpp's
+# own order is a different sample of that spread, so the AVX-512 route now rounds exactly as AVX2's, whose order is
+# llama.cpp's vec_dot_q4_1_q8_1.)
+VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "1") == "1"
 
 
 def uses_float_path(ggml_type: int, M: int) -> bool:
