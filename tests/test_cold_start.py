@@ -153,3 +153,49 @@ def test_the_graph_directory_keeps_the_most_recently_used_files(tmp_path):
     os.utime(tmp_path / "used.graph", (2000, 2000))  # read after the others were written
     graph_cache.evict(tmp_path, 200)
     assert sorted(p.stem for p in tmp_path.glob("*.graph")) == ["new", "used"]
+
+
+# ---- the tokenizer's tables kept on disk (tinyvllm/model/tokenizer_cache.py) ----
+
+def test_the_tokenizer_is_read_back_and_rebuilt_when_stale_or_corrupt(tmp_path, tiny_model_dir, monkeypatch):
+    import shutil
+
+    from tinyvllm.model import tokenizer as tokenizer_module
+    from tinyvllm.model import tokenizer_cache
+
+    monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_cache, "ENABLED", True)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, model_dir / name)
+    builds = []
+    build = tokenizer_module.load_tokenizer
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", lambda path: builds.append(path) or build(path))
+    text = "Hello<|im_end|> world, 12345 ünïcode 😀\n\n  spaces"
+
+    want = build(model_dir)
+    first = tokenizer_cache.load_tokenizer(model_dir)  # built, then written
+    [file] = (tmp_path / "cache" / "tokenizers").glob("*.tokenizer")
+    again = tokenizer_cache.load_tokenizer(model_dir)  # read back: not built
+    assert len(builds) == 1
+    for tok in (first, again):
+        assert tok.encode(text) == want.encode(text) and tok.decode(want.encode(text)) == want.decode(want.encode(text))
+        assert (tok.vocab_size, tok.stop_token_ids, tok.bos_token_id, tok.eos_token_id, tok.chat_template) == \
+            (want.vocab_size, want.stop_token_ids, want.bos_token_id, want.eos_token_id, want.chat_template)
+
+    data = file.read_bytes()
+    file.write_bytes(data[:-100] + bytes(b ^ 0xFF for b in data[-100:]))  # flipped bits: checksum mismatch
+    assert tokenizer_cache.load_tokenizer(model_dir).encode(text) == want.encode(text) and len(builds) == 2
+    assert file.read_bytes() == data  # written again
+    file.write_bytes(data[: len(data) // 2])  # truncated
+    assert tokenizer_cache.load_tokenizer(model_dir).encode(text) == want.encode(text) and len(builds) == 3
+
+    # stale: a tokenizer file changed (its size and mtime), or the tokenizer's code changed: another key, rebuilt
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    changed = tokenizer_cache.load_tokenizer(model_dir)
+    assert len(builds) == 4 and changed.add_bos_token and changed.encode(text)[0] == want.bos_token_id
+    assert tokenizer_cache.load_tokenizer(model_dir).add_bos_token and len(builds) == 4
+    monkeypatch.setattr(tokenizer_cache, "code_identity", lambda: "other code")
+    assert tokenizer_cache.load_tokenizer(model_dir).add_bos_token and len(builds) == 5

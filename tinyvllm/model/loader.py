@@ -10,7 +10,8 @@ from tinygrad.dtype import DType
 
 from tinyvllm.kernels import program_cache
 from tinyvllm.model.llama import LlamaForCausalLM
-from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
+from tinyvllm.model.tokenizer import Tokenizer
+from tinyvllm.model.tokenizer_cache import load_tokenizer  # the tokenizer, its tables read from disk when kept
 from tinyvllm.model.weights import load_checkpoint
 from tinyvllm.platforms import resolve_dtype
 

@@ -1,0 +1,147 @@
+"""The tokenizer's tables kept on disk per tokenizer file, so that a new process does not rebuild them.
+
+Building SmolLM2's tokenizer reads 49,152 tokens and 48,900 merges out of the GGUF's metadata, turns every token
+back into its bytes, ranks every merge for tiktoken (tinyvllm/model/bpe.py) and compiles the added tokens' regex:
+the largest part of loading after the weights, and the same work in every process. What comes out is a handful of
+tables (token bytes, ranks, ids), so the finished `Tokenizer` is written down once, pickled, and read back by the
+next process in a fraction of the time (tiktoken's own tables are rebuilt from the ranks when it is read back).
+
+    load_tokenizer(path)   key = (the files it reads: path, size, mtime; the tokenizer code; Python; tiktoken)
+        file <cache>/tokenizers/<sha256 of key>.tokenizer holds  MAGIC | sha256(payload) | payload (key, tokenizer)
+        present, checksum right, same key  ->  the pickled tokenizer
+        missing, truncated, corrupt, or another key (a file changed, the code changed)  ->  built and written again
+
+A changed tokenizer file changes its size or mtime; a change to the tokenizer's code changes the digest of its
+source: either is another key, so a stale file is never used (and, like a corrupt one, is overwritten by the
+rebuild). The directory is kept small as the graph cache's is (the least recently used files go first).
+
+`TINYVLLM_TOKENIZER_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it with the other caches
+(default `~/.cache/tinyvllm/tokenizers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+from tinyvllm.model import tokenizer as tokenizer_module
+from tinyvllm.model.tokenizer import Tokenizer
+
+ENABLED = os.getenv("TINYVLLM_TOKENIZER_CACHE", "1") != "0"
+MAGIC = b"tinyvllm-tokenizer 1\n"
+MAX_BYTES = 64 << 20  # of tokenizer files kept (SmolLM2's is ~1.5 MB); the least recently used go first
+# what load_tokenizer reads in an HF model directory (a .gguf file is read alone)
+DIRECTORY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja",
+                   "generation_config.json")
+# the modules whose code builds a tokenizer: a change in any of them is another key
+CODE_FILES = ("tokenizer.py", "bpe.py", "sentencepiece_tokenizer.py", "sentencepiece_model.py", "gguf.py",
+              "tokenizer_cache.py")
+
+
+def cache_dir() -> Path:
+    return Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm") / "tokenizers"
+
+
+@functools.cache
+def code_identity() -> str:
+    """sha256 of the tokenizer modules' source."""
+    folder = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in CODE_FILES:
+        path = folder / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
+    return h.hexdigest()
+
+
+def cache_key(path: Path) -> str:
+    """Everything the tokenizer built from `path` depends on, as text."""
+    path = path.resolve()
+    files = [path] if path.is_file() else [path / name for name in DIRECTORY_FILES]
+    stats = []
+    for f in files:
+        try:
+            st = f.stat()
+            stats.append((f.name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            stats.append((f.name, None, None))  # absent: a file appearing later is another key
+    return repr((str(path), stats, code_identity(), sys.version_info[:2], version("tiktoken")))
+
+
+def cache_path(key: str, directory: Path | None = None) -> Path:
+    return (directory or cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.tokenizer"
+
+
+def read(data: bytes, key: str) -> Tokenizer:
+    """The tokenizer a file holds, after checking its header, checksum and key (ValueError if any is wrong)."""
+    if not data.startswith(MAGIC):
+        raise ValueError("not a tinyvllm tokenizer file")
+    digest, payload = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError("tokenizer file checksum mismatch")
+    stored_key, tokenizer = pickle.loads(payload)
+    if stored_key != key or not isinstance(tokenizer, Tokenizer):
+        raise ValueError("tokenizer file of another key")
+    return tokenizer
+
+
+def write(tokenizer: Tokenizer, key: str, directory: Path | None = None) -> bool:
+    """Write the tokenizer under its key (a temporary file renamed into place); False if it could not be."""
+    directory = directory or cache_dir()
+    tmp = None
+    try:
+        payload = pickle.dumps((key, tokenizer), protocol=pickle.HIGHEST_PROTOCOL)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, cache_path(key, directory))
+    except (OSError, pickle.PicklingError, TypeError, AttributeError):  # a read-only home, an unpicklable part
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        return False
+    evict(directory, MAX_BYTES)
+    return True
+
+
+def evict(directory: Path, max_bytes: int) -> None:
+    """Delete the least recently used tokenizer files until those left take at most `max_bytes`."""
+    files = []
+    for path in directory.glob("*.tokenizer"):
+        try:
+            st = path.stat()
+        except OSError:  # deleted meanwhile by another process
+            continue
+        files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files, key=lambda f: f[0]):
+        if total <= max_bytes:
+            break
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        total -= size
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """`tinyvllm.model.tokenizer.load_tokenizer(path)`, read from the cache when a file there holds it."""
+    path = Path(path)
+    if not ENABLED or not path.exists():  # a missing path: load_tokenizer's own error
+        return tokenizer_module.load_tokenizer(path)
+    key = cache_key(path)
+    file = cache_path(key)
+    try:
+        tokenizer = read(file.read_bytes(), key)
+        os.utime(file)  # used now: the last to be evicted
+        return tokenizer
+    except Exception:  # missing, truncated, corrupt, stale: build it again
+        pass
+    tokenizer = tokenizer_module.load_tokenizer(path)
+    write(tokenizer, key)
+    return tokenizer
