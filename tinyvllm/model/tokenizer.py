@@ -29,7 +29,6 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tinyvllm.model.chat_template import render_chat_template
 
 # Tokens that end a turn or the text, beside the EOS id itself. A chat model is trained to write
 # its end-of-turn token, which is often not the EOS the tokenizer declares (Llama-3-Instruct:
@@ -144,6 +143,8 @@ class Tokenizer:
         `kwargs` reach the template as variables (e.g. `tools`, `documents`), as in HF."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: pass a plain prompt, or a model with one")
+        # imported here: jinja2 is a tenth of the engine's imports, and a plain prompt never needs it
+        from tinyvllm.model.chat_template import render_chat_template
         # templates write "{{ bos_token }}": they get the token's text, when the model has one
         names = {}
         for name, token_id in [("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)]:
