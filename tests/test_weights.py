@@ -413,3 +413,34 @@ def test_hf_reads_converted_dir_like_the_gguf(tmp_path, hf_gguf_model):
     ids = torch.tensor([[504, 3575, 282, 4649, 314, 33, 34, 35]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf_gguf_model(ids).logits, rtol=0, atol=0)
+
+
+def test_weights_lying_back_to_back_are_used_in_place(tmp_path):
+    # a GGUF's blocks, memory-mapped, become the weight's buffer (tinyvllm/model/llama.py in_place): no copy
+    import mmap
+
+    from tinygrad import Device
+
+    from tinyvllm.model.llama import upload
+    from tinyvllm.tinygrad_adapter import buffer_address
+
+    if not Device.DEFAULT.startswith("CPU"):
+        pytest.skip("weights are used in place only where the device's memory is the host's")
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(np.arange(4096 * 3, dtype=np.uint32).astype(np.uint8).tobytes())
+    with open(path, "rb") as f:
+        mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+    gate, up = mapped[:4096].reshape(64, 64), mapped[4096:8192].reshape(64, 64)
+    fused = upload([gate, up], None)  # back to back: one tensor over the map
+    assert buffer_address(fused.uop, fused.device) == gate.ctypes.data
+    np.testing.assert_array_equal(fused.numpy(), np.concatenate([gate, up]))
+    del gate, up, mapped  # the buffer keeps the map alive
+    np.testing.assert_array_equal(fused.numpy()[64:], (np.arange(4096, 8192) % 256).astype(np.uint8).reshape(64, 64))
+    apart = upload([mapped_rows := np.frombuffer(path.read_bytes(), np.uint8)[:4096].reshape(64, 64),
+                    mapped_rows], None)  # not back to back: copied
+    assert buffer_address(apart.uop, apart.device) != mapped_rows.ctypes.data
+    np.testing.assert_array_equal(apart.numpy(), np.concatenate([mapped_rows, mapped_rows]))
+    odd = np.frombuffer(path.read_bytes(), np.uint8)[1:4097].reshape(64, 64)  # misaligned: copied
+    t = upload([odd], None)
+    assert buffer_address(t.uop, t.device) != odd.ctypes.data
+    np.testing.assert_array_equal(t.numpy(), odd)

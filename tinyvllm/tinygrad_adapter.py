@@ -172,6 +172,15 @@ def buffer_address(u: UOp, device: str) -> int:
     return u.buffer.ensure_allocated().get_buf(device).va_addr
 
 
+def tensor_over_memory(address: int, shape: tuple[int, ...], dtype: DType, device: str | None, owner: object) -> Tensor:
+    """A tensor whose buffer is the host memory at `address` (`Tensor.from_blob`: nothing copied, nothing owned);
+    `owner`, what keeps that memory valid (a memory map, an array), is kept alive by the buffer itself, as long as
+    anything uses it."""
+    t = Tensor.from_blob(address, shape, dtype=dtype, device=device)
+    t.uop.buffer.tinyvllm_memory_owner = owner
+    return t
+
+
 def buffer_nbytes(u: UOp) -> int:
     """Bytes of a buffer uop's buffer (`Buffer.nbytes`; of the view, for a view)."""
     return u.buffer.nbytes

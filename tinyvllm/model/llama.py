@@ -43,6 +43,7 @@ from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.quant import KERNEL_TYPES as QUANT_NAMES
 from tinyvllm.model.quant import QuantizedArray
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+from tinyvllm.platforms import platform_for
 
 tinygrad_adapter.apply_fixes()
 
@@ -144,10 +145,15 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     blocks), realized (or, with `pool`, being filled by one of its threads: the future goes into `copies`;
     wait for it before using the tensor).
 
-    Where the device's memory is the host's (the CPU device) the parts are written straight into the
-    buffer tinygrad allocated: one copy, no graph to schedule. Elsewhere the bytes are copied in."""
+    Where the device's memory is the host's (the CPU device) and the parts already lie back to back in memory as
+    the tensor would (a GGUF's blocks, memory-mapped: ffn_gate then ffn_up, or one tensor alone), the tensor is
+    that memory: nothing is copied, and the file's pages are the weights (`in_place`). Otherwise, on the host, the
+    parts are written straight into the buffer tinygrad allocated: one copy, no graph to schedule. Elsewhere the
+    bytes are copied in."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
+    if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
+        return mapped
     out = Tensor.empty(*shape, dtype=dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device=device)
     if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
         host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np_dtype)
@@ -158,6 +164,20 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     else:  # the copy is page faults and memory traffic: numpy releases the GIL, so threads share it out
         copies.append(pool.submit(np.concatenate, parts, axis=0, out=dst, casting="same_kind"))
     return out
+
+
+def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype, device: str | None) -> Tensor | None:
+    """The parts as one tensor over their own memory, or None where that cannot be: the device's memory must be the
+    host's, the parts C-contiguous, of the tensor's dtype, back to back, and aligned as tinygrad's kernels align
+    their buffers. The tensor's buffer keeps the parts (and so the memory map they view) alive; nothing writes into
+    a weight (a GGUF's map is read-only)."""
+    if not platform_for(device).host_views or any(p.dtype != np_dtype or not p.flags.c_contiguous for p in parts):
+        return None
+    start = parts[0].ctypes.data
+    if start % 32 or any(a.ctypes.data + a.nbytes != b.ctypes.data for a, b in zip(parts, parts[1:])):
+        return None
+    dtype = dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32
+    return tinygrad_adapter.tensor_over_memory(start, shape, dtype, device, owner=list(parts))
 
 
 class LlamaForCausalLM:
