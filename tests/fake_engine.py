@@ -8,6 +8,7 @@ fixed rule instead of a forward pass:
     greedy:  the words of WORDS in turn, starting at sum(prompt ids) % len, then the eos token
              (with `reply`: the tokens of that text, then the eos token, whatever the prompt)
     sampled: a word drawn by numpy from the request's seed (random without one)
+    pooling: (PoolingParams) one output at the next step, `pooled` a unit vector made from the prompt's ids
 
 Hooks for the tests: `gate` (clear it to hold the engine thread inside `step()`; `at_gate` says it
 is held), `step_time`
@@ -29,6 +30,7 @@ from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import default_model_path
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import SamplingParams
 
 WORDS = " one two three four five six seven eight nine ten red green blue"
@@ -77,6 +79,7 @@ class FakeLLMEngine:
         self.max_num_running = 0  # the largest batch any step ran
         self.aborted: list[str] = []
         self.parent_requests = ParentRequests()  # n > 1, fanned out as the real engine does
+        self.pooling: dict[str, list[int]] = {}  # pooling requests, answered at the next step
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     priority: int = 0):
@@ -89,7 +92,12 @@ class FakeLLMEngine:
             prompt_ids = list(prompt)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, over the context length {self.max_model_len}")
-        in_use = {r.request_id for r in [*self.waiting, *self.running]}
+        in_use = {r.request_id for r in [*self.waiting, *self.running]} | set(self.pooling)
+        if isinstance(params, PoolingParams):
+            if request_id in in_use:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.pooling[request_id] = prompt_ids
+            return
         text = prompt if isinstance(prompt, str) else None
         self.parent_requests.add(request_id, params, in_use=in_use.__contains__,
                                  add_child=lambda rid, child: self._add_one(rid, text, prompt_ids, child))
@@ -111,7 +119,16 @@ class FakeLLMEngine:
         self._admit()
         self.num_steps += 1
         self.max_num_running = max(self.max_num_running, len(self.running))
-        return self.parent_requests.merge([self._generate_one(request) for request in list(self.running)])
+        pooled = [self._pool(request_id, ids) for request_id, ids in self.pooling.items()]
+        self.pooling.clear()
+        return pooled + self.parent_requests.merge([self._generate_one(request) for request in list(self.running)])
+
+    def _pool(self, request_id: str, prompt_ids: list[int]) -> RequestOutput:
+        vector = np.cos(np.arange(8) + sum(prompt_ids))  # (8,): some vector that depends on the prompt
+        now = time.monotonic()
+        metrics = RequestMetrics(now, first_scheduled_time=now, first_token_time=now, finished_time=now)
+        return RequestOutput(request_id, None, prompt_ids, [], finished=True, metrics=metrics,
+                             pooled=(vector / np.linalg.norm(vector)).tolist())
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -178,9 +195,10 @@ class FakeLLMEngine:
             if request.request_id in ids:
                 self._free(request)
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        self.pooling.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pooling)
 
     def get_stats(self) -> dict:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),

@@ -36,6 +36,11 @@ class PoolingParams:
         """Outputs returned: one vector (what a server counts against its queue, as `SamplingParams.n`)."""
         return 1
 
+    @property
+    def max_tokens(self) -> int:
+        """Tokens it may generate: none (what a key's tokens-per-minute reserves, as for `SamplingParams`)."""
+        return 0
+
     @classmethod
     def from_json(cls, text: str | None) -> PoolingParams:
         """vLLM's --pooler-config JSON, e.g. '{"pooling_type": "MEAN", "normalize": false}'; None: the defaults."""
