@@ -226,20 +226,14 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
  * by up to 0.7% with float32 rounding alone, see qlinear.py). What it saves is instructions: one dpbusd for 64
  * products against 2 x (maddubs, madd), one weight unpack and one scale product per pair. */
 
-/* blocks b, b+1 of one row of w (blk: block b) in one register: block b's 32 unsigned quants (Q8_0: |q|) in the
- * low 256 bits in unpack_block's order, block b+1's in the high ones */
+/* blocks b, b+1 of one row of w (blk: block b) in one register, Q4_0 and Q4_1: block b's 32 nibbles in the low 256
+ * bits in unpack_block's order, block b+1's in the high ones (Q8_0's are loaded in `tile`, beside their signs) */
 TV_INLINE __m512i unpack_pair(const unsigned char* blk) {
-#if TV_QTYPE == 8
-  __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                                 _mm256_loadu_si256((const __m256i*)(blk + BLOCK_BYTES + QS_AT)), 1);
-  return _mm512_abs_epi8(q);  /* -128 -> 0x80, 128 as an unsigned byte */
-#else
   __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT))),
                                         _mm_loadu_si128((const __m128i*)(blk + BLOCK_BYTES + QS_AT)), 1);
   __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
   r = _mm512_shuffle_i64x2(r, r, _MM_SHUFFLE(3, 1, 2, 0));  /* [lo b, hi b, lo b+1, hi b+1] nibbles */
   return _mm512_and_si512(r, _mm512_set1_epi8(0x0f));
-#endif
 }
 
 /* [d_b, m_b, d_b+1, m_b+1] of w's blocks b, b+1 (Q4_0: [d_b, d_b, d_b+1, d_b+1], as block_scales' lanes) */
@@ -270,9 +264,19 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
   for (; b + 1 < NB; b += 2) {
     __m512i u[NR];
     __m128 ws[NR];
+#if TV_QTYPE == 8
+    __mmask64 negative[NR];  /* Q8_0: where w < 0, x takes the sign (as the AVX2 route's _mm256_sign_epi8) */
+#endif
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+#if TV_QTYPE == 8
+      __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
+                                      _mm256_loadu_si256((const __m256i*)(blk + BLOCK_BYTES + QS_AT)), 1);
+      negative[j] = _mm512_movepi8_mask(wq);
+      u[j] = _mm512_abs_epi8(wq);  /* -128 -> 0x80, 128 as an unsigned byte */
+#else
       u[j] = unpack_pair(blk);
+#endif
       ws[j] = pair_scales(blk);
 #if MR > 1
       __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, as below */
@@ -285,10 +289,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       __m128 xs = _mm_loadu_ps(xp->ds);  /* [d_x,b, s_x,b, d_x,b+1, s_x,b+1] */
       for (int j = 0; j < nr; j++) {
 #if TV_QTYPE == 8  /* x takes w's sign, w its absolute value (as the AVX2 route) */
-        const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
-        __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                                        _mm256_loadu_si256((const __m256i*)(blk + BLOCK_BYTES + QS_AT)), 1);
-        __m512i xqs = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(wq), _mm512_setzero_si512(), xq);
+        __m512i xqs = _mm512_mask_sub_epi8(xq, negative[j], _mm512_setzero_si512(), xq);
 #else
         __m512i xqs = xq;
 #endif
