@@ -45,6 +45,7 @@ from tinyvllm.model.quantization import check_quantization
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tinyvllm.pooling_params import PoolingParams
+from tinyvllm.sample.noise import draw_keys
 from tinyvllm.sample.sampler import Sampler, logprobs_of, make_generator
 from tinyvllm.sample.structured_output import StructuredOutputManager, apply_bitmask_numpy
 from tinyvllm.sampling_params import SamplingParams
@@ -110,13 +111,14 @@ class RequestState:
 @dataclass
 class SamplingBatch:
     """One step's per-row sampling inputs (see device_sampler): rows of greedy defaults until a request fills its
-    own. clocks (rows, vocab) exist once a row samples; bitmask (rows, ceil(vocab/32)) once a row has a grammar."""
+    own. keys (rows, 2) exist once a row samples (its draw key, see sample/noise.py); bitmask (rows, ceil(vocab/32))
+    once a row has a grammar."""
 
     temperature: np.ndarray  # (rows,) float32, 0 = greedy
     top_k: np.ndarray  # (rows,) int32, vocab = off
     top_p: np.ndarray  # (rows,) float32, 1 = off
     min_p: np.ndarray  # (rows,) float32, 0 = off
-    clocks: np.ndarray | None = None
+    keys: np.ndarray | None = None  # (rows, 2) uint32
     bitmask: np.ndarray | None = None
     use_filters: bool = False
     on_host: list[int] = field(default_factory=list)  # rows the host reference sampler takes
@@ -362,7 +364,7 @@ class LLMEngine:
                 self.beam_search.record(seqs[row], host[row])
         batch = self._sampling_batch(seqs, *logits.shape, verifying=spec_rows)
         self._lap("bookkeeping")
-        tokens = self.model_runner.sample(logits, *batch.device_params, batch.clocks, batch.use_filters,
+        tokens = self.model_runner.sample(logits, *batch.device_params, batch.keys, batch.use_filters,
                                           batch.bitmask)
         self._lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs) if row not in batch.on_host}
@@ -473,7 +475,7 @@ class LLMEngine:
 
     def _sampling_batch(self, seqs: list[Sequence], rows: int, vocab: int,
                         verifying: dict | tuple = ()) -> SamplingBatch:
-        """Each row's sampling parameters, clocks and grammar mask, one request at a time: a request whose
+        """Each row's sampling parameters, draw key and grammar mask, one request at a time: a request whose
         parameters fail here ends alone (its row stays greedy and its token is dropped). A sampled request that
         verifies drafts (`verifying`, seq_id -> its drafts' rows) stays greedy here too: rejection sampling
         draws its tokens (spec_decode/rejection_sampler.py)."""
@@ -495,15 +497,15 @@ class LLMEngine:
                 if params.is_greedy or seq.seq_id in verifying:
                     continue
                 top_k = min(params.top_k, vocab) if params.top_k > 0 else vocab
-                draws = state.generator.standard_exponential(vocab)  # same draws as the host sampler
+                key = draw_keys(state.generator, 1)[0]  # the host sampler draws its key the same way
             except Exception as e:  # one request's parameters must never fail the batch
                 self._fail(seq, e)
                 continue
             batch.temperature[row], batch.top_k[row] = params.temperature, top_k
             batch.top_p[row], batch.min_p[row] = params.top_p, params.min_p
-            if batch.clocks is None:
-                batch.clocks = np.ones((rows, vocab), np.float32)
-            batch.clocks[row] = draws
+            if batch.keys is None:
+                batch.keys = np.zeros((rows, 2), np.uint32)
+            batch.keys[row] = key
         batch.use_filters = bool((batch.top_k < vocab).any() or (batch.top_p < 1).any() or (batch.min_p > 0).any())
         return batch
 

@@ -227,20 +227,21 @@ class ModelRunner:
         return logits[Tensor(np.array(rows, dtype=np.int32), device=self.model.device)].contiguous().realize()
 
     def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-               min_p: np.ndarray, clocks: np.ndarray | None, use_filters: bool,
+               min_p: np.ndarray, keys: np.ndarray | None, use_filters: bool,
                bitmask: np.ndarray | None = None) -> np.ndarray:
         """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
-        the token ids (rows,). Only these come back to the host. `clocks=None`: every row is greedy, and a
-        graph that only takes the argmax runs (no (rows, vocab) clocks to upload, no race). `bitmask`
+        the token ids (rows,). Only these come back to the host. keys (rows, 2) uint32: each row's draw key
+        (sample/noise.py; its random numbers are made on the device). `keys=None`: every row is greedy, and a
+        graph that only takes the argmax runs. `bitmask`
         (rows, ceil(vocab/32)) int32: structured outputs' allowed tokens, applied first (None: no row is
         constrained, and the graph has no mask at all)."""
         rows = logits.shape[0]
         masked = bitmask is not None
-        inputs = [] if clocks is None else [temperature, top_k, top_p, min_p, clocks]
+        inputs = [] if keys is None else [temperature, top_k, top_p, min_p, keys]
         inputs += [bitmask] if masked else []
-        key = (rows, "greedy" if clocks is None else use_filters, masked)
+        key = (rows, "greedy" if keys is None else use_filters, masked)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(self._sampler_graph(clocks is None, use_filters, masked),
+            self._sampler_jits[key] = GraphedJit(self._sampler_graph(keys is None, use_filters, masked),
                                                  persist=graph_cache.for_model_runner(self, "sample", *key))
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]

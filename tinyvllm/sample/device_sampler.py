@@ -2,22 +2,28 @@
 
     logits (S, V) on the device ----> [ /temperature, min-p, top-k, top-p, exponential race ] ----> tokens (S,)
     per-row params (S,): temperature, top_k, top_p, min_p              only S int32s come back to the host
-    per-row clocks  (S, V): Exp(1) draws from each request's own generator (host-made, so seeded rows reproduce)
+    per-row keys   (S, 2) uint32: one draw from each request's own generator (seeded rows reproduce); the race's
+                   Exp(1) clocks are hashed from it on the device (noise.py), never uploaded
 
-It computes exactly what the host reference (`tinyvllm.sample.sampler`) computes for the same clocks,
-for every request without penalties, logit bias, min_tokens or logprobs (those rows take the host
-path). Each row has its own parameters, so greedy and sampled requests share one batch:
-temperature 0 means argmax.
+It computes what the host reference (`tinyvllm.sample.sampler`) computes for the same key, for every request
+without penalties, logit bias, min_tokens or logprobs (those rows take the host path). Each row has its own
+parameters, so greedy and sampled requests share one batch: temperature 0 means argmax.
 
-The filters keep every token whose logit is at or above a threshold (ties are kept together, as on
-the host). A sort over 49,152 tokens per row would be the obvious way to find a threshold; instead
-each threshold is found by bisection on the value, a handful of cheap reductions over the row:
+Every filter keeps the tokens whose logit is at or above a threshold (ties are kept together, as on the host), so a
+row's whole filtered distribution is described by one number, the smallest logit it keeps. Two ways to find it:
 
-    top-k: the k-th largest logit t is the largest v with count(logits >= v) >= k
-    top-p: the smallest logit t whose strictly-more-likely mass, sum(p[logits > t]), is still < top_p
+    the sampler kernel (kernels/<device>/sampler.*, where the device has one): reads each row once or twice and
+        then works on its few candidates only: top-k keeps a small buffer above a rising cut, top-p orders only
+        the nucleus (a heap popped most likely first), the race runs over the survivors. Same draws as below.
+    the portable graph (any device, `portable=True`, TINYVLLM_PORTABLE=1): bisection on the value, a handful of
+        cheap reductions over the row per step:
+        top-k: the k-th largest logit t is the largest v with count(logits >= v) >= k
+        top-p: the smallest logit t whose strictly-more-likely mass, sum(p[logits > t]), is still < top_p
+        After the bisection has narrowed [lo, hi] to less than the spacing of float32 values, the threshold is
+        the smallest logit above lo: an exact element of the row, not an approximation.
 
-After the bisection has narrowed [lo, hi] to less than the spacing of float32 values, the threshold is
-the smallest logit above lo: an exact element of the row, not an approximation.
+A row that only scales by temperature (top_k off, top_p 1, min_p 0) needs no threshold at all: its draw is one
+pass over the row (hash, two logs, argmax), on either path.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ import math
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.attention import kernel_backend
+from tinyvllm.kernels import launcher
+from tinyvllm.sample import noise
+
+KERNEL = "sampler"  # kernels/<device>/sampler.*
+NUM_THREADS = 256  # threads per row (one thread block per row) on GPUs: TV_NUM_THREADS
 BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for any logit range we see
 
 
@@ -89,28 +101,70 @@ def greedy(logits: Tensor) -> Tensor:
     return logits.argmax(-1).cast(dtypes.int32)
 
 
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-           clocks: Tensor, use_filters: bool = True) -> Tensor:
-    """logits (S,V) float32, params (S,), clocks (S,V) Exp(1) draws -> token ids (S,) int32.
-
-    `use_filters=False` builds the cheaper graph for batches where no row uses min-p, top-k or top-p.
-    """
-    scaled = processed_logits(logits, temperature, top_k, top_p, min_p, use_filters)
-    return (temperature <= 0).where(logits.argmax(-1), exponential_race(scaled, clocks)).cast(dtypes.int32)
+def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
+    """Does this device run the sampler kernel? (Decided from the device name alone: graphs are being traced.)"""
+    device = logits.device
+    return not portable and not kernel_backend.PORTABLE and isinstance(device, str) and launcher.has_kernel(KERNEL,
+                                                                                                            device)
 
 
-def processed_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-                     use_filters: bool = True) -> Tensor:
-    """logits (S,V) -> what each row draws from: divided by its temperature (a greedy row's 0 by 1), then min-p,
-    top-k and top-p (vLLM v1's order, as on the host); filtered tokens are -inf. Its softmax is the request's
+def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
+         use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
+    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32).
+
+    A row keeps the tokens whose logit is >= its threshold (-inf: nothing filtered); `processed_logits` rebuilds
+    its distribution from it. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
+    if uses_kernel(logits, portable):
+        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys)
+    rows = logits.shape[0]
+    thresholds = (filter_thresholds(logits, temperature, top_k, top_p, min_p) if use_filters
+                  else Tensor.full((rows, 1), -math.inf, device=logits.device))
+    race = exponential_race(processed_logits(logits, temperature, thresholds), keys)
+    tokens = (temperature <= 0).where(logits.argmax(-1), race).cast(dtypes.int32)
+    return tokens, thresholds
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
+           use_filters: bool = True, portable: bool = False) -> Tensor:
+    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> token ids (S,) int32 (see `draw`)."""
+    return draw(logits, temperature, top_k, top_p, min_p, keys, use_filters, portable)[0]
+
+
+def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                keys: Tensor) -> tuple[Tensor, Tensor]:
+    """`draw` on the sampler kernel of the logits' device: one launch, one GPU thread block per row."""
+    rows, vocab = logits.shape
+    device = logits.device
+    outs = [Tensor.empty(rows, dtype=dtypes.int32, device=device), Tensor.empty(rows, device=device),
+            Tensor.empty(rows, 2 * vocab, dtype=dtypes.int32, device=device)]  # tokens, thresholds, scratch
+    ins = [logits.float().contiguous(), temperature.float().contiguous(), top_k.cast(dtypes.int32).contiguous(),
+           top_p.float().contiguous(), min_p.float().contiguous(), keys.cast(dtypes.uint32).contiguous()]
+    tokens, thresholds, _ = launcher.launch(KERNEL, outs, ins, {"TV_NUM_ROWS": rows, "TV_VOCAB": vocab,
+                                                                "TV_NUM_THREADS": NUM_THREADS},
+                                            grid=(rows, 1, 1), local_size=(NUM_THREADS, 1, 1))
+    return tokens, thresholds.reshape(rows, 1)
+
+
+def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """The portable graph's thresholds (S,1): the smallest logit that min-p, top-k and top-p (in that order, on the
+    logits divided by the temperature) keep in each row. Greedy rows: -inf."""
+    scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
+    kept = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
+    survives = kept > -math.inf  # (S,V)
+    smallest = survives.where(logits, math.inf).min(axis=-1, keepdim=True)
+    filtered = survives.sum(axis=-1, keepdim=True) < (logits > -math.inf).sum(axis=-1, keepdim=True)
+    return ((temperature.reshape(-1, 1) > 0) & filtered).where(smallest, -math.inf)
+
+
+def processed_logits(logits: Tensor, temperature: Tensor, thresholds: Tensor | None = None) -> Tensor:
+    """logits (S,V) -> what each row draws from: divided by its temperature (a greedy row's 0 by 1), the tokens
+    below its threshold (S,1) (from `draw`; None: nothing filtered) at -inf. Its softmax is the request's
     distribution: what the sampler, speculative decoding's rejection sampler and a draft model's q all use."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
-    if use_filters:
-        scaled = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
-    return scaled
+    return scaled if thresholds is None else (logits >= thresholds).where(scaled, -math.inf)
 
 
-def exponential_race(scaled: Tensor, clocks: Tensor) -> Tensor:
-    """One token per row drawn from softmax(scaled) (S,V), clocks (S,V) Exp(1): argmax(p / c) == argmax(logit -
-    log c) is token i with probability p_i; -inf (filtered) tokens never win."""
-    return (scaled - clocks.maximum(1e-30).log()).argmax(-1)
+def exponential_race(scaled: Tensor, keys: Tensor) -> Tensor:
+    """One token per row drawn from softmax(scaled) (S,V), with the Exp(1) clocks of keys (S,2): argmax(p / c) ==
+    argmax(logit - log c) is token i with probability p_i; -inf (filtered) tokens never win."""
+    return (scaled - noise.exponential_clocks(keys, scaled.shape[1]).log()).argmax(-1)

@@ -14,7 +14,7 @@ vLLM v1's `Sampler.forward` runs them (vllm/v1/sample/sampler.py):
       |  apply_top_k          |  filters: dropped tokens -> -inf
       |  apply_top_p         /
       |  softmax -> probs
-      |  random_sample       argmax(probs / q), q ~ Exp(1) from the request's generator
+      |  random_sample       argmax(probs / q), q ~ Exp(1) hashed from a key the request's generator draws
       v
     token id
 
@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from tinyvllm.sample.noise import draw_keys, exponential_clocks_numpy
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -168,10 +169,13 @@ def random_sample(probs: np.ndarray, generator: np.random.Generator) -> int:
     of independent exponentials is token i's with probability p_i / sum(p). So argmax(p / q) is an
     exact sample: no cumulative sum, no search, one pass over the vocab, easy to batch on a device.
     A masked token has p = 0 and can never win.
+
+    The clocks are the device sampler's: the generator draws one 64-bit key, and q_i is hashed from
+    (key, i) (tinyvllm/sample/noise.py), so the host and the device draw the same token for the same key.
+    A clock is never 0 (u < 1 always), so a masked token is never 0/0.
     """
-    q = generator.standard_exponential(probs.shape[0])  # (V,)
-    # A clock of exactly 0 (probability ~2**-53) would make 0/0 for a masked token: keep it positive.
-    return int(np.argmax(probs / np.maximum(q, np.finfo(np.float64).tiny)))
+    q = exponential_clocks_numpy(draw_keys(generator, 1), probs.shape[0])[0]  # (V,)
+    return int(np.argmax(probs / q))
 
 
 def make_generator(seed: int | None) -> np.random.Generator:

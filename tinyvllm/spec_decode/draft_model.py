@@ -45,7 +45,7 @@ back as `Draft.probs` (k, vocab): exact rejection sampling accepts d_j with min(
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
 
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.kv_cache import PagedKVCache
@@ -58,6 +58,7 @@ from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import load_model
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.sample import device_sampler
+from tinyvllm.sample.noise import draw_keys
 from tinyvllm.spec_decode.config import SpeculativeConfig
 from tinyvllm.spec_decode.proposer import Draft, DraftRequest
 
@@ -223,21 +224,21 @@ class DraftModelProposer:
         if all(r.params.is_greedy for r in requests):
             return self.runner.sample(logits, None, None, None, None, None, False), None
         temperature, top_k = np.zeros(rows, np.float32), np.full(rows, vocab, np.int32)
-        top_p, min_p, clocks = np.ones(rows, np.float32), np.zeros(rows, np.float32), np.ones((rows, vocab), np.float32)
+        top_p, min_p, keys = np.ones(rows, np.float32), np.zeros(rows, np.float32), np.zeros((rows, 2), np.uint32)
         for row, r in enumerate(requests):
             params = r.params
             if params.is_greedy:
                 continue
             temperature[row], top_p[row], min_p[row] = params.temperature, params.top_p, params.min_p
             top_k[row] = min(params.top_k, vocab) if params.top_k > 0 else vocab
-            clocks[row] = r.generator.standard_exponential(vocab)  # the request's own draws: seeded requests repeat
+            keys[row] = draw_keys(r.generator, 1)[0]  # the request's own draws: seeded requests repeat
         use_filters = bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any())
         key = (rows, use_filters)
         if key not in self._sampler_jits:
             self._sampler_jits[key] = GraphedJit(self._sampler_graph(use_filters))
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device)
-                                         for a in (temperature, top_k, top_p, min_p, clocks)]
-        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], (temperature, top_k, top_p, min_p, clocks))]
+                                         for a in (temperature, top_k, top_p, min_p, keys)]
+        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], (temperature, top_k, top_p, min_p, keys))]
         tokens, q = self._sampler_jits[key](logits, *inputs)
         # the graph's output buffer is written again by its next call: q leaves in a copy of its own
         return tokens.numpy(), q.clone().realize()
@@ -245,11 +246,10 @@ class DraftModelProposer:
     @staticmethod
     def _sampler_graph(use_filters: bool):
         def run(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-                clocks: Tensor) -> tuple[Tensor, Tensor]:
-            """logits (S,V), params (S,), clocks (S,V) -> tokens (S,) int32 and q (S,V) float32."""
-            scaled = device_sampler.processed_logits(logits, temperature, top_k, top_p, min_p, use_filters)
-            q = scaled.softmax(-1)  # (S,V): the distribution the exponential race below draws from
-            race = device_sampler.exponential_race(scaled, clocks)
-            tokens = (temperature <= 0).where(logits.argmax(-1), race).cast(dtypes.int32)
+                keys: Tensor) -> tuple[Tensor, Tensor]:
+            """logits (S,V), params (S,), keys (S,2) -> tokens (S,) int32 and q (S,V) float32."""
+            tokens, thresholds = device_sampler.draw(logits, temperature, top_k, top_p, min_p, keys, use_filters)
+            # (S,V): the distribution the tokens were drawn from
+            q = device_sampler.processed_logits(logits, temperature, thresholds if use_filters else None).softmax(-1)
             return tokens.realize(), q.realize()
         return run

@@ -24,8 +24,10 @@ A deterministic proposer (ngram) has q one-hot at its draft: accept with probabi
 with d removed. The bonus row has no draft: with q = 0 there, "resample from max(0, p - q)" is sampling from p, so
 every row runs the same formula. All rows of a step's sampled verify requests go through one graph on the device;
 only two numbers per row come back (accepted, and the token that row would emit if the run ended there). The
-random draws (u_j, and Exp(1) clocks for the exponential race that samples: see sampler.random_sample) come from
-the request's own generator on the host, as the device sampler's clocks do, so a seeded request reproduces.
+random draws (u_j, and a key per row whose Exp(1) clocks the device hashes for the exponential race that samples:
+see sampler.random_sample and noise.py) come from the request's own generator, as the device sampler's keys do, so
+a seeded request reproduces. The filters' thresholds come from the device sampler's `draw` (the sampler kernel
+where the device has one): no bisection over the vocabulary.
 
 Greedy requests keep the argmax comparison of verify.py: with temperature 0, p is one-hot at the argmax, and the
 rule above reduces to it.
@@ -36,26 +38,29 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.sample.device_sampler import processed_logits
+from tinyvllm.sample import noise
+from tinyvllm.sample.device_sampler import draw, processed_logits
+from tinyvllm.sample.noise import draw_keys
 from tinyvllm.sampling_params import SamplingParams
 
 NO_DRAFT = -1  # draft_token_ids on a bonus row (and on padding rows): q is 0 there
 
 
 def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-                     draft_token_ids: Tensor, uniforms: Tensor, clocks: Tensor, draft_probs: Tensor | None = None,
+                     draft_token_ids: Tensor, uniforms: Tensor, keys: Tensor, draft_probs: Tensor | None = None,
                      use_filters: bool = True) -> tuple[Tensor, Tensor]:
     """One row per position a sampled request verifies: each draft's row, then its bonus row.
 
     logits (R,V) the target's; temperature (R,) > 0, top_k (R,) int (V = off), top_p (R,), min_p (R,);
-    draft_token_ids (R,) int32, NO_DRAFT on bonus rows; uniforms (R,) U[0,1); clocks (R,V) Exp(1);
+    draft_token_ids (R,) int32, NO_DRAFT on bonus rows; uniforms (R,) U[0,1); keys (R,2) uint32 (noise.py);
     draft_probs (R,V) q, zero rows on bonus rows, or None: q one-hot at the draft (a deterministic proposer).
     Returns accepted (R,) bool (draft rows: is the draft kept) and tokens (R,) int32 (what the row emits if the
     run ends there: the resampled token on a draft row, the bonus token on a bonus row).
     """
     vocab = logits.shape[1]
     # (R,V): the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
-    p = processed_logits(logits, temperature, top_k, top_p, min_p, use_filters).softmax(-1)
+    thresholds = draw(logits, temperature, top_k, top_p, min_p, keys)[1] if use_filters else None  # (R,1)
+    p = processed_logits(logits, temperature, thresholds).softmax(-1)
     is_draft = Tensor.arange(vocab, dtype=dtypes.int32).reshape(1, vocab) == draft_token_ids.reshape(-1, 1)  # (R,V)
     q = is_draft.where(1.0, 0.0) if draft_probs is None else draft_probs  # (R,V)
     p_draft = is_draft.where(p, 0.0).sum(-1)  # (R,) p(d), 0 on bonus rows
@@ -65,7 +70,7 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     # p == q up to rounding leaves nothing: a rejection then has probability ~0 anyway; sample from p
     residual = (residual.sum(-1, keepdim=True) > 0).where(residual, p)
     # exponential race: argmax(r / c), c ~ Exp(1), is token i with probability r_i / sum(r); r = 0 never wins
-    tokens = (residual / clocks.maximum(1e-30)).argmax(-1).cast(dtypes.int32)
+    tokens = (residual / noise.exponential_clocks(keys, vocab)).argmax(-1).cast(dtypes.int32)
     return accepted, tokens
 
 
@@ -81,7 +86,7 @@ class VerifyBatch:
         self.min_p = np.zeros(rows, np.float32)  # (rows,) 0 = off
         self.draft_token_ids = np.full(rows, NO_DRAFT, np.int32)  # (rows,)
         self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
-        self.clocks = np.ones((rows, vocab), np.float32)  # (rows, vocab) Exp(1)
+        self.keys = np.zeros((rows, 2), np.uint32)  # (rows, 2) each row's draw key
         self.draft_probs: np.ndarray | None = None  # (rows, vocab) q, once a request comes with one
         self.spans: list[tuple[int, int]] = []  # per request: (its first row, its number of drafts)
         self.num_rows_used = 0  # rows the requests added so far fill; the rest is padding
@@ -92,8 +97,8 @@ class VerifyBatch:
 
     def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator,
             draft_probs: np.ndarray | None = None) -> None:
-        """One request's k drafts: k + 1 rows (its drafts', then the bonus row). Draws k uniforms, then (k + 1, V)
-        clocks, from its generator, always in that order. draft_probs (k, V): the distribution q each draft was
+        """One request's k drafts: k + 1 rows (its drafts', then the bonus row). Draws k uniforms, then k + 1 keys,
+        from its generator, always in that order. draft_probs (k, V): the distribution q each draft was
         drawn from, None for a deterministic proposer (q one-hot at the draft)."""
         k, first = len(draft_token_ids), self.num_rows_used
         assert first + k + 1 <= self.rows, f"{first + k + 1} verify rows do not fit in {self.rows}"
@@ -103,7 +108,7 @@ class VerifyBatch:
         self.top_p[span], self.min_p[span] = params.top_p, params.min_p
         self.draft_token_ids[first:first + k] = draft_token_ids
         self.uniforms[first:first + k] = generator.random(k)
-        self.clocks[span] = generator.standard_exponential((k + 1, self.vocab))
+        self.keys[span] = draw_keys(generator, k + 1)
         if draft_probs is not None and self.draft_probs is None:  # the first q: the requests before get one-hot rows
             self.draft_probs = np.zeros((self.rows, self.vocab), np.float32)
             drafted = np.flatnonzero(self.draft_token_ids[:first] != NO_DRAFT)
@@ -120,7 +125,7 @@ class VerifyBatch:
         """rejection_sample's inputs after the logits, in its order (draft_probs last, when there is a q)."""
         q = () if self.draft_probs is None else (self.draft_probs,)
         return (self.temperature, self.top_k, self.top_p, self.min_p, self.draft_token_ids, self.uniforms,
-                self.clocks, *q)
+                self.keys, *q)
 
 
 def emitted_tokens(draft_token_ids: list[int], accepted: np.ndarray, tokens: np.ndarray) -> tuple[list[int], int]:

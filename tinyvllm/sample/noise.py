@@ -1,0 +1,70 @@
+"""Random numbers made where they are used: a counter-based hash of (key, token id), on the host or the device.
+
+Sampling a token draws one Exp(1) "clock" per vocabulary entry (the exponential race, see sampler.random_sample).
+Drawing 49,152 of them per row per step with numpy and uploading them costs more than the draw itself. A
+counter-based generator (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3", the idea behind
+Philox and threefry) needs no state at all: the i-th number is a hash of (key, i). So each request's own numpy
+generator gives each draw a 64-bit key (two uint32s: a few bytes per row go up), and the device expands it into
+one uniform per token, inside the sampler's own pass over the row:
+
+    request's generator --integers--> key (2,) uint32 --(host: 8 bytes)--> device:
+        h = mix(mix(i ^ key[0]) + key[1])        for token i: two rounds of a 32-bit integer hash
+        u = ((h >> 8) + 0.5) / 2**24             a float32 in (0, 1), never 0 or 1
+        clock = -log(u)                          Exp(1)
+
+A seeded request still reproduces (its generator hands out the same keys in the same order), and every place
+that samples (this module in numpy, the tinygrad graph, the C, CUDA and Metal kernels) computes the same bits
+for the same key, so the host reference and the device draw the same token.
+
+`mix` is Chris Wellons' "lowbias32" (xor-shift-multiply, github.com/skeeto/hash-prospector): a bijection of
+uint32 whose output bits each flip with probability ~1/2 when any input bit flips. Two rounds with the two halves
+of the key decorrelate the rows (different keys) and the tokens of a row (consecutive i).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tinygrad import Tensor, dtypes
+
+MIX_MUL_1, MIX_MUL_2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers (also in kernels/*/sampler.*)
+UNIFORM_BITS = 24  # a float32 holds 24 significant bits: u = (top 24 bits of h + 0.5) / 2**24 is exact
+
+
+def draw_keys(generator: np.random.Generator, n: int) -> np.ndarray:
+    """n keys (n, 2) uint32 from a request's generator: one per row it samples this step."""
+    return generator.integers(0, 2**32, size=(n, 2), dtype=np.uint32)
+
+
+def _mix(x):
+    """lowbias32 on numpy uint32 arrays or tinygrad uint32 tensors alike (products wrap mod 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * MIX_MUL_1
+    x = x ^ (x >> 15)
+    x = x * MIX_MUL_2
+    return x ^ (x >> 16)
+
+
+def uniforms_numpy(keys: np.ndarray, vocab: int) -> np.ndarray:
+    """keys (S, 2) uint32 -> u (S, vocab) float32 in (0, 1): the host's copy of what the device computes."""
+    keys = np.asarray(keys, np.uint32).reshape(-1, 2)
+    i = np.arange(vocab, dtype=np.uint32).reshape(1, vocab)
+    with np.errstate(over="ignore"):
+        h = _mix(_mix(i ^ keys[:, :1]) + keys[:, 1:])  # (S, V) uint32
+    return (((h >> (32 - UNIFORM_BITS)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-UNIFORM_BITS))
+
+
+def exponential_clocks_numpy(keys: np.ndarray, vocab: int) -> np.ndarray:
+    """keys (S, 2) -> Exp(1) clocks (S, vocab) float64, from the same uniforms as the device's."""
+    return -np.log(uniforms_numpy(keys, vocab).astype(np.float64))
+
+
+def uniforms(keys: Tensor, vocab: int) -> Tensor:
+    """keys (S, 2) uint32 tensor -> u (S, vocab) float32 in (0, 1), in the graph (one elementwise pass)."""
+    i = Tensor.arange(vocab, dtype=dtypes.uint32).to(keys.device).reshape(1, vocab)
+    h = _mix(_mix(i ^ keys[:, 0:1]) + keys[:, 1:2])  # (S, V) uint32
+    return ((h >> (32 - UNIFORM_BITS)).cast(dtypes.float32) + 0.5) * 2.0**-UNIFORM_BITS
+
+
+def exponential_clocks(keys: Tensor, vocab: int) -> Tensor:
+    """keys (S, 2) uint32 -> Exp(1) clocks (S, vocab) float32 in the graph."""
+    return -uniforms(keys, vocab).log()
