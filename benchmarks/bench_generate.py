@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from bandwidth import measure_bandwidth_on  # noqa: E402  (benchmarks/bandwidth.py)
 from common import (  # noqa: E402  (benchmarks/common.py)
     add_peers_arg, code_version, find_peers, log, machine_description, side_by_side_headers, table, write_results)
+from sampling_chains import CHAINS, add_sampling_arg, sampling_params  # noqa: E402
 
 BENCH_TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and "
               "were programmed by rewiring them; later, stored programs let the same hardware run any algorithm. "
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-start-only", action="store_true", help="measure only the cold start (and, with --peers, "
                    "llama-server's on the same format); results to results/bench_generate_cold_start[_<method>].json")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    add_sampling_arg(p, default="greedy,llama")
     add_peers_arg(p)
     return p
 
@@ -432,15 +434,20 @@ def main(argv: list[str] | None = None) -> int:
           f"after two warm-up runs ==")
     print(table(prefill_rows, ("prompt tokens", "first run s", "median ms", "tok/s", "best tok/s")))
 
-    # ---- 3. decode ----
-    decode_params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
-    gen.generate(args.prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8))  # warm-up
-    runs, latencies = [], []
-    for _ in range(args.decode_runs):
-        stamps = [time.perf_counter() for _ in gen.stream(args.prompt, decode_params)]
-        gaps = np.diff(stamps).tolist()  # the first token comes from prefill; each gap is one decode step
-        latencies += gaps
-        runs.append(len(gaps) / sum(gaps))
+    # ---- 3. decode: greedy, and each other chain of --sampling, taking turns run by run ----
+    chains = ["greedy"] + [c for c in args.sampling if c != "greedy"]
+    for chain in chains:  # warm-up: each chain's sampler graph
+        gen.generate(args.prompt, sampling_params(chain, seed=0, ignore_eos=True, max_tokens=8))
+    by_chain: dict[str, list[float]] = {chain: [] for chain in chains}
+    latencies = []
+    for run in range(args.decode_runs):
+        for chain in chains:
+            params = sampling_params(chain, seed=run, ignore_eos=True, max_tokens=args.max_tokens)
+            stamps = [time.perf_counter() for _ in gen.stream(args.prompt, params)]
+            gaps = np.diff(stamps).tolist()  # the first token comes from prefill; each gap is one decode step
+            latencies += gaps if chain == "greedy" else []
+            by_chain[chain].append(len(gaps) / sum(gaps))
+    runs = by_chain["greedy"]
     engine_tok_s = statistics.median(runs)
 
     results["decode"] = {"tokens_per_run": args.max_tokens, "runs_tok_per_s": runs, "tok_per_s": engine_tok_s,
@@ -455,6 +462,15 @@ def main(argv: list[str] | None = None) -> int:
          f"{d['latency_p50_ms']:.1f}", f"{d['latency_p90_ms']:.1f}"),
     ], ("", "tok/s", "mean ms", "p50 ms", "p90 ms")))
     print("runs (tok/s): " + ", ".join(f"{r:.1f}" for r in runs))
+    if len(chains) > 1:  # the ratio of each run to the greedy run just before it, median over runs
+        results["decode_sampled"] = {chain: {
+            "runs_tok_per_s": by_chain[chain], "tok_per_s": statistics.median(by_chain[chain]),
+            "ratio_to_greedy": statistics.median(r / g for r, g in zip(by_chain[chain], runs))}
+            for chain in chains[1:]}
+        print(table([(chain, ", ".join(f"{k}={v}" for k, v in CHAINS[chain].items()),
+                      f"{r['tok_per_s']:.1f}", f"{r['ratio_to_greedy']:.2f}")
+                     for chain, r in results["decode_sampled"].items()],
+                    ("sampling", "parameters", "tok/s", "vs greedy")))
 
     # ---- 4. the ceiling and 5. llama.cpp, after tinyvllm's runs ----
     weight_bytes = weight_bytes_per_token(config, dtype_bytes)

@@ -5,8 +5,8 @@
 
     python benchmarks/bench_serving.py --launch -- --max-num-seqs 32     (starts and stops its own server)
 
-Each client streams `/v1/completions` (greedy, `ignore_eos`, so every request produces exactly
-`--max-tokens` tokens) and takes the next request as soon as one finishes, until `--num-requests` are
+Each client streams `/v1/completions` (greedy, then each other chain of `--sampling`, default llama.cpp's
+default chain: benchmarks/sampling_chains.py; `ignore_eos`, so every request produces exactly `--max-tokens` tokens) and takes the next request as soon as one finishes, until `--num-requests` are
 done. Each run follows `--warmup` unmeasured requests of the same load: the JIT compiles each new
 batch shape once, and a compile would otherwise show up as a latency spike of seconds. Reported:
 
@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 from common import add_peers_arg, find_peers, write_results  # (benchmarks/common.py)
+from sampling_chains import CHAINS, add_sampling_arg, llama_server_fields  # (benchmarks/sampling_chains.py)
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -48,9 +49,11 @@ class RequestResult:
     error: str | None = None
 
 
-async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int,
+                      sampling: dict | None = None) -> RequestResult:
+    """sampling: the request's sampling fields (default greedy: temperature 0)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **(sampling or {}), "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     result, start, last = RequestResult(), time.perf_counter(), None
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -75,7 +78,8 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
 
 
 async def run_benchmark(base_url: str, *, concurrency: int, num_requests: int, max_tokens: int,
-                        prompt_words: int = 24, tag: str = "Request") -> tuple[list[RequestResult], float]:
+                        prompt_words: int = 24, tag: str = "Request",
+                        sampling: dict | None = None) -> tuple[list[RequestResult], float]:
     """Send `num_requests` requests from `concurrency` clients; returns the results and the wall time.
     Prompts start with `tag` and their number: give a warm-up a tag of its own, or prefix caching (tinyvllm's,
     llama-server's cache_prompt) would serve the measured prompts' prefill from the warm-up's."""
@@ -91,7 +95,7 @@ async def run_benchmark(base_url: str, *, concurrency: int, num_requests: int, m
         while not queue.empty():
             prompt = queue.get_nowait()
             try:
-                results.append(await one_request(http, prompt, max_tokens))
+                results.append(await one_request(http, prompt, max_tokens, sampling))
             except httpx.HTTPError as e:  # counted, not fatal: the other clients go on
                 results.append(RequestResult(error=f"{type(e).__name__}: {e}"))
 
@@ -160,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="unmeasured requests before each run, to compile (default: the concurrency)")
     p.add_argument("--launch-timeout", type=float, default=900.0)
     add_peers_arg(p)
+    add_sampling_arg(p, default="greedy,llama")
     args, server_args = p.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
 
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = {}
     try:
         for concurrency in args.concurrency:
-            runs[str(concurrency)] = run_level(args.base_url, concurrency, args)
+            runs[str(concurrency)] = run_chains(args.base_url, concurrency, args, CHAINS)
     finally:
         if process is not None:
             process.terminate()
@@ -184,22 +189,37 @@ def main(argv: list[str] | None = None) -> None:
             context = concurrency * -(-(4 * args.prompt_words + args.max_tokens + 64) // 256) * 256
             with llama.server("Q4_1", context=context, parallel=concurrency) as url:
                 print("llama-server:", end=" ")
-                peers[str(concurrency)] = run_level(url, concurrency, args)
+                peers[str(concurrency)] = run_chains(url, concurrency, args, {c: llama_server_fields(c)
+                                                                              for c in CHAINS})
             peers[str(concurrency)]["tinyvllm_tok_s_ratio"] = runs[str(concurrency)]["tok_s"] / peers[str(concurrency)]["tok_s"]
             print(f"  tinyvllm / llama-server output tok/s: {peers[str(concurrency)]['tinyvllm_tok_s_ratio']:.2f}x")
         figures["peers"] = {"llama_server_q4_1": peers}
     write_results("bench_serving", figures, args)
 
 
-def run_level(base_url: str, concurrency: int, args) -> dict:
+def run_chains(base_url: str, concurrency: int, args, fields: dict[str, dict]) -> dict:
+    """One concurrency level, greedy (its figures at the top, as before) and then each other chain of --sampling
+    ("sampling": {chain: figures, with tok_s_ratio_to_greedy}). fields: each chain's request fields."""
+    figures = run_level(base_url, concurrency, args)
+    figures["sampling"] = {}
+    for i, chain in enumerate(c for c in args.sampling if c != "greedy"):
+        r = run_level(base_url, concurrency, args, fields[chain], tag=f"Sampled {i}")
+        r["tok_s_ratio_to_greedy"] = r["tok_s"] / figures["tok_s"]
+        figures["sampling"][chain] = r
+        print(f"  {chain}: {r['tok_s_ratio_to_greedy']:.2f}x greedy's output tok/s")
+    return figures
+
+
+def run_level(base_url: str, concurrency: int, args, sampling: dict | None = None, tag: str = "Request") -> dict:
     """One concurrency level: the same load first, unmeasured (each new batch shape compiles once, and should not be
     timed), then the measured run."""
     warmup = concurrency if args.warmup is None else args.warmup
     if warmup:
         asyncio.run(run_benchmark(base_url, concurrency=concurrency, num_requests=warmup, max_tokens=args.max_tokens,
-                                  prompt_words=args.prompt_words, tag="Warm-up"))
+                                  prompt_words=args.prompt_words, tag=f"Warm-up {tag}", sampling=sampling))
     results, wall = asyncio.run(run_benchmark(base_url, concurrency=concurrency, num_requests=args.num_requests,
-                                              max_tokens=args.max_tokens, prompt_words=args.prompt_words))
+                                              max_tokens=args.max_tokens, prompt_words=args.prompt_words, tag=tag,
+                                              sampling=sampling))
     return report(results, wall, concurrency)
 
 

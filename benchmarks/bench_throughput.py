@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/bench_throughput.py --concurrency 1,4,16,32 --output-len 64 --json out.json
 
 Every request has the same prompt length (`--prompt-len` token ids cut from real text, a different
-head per request), is greedy and ignores eos, so each produces exactly `--output-len` tokens. For each
+head per request), is greedy and ignores eos, so each produces exactly `--output-len` tokens. With
+`--sampling` (default greedy,llama: llama.cpp's default chain, benchmarks/sampling_chains.py) each batch is
+run again right after with each other chain, request i seeded i, reported as tok/s and a ratio to greedy. For each
 concurrency N, N requests are added at once and the engine steps until all are done. Reported:
 
     total tok/s      N * output_len / wall time: what batching buys
@@ -52,6 +54,7 @@ from common import (  # (benchmarks/common.py)
     table,
     write_results,
 )
+from sampling_chains import add_sampling_arg, sampling_params  # (benchmarks/sampling_chains.py)
 
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence
@@ -130,14 +133,15 @@ class StepRecorder:
 
 
 def run_batch(engine: LLMEngine, recorder: StepRecorder, prompts: list[list[int]], output_len: int,
-              tag: str) -> dict:
-    """Add every prompt at once, step until all finish; timings of the whole batch and of each request."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+              tag: str, chain: str = "greedy") -> dict:
+    """Add every prompt at once, step until all finish; timings of the whole batch and of each request. `chain`:
+    how every request samples (benchmarks/sampling_chains.py), request i with seed i."""
     recorder.reset()
     load_before = load_average()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
+        engine.add_request(f"{tag}-{i}", prompt, sampling_params(chain, seed=i, max_tokens=output_len,
+                                                                  ignore_eos=True))
     finished, step_times = {}, []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                         "results/bench_throughput_quantized.json otherwise")
     add_engine_args(p, max_num_batched_tokens=1024, kv_cache_memory="1GiB", max_model_len=2048)
     add_peers_arg(p)
+    add_sampling_arg(p, default="greedy,llama")
     p.add_argument("--peer-repeats", type=int, default=3,
                    help="runs of llama-batched-bench per weight format with --peers; the median counts (default 3)")
     args = p.parse_args(argv)
@@ -195,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench_throughput: {model_name}, quantization {method} ({info['weights']}), "
               f"{machine_description(False)}, {time.strftime('%Y-%m-%d %H:%M')}")
         print(f"code: {code_version()}; attention: {'portable gather' if args.portable_attention else 'kernels'}")
-        print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy, ignore_eos; "
+        print(f"prompt {args.prompt_len} tokens, output {args.output_len} tokens, greedy (and "
+              f"{', '.join(args.sampling)} below), ignore_eos; "
               f"max_num_batched_tokens {info['max_num_batched_tokens']}, max_num_seqs {info['max_num_seqs']}, "
               f"{info['num_blocks']} blocks of {info['block_size']}")
         header = (f"{'N':>3} {'total tok/s':>11} {'x 1-by-1':>8} {'wall s':>7} {'1-by-1 s':>8} {'steps':>5} "
@@ -210,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['steps']:>5} {r['ttft_ms']['p50']:>8.0f}/{r['ttft_ms']['max']:<7.0f} "
                   f"{r['tpot_ms']['p50']:>8.1f}/{r['tpot_ms']['max']:<7.1f} {step_ms:>11} {r['preemptions']:>7}  "
                   f"{r['load_average'][1]}")
+        for n, r in rows.items():
+            if r["sampling"]:
+                print(f"{n:>3} sampled: " + ", ".join(f"{chain} {s['tok_s']:.1f} tok/s ({s['ratio_to_greedy']:.2f}x "
+                                                     f"greedy)" for chain, s in r["sampling"].items()))
         print(f"1-by-1 s: N x the mean time of one request run alone ({args.one_by_one} run just before and "
               f"{args.one_by_one} just after this row's batch):")
         print("  extrapolated, not run N times. x 1-by-1 = that / wall s. "
@@ -292,12 +302,24 @@ def run_engine(args: argparse.Namespace, levels: list[int], method: str,
         return [run_batch(engine, recorder, fresh_prompts(1), args.output_len, f"alone{k}-{j}")["wall_s"]
                 for j in range(args.one_by_one)]
 
+    sampled = [c for c in args.sampling if c != "greedy"]
+    for n in levels:  # each sampled chain's sampler graph at each N, compiled before any clock starts
+        for chain in sampled:
+            run_batch(engine, recorder, fresh_prompts(n), 2, f"warm{n}-{chain}", chain)
     # the one-by-one runs go between the batched ones, so that each ratio compares runs minutes apart, not more;
     # --one-by-one 0: none, and no ratio
     alone = [one_by_one(0)]
     rows = {}
     for i, n in enumerate(levels):
         rows[n] = run_batch(engine, recorder, fresh_prompts(n), args.output_len, f"c{n}")
+        rows[n]["sampling"] = {}  # the same N with each other chain, right after greedy (same load)
+        for chain in sampled:
+            r = run_batch(engine, recorder, fresh_prompts(n), args.output_len, f"c{n}-{chain}", chain)
+            rows[n]["sampling"][chain] = {"tok_s": r["tok_s"], "ratio_to_greedy": r["tok_s"] / rows[n]["tok_s"],
+                                          "wall_s": r["wall_s"], "decode_step_ms": r["decode_step_ms"],
+                                          "load_average": r["load_average"]}
+            log(f"{method}, concurrency {n}, {chain}: {r['tok_s']:.1f} tok/s "
+                f"({rows[n]['sampling'][chain]['ratio_to_greedy']:.2f}x greedy)")
         alone.append(one_by_one(i + 1))
         around = alone[i] + alone[i + 1]
         sec_per_request = statistics.mean(around) if around else None

@@ -15,6 +15,7 @@ from peers.llama_cpp import (  # noqa: E402
     parse_bench_json,
     result_key,
 )
+from sampling_chains import CHAINS, llama_server_fields, parse_sampling, sampling_params  # noqa: E402
 
 # llama-bench -p 32,128 -n 128 -r 2 -o json, trimmed to the fields the parser reads and a few others
 BENCH_JSON = json.dumps([
@@ -99,3 +100,20 @@ def test_write_results(tmp_path, monkeypatch):
     doc = json.loads(path.read_text())
     assert doc["bench"] == "bench_x" and doc["decode"] == {"tok_s": 70.4} and doc["options"] == {"peers": None}
     assert {"date", "commit", "machine", "load_average"} <= set(doc)
+
+
+def test_sampling_chains_are_the_same_for_both_engines():
+    """The benchmarks' --sampling names: llama.cpp's default chain as users run it, greedy unseeded, and every
+    filter a chain leaves out explicitly off for llama-server (whose own defaults are llama.cpp's chain)."""
+    import argparse
+
+    assert parse_sampling("greedy, llama") == ["greedy", "llama"]
+    with pytest.raises(argparse.ArgumentTypeError, match="t0.8"):
+        parse_sampling("greedy,hot")
+    llama = sampling_params("llama", seed=3, max_tokens=8)
+    assert (llama.temperature, llama.top_k, llama.top_p, llama.min_p, llama.seed) == (0.8, 40, 0.95, 0.05, 3)
+    assert sampling_params("greedy", seed=3).is_greedy and sampling_params("greedy", seed=3).seed is None
+    assert llama_server_fields("t0.8") == {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                           "repeat_penalty": 1.0}
+    for chain, fields in CHAINS.items():  # tinyvllm accepts every chain
+        assert sampling_params(chain).temperature == fields["temperature"]

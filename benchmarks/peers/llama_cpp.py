@@ -7,6 +7,8 @@
         -> {1: {"tok_s": ...}, 32: {...}, ...}                   llama-batched-bench, the twin of bench_throughput
     llama.cold_start("F32")
         -> {"first_token_s": ...}                                llama-server: process start -> first token
+    llama.server_decode("Q4_1", prompt, 128, {"llama": {...}})
+        -> {"llama": [tok/s per run]}                            llama-server sampling a chain, the twin of bench_sampling
     llama.perplexity("Q4_1", text_file, n_ctx=512)
         -> {"ppl": ..., "chunks": ..., ...}                      llama-perplexity, the twin of bench_quality
 
@@ -200,6 +202,22 @@ class LlamaCpp:
         runs = [self._one_cold_start(fmt, prompt) for _ in range(repeats)]
         return {"first_token_s": statistics.median(r["first_token_s"] for r in runs),
                 "healthy_s": statistics.median(r["healthy_s"] for r in runs), "runs": runs}
+
+    def server_decode(self, fmt: str, prompt: str, n_predict: int, chains: dict[str, dict],
+                      repeats: int = 3) -> dict[str, list[float]]:
+        """llama-server (one slot) generating n_predict tokens (ignore_eos) after `prompt` with each chain's
+        /completion sampling fields (benchmarks/sampling_chains.llama_server_fields), the chains taking turns
+        `repeats` times, run r seeded r: {chain: [its own generation speed, timings.predicted_per_second, per run]}.
+        The twin of tinyvllm's sampled decode (bench_sampling)."""
+        runs: dict[str, list[float]] = {name: [] for name in chains}
+        with self.server(fmt) as url:
+            body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "cache_prompt": False}
+            http_json(f"{url}/completion", {**body, "n_predict": 8, "temperature": 0})  # warm-up
+            for r in range(repeats):
+                for name, fields in chains.items():
+                    reply = http_json(f"{url}/completion", {**body, **fields, "seed": r}, timeout=600)
+                    runs[name].append(float(reply["timings"]["predicted_per_second"]))
+        return runs
 
     def _one_cold_start(self, fmt: str, prompt: str) -> dict:
         start = time.perf_counter()

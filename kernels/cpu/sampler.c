@@ -8,6 +8,7 @@
  * that works on its few candidates:
  *
  *     no filter:    one pass: score_i = logit_i / T - log(clock_i), clock_i = -log(u_i(key)); the token is the argmax
+ *                   (only for the tokens a cheap test on the hash bits cannot rule out: see race_row)
  *     min-p:        max pass, then candidates = the tokens with logit/T - max/T >= log(min_p)
  *     top-k:        one pass keeps a buffer of at most ~4k + 512 candidates at or above a rising cut (the k-th
  *                   largest of the buffer each time it fills: llama.cpp's "top-k first", without sorting the vocab)
@@ -187,17 +188,34 @@ static int argmax_row(const float* restrict x, int n) {
   return i < n ? i : 0; /* every entry NaN */
 }
 
-/* the race over the whole row (no filter): scores a CHUNK of tokens into a stack array (an elementwise loop the
- * compiler vectorizes), then takes its max */
+/* The race over the whole row (no filter), without two logs per token. Token i beats the best score so far only if
+ * its Gumbel noise G_i = -log(-log u_i) exceeds d_i = best - s_i, that is only if u_i > exp(-exp(-d_i)). Since
+ * exp(-x) >= 1 - x, a token whose 1 - u_i is at least 2 exp(-d_i) cannot (it falls short by more than log 2), and
+ * that test needs no log: the exponent bits of 1 - u_i are a lower bound of its log2. So a first, vectorized loop
+ * hashes every token and keeps only those the test cannot rule out: the tokens near the best score, and the rare
+ * ones whose u_i is within ~exp(-d_i) of 1 (about sum_i exp(s_i - best), a few hundred in a flat row). Only they
+ * get the full score. The row's argmax goes first, so that the bar is high from the start. Skipping changes no
+ * token: every skipped token's score is below the best by more than the logs' rounding. */
+#define LOG2E 1.44269504f
 static int race_row(const float* restrict logits, float inv_t, unsigned key0, unsigned key1) {
-  float best = NEG_INF;
-  int token = 0;
+  int token = argmax_row(logits, TV_VOCAB);
+  float best = race_score(logits[token] * inv_t, key0, key1, (unsigned)token);
   for (int base = 0; base < TV_VOCAB; base += CHUNK) {
     const int count = TV_VOCAB - base < CHUNK ? TV_VOCAB - base : CHUNK;
-    float score[CHUNK];
-    for (int j = 0; j < count; j++) score[j] = race_score(logits[base + j] * inv_t, key0, key1, (unsigned)(base + j));
-    const float m = max_of(score, count);
-    if (m > best) best = m, token = base + first_equal(score, count, m);
+    int maybe[CHUNK], any = 0;
+    for (int j = 0; j < count; j++) {
+      const unsigned h = mix32(mix32((unsigned)(base + j) ^ key0) + key1) >> 8;
+      const float tail = ((float)(16777215u - h) + 0.5f) * (1.0f / 16777216.0f); /* 1 - u, exactly */
+      const float log2_floor = (float)((int)(as_uint(tail) >> 23) - 127);       /* <= log2(1 - u) */
+      maybe[j] = log2_floor < (logits[base + j] * inv_t - best) * LOG2E + 1.0f;
+      any |= maybe[j];
+    }
+    if (!any) continue;
+    for (int j = 0; j < count; j++) {
+      if (!maybe[j]) continue;
+      const float score = race_score(logits[base + j] * inv_t, key0, key1, (unsigned)(base + j));
+      if (score > best || (score == best && base + j < token)) best = score, token = base + j;
+    }
   }
   return token;
 }
