@@ -93,8 +93,8 @@ def measure_main(args: argparse.Namespace) -> dict:
             log(f"main.py {name}, repeat {repeat + 1}/{args.repeats}: {runs[name][-1]:.1f} tok/s, "
                 f"load average {load_average()}")
     out = {name: {"tok_s": statistics.median(v), "runs": v} for name, v in runs.items()}
-    out["defaults"]["ratio_to_temperature_0"] = statistics.median(
-        d / g for d, g in zip(runs["defaults"], runs["temperature_0"]))
+    ratios = [d / g for d, g in zip(runs["defaults"], runs["temperature_0"]) if g > 0]
+    out["defaults"]["ratio_to_temperature_0"] = statistics.median(ratios) if ratios else None
     return out
 
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     if "main_py" in figures:
         m = figures["main_py"]
         print(f"main.py: defaults {m['defaults']['tok_s']:.1f} tok/s, --temperature 0 {m['temperature_0']['tok_s']:.1f}"
-              f" tok/s ({m['defaults']['ratio_to_temperature_0']:.2f}x)")
+              f" tok/s (ratio {m['defaults']['ratio_to_temperature_0']})")
     write_results("bench_sampling", figures, args)
 
 

@@ -114,10 +114,12 @@ def test_filters_never_emit_an_excluded_token(portable):
 def test_kernel_at_the_model_vocab_and_an_odd_one():
     """The kernel's vector loops at the model's vocabulary (49,152) and at one that is no multiple of 8, on
     LM-like rows (a few large logits, a long tail): top-p alone over the whole vocabulary (its pruning bound
-    and heap), top-k, min-p, and the pure-temperature race, against the host's masks and draws."""
+    and heap, and the tokens-only check of the race's winner), top-k, min-p, and the pure-temperature race,
+    against the host's masks and draws."""
     params = [SamplingParams(temperature=1.0, top_p=0.95), SamplingParams(temperature=0.8, top_k=40, top_p=0.95,
               min_p=0.05), SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=0.9),
-              SamplingParams(temperature=1.5, top_p=0.99), SamplingParams(temperature=0.6, min_p=0.2)]
+              SamplingParams(temperature=1.5, top_p=0.99), SamplingParams(temperature=0.6, min_p=0.2),
+              SamplingParams(temperature=1.0, top_p=0.3), SamplingParams(temperature=0.9, top_p=0.6, min_p=0.1)]
     rng = np.random.default_rng(3)
     for vocab in (49152, 1003):
         x = (rng.standard_normal((len(params), vocab)) * 2).astype(np.float32)
@@ -126,6 +128,9 @@ def test_kernel_at_the_model_vocab_and_an_odd_one():
         keys = np.concatenate([noise.draw_keys(np.random.default_rng(s), 1) for s in seeds])
         tokens, thresholds = device_sampler.draw(Tensor(x), *param_tensors(params, vocab), Tensor(keys))
         tokens, thresholds = tokens.numpy(), thresholds.numpy()[:, 0]
+        # tokens only: a top-p row may check its race's winner against the nucleus instead of finding the threshold
+        only = device_sampler.sample(Tensor(x), *param_tensors(params, vocab), Tensor(keys)).numpy()
+        np.testing.assert_array_equal(only, tokens)
         for i, p in enumerate(params):
             assert tokens[i] == host_reference(x[i], p, np.random.default_rng(seeds[i])), (vocab, i)
             kept = np.isfinite(apply_top_k_top_p_min_p(x[i].astype(np.float64) / p.temperature, p))
@@ -173,3 +178,16 @@ def test_greedy_graph_is_the_argmax(logits):
         full = device_sampler.sample(Tensor(logits), Tensor(zeros), Tensor(np.full(rows, logits.shape[1], np.int32)),
                                      Tensor(ones), Tensor(zeros), Tensor(keys), portable=portable).numpy()
         np.testing.assert_array_equal(greedy, full)
+
+
+def test_unfiltered_graph_draws_what_the_kernel_draws(logits):
+    """`use_filters=False` (no row uses min-p, top-k or top-p): the portable graph's one-pass race and the kernel's
+    race with skipping draw the same tokens, greedy rows the argmax."""
+    temperature = np.array([0, 0.5, 1.0, 1.7, 0.8, 0, 1.2, 3.0], np.float32)
+    off = [Tensor(np.full(S, V, np.int32)), Tensor(np.ones(S, np.float32)), Tensor(np.zeros(S, np.float32))]
+    for seed in range(3):
+        keys = Tensor(noise.draw_keys(np.random.default_rng(seed), S))
+        graph = device_sampler.sample(Tensor(logits), Tensor(temperature), *off, keys, use_filters=False,
+                                      portable=True).numpy()
+        kernel = device_sampler.sample(Tensor(logits), Tensor(temperature), *off, keys, use_filters=False).numpy()
+        np.testing.assert_array_equal(graph, kernel)

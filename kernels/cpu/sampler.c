@@ -16,7 +16,8 @@
  *                   in the nucleus are candidates: one whose probability p_j is at most (1 - top_p) / n (n
  *                   candidates) has at least 1 - n p_j >= top_p of mass above it, so top-p drops it
  *     top-p:        the candidates in a max-heap, popped most likely first until the mass before reaches top_p
- *                   (the few tokens of the nucleus are ordered, never the vocab)
+ *                   (the few tokens of the nucleus are ordered, never the vocab); without top-k, when only the
+ *                   token is wanted, the race first and a check that its winner is in the nucleus (see sample_row)
  *     draw:         the race over the surviving candidates only (a filtered token never wins)
  *
  * Ties are kept together, as on the host: every filter is "keep the logits >= a threshold", and `thresholds` gets
@@ -34,7 +35,8 @@
  *   min_p:       (rows,)           float   0: off
  *   keys:        (rows, 2)         uint32  the row's draw key (noise.py)
  * Rows go to the thread pool (threadpool.h) when there are enough of them; each row's work is independent.
- * Compile-time constants: TV_NUM_ROWS, TV_VOCAB, TV_POOL_ADDR; TV_KERNEL (tinygrad's kernel_typedef).
+ * Compile-time constants: TV_NUM_ROWS, TV_VOCAB, TV_POOL_ADDR; TV_KERNEL (tinygrad's kernel_typedef); TV_THRESHOLDS
+ * (0: only the tokens are read, and a top-p row may skip finding its threshold, writing NaN: see sample_row).
  */
 #include "threadpool.h"
 
@@ -195,10 +197,12 @@ static int argmax_row(const float* restrict x, int n) {
  * hashes every token and keeps only those the test cannot rule out: the tokens near the best score, and the rare
  * ones whose u_i is within ~exp(-d_i) of 1 (about sum_i exp(s_i - best), a few hundred in a flat row). Only they
  * get the full score. The row's argmax goes first, so that the bar is high from the start. Skipping changes no
- * token: every skipped token's score is below the best by more than the logs' rounding. */
+ * token: every skipped token's score is below the best by more than the logs' rounding. Tokens whose scaled logit
+ * is below s_max + bound (min-p's) are not in the race. */
 #define LOG2E 1.44269504f
-static int race_row(const float* restrict logits, float inv_t, unsigned key0, unsigned key1) {
-  int token = argmax_row(logits, TV_VOCAB);
+static int race_row(const float* restrict logits, float inv_t, float s_max, float bound, unsigned key0,
+                    unsigned key1) {
+  int token = argmax_row(logits, TV_VOCAB); /* min-p keeps it: its scaled logit is s_max */
   float best = race_score(logits[token] * inv_t, key0, key1, (unsigned)token);
   for (int base = 0; base < TV_VOCAB; base += CHUNK) {
     const int count = TV_VOCAB - base < CHUNK ? TV_VOCAB - base : CHUNK;
@@ -207,7 +211,8 @@ static int race_row(const float* restrict logits, float inv_t, unsigned key0, un
       const unsigned h = mix32(mix32((unsigned)(base + j) ^ key0) + key1) >> 8;
       const float tail = ((float)(16777215u - h) + 0.5f) * (1.0f / 16777216.0f); /* 1 - u, exactly */
       const float log2_floor = (float)((int)(as_uint(tail) >> 23) - 127);       /* <= log2(1 - u) */
-      maybe[j] = log2_floor < (logits[base + j] * inv_t - best) * LOG2E + 1.0f;
+      const float s = logits[base + j] * inv_t;
+      maybe[j] = log2_floor < (s - best) * LOG2E + 1.0f && s - s_max >= bound; /* and min-p keeps it */
       any |= maybe[j];
     }
     if (!any) continue;
@@ -300,10 +305,38 @@ static void sample_row(const void* ctx, int row) {
   const unsigned key0 = a->keys[2 * row], key1 = a->keys[2 * row + 1];
   const int use_k = top_k > 0 && top_k < TV_VOCAB, use_p = top_p < 1.0f, use_min_p = min_p > 0.0f;
   if (!use_k && !use_p && !use_min_p) {
-    a->tokens[row] = race_row(logits, inv_t, key0, key1);
+    a->tokens[row] = race_row(logits, inv_t, 0.0f, NEG_INF, key0, key1);
     a->thresholds[row] = NEG_INF;
     return;
   }
+#if !TV_THRESHOLDS
+  if (use_p && !use_k) {
+    /* Top-p without top-k, when only the token is wanted: race over what min-p keeps, then check that the winner
+     * is in the nucleus (the mass strictly above its logit < top_p of the total), one pass. The race's winner over
+     * a set is also its winner over any subset that holds it, so then it IS the race over the nucleus: the same
+     * token as below, without ordering anything. It fails with probability ~1 - top_p: then the full path. */
+    const float s_max = max_of(logits, TV_VOCAB) * inv_t, bound = use_min_p ? log_approx(min_p) : NEG_INF;
+    const int token = race_row(logits, inv_t, s_max, bound, key0, key1);
+    const float x_token = logits[token];
+    double mass = 0.0, above = 0.0; /* chunks' float sums added in double: ~1e-7 relative over the vocab */
+    for (int base = 0; base < TV_VOCAB; base += CHUNK) {
+      const int size = TV_VOCAB - base < CHUNK ? TV_VOCAB - base : CHUNK;
+      float weight[CHUNK], higher[CHUNK];
+      for (int j = 0; j < size; j++) {
+        const float rel = logits[base + j] * inv_t - s_max;
+        weight[j] = rel >= bound ? exp_approx(rel) : 0.0f;
+        higher[j] = logits[base + j] > x_token ? weight[j] : 0.0f;
+      }
+      mass += sum_of(weight, size);
+      above += sum_of(higher, size);
+    }
+    if (above < top_p * mass) {
+      a->tokens[row] = token;
+      a->thresholds[row] = __builtin_nanf(""); /* not computed: TV_THRESHOLDS 0 */
+      return;
+    }
+  }
+#endif
   float* restrict v = (float*)(a->scratch + (long)row * 2 * TV_VOCAB); /* candidates' logits */
   int* restrict id = a->scratch + (long)row * 2 * TV_VOCAB + TV_VOCAB;  /* and their token ids */
 
@@ -315,7 +348,7 @@ static void sample_row(const void* ctx, int row) {
     s_max = max_of(logits, TV_VOCAB) * inv_t;
     if (use_min_p) bound = log_approx(min_p);
     if (use_p && !use_k) {
-      float mass = 0.0f;
+      double mass = 0.0; /* chunks' float sums added in double: ~1e-7 relative over the vocab */
       int count = 0;
       for (int base = 0; base < TV_VOCAB; base += CHUNK) {
         const int size = TV_VOCAB - base < CHUNK ? TV_VOCAB - base : CHUNK;
@@ -330,7 +363,7 @@ static void sample_row(const void* ctx, int row) {
       }
       z = mass;
       /* a margin of 1e-3 for rounding: the bound only has to keep every token of the nucleus */
-      const float nucleus_bound = log_approx(mass * (1.0f - top_p) / (float)count) - 1e-3f;
+      const float nucleus_bound = log_approx((float)(mass * (1.0 - top_p) / count)) - 1e-3f;
       bound = nucleus_bound > bound ? nucleus_bound : bound;
     }
   }

@@ -104,8 +104,9 @@ def greedy(logits: Tensor) -> Tensor:
 def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
     """Does this device run the sampler kernel? (Decided from the device name alone: graphs are being traced.)"""
     device = logits.device
-    return not portable and not kernel_backend.PORTABLE and isinstance(device, str) and launcher.has_kernel(KERNEL,
-                                                                                                            device)
+    if portable or kernel_backend.PORTABLE or not isinstance(device, str):
+        return False
+    return launcher.has_kernel(KERNEL, device)
 
 
 def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
@@ -115,7 +116,7 @@ def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_
     A row keeps the tokens whose logit is >= its threshold (-inf: nothing filtered); `processed_logits` rebuilds
     its distribution from it. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
     if uses_kernel(logits, portable):
-        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys)
+        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys, thresholds=True)
     rows = logits.shape[0]
     thresholds = (filter_thresholds(logits, temperature, top_k, top_p, min_p) if use_filters
                   else Tensor.full((rows, 1), -math.inf, device=logits.device))
@@ -127,22 +128,25 @@ def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
            use_filters: bool = True, portable: bool = False) -> Tensor:
     """logits (S,V) float32, params (S,), keys (S,2) uint32 -> token ids (S,) int32 (see `draw`)."""
+    if uses_kernel(logits, portable):  # only the tokens: the kernel may skip finding a top-p threshold
+        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys, thresholds=False)[0]
     return draw(logits, temperature, top_k, top_p, min_p, keys, use_filters, portable)[0]
 
 
-def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-                keys: Tensor) -> tuple[Tensor, Tensor]:
-    """`draw` on the sampler kernel of the logits' device: one launch, one GPU thread block per row."""
+def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
+                thresholds: bool = True) -> tuple[Tensor, Tensor]:
+    """`draw` on the sampler kernel of the logits' device: one launch, one GPU thread block per row.
+    `thresholds=False`: only the tokens are read (a row may leave NaN as its threshold)."""
     rows, vocab = logits.shape
     device = logits.device
     outs = [Tensor.empty(rows, dtype=dtypes.int32, device=device), Tensor.empty(rows, device=device),
             Tensor.empty(rows, 2 * vocab, dtype=dtypes.int32, device=device)]  # tokens, thresholds, scratch
     ins = [logits.float().contiguous(), temperature.float().contiguous(), top_k.cast(dtypes.int32).contiguous(),
            top_p.float().contiguous(), min_p.float().contiguous(), keys.cast(dtypes.uint32).contiguous()]
-    tokens, thresholds, _ = launcher.launch(KERNEL, outs, ins, {"TV_NUM_ROWS": rows, "TV_VOCAB": vocab,
-                                                                "TV_NUM_THREADS": NUM_THREADS},
-                                            grid=(rows, 1, 1), local_size=(NUM_THREADS, 1, 1))
-    return tokens, thresholds.reshape(rows, 1)
+    defines = {"TV_NUM_ROWS": rows, "TV_VOCAB": vocab, "TV_NUM_THREADS": NUM_THREADS,
+               "TV_THRESHOLDS": int(thresholds)}
+    tokens, found, _ = launcher.launch(KERNEL, outs, ins, defines, grid=(rows, 1, 1), local_size=(NUM_THREADS, 1, 1))
+    return tokens, found.reshape(rows, 1)
 
 
 def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
