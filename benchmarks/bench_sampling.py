@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", "-q", default="auto", help="the engine's --quantization (default auto)")
     p.add_argument("--no-main", action="store_true", help="skip the main.py runs")
-    add_sampling_arg(p, default="greedy,t0.8,t1.0-p0.95,t0.7-k40,llama")
+    add_sampling_arg(p, default="greedy,temperature,top_p,top_k,llama")
     add_peers_arg(p)
     args = p.parse_args(argv)
     if "greedy" not in args.sampling:

@@ -5,12 +5,14 @@ default chain is top-k 40, top-p 0.95, min-p 0.05, temperature 0.8. A benchmark 
 nothing about those, so bench_throughput, bench_generate and bench_sampling take `--sampling` with names from
 CHAINS, and llama.cpp's llama-server is given the same chain (`llama_server_fields`).
 
-    greedy       temperature 0
-    t0.8         temperature 0.8 over the whole vocabulary
-    t1.0-p0.95   temperature 1, top-p 0.95 (a chat client's usual request)
-    t0.7-k40     temperature 0.7, top-k 40
-    main         main.py's defaults: temperature 0.8, top-p 0.95, top-k 40
-    llama        llama.cpp's default chain: top-k 40, top-p 0.95, min-p 0.05, temperature 0.8
+    greedy        temperature 0
+    temperature   temperature 0.8 over the whole vocabulary
+    top_p         temperature 1, top-p 0.95 (a chat client's usual request)
+    top_k         temperature 0.7, top-k 40
+    main          main.py's defaults: temperature 0.8, top-p 0.95, top-k 40
+    llama         llama.cpp's default chain: top-k 40, top-p 0.95, min-p 0.05, temperature 0.8
+
+(Names without dots: results files are read by keys like `concurrency.32.top_p.tok_s`.)
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import argparse
 
 CHAINS: dict[str, dict[str, float]] = {
     "greedy": {"temperature": 0.0},
-    "t0.8": {"temperature": 0.8},
-    "t1.0-p0.95": {"temperature": 1.0, "top_p": 0.95},
-    "t0.7-k40": {"temperature": 0.7, "top_k": 40},
+    "temperature": {"temperature": 0.8},
+    "top_p": {"temperature": 1.0, "top_p": 0.95},
+    "top_k": {"temperature": 0.7, "top_k": 40},
     "main": {"temperature": 0.8, "top_p": 0.95, "top_k": 40},
     "llama": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
 }

@@ -18,7 +18,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 3: continuous batching
     "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3,
     # Phase 4: batched forward, device sampling
-    "test_device_sampler": 4,
+    "test_device_sampler": 4, "test_kernels_sampler_gpu": 4,
     # Phase 5: custom kernels
     "test_kernels_paged_attention": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU
