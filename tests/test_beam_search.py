@@ -138,3 +138,6 @@ def test_server_completions_with_use_beam_search(tiny_model_dir, tiny_engine):
         assert [c["index"] for c in choices] == [0, 1, 2]
         refused = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 2}, timeout=120)
         assert refused.status_code == 400 and "beam search" in refused.text
+        for stream in (False, True):  # 9 beams in a step of 8: a 400 before the stream's 200, not an error event
+            too_wide = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 9, "stream": stream}, timeout=120)
+            assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n", too_wide.text

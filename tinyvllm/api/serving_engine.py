@@ -116,6 +116,12 @@ class OpenAIServing:
         if max_waiting is not None and n > max_waiting:  # a 429 would never clear: say so instead
             raise bad_request(f"n={n} can never be admitted: each choice is one request, and at most {max_waiting} "
                               "requests may wait on this server (--max-waiting)", "n")
+        max_num_seqs = getattr(self.engine.engine, "max_num_seqs", None) or getattr(
+            getattr(self.engine.engine, "scheduler", None), "max_num_seqs", None)
+        if getattr(request, "use_beam_search", False) and max_num_seqs is not None and n > max_num_seqs:
+            # the n beams run in one step together (the engine refuses it too, but only after a stream's 200)
+            raise bad_request(f"a beam search of n={n} beams can never run: a step holds at most {max_num_seqs} "
+                              "sequences on this server (--max-num-seqs)", "n")
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stop) > self.limits.max_stop_sequences:
             raise bad_request(f"stop may hold at most {self.limits.max_stop_sequences} strings on this server "
