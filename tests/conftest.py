@@ -15,6 +15,7 @@ import pytest
 # the suite must not depend on graphs an earlier run kept on disk (tinyvllm/kernels/graph_cache.py): off unless a
 # test turns it on with a directory of its own (tests/test_cold_start.py)
 os.environ.setdefault("TINYVLLM_GRAPH_CACHE", "0")
+os.environ.setdefault("TINYVLLM_TOKENIZER_CACHE", "0")  # tokenizers built as before (test_cold_start turns it on)
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile

@@ -191,7 +191,7 @@ def test_the_tokenizer_is_read_back_and_rebuilt_when_stale_or_corrupt(tmp_path, 
     file.write_bytes(data[: len(data) // 2])  # truncated
     assert tokenizer_cache.load_tokenizer(model_dir).encode(text) == want.encode(text) and len(builds) == 3
 
-    # stale: a tokenizer file changed (its size and mtime), or the tokenizer's code changed: another key, rebuilt
+    # stale: a tokenizer file changed, or the tokenizer's code changed: another key, rebuilt
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
     changed = tokenizer_cache.load_tokenizer(model_dir)

@@ -6,13 +6,14 @@ the largest part of loading after the weights, and the same work in every proces
 tables (token bytes, ranks, ids), so the finished `Tokenizer` is written down once, pickled, and read back by the
 next process in a fraction of the time (tiktoken's own tables are rebuilt from the ranks when it is read back).
 
-    load_tokenizer(path)   key = (the files it reads: path, size, mtime; the tokenizer code; Python; tiktoken)
+    load_tokenizer(path)   key = (the files it reads: a GGUF's path, size and mtime, an HF directory's tokenizer
+                                  files' contents; the tokenizer code; Python; tiktoken)
         file <cache>/tokenizers/<sha256 of key>.tokenizer holds  MAGIC | sha256(payload) | payload (key, tokenizer)
         present, checksum right, same key  ->  the pickled tokenizer
         missing, truncated, corrupt, or another key (a file changed, the code changed)  ->  built and written again
 
-A changed tokenizer file changes its size or mtime; a change to the tokenizer's code changes the digest of its
-source: either is another key, so a stale file is never used (and, like a corrupt one, is overwritten by the
+A changed tokenizer file changes its contents (a GGUF: its size or mtime); a change to the tokenizer's code changes
+the digest of its source: either is another key, so a stale file is never used (and, like a corrupt one, is overwritten by the
 rebuild). The directory is kept small as the graph cache's is (the least recently used files go first).
 
 `TINYVLLM_TOKENIZER_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it with the other caches
@@ -62,15 +63,17 @@ def code_identity() -> str:
 def cache_key(path: Path) -> str:
     """Everything the tokenizer built from `path` depends on, as text."""
     path = path.resolve()
-    files = [path] if path.is_file() else [path / name for name in DIRECTORY_FILES]
-    stats = []
-    for f in files:
-        try:
-            st = f.stat()
-            stats.append((f.name, st.st_size, st.st_mtime_ns))
-        except OSError:
-            stats.append((f.name, None, None))  # absent: a file appearing later is another key
-    return repr((str(path), stats, code_identity(), sys.version_info[:2], version("tiktoken")))
+    if path.is_file():  # a GGUF: its size and mtime (hashing ~100 MB of weights would cost more than the rebuild)
+        st = path.stat()
+        files = [(path.name, st.st_size, st.st_mtime_ns)]
+    else:  # an HF directory's tokenizer files are small: their contents, so that no rewrite goes unseen
+        files = []
+        for name in DIRECTORY_FILES:
+            try:
+                files.append((name, hashlib.sha256((path / name).read_bytes()).hexdigest()))
+            except OSError:
+                files.append((name, None))  # absent: a file appearing later is another key
+    return repr((str(path), files, code_identity(), sys.version_info[:2], version("tiktoken")))
 
 
 def cache_path(key: str, directory: Path | None = None) -> Path:
