@@ -95,10 +95,10 @@ def test_a_beam_search_wider_than_a_step_is_refused(engine):
 def test_a_failed_step_ends_only_the_request_that_caused_it(engine, monkeypatch):
     execute_model = engine.model_runner.execute_model
 
-    def failing(scheduler_output):  # a request that breaks the forward pass of any batch it is in
+    def failing(scheduler_output, *args, **kwargs):  # a request that breaks the forward pass of any batch it is in
         if any(seq.seq_id == "bad" and seq.num_output_tokens == 2 for seq in scheduler_output.scheduled_seqs):
             raise IndexError("injected: index 4 is out of bounds for axis 0 with size 4")
-        return execute_model(scheduler_output)
+        return execute_model(scheduler_output, *args, **kwargs)
 
     monkeypatch.setattr(engine.model_runner, "execute_model", failing)
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=5, ignore_eos=True)
