@@ -17,8 +17,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from tinyvllm.sampling_params import MAX_LOGPROBS
-
 
 class FunctionTool(BaseModel):
     type: Literal["function"]
@@ -63,7 +61,6 @@ class ResponsesRequest(BaseModel):
     previous_response_id: StrictStr | None = None  # refused: nothing is kept to continue from
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's sampling extras, as on the chat route
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = Field(None, ge=0, le=1)
