@@ -136,3 +136,18 @@ def test_legacy_functions_and_function_call(caller):
         client(caller).chat.completions.create(model=MODEL, messages=ask, functions=[function],
                                                tools=[{"type": "function", "function": function}])
     assert e.value.body["param"] == "functions"
+
+
+def test_reasoning_is_an_output_item():
+    from tinyvllm.api.server import BackgroundServer, build_app
+    from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(lambda: FakeLLMEngine(reply="<think>Two and two.</think>It is 4."))
+    with BackgroundServer(build_app(engine, reasoning_parser="think")) as server:
+        response = client(server).responses.create(model=MODEL, input="2+2?", temperature=0)
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == "Two and two." and response.output_text == "It is 4."
+        events = list(client(server).responses.create(model=MODEL, input="2+2?", temperature=0, stream=True))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == "Two and two." and events[-1].response.output_text == "It is 4."
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
