@@ -1,6 +1,8 @@
 """Quantize a model into a GGUF file: the blocks tinyvllm (and llama.cpp) serve without dequantizing.
 
-    python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1
+    python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1|f16|f32
+
+(f16 and f32 write float weights: llama.cpp's convert_hf_to_gguf.py --outtype f16/f32, every tensor in that type.)
 
 IN is a GGUF file (any tensor types tinyvllm reads) or an HF model directory (config.json, safetensors,
 tokenizer.json; `python -m tinyvllm.convert` writes one). What OUT holds:
@@ -47,7 +49,7 @@ from typing import TextIO
 
 import numpy as np
 
-from tinyvllm.model.bpe import GPT2_PATTERN, LLAMA3_PATTERN, SMOLLM_PATTERN, pattern_from_pre_tokenizer
+from tinyvllm.model.bpe import GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, SMOLLM_PATTERN, pattern_from_pre_tokenizer
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile
 from tinyvllm.model.gguf_writer import (
@@ -56,18 +58,20 @@ from tinyvllm.model.gguf_writer import (
 from tinyvllm.model.quant import tensor_nbytes, type_name
 from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize
 from tinyvllm.model.tokenizer import load_tokenizer, token_id_of
-from tinyvllm.model.weights_gguf import LAYER_NAMES, gguf_name, permute_qk, read_tensor
+from tinyvllm.model.weights_gguf import gguf_name, layer_names, permute_qk, read_tensor
 from tinyvllm.model.weights_hf import load_hf
 
 F32, F16, Q8_0 = 0, 1, 8
 # ggml type -> llama.cpp's llama_ftype for a file "mostly" of that type (include/llama.h)
-FILE_TYPES = {2: 2, 3: 3, 8: 7}
+FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7}
+OUTPUT_TYPES = {**QUANTIZE_TYPES, "f16": F16, "f32": F32}  # --type: the block formats, or float weights
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: bumped by ggml when a block layout changes
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
 # the split regex of an HF tokenizer.json -> llama.cpp's name for it (tokenizer.ggml.pre)
-PRE_TOKENIZER_NAMES = {GPT2_PATTERN: "gpt2", SMOLLM_PATTERN: "smollm", LLAMA3_PATTERN: "llama-bpe"}
+PRE_TOKENIZER_NAMES = {GPT2_PATTERN: "gpt2", SMOLLM_PATTERN: "smollm", LLAMA3_PATTERN: "llama-bpe",
+                       QWEN2_PATTERN: "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ def target_type(name: str, shape: tuple[int, ...], current: int, ggml_type: int,
     """The type llama-quantize gives tensor `name` for a Q8_0/Q4_0/Q4_1 file (see the module docstring)."""
     if len(shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight"):
         return current
+    if ggml_type in (F32, F16):  # a float file: every matrix in that type
+        return ggml_type
     new = Q8_0 if name == "output.weight" or (tied and name == "token_embd.weight") else ggml_type
     return new if shape[-1] % 32 == 0 else F16
 
@@ -146,31 +152,42 @@ def _safetensors_dtypes(model_dir: Path) -> dict[str, tuple[str, int]]:
 
 
 def llama_metadata(config: ModelConfig, name: str) -> dict[str, MetadataValue]:
-    """The general.* and llama.* keys llama.cpp's convert_hf_to_gguf.py writes for a LLaMA config."""
+    """The general.* and <arch>.* keys llama.cpp's convert_hf_to_gguf.py writes for the config (arch: its GGUF
+    architecture, 'llama' for Llama and Mistral, 'qwen2', 'qwen3', 'gemma3')."""
     if config.rope_scaling is not None and config.rope_scaling.rope_type != "linear":
         raise ValueError(f"rope_scaling {config.rope_scaling.rope_type!r} cannot be written as GGUF metadata: "
                          "llama.cpp stores it as a rope_freqs tensor, which tinyvllm's GGUF loader does not read")
     u32 = lambda v: MetadataValue(int(v), UINT32)  # noqa: E731
     f32 = lambda v: MetadataValue(float(v), FLOAT32)  # noqa: E731
+    arch = config.gguf_architecture
     md = {
-        "general.architecture": MetadataValue("llama", STRING),
+        "general.architecture": MetadataValue(arch, STRING),
         "general.name": MetadataValue(name, STRING),
-        "llama.block_count": u32(config.num_hidden_layers),
-        "llama.context_length": u32(config.max_position_embeddings),
-        "llama.embedding_length": u32(config.hidden_size),
-        "llama.feed_forward_length": u32(config.intermediate_size),
-        "llama.attention.head_count": u32(config.num_attention_heads),
-        "llama.attention.head_count_kv": u32(config.num_key_value_heads),
-        "llama.attention.key_length": u32(config.head_dim),
-        "llama.attention.value_length": u32(config.head_dim),
-        "llama.rope.freq_base": f32(config.rope_theta),
-        "llama.attention.layer_norm_rms_epsilon": f32(config.rms_norm_eps),
-        "llama.vocab_size": u32(config.vocab_size),
-        "llama.rope.dimension_count": u32(config.head_dim),
+        f"{arch}.block_count": u32(config.num_hidden_layers),
+        f"{arch}.context_length": u32(config.max_position_embeddings),
+        f"{arch}.embedding_length": u32(config.hidden_size),
+        f"{arch}.feed_forward_length": u32(config.intermediate_size),
+        f"{arch}.attention.head_count": u32(config.num_attention_heads),
+        f"{arch}.attention.head_count_kv": u32(config.num_key_value_heads),
+        f"{arch}.attention.key_length": u32(config.head_dim),
+        f"{arch}.attention.value_length": u32(config.head_dim),
+        f"{arch}.rope.freq_base": f32(config.rope_theta),
+        f"{arch}.attention.layer_norm_rms_epsilon": f32(config.rms_norm_eps),
+        f"{arch}.vocab_size": u32(config.vocab_size),
+        f"{arch}.rope.dimension_count": u32(config.head_dim),
     }
+    if config.sliding_window is not None:
+        md[f"{arch}.attention.sliding_window"] = u32(config.sliding_window)
+    if arch == "gemma3":
+        expected = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                         for i in range(config.num_hidden_layers))
+        if config.layer_types not in (None, expected) or config.rope_local_theta not in (None, 10000.0) \
+                or config.query_pre_attn_scalar != config.head_dim:
+            raise ValueError("this Gemma 3 config differs from what llama.cpp assumes of a gemma3 GGUF (every 6th "
+                             "layer global, local RoPE base 10000, query_pre_attn_scalar = head_dim)")
     if config.rope_scaling is not None:
-        md["llama.rope.scaling.type"] = MetadataValue("linear", STRING)
-        md["llama.rope.scaling.factor"] = f32(config.rope_scaling.factor)
+        md[f"{arch}.rope.scaling.type"] = MetadataValue("linear", STRING)
+        md[f"{arch}.rope.scaling.factor"] = f32(config.rope_scaling.factor)
     return md
 
 
@@ -226,11 +243,12 @@ def tokenizer_metadata(model_dir: Path, vocab_size: int) -> dict[str, MetadataVa
     return md
 
 
-def _hf_tensor_order(config: ModelConfig) -> list[str]:
+def _hf_tensor_order(config: ModelConfig, state_dict: dict) -> list[str]:
     """GGUF names in llama.cpp's order: the embedding, each layer's tensors, the final norm, the output."""
     names = ["token_embd.weight"]
+    arch = config.gguf_architecture
     for i in range(config.num_hidden_layers):
-        names += [f"blk.{i}.{name}" for name in LAYER_NAMES]
+        names += [f"blk.{i}.{g}" for g, h in layer_names(arch).items() if f"model.layers.{i}.{h}" in state_dict]
     names.append("output_norm.weight")
     if not config.tie_word_embeddings:
         names.append("output.weight")
@@ -241,12 +259,13 @@ def _from_hf(model_dir: Path, ggml_type: int) -> tuple[dict[str, MetadataValue],
     config, state_dict = load_hf(model_dir)
     metadata = {**llama_metadata(config, model_dir.name), **tokenizer_metadata(model_dir, config.vocab_size)}
     stored = _safetensors_dtypes(model_dir)
-    hf_names = {gguf_name(hf): hf for hf in state_dict}
+    hf_names = {gguf_name(hf, config.gguf_architecture): hf for hf in state_dict}
     plan = []
-    for name in _hf_tensor_order(config):
+    for name in _hf_tensor_order(config, state_dict):
         hf = hf_names[name]
         array = state_dict[hf]
-        if name.endswith(("attn_q.weight", "attn_k.weight")):  # HF rotate_half rows -> GGUF's interleaved rows
+        if config.rope_interleaved and name.endswith(("attn_q.weight", "attn_k.weight")):
+            # HF rotate_half rows -> GGUF's interleaved rows (llama only: qwen and gemma keep HF's order)
             heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
             array = permute_qk(array, heads)
         new = target_type(name, array.shape, F32, ggml_type, config.tie_word_embeddings)
@@ -266,9 +285,9 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, o
     Prints a line per tensor (its type and size before and after), the totals and the time to `out` (stdout)."""
     start = time.perf_counter()
     out = out if out is not None else sys.stdout
-    if qtype not in QUANTIZE_TYPES:
-        raise ValueError(f"unknown quantization type {qtype!r}; supported: {', '.join(QUANTIZE_TYPES)}")
-    ggml_type = QUANTIZE_TYPES[qtype]
+    if qtype not in OUTPUT_TYPES:
+        raise ValueError(f"unknown quantization type {qtype!r}; supported: {', '.join(OUTPUT_TYPES)}")
+    ggml_type = OUTPUT_TYPES[qtype]
     src, dst = Path(src), Path(dst)
     if not src.exists():
         raise FileNotFoundError(f"no model at {src}: expected a .gguf file or an HF model directory")
@@ -312,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tinyvllm.quantize", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="a LLaMA .gguf file, or an HF model directory (config.json + safetensors)")
     parser.add_argument("dst", help="the .gguf file to write")
-    parser.add_argument("--type", required=True, choices=list(QUANTIZE_TYPES), dest="qtype",
+    parser.add_argument("--type", required=True, choices=list(OUTPUT_TYPES), dest="qtype",
                         help="the block format of the linear weights")
     args = parser.parse_args(argv)
     try:

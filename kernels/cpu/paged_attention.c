@@ -43,6 +43,8 @@
  * Sizes are compile-time constants: TV_NUM_SEQS, TV_NUM_HEADS, TV_NUM_KV_HEADS, TV_HEAD_DIM, TV_BLOCK_SIZE,
  * TV_MAX_BLOCKS, TV_SCALE (1/sqrt(head_dim)) for paged_attention; TV_NUM_TOKENS, TV_NUM_SLOTS for reshape_and_cache.
  * The context lengths are data, read at run time: one compiled program serves every context length.
+ * TV_SLIDING_WINDOW (0: none) is a sliding-window layer's W (Mistral, Gemma 3): row i reads only its last W keys,
+ * context_lens[i]-W .. context_lens[i]-1, so the blocks wholly before them are never touched.
  *
  * The cache's element (Phase 7c, docs/phases/07c-kv-cache-quantization.md): TV_CACHE_T is float, __fp16,
  * signed char or unsigned char, and TV_KV_QUANT says what the bytes mean: 0 a float as is, 1 int8 codes
@@ -67,6 +69,10 @@
 /* 8 floats in one AVX2 register; aligned(4) makes loads through a pointer to it unaligned loads */
 typedef float f8 __attribute__((vector_size(32), aligned(4)));
 typedef int i8 __attribute__((vector_size(32), aligned(4)));
+
+#ifndef TV_SLIDING_WINDOW
+#define TV_SLIDING_WINDOW 0
+#endif
 
 #ifndef TV_CACHE_T  /* a float32 cache, as before Phase 7c */
 #define TV_CACHE_T float
@@ -296,7 +302,9 @@ static void attend_chunk(const void* ctx, int chunk) {
   float k_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));  /* this tile's rows in float32, scale applied */
   float v_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));
 #endif
-  for (int t0 = 0; t0 < num_keys; t0 += TILE) {
+  /* a sliding window starts the walk at the window's first key: the keys (and blocks) before it are skipped */
+  const int first_key = TV_SLIDING_WINDOW > 0 && num_keys > TV_SLIDING_WINDOW ? num_keys - TV_SLIDING_WINDOW : 0;
+  for (int t0 = first_key; t0 < num_keys; t0 += TILE) {
     /* this tile's keys: tokens t0 .. t0+n-1 of the sequence; token p is in slot table[p / BLOCK_SIZE] * BLOCK_SIZE
      * + p % BLOCK_SIZE, at k_cache[slot, kv_head, :] (a tile spans several blocks when block_size < TILE) */
     const int n = num_keys - t0 < TILE ? num_keys - t0 : TILE;

@@ -69,6 +69,9 @@
 #include <metal_stdlib>
 using namespace metal;
 
+#ifndef TV_SLIDING_WINDOW  /* a sliding-window layer's W (keys a query sees); 0: the whole context */
+#define TV_SLIDING_WINDOW 0
+#endif
 #define WARP 32                                  /* threads per SIMD group on Apple GPUs (threadExecutionWidth) */
 #define NUM_WARPS (TV_NUM_THREADS / WARP)
 #define GROUP (TV_NUM_HEADS / TV_NUM_KV_HEADS)   /* query heads per KV head */
@@ -253,10 +256,13 @@ TV_KERNEL ENTRY(device OUT_T* out [[buffer(0)]], const device TV_T* q [[buffer(1
   }
 
   const int num_keys = min(context_len, TV_MAX_BLOCKS * TV_BLOCK_SIZE);
+  /* a sliding window (TV_SLIDING_WINDOW > 0) starts at the window's first key: the blocks before it are skipped */
+  const int first_key = TV_SLIDING_WINDOW > 0 && num_keys > TV_SLIDING_WINDOW ? num_keys - TV_SLIDING_WINDOW : 0;
 #ifdef TV_PAGED_ATTENTION_SPLIT
-  const int key_begin = part * TV_PARTITION_SIZE, key_end = min(num_keys, key_begin + TV_PARTITION_SIZE);
+  const int key_begin = max(first_key, part * TV_PARTITION_SIZE);
+  const int key_end = min(num_keys, part * TV_PARTITION_SIZE + TV_PARTITION_SIZE);
 #else
-  const int key_begin = 0, key_end = num_keys;
+  const int key_begin = first_key, key_end = num_keys;
 #endif
   /* the SIMD groups take tiles of keys in turn */
   for (int t0 = key_begin + warp * TILE; t0 < key_end; t0 += NUM_WARPS * TILE) {

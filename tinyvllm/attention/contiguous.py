@@ -63,8 +63,10 @@ class ContiguousAttentionMetadata:
 
     start_pos: int | UOp
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) for the new tokens -> attention output (B,T,H,Hd)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
+               sliding_window: int | None = None) -> Tensor:
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) for the new tokens -> attention output (B,T,H,Hd).
+        sliding_window W: a query at position p sees keys p-W+1 .. p only (Mistral)."""
         k_cache, v_cache = kv_cache
         T, sp = q.shape[1], self.start_pos
         # write this step's K/V into their rows, then read rows 0 .. start_pos+T-1
@@ -73,10 +75,14 @@ class ContiguousAttentionMetadata:
         v_cache = Tensor(v_cache.uop.after(v_cache[:, sp:sp + T].uop.store(v.cast(v_cache.dtype).uop)))
         keys, values = k_cache[:, : sp + T], v_cache[:, : sp + T]
         mask = None
-        if not isinstance(T, int) or T > 1:  # causal: query t (at position sp+t) sees keys 0 .. sp+t
+        if not isinstance(T, int) or T > 1 or sliding_window is not None:
+            # causal: query t (at position sp+t) sees keys 0 .. sp+t (and, in a window, not before sp+t-W+1)
             # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length
             # is symbolic as a running sum, an S x S kernel (benchmarks/README.md, bench_memory part 5)
             key_pos = Tensor.arange(k_cache.shape[1])[: sp + T].reshape(1, -1)  # (1, S)
             query_pos = (Tensor.arange(T) + sp).reshape(-1, 1)  # (T, 1)
-            mask = (key_pos > query_pos).where(float("-inf"), 0.0).cast(q.dtype)  # (T, S)
+            hidden = key_pos > query_pos
+            if sliding_window is not None:
+                hidden = hidden | (key_pos <= query_pos - sliding_window)
+            mask = hidden.where(float("-inf"), 0.0).cast(q.dtype)  # (T, S)
         return grouped_query_attention(q, keys.cast(q.dtype), values.cast(q.dtype), mask)

@@ -201,10 +201,12 @@ def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cach
 
 def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float | None = None, k_scale: Tensor | None = None,
-                           v_scale: Tensor | None = None) -> Tensor:
+                           v_scale: Tensor | None = None, sliding_window: int | None = None) -> Tensor:
     """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1, found
     through block_tables[r] (R, max_blocks) in k_cache, v_cache (num_blocks, block_size, KvH, Hd), and their
-    k_scale, v_scale (num_blocks, block_size, KvH) for an int8 or fp8 cache."""
+    k_scale, v_scale (num_blocks, block_size, KvH) for an int8 or fp8 cache. With a sliding_window W, row r reads
+    only its last W keys, context_lens[r]-W .. context_lens[r]-1: the blocks before them are never touched
+    (TV_SLIDING_WINDOW, a compile-time constant like the sizes; 0 means no window)."""
     rows, heads, head_dim = launcher.local_shape(q)  # one device's heads (tensor parallel)
     _, block_size, kv_heads, _ = launcher.local_shape(k_cache)
     assert heads % kv_heads == 0, f"{heads} query heads do not group over {kv_heads} KV heads"
@@ -212,7 +214,8 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     defines = {"TV_NUM_SEQS": rows, "TV_NUM_HEADS": heads, "TV_NUM_KV_HEADS": kv_heads, "TV_HEAD_DIM": head_dim,
                "TV_BLOCK_SIZE": block_size, "TV_MAX_BLOCKS": block_tables.shape[1], "TV_SCALE": f"{float(scale)!r}f",
-               "TV_NUM_THREADS": NUM_THREADS, **_type_defines(q.device, q, k_cache)}
+               "TV_NUM_THREADS": NUM_THREADS, "TV_SLIDING_WINDOW": sliding_window or 0,
+               **_type_defines(q.device, q, k_cache)}
     out = launcher.output((rows, heads, head_dim), q.dtype, q, axis=1)  # every element written (per device: its heads)
     context_lens = context_lens.cast(dtypes.int32).contiguous()
     ins = [q.contiguous(), k_cache, v_cache, *_check_scales(k_cache, (k_scale, v_scale)),
@@ -254,18 +257,19 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
             table = table.reshape(B, 1, -1).expand(B, T, table.shape[1]).reshape(rows, -1).contiguous()
         self.row_block_tables = table
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
+                sliding_window: int | None = None) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then attends over the blocks.
         kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized (q, k, v come in
-        rotated for int8: `PagedAttentionMetadata.attend`)."""
+        rotated for int8: `PagedAttentionMetadata.attend`). sliding_window: this layer's window, or None."""
         if not uses_kernels(q, kv_cache[0], self.portable):
-            return super()._attend(q, k, v, kv_cache)
+            return super()._attend(q, k, v, kv_cache, sliding_window)
         B, T, H, Hd = q.shape
         kv_heads = k.shape[2]
         written = kernel_reshape_and_cache(k.reshape(B * T, kv_heads, Hd), v.reshape(B * T, kv_heads, Hd),
                                            *kv_cache[:2], self.slot_mapping, *kv_cache[2:])
         k_cache, v_cache, *scales = written
         out = kernel_paged_attention(q.reshape(B * T, H, Hd), k_cache, v_cache, self.row_block_tables,
-                                     self.context_lens, None, *scales)
+                                     self.context_lens, None, *scales, sliding_window=sliding_window)
         return out.reshape(B, T, H, Hd)
 

@@ -20,7 +20,8 @@ paged_attention: each query attends over its sequence's blocks, gathered through
   query at position p sees keys s <= p (causal inside a prompt chunk, and slots past the
   sequence's length, in its last, partly filled block, are never seen). `nb` (the number of
   blocks to gather) is a bound symbolic variable, so the work follows the context length,
-  not the maximum.
+  not the maximum. A sliding-window layer (Mistral, Gemma 3: `sliding_window` W) also masks
+  keys s <= p - W, so a query sees its last W keys, itself included, as HF's mask does.
 
 The gather copies the sequence's K/V out of the blocks before attending: that extra memory
 traffic on every step is what Phase 5's kernels avoid by reading the blocks in place.
@@ -77,9 +78,11 @@ def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor,
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, num_blocks: int | UOp,
-                    positions: Tensor, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+                    positions: Tensor, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                    sliding_window: int | None = None) -> Tensor:
     """q: (B,T,H,Hd) for tokens at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table.
-    k_scale, v_scale: (num_blocks, block_size, KvH), for an int8 or fp8 cache."""
+    k_scale, v_scale: (num_blocks, block_size, KvH), for an int8 or fp8 cache. sliding_window W: a query at
+    position p sees keys p-W+1 .. p only."""
     B, T = q.shape[0], q.shape[1]
     _, block_size, kv_heads, head_dim = k_cache.shape
     table = block_tables[:, :num_blocks]  # (B, nb)
@@ -93,7 +96,10 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     # symbolic as a running sum, an S x S kernel (33 ms per layer at 2048 tokens; benchmarks/README.md, bench_memory)
     key_pos = Tensor.arange(block_tables.shape[1] * block_size)[: num_blocks * block_size].reshape(1, 1, 1, 1, -1)
     query_pos = positions.reshape(B, 1, 1, T, 1)  # (B,1,1,T,1), broadcast over (B,KvH,G,T,S)
-    mask = (key_pos > query_pos).where(float("-inf"), 0.0).cast(q.dtype)
+    hidden = key_pos > query_pos  # the future
+    if sliding_window is not None:
+        hidden = hidden | (key_pos <= query_pos - sliding_window)  # and what slid out of the window
+    mask = hidden.where(float("-inf"), 0.0).cast(q.dtype)
     return grouped_query_attention(q, keys.cast(q.dtype), values.cast(q.dtype), mask)
 
 
@@ -119,16 +125,18 @@ class PagedAttentionMetadata:
                  and isinstance(getattr(self, f.name), Tensor)}
         return dataclasses.replace(self, **moved)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
+               sliding_window: int | None = None) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.
         kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized. An int8 cache holds
         K/V rotated by a Hadamard matrix: q, k, v go in rotated, the output is rotated back (`kv_quant.rotate`,
-        its own inverse)."""
+        its own inverse). sliding_window: this layer's window (None: the whole context)."""
         if kv_cache_dtype_of(kv_cache[0]).rotated:
-            return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache))
-        return self._attend(q, k, v, kv_cache)
+            return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache, sliding_window))
+        return self._attend(q, k, v, kv_cache, sliding_window)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...]) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
+                sliding_window: int | None = None) -> Tensor:
         B, T, kv_heads, head_dim = k.shape
         k, v = k.reshape(B * T, kv_heads, head_dim), v.reshape(B * T, kv_heads, head_dim)
         if len(kv_cache) == 4:
@@ -140,9 +148,9 @@ class PagedAttentionMetadata:
             k_scale = v_scale = None
         if self.block_tables.shape[0] == B:
             return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions,
-                                   k_scale, v_scale)
+                                   k_scale, v_scale, sliding_window)
         # a flattened batch (Phase 4): every token is its own query row, with its own sequence's block table
         H, Hd = q.shape[2], q.shape[3]
         out = paged_attention(q.reshape(B * T, 1, H, Hd), k_cache, v_cache, self.block_tables, self.num_blocks,
-                              self.positions.reshape(B * T, 1), k_scale, v_scale)
+                              self.positions.reshape(B * T, 1), k_scale, v_scale, sliding_window)
         return out.reshape(B, T, H, Hd)

@@ -30,6 +30,7 @@ lacks (SmolLM2 has 235 of the 256) is dropped, as HF does when there is no unkno
 from __future__ import annotations
 
 import json
+import unicodedata
 from functools import lru_cache
 
 import tiktoken
@@ -48,6 +49,12 @@ LLAMA3_PATTERN = (
 # right before a digit ends there whole (for GPT-2's `\s+(?!\S)` that digit is the end of its piece).
 SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
+# Qwen2 / Qwen2.5 / Qwen3: Llama-3's regex with every digit alone (\p{N}, not \p{N}{1,3})
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+
 PRETOKENIZER_PATTERNS = {
     "gpt2": GPT2_PATTERN,
     "gpt-2": GPT2_PATTERN,
@@ -56,7 +63,10 @@ PRETOKENIZER_PATTERNS = {
     "llama-v3": LLAMA3_PATTERN,
     "smollm": SMOLLM_PATTERN,
     "starcoder": SMOLLM_PATTERN,
+    "qwen2": QWEN2_PATTERN,
 }
+# Text normalizations an HF tokenizer.json may ask for before the split (Qwen's: NFC, composed accents)
+NORMALIZERS = ("NFC",)
 
 # GGUF token types (llama.cpp `llama_token_type`)
 GGUF_TOKEN_CONTROL = 3  # special: <|im_start|>, <|endoftext|>
@@ -106,8 +116,11 @@ class ByteLevelBPETokenizer(Tokenizer):
         pattern: str,
         added_tokens: dict[str, int],
         special_token_ids: set[int],
+        normalizer: str | None = None,
         **kwargs,
     ):
+        assert normalizer is None or normalizer in NORMALIZERS, f"unknown normalizer {normalizer!r}"
+        self.normalizer = normalizer
         vocab_size = max([*vocab.values(), *added_tokens.values()]) + 1
         token_bytes = [b""] * vocab_size
         for token, token_id in vocab.items():
@@ -141,6 +154,8 @@ class ByteLevelBPETokenizer(Tokenizer):
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
         rank_to_id = self._rank_to_id
+        if self.normalizer is not None:
+            text = unicodedata.normalize(self.normalizer, text)
         return [rank_to_id[r] for r in self._bpe.encode_ordinary(text) if rank_to_id[r] is not None]
 
     # --- readers ------------------------------------------------------------------------------------
@@ -166,6 +181,7 @@ class ByteLevelBPETokenizer(Tokenizer):
             PRETOKENIZER_PATTERNS[pre],
             added,
             special,
+            normalizer="NFC" if pre == "qwen2" else None,  # what Qwen's own tokenizer.json asks for
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
             add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
@@ -185,8 +201,10 @@ class ByteLevelBPETokenizer(Tokenizer):
                 f"tokenizer.json: only byte-level BPE models are supported, got model {_brief(settings)}; "
                 "for a sentencepiece model (byte_fallback), put its tokenizer.model in the directory"
             )
-        if tokenizer_json.get("normalizer") is not None:
-            raise ValueError(f"tokenizer.json: normalizer {_brief(tokenizer_json['normalizer'])} is not supported")
+        normalizer = tokenizer_json.get("normalizer")
+        if normalizer is not None and normalizer.get("type") not in NORMALIZERS:
+            raise ValueError(f"tokenizer.json: normalizer {_brief(normalizer)} is not supported; supported: "
+                             f"{', '.join(NORMALIZERS)}")
         pattern = pattern_from_pre_tokenizer(tokenizer_json.get("pre_tokenizer"))
         merges = [_split_merge(m) if isinstance(m, str) else tuple(m) for m in model["merges"]]
         added = {t["content"]: t["id"] for t in tokenizer_json.get("added_tokens", [])}
@@ -203,6 +221,7 @@ class ByteLevelBPETokenizer(Tokenizer):
             pattern,
             added,
             special,
+            normalizer=None if normalizer is None else normalizer["type"],
             bos_token_id=bos,
             eos_token_id=token_id_of(config.get("eos_token"), ids),
             add_bos_token=bool(add_bos),

@@ -20,6 +20,17 @@ The model itself never knows which one it runs on.
 Names follow HF / vLLM (`q_proj`, `gate_up_proj`, ...). Like vLLM, q/k/v are fused into one
 `qkv_proj` and gate/up into one `gate_up_proj`: the same bytes of weights are read, in two matmuls
 per layer instead of five, which matters when decode is launch- and bandwidth-bound.
+
+Mistral, Qwen2/2.5, Qwen3 and Gemma 3 run on this same block: each is LLaMA plus a few switches of the config
+(`ModelConfig`: attention_bias, qk_norm, sliding_window / layer_types, hidden_act, scale_embeddings,
+sandwich_norms, query_pre_attn_scalar, rope_local_theta), each an `if` below where the step it changes
+happens (docs/phases/01-appendix-architectures.md):
+
+    Qwen2     qkv = x @ W_qkv.T + b_qkv
+    Qwen3     q, k = rms_norm(q) per head, rms_norm(k) per head             (before RoPE)
+    Mistral   attention over the last sliding_window keys only              (attend(..., sliding_window))
+    Gemma 3   x = embed * sqrt(D);  GeGLU: gelu_tanh(gate) * up;  h = x + norm(attn(norm(x)));
+              q scaled by sqrt(Hd / query_pre_attn_scalar); 5 of 6 layers sliding, rotating with base 10000
 """
 
 from __future__ import annotations
@@ -77,33 +88,55 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class LlamaDecoderLayer:
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], tp: TensorParallel | None = None):
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], tp: TensorParallel | None = None,
+                 layer: int = 0):
         self.config = config
         self.tp = tp or TensorParallel(config)  # tensor parallel: each weight's rows of this device's heads
+        self.sliding_window = config.layer_window(layer)  # None: this layer attends over the whole context
         self.input_layernorm = weights["input_layernorm"]  # (D,)
         self.qkv_proj = weights["qkv_proj"]  # (H*Hd + 2*KvH*Hd, D)
+        self.qkv_bias = weights.get("qkv_bias")  # (H*Hd + 2*KvH*Hd,) with attention_bias, else None
+        self.q_norm, self.k_norm = weights.get("q_norm"), weights.get("k_norm")  # (Hd,) each with qk_norm
         self.o_proj = weights["o_proj"]  # (D, H*Hd)
-        self.post_attention_layernorm = weights["post_attention_layernorm"]  # (D,)
+        self.post_attention_layernorm = weights["post_attention_layernorm"]  # (D,): the MLP's input norm
+        self.attn_output_norm = weights.get("attn_output_norm")  # (D,) with sandwich_norms, else None
+        self.mlp_output_norm = weights.get("mlp_output_norm")  # (D,) with sandwich_norms, else None
         self.gate_up_proj = weights["gate_up_proj"]  # (2*F, D)
         self.down_proj = weights["down_proj"]  # (D, F)
+
+    def weights(self) -> list[Weight]:
+        names = ("input_layernorm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_layernorm",
+                 "attn_output_norm", "mlp_output_norm", "gate_up_proj", "down_proj")
+        return [w for w in (getattr(self, n) for n in names) if w is not None]
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
         B, T, _ = x.shape
         S, H, KvH, Hd = self.tp.size, self.tp.heads, self.tp.kv_heads, self.config.head_dim  # H, KvH: per device
-        qkv = project(x, self.qkv_proj).reshape(B, T, S, (H + 2 * KvH) * Hd)  # device s: [q_s k_s v_s]
+        qkv = project(x, self.qkv_proj)  # (B,T,S*(H+2*KvH)*Hd)
+        if self.qkv_bias is not None:  # Qwen2 (its rows in the same device-by-device order as qkv_proj's)
+            qkv = qkv + self.qkv_bias
+        qkv = qkv.reshape(B, T, S, (H + 2 * KvH) * Hd)  # device s: [q_s k_s v_s]
         q = qkv[..., : H * Hd].reshape(B, T, S * H, Hd)
         k = qkv[..., H * Hd: (H + KvH) * Hd].reshape(B, T, S * KvH, Hd)
         v = qkv[..., (H + KvH) * Hd:].reshape(B, T, S * KvH, Hd)
+        eps = self.config.rms_norm_eps
+        if self.q_norm is not None:  # Qwen3, Gemma 3: each head's q and k normalized over head_dim
+            q, k = rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn_metadata.attend(q, k, v, kv_cache)  # (B,T,S*H,Hd)
+        if (scalar := self.config.query_pre_attn_scalar) is not None:  # attention scales by Hd^-0.5; Gemma by this
+            q = q * (Hd / scalar) ** 0.5
+        out = attn_metadata.attend(q, k, v, kv_cache, self.sliding_window)  # (B,T,S*H,Hd)
         return project(out.reshape(B, T, S * H * Hd), self.o_proj)  # row-parallel: the all-reduce
 
     def mlp(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
         S, F = self.tp.size, self.config.intermediate_size // self.tp.size  # F: per device
         gate_up = project(x, self.gate_up_proj).reshape(B, T, S, 2 * F)  # (B,T,S,2F), device s: [gate_s up_s]
-        # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up
-        h = (gate_up[..., :F].silu() * gate_up[..., F:]).reshape(B, T, S * F)
+        # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up; GeGLU (Gemma): gelu(gate) * up, with
+        # gelu's tanh approximation 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), tinygrad's gelu
+        gate = gate_up[..., :F]
+        act = gate.silu() if self.config.hidden_act == "silu" else gate.gelu()
+        h = (act * gate_up[..., F:]).reshape(B, T, S * F)
         return project(h, self.down_proj)  # row-parallel: the all-reduce
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
@@ -111,8 +144,14 @@ class LlamaDecoderLayer:
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:
         eps = self.config.rms_norm_eps
-        h = x + self.attention(rms_norm(x, self.input_layernorm, eps), cos, sin, kv_cache, attn_metadata)
-        return (h + self.mlp(rms_norm(h, self.post_attention_layernorm, eps))).contiguous()
+        a = self.attention(rms_norm(x, self.input_layernorm, eps), cos, sin, kv_cache, attn_metadata)
+        if self.attn_output_norm is not None:  # Gemma's sandwich: the branch is normalized before it is added
+            a = rms_norm(a, self.attn_output_norm, eps)
+        h = x + a
+        m = self.mlp(rms_norm(h, self.post_attention_layernorm, eps))
+        if self.mlp_output_norm is not None:
+            m = rms_norm(m, self.mlp_output_norm, eps)
+        return (h + m).contiguous()
 
 
 @function(precompile=True)
@@ -121,7 +160,7 @@ def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
 
 
 # The axis each weight of a layer is split along (tensor parallel): 0 column-parallel, 1 row-parallel; others replicated
-SPLIT_AXIS = {"qkv_proj": 0, "gate_up_proj": 0, "o_proj": 1, "down_proj": 1}
+SPLIT_AXIS = {"qkv_proj": 0, "qkv_bias": 0, "gate_up_proj": 0, "o_proj": 1, "down_proj": 1}
 
 
 def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
@@ -225,7 +264,7 @@ class LlamaForCausalLM:
         layer_weights = []
         for i in range(config.num_hidden_layers):
             p, at = f"model.layers.{i}.", pp.layer_devices[i]
-            layer_weights.append({
+            weights = {
                 "input_layernorm": load(p + "input_layernorm.weight", at=at),
                 "qkv_proj": load(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
                                  p + "self_attn.v_proj.weight", axis=0, parts_of=("q", "k", "v"), at=at),
@@ -234,7 +273,18 @@ class LlamaForCausalLM:
                 "gate_up_proj": load(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", axis=0,
                                      parts_of=("gate", "up"), at=at),
                 "down_proj": load(p + "mlp.down_proj.weight", axis=1, at=at),
-            })
+            }
+            if config.attention_bias:
+                weights["qkv_bias"] = load(p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
+                                           p + "self_attn.v_proj.bias", axis=0, parts_of=("q", "k", "v"), at=at)
+            if config.qk_norm:
+                weights["q_norm"] = load(p + "self_attn.q_norm.weight", at=at)
+                weights["k_norm"] = load(p + "self_attn.k_norm.weight", at=at)
+            if config.sandwich_norms:  # Gemma: HF's post_attention_layernorm is the attention output's norm
+                weights["attn_output_norm"] = weights["post_attention_layernorm"]
+                weights["post_attention_layernorm"] = load(p + "pre_feedforward_layernorm.weight", at=at)
+                weights["mlp_output_norm"] = load(p + "post_feedforward_layernorm.weight", at=at)
+            layer_weights.append(weights)
         self.norm = load("model.norm.weight", at=pp.last)  # with the last layers: the last pipeline stage's
         if pp.size > 1:  # lm_head on the last stage; a tied one is a second copy of the embedding there
             self.lm_head = load("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight",
@@ -242,21 +292,27 @@ class LlamaForCausalLM:
         else:
             self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight", axis=0)
         self.inv_freq = Tensor(rope_frequencies(config), device=device)  # (Hd/2,)
+        # Gemma 3's sliding layers rotate with their own base (None: every layer shares inv_freq)
+        self.inv_freq_local = None if config.rope_local_theta is None else Tensor(
+            rope_frequencies(config, local=True), device=device)
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
         pool.shutdown()
-        Tensor.realize(*loaded, self.inv_freq)  # only casts (float16) and inv_freq are left to compute
+        extra = [] if self.inv_freq_local is None else [self.inv_freq_local]
+        Tensor.realize(*loaded, self.inv_freq, *extra)  # only casts (float16) and inv_freq are left to compute
         if tp.size > 1:  # split or replicate every weight over the devices
             layer_weights = [{name: place(tp, w, SPLIT_AXIS.get(name)) for name, w in lw.items()}
                              for lw in layer_weights]
             self.embed_tokens, self.norm, self.inv_freq = (place(tp, self.embed_tokens, 0), place(tp, self.norm, None),
                                                            place(tp, self.inv_freq, None))
             self.lm_head = self.embed_tokens if config.tie_word_embeddings else place(tp, self.lm_head, 0)
-            placed = [self.embed_tokens, self.norm, self.inv_freq, self.lm_head] + [w for lw in layer_weights
-                                                                                  for w in lw.values()]
+            if self.inv_freq_local is not None:
+                self.inv_freq_local = extra[0] = place(tp, self.inv_freq_local, None)
+            placed = [self.embed_tokens, self.norm, self.inv_freq, self.lm_head, *extra] + [w for lw in layer_weights
+                                                                                          for w in lw.values()]
             Tensor.realize(*[t.data if isinstance(t, QuantizedWeight) else t for w in placed
                              for t in (w if isinstance(w, tuple) else (w,))])  # every copy in one schedule
-        self.layers = [LlamaDecoderLayer(config, lw, tp) for lw in layer_weights]
+        self.layers = [LlamaDecoderLayer(config, lw, tp, i) for i, lw in enumerate(layer_weights)]
         self._weight_formats = self._count_weight_formats()  # fixed from here on; get_stats() reads it every step
 
     @property
@@ -292,8 +348,7 @@ class LlamaForCausalLM:
         formats: dict[str, int] = {}
         weights = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
         for layer in self.layers:
-            weights += [layer.input_layernorm, layer.qkv_proj, layer.o_proj, layer.post_attention_layernorm,
-                        layer.gate_up_proj, layer.down_proj]
+            weights += layer.weights()
         flat: list = []
         for w in weights:
             flat += list(w) if isinstance(w, tuple) else [w]
@@ -307,12 +362,17 @@ class LlamaForCausalLM:
         """input_ids, positions: (B,T) -> hidden states (B,T,D), writing this step's K/V into kv_caches."""
         input_ids, positions = self.tp.replicate(input_ids), self.tp.replicate(positions)  # on every device
         x = embed(self.embed_tokens, input_ids, self.dtype)  # (B,T,D)
+        if self.config.scale_embeddings:  # Gemma: times sqrt(D), a constant of the model's dtype as in HF
+            x = x * self.config.hidden_size**0.5
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
+        local = None if self.inv_freq_local is None else rope_cos_sin(positions, self.inv_freq_local)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if self.pp.size > 1 and (stage := self.pp.layer_devices[i]) != x.device:  # the next pipeline stage:
                 x, cos, sin = x.to(stage), cos.to(stage), sin.to(stage)  # the hidden state moves, in the same graph
+                local = None if local is None else (local[0].to(stage), local[1].to(stage))
                 attn_metadata = attn_metadata.to(stage)
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
+            layer_cos, layer_sin = local if local is not None and layer.sliding_window is not None else (cos, sin)
+            x = layer(x, layer_cos, layer_sin, kv_cache, attn_metadata)
         return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -328,7 +388,9 @@ class LlamaForCausalLM:
         """final hidden states (..., D) -> logits (..., V) in float32."""
         logits = project(normed, self.lm_head).float()
         if self.pp.size > 1:
-            return logits.to(self.device)  # from the last stage back to the first device, for the sampler
-        if self.tp.size == 1:
-            return logits
-        return self.tp.gather(logits)[..., : self.config.vocab_size]  # each device's vocabulary slice, on the first
+            logits = logits.to(self.device)  # from the last stage back to the first device, for the sampler
+        elif self.tp.size > 1:
+            logits = self.tp.gather(logits)[..., : self.config.vocab_size]  # each device's vocabulary slice
+        if (cap := self.config.final_logit_softcapping) is not None:  # Gemma 2: logits squashed into (-cap, cap)
+            logits = (logits / cap).tanh() * cap
+        return logits

@@ -27,11 +27,13 @@ from tinygrad import Tensor
 from tinyvllm.model.config import ModelConfig
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """inv_freq: (head_dim/2,) float32, with Llama-3 scaling applied when the config asks for it."""
+def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """inv_freq: (head_dim/2,) float32, with Llama-3 scaling applied when the config asks for it.
+    `local`: for Gemma 3's sliding-window layers, which rotate with their own base (rope_local_theta), unscaled."""
     hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    rs = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    rs = None if local else config.rope_scaling
     if rs is not None and rs.rope_type == "linear":
         inv_freq = inv_freq / rs.factor  # positions interpolated: position p rotates like p / factor
     elif rs is not None:

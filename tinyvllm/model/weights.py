@@ -19,6 +19,17 @@ Whatever the source, the model sees the same thing, as vLLM's and HF's LLaMA do:
     model.norm.weight                                 (hidden_size,)
     lm_head.weight                                    (vocab_size, hidden_size), only when not tied
 
+and, where the config's switches ask for them (tinyvllm/model/config.py):
+
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias      (out_features,)        attention_bias (Qwen2)
+    model.layers.{i}.self_attn.{q,k}_norm.weight      (head_dim,)            qk_norm (Qwen3, Gemma 3)
+    model.layers.{i}.pre_feedforward_layernorm.weight (hidden_size,)         sandwich_norms (Gemma): then
+    model.layers.{i}.post_feedforward_layernorm.weight (hidden_size,)        post_attention_layernorm is the norm
+                                                                             of the attention's output
+
+Gemma's RMSNorm multiplies by (1 + weight): its HF loader adds the 1 once (`weights_hf`), as llama.cpp's
+converter does into the GGUF file, so every norm weight here is the factor itself.
+
 Linear weights are (out_features, in_features), as in `torch.nn.Linear`: y = x @ W.T.
 q_proj and k_proj rows are in HF's layout, where RoPE pairs dimension i with i + head_dim/2
 (`rotate_half`); see weights_gguf for the other layout and how it is undone.
@@ -80,6 +91,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, d),
             p + "mlp.down_proj.weight": (d, f),
         })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_dim,), p + "self_attn.k_proj.bias": (kv_dim,),
+                           p + "self_attn.v_proj.bias": (kv_dim,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+        if config.sandwich_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -105,7 +124,8 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], sou
     if unexpected:
         # e.g. attention biases: running without them would give wrong outputs, not an error
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise ValueError(f"{source}: unexpected tensors for a LLaMA model: {', '.join(unexpected[:5])}{more}")
+        raise ValueError(f"{source}: unexpected tensors for a {config.architecture} model: "
+                         f"{', '.join(unexpected[:5])}{more}")
     for name, shape in expected.items():
         got = tuple(state_dict[name].shape)
         if got != shape:

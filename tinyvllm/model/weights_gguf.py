@@ -16,6 +16,14 @@ Names. llama.cpp names tensors its own way; we rename them to HF's (the names vL
     output_norm.weight            model.norm.weight
     output.weight                 lm_head.weight                               absent when tied
 
+Other architectures add tensors (and Gemma renames its norms: four per layer, `layer_names`):
+
+    blk.{i}.attn_{q,k,v}.bias     model.layers.{i}.self_attn.{q,k,v}_proj.bias   qwen2
+    blk.{i}.attn_{q,k}_norm.weight  model.layers.{i}.self_attn.{q,k}_norm.weight qwen3, gemma3
+    blk.{i}.post_attention_norm   model.layers.{i}.post_attention_layernorm      gemma3 (the attention output's)
+    blk.{i}.ffn_norm              model.layers.{i}.pre_feedforward_layernorm     gemma3
+    blk.{i}.post_ffw_norm         model.layers.{i}.post_feedforward_layernorm    gemma3
+
 Shapes need no transpose: GGUF lists dims fastest-first, and `GGUFFile` reverses them, so a GGUF
 linear weight is already (out_features, in_features).
 
@@ -32,7 +40,8 @@ that its adjacent-pair RoPE computes what HF's rotate_half computed on the origi
 
 Our model uses rotate_half, so the loader unpermutes. k_proj uses num_key_value_heads (its rows are KV
 heads). v_proj and o_proj are left alone: only q and k meet RoPE, and the score q . k sums over a
-head's dims, so any order works as long as q and k agree.
+head's dims, so any order works as long as q and k agree. Only 'llama' files (Llama, Mistral) are permuted:
+llama.cpp runs qwen2, qwen3 and gemma3 with the NEOX RoPE, which is rotate_half, so their rows are HF's as they are.
 """
 
 from __future__ import annotations
@@ -64,28 +73,45 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# what the other GGUF architectures add to (or, for gemma3, change in) the LLaMA names
+QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+ARCH_LAYER_NAMES = {
+    "llama": LAYER_NAMES,
+    "qwen2": {**LAYER_NAMES, "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+              "attn_v.bias": "self_attn.v_proj.bias"},
+    "qwen3": {**LAYER_NAMES, **QK_NORM_NAMES},
+    "gemma3": {**LAYER_NAMES, **QK_NORM_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
 # Llama-3.1-style RoPE factors: ModelConfig.from_gguf_metadata rejects such files before weights are read
 IGNORED_TENSORS = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if LLaMA has no such tensor."""
+def layer_names(arch: str = "llama") -> dict[str, str]:
+    """GGUF name -> HF name of one layer's tensors in a GGUF of architecture `arch` (general.architecture)."""
+    return ARCH_LAYER_NAMES[arch]
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if `arch` has no such tensor."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    names = layer_names(arch)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
-def gguf_name(hf: str) -> str | None:
+def gguf_name(hf: str, arch: str = "llama") -> str | None:
     """The inverse of `hf_name`."""
     for g, h in GLOBAL_NAMES.items():
         if h == hf:
             return g
     parts = hf.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["model", "layers"]:
-        for g, h in LAYER_NAMES.items():
+        for g, h in layer_names(arch).items():
             if h == parts[3]:
                 return f"blk.{parts[2]}.{g}"
     return None
@@ -133,7 +159,8 @@ def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32, keep_quantiz
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
     state_dict: dict[str, np.ndarray | QuantizedArray] = {}
-    file_names = {name: gguf_name(name) for name in expected_shapes(config)}
+    arch = config.gguf_architecture
+    file_names = {name: gguf_name(name, arch) for name in expected_shapes(config)}
     names = [name for name in gguf.tensors if name not in IGNORED_TENSORS]
 
     def read(name: str) -> np.ndarray | QuantizedArray:
@@ -143,11 +170,12 @@ def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32, keep_quantiz
     # dequantizing is numpy work that releases the GIL: one thread per core cuts the load time by that factor
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for name, array in zip(names, pool.map(read, names)):
-            hf = hf_name(name) or name  # an unknown name is kept, so check_state_dict reports it
+            hf = hf_name(name, arch) or name  # an unknown name is kept, so check_state_dict reports it
             file_names[hf] = name
             state_dict[hf] = array
     check_state_dict(config, state_dict, gguf.path, file_names)
-
+    if not config.rope_interleaved:
+        return config, state_dict
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
         state_dict[p + "q_proj.weight"] = unpermute_qk_rows(state_dict[p + "q_proj.weight"], config.num_attention_heads)

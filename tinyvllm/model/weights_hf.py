@@ -111,6 +111,8 @@ def load_hf(model_dir: str | os.PathLike, dtype=np.float32) -> tuple[ModelConfig
         for name, tensor in read_safetensors(file, names).items():
             if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue  # a tied lm_head that was saved anyway is the embedding matrix again
+            if config.norm_weight_offset and name.endswith("norm.weight"):
+                tensor = tensor + np.float32(config.norm_weight_offset)  # Gemma's (1 + w), added once here
             state_dict[name] = tensor.astype(dtype, copy=False)
     check_state_dict(config, state_dict, model_dir)
     return config, state_dict
