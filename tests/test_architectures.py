@@ -194,3 +194,115 @@ def test_unsupported_architecture_names_the_supported_ones():
         ModelConfig.from_hf_config({"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0})
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'phi3'.*'qwen2'"):
         ModelConfig.from_gguf_metadata({"general.architecture": "phi3"})
+
+
+# ---- every engine path, on one new architecture each ----
+
+def test_mistral_window_through_every_attention_path(checkpoints):
+    """Mistral's window (8 keys, blocks of 4) through the portable paged path, prefix caching (a second request
+    whose prompt shares the first's cached blocks), ngram speculative decoding (verify rows of one sequence, each
+    with its own window), and an int8 KV cache (its rounding: logprobs within 0.05)."""
+    from tinyvllm.llm import LLM
+
+    model_dir = checkpoints["mistral"]
+    tokenizer = load_tokenizer(model_dir)
+    prompt = tokenizer.encode(PROMPT)
+    expected = hf_reference(model_dir, prompt, 6)
+    assert_same(our_greedy(model_dir, prompt, 6, portable_attention=True), expected)
+
+    # a repetitive prompt, so that the ngram proposer finds drafts in it
+    repeat = tokenizer.encode(" ".join(["one two three four"] * 6))
+    expected_repeat = hf_reference(model_dir, repeat, 8)
+    llm = LLM(model_dir, max_model_len=128, kv_cache_memory="4MiB", quantization="none", block_size=4,
+              enable_prefix_caching=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                              "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=20)
+    for _ in range(2):  # the second time every full block of the prompt is a prefix-cache hit
+        out = llm.generate([repeat], params, use_tqdm=False)[0].outputs[0]
+        assert_same((out.token_ids, out.logprobs), expected_repeat)
+    stats = llm.llm_engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["prefix_cache_hits"] > 0
+
+    assert_same(our_greedy(model_dir, prompt, 6, kv_cache_dtype="int8"), expected, tol=0.05)
+
+
+def test_qwen2_quantized_weights(checkpoints, tmp_path):
+    """Qwen2 (biases) in Q8_0: quantized at load from the HF directory and as a Q8_0 GGUF written by
+    tinyvllm.quantize give the same tokens and logprobs as each other, close to HF's float32 ones."""
+    model_dir = checkpoints["qwen2"]
+    prompt = load_tokenizer(model_dir).encode(PROMPT)
+    expected = hf_reference(model_dir, prompt, 6)
+    at_load = our_greedy(model_dir, prompt, 6, quantization="q8_0")
+    gguf = quantize_model(model_dir, tmp_path / "qwen2-q8_0.gguf", "q8_0", out=io.StringIO())
+    assert GGUFFile(gguf).tensors["blk.0.attn_q.weight"].ggml_type == 8  # Q8_0 blocks, served as they are
+    from_file = our_greedy(gguf, prompt, 6, quantization="auto")
+    assert at_load[0] == from_file[0]
+    assert_same(from_file, expected, tol=0.05)
+
+
+def test_tinyvllm_serve_answers_the_openai_client(checkpoints):
+    """`tinyvllm serve MODEL` (a process of its own) on Qwen2: the openai client gets HF's greedy text."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    model_dir = checkpoints["qwen2"]
+    tokenizer = load_tokenizer(model_dir)
+    prompt = tokenizer.encode(PROMPT)
+    tokens, _ = hf_reference(model_dir, prompt, 6)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "tinyvllm.cli", "serve", str(model_dir), "--port", str(port),
+                             "--max-model-len", "128", "--kv-cache-memory", "4MiB", "--quantization", "none",
+                             "--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        (model,) = [m.id for m in client.models.list().data]
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == tokenizer.decode(tokens)
+        assert out.usage.completion_tokens == 6
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_gemma_sentencepiece_tokenizer_matches_hf(tmp_path):
+    """Gemma's kind of sentencepiece (BPE, byte fallback, no dummy prefix, digits split, its <bos>/<eos> names and
+    turn markers), trained here, against HF's GemmaTokenizer on text with bytes it never saw."""
+    import sentencepiece
+
+    (tmp_path / "train.txt").write_text(TRAIN_TEXT)
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, add_dummy_prefix=False, split_digits=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+        eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        minloglevel=2)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True}))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = TEST_TEXT.replace("<|im_start|>", "<start_of_turn>").replace("<|im_end|>", "<end_of_turn>") + " 日本"
+    expected = hf(text).input_ids
+    ours = load_tokenizer(tmp_path)
+    assert ours.encode(text) == expected and expected[0] == 2  # <bos> first
+    assert ours.decode(expected, skip_special_tokens=True) == hf.decode(expected, skip_special_tokens=True)

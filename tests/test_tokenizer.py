@@ -169,8 +169,8 @@ def test_token_bytes_rejects_out_of_range(tok):
 
 def test_unknown_preset_is_rejected(gguf_path):
     metadata = dict(GGUFFile(gguf_path).metadata)
-    metadata["tokenizer.ggml.pre"] = "qwen2"
-    with pytest.raises(ValueError, match="'qwen2'.*smollm"):
+    metadata["tokenizer.ggml.pre"] = "deepseek-llm"
+    with pytest.raises(ValueError, match="'deepseek-llm'.*smollm"):
         ByteLevelBPETokenizer.from_gguf_metadata(metadata)
 
 

@@ -6,7 +6,7 @@ path, correct but several times slower, so this checks the real thing:
 
     copy of the sources --pip wheel--> tinyvllm-*.whl --pip install--> fresh venv (its dependencies: a .pth
     file naming this venv's site-packages) --subprocess, cwd outside the repository--> which tinyvllm, which
-    kernel files, and does the matmul kernel run
+    kernel files, and does the matmul kernel run; and is the `tinyvllm` command on the venv's PATH, with its verbs
 
 The wheel is built from a copy, so the checkout gets no build/ folder. Site-packages named by a .pth line
 are only put on sys.path (their own .pth files are not run), so this venv's editable install of tinyvllm
@@ -104,6 +104,18 @@ def test_installed_wheel_runs_its_own_kernels(wheel: Path, tmp_path: Path):
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no kernel sources" not in result.stderr
+
+    # the console script ([project.scripts]): its verbs, the server's flags, and bench's clear error outside a clone
+    command = env_dir / "bin" / "tinyvllm"
+    result = subprocess.run([str(command), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and all(verb in result.stdout for verb in ("serve", "generate", "chat", "bench",
+                                                                             "quantize", "perplexity")), result.stderr
+    result = subprocess.run([str(command), "serve", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "usage: tinyvllm serve" in result.stdout and "--port" in result.stdout
+    result = subprocess.run([str(command), "bench", "latency"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "source repository" in result.stderr
 
 
 def test_missing_kernel_sources_warn(tmp_path: Path):

@@ -211,11 +211,11 @@ def describe_formats(model: LlamaForCausalLM) -> str:
     return ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in formats)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m tinyvllm.perplexity") -> int:
     from tinyvllm.model.loader import load_model
     from tinyvllm.model.quantization import METHODS
 
-    p = argparse.ArgumentParser(prog="python -m tinyvllm.perplexity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", default="auto", choices=METHODS,
                    help="how the weights are served (default auto: the checkpoint's own format; "

@@ -327,8 +327,8 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, o
     return dst
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tinyvllm.quantize", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m tinyvllm.quantize") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="a LLaMA .gguf file, or an HF model directory (config.json + safetensors)")
     parser.add_argument("dst", help="the .gguf file to write")
     parser.add_argument("--type", required=True, choices=list(OUTPUT_TYPES), dest="qtype",

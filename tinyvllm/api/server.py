@@ -448,8 +448,8 @@ def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port
     GracefulServer(config, engine, shutdown_timeout).run()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="tinyvllm: an OpenAI-compatible server")
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="tinyvllm: an OpenAI-compatible server")
     p.add_argument("--model", default=None, help="a .gguf file or an HF checkpoint directory (default: SmolLM2-135M)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -540,8 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:  # before the model loads: a typo in the keys file is said at once
         keys = ApiKeys.build(args.api_key, args.api_keys_file)

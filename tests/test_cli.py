@@ -1,0 +1,56 @@
+"""The `tinyvllm` command (tinyvllm/cli.py): its verbs, their --help, and the errors it gives. The server verb
+answering a real client is in tests/test_architectures.py; the installed command in tests/test_wheel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyvllm import cli
+
+
+@pytest.mark.parametrize("verb, words", [
+    ("serve", "--kv-cache-memory"), ("generate", "--prompt"), ("chat", "--prompt"), ("quantize", "--type"),
+    ("perplexity", "--n-ctx"), ("bench latency", "--rate"), ("bench throughput", "--concurrency"),
+    ("bench serve", "--base-url"),
+])
+def test_every_verb_has_help(capsys, verb, words):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*verb.split(), "--help"])
+    assert e.value.code == 0
+    assert words in capsys.readouterr().out
+
+
+def test_top_level_help_and_unknown_verb(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(verb in out for verb in cli.VERBS)
+    assert cli.main(["launch"]) == 2
+    assert "unknown verb 'launch'" in capsys.readouterr().err
+    assert cli.main(["bench", "sprint"]) == 2
+    assert "unknown workload 'sprint'" in capsys.readouterr().err
+
+
+def test_model_comes_first_as_in_vllm_serve():
+    assert cli._model_first(["m.gguf", "--port", "9"]) == ["--model", "m.gguf", "--port", "9"]
+    assert cli._model_first(["--port", "9"]) == ["--port", "9"]
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: None)
+    assert cli.main(["bench", "latency"]) == 2
+    assert "benchmarks/ of tinyvllm's source repository" in capsys.readouterr().err
+
+
+def test_generate_bad_model_is_one_clear_line(capsys):
+    assert cli.main(["generate", "no/such/model.gguf", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no checkpoint at no/such/model.gguf")
+
+
+def test_chat_reads_turns_from_stdin(capsys, monkeypatch, tiny_model_dir):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAnd again\n\n"))
+    assert cli.main(["chat", str(tiny_model_dir), "--max-tokens", "3", "--temperature", "0",
+                     "--max-model-len", "256", "--kv-cache-memory", "8MiB"]) == 0
+    assert len(capsys.readouterr().out.strip("\n").split("\n")) == 2  # one reply line per turn

