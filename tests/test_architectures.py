@@ -98,7 +98,11 @@ def randomize(model, gemma: bool) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """name -> an HF model directory with random weights, saved by transformers (config.json as it writes it)."""
+    import shutil
+
     torch.set_num_threads(2)
+    tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
+    write_qwen_tokenizer(tokenizer_dir)
     dirs = {}
     for name, (model_cls, config_cls, args) in ARCHS.items():
         out = tmp_path_factory.mktemp(name)
@@ -106,7 +110,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         model = getattr(transformers, model_cls)(config).eval()
         randomize(model, gemma=name.startswith("gemma"))
         model.save_pretrained(out)
-        write_qwen_tokenizer(out)
+        for file in tokenizer_dir.iterdir():
+            shutil.copy(file, out / file.name)
         dirs[name] = out
     return dirs
 

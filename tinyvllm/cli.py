@@ -214,12 +214,15 @@ def bench_main(argv: list[str]) -> int:
               "there)", file=sys.stderr)
         return 2
     script = folder / BENCH_SCRIPTS[workload]
+    argv_before, path_before = sys.argv, list(sys.path)
     sys.argv = [f"tinyvllm bench {workload}", *rest]
     sys.path.insert(0, str(folder))  # the scripts import their neighbours (common.py)
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:  # argparse's --help and errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = argv_before, path_before
     return 0
 
 
