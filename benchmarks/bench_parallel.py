@@ -21,7 +21,8 @@ from common import load_average, log, machine_description, table, write_results
 
 def decode_step_ms(engine, concurrency: int, prompt_len: int, tokens: int) -> dict:
     """Mean wall time of the decode steps of `concurrency` requests (the prefill steps excluded), after a warm-up
-    run that compiles the buckets."""
+    run that compiles the buckets. The engine's token budget takes every prompt in one step, so that every request
+    decodes together from the second step on."""
     from tinyvllm.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -94,7 +95,7 @@ def main() -> None:
         config = model.config
         for c in concurrencies:
             engine = LLMEngine(model, tokenizer=tokenizer, max_num_seqs=max(concurrencies),
-                               max_num_batched_tokens=max(64, max(concurrencies)), kv_cache_memory="128MiB",
+                               max_num_batched_tokens=max(concurrencies) * args.prompt_len, kv_cache_memory="128MiB",
                                max_model_len=args.prompt_len + args.tokens + 8)
             log(f"{name}, {c} concurrent (load average {load_average()})")
             figures["steps"].setdefault(name, {})[str(c)] = fig = decode_step_ms(engine, c, args.prompt_len,
