@@ -117,6 +117,15 @@ def test_tp2_equals_tp1_under_continuous_batching(tiny_models):
     assert len(results[1]["n2"]) == 2
 
 
+def test_tp2_equals_tp1_with_speculative_decoding(tiny_models):
+    """n-gram drafts verified on two devices: the rows of the drafts' logits come back gathered like the others."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    requests = {"a": ([5, 6, 7, 8] * 3 + [5, 6], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))}
+    one = run(engine_on(tiny_models, 1, speculative_config=spec), requests)
+    two = run(engine_on(tiny_models, 2, speculative_config=spec), requests)
+    assert_same(one, two)
+
+
 def test_kv_cache_split_by_head(tiny_models):
     """Each device holds its KV heads' slice of every block: the cache is split along its head axis."""
     engine = engine_on(tiny_models, 2)
