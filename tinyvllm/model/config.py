@@ -285,7 +285,9 @@ class ModelConfig:
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
             scale_embeddings=gemma,
             sandwich_norms=gemma,
-            query_pre_attn_scalar=float(md.get(f"{arch}.attention.query_pre_attn_scalar", head_dim)) if gemma else None,
+            # llama.cpp scales Gemma 3's scores by head_dim^-0.5, by (D / H)^-0.5 for the 27B (62 layers), as its
+            # config.json's query_pre_attn_scalar says
+            query_pre_attn_scalar=(float(dim // n_heads if n_layers == 62 else head_dim)) if gemma else None,
             rope_local_theta=float(md.get(f"{arch}.rope.local_freq_base", 10000.0)) if gemma else None,
             final_logit_softcapping=md.get(f"{arch}.final_logit_softcapping"),
         )
