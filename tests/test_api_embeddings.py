@@ -14,7 +14,7 @@ import json
 import numpy as np
 import openai
 import pytest
-from api_helpers import client, serve
+from api_helpers import client, metrics, serve
 
 from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import SamplingParams
@@ -111,6 +111,9 @@ def test_embeddings_through_the_openai_client(server, engine, hf):
     with pytest.raises(openai.BadRequestError, match="dimensions") as e:
         client(server).embeddings.create(model=MODEL, input="Hi", dimensions=8)
     assert e.value.body["param"] == "dimensions"
+    samples = metrics(server)  # the real engine's step counts reach /metrics: every prompt token was computed
+    assert samples["tinyvllm:iteration_tokens_total_sum"] >= response.usage.prompt_tokens
+    assert samples["tinyvllm:num_preemptions_total"] == engine.scheduler.num_preemptions
 
 
 def test_echo_with_logprobs_gives_the_prompt_logprobs(server, engine, hf):

@@ -96,7 +96,7 @@ _SHUTDOWN = object()
 class AsyncLLMEngine:
     """`generate()` streams one request's outputs; everything device-side happens on `engine-loop`.
 
-    stat_logger (optional) is called on the engine thread: `record_added(request_id, arrival_time)`,
+    stat_logger (optional) is called on the engine thread: `record_added(request_id, arrival_time, params)`,
     `record_removed(request_id)`, and `record(now, stats, outputs, stepped)` after each loop turn.
     """
 
@@ -279,7 +279,7 @@ class AsyncLLMEngine:
         except Exception as e:  # ValueError: the caller's mistake, answered to that request only
             return command.request_id, e
         self._in_engine.add(command.request_id)
-        self._record("record_added", command.request_id, command.arrival_time)
+        self._record("record_added", command.request_id, command.arrival_time, command.params)
         return None
 
     def _step(self) -> None:

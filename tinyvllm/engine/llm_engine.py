@@ -617,11 +617,15 @@ class LLMEngine:
 
     def get_stats(self) -> dict:
         bm = self.scheduler.block_manager
+        last_step = self.step_log.records[-1] if self.step_log.records else None
+        iteration_tokens = 0 if last_step is None else last_step.num_prefill_tokens + last_step.num_decode_tokens
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
                 "num_cached_blocks": len(bm.cached_blocks),  # free or not: blocks a new prompt may hit
                 "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
                 "num_preemptions": self.scheduler.num_preemptions,
+                # tokens the last step computed (vLLM's iteration_tokens_total); 0 before any step
+                "iteration_tokens": iteration_tokens,
                 "kv_cache_dtype": self.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
                 "kv_cache_bytes_per_token": self.kv_cache.bytes_per_token,
                 "quantization": self.model.quantization, "weight_bytes": self.model.weight_formats(),
