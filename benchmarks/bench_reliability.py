@@ -447,7 +447,8 @@ def main() -> None:
     p.add_argument("--fuzz-cases", type=int, default=200, help="schemathesis examples per operation and mode")
     p.add_argument("--grace", type=float, default=10.0, help="the restart scenario's --shutdown-timeout (default 10)")
     p.add_argument("--no-write", action="store_true", help="print, but do not write the results file")
-    p.add_argument("--notes", default=None, help="a sentence recorded with the figures (say, how loaded the machine was)")
+    p.add_argument("--notes", default=None,
+                   help="a sentence recorded with the figures (say, how loaded the machine was)")
     args = p.parse_args()
     log(f"bench_reliability on {machine_description()}")
     from tinyvllm.engine.fault_injection import FaultInjector

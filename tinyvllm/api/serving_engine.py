@@ -265,7 +265,8 @@ class OpenAIServing:
                     or int(key) >= self.tokenizer.vocab_size):
                 shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
                 raise bad_request(f"logit_bias keys must be token ids written as integer strings, in [0, "
-                                  f"{self.tokenizer.vocab_size}) (e.g. {{\"1234\": -100}}), got {shown!r}", "logit_bias")
+                                  f"{self.tokenizer.vocab_size}) (e.g. {{\"1234\": -100}}), got {shown!r}",
+                                  "logit_bias")
             parsed[int(key)] = bias
         return parsed
 
