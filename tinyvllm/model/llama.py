@@ -291,15 +291,16 @@ class LlamaForCausalLM:
                                 at=pp.last)
         else:
             self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight", axis=0)
-        self.inv_freq = Tensor(rope_frequencies(config), device=device)  # (Hd/2,)
+        self.inv_freq = upload([rope_frequencies(config)], device)  # (Hd/2,), in place on the CPU
         # Gemma 3's sliding layers rotate with their own base (None: every layer shares inv_freq)
-        self.inv_freq_local = None if config.rope_local_theta is None else Tensor(
-            rope_frequencies(config, local=True), device=device)
+        self.inv_freq_local = None if config.rope_local_theta is None else upload(
+            [rope_frequencies(config, local=True)], device)
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
         pool.shutdown()
-        extra = [] if self.inv_freq_local is None else [self.inv_freq_local]
-        Tensor.realize(*loaded, self.inv_freq, *extra)  # only casts (float16) and inv_freq are left to compute
+        # only casts (float16) are left to compute; a realize of buffers that are ready would still schedule them
+        if pending := [t for t in loaded if not tinygrad_adapter.is_realized(t)]:
+            Tensor.realize(*pending)
         if tp.size > 1:  # split or replicate every weight over the devices
             layer_weights = [{name: place(tp, w, SPLIT_AXIS.get(name)) for name, w in lw.items()}
                              for lw in layer_weights]
