@@ -210,3 +210,19 @@ def test_echo_with_logprobs_streamed_and_batched(server, tokenizer):
                                                     max_tokens=2, temperature=0, stream=True))
     streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
     assert streamed == response.choices[1].logprobs.token_logprobs
+
+
+def test_chat_continues_the_final_message(server, tokenizer):
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one two"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    text = text[:text.rindex("one two") + len("one two")]  # the last message left open: the model continues it
+    expected = offline(tokenizer.encode(text, add_special_tokens=False), temperature=0, max_tokens=4)
+    response = client(server).chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=4,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                    "chat_template_kwargs": {"enable_thinking": False}})
+    assert response.choices[0].message.content == expected.outputs[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).chat.completions.create(model=MODEL, messages=messages,
+                                               extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"

@@ -206,6 +206,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None  # None: as many as the context leaves
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token, needs logprobs
+    # vLLM's chat template extras: open the assistant's turn (the default), or continue the last message instead
+    # (a prefill of the answer); more variables for the template
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
 
 
 # ---- completions responses -----------------------------------------------------------------------

@@ -126,7 +126,9 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         tool_use = self.tool_use(request)
-        text = self.render_text(request.messages, tool_use.tools)
+        text = self.render_text(request.messages, tool_use.tools, add_generation_prompt=request.add_generation_prompt,
+                                continue_final_message=request.continue_final_message,
+                                chat_template_kwargs=request.chat_template_kwargs)
         prompt_ids = self.tokenize(text)
         # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted, the new one wins
         if request.max_completion_tokens is not None:
