@@ -20,7 +20,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 4: batched forward, device sampling
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 4,
     # Phase 5: custom kernels
-    "test_kernels_paged_attention": 5,
+    "test_kernels_paged_attention": 5, "test_sliding_window": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,
     # Phase 6: quantized weights, perplexity, cold start
@@ -30,7 +30,11 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_block_manager_caching": 7, "test_prefix_cache_sharing": 7, "test_kernels_copy_blocks": 7,
     "test_beam_search": 7, "test_spec_decode": 7, "test_spec_decode_draft": 7, "test_rejection_sampler": 7,
     "test_spec_decode_serve": 7, "test_kv_cache_quantization": 7,
+    "test_admission_width": 7, "test_architectures": 7,
+    # Phase 8: several devices, replicas
+    "test_tensor_parallel": 8, "test_pipeline_parallel": 8, "test_serve_ray": 8,
     # Phase 9: the OpenAI server
+    "test_api_transport": 9, "test_cli": 9,
     "test_async_llm_engine": 9, "test_api_server": 9, "test_api_errors": 9, "test_api_fuzz": 9,
     "test_api_isolation": 9, "test_api_keys": 9, "test_api_limits": 9, "test_api_real_engine": 9,
     "test_api_structured": 9, "test_api_tools": 9, "test_structured_outputs": 9, "test_dashboard": 9,
