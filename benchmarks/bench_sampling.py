@@ -7,10 +7,12 @@ For each N, N requests (bench_throughput's prompts and `run_batch`: `--prompt-le
 generated, ignore_eos) run with each sampling chain of `--sampling` (benchmarks/sampling_chains.py) in turn, and
 the turns repeat `--repeats` times: greedy and the sampled chains are measured back to back, so a change of load
 on the shared cores falls on all of them. Reported per chain: total tok/s (median of the repeats) and its ratio to
-greedy's (the median of the ratios of each repeat, greedy run just before).
+greedy's (the median of the ratios of each repeat, greedy run just before); and the decode speed without the
+prefill, one over the requests' median time per output token (TPOT), as llama-server times its own generation.
 
-`main.py`: the command a new user runs, with its own defaults (temperature 0.8, top-p 0.95, top-k 40) against
-`--temperature 0`, as processes of their own, taking turns; its "decode X tok/s" line is the figure.
+`main.py`: the command a new user runs (`--chat`: the prompt as a user turn, so the model answers at length), with
+its own defaults (temperature 0.8, top-p 0.95, top-k 40) against `--temperature 0`, as processes of their own,
+taking turns; its "decode X tok/s" line is the figure.
 
 With `--peers DIR`, llama.cpp's llama-server (one slot) generates the same number of tokens after the same prompt
 with each chain (`sampling_chains.llama_server_fields`), `--repeats` times in turns; its own timing of the
@@ -59,7 +61,10 @@ def measure_engine(args: argparse.Namespace, levels: list[int]) -> dict:
         for repeat in range(args.repeats):
             for chain in args.sampling:
                 r = run_batch(engine, recorder, prompts(n), args.output_len, f"{n}-{repeat}-{chain}", chain)
-                results[n][chain]["runs"].append({"tok_s": r["tok_s"], "load_average": r["load_average"]})
+                # decode_tok_s: one over the median time per output token (TPOT) of the requests, the decode speed
+                # without the prefill, which is what llama-server's own timing measures
+                results[n][chain]["runs"].append({"tok_s": r["tok_s"], "decode_tok_s": 1e3 / r["tpot_ms"]["p50"],
+                                                  "load_average": r["load_average"]})
                 log(f"N {n}, {chain}, repeat {repeat + 1}/{args.repeats}: {r['tok_s']:.1f} tok/s, "
                     f"load average {r['load_average'][1]}")
     for n in levels:
@@ -72,10 +77,12 @@ def summarize(by_chain: dict, chains: list[str]) -> None:
     greedy = by_chain.get("greedy")
     for chain in chains:
         runs = by_chain[chain]["runs"]
-        by_chain[chain]["tok_s"] = statistics.median(r["tok_s"] for r in runs)
-        if greedy is not None:
-            by_chain[chain]["ratio_to_greedy"] = statistics.median(
-                r["tok_s"] / g["tok_s"] for r, g in zip(runs, greedy["runs"]))
+        for figure, ratio in (("tok_s", "ratio_to_greedy"), ("decode_tok_s", "decode_ratio_to_greedy")):
+            if figure not in runs[0]:
+                continue
+            by_chain[chain][figure] = statistics.median(r[figure] for r in runs)
+            if greedy is not None:
+                by_chain[chain][ratio] = statistics.median(r[figure] / g[figure] for r, g in zip(runs, greedy["runs"]))
 
 
 def measure_main(args: argparse.Namespace) -> dict:
@@ -83,7 +90,7 @@ def measure_main(args: argparse.Namespace) -> dict:
     runs: dict[str, list[float]] = {"defaults": [], "temperature_0": []}
     for repeat in range(args.repeats):
         for name, extra in (("temperature_0", ["--temperature", "0"]), ("defaults", [])):
-            cmd = [sys.executable, str(ROOT / "main.py"), "--prompt", MAIN_PROMPT, "--max-tokens",
+            cmd = [sys.executable, str(ROOT / "main.py"), "--prompt", MAIN_PROMPT, "--chat", "--max-tokens",
                    str(args.output_len), "--seed", str(repeat), *extra]
             r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             found = re.search(r"decode ([\d.]+) tok/s", r.stderr)
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\nbench_sampling: {machine_description(False)}; quantization {args.quantization}; prompt "
           f"{args.prompt_len}, output {args.output_len} tokens (ignore_eos); median of {args.repeats} turns")
-    headers = ("chain", *(h for n in levels for h in (f"N={n} tok/s", "vs greedy")),
+    headers = ("chain", *(h for n in levels for h in (f"N={n} tok/s", "vs greedy")), f"N={levels[0]} decode tok/s", "vs greedy",
                *(("llama-server tok/s", "vs greedy") if llama is not None else ()))
     rows = []
     for chain in args.sampling:
@@ -144,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in levels:
             r = figures["concurrency"][str(n)][chain]
             row += [f"{r['tok_s']:.1f}", f"{r['ratio_to_greedy']:.2f}"]
+        r = figures["concurrency"][str(levels[0])][chain]
+        row += [f"{r['decode_tok_s']:.1f}", f"{r['decode_ratio_to_greedy']:.2f}"]
         if llama is not None:
             r = figures["peers"]["llama_server"]["chains"][chain]
             row += [f"{r['tok_s']:.1f}", f"{r['ratio_to_greedy']:.2f}"]
