@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, code_version, log, machine_description, table, write_results  # (benchmarks/common.py)
+from sampling_chains import add_sampling_arg
 
 CONFIGS = {  # name -> (--quantization, --dtype)
     "auto": ("auto", "auto"),
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default="4GiB",
                    help="KV cache per engine (default 4GiB: 256 x 160 tokens in float32 fit; a fixed budget keeps "
                    "the three engines of the run alike)")
+    # greedy alone by default: the ten minutes of a GPU run go to the three configurations; the HF peer decodes greedy
+    add_sampling_arg(p, default="greedy")
     p.add_argument("--peers", default=None, choices=["hf"], help="hf: HF transformers on the same device, same run")
     p.add_argument("--time-budget-s", type=float, default=540.0,
                    help="no configuration starts after this many seconds (default 540)")
@@ -70,7 +73,8 @@ def engine_args(args: argparse.Namespace, dtype: str) -> argparse.Namespace:
     """The options bench_throughput.run_engine reads: no one-by-one runs (the ratio here is to HF)."""
     return argparse.Namespace(model=args.model, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                               max_num_batched_tokens=args.max_num_batched_tokens, prompt_len=args.prompt_len,
-                              output_len=args.output_len, one_by_one=0, portable_attention=False, dtype=dtype)
+                              output_len=args.output_len, one_by_one=0, portable_attention=False, dtype=dtype,
+                              sampling=args.sampling)
 
 
 def run_tinyvllm(args: argparse.Namespace, levels: list[int], name: str) -> dict:

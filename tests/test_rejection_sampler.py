@@ -238,11 +238,11 @@ def test_rollback_leaves_no_stale_slots(tiny):
         it and itself are right)."""
         seen, execute = {}, engine.model_runner.execute_model
 
-        def execute_model(scheduler_output):
+        def execute_model(scheduler_output, *args):
             seq = scheduler_output.scheduled_seqs[0]
             n = seq.num_tokens
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            seqs, logits = execute(scheduler_output)
+            seqs, logits = execute(scheduler_output, *args)
             if seqs:
                 host = logits.numpy()
                 seen[n] = host[0]

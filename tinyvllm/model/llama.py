@@ -308,7 +308,8 @@ class LlamaForCausalLM:
                                                            place(tp, self.inv_freq, None))
             self.lm_head = self.embed_tokens if config.tie_word_embeddings else place(tp, self.lm_head, 0)
             if self.inv_freq_local is not None:
-                self.inv_freq_local = extra[0] = place(tp, self.inv_freq_local, None)
+                self.inv_freq_local = place(tp, self.inv_freq_local, None)
+            extra = [] if self.inv_freq_local is None else [self.inv_freq_local]
             placed = [self.embed_tokens, self.norm, self.inv_freq, self.lm_head, *extra] + [w for lw in layer_weights
                                                                                           for w in lw.values()]
             Tensor.realize(*[t.data if isinstance(t, QuantizedWeight) else t for w in placed
