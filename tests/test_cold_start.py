@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_CONFIG, write_tiny_model
 
-from tinyvllm import tinygrad_adapter
+from tinyvllm import disk_cache, tinygrad_adapter
 from tinyvllm.kernels import graph_cache, program_cache
 
 
@@ -151,7 +151,7 @@ def test_the_graph_directory_keeps_the_most_recently_used_files(tmp_path):
         (tmp_path / f"{name}.graph").write_bytes(b"x" * 100)
         os.utime(tmp_path / f"{name}.graph", (1000 + i, 1000 + i))
     os.utime(tmp_path / "used.graph", (2000, 2000))  # read after the others were written
-    graph_cache.evict(tmp_path, 200)
+    disk_cache.evict(tmp_path, "*.graph", 200)
     assert sorted(p.stem for p in tmp_path.glob("*.graph")) == ["new", "used"]
 
 

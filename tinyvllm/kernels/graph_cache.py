@@ -56,6 +56,7 @@ from typing import Any
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.disk_cache import evict
 from tinyvllm.kernels import cpu_threads, program_cache
 from tinyvllm.kernels.cpu_graph import CPUGraph
 from tinyvllm.kernels.launcher import KERNELS_DIR
@@ -253,31 +254,11 @@ class PersistedGraph:
                 f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
             os.replace(tmp, self.path(plan["key"]))
             self.writes += 1
-            evict(self.directory, MAX_BYTES)
+            evict(self.directory, "*.graph", MAX_BYTES)
         except OSError as e:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
             self.skipped = f"could not write {self.directory}: {e}"
-
-
-def evict(directory: Path, max_bytes: int) -> None:
-    """Delete the least recently used graph files until those left take at most `max_bytes`."""
-    files = []
-    for path in directory.glob("*.graph"):
-        try:
-            st = path.stat()
-        except OSError:  # deleted meanwhile by another process
-            continue
-        files.append((st.st_mtime, st.st_size, path))
-    total = sum(size for _, size, _ in files)
-    for _, size, path in sorted(files, key=lambda f: f[0]):
-        if total <= max_bytes:
-            break
-        try:
-            path.unlink()
-        except OSError:
-            pass
-        total -= size
 
 
 def read_plan(data: bytes) -> dict:

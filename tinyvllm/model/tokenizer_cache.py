@@ -31,6 +31,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+from tinyvllm.disk_cache import evict
 from tinyvllm.model import tokenizer as tokenizer_module
 from tinyvllm.model.tokenizer import Tokenizer
 
@@ -108,28 +109,8 @@ def write(tokenizer: Tokenizer, key: str, directory: Path | None = None) -> bool
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         return False
-    evict(directory, MAX_BYTES)
+    evict(directory, "*.tokenizer", MAX_BYTES)
     return True
-
-
-def evict(directory: Path, max_bytes: int) -> None:
-    """Delete the least recently used tokenizer files until those left take at most `max_bytes`."""
-    files = []
-    for path in directory.glob("*.tokenizer"):
-        try:
-            st = path.stat()
-        except OSError:  # deleted meanwhile by another process
-            continue
-        files.append((st.st_mtime, st.st_size, path))
-    total = sum(size for _, size, _ in files)
-    for _, size, path in sorted(files, key=lambda f: f[0]):
-        if total <= max_bytes:
-            break
-        try:
-            path.unlink()
-        except OSError:
-            pass
-        total -= size
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
