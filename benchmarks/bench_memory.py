@@ -278,8 +278,8 @@ def attention_parts(config: ModelConfig, contexts: list[int], block_size: int, n
 
 
 def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
-    """Median ms to make one decode step's inputs: a new tensor per input per step (what the runners did in
-    Phase 2), against refilling persistent InputBuffers in place (what they do now, see Phase 1 section 8)."""
+    """Median ms to make one decode step's inputs: a new tensor per input per step, against refilling
+    persistent InputBuffers in place (the runners' way, docs/phases/01-appendix-tinygrad-speed.md)."""
     from tinygrad import Tensor, dtypes
 
     from tinyvllm.engine.input_buffer import InputBuffer
