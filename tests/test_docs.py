@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from phases import phase_of_chapter
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PHASE_DOCS = sorted((DOCS / "phases").glob("*.md"))
@@ -62,10 +64,52 @@ def test_phase_docs_exist():
     assert PHASE_DOCS, "docs/phases/ holds no tutorial"
 
 
+# ---- the course's shape: one chapter per phase, each read in one sitting ----
+
+CHAPTER_LINES = 450  # a chapter longer than this moves material to an appendix of its own
+CHAPTER = re.compile(r"(\d\d)([a-z]?)-(?!appendix-)[a-z0-9]+(?:-[a-z0-9]+)*\.md")
+APPENDIX = re.compile(r"(\d\d)([a-z]?)-appendix-[a-z0-9]+(?:-[a-z0-9]+)*\.md")
+
+
+def is_appendix(doc: Path) -> bool:
+    return "appendix" in doc.name
+
+
+def test_chapters_and_appendices_are_named_as_such():
+    chapters = [doc for doc in PHASE_DOCS if not is_appendix(doc)]
+    for doc in PHASE_DOCS:
+        title = doc.read_text(encoding="utf-8").splitlines()[0]
+        if is_appendix(doc):
+            match = APPENDIX.fullmatch(doc.name)
+            assert match, f"{doc.name}: an appendix is named NN-appendix-<topic>.md (lowercase words and dashes)"
+            number, letter = match.groups()
+            assert any(c.name.startswith(f"{number}{letter}-") for c in chapters), \
+                f"{doc.name}: no chapter {number}{letter} for this appendix to belong to"
+            assert title.startswith(f"# Phase {int(number)}{letter}, appendix: "), \
+                f"{doc.name}: an appendix's title starts '# Phase {int(number)}{letter}, appendix: ', not {title!r}"
+        else:
+            match = CHAPTER.fullmatch(doc.name)
+            assert match, f"{doc.name}: a chapter is named NN-<topic>.md or NNx-<topic>.md (lowercase, dashes)"
+            number, letter = match.groups()
+            assert title.startswith(f"# Phase {int(number)}{letter}: "), \
+                f"{doc.name}: a chapter's title starts '# Phase {int(number)}{letter}: ', not {title!r}"
+    assert sorted({phase_of_chapter(c.name) for c in chapters}) == list(range(1, 10)), \
+        "docs/phases/ has one chapter (or sub-chapters) for each phase, 1 to 9"
+
+
+@pytest.mark.parametrize("doc", [d for d in PHASE_DOCS if not is_appendix(d)], ids=lambda p: p.name)
+def test_a_chapter_reads_in_one_sitting(doc: Path):
+    lines = len(doc.read_text(encoding="utf-8").splitlines())
+    assert lines <= CHAPTER_LINES, (f"{doc.name} has {lines} lines, more than {CHAPTER_LINES}: move material "
+                                    f"to an appendix ({doc.name[:3].rstrip('-')}-appendix-<topic>.md)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", PHASE_DOCS, ids=[doc.name for doc in PHASE_DOCS])
 def test_phase_doc_code_runs(doc: Path):
     blocks = python_blocks(doc)
+    if not blocks and is_appendix(doc):
+        return  # an appendix of measurements may have no code; a chapter always runs some
     assert blocks, f"{doc.name} has no ```python block: a tutorial's code should run in the tests"
     namespace: dict = {"__name__": f"docs.phases.{doc.stem}"}
     name = str(doc.relative_to(ROOT))
