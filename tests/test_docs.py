@@ -97,6 +97,14 @@ def test_chapters_and_appendices_are_named_as_such():
         "docs/phases/ has one chapter (or sub-chapters) for each phase, 1 to 9"
 
 
+def test_the_readme_table_links_every_chapter_once():
+    rows = [line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("|") and "](docs/phases/" in line]
+    linked = sorted(name for row in rows for name in re.findall(r"\]\(docs/phases/([\w.-]+\.md)\)", row))
+    chapters = sorted(d.name for d in PHASE_DOCS if not is_appendix(d))
+    assert linked == chapters, f"README.md's table of phases links {linked}; the chapters are {chapters}"
+
+
 @pytest.mark.parametrize("doc", [d for d in PHASE_DOCS if not is_appendix(d)], ids=lambda p: p.name)
 def test_a_chapter_reads_in_one_sitting(doc: Path):
     lines = len(doc.read_text(encoding="utf-8").splitlines())
