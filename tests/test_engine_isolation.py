@@ -52,14 +52,14 @@ def test_a_failure_inside_the_step_ends_that_request_alone(engine, monkeypatch):
     requests = {f"ok{i}": ([100 + i] * (i + 2), greedy) for i in range(4)}
     requests["bad"] = ([7, 8, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
     requests["n2"] = ([3, 4], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
-    sample_on_host = engine._sample_on_host
+    sample_on_host = engine.sampler.sample_on_host
 
-    def failing(seq, logits, *mask):
+    def failing(seq, *args):
         if seq.seq_id == "bad" and seq.num_output_tokens == 3 or seq.seq_id == "n2-1":
             raise RuntimeError("injected")
-        return sample_on_host(seq, logits, *mask)
+        return sample_on_host(seq, *args)
 
-    monkeypatch.setattr(engine, "_sample_on_host", failing)
+    monkeypatch.setattr(engine.sampler, "sample_on_host", failing)
     out = run_all(engine, requests)
     monkeypatch.undo()
     assert out["bad"].error and "RuntimeError: injected" in out["bad"].error

@@ -242,15 +242,15 @@ def test_rollback_leaves_no_stale_slots(tiny):
             seq = scheduler_output.scheduled_seqs[0]
             n = seq.num_tokens
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            seqs, logits = execute(scheduler_output, *args)
-            if seqs:
-                host = logits.numpy()
+            output = execute(scheduler_output, *args)
+            if output.sampled_seqs:
+                host = output.logits.numpy()
                 seen[n] = host[0]
-                for j, row in enumerate(engine.model_runner.spec_logits_rows.get(seq.seq_id, [])):
+                for j, row in enumerate(output.spec_logits_rows.get(seq.seq_id, [])):
                     if drafts[:j + 1] != truth[n:n + j + 1]:
                         break
                     seen[n + j + 1] = host[row]
-            return seqs, logits
+            return output
         engine.model_runner.execute_model = execute_model
         return seen
 

@@ -21,13 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+from tinyvllm.engine.arg_utils import add_engine_args, engine_kwargs
+
 PROCESS_START = time.perf_counter()
 
 # bench's workloads -> the script that runs each, in benchmarks/ of a source checkout (not part of the wheel:
 # they measure the engine against peers and write benchmarks/results/, which belong to the repository)
 BENCH_SCRIPTS = {"latency": "bench_latency.py", "throughput": "bench_throughput.py", "serve": "bench_serving.py"}
-KV_CACHE_DTYPES = ["auto", "float32", "float16", "int8", "fp8"]
-QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1"]
 
 
 # ---- generate and chat (main.py's flags) ----
@@ -50,34 +50,7 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="memory for the paged KV cache, e.g. 2GiB (default: 512MiB on the CPU; on a GPU what "
-                        "--gpu-memory-utilization leaves)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of a GPU's memory the engine may take; the KV cache gets what the weights and a "
-                        "step's activations leave of it (vLLM's flag; default 0.9 on a GPU)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of prompt prefixes seen before (default on, as in vLLM)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per token "
-                        "per KV head, about a quarter of float32's bytes (default auto)")
-    p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
-                   help="weights: auto keeps a GGUF's quantized blocks (fused kernels), none dequantizes them, "
-                        "q8_0/q4_0/q4_1 quantize at load (default auto)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
-                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
-    p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; N must "
-                        "divide the attention heads, and divide or be a multiple of the KV heads) (default 1)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="put consecutive layers on N devices of --device's kind, the hidden state passed between them "
-                        "(pipeline parallel; any head count) (default 1)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\' (docs/phases/07b-speculative-decoding.md; default off)')
+    add_engine_args(p)  # LLMEngine's flags, shared with the server (engine/arg_utils.py)
     return p
 
 
@@ -90,24 +63,13 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
     # imported here so that --help is instant and DEV is set before tinygrad starts
     from tinyvllm.engine.generator import GenerationResult, Generator
     from tinyvllm.sampling_params import SamplingParams
-    from tinyvllm.spec_decode.config import parse_speculative_config
 
     try:
-        try:  # before the model loads: a typo in the JSON is said at once
-            speculative_config = parse_speculative_config(args.speculative_config)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config: {e}") from None
+        engine_args = engine_kwargs(args)  # before the model loads: a typo in the JSON is said at once
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                 seed=args.seed, stop=args.stop)
-        generator = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                              gpu_memory_utilization=args.gpu_memory_utilization,
-                              enable_prefix_caching=args.enable_prefix_caching,
-                              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                              speculative_config=speculative_config,
-                              tensor_parallel_size=args.tensor_parallel_size,
-                              pipeline_parallel_size=args.pipeline_parallel_size)
+        generator = Generator(args.model, **engine_args)
         if chat and args.prompt is None:
             return _chat_loop(generator, params)
         result = GenerationResult([])

@@ -78,9 +78,9 @@ from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.api.serving_responses import OpenAIServingResponses
 from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
                                            TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse)
+from tinyvllm.engine.arg_utils import add_engine_args, engine_kwargs
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
 from tinyvllm.pooling_params import PoolingParams
-from tinyvllm.spec_decode.config import parse_speculative_config
 
 OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
 # and the dashboard page holds no data (its calls to /v1/engine/state carry the key)
@@ -476,8 +476,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="let cross-origin requests carry cookies and Authorization (default off)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients ask for in 'model' (default: the model's own name)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)")
+    add_engine_args(p)  # LLMEngine's flags, shared with `tinyvllm generate` (engine/arg_utils.py)
     p.add_argument("--max-waiting", type=int, default=256,
                    help="more requests than this waiting get 429 with Retry-After (default 256)")
     defaults = ServerLimits()
@@ -495,21 +494,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help=f"most stop strings per request (default {defaults.max_stop_sequences})")
     p.add_argument("--max-stop-length", type=int, default=defaults.max_stop_length,
                    help=f"longest stop string, in characters (default {defaults.max_stop_length})")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="memory for the KV cache blocks, e.g. 2GiB (default: 512MiB on the CPU; on a GPU what "
-                        "--gpu-memory-utilization leaves)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of a GPU's memory the engine may take; the KV cache gets what the weights and a "
-                        "step's activations leave of it (vLLM's flag; default 0.9 on a GPU)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs: in arrival order; priority: by each request's 'priority' (lower first; default fcfs)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of prompt prefixes seen before (default on)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "int8", "fp8"],
-                   help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per token "
-                        "per KV head (default auto)")
     p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
                    help="think: send the model's <think>...</think> as reasoning_content (default none)")
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
@@ -518,21 +502,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--pooler-config", default=None, metavar="JSON",
                    help='how /v1/embeddings pools the final hidden states, vLLM\'s pooler config as JSON: '
                         '\'{"pooling_type": "MEAN"}\' (LAST or MEAN; default LAST) and "normalize" (default true)')
-    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
-                   help="weights: auto keeps a GGUF's quantized blocks, none dequantizes, q8_0/q4_0/q4_1 quantize "
-                        "at load (default auto)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\' (default off); its counters are on /metrics')
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
-                   help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
-    p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; N must "
-                        "divide the attention heads, and divide or be a multiple of the KV heads) (default 1)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="put consecutive layers on N devices of --device's kind, the hidden state passed between them "
-                        "(pipeline parallel; any head count) (default 1)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, requests in flight get this long to finish before they end with an error; "
                         "new ones get 503 meanwhile (default 10)")
@@ -548,9 +517,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except (OSError, ValueError) as e:
         parser.error(f"--api-keys-file: {e}")
     try:  # before the model loads, as vLLM does: a typo in the JSON is said at once
-        speculative_config = parse_speculative_config(args.speculative_config)
+        engine_args = engine_kwargs(args)
     except ValueError as e:
-        parser.error(f"--speculative-config: {e}")
+        parser.error(str(e))
     try:
         pooler = PoolingParams.from_json(args.pooler_config)
     except (TypeError, ValueError) as e:
@@ -561,14 +530,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     def make_engine():
         from tinyvllm.engine.llm_engine import LLMEngine  # here: --help stays instant, tinygrad starts on this thread
 
-        return LLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                         max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-                         scheduling_policy=args.scheduling_policy, enable_prefix_caching=args.enable_prefix_caching,
-                         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-                         speculative_config=speculative_config, tensor_parallel_size=args.tensor_parallel_size,
-                         pipeline_parallel_size=args.pipeline_parallel_size)
+        return LLMEngine(args.model, **engine_args)
 
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, body_read_timeout=args.body_read_timeout,
                           max_n=args.max_n,

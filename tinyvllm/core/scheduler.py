@@ -91,7 +91,18 @@ class SchedulerOutput:
 
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()`
-    once per step. The KV pool size (`num_blocks`) is computed once elsewhere and passed in."""
+    once per step. The KV pool size (`num_blocks`) is computed once elsewhere and passed in.
+
+    Args:
+        num_blocks: KV blocks in the pool (the BlockManager's).
+        block_size: tokens per block.
+        max_model_len: the longest sequence; it must fit in the pool.
+        max_num_seqs: the most sequences in one step (and seats: running requests, with the forks they reserve).
+        max_num_batched_tokens: the token budget of one step (>= max_num_seqs: every decode gets its token).
+        eos_token_ids: the model's stop tokens (a request may ignore them: ignore_eos).
+        policy: "fcfs" (arrival order) or "priority" (each request's priority, lower first; preempts the lowest).
+        enable_prefix_caching: reuse full blocks of prompts seen before (core/block_manager.py).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = (), policy: str = "fcfs",

@@ -191,13 +191,17 @@ class BeamSearchRequests:
     def owns(self, seq_id: int | str) -> bool:
         return seq_id in self.request_of
 
-    def record(self, seq: Sequence, logits: np.ndarray) -> None:
-        """A beam's logits row, computed this step: its log-softmax (of logits / temperature, if any)."""
-        request = self.request_of[seq.seq_id]
-        temperature = request.search.params.temperature
-        x = logits.astype(np.float32) / (temperature if temperature > 0 else 1.0)
-        x = x - x.max()
-        request.logprobs[seq.seq_id] = x - np.log(np.exp(x).sum())
+    def record(self, seqs: list[Sequence], logits) -> None:
+        """The step's beams among `seqs` take their logits rows (logits (rows, V) on the device, row i for seqs[i];
+        copied to the host only in a step that has beams): each its log-softmax (of logits / temperature, if any)."""
+        rows = [row for row, seq in enumerate(seqs) if seq.seq_id in self.request_of]
+        host = logits.numpy() if rows else None
+        for row in rows:
+            request = self.request_of[seqs[row].seq_id]
+            temperature = request.search.params.temperature
+            x = host[row].astype(np.float32) / (temperature if temperature > 0 else 1.0)
+            x = x - x.max()
+            request.logprobs[seqs[row].seq_id] = x - np.log(np.exp(x).sum())
 
     def update(self) -> list[RequestOutput]:
         """Advance every request whose beams all have their row; returns the outputs of those that finished."""

@@ -1,6 +1,7 @@
 """What the engine is doing right now, as plain data: the KV block pool, the queues, the last steps.
 
 `LLMEngine.get_state()` returns this snapshot; the server's dashboard (tinyvllm/api/dashboard.py) draws it.
+`LLMEngine.get_stats()` returns the engine's counters (`engine_stats`), which the server's /metrics reads.
 It must be taken on the thread that steps the engine (the scheduler changes its queues and block tables
 during a step), so the async engine asks for it through its command queue, between two steps.
 
@@ -120,3 +121,21 @@ def engine_state(engine) -> dict:
             "waiting": [request_state(seq, now) for seq in scheduler.waiting],
             "steps": [{**asdict(record), "age_s": round(now - record.time, 3)} for record in engine.step_log.records],
             "num_steps": engine.step_log.num_steps}
+
+
+def engine_stats(engine) -> dict:
+    """An `LLMEngine`'s counters, as the server's /metrics reads them (LLMEngine.get_stats)."""
+    bm = engine.scheduler.block_manager
+    last_step = engine.step_log.records[-1] if engine.step_log.records else None
+    iteration_tokens = 0 if last_step is None else last_step.num_prefill_tokens + last_step.num_decode_tokens
+    return {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
+            "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
+            "num_cached_blocks": len(bm.cached_blocks),  # free or not: blocks a new prompt may hit
+            "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": engine.scheduler.num_preemptions,
+            # tokens the last step computed (vLLM's iteration_tokens_total); 0 before any step
+            "iteration_tokens": iteration_tokens,
+            "kv_cache_dtype": engine.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
+            "kv_cache_bytes_per_token": engine.kv_cache.bytes_per_token,
+            "quantization": engine.model.quantization, "weight_bytes": engine.model.weight_formats(),
+            **(engine.speculator.stats() if engine.speculator is not None else {})}

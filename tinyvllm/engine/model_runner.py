@@ -29,6 +29,8 @@ the sequence it forked from, so the prompt's logits are computed once for all th
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
@@ -39,11 +41,29 @@ from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.input_buffer import InputBuffer
+from tinyvllm.engine.step_timer import lap
 from tinyvllm.kernels import graph_cache
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
 from tinyvllm.spec_decode import rejection_sampler
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass computed (vLLM v1's name): the rows of logits the step samples from, and what the
+    requests that need more than one row per sequence take from it.
+
+        logits (R, V), on the device     row i   sampled_seqs[i]'s next token (a forked sequence: its source's row)
+                                         then    the drafts' rows (spec_logits_rows), then padding rows
+    """
+
+    sampled_seqs: list[Sequence]  # the sequences whose tokens are now all computed: each samples a token
+    logits: Tensor | None  # (R, V) on the device; None when no sequence caught up
+    # speculative decoding: seq_id -> the rows of `logits` at its drafts' positions (its prediction after each draft)
+    spec_logits_rows: dict[int | str, list[int]] = field(default_factory=dict)
+    # `hidden_for`'s sequences: seq_id -> the final hidden states of the tokens it computed, (count, D) on the host
+    hidden_states: dict[int | str, np.ndarray] = field(default_factory=dict)
 
 
 def buckets_up_to(limit: int) -> list[int]:
@@ -56,6 +76,19 @@ def buckets_up_to(limit: int) -> list[int]:
 
 
 class ModelRunner:
+    """Runs the model over a step's scheduled tokens (`execute_model`), and samples on the device (`sample`,
+    `rejection_sample`); one captured graph per shape bucket.
+
+    Args:
+        model: the model (its device, dtype and tensor-parallel layout are the runner's).
+        kv_cache: the paged KV cache the model reads and writes (its block_size, null block and tensors).
+        max_model_len: the longest sequence: the width of the block tables.
+        max_num_batched_tokens: the token budget of one step: the largest token bucket.
+        max_num_seqs: the most sequences in one step: the rows of logits a step samples.
+        portable_attention: the portable paged attention instead of the kernels (and portable block copies).
+        num_speculative_tokens: drafts per sequence in a step that verifies them: rows of logits it adds.
+    """
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
                  max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
                  num_speculative_tokens: int = 0):
@@ -76,8 +109,6 @@ class ModelRunner:
         self._input_buffers: dict[tuple[int, int], tuple[InputBuffer, ...]] = {}  # as _jits (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
         self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
-        self.spec_logits_rows: dict[int | str, list[int]] = {}  # of the last step (see execute_model)
-        self.hidden_states: dict[int | str, np.ndarray] = {}  # of the last step (see execute_model)
         self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D), on the device
         self._token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id -> (first row, rows) in _normed
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
@@ -131,15 +162,14 @@ class ModelRunner:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      hidden_for: frozenset = frozenset()) -> tuple[list[Sequence], Tensor | None]:
-        """Run the step. Returns the sequences whose tokens are now all computed (they sample a token), and
-        their logits on the device: (rows, vocab), row i for sequence i, padding rows after them. Speculative
-        decoding: `self.spec_logits_rows` then maps each sequence that verified draft tokens to the rows of the
-        logits at its drafts' positions (after the sequences' rows): row i is the target's prediction after its
-        last sampled token, these rows its predictions after each draft. `hidden_for`: the seq_ids that need
-        every position (see the module doc); `self.hidden_states` then maps each of those scheduled this step to
-        the final hidden states of the tokens it computed, (count, D) on the host, and `position_logits` gives
-        their logits."""
+                      hidden_for: frozenset = frozenset()) -> ModelRunnerOutput:
+        """Run the step. Returns the sequences whose tokens are now all computed (they sample a token) and their
+        logits on the device: (rows, vocab), row i for sequence i, padding rows after them. Speculative decoding:
+        `spec_logits_rows` maps each sequence that verified draft tokens to the rows of the logits at its drafts'
+        positions (after the sequences' rows): row i is the target's prediction after its last sampled token, these
+        rows its predictions after each draft. `hidden_for`: the seq_ids that need every position (see the module
+        doc); `hidden_states` maps each of those scheduled this step to the final hidden states of the tokens it
+        computed, and `position_logits` gives their logits until the next step."""
         if scheduler_output.blocks_to_copy:  # before anything writes into the copies
             self.copy_blocks(scheduler_output.blocks_to_copy)
         seqs = scheduler_output.scheduled_seqs
@@ -184,31 +214,28 @@ class ModelRunner:
             num_extra += len(where)
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
-        if self.step_timer is not None:
-            self.step_timer.lap("prepare_inputs")
+        lap(self.step_timer, "prepare_inputs")
         if token_rows:  # all positions' final hidden states, then the sampled rows' logits from them
             if ("hidden", n) not in self._jits:
                 self._jits["hidden", n] = GraphedJit(self._forward_hidden)
             self._normed = self._jits["hidden", n](*inputs[:4], inputs[5])
             logits = self._rows_logits(self._normed, inputs[4])
             host = self._normed.numpy()
-            self.hidden_states = {seq_id: host[start:start + count] for seq_id, (start, count) in token_rows.items()}
+            hidden_states = {seq_id: host[start:start + count] for seq_id, (start, count) in token_rows.items()}
             self._token_rows = token_rows
         else:
             if (n, num_rows) not in self._jits:
                 self._jits[n, num_rows] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(
                     self, "forward", n, num_rows))
             logits = self._jits[n, num_rows](*inputs)
-            self.hidden_states, self._token_rows = {}, {}
-        if self.step_timer is not None:
-            self.step_timer.lap("forward")
+            hidden_states, self._token_rows = {}, {}
+        lap(self.step_timer, "forward")
         if scheduler_output.forked_from:
             forked = [seq for seq in seqs if seq.seq_id in scheduler_output.forked_from]
             logits = self._repeat_rows(logits, [rows[scheduler_output.forked_from[seq.seq_id]] for seq in forked],
                                        len(sampled_seqs), num_extra)
             sampled_seqs += forked
-        self.spec_logits_rows = spec_rows
-        return sampled_seqs, (logits if sampled_seqs else None)
+        return ModelRunnerOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src, [(src, dst), ...], in every per-layer tensor of the cache (block

@@ -58,7 +58,7 @@ from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import load_model
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.sample import device_sampler
-from tinyvllm.sample.noise import draw_keys
+from tinyvllm.sample.sampling_batch import SamplingRows
 from tinyvllm.spec_decode.config import SpeculativeConfig
 from tinyvllm.spec_decode.proposer import Draft, DraftRequest
 
@@ -201,14 +201,14 @@ class DraftModelProposer:
             return []
         shadows = [self._seqs[r.seq.seq_id] for r, _ in scheduled]
         output = SchedulerOutput(shadows, {s.seq_id: count for s, (_, count) in zip(shadows, scheduled)}, [])
-        sampled_seqs, logits = self.runner.execute_model(output)
+        step = self.runner.execute_model(output)
         for shadow, (_, count) in zip(shadows, scheduled):
             shadow.num_computed_tokens += count
         by_id = {r.seq.seq_id: r for r, _ in scheduled}
-        caught_up = [by_id[s.seq_id] for s in sampled_seqs]
+        caught_up = [by_id[s.seq_id] for s in step.sampled_seqs]
         if not caught_up:
             return []
-        tokens, q = self._sample(logits, caught_up)
+        tokens, q = self._sample(step.logits, caught_up)
         for row, r in enumerate(caught_up):
             drafts[r.seq.seq_id].append(int(tokens[row]))
             if q is not None and not r.params.is_greedy:
@@ -223,22 +223,16 @@ class DraftModelProposer:
         rows, vocab = logits.shape
         if all(r.params.is_greedy for r in requests):
             return self.runner.sample(logits, None, None, None, None, None, False), None
-        temperature, top_k = np.zeros(rows, np.float32), np.full(rows, vocab, np.int32)
-        top_p, min_p, keys = np.ones(rows, np.float32), np.zeros(rows, np.float32), np.zeros((rows, 2), np.uint32)
+        batch = SamplingRows(rows, vocab)
         for row, r in enumerate(requests):
-            params = r.params
-            if params.is_greedy:
-                continue
-            temperature[row], top_p[row], min_p[row] = params.temperature, params.top_p, params.min_p
-            top_k[row] = min(params.top_k, vocab) if params.top_k > 0 else vocab
-            keys[row] = draw_keys(r.generator, 1)[0]  # the request's own draws: seeded requests repeat
-        use_filters = bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any())
-        key = (rows, use_filters)
+            if not r.params.is_greedy:
+                batch.fill(row, r.params, r.generator)  # the request's own draws: seeded requests repeat
+        arrays = (*batch.device_params, batch.keys)
+        key = (rows, batch.use_filters)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(self._sampler_graph(use_filters))
-            self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device)
-                                         for a in (temperature, top_k, top_p, min_p, keys)]
-        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], (temperature, top_k, top_p, min_p, keys))]
+            self._sampler_jits[key] = GraphedJit(self._sampler_graph(batch.use_filters))
+            self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in arrays]
+        inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], arrays)]
         tokens, q = self._sampler_jits[key](logits, *inputs)
         # the graph's output buffer is written again by its next call: q leaves in a copy of its own
         return tokens.numpy(), q.clone().realize()

@@ -40,7 +40,7 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.sample import noise
 from tinyvllm.sample.device_sampler import draw, processed_logits
-from tinyvllm.sample.noise import draw_keys
+from tinyvllm.sample.sampling_batch import SamplingRows
 from tinyvllm.sampling_params import SamplingParams
 
 NO_DRAFT = -1  # draft_token_ids on a bonus row (and on padding rows): q is 0 there
@@ -74,26 +74,18 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     return accepted, tokens
 
 
-class VerifyBatch:
+class VerifyBatch(SamplingRows):
     """The host's inputs to `rejection_sample` for one step, built request by request (`add`), padded to `rows`
-    (padding rows hold harmless values and are never read back)."""
+    (padding rows hold harmless values and are never read back: temperature 1, no draft, no filter)."""
 
     def __init__(self, rows: int, vocab: int):
-        self.rows, self.vocab = rows, vocab
-        self.temperature = np.ones(rows, np.float32)  # (rows,)
-        self.top_k = np.full(rows, vocab, np.int32)  # (rows,) vocab = off
-        self.top_p = np.ones(rows, np.float32)  # (rows,) 1 = off
-        self.min_p = np.zeros(rows, np.float32)  # (rows,) 0 = off
+        super().__init__(rows, vocab, temperature=1.0)  # temperature, top_k, top_p, min_p (rows,); keys (rows, 2)
+        self.keys = np.zeros((rows, 2), np.uint32)
         self.draft_token_ids = np.full(rows, NO_DRAFT, np.int32)  # (rows,)
         self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
-        self.keys = np.zeros((rows, 2), np.uint32)  # (rows, 2) each row's draw key
         self.draft_probs: np.ndarray | None = None  # (rows, vocab) q, once a request comes with one
         self.spans: list[tuple[int, int]] = []  # per request: (its first row, its number of drafts)
         self.num_rows_used = 0  # rows the requests added so far fill; the rest is padding
-
-    @property
-    def use_filters(self) -> bool:
-        return bool((self.top_k < self.vocab).any() or (self.top_p < 1).any() or (self.min_p > 0).any())
 
     def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator,
             draft_probs: np.ndarray | None = None) -> None:
@@ -102,13 +94,9 @@ class VerifyBatch:
         drawn from, None for a deterministic proposer (q one-hot at the draft)."""
         k, first = len(draft_token_ids), self.num_rows_used
         assert first + k + 1 <= self.rows, f"{first + k + 1} verify rows do not fit in {self.rows}"
-        span = slice(first, first + k + 1)
-        self.temperature[span] = params.temperature
-        self.top_k[span] = min(params.top_k, self.vocab) if params.top_k > 0 else self.vocab
-        self.top_p[span], self.min_p[span] = params.top_p, params.min_p
         self.draft_token_ids[first:first + k] = draft_token_ids
         self.uniforms[first:first + k] = generator.random(k)
-        self.keys[span] = draw_keys(generator, k + 1)
+        self.fill(first, params, generator, count=k + 1)  # the k + 1 rows' parameters and keys
         if draft_probs is not None and self.draft_probs is None:  # the first q: the requests before get one-hot rows
             self.draft_probs = np.zeros((self.rows, self.vocab), np.float32)
             drafted = np.flatnonzero(self.draft_token_ids[:first] != NO_DRAFT)
