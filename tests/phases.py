@@ -16,7 +16,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
-    "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3,
+    "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3, "test_engine_size": 3,
     # Phase 4: batched forward, device sampling
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 4,
     # Phase 5: custom kernels
