@@ -36,7 +36,6 @@ from tinyvllm.engine.input_processor import InputProcessor
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.engine.parent_request import ParentRequests
 from tinyvllm.engine.request_state import RequestState
-from tinyvllm.engine.step_timer import lap
 from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import load_model
@@ -189,12 +188,12 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
-        lap(self.step_timer, None)
+        self.model_runner.lap(None)
         if self.speculator is not None:  # drafts for this step (seq.spec_token_ids), counted by the scheduler
             self.speculator.propose(self.scheduler.running, self.requests)
         scheduler_output = self.scheduler.schedule()
         self._record_scheduled(scheduler_output.scheduled_seqs)
-        lap(self.step_timer, "schedule")
+        self.model_runner.lap("schedule")
         begun = self.step_log.begin(scheduler_output)
         rng_states = generator_states(scheduler_output, self.requests)
         try:
@@ -202,12 +201,12 @@ class LLMEngine:
         except Exception as e:  # no request's own try caught it: the forward pass, or the batch's sampling
             sampled = self.failures.retry_in_parts(scheduler_output, rng_states, e, self._run_and_sample)
         new_token_seqs = self.scheduler.update_from_output(scheduler_output, sampled)
-        lap(self.step_timer, "bookkeeping")
+        self.model_runner.lap("bookkeeping")
         outputs = self._make_outputs(new_token_seqs) + self.beam_search.update()
         if self.speculator is not None:  # the proposer drops what it holds for sequences that stopped running
             self.speculator.free_stale(self.scheduler.running)
         self.step_log.end(begun, len(new_token_seqs))
-        lap(self.step_timer, "detokenize")
+        self.model_runner.lap("detokenize")
         return outputs
 
     def _record_scheduled(self, seqs: list[Sequence]) -> None:
@@ -245,9 +244,9 @@ class LLMEngine:
             return {}
         self.beam_search.record(seqs, logits)  # beams sample nothing: the beam search reads their log-probabilities
         batch = self.sampler.prepare(seqs, *logits.shape, verifying=spec_rows)
-        lap(self.step_timer, "bookkeeping")
+        self.model_runner.lap("bookkeeping")
         tokens = self.model_runner.sample(logits, *batch.device_params, batch.keys, batch.use_filters, batch.bitmask)
-        lap(self.step_timer, "forward")  # the sampler runs on the device: its token ids are the forward pass's end
+        self.model_runner.lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
         sampled = self.sampler.finish(seqs, batch, tokens, logits)
         if spec_rows:  # the tokens each verifying request emits (a list), and where its output stood before them
             for seq in self.speculator.verify(seqs, logits, tokens, spec_rows, scheduler_output, sampled,

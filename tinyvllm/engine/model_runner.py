@@ -41,7 +41,6 @@ from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.input_buffer import InputBuffer
-from tinyvllm.engine.step_timer import lap
 from tinyvllm.kernels import graph_cache
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
@@ -214,7 +213,7 @@ class ModelRunner:
             num_extra += len(where)
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
-        lap(self.step_timer, "prepare_inputs")
+        self.lap("prepare_inputs")
         if token_rows:  # all positions' final hidden states, then the sampled rows' logits from them
             if ("hidden", n) not in self._jits:
                 self._jits["hidden", n] = GraphedJit(self._forward_hidden)
@@ -229,13 +228,22 @@ class ModelRunner:
                     self, "forward", n, num_rows))
             logits = self._jits[n, num_rows](*inputs)
             hidden_states, self._token_rows = {}, {}
-        lap(self.step_timer, "forward")
+        self.lap("forward")
         if scheduler_output.forked_from:
             forked = [seq for seq in seqs if seq.seq_id in scheduler_output.forked_from]
             logits = self._repeat_rows(logits, [rows[scheduler_output.forked_from[seq.seq_id]] for seq in forked],
                                        len(sampled_seqs), num_extra)
             sampled_seqs += forked
         return ModelRunnerOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
+
+    def lap(self, phase: str | None) -> None:
+        """Profiling only: the time since the last lap of `step_timer` belongs to `phase` (None: a step starts)."""
+        if self.step_timer is None:
+            return
+        if phase is None:
+            self.step_timer.start()
+        else:
+            self.step_timer.lap(phase)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src, [(src, dst), ...], in every per-layer tensor of the cache (block

@@ -13,15 +13,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sample.sampler import logprobs_of
 from tinyvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tinyvllm.pooling_params import PoolingParams  # a pooling request's (Phase 9)
 
 
 @dataclass

@@ -4,12 +4,12 @@ A decode step on a small model is short (milliseconds), so the Python around the
 filling the input buffers, sampling bookkeeping, detokenizing) can be a large share of it: the "host stall"
 that vLLM's async output processing and multi-step scheduling hide. To see it, set a StepTimer on the engine:
 
-    engine.step_timer = StepTimer()       # LLMEngine.step and ModelRunner.execute_model lap it only if set
+    engine.step_timer = StepTimer()       # LLMEngine.step and ModelRunner.execute_model call lap() only if set
     ... engine.step() ...
     engine.step_timer.per_step_ms()       # {"schedule": 0.4, "prepare_inputs": 0.3, "forward": 9.1, ...}
 
 Each `lap(phase)` adds the time since the previous lap (or since `start()`) to that phase, so the phases of
-one step add up to the step's wall time. With no timer set (the default) `lap` only tests `is not None`.
+one step add up to the step's wall time. With no timer set (the default) the engine only tests `is not None`.
 
 On a GPU a kernel launch returns before the kernel has run: without waiting, "forward" would hold the launch and
 the next phase that reads a result (the sampled tokens) the device's time. So a timer given a device waits for it
@@ -64,13 +64,3 @@ class StepTimer:
         steps = max(self.num_steps, 1)
         names = [p for p in PHASES if p in self.totals] + [p for p in self.totals if p not in PHASES]
         return {name: self.totals[name] / steps * 1e3 for name in names}
-
-
-def lap(timer: StepTimer | None, phase: str | None) -> None:
-    """Profiling only: the time since the last lap belongs to `phase` (None: a step starts); no timer, nothing."""
-    if timer is None:
-        return
-    if phase is None:
-        timer.start()
-    else:
-        timer.lap(phase)

@@ -31,12 +31,12 @@ import numpy as np
 
 from tinyvllm.sample.noise import draw_keys
 from tinyvllm.sample.sampler import Sampler, logprobs_of
-from tinyvllm.sample.structured_output import StructuredOutputManager, apply_bitmask_numpy
 from tinyvllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tinyvllm.core.sequence import Sequence
     from tinyvllm.model.tokenizer import Tokenizer
+    from tinyvllm.sample.structured_output import StructuredOutputManager
 
 
 class SamplingRows:
@@ -100,10 +100,19 @@ class StepSampler:
     unused. A request whose sampling fails ends alone: `fail(seq, error)` (the engine's), the batch goes on."""
 
     def __init__(self, tokenizer: Tokenizer, requests: dict, fail: Callable[[Sequence, Exception], None]):
-        self.structured_outputs = StructuredOutputManager(tokenizer)  # the grammars' matchers and masks
+        self.tokenizer, self.requests, self.fail = tokenizer, requests, fail
         self.stop_token_ids = tokenizer.stop_token_ids  # the model's: min_tokens bans them
-        self.requests, self.fail = requests, fail
         self.host_sampler = Sampler()
+        self._structured_outputs: StructuredOutputManager | None = None
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammars' matchers and masks (structured outputs, Phase 9), built at the first request with one."""
+        if self._structured_outputs is None:
+            from tinyvllm.sample.structured_output import StructuredOutputManager
+
+            self._structured_outputs = StructuredOutputManager(self.tokenizer)
+        return self._structured_outputs
 
     def prepare(self, seqs: list[Sequence], rows: int, vocab: int, verifying: dict | tuple = ()) -> SamplingBatch:
         """Each row's sampling parameters, draw key and grammar mask, one request at a time: a request whose
@@ -156,7 +165,11 @@ class StepSampler:
     def sample_on_host(self, seq: Sequence, state, logits: np.ndarray, bitmask_row: np.ndarray | None = None) -> int:
         """One row on the host reference sampler, its grammar's mask applied; records the token's logprobs when
         the request asks for them."""
-        allowed = logits if bitmask_row is None else apply_bitmask_numpy(logits, bitmask_row)
+        allowed = logits
+        if bitmask_row is not None:  # a grammar's (structured outputs, Phase 9)
+            from tinyvllm.sample.structured_output import apply_bitmask_numpy
+
+            allowed = apply_bitmask_numpy(logits, bitmask_row)
         token = self.host_sampler(allowed, state.params, seq.prompt_token_ids, seq.output_token_ids, state.generator,
                                   self.stop_token_ids)
         if state.params.logprobs is not None:  # of the model's own distribution, as vLLM's raw logprobs

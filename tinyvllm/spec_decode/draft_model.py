@@ -83,9 +83,20 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, 
 
 
 class DraftModelProposer:
-    """The `Proposer` of the draft_model method (see proposer.py). Built once by the engine with what it knows
-    of the target: its model (the draft runs at its dtype, on its device), its tokenizer (checked against the
-    draft's), the KV pool's size and block size, and the step limits the draft's runner shares."""
+    """The `Proposer` of the draft_model method (see proposer.py), built once by the engine with what it knows
+    of the target.
+
+    Args:
+        config: a speculative_config with method "draft_model": the draft's checkpoint and its quantization.
+        target_model: the target (the draft runs at its dtype, on its device, with as many logits per token).
+        target_tokenizer: the target's, checked against the draft's (check_same_tokenizer).
+        num_blocks, block_size: the target's KV pool; the draft's own pool is as large.
+        max_model_len: the target's; the draft must handle as many positions.
+        max_num_batched_tokens, max_num_seqs: the step limits the draft's runner shares (its catch-up is chunked
+            by the first).
+        portable_attention: the draft's runner keeps the portable paged attention.
+        target_name: the target's name, in the errors.
+    """
 
     def __init__(self, config: SpeculativeConfig, target_model: LlamaForCausalLM, target_tokenizer: Tokenizer, *,
                  num_blocks: int, block_size: int, max_model_len: int, max_num_batched_tokens: int,

@@ -46,8 +46,18 @@ def speculates(seq: Sequence, params: SamplingParams, has_grammar: bool) -> bool
 
 
 class Speculator:
-    """Built by the engine from its `speculative_config`; `runner` is the target's ModelRunner (its rejection
-    sampling graphs); the keyword arguments describe the target for a draft model (DraftModelProposer)."""
+    """Built by the engine from its `speculative_config`.
+
+    Args:
+        config: the checked speculative_config (method, num_speculative_tokens, ...).
+        runner: the target's ModelRunner (its rejection sampling graphs).
+        model, tokenizer: the target's (a draft model runs at its dtype, on its device, with the same tokenizer).
+        max_model_len: the target's; no draft goes past it.
+        num_blocks, block_size: the target's KV pool (a draft model's own pool is as large).
+        max_num_batched_tokens, max_num_seqs: the target's step limits, which a draft model's runner shares.
+        portable_attention: the draft model's runner keeps the portable paged attention too.
+        model_name: the target's name, for the error that a draft with another tokenizer gets.
+    """
 
     def __init__(self, config: SpeculativeConfig, runner, model, tokenizer, *, max_model_len: int, num_blocks: int,
                  block_size: int, max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
