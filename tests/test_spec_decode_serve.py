@@ -16,6 +16,7 @@ from api_helpers import parse_metrics, serve
 import main as cli
 from tinyvllm.api import server as api_server
 from tinyvllm.api.metrics import ServerMetrics
+from tinyvllm.engine.arg_utils import engine_kwargs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 # a prompt that repeats itself, so the ngram proposer finds its last tokens earlier and proposes what followed
@@ -53,7 +54,7 @@ def test_server_bad_speculative_config_exits_before_loading(capsys, flag, messag
 def test_server_flag_parses():
     assert api_server.build_parser().parse_args([]).speculative_config is None
     args = api_server.build_parser().parse_args(["--speculative-config", json.dumps(NGRAM)])
-    assert api_server.parse_speculative_config(args.speculative_config) == NGRAM
+    assert engine_kwargs(args)["speculative_config"] == NGRAM  # what the server's engine gets
 
 
 def test_main_speculates_and_prints_the_same_text(capsys, tiny_model_dir):
