@@ -10,6 +10,7 @@ from conftest import TINY_CONFIG, write_tiny_model
 from test_tensor_parallel import assert_same, engine_on, mixed_requests, run
 from tinyvllm.distributed.pipeline_parallel import PipelineParallel, split_layers
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.kernels.cpu_graph import CPUGraph
 from tinyvllm.model.loader import load_model
 from tinyvllm.sampling_params import SamplingParams
 
@@ -34,6 +35,9 @@ def test_pp2_equals_pp1_under_continuous_batching(tiny_model_dir):
     assert [k.device for k, *_ in engine.kv_cache.kv_caches] == ["CPU", "CPU:1"]  # each layer's cache on its stage
     requests = mixed_requests(2)
     assert_same(run(engine_on(models, 1), requests), run(engine, requests))
+    # the step, hidden state moved between stages included, replays as one C call (kernels/cpu_graph.py)
+    replayed = [jit for jit in engine.model_runner._jits.values() if jit.graph is not None]
+    assert replayed and all(isinstance(jit.graph, CPUGraph) and jit.graph.num_copies for jit in replayed)
 
 
 def test_pp3_equals_pp1(tmp_path):

@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIG
-from tinyvllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel_size
+from tinygrad import Tensor, TinyJit, UOp
+
+from tinyvllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel_size, shard_devices
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.kernels import cpu_graph
+from tinyvllm.kernels.cpu_graph import CPUGraph, GraphedJit
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.loader import load_model
 from tinyvllm.sampling_params import SamplingParams
@@ -162,6 +166,57 @@ def test_real_model_tp3_equals_tp1(default_gguf):
                            max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
         outputs.append(run(engine, requests))
     assert_same(*outputs)
+
+
+ROWS = UOp.variable("tp_test_rows", 1, 8)
+
+
+def split_step(x: Tensor, w: Tensor, scale: Tensor, rows) -> Tensor:
+    """A tensor-parallel step in small: x (4, 8) on the first device copied to every device, a column-parallel
+    matmul against w (4N, 8) split by rows, scaled by an input split the same way, a row-parallel matmul (an
+    all-reduce: copies between devices and a sum), the sum of a symbolic number of rows, gathered onto the first
+    device."""
+    devices = w.device
+    h = (x.to(devices) @ w.T).relu() * scale  # (4, 4N), column-parallel: device i holds 4 columns
+    y = h @ w  # (4, 8), row-parallel: each device's partial sum, all-reduced
+    return y[:rows].sum(0).to(devices[0]).realize()  # (8,) on the first device
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_multi_device_step_replays_through_the_cpu_graph(size):
+    """A step over several CPU devices (copies in, an all-reduce, a gather) replays as one C call through the
+    CPUGraph's table (memmove entries for the copies), giving what tinygrad's own replay gives, with new input
+    buffers (one on the first device, one split over the devices) and new variable values every call."""
+    devices = shard_devices("CPU", size)
+    rng = np.random.default_rng(size)
+    w_np = rng.standard_normal((4 * size, 8)).astype(np.float32)
+    w = Tensor(w_np).shard(devices, 0).realize()
+    plain, graphed = TinyJit(split_step), GraphedJit(split_step)
+    for step in range(5):
+        x_np, scale_np = rng.standard_normal((4, 8)).astype(np.float32), rng.random(4 * size).astype(np.float32)
+        rows = 1 + step % 4
+        outs = [jit(Tensor(x_np).realize(), w, Tensor(scale_np).shard(devices, 0).realize(), ROWS.bind(rows)).numpy()
+                for jit in (graphed, plain)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        want = ((np.maximum(x_np @ w_np.T, 0) * scale_np) @ w_np)[:rows].sum(0)
+        np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
+    assert isinstance(graphed.graph, CPUGraph), "the multi-device step fell back to tinygrad's per-kernel replay"
+    assert graphed.graph.num_copies >= size  # x copied to the other devices, the partial sums, the gather
+    assert {shard for _, shard in graphed.graph.input_keys} >= {-1, *range(size)}  # whole input and split input
+
+
+def test_tp2_engine_replays_through_the_cpu_graph(tiny_models, monkeypatch):
+    """The engine's step on two devices replays through the CPUGraph, and gives exactly what tinygrad's own
+    replay gives (the CPU graph turned off)."""
+    requests = {k: v for k, v in mixed_requests(3).items() if k in ("r0", "r1", "n2")}
+    engine = engine_on(tiny_models, 2)
+    graphed = run(engine, requests)
+    replayed = [jit for jit in engine.model_runner._jits.values() if jit.graph is not None]  # built at a 2nd call
+    assert len(replayed) >= 2 and all(isinstance(jit.graph, CPUGraph) and jit.graph.num_copies for jit in replayed)
+    monkeypatch.setattr(cpu_graph, "ENABLED", False)
+    engine = engine_on(tiny_models, 2)
+    assert_same(graphed, run(engine, requests), atol=0)
+    assert all(jit.graph is None for jit in engine.model_runner._jits.values())
 
 
 def test_model_config_is_unchanged_by_the_split(tiny_models):

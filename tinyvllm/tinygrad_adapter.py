@@ -9,8 +9,8 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     launcher.py                 renderer_name, CLANG_KERNEL_PREFIX, source_program, compile_cpu, load_cpu_program,
                                 elf_symbol_at_start, Estimates
     cpu_graph.py                JitBase, capture_on_next_call, is_replaying, count_replay, jit_inputs,
-                                inputs_written_by, get_runtime, get_call_arg_uops, resolve_params, buffer_address,
-                                buffer_nbytes, compiled_object
+                                inputs_written_by, get_runtime, get_call_arg_uops, compiled_object,
+                                call_launches, launch_address, input_shard_address
     graph_cache.py              tinygrad_settings, is_realized, buffer_address, load_cpu_program
     cpu_threads.py              default_cpu_threads
     program_cache.py            lowered_program_cache, set_lowered_program_cache, chosen_default_device,
@@ -39,11 +39,11 @@ import tinygrad.codegen
 import tinygrad.engine.realize
 import tinygrad.function  # the module (`tinygrad.function` the attribute is the decorator)
 from tinygrad import Device, Tensor, UOp
-from tinygrad.device import BufferSpec, TinyELF
+from tinygrad.device import Buffer, BufferSpec, MultiBuffer, TinyELF
 from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype
 from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit  # noqa: F401
-from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params  # noqa: F401
-from tinygrad.helpers import DEV, NUM_CPU_THREADS, ContextVar
+from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params, unwrap_multi  # noqa: F401
+from tinygrad.helpers import DEV, NUM_CPU_THREADS, ContextVar, to_tuple
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.runtime.autogen import libc
@@ -56,8 +56,8 @@ from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 #   Estimates       ops / bytes of a kernel, what DEBUG=2 rates it by (linear.py)
 #   CapturedJit     what a TinyJit captured: `.linear` (the calls), `.expected_names`, `.expected_input_info`, `.ret`
 #   JitError        what TinyJit raises on a call that does not match its capture
-#   get_runtime, get_call_arg_uops, resolve_params   a captured call's compiled program, its argument uops,
-#                   and those arguments with the JIT inputs of one replay put in (tinygrad.engine.realize)
+#   get_runtime, get_call_arg_uops   a captured call's compiled program and its argument uops
+#                   (tinygrad.engine.realize; `call_launches` below puts in the JIT inputs of one replay)
 
 
 TINYGRAD_VERSION = "0.14.0"  # the one this file was written against (pyproject.toml pins it)
@@ -181,9 +181,32 @@ def tensor_over_memory(address: int, shape: tuple[int, ...], dtype: DType, devic
     return t
 
 
-def buffer_nbytes(u: UOp) -> int:
-    """Bytes of a buffer uop's buffer (`Buffer.nbytes`; of the view, for a view)."""
-    return u.buffer.nbytes
+def call_launches(call: UOp, input_uops: list[UOp]) -> list[tuple[str, list[Buffer], dict[str, int]]]:
+    """The launches tinygrad's replay makes for one captured call (`tinygrad.engine.realize.exec_kernel`,
+    `exec_copy`): one per device the call runs on, in device order, each as (device, that device's buffers, the
+    variables bound per device). A kernel's buffers are those of its `globals`, in order; a COPY's are [dest, src].
+    A call on several devices (a split tensor: MultiBuffers) runs once per device, with `_device_num` bound to the
+    device's index where the kernel reads it."""
+    ast, resolved = call.src[0], resolve_params(call, input_uops)
+    if ast.op is Ops.PROGRAM:
+        lanes = list(unwrap_multi(call, [resolved[i] for i in ast.arg.globals]))
+        return [(device, bufs, dv) for device, (bufs, dv) in zip(to_tuple(call.src[1].device), lanes)]
+    return [(bufs[0].device, bufs, dv) for bufs, dv in unwrap_multi(call, resolved)]
+
+
+def launch_address(buf: Buffer) -> int:
+    """The address of one device's buffer (or view) of a launch, allocated here if it is not yet."""
+    return buf.ensure_allocated().get_buf(buf.device).va_addr
+
+
+def input_shard_address(u: UOp, shard: int) -> int:
+    """The address of a JIT input's buffer: the whole buffer (shard -1), or device `shard`'s part of an input split
+    over several devices (a `MultiBuffer`: one buffer per device)."""
+    buf = u.buffer
+    if shard >= 0:
+        assert isinstance(buf, MultiBuffer), f"input {u} is on one device, not split over several"
+        buf = buf.bufs[shard]
+    return launch_address(buf)
 
 
 def is_realized(t: Tensor) -> bool:

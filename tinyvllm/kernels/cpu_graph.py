@@ -19,9 +19,16 @@ in kernels/cpu/graph_runner.c. Per step, Python only patches what changes and ma
                                            graph_runner(table, num_calls): one ctypes call for the step
 
 The buffers the graph owns (weights, KV cache, intermediates planned by the JIT) never move, so their
-addresses are written once. Anything the table cannot express (a copy between devices, a kernel with more
-than 24 arguments) makes `GraphedJit` keep tinygrad's own replay, so it is correct everywhere and only faster
-where it applies. Which devices it applies to is the device table's call (tinyvllm/platforms.py, `cpu_graph`):
+addresses are written once. A model split over several CPU devices (Phase 8: CPU, CPU:1, ...) replays the same
+way: a kernel on N devices is N entries, one per device's buffers, and a copy between devices is an entry that
+calls memmove (every CPU device's memory is the host's):
+
+    CALL matmul on (CPU, CPU:1)      ->    [&matmul, 3, &out0, &x0, &w0] [&matmul, 3, &out1, &x1, &w1]
+    COPY CPU:1 <- CPU                ->    [&memmove, 3, &dest, &src, bytes]
+
+Anything the table cannot express (a kernel with more than 24 arguments, a call on a device whose memory is not
+the host's) makes `GraphedJit` keep tinygrad's own replay, so it is correct everywhere and only faster where
+it applies. Which devices it applies to is the device table's call (tinyvllm/platforms.py, `cpu_graph`):
 the CPU, unless forced onto the discrete path. Everywhere else `GraphedJit` is tinygrad's TinyJit, which
 replays a step as one CUDA graph (Metal: an indirect command buffer). `TINYVLLM_CPU_GRAPH=0` turns it off.
 
@@ -46,17 +53,17 @@ from tinyvllm.tinygrad_adapter import (
     JitBase,
     JitError,
     Ops,
-    buffer_address,
-    buffer_nbytes,
+    call_launches,
     capture_on_next_call,
     compiled_object,
     count_replay,
     get_call_arg_uops,
     get_runtime,
+    input_shard_address,
     inputs_written_by,
     is_replaying,
     jit_inputs,
-    resolve_params,
+    launch_address,
 )
 
 ENABLED = os.getenv("TINYVLLM_CPU_GRAPH", "1") != "0"
@@ -67,18 +74,31 @@ class NotGraphable(Exception):
     """The captured linear holds something the C table cannot run; tinygrad's own replay is used instead."""
 
 
-def _input_slot(b: UOp) -> int | None:
-    """Which JIT input an argument of a call reads (None: a buffer the graph owns)."""
+def _input_of(b: UOp, lane: int) -> tuple[int, int] | None:
+    """Which JIT input device `lane`'s launch of a call reads through argument `b`, as (input slot, shard): shard -1
+    for an input on one device, else the index of the device whose part of a split input it reads. None: a buffer
+    the graph owns."""
     if b.op is Ops.PARAM:
-        return b.arg.slot
-    if b.op in (Ops.MSELECT, Ops.SHRINK) and b.src[0].op is Ops.PARAM:
-        if b.op is Ops.SHRINK and any(s.op is not Ops.CONST for s in b.src[1:]):
+        return b.arg.slot, (lane if isinstance(b.device, tuple) else -1)
+    if b.op is Ops.MSELECT and b.src[0].op is Ops.PARAM:  # one device's part of a split input
+        return b.src[0].arg.slot, b.arg
+    if b.op is Ops.SHRINK and b.src[0].op is Ops.PARAM:  # a view of an input: its offset stays in the patch
+        if any(s.op is not Ops.CONST for s in b.src[1:]):
             raise NotGraphable("a view of an input with a symbolic offset")
-        return b.src[0].arg.slot
-    if b.op is Ops.MSTACK:
-        raise NotGraphable("a multi-device input")
+        return _input_of(b.src[0], lane)
+    if b.op is Ops.MSTACK:  # one buffer per device, stacked: this lane's is a buffer on one device
+        return _input_of(b.src[lane], 0)
     return None
 
+
+def _is_host_device(device: Any) -> bool:
+    """A CPU device (CPU, CPU:1, ...): its buffers are host memory, its programs plain C functions."""
+    return isinstance(device, str) and device.split(":")[0] == "CPU"
+
+
+# The copies between devices are entries of the table like the kernels': C's memmove(dest, src, bytes) from the C
+# library Python itself uses (ctypes.memmove is a ctypes function object pointing at it), entered with 3 arguments.
+MEMMOVE = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
 
 _runner = None
 
@@ -92,71 +112,102 @@ def _graph_runner():
 
 
 class CPUGraph:
-    """One captured linear as a table that kernels/cpu/graph_runner.c calls through."""
+    """One captured linear as a table that kernels/cpu/graph_runner.c calls through.
+
+    A captured step of a model split over several CPU devices (tensor or pipeline parallel: CPU, CPU:1, ...) fits
+    the same table: a call on N devices is N entries, one per device with that device's buffers (tinygrad launches
+    them one after another too), and a COPY between devices (an input copied to each device, the all-reduce's
+    partial sums, the logits gathered onto the first) is a memmove entry; every CPU device's memory is the host's."""
 
     def __init__(self, captured: CapturedJit, input_uops: list[UOp], var_vals: dict[str, int], describe: bool = False):
         table: list[int] = []
-        input_patches: list[tuple[int, int, int]] = []  # (table index, input slot, byte offset into that input)
+        input_patches: list[tuple[int, int, int, int]] = []  # (table index, input slot, shard, byte offset into it)
         var_patches: list[tuple[int, str]] = []  # (table index, variable name)
         self._programs: list[Any] = []  # keep the compiled kernels (their code) alive as long as the table
         self.num_calls = 0  # entries in the table
-        input_addrs = [buffer_address(u, u.device) for u in input_uops]
-        # describe=True: what each table entry is, for kernels/graph_cache.py to write the graph to disk:
+        self.num_copies = 0  # of which copies between devices
+        input_addrs: dict[tuple[int, int], int] = {}  # (slot, shard) -> address at capture
+        # describe=True: what each table entry is, for kernels/graph_cache.py to write the graph to disk (graphs on
+        # one device only: the cache does not keep multi-device graphs):
         #   self.objects  [(compiled object, entry name)], one per distinct program
         #   self.calls    [(table index of the function address, index into objects,
         #                   [(table index, address, bytes, read, written)] for each buffer that is not an input)]
         self.objects: list[tuple[bytes, str]] = []
         self.calls: list[tuple[int, int, list[tuple[int, int, int, bool, bool]]]] = []
         object_index: dict[int, int] = {}
+
+        def add_arg(u: UOp, buf: Any, lane: int, buffers: list | None, read: bool, written: bool) -> None:
+            addr = launch_address(buf)
+            if (key := _input_of(u, lane)) is not None:
+                if key not in input_addrs:
+                    input_addrs[key] = input_shard_address(input_uops[key[0]], key[1])
+                input_patches.append((len(table), *key, addr - input_addrs[key]))
+            elif buffers is not None:
+                buffers.append((len(table), addr, buf.nbytes, read, written))
+            table.append(addr)
+
         for call in captured.linear.src:
             ast = call.src[0]
-            if ast.op is not Ops.PROGRAM:
-                raise NotGraphable(f"a {ast.op} call (only compiled kernels go into the table)")
-            device = call.src[1].device
-            if not isinstance(device, str) or device.split(":")[0] != "CPU":
-                raise NotGraphable(f"a kernel on {device}")
-            program = get_runtime(device, ast)
-            if getattr(program, "lvp", True) or not hasattr(program, "addr"):
-                raise NotGraphable("a CPU program that is not a plain C function")
+            if ast.op not in (Ops.PROGRAM, Ops.COPY):
+                raise NotGraphable(f"a {ast.op} call (only compiled kernels and copies go into the table)")
+            launches = call_launches(call, input_uops)
+            if describe and (len(launches) > 1 or ast.op is Ops.COPY):
+                raise NotGraphable("a graph over several devices (kernels/graph_cache.py keeps one device's graphs)")
+            if not all(_is_host_device(b.device) for _, bufs, _ in launches for b in bufs):
+                raise NotGraphable(f"a call on {call.src[1].device} (only CPU devices' memory is the host's)")
+            arg_uops = get_call_arg_uops(call)
+            if ast.op is Ops.COPY:  # dest, src: as tinygrad's exec_copy, the destination's bytes
+                for lane, (_, (dest, src), _) in enumerate(launches):
+                    self.num_calls += 1
+                    self.num_copies += 1
+                    table += [MEMMOVE, 3]
+                    add_arg(arg_uops[0], dest, lane, None, False, True)
+                    add_arg(arg_uops[1], src, lane, None, True, False)
+                    table.append(dest.nbytes)
+                continue
             info = ast.arg
             if not all(isinstance(s, int) for s in info.global_size):
                 raise NotGraphable("a kernel whose number of core_ids depends on a variable")
             num_args = len(info.globals) + len(info.vars)
             if num_args > MAX_ARGS:
                 raise NotGraphable(f"a kernel with {num_args} arguments (at most {MAX_ARGS})")
-            self._programs.append(program)
-            arg_uops, resolved = get_call_arg_uops(call), resolve_params(call, input_uops)
-            if describe and id(program) not in object_index:
-                object_index[id(program)] = len(self.objects)
-                self.objects.append(compiled_object(ast))
-            for core_id in range(info.global_size[0]):  # tinygrad calls a core_id kernel once per core_id
-                self.num_calls += 1
-                buffers: list[tuple[int, int, int, bool, bool]] = []
-                if describe:
-                    self.calls.append((len(table), object_index[id(program)], buffers))
-                table += [program.addr, num_args]
-                for i in info.globals:
-                    addr = buffer_address(resolved[i], device)
-                    if (slot := _input_slot(arg_uops[i])) is not None:
-                        input_patches.append((len(table), slot, addr - input_addrs[slot]))
-                    elif describe:
-                        buffers.append((len(table), addr, buffer_nbytes(resolved[i]),
-                                        i in info.ins or i not in info.outs, i in info.outs))
-                    table.append(addr)
-                for v in info.vars:
-                    if v.expr == "core_id":
-                        table.append(core_id)
-                    else:
-                        var_patches.append((len(table), v.expr))
-                        table.append(var_vals[v.expr])
+            globals_uops = [arg_uops[i] for i in info.globals]
+            for lane, (device, bufs, device_vars) in enumerate(launches):
+                program = get_runtime(device, ast)
+                if getattr(program, "lvp", True) or not hasattr(program, "addr"):
+                    raise NotGraphable("a CPU program that is not a plain C function")
+                self._programs.append(program)
+                if describe and id(program) not in object_index:
+                    object_index[id(program)] = len(self.objects)
+                    self.objects.append(compiled_object(ast))
+                for core_id in range(info.global_size[0]):  # tinygrad calls a core_id kernel once per core_id
+                    self.num_calls += 1
+                    buffers: list[tuple[int, int, int, bool, bool]] = []
+                    if describe:
+                        self.calls.append((len(table), object_index[id(program)], buffers))
+                    table += [program.addr, num_args]
+                    for i, u, buf in zip(info.globals, globals_uops, bufs):
+                        add_arg(u, buf, lane, buffers if describe else None, i in info.ins or i not in info.outs,
+                                i in info.outs)
+                    for v in info.vars:
+                        if v.expr == "core_id":
+                            table.append(core_id)
+                        elif v.expr in device_vars:  # `_device_num`: which device this launch is, fixed per entry
+                            table.append(device_vars[v.expr])
+                        else:
+                            var_patches.append((len(table), v.expr))
+                            table.append(var_vals[v.expr])
         self._set_table(table, input_patches, var_patches)
 
-    def _set_table(self, table: list[int], input_patches: list[tuple[int, int, int]],
+    def _set_table(self, table: list[int], input_patches: list[tuple[int, int, int, int]],
                    var_patches: list[tuple[int, str]]) -> None:
         self.table = np.array(table, dtype=np.int64)
         self.input_index = np.array([p[0] for p in input_patches], dtype=np.int64)
         self.input_slot = np.array([p[1] for p in input_patches], dtype=np.int64)
-        self.input_offset = np.array([p[2] for p in input_patches], dtype=np.int64)
+        self.input_offset = np.array([p[3] for p in input_patches], dtype=np.int64)
+        # the inputs' buffers whose addresses a call looks up: (slot, shard), shard -1 for a whole input
+        self.input_keys = sorted({(p[1], p[2]) for p in input_patches})
+        self.input_which = np.array([self.input_keys.index((p[1], p[2])) for p in input_patches], dtype=np.int64)
         self.var_names = sorted({name for _, name in var_patches})
         self.var_index = np.array([p[0] for p in var_patches], dtype=np.int64)
         self.var_which = np.array([self.var_names.index(name) for _, name in var_patches], dtype=np.int64)
@@ -165,26 +216,29 @@ class CPUGraph:
     @classmethod
     def from_table(cls, table: list[int], num_calls: int, programs: list[Any],
                    input_patches: list[tuple[int, int, int]], var_patches: list[tuple[int, str]]) -> CPUGraph:
-        """A graph from a table filled elsewhere (kernels/graph_cache.py: read back from disk)."""
+        """A graph from a table filled elsewhere (kernels/graph_cache.py: read back from disk; one device, so every
+        input patch is (table index, input slot, byte offset) into a whole input)."""
         graph = cls.__new__(cls)
-        graph._programs, graph.num_calls, graph.objects, graph.calls = programs, num_calls, [], []
-        graph._set_table(table, input_patches, var_patches)
+        graph._programs, graph.num_calls, graph.num_copies, graph.objects, graph.calls = programs, num_calls, 0, [], []
+        graph._set_table(table, [(index, slot, -1, offset) for index, slot, offset in input_patches], var_patches)
         return graph
 
     def __call__(self, input_uops: list[UOp], var_vals: dict[str, int]) -> None:
-        addrs = np.array([buffer_address(u, u.device) for u in input_uops], dtype=np.int64)
-        self.table[self.input_index] = addrs[self.input_slot] + self.input_offset
+        addrs = np.array([input_shard_address(input_uops[slot], shard) for slot, shard in self.input_keys],
+                         dtype=np.int64)
+        self.table[self.input_index] = addrs[self.input_which] + self.input_offset
         if len(self.var_names):
             self.table[self.var_index] = np.array([var_vals[n] for n in self.var_names], dtype=np.int64)[self.var_which]
         self._runner.fxn(ctypes.c_uint64(self.table.ctypes.data), ctypes.c_uint64(self.num_calls))
 
 
 def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
-    """Does the device table let the inputs' device replay through a CPUGraph? (No inputs: the default device.)"""
-    devices = {u.device for u in input_uops}
-    if any(not isinstance(d, str) for d in devices) or len(devices) > 1:
-        return False  # several devices: tinygrad's replay
-    return platform_for(devices.pop() if devices else None).cpu_graph
+    """Does the device table let the inputs' devices replay through a CPUGraph? (No inputs: the default device.)
+    Inputs on several devices (a split tensor, or inputs on different devices) qualify when every one of them does."""
+    devices = {d for u in input_uops for d in (u.device if isinstance(u.device, tuple) else (u.device,))}
+    if any(not isinstance(d, str) for d in devices):
+        return False
+    return all(platform_for(d).cpu_graph for d in devices) if devices else platform_for(None).cpu_graph
 
 
 class GraphedJit(JitBase):
