@@ -360,7 +360,7 @@ def _covered(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
 def for_model_runner(runner: Any, *name: Any) -> PersistedGraph | None:
     """The PersistedGraph of one of a ModelRunner's graphs (`name`: which, e.g. ("forward", 8)); None where graphs
     are not kept (turned off, a device the table in tinyvllm/platforms.py gives no CPU graph, or several devices: a
-    split model's graph copies between them, which CPUGraph does not run either)."""
+    split model's step replays through a CPUGraph too, but this cache keeps graphs of one device only)."""
     model, kv_cache = runner.model, runner.kv_cache
     if not ENABLED or not platform_for(model.device).cpu_graph or not isinstance(model.devices, str):
         return None
