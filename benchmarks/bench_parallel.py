@@ -43,8 +43,16 @@ def decode_step_ms(engine, concurrency: int, prompt_len: int, tokens: int) -> di
 
     one_run("warm")
     times = one_run("run")
-    return {"decode_step_ms": round(1000 * float(np.mean(times)), 2), "steps": len(times),
-            "tok_s": round(concurrency / float(np.mean(times)), 1)}
+    fig = {"decode_step_ms": round(1000 * float(np.mean(times)), 2), "steps": len(times),
+           "tok_s": round(concurrency / float(np.mean(times)), 1)}
+    # how the decode step replays: its graph's table (kernels/cpu_graph.py: one entry per kernel per device, and one
+    # per copy between devices), built by this process or read back from the graph cache; False: tinygrad's replay
+    runner = engine.model_runner
+    n = runner.bucket_for(concurrency)
+    jit = runner._jits[n, min(n, runner.bucket_for(runner.max_sampled_rows))]
+    graph = jit.graph or (jit.loaded.graph if jit.loaded else None)
+    fig["cpu_graph"] = {"entries": graph.num_calls, "copies": graph.num_copies} if graph else False
+    return fig
 
 
 def allreduce_ms(size: int, rows: int, hidden: int, per_step: int, repeats: int = 20) -> float:
@@ -69,7 +77,7 @@ def allreduce_ms(size: int, rows: int, hidden: int, per_step: int, repeats: int 
     start = time.perf_counter()
     for _ in range(repeats):
         reduce_all()
-    return round(1000 * (time.perf_counter() - start) / repeats, 2)
+    return round(1000 * (time.perf_counter() - start) / repeats, 3)
 
 
 def main() -> None:
@@ -111,7 +119,7 @@ def main() -> None:
         one = figures["steps"]["1 device"][str(c)]["decode_step_ms"]
         tp = figures["steps"][f"TP={args.tp}"][str(c)]["decode_step_ms"]
         figures["steps"][f"TP={args.tp}"][str(c)]["ratio_to_one_device"] = round(tp / one, 2)
-        figures["allreduce"][str(c)]["share_of_tp_step"] = round(ms / tp, 2)
+        figures["allreduce"][str(c)]["share_of_tp_step"] = round(ms / tp, 4)
         if args.pp:
             pp = figures["steps"][f"PP={args.pp}"][str(c)]["decode_step_ms"]
             figures["steps"][f"PP={args.pp}"][str(c)]["ratio_to_one_device"] = round(pp / one, 2)

@@ -1,7 +1,8 @@
 """Phase 8: engine replicas on Ray Serve behind one OpenAI endpoint, on a local Ray cluster.
 
-Ray is an optional extra (`pip install tinyvllm[ray]`, ~240 MB): CI's `make test` installs the test and oracle extras
-only, so these tests skip where Ray is absent. The router's choice itself is tested without Ray below.
+Ray is an optional extra of the package (`pip install tinyvllm[ray]`) and part of the `test` extra, so `make test`
+installs it and these tests run in CI (one local cluster for the module); they skip, saying why, where Ray is absent.
+The router's choice itself is tested without Ray below.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def ingress(tiny_model_dir):
 
     from tinyvllm.serve.ray import build_app
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(num_cpus=1, include_dashboard=False)  # one logical CPU: the deployments ask for none (num_cpus=0)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     server_args = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--max-num-seqs", "32",
                    "--kv-cache-memory", "16MiB", "--max-model-len", "256"]
