@@ -213,8 +213,10 @@ def test_avx512_and_avx2_routes(ggml_type: int):
     # on a CPU with AVX-512 VNNI qmatmul.c takes two blocks per 512-bit register (_mm512_dpbusd_epi32); TV_NO_VNNI
     # compiles AVX2's maddubs + madd. Each route must meet both oracles and be batch-invariant, and the two must give
     # the same bits: the same integer sums, then the same float operations in the same order. K=96: an odd number of
-    # blocks (the 512-bit route's last block alone), K=1536: down_proj's
-    for N, K in ((37, 96), (19, 1536)):
+    # blocks (the 512-bit route's last block alone), K=1536: down_proj's, K=576: the model's width (18 blocks, the wide
+    # tile's products 8 at a time and 2 alone). From M=2 on, AVX-512 takes the wide tile (4 x 4 or 4 x 3 outputs): 3, 6
+    # and 37 rows and 37, 19 and 11 rows of w leave every smaller tile at the edges
+    for N, K in ((37, 96), (19, 1536), (11, 576)):
         blocks = random_blocks(ggml_type, N, K, seed=11)
         x = np.random.default_rng(K).standard_normal((37, K), dtype=np.float32)
         x[0, :32] *= 40.0  # a block whose 8-bit x reaches -127..127 against Q8_0's -128: the widest int16 pairs
@@ -222,7 +224,7 @@ def test_avx512_and_avx2_routes(ggml_type: int):
         routes = []
         for extra in ({}, {"TV_NO_VNNI": 1}):
             rows = {}
-            for M in (1, 3, 37):
+            for M in (1, 3, 6, 37):
                 out, scratch = Tensor.empty(M, N, dtype=dtypes.float32), Tensor.empty(
                     scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
                 out, _ = launcher.launch("qmatmul", outs=[out, scratch],

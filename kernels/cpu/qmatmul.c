@@ -79,9 +79,20 @@
 
 #define NB (TV_K / 32)                     /* blocks per row */
 #define ROW_BYTES (NB * BLOCK_BYTES)       /* bytes of one row of w */
+/* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers */
+#define TV_WIDE_TILE (TV_AVX512 && TV_M > 1 && !TV_FLOAT_PATH)
 #if TV_M == 1
 #define MR 1
 #define NR 1
+#elif TV_WIDE_TILE
+#ifndef TV_TILE_MR
+#define TV_TILE_MR 4
+#endif
+#ifndef TV_TILE_NR
+#define TV_TILE_NR (TV_QTYPE == 8 ? 4 : 3)
+#endif
+#define MR TV_TILE_MR
+#define NR TV_TILE_NR
 #elif !TV_FLOAT_PATH
 #define MR 4
 #define NR 2
@@ -137,7 +148,32 @@ TV_INLINE void quantize_block(struct xblock* restrict out, const float* restrict
   out->s = out->d * (float)sum;
 }
 
-#if TV_AVX512
+#if TV_WIDE_TILE
+/* The wide tile's scratch, per row of x: the NB blocks' 32 quants back to back, then NB scales d_x, then NB sums
+ * s_x (40 bytes per block, as struct xblock). Q8_0's quants are stored plus 128, as unsigned bytes (see wide_tile). */
+#define XQ_ROW(xq, m) ((const unsigned char*)(xq) + (long)(m) * NB * 40)
+#define XD_ROW(xq, m) ((const float*)(XQ_ROW(xq, m) + NB * 32))
+#define XS_ROW(xq, m) (XD_ROW(xq, m) + NB)
+
+static void quantize_chunk(const void* ctx, int chunk) {
+  const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
+  for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++) {
+    unsigned char* q = (unsigned char*)XQ_ROW(a->xq, m);
+    float* d = (float*)XD_ROW(a->xq, m);
+    for (int b = 0; b < NB; b++) {
+      struct xblock blk;
+      quantize_block(&blk, a->x + m * TV_K + 32 * b);
+      __m256i v = _mm256_loadu_si256((const __m256i*)blk.q);
+#if TV_QTYPE == 8
+      v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));  /* q + 128: 1..255 */
+#endif
+      _mm256_storeu_si256((__m256i*)(q + 32 * b), v);
+      d[b] = blk.d;
+      d[NB + b] = blk.s;
+    }
+  }
+}
+#elif TV_AVX512
 /* The AVX-512 route's scratch: the same 40 bytes per block, laid out per pair of blocks b, b+1 (b even):
  *     struct xpair  { float ds[4] = d_b, s_b, d_b+1, s_b+1;  int8 q[64] }                 80 bytes = 2 x 40
  * q in the order the 512-bit register of the pair's weights has (see unpack_pair): q_b[0..31], q_b+1[0..31].
@@ -260,7 +296,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) acc[i][j] = mins[i][j] = _mm256_setzero_ps();
   int b = 0;
-#if TV_AVX512
+#if TV_AVX512 && !TV_WIDE_TILE  /* (the wide tile has a scratch of its own, below) */
   for (; b + 1 < NB; b += 2) {
     __m512i u[NR];
     __m128 ws[NR];
@@ -342,6 +378,124 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       out[i * TV_N + j] = hsum8(acc[i][j]) + m;
     }
 }
+
+#if TV_WIDE_TILE
+/* ---- many rows of x with AVX-512: the wide tile ----
+ * The same numbers as `tile` (AVX2's route, and the pairs above): per block the same exact integer sums in the
+ * same 8 lanes, then acc = fma(float(sums), d_w d_x, acc), the min term summed alone, out = hsum8(acc) + min term.
+ * What changes is what each (row of x, row of w, block) costs, the work that grows with M x N:
+ *   - 256-bit operations only: this CPU's port 1 stops taking vector work while a 512-bit one is in flight, so
+ *     two 256-bit ops per cycle (ports 0 and 1) do as much as one 512-bit, and AVX-512VL's 32 ymm registers hold an
+ *     MR x NR tile of 4 x 4 (Q8_0) or 4 x 3 (Q4_0, Q4_1, with their scalar min sums) accumulators;
+ *   - the products d_w d_x (and m_w s_x) of the whole tile computed first, NB at a time, so that each block's scale
+ *     comes from memory as the FMA's broadcast operand instead of a multiply and two shuffles;
+ *   - Q8_0 without the sign trick: x is stored plus 128 (unsigned, 1..255) and w stays signed, so one
+ *     _mm256_dpbusd_epi32 gives sum (q_x + 128) q_w; it starts from -128 sum q_w per lane (once per row of w and
+ *     block, shared by the tile's MR rows of x), which leaves sum q_x q_w, the same integers.
+ * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add), where the pair
+ * route spends nine operations on two blocks, three of them shuffles. */
+/* dst[b] = a[b] * c[b] for b < NB (written with intrinsics: left to itself, clang turns the tile's loops over i, j
+ * and b into gathers and scatters) */
+TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const float* restrict c) {
+  int b = 0;
+  for (; b + 8 <= NB; b += 8) _mm256_storeu_ps(dst + b, _mm256_mul_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(c + b)));
+  for (; b < NB; b++) dst[b] = a[b] * c[b];
+}
+
+TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
+                         const float* restrict dw, const float* restrict mw, int mr, int nr) {
+  float p[MR][NR][NB];  /* d_w d_x of block b */
+#if TV_QTYPE != 8
+  float pm[MR][NR][NB];  /* the min term: m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
+#endif
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) {
+      mul_blocks(p[i][j], dw + j * NB, XD_ROW(xq, m + i));
+#if TV_QTYPE != 8
+      mul_blocks(pm[i][j], mw + j * NB, XS_ROW(xq, m + i));
+#endif
+    }
+  __m256 acc[MR][NR];
+  float mins[MR][NR];
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps(), mins[i][j] = 0.0f;
+#pragma clang loop unroll(disable)  /* unrolled whole (a short K), the tile's registers spill */
+  for (int b = 0; b < NB; b++) {
+    __m256i wv[NR];
+#if TV_QTYPE == 8
+    __m256i start[NR];  /* -128 sum q_w per lane: what sum (q_x + 128) q_w has too much */
+#endif
+    for (int j = 0; j < nr; j++) {
+      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+#if TV_QTYPE == 8
+      wv[j] = _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+      start[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                                                             _mm256_set1_epi8((char)0x80), wv[j]));
+#else
+      wv[j] = unpack_block(blk);
+#endif
+      __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, same block */
+    }
+    for (int i = 0; i < mr; i++) {
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(XQ_ROW(xq, m + i) + 32 * b));
+      for (int j = 0; j < nr; j++) {
+#if TV_QTYPE == 8
+        __m256i dot = _mm256_dpbusd_epi32(start[j], xv, wv[j]);
+#else
+        __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[j], xv);
+        mins[i][j] += pm[i][j][b];
+#endif
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(p[i][j][b]), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < nr; j++) {
+      float mn = mins[i][j];
+#if TV_QTYPE == 2
+      mn *= -8.0f;
+#endif
+      out[i * TV_N + j] = hsum8(acc[i][j]) + mn;
+    }
+}
+
+/* rows m0..m1 of x against rows n..n+nr of w (dw, mw: their scales as floats) */
+TV_INLINE void wide_column(float* restrict out, const void* restrict xq, const unsigned char* restrict w,
+                           const float* restrict dw, const float* restrict mw, int n, int m0, int m1, int nr) {
+  int m = m0;
+  for (; m + MR <= m1; m += MR) wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, MR, nr);
+  switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
+#if MR > 5
+    case 5: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 5, nr); break;
+#endif
+#if MR > 4
+    case 4: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 4, nr); break;
+#endif
+    case 3: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 3, nr); break;
+    case 2: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 2, nr); break;
+    case 1: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 1, nr); break;
+    default: break;
+  }
+}
+
+/* output columns [n0, n1): the rows' float16 scales as floats once, then tiles over every row of x */
+TV_INLINE void wide_chunk(float* restrict out, const void* restrict xq, const unsigned char* restrict w,
+                          int n0, int n1) {
+  float dw[CHUNK_ROWS * NB], mw[CHUNK_ROWS * NB];
+  for (int r = 0; r < n1 - n0; r++)
+    for (int b = 0; b < NB; b++) {
+      const unsigned char* blk = w + (long)(n0 + r) * ROW_BYTES + b * BLOCK_BYTES;
+      dw[r * NB + b] = f16_to_f32(blk);
+      mw[r * NB + b] = TV_QTYPE == 3 ? f16_to_f32(blk + 2) : dw[r * NB + b];  /* Q4_0: d, times -8 at the end */
+    }
+  for (int m0 = 0; m0 < TV_M; m0 += MB) {
+    int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
+    int n = n0;
+    for (; n + NR <= n1; n += NR) wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, n, m0, m1, NR);
+    for (; n < n1; n++) wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, n, m0, m1, 1);
+  }
+}
+#endif  /* TV_WIDE_TILE */
 
 #else  /* portable C */
 
@@ -519,6 +673,8 @@ static void qmatmul_chunk(const void* ctx, int chunk) {
   int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
 #if TV_FLOAT_PATH
   float_chunk(a->out, a->x, a->w, ROW_BYTES, n0, n1);
+#elif TV_WIDE_TILE
+  wide_chunk(a->out, a->xq, a->w, n0, n1);
 #else
   for (int m0 = 0; m0 < TV_M; m0 += MB) {
     int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
