@@ -52,6 +52,22 @@ def test_lm_head_sized_weight():
     np.testing.assert_allclose(linear(x, w).numpy(), reference(x.numpy(), w.numpy()), rtol=RTOL, atol=ATOL)
 
 
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_tile():
+    # batch invariance: every output is the same 8-lane sum over K then the same horizontal sum, whatever M and
+    # whatever tile computed it (AVX-512's 6 x 4, AVX2's 4 x 3, the edge tiles, M = 1's 1 x 8)
+    N, K = 37, 200
+    x, w = np.random.default_rng(8).standard_normal((37, K), dtype=np.float32), random(N, K, seed=9)
+    alone = linear(Tensor(x[:1]).realize(), w).numpy()[0]
+    for M in (2, 5, 11, 37):
+        rows = {}
+        for tile in ((), (4, 3), (6, 4)):
+            defines = {"TV_M": M, "TV_N": N, "TV_K": K} | ({"TV_TILE_MR": tile[0], "TV_TILE_NR": tile[1]} if tile else {})
+            out = Tensor.empty(M, N, dtype=dtypes.float32)
+            rows[tile] = launcher.launch("matmul", outs=[out], ins=[Tensor(x[:M]).realize(), w], defines=defines)[0].numpy()
+            np.testing.assert_array_equal(rows[tile][0], alone, err_msg=f"M={M}, tile {tile or 'default'}")
+        np.testing.assert_array_equal(rows[(4, 3)], rows[(6, 4)], err_msg=f"M={M}: the tiles differ")
+
+
 def test_same_bits_with_and_without_threads():
     x, w = random(32, 576, seed=5), random(1536, 576, seed=6)
     with cpu_threads.threads_enabled(True):
