@@ -25,8 +25,10 @@
  *     M>1: MR=4, NR=3 -> 12 accumulators + 3 w vectors + 1 x vector = 16 registers, all of AVX2's ymm0-15.
  *     (Measured on one core at M=32: 4x3 66 GFLOP/s, 2x4 64, 4x2 61, 6x2 58, 3x4 51, 2x6 41.)
  *     With AVX-512 (AVX-512VL: 32 ymm registers, the same 256-bit FMAs) MR=6, NR=4: 24 accumulators + 4 + 1 = 29
- *     registers, 10 loads per 24 FMAs instead of 7 per 12. (Measured on one AVX-512 core at M=128, 4x3 against 6x4:
- *     1.2-1.5x on every layer's shape; 5x4 within noise of 6x4, 4x5, 8x3 and 4x6 behind.)
+ *     registers, 10 loads per 24 FMAs instead of 7 per 12 (on one AVX-512 core the faster at every layer's shape,
+ *     against 4x3, 4x5, 8x3 and 4x6; 5x4 about the same).
+ *     Every output is the same 8-lane sum over K and the same horizontal sum whatever the tile, so the tile never
+ *     changes a bit (batch invariance: tests/test_kernels_linear.py).
  *   - while a tile works on w rows n..n+NR, it prefetches rows n+NR..n+2NR (the next tile) into cache, so reading
  *     w from memory overlaps the arithmetic instead of stalling the first pass over each tile (M=8: +20-40%).
  *   - the N rows of w are cut into chunks of ~48 KB of w; chunks are spread over the thread pool (threadpool.h).

@@ -390,8 +390,8 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
  *   - the products d_w d_x (and m_w s_x) of the whole tile computed first, NB at a time, so that each block's scale
  *     comes from memory as the FMA's broadcast operand instead of a multiply and two shuffles;
  *   - Q8_0 without the sign trick: x is stored plus 128 (unsigned, 1..255) and w stays signed, so one
- *     _mm256_dpbusd_epi32 gives sum (q_x + 128) q_w; it starts from -128 sum q_w per lane (once per row of w and
- *     block, shared by the tile's MR rows of x), which leaves sum q_x q_w, the same integers.
+ *     _mm256_dpbusd_epi32 gives sum (q_x + 128) q_w; it starts from -128 sum q_w per lane (computed once per row of
+ *     w and block in `wide_chunk`, shared by every row of x), which leaves sum q_x q_w, the same integers.
  * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add), where the pair
  * route spends nine operations on two blocks, three of them shuffles. */
 /* dst[b] = a[b] * c[b] for b < NB (written with intrinsics: left to itself, clang turns the tile's loops over i, j
@@ -403,7 +403,8 @@ TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const fl
 }
 
 TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
-                         const float* restrict dw, const float* restrict mw, int mr, int nr) {
+                         const float* restrict dw, const float* restrict mw, const __m256i* restrict w128, int mr,
+                         int nr) {
   float p[MR][NR][NB];  /* d_w d_x of block b */
 #if TV_QTYPE != 8
   float pm[MR][NR][NB];  /* the min term: m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
@@ -424,13 +425,14 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
     __m256i wv[NR];
 #if TV_QTYPE == 8
     __m256i start[NR];  /* -128 sum q_w per lane: what sum (q_x + 128) q_w has too much */
+#else
+    (void)w128;
 #endif
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
 #if TV_QTYPE == 8
       wv[j] = _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
-      start[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                                                             _mm256_set1_epi8((char)0x80), wv[j]));
+      start[j] = w128[j * NB + b];
 #else
       wv[j] = unpack_block(blk);
 #endif
@@ -461,19 +463,20 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
 
 /* rows m0..m1 of x against rows n..n+nr of w (dw, mw: their scales as floats) */
 TV_INLINE void wide_column(float* restrict out, const void* restrict xq, const unsigned char* restrict w,
-                           const float* restrict dw, const float* restrict mw, int n, int m0, int m1, int nr) {
+                           const float* restrict dw, const float* restrict mw, const __m256i* restrict w128, int n,
+                           int m0, int m1, int nr) {
   int m = m0;
-  for (; m + MR <= m1; m += MR) wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, MR, nr);
+  for (; m + MR <= m1; m += MR) wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, MR, nr);
   switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
 #if MR > 5
-    case 5: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 5, nr); break;
+    case 5: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 5, nr); break;
 #endif
 #if MR > 4
-    case 4: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 4, nr); break;
+    case 4: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 4, nr); break;
 #endif
-    case 3: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 3, nr); break;
-    case 2: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 2, nr); break;
-    case 1: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, 1, nr); break;
+    case 3: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 3, nr); break;
+    case 2: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 2, nr); break;
+    case 1: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 1, nr); break;
     default: break;
   }
 }
@@ -482,17 +485,29 @@ TV_INLINE void wide_column(float* restrict out, const void* restrict xq, const u
 TV_INLINE void wide_chunk(float* restrict out, const void* restrict xq, const unsigned char* restrict w,
                           int n0, int n1) {
   float dw[CHUNK_ROWS * NB], mw[CHUNK_ROWS * NB];
+#if TV_QTYPE == 8
+  __m256i w128[CHUNK_ROWS * NB];  /* per row and block: -128 sum q_w per lane, where each dot product starts */
+#else
+  __m256i* w128 = 0;
+#endif
   for (int r = 0; r < n1 - n0; r++)
     for (int b = 0; b < NB; b++) {
       const unsigned char* blk = w + (long)(n0 + r) * ROW_BYTES + b * BLOCK_BYTES;
       dw[r * NB + b] = f16_to_f32(blk);
       mw[r * NB + b] = TV_QTYPE == 3 ? f16_to_f32(blk + 2) : dw[r * NB + b];  /* Q4_0: d, times -8 at the end */
+#if TV_QTYPE == 8
+      __m256i q = _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+      w128[r * NB + b] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                          _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), q));
+#endif
     }
   for (int m0 = 0; m0 < TV_M; m0 += MB) {
     int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
     int n = n0;
-    for (; n + NR <= n1; n += NR) wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, n, m0, m1, NR);
-    for (; n < n1; n++) wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, n, m0, m1, 1);
+    for (; n + NR <= n1; n += NR)
+      wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, w128 + (n - n0) * NB, n, m0, m1, NR);
+    for (; n < n1; n++)
+      wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, w128 + (n - n0) * NB, n, m0, m1, 1);
   }
 }
 #endif  /* TV_WIDE_TILE */
