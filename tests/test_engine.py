@@ -155,6 +155,18 @@ def test_no_recompilation_in_steady_state(engine):
     assert engine.model_runner._jits == jits
 
 
+def test_lm_head_computes_the_rows_a_step_samples(engine):
+    # a step's graph is keyed by (token bucket, rows of logits): lm_head runs on the rows sampled this step, padded
+    # to a bucket, not on one row per sequence the engine could hold (16 here)
+    runner = engine.model_runner
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    run_all(engine, {"rows-one": ([7] * 40, params)})  # one 40-token prefill (token bucket 64), then one decode
+    run_all(engine, {f"rows-{i}": ([9 + i] * 5, params) for i in range(3)})  # 3 prompts, 15 tokens in one step
+    assert (64, 1) in runner._jits and (1, 1) in runner._jits
+    assert (16, 4) in runner._jits  # 3 rows of logits, bucket 4
+    assert all(rows <= n for n, rows in filter(lambda k: isinstance(k[0], int), runner._jits))
+
+
 def test_bad_requests_are_rejected_without_side_effects(engine):
     with pytest.raises(ValueError, match="context length"):
         engine.add_request("too-long", [5] * engine.max_model_len)

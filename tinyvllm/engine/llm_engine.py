@@ -116,8 +116,7 @@ class LLMEngine:
                                    eos_token_ids=self.tokenizer.stop_token_ids, policy=scheduling_policy,
                                    enable_prefix_caching=enable_prefix_caching)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.max_model_len, max_num_batched_tokens,
-                                        max_num_seqs, portable_attention=portable_attention,
-                                        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
+                                        max_num_seqs, portable_attention=portable_attention)
         self.speculator = None if spec is None else Speculator(
             spec, self.model_runner, self.model, self.tokenizer, max_model_len=self.max_model_len,
             num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,

@@ -65,6 +65,21 @@ class ModelRunnerOutput:
     hidden_states: dict[int | str, np.ndarray] = field(default_factory=dict)
 
 
+def logits_rows_needed(scheduler_output) -> int:
+    """Rows of logits a step samples from: one per sequence whose last scheduled token is its newest (a prompt's
+    last chunk, a decode token), and one per draft token it verifies. lm_head (49,152 x 576 on SmolLM2, the largest
+    matmul) runs on these rows only, padded to a bucket: a one-sequence prefill of 512 tokens computes one row, not
+    one per sequence the engine could hold. (Each (token bucket, rows bucket) is a graph of its own, captured once.)"""
+    rows = 0
+    for seq in scheduler_output.scheduled_seqs:
+        if seq.seq_id in scheduler_output.forked_from:  # samples from its source's row, copied after the graph
+            continue
+        drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, []))
+        done = seq.num_computed_tokens + scheduler_output.num_scheduled_tokens[seq.seq_id] - drafts
+        rows += (done == seq.num_tokens) + drafts
+    return max(1, rows)
+
+
 def buckets_up_to(limit: int) -> list[int]:
     """1, 2, 4, ... and `limit` itself."""
     sizes, n = [], 1
@@ -83,24 +98,18 @@ class ModelRunner:
         kv_cache: the paged KV cache the model reads and writes (its block_size, null block and tensors).
         max_model_len: the longest sequence: the width of the block tables.
         max_num_batched_tokens: the token budget of one step: the largest token bucket.
-        max_num_seqs: the most sequences in one step: the rows of logits a step samples.
+        max_num_seqs: the most sequences in one step.
         portable_attention: the portable paged attention instead of the kernels (and portable block copies).
-        num_speculative_tokens: drafts per sequence in a step that verifies them: rows of logits it adds.
+    The rows of logits a step computes are those it samples (`logits_rows_needed`), padded to a bucket.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
-                 num_speculative_tokens: int = 0):
+                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False):
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.token_buckets = buckets_up_to(max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
-        # rows of logits a step may need: one per sequence, and one per draft token in a step that verifies drafts
-        # (such a step gets graphs of its own: a step without drafts computes lm_head for no more rows than it
-        # would without speculation, so a prefill never pays for drafts nobody proposed)
-        self.max_sampled_rows = min(max_num_batched_tokens, max_num_seqs)
-        self.max_logits_rows = min(max_num_batched_tokens, max_num_seqs * (1 + num_speculative_tokens))
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[tuple[int, int], GraphedJit] = {}  # one captured graph per (token bucket, rows of logits)
@@ -174,8 +183,7 @@ class ModelRunner:
         seqs = scheduler_output.scheduled_seqs
         n_real = scheduler_output.total_num_scheduled_tokens
         n = self.bucket_for(n_real)
-        max_rows = self.max_logits_rows if scheduler_output.scheduled_spec_decode_tokens else self.max_sampled_rows
-        num_rows = min(n, self.bucket_for(max_rows))  # rows of logits: one per sequence (and draft)
+        num_rows = min(n, self.bucket_for(logits_rows_needed(scheduler_output)))  # lm_head computes these rows only
         bs = self.block_size
 
         input_ids, positions, slot_mapping, block_tables, logits_indices = self._inputs(n, num_rows)
