@@ -42,6 +42,7 @@
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
  * other rows of the step (batch invariance), which the engine's batched-equals-alone tests rely on.
+ * With AVX-512 and M >= 8 the wide tile takes over (4 x 4 or 4 x 3, see "the wide tile" below): the same numbers.
  * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
  * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
  * below for why and what it gains). The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
@@ -79,8 +80,10 @@
 
 #define NB (TV_K / 32)                     /* blocks per row */
 #define ROW_BYTES (NB * BLOCK_BYTES)       /* bytes of one row of w */
-/* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers */
-#define TV_WIDE_TILE (TV_AVX512 && TV_M > 1 && !TV_FLOAT_PATH)
+/* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers. Below 8 rows
+ * its set-up (each chunk's scales as floats, each tile's scale products) costs more than it saves: the pairs. */
+#define WIDE_TILE_MIN_M 8
+#define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH)
 #if TV_M == 1
 #define MR 1
 #define NR 1
