@@ -28,7 +28,7 @@ from common import code_version, load_average, log, machine_description, table, 
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.kernels import cpu_graph
-from tinyvllm.model.quant import type_name
+from tinyvllm.ggml_types import type_name
 from tinyvllm.sampling_params import SamplingParams
 
 

@@ -17,6 +17,14 @@ import pytest
 os.environ.setdefault("TINYVLLM_GRAPH_CACHE", "0")
 os.environ.setdefault("TINYVLLM_TOKENIZER_CACHE", "0")  # tokenizers built as before (test_cold_start turns it on)
 
+# TINYVLLM_HIDE_AFTER_PHASE=k (`make test-phase P=k`): the modules of Phases k+1.. cannot be imported, as if not built
+# yet, and their test files are not collected (tests/phases.py)
+if os.environ.get("TINYVLLM_HIDE_AFTER_PHASE"):
+    from phases import PHASE_OF_TEST_FILE, hide_after_phase
+
+    _hidden = hide_after_phase(int(os.environ["TINYVLLM_HIDE_AFTER_PHASE"]))
+    collect_ignore = [f"{name}.py" for name, phase in PHASE_OF_TEST_FILE.items() if phase > _hidden.phase]
+
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile
 from tinyvllm.model.weights import default_model_path, expected_shapes

@@ -30,7 +30,6 @@ from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.weights import default_model_path
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import SamplingParams
 
 WORDS = " one two three four five six seven eight nine ten red green blue"
@@ -93,7 +92,7 @@ class FakeLLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, over the context length {self.max_model_len}")
         in_use = {r.request_id for r in [*self.waiting, *self.running]} | set(self.pooling)
-        if isinstance(params, PoolingParams):
+        if not isinstance(params, SamplingParams):  # PoolingParams (Phase 9)
             if request_id in in_use:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.pooling[request_id] = prompt_ids

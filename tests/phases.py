@@ -8,6 +8,11 @@ file says which phase it tests. `conftest.py` turns it into the markers `phase1`
 
 from __future__ import annotations
 
+import importlib.abc
+import re
+import sys
+from pathlib import Path
+
 PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 1: foundation (model, weights, tokenizers, chat templates, sampling, contiguous cache, main.py)
     "test_model_tiny": 1, "test_weights": 1, "test_convert": 1, "test_tokenizer": 1,
@@ -16,7 +21,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
-    "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3, "test_engine_size": 3,
+    "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3, "test_engine_size": 3, "test_paged_engine": 3,
     # Phase 4: batched forward, device sampling
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 4,
     # Phase 5: custom kernels
@@ -29,12 +34,12 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 7: prefix caching, copy-on-write, beam search (7a), speculative decoding (7b), KV-cache quantization (7c)
     "test_block_manager_caching": 7, "test_prefix_cache_sharing": 7, "test_kernels_copy_blocks": 7,
     "test_beam_search": 7, "test_spec_decode": 7, "test_spec_decode_draft": 7, "test_rejection_sampler": 7,
-    "test_spec_decode_serve": 7, "test_kv_cache_quantization": 7,
+    "test_kv_cache_quantization": 7,
     "test_admission_width": 7, "test_architectures": 7,
     # Phase 8: several devices, replicas
     "test_tensor_parallel": 8, "test_pipeline_parallel": 8, "test_serve_ray": 8,
     # Phase 9: the OpenAI server
-    "test_api_transport": 9, "test_cli": 9,
+    "test_api_transport": 9, "test_cli": 9, "test_spec_decode_serve": 9,
     "test_async_llm_engine": 9, "test_api_server": 9, "test_api_errors": 9, "test_api_fuzz": 9,
     "test_api_isolation": 9, "test_api_keys": 9, "test_api_limits": 9, "test_api_real_engine": 9,
     "test_api_structured": 9, "test_api_tools": 9, "test_structured_outputs": 9, "test_dashboard": 9,
@@ -50,3 +55,54 @@ def phase_of_chapter(doc_name: str) -> int | None:
             break
         digits += ch
     return int(digits) if digits else None
+
+
+# ---- which phase built each module: docs/modules.md's `phase` column is the source of truth ----
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE_MAP = ROOT / "docs" / "modules.md"
+_ROW = re.compile(r"^\|\s*`(tinyvllm/[\w/]+\.py)`\s*\|\s*(\d+)[a-z]?\b")  # | `tinyvllm/x/y.py` | 7b | ...
+
+
+def module_phases(module_map: Path = MODULE_MAP) -> dict[str, int]:
+    """`tinyvllm.core.scheduler` -> 3, read from docs/modules.md's tables (a sub-phase counts as its phase: 7b -> 7;
+    a row such as `2, 7c` names the phase that added the module first). A package takes its earliest module's phase
+    unless its `__init__.py` has a row of its own."""
+    phases: dict[str, int] = {}
+    listed: set[str] = set()  # the paths with a row
+    for line in module_map.read_text(encoding="utf-8").splitlines():
+        if m := _ROW.match(line):
+            path, phase = m.group(1), int(m.group(2))
+            listed.add(path)
+            phases[path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")] = phase
+    for name, phase in list(phases.items()):  # a package without a row of its own: its earliest module's phase
+        parts = name.split(".")
+        for i in range(2, len(parts)):
+            package = ".".join(parts[:i])
+            if f"{package.replace('.', '/')}/__init__.py" not in listed:
+                phases[package] = min(phase, phases.get(package, phase))
+    return phases
+
+
+class HideLaterPhases(importlib.abc.MetaPathFinder):
+    """An import hook that makes the modules of phases after `phase` unimportable, as if not built yet: Phase k's
+    tests run against Phases 1..k alone. Installed by `hide_after_phase`; TINYVLLM_HIDE_AFTER_PHASE=k in the
+    environment installs it for a test run (tests/conftest.py, `make test-phase P=k`)."""
+
+    def __init__(self, phase: int, phases: dict[str, int]):
+        self.phase = phase
+        self.hidden = {name: p for name, p in phases.items() if p > phase}
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name in self.hidden:
+            raise ModuleNotFoundError(f"{name} belongs to Phase {self.hidden[name]} (docs/modules.md), hidden while "
+                                      f"testing Phases 1-{self.phase} (TINYVLLM_HIDE_AFTER_PHASE={self.phase})",
+                                      name=name)
+        return None  # not ours to decide: the next finder looks
+
+
+def hide_after_phase(phase: int) -> HideLaterPhases:
+    """Install the hook for `phase` (first on sys.meta_path) and return it."""
+    finder = HideLaterPhases(phase, module_phases())
+    sys.meta_path.insert(0, finder)
+    return finder

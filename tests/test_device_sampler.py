@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_rejection_sampler import SIGNIFICANCE, chi2_pvalue
+from chi2 import SIGNIFICANCE, chi2_pvalue
 from tinygrad import Tensor
 
 from tinyvllm.sample import device_sampler, noise

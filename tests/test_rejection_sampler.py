@@ -11,40 +11,22 @@ produced, with mistakes where a test wants rejections.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import pytest
 from tinygrad import Tensor
 
+from chi2 import SIGNIFICANCE, chi2_pvalue, chi2_sf
 from test_spec_decode import run as run_to_end
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode.proposer import Draft, DraftRequest
 from tinyvllm.spec_decode.rejection_sampler import VerifyBatch, emitted_tokens, rejection_sample
 
-SIGNIFICANCE = 1e-3
 TRIALS = 20_000
 P = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])  # the target's distribution at every position
 Q_PEAKED = np.array([0.02, 0.03, 0.05, 0.1, 0.7, 0.1])  # a draft that is sure of a token the target finds unlikely
 Q_FLAT = np.full(6, 1 / 6)
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square(df): the regularized upper gamma function Q(df/2, x/2), in closed form."""
-    h = x / 2
-    if df % 2 == 0:
-        return math.exp(-h) * sum(h ** i / math.factorial(i) for i in range(df // 2))
-    return math.erfc(math.sqrt(h)) + math.exp(-h) * sum(h ** (i - 0.5) / math.gamma(i + 0.5)
-                                                        for i in range(1, (df + 1) // 2))
-
-
-def chi2_pvalue(samples: list[int], p: np.ndarray) -> float:
-    counts = np.bincount(samples, minlength=len(p))
-    assert counts[p == 0].sum() == 0, f"tokens the target never emits were emitted: {counts}"
-    expected = p[p > 0] * len(samples)
-    stat = float(((counts[p > 0] - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int((p > 0).sum()) - 1)
 
 
 def test_chi2_sf_matches_tables():

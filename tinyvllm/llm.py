@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from tinyvllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tinyvllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 
 
 class LLM:
@@ -77,6 +80,8 @@ class LLM:
         """Beam search for every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...});
         returns one BeamSearchOutput per prompt, its `beam_width` sequences best first (vLLM's `LLM.beam_search`;
         the scoring and stopping rules are HF transformers', see tinyvllm/engine/beam_search.py)."""
+        from tinyvllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # Phase 7a
+
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):

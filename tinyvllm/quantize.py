@@ -55,7 +55,8 @@ from tinyvllm.model.gguf import GGUFFile
 from tinyvllm.model.gguf_writer import (
     ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, MetadataValue, TensorData, read_metadata, write_gguf,
 )
-from tinyvllm.model.quant import tensor_nbytes, type_name
+from tinyvllm.ggml_types import type_name
+from tinyvllm.model.quant import tensor_nbytes
 from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize
 from tinyvllm.model.tokenizer import load_tokenizer, token_id_of
 from tinyvllm.model.weights_gguf import gguf_name, layer_names, permute_qk, read_tensor

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.contiguous import grouped_query_attention
-from tinyvllm.attention.kv_quant import dequantize, quantize, rotate
 from tinyvllm.core.kv_cache import kv_cache_dtype_of
 from tinyvllm.tinygrad_adapter import KernelInfo
 
@@ -73,6 +72,7 @@ def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor,
     if not spec.quantized:
         return _scatter(x, cache, slot_mapping)
     assert scale_cache is not None, f"an {spec.name} KV cache needs its scale tensor"
+    from tinyvllm.attention.kv_quant import quantize  # Phase 7c: a quantized cache only
     codes, scales = quantize(x, spec)  # (N, KvH, Hd), (N, KvH)
     return _scatter(codes, cache, slot_mapping), _scatter(scales, scale_cache, slot_mapping)
 
@@ -90,6 +90,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     values = v_cache[table].reshape(B, -1, kv_heads, head_dim)
     spec = kv_cache_dtype_of(k_cache)
     if spec.quantized:  # the gathered codes and their scales (B, nb*block_size, KvH) back to float32
+        from tinyvllm.attention.kv_quant import dequantize
         keys = dequantize(keys, k_scale[table].reshape(B, -1, kv_heads), spec)
         values = dequantize(values, v_scale[table].reshape(B, -1, kv_heads), spec)
     # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length is
@@ -132,6 +133,7 @@ class PagedAttentionMetadata:
         K/V rotated by a Hadamard matrix: q, k, v go in rotated, the output is rotated back (`kv_quant.rotate`,
         its own inverse). sliding_window: this layer's window (None: the whole context)."""
         if kv_cache_dtype_of(kv_cache[0]).rotated:
+            from tinyvllm.attention.kv_quant import rotate
             return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache, sliding_window))
         return self._attend(q, k, v, kv_cache, sliding_window)
 

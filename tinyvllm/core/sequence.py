@@ -26,7 +26,6 @@ from __future__ import annotations
 import enum
 import time
 
-from tinyvllm.core.prefix_cache import block_hashes
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -147,6 +146,8 @@ class Sequence:
     def block_hashes(self, block_size: int) -> list[bytes]:
         """The prefix-cache hash of each of its full blocks (tinyvllm/core/prefix_cache.py), each computed once."""
         if len(self._block_hashes) < self.num_tokens // block_size:
+            from tinyvllm.core.prefix_cache import block_hashes  # Phase 7: only prefix caching asks
+
             block_hashes(self.all_token_ids, block_size, self._block_hashes)
         return self._block_hashes
 

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from tinyvllm.core.sequence import Sequence
-from tinyvllm.model.quant import GGML_TYPES
+from tinyvllm.ggml_types import GGML_TYPES
 
 NUM_STEP_RECORDS = 256  # steps kept: what the dashboard's step chart and its rates look back over
 

@@ -27,7 +27,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -59,6 +58,8 @@ class Generator:
     `kv_cache_memory`, `dtype`, `device`, ...); see `LLMEngine`."""
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_args):
+        from tinyvllm.engine.llm_engine import LLMEngine  # Phase 3's engine: imported when a Generator is built
+
         self.engine = LLMEngine(model, **engine_args)
         self._request_ids = itertools.count()
 

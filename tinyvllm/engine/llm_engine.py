@@ -46,8 +46,6 @@ from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sample.sampler import make_generator
 from tinyvllm.sample.sampling_batch import StepSampler
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.spec_decode.config import SpeculativeConfig
-from tinyvllm.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("tinyvllm.engine")
 
@@ -84,7 +82,10 @@ class LLMEngine:
                  kv_cache_dtype: str = "auto", quantization: str = "auto", speculative_config: dict | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         resolve_kv_cache_dtype(kv_cache_dtype)  # a bad name fails here, before the model loads
-        self.speculative_config = None if speculative_config is None else SpeculativeConfig.from_dict(
+        if speculative_config is not None:  # speculative decoding (Phase 7b): imported where a config asks for it
+            from tinyvllm.spec_decode.config import SpeculativeConfig
+            from tinyvllm.spec_decode.speculator import Speculator
+        spec = self.speculative_config = None if speculative_config is None else SpeculativeConfig.from_dict(
             speculative_config)
         check_quantization(quantization)
         if isinstance(model, LlamaForCausalLM):
@@ -100,7 +101,6 @@ class LLMEngine:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         config = self.model.kv_cache_config  # the model's, with KV heads counted over every device (Phase 8)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)  # "auto": the model's
-        spec = self.speculative_config
         if not num_gpu_blocks_override:  # the budget: given, or what the GPU's memory leaves (core/kv_cache.py)
             logits_rows = min(max_num_batched_tokens, max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
             budget = kv_cache_budget(kv_cache_memory, gpu_memory_utilization, self.model.device,

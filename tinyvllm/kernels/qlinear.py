@@ -61,7 +61,7 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import device_kind, has_kernel, launch, output
-from tinyvllm.model.quant import type_name
+from tinyvllm.ggml_types import type_name
 from tinyvllm.tinygrad_adapter import Estimates
 
 

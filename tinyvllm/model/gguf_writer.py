@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from tinyvllm.model.gguf import GGUF_MAGIC, GGUFFile, _Cursor
-from tinyvllm.model.quant import tensor_nbytes, type_name
+from tinyvllm.ggml_types import type_name
+from tinyvllm.model.quant import tensor_nbytes
 
 GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32

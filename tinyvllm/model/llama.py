@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tinygrad import Tensor, dtypes, function
@@ -45,22 +46,23 @@ from tinygrad.dtype import DType
 
 from tinyvllm import tinygrad_adapter
 from tinyvllm.device_memory import host_view
-from tinyvllm.distributed.pipeline_parallel import PipelineParallel
-from tinyvllm.distributed.tensor_parallel import TensorParallel
+from tinyvllm.ggml_types import KERNEL_TYPES as QUANT_NAMES
 from tinyvllm.kernels.linear import linear
-from tinyvllm.kernels.qlinear import QuantizedWeight, qlinear
-from tinyvllm.kernels.qlinear import embedding as quantized_embedding
 from tinyvllm.model.config import ModelConfig
-from tinyvllm.model.quant import KERNEL_TYPES as QUANT_NAMES
 from tinyvllm.model.quant import QuantizedArray
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from tinyvllm.platforms import platform_for
+
+if TYPE_CHECKING:  # Phase 6's weights in GGUF blocks, Phase 8's split over devices: imported where used
+    from tinyvllm.distributed.pipeline_parallel import PipelineParallel
+    from tinyvllm.distributed.tensor_parallel import TensorParallel
+    from tinyvllm.kernels.qlinear import QuantizedWeight
 
 tinygrad_adapter.apply_fixes()
 
 # A weight as the model holds it: a float tensor, GGUF blocks (QuantizedWeight: Phase 6), or, where parts fused on
 # paper are stored in different formats (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), one per part.
-Weight = Tensor | QuantizedWeight | tuple
+Weight = "Tensor | QuantizedWeight | tuple"  # (a name for annotations: QuantizedWeight is imported where used)
 
 
 def project(x: Tensor, w: Weight) -> Tensor:
@@ -69,15 +71,19 @@ def project(x: Tensor, w: Weight) -> Tensor:
         shards = len(x.device) if isinstance(x.device, tuple) else 1
         outs = [project(x, part) for part in w]
         return Tensor.cat(*[o.reshape(*o.shape[:-1], shards, -1) for o in outs], dim=-1).reshape(*x.shape[:-1], -1)
-    if isinstance(w, QuantizedWeight):
+    if not isinstance(w, Tensor):  # a QuantizedWeight
+        from tinyvllm.kernels.qlinear import qlinear
+
         return qlinear(x.float(), w).cast(x.dtype)  # the kernels compute in float32 (a no-op cast there)
     return linear(x, w)
 
 
 def embed(w: Weight, input_ids: Tensor, dtype: DType) -> Tensor:
     """input_ids (B,T) -> their rows of the embedding (B,T,D)."""
-    if isinstance(w, QuantizedWeight):
-        return quantized_embedding(w, input_ids).cast(dtype)  # only the looked-up rows are dequantized
+    if not isinstance(w, Tensor):  # a QuantizedWeight
+        from tinyvllm.kernels.qlinear import embedding
+
+        return embedding(w, input_ids).cast(dtype)  # only the looked-up rows are dequantized
     return w[input_ids]
 
 
@@ -87,11 +93,37 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (xf * (xf.square().mean(axis=-1, keepdim=True) + eps).rsqrt()).cast(x.dtype) * weight
 
 
+class OneDevice:
+    """The whole model on one device: every weight as it is, every layer here. It answers what the model asks of
+    Phase 8's TensorParallel and PipelineParallel (tinyvllm/distributed/), which take its place for several."""
+
+    size = 1
+
+    def __init__(self, config: ModelConfig, device: str | None = None):
+        self.devices = (device,)
+        self.first = self.last = device
+        self.layer_devices = [device] * config.num_hidden_layers
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_kv_heads = config.num_key_value_heads
+
+    def fused_rows(self, sizes: list[int], parts: list[str]) -> None:
+        return None  # fused weights keep their rows in order
+
+    def pad_vocab(self, rows):
+        return rows
+
+    def replicate(self, t: Tensor) -> Tensor:
+        return t
+
+    def gather(self, t: Tensor) -> Tensor:
+        return t
+
+
 class LlamaDecoderLayer:
     def __init__(self, config: ModelConfig, weights: dict[str, Tensor], tp: TensorParallel | None = None,
                  layer: int = 0):
         self.config = config
-        self.tp = tp or TensorParallel(config)  # tensor parallel: each weight's rows of this device's heads
+        self.tp = tp or OneDevice(config)  # tensor parallel: each weight's rows of this device's heads
         self.sliding_window = config.layer_window(layer)  # None: this layer attends over the whole context
         self.input_layernorm = weights["input_layernorm"]  # (D,)
         self.qkv_proj = weights["qkv_proj"]  # (H*Hd + 2*KvH*Hd, D)
@@ -168,13 +200,13 @@ def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
     between blocks (axis 1: each device's slice of a row must be whole blocks)."""
     if isinstance(w, tuple):
         return tuple(place(tp, part, axis) for part in w)
-    if isinstance(w, QuantizedWeight):
+    if not isinstance(w, Tensor):  # a QuantizedWeight
         per_device = w.shape[1] // tp.size
         if axis == 1 and per_device % w.format.block_size != 0:
             raise ValueError(f"tensor_parallel_size {tp.size} splits a {w.format.name} weight of shape {w.shape} "
                              f"into {per_device} columns per device, not whole blocks of {w.format.block_size}: "
                              "load it with --quantization none (or a format of smaller blocks)")
-        return QuantizedWeight(tp.place(w.data, axis), w.ggml_type, w.shape)
+        return dataclasses.replace(w, data=tp.place(w.data, axis))
     return tp.place(w, axis)
 
 
@@ -228,10 +260,17 @@ class LlamaForCausalLM:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.config, self.dtype = config, dtype
         self.quantization = quantization  # the --quantization method the weights were loaded with
-        # Phase 8: how the weights split over devices (tinyvllm/distributed/tensor_parallel.py); size 1: one device
-        self.tp = tp = TensorParallel(config, tensor_parallel_size, device)
-        # (tinyvllm/distributed/pipeline_parallel.py): which device each layer runs on; size 1: all on one
-        self.pp = pp = PipelineParallel(config.num_hidden_layers, pipeline_parallel_size, device)
+        # where the weights go: one device, or (Phase 8) split over several, by heads (tensor parallel,
+        # tinyvllm/distributed/tensor_parallel.py) or by layers (pipeline parallel, distributed/pipeline_parallel.py)
+        self.tp: OneDevice | TensorParallel = OneDevice(config, device)
+        self.pp: OneDevice | PipelineParallel = self.tp
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            from tinyvllm.distributed.pipeline_parallel import PipelineParallel
+            from tinyvllm.distributed.tensor_parallel import TensorParallel
+
+            self.tp = TensorParallel(config, tensor_parallel_size, device)
+            self.pp = PipelineParallel(config.num_hidden_layers, pipeline_parallel_size, device)
+        tp, pp = self.tp, self.pp
         if tp.size > 1 and pp.size > 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 together are not supported: "
                              "give one of them")
@@ -253,6 +292,8 @@ class LlamaForCausalLM:
                 loaded.append(t.cast(dtype))
                 return loaded[-1]
             if all(isinstance(p, QuantizedArray) and p.ggml_type == parts[0].ggml_type for p in parts):
+                from tinyvllm.kernels.qlinear import QuantizedWeight
+
                 rows = tp.fused_rows([p.shape[0] for p in parts], list(parts_of))
                 data = [p.data for p in parts] if rows is None else [np.concatenate([p.data for p in parts])[rows]]
                 loaded.append(upload(data, dev, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
@@ -312,7 +353,7 @@ class LlamaForCausalLM:
             extra = [] if self.inv_freq_local is None else [self.inv_freq_local]
             placed = [self.embed_tokens, self.norm, self.inv_freq, self.lm_head, *extra] + [w for lw in layer_weights
                                                                                           for w in lw.values()]
-            Tensor.realize(*[t.data if isinstance(t, QuantizedWeight) else t for w in placed
+            Tensor.realize(*[t if isinstance(t, Tensor) else t.data for w in placed
                              for t in (w if isinstance(w, tuple) else (w,))])  # every copy in one schedule
         self.layers = [LlamaDecoderLayer(config, lw, tp, i) for i, lw in enumerate(layer_weights)]
         self._weight_formats = self._count_weight_formats()  # fixed from here on; get_stats() reads it every step
@@ -355,8 +396,8 @@ class LlamaForCausalLM:
         for w in weights:
             flat += list(w) if isinstance(w, tuple) else [w]
         for w in flat:
-            name = QUANT_NAMES[w.ggml_type] if isinstance(w, QuantizedWeight) else np.dtype(w.dtype.fmt).name
-            t = w.data if isinstance(w, QuantizedWeight) else w
+            name = np.dtype(w.dtype.fmt).name if isinstance(w, Tensor) else QUANT_NAMES[w.ggml_type]
+            t = w if isinstance(w, Tensor) else w.data
             formats[name] = formats.get(name, 0) + t.nbytes()
         return formats
 

@@ -28,16 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# ggml's type ids (enum ggml_type). Ids 4 and 5 (Q4_2, Q4_3) were removed from ggml long ago.
-GGML_TYPES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
-    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
-    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
-    34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
-}
-
-QK_K = 256  # elements in a k-quant super-block
+from tinyvllm.ggml_types import GGML_TYPES, QK_K, type_name
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -249,10 +240,6 @@ _FORMATS: dict[int, tuple[int, int, Callable[[np.ndarray], np.ndarray]]] = {
 SUPPORTED_TYPES: tuple[int, ...] = tuple(_FORMATS)
 
 
-def type_name(ggml_type: int) -> str:
-    return GGML_TYPES.get(ggml_type, f"unknown type {ggml_type}")
-
-
 def _format(ggml_type: int) -> tuple[int, int, Callable[[np.ndarray], np.ndarray]]:
     if ggml_type not in _FORMATS:
         supported = ", ".join(f"{GGML_TYPES[t]}({t})" for t in SUPPORTED_TYPES)
@@ -281,10 +268,6 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
 
 
 # ---- weights kept quantized ----
-
-# the formats with fused dequant-matmul kernels (tinyvllm/kernels/qlinear.py): these stay quantized on the device
-KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
-
 
 @dataclass(frozen=True)
 class QuantizedArray:

@@ -26,7 +26,8 @@ import sys
 import numpy as np
 
 from tinyvllm.model.gguf import GGUFFile
-from tinyvllm.model.quant import KERNEL_TYPES, QuantizedArray, type_name
+from tinyvllm.ggml_types import KERNEL_TYPES, type_name
+from tinyvllm.model.quant import QuantizedArray
 
 METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # method -> ggml type id

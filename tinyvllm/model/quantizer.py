@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tinyvllm.model.quant import GGML_TYPES
+from tinyvllm.ggml_types import GGML_TYPES
 
 BLOCK_SIZE = 32  # elements per block in all three formats
 TYPE_SIZES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per block: Q4_0, Q4_1, Q8_0

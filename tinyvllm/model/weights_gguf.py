@@ -53,7 +53,8 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile
-from tinyvllm.model.quant import KERNEL_TYPES, QuantizedArray, as_blocks, dequantize, tensor_nbytes
+from tinyvllm.ggml_types import KERNEL_TYPES
+from tinyvllm.model.quant import QuantizedArray, as_blocks, dequantize, tensor_nbytes
 from tinyvllm.model.weights import check_state_dict, expected_shapes
 
 GLOBAL_NAMES = {
