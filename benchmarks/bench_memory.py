@@ -45,14 +45,14 @@ sys.path.insert(0, str(ROOT))
 from common import add_peers_arg, machine_description, no_peer_twin, synchronize, table, write_results  # noqa: E402
 from kv_dtypes import kv_attention_kernel_ms, kv_decode_speed, kv_perplexity  # noqa: E402  (part 6)
 
-from tinyvllm.core.block_manager import BlockManager  # noqa: E402
-from tinyvllm.core.kv_cache import (  # noqa: E402
+from tinyvllm.attention.kv_cache import (  # noqa: E402
     KV_CACHE_DTYPES,
     KVCacheDtype,
     kv_cache_bytes_per_token,
     num_blocks_for_memory,
     parse_memory,
 )
+from tinyvllm.core.block_manager import BlockManager  # noqa: E402
 from tinyvllm.core.sequence import Sequence  # noqa: E402
 from tinyvllm.model.config import ModelConfig  # noqa: E402
 
@@ -282,7 +282,7 @@ def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
     persistent InputBuffers in place (the runners' way, docs/phases/01-appendix-tinygrad-speed.md)."""
     from tinygrad import Tensor, dtypes
 
-    from tinyvllm.engine.input_buffer import InputBuffer
+    from tinyvllm.input_buffer import InputBuffer
 
     def contiguous_new():
         Tensor([[1]], dtype=dtypes.int32).realize()  # input_ids (the position is a bound variable)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.core.kv_cache import KV_CACHE_DTYPES
+from tinyvllm.attention.kv_cache import KV_CACHE_DTYPES
 from tinyvllm.model.config import ModelConfig
 
 

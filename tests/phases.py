@@ -18,6 +18,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_model_tiny": 1, "test_weights": 1, "test_convert": 1, "test_tokenizer": 1,
     "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1, "test_generate": 1,
     "test_kernels_linear": 1, "test_cpu_graph": 1, "test_docs": 1, "test_wheel": 1, "test_phases": 1,
+    "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
@@ -90,8 +91,12 @@ class HideLaterPhases(importlib.abc.MetaPathFinder):
     environment installs it for a test run (tests/conftest.py, `make test-phase P=k`)."""
 
     def __init__(self, phase: int, phases: dict[str, int]):
+        self.phases = phases
+        self.hide_after(phase)
+
+    def hide_after(self, phase: int) -> None:
         self.phase = phase
-        self.hidden = {name: p for name, p in phases.items() if p > phase}
+        self.hidden = {name: p for name, p in self.phases.items() if p > phase}
 
     def find_spec(self, name: str, path=None, target=None):
         if name in self.hidden:

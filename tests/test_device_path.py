@@ -176,8 +176,8 @@ def test_real_model_on_the_discrete_path_gives_the_cpu_paths_tokens(generator, m
 # ---- what a GPU sizes and picks by itself ----
 
 def test_kv_cache_budget_from_a_gpus_free_memory(monkeypatch):
-    from tinyvllm.core import kv_cache
-    from tinyvllm.core.kv_cache import kv_cache_budget
+    from tinyvllm.attention import kv_cache
+    from tinyvllm.attention.kv_cache import kv_cache_budget
     from tinyvllm.device_memory import free_device_memory
 
     gib = 2**30

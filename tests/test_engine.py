@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIG, write_tiny_model
-from tinyvllm.core.kv_cache import kv_cache_bytes_per_block, resolve_kv_cache_dtype
+from tinyvllm.attention.kv_cache import kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.llm import LLM
 from tinyvllm.sampling_params import SamplingParams

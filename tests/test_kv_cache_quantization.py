@@ -18,15 +18,15 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.attention import kernel_backend
 from tinyvllm.attention.kernel_backend import kernel_paged_attention, kernel_reshape_and_cache, uses_kernels
-from tinyvllm.attention.kv_quant import dequantize, fp8_e4m3_decode, fp8_e4m3_encode, hadamard, quantize, rotate
-from tinyvllm.attention.paged import paged_attention, reshape_and_cache
-from tinyvllm.core.kv_cache import (
+from tinyvllm.attention.kv_cache import (
     KV_CACHE_DTYPES,
     PagedKVCache,
     kv_cache_bytes_per_token,
     num_blocks_for_memory,
     resolve_kv_cache_dtype,
 )
+from tinyvllm.attention.kv_quant import dequantize, fp8_e4m3_decode, fp8_e4m3_encode, hadamard, quantize, rotate
+from tinyvllm.attention.paged import paged_attention, reshape_and_cache
 from tinyvllm.model.config import ModelConfig
 
 on_cpu = pytest.mark.skipif(not kernel_backend.has_kernel("CPU"), reason="no C kernel for this CPU compiler")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.attention.kv_cache import PagedKVCache, num_blocks_for_memory, parse_memory
 from tinyvllm.attention.paged import paged_attention, reshape_and_cache
-from tinyvllm.core.kv_cache import PagedKVCache, num_blocks_for_memory, parse_memory
 from tinyvllm.model.config import ModelConfig
 
 

@@ -18,6 +18,7 @@ from conftest import write_tiny_model
 from test_spec_decode import run
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.model.weights_hf import read_safetensors, save_hf_weights
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode.config import SpeculativeConfig
@@ -61,8 +62,8 @@ def near_draft_dir(tiny_model_dir, tmp_path_factory):
 
 def proposer(tiny, path, k=4, **kw) -> DraftModelProposer:
     config = SpeculativeConfig.from_dict(draft_config(path, k, **kw))
-    return DraftModelProposer(config, tiny.model, tiny.tokenizer, num_blocks=64, block_size=16, max_model_len=256,
-                              max_num_batched_tokens=64, max_num_seqs=8)
+    return DraftModelProposer(config, tiny.model, tiny.tokenizer, runner_class=ModelRunner, num_blocks=64,
+                              block_size=16, max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
 
 
 def greedy(max_tokens=30, **kw):
@@ -82,7 +83,7 @@ def test_bad_configs_are_clear_errors(tiny, tiny_model_dir):
         SpeculativeConfig.from_dict(draft_config(tiny_model_dir) | {"method": "eagle"})
     with pytest.raises(ValueError, match="max_model_len"):  # the draft's 512 positions cannot serve 1024
         DraftModelProposer(SpeculativeConfig.from_dict(draft_config(tiny_model_dir)), tiny.model, tiny.tokenizer,
-                           num_blocks=64, block_size=16, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8)
+                           runner_class=ModelRunner, num_blocks=64, block_size=16, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8)
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny, tmp_path):

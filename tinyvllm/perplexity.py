@@ -51,8 +51,8 @@ import numpy as np
 from tinygrad import Tensor
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
-from tinyvllm.core.kv_cache import PagedKVCache, resolve_kv_cache_dtype
-from tinyvllm.engine.input_buffer import InputBuffer
+from tinyvllm.attention.kv_cache import PagedKVCache, resolve_kv_cache_dtype
+from tinyvllm.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.tokenizer import Tokenizer
@@ -127,7 +127,7 @@ class ChunkScorer:
     token i at position i in slot i. A chunk always starts at position 0, so each forward overwrites every slot
     the next one reads: no state carries over from chunk to chunk, which is what "evaluated from scratch" asks.
     NOTE: the contiguous cache of Phase 1 gives the same logits, but its attention is tinygrad's generic
-    (T, S) kernels: ~8 s per 512-token chunk on 2 cores against ~1 s here.
+    (T, S) kernels, several times slower per chunk than the paged kernels here.
 
     tokens_per_step: feed the chunk that many tokens per forward instead of all at once (it must divide n_ctx).
     The logits are the same up to float rounding: the quantized kernels round the activations to 8 bits at every
@@ -185,7 +185,7 @@ def perplexity(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, n_ctx: 
     """llama-perplexity's chunked perplexity of `text` (see the module docstring).
 
     tokens_per_step: see `ChunkScorer` (None: each chunk in one forward); kv_cache_dtype: how the chunk's K/V are
-    stored ("auto": the model's dtype; "float16", "int8", "fp8": tinyvllm/core/kv_cache.py).
+    stored ("auto": the model's dtype; "float16", "int8", "fp8": tinyvllm/attention/kv_cache.py).
     progress: called after each chunk with (chunk index, running perplexity), as llama-perplexity prints
     `[i]ppl` per chunk."""
     start = time.perf_counter()

@@ -1,8 +1,8 @@
 /* Replay a captured graph: call every kernel of one forward pass from C, one after the other.
  *
  * tinygrad 0.14 replays a TinyJit on the CPU from Python: for each kernel it resolves the buffers, builds
- * the argument list and calls the compiled function through ctypes, some 20-30 us per kernel. A decode
- * step of SmolLM2-135M is ~490 kernels, so that alone is 10-15 ms of a ~50 ms step. This loop does the
+ * the argument list and calls the compiled function through ctypes, Python work for every kernel. A decode
+ * step of SmolLM2-135M is ~490 kernels, so that alone is a sizeable share of the step. This loop does the
  * same calls from a table that Python fills once (tinyvllm/kernels/cpu_graph.py) and patches per step
  * (the addresses of the step's input buffers, the values of its symbolic variables): one ctypes call
  * per step, well under a microsecond per kernel. (CUDA graphs and Metal's indirect command buffers are

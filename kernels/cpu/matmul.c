@@ -5,11 +5,11 @@
  *   + lm_head 49152x576                                                       =      28,311,552 weights
  *   = 134.5 M weights x 4 bytes = 538 MB, for 2 x 134.5 M = 0.27 GFLOP.
  * At M=1 (one sequence decoding) that is 0.5 FLOP per byte: the kernel is bound by memory bandwidth, and the
- * best it can do is stream w exactly once at the speed the cores can read (~16 GB/s for one core here, ~24 GB/s
- * for two: 538 MB / 24 GB/s = 22 ms, ~45 tokens/s). tinygrad's generated kernels reach 2-7 GB/s.
+ * best it can do is stream w exactly once at the speed the cores can read (538 MB / bandwidth per token; two cores
+ * read faster than one). tinygrad's generated kernels reach a fraction of that bandwidth.
  * At M=32 (32 sequences decoding together) each weight read serves 32 rows of x: 16 FLOP per byte, so the kernel
- * is bound by FMAs: 32 x 0.27 = 8.6 GFLOP per step, i.e. 51 GFLOP/s for 189 tokens/s. tinygrad's generated
- * kernels reach 6-26 GFLOP/s; one AVX2 core can do 32 FLOP/cycle (2 FMA units x 8 floats x 2).
+ * is bound by FMAs: 32 x 0.27 = 8.6 GFLOP per step, against 32 FLOP/cycle for one AVX2 core (2 FMA units x
+ * 8 floats x 2), which tinygrad's generated kernels come nowhere near (benchmarks/bench_linear.py measures both).
  *
  * Arguments (w is stored as the model stores it, (out_features, in_features), rows contiguous):
  *   out: (M, N) float32, written

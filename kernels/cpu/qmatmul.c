@@ -36,8 +36,8 @@
  *
  * How the work is cut (as matmul.c): quantize x (rows spread over the thread pool), then tiles of MR rows of x
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
- * block for NR rows of w. M=1: MR=1, NR=1: one row of w streamed at a time (measured from memory, Q8_0: 25 GB/s
- * on one core against 5 with four rows side by side, the hardware prefetcher keeps up with one stream only).
+ * block for NR rows of w. M=1: MR=1, NR=1: one row of w streamed at a time (measured from memory, Q8_0: several
+ * times the bandwidth of four rows side by side; the hardware prefetcher keeps up with one stream only).
  * M > 1: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers and
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the

@@ -3,8 +3,8 @@
  * Why it exists: tinygrad 0.14 runs every CPU program on ONE thread. A program that declares a
  * `core_id` is not spread over cores: the runtime calls it once per core_id value, one after the
  * other (tinygrad/runtime/ops_cpu.py, CPUProgram.__call__ and cpu_exec). A matrix-vector product
- * is bound by memory bandwidth, and on this kind of machine one core reads ~16 GB/s while two
- * read ~24 GB/s; a batched matmul is bound by FMAs, and two cores have twice as many.
+ * is bound by memory bandwidth, and two cores read memory faster than one; a batched matmul is
+ * bound by FMAs, and two cores have twice as many.
  *
  * So the pool's helper threads are started ONCE, from Python (tinyvllm/kernels/cpu_threads.py),
  * each running `tv_pool_worker_loop` below, the same pattern as tinygrad's own CPU queue worker
@@ -42,8 +42,8 @@
 #define TV_MAX_WORKERS 15
 #define TV_MAX_CHUNKS 0xffff  /* chunks per launch that the ticket can count; more run on the calling thread */
 #define TV_INLINE static inline __attribute__((always_inline))
-/* how long a helper spins for the next job before parking: ~100 us of pause instructions (4096 x ~25 ns, measured).
- * It stays awake across the few small kernels between two matmuls, and parks when the engine is idle. */
+/* how long a helper spins for the next job before parking: 4096 pause instructions. It stays awake across the
+ * few small kernels between two matmuls, and parks when the engine is idle. */
 #define TV_SPIN_ITERS 4096
 
 typedef void (*tv_chunk_fn)(const void* ctx, int chunk);

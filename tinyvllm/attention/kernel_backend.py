@@ -19,7 +19,7 @@ where the device has them and falls back to the portable path elsewhere:
     CUDA     kernels/cuda/paged_attention.cu      nvrtc (tinygrad CUDA)   float32, float16, int8, fp8 (sm_89+ native)
     METAL    kernels/metal/paged_attention.metal  Metal (tinygrad METAL)  float32, float16, int8, fp8 (emulated)
 
-An int8 or fp8 cache comes with per-layer scale tensors (`tinyvllm.core.kv_cache`): the write takes them as two
+An int8 or fp8 cache comes with per-layer scale tensors (`tinyvllm.attention.kv_cache`): the write takes them as two
 more outputs, the attention as two more inputs; the kernels quantize and dequantize as
 `tinyvllm.attention.kv_quant` does.
 
@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm.attention.kv_cache import kv_cache_dtype_of
 from tinyvllm.attention.paged import PagedAttentionMetadata
-from tinyvllm.core.kv_cache import kv_cache_dtype_of
 from tinyvllm.kernels import launcher
 from tinyvllm.tinygrad_adapter import shard_axis
 

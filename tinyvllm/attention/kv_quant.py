@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.core.kv_cache import KVCacheDtype
+from tinyvllm.attention.kv_cache import KVCacheDtype
 
 FP8_E4M3_MAX = 448.0
 FP8_MIN_NORMAL = 2.0**-6

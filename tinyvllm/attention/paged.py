@@ -26,7 +26,7 @@ paged_attention: each query attends over its sequence's blocks, gathered through
 The gather copies the sequence's K/V out of the blocks before attending: that extra memory
 traffic on every step is what Phase 5's kernels avoid by reading the blocks in place.
 
-A quantized cache (Phase 7c, int8 or fp8: `tinyvllm.core.kv_cache`) has per-layer scale tensors beside the
+A quantized cache (Phase 7c, int8 or fp8: `tinyvllm.attention.kv_cache`) has per-layer scale tensors beside the
 blocks, (num_blocks, block_size, n_kv_heads): `reshape_and_cache` quantizes each new token's K/V per KV head
 and writes the codes and the scale to the same slot; `paged_attention` gathers both and dequantizes
 (`tinyvllm.attention.kv_quant`) before attending. For an int8 cache `attend` rotates q, K and V first (a
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.contiguous import grouped_query_attention
-from tinyvllm.core.kv_cache import kv_cache_dtype_of
+from tinyvllm.attention.kv_cache import kv_cache_dtype_of
 from tinyvllm.tinygrad_adapter import KernelInfo
 
 
@@ -94,7 +94,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         keys = dequantize(keys, k_scale[table].reshape(B, -1, kv_heads), spec)
         values = dequantize(values, v_scale[table].reshape(B, -1, kv_heads), spec)
     # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length is
-    # symbolic as a running sum, an S x S kernel (33 ms per layer at 2048 tokens; benchmarks/README.md, bench_memory)
+    # symbolic as a running sum, an S x S kernel: O(context^2) work per layer (benchmarks/README.md, bench_memory)
     key_pos = Tensor.arange(block_tables.shape[1] * block_size)[: num_blocks * block_size].reshape(1, 1, 1, 1, -1)
     query_pos = positions.reshape(B, 1, 1, T, 1)  # (B,1,1,T,1), broadcast over (B,KvH,G,T,S)
     hidden = key_pos > query_pos  # the future

@@ -23,7 +23,7 @@ import numpy as np
 from tinygrad import Tensor, UOp
 
 from tinyvllm.attention.contiguous import ContiguousAttentionMetadata, allocate_contiguous_kv_cache
-from tinyvllm.engine.input_buffer import InputBuffer
+from tinyvllm.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 
@@ -41,7 +41,7 @@ class ContiguousModelRunner:
         self.v_chunk_start = UOp.variable("chunk_start", 0, max_model_len - self.prefill_chunk_size)
         self._prefill_jit = GraphedJit(self._forward)
         self._decode_jit = GraphedJit(self._forward)
-        # the token ids each graph reads, refilled in place every step (see tinyvllm/engine/input_buffer.py)
+        # the token ids each graph reads, refilled in place every step (see tinyvllm/input_buffer.py)
         self._chunk_ids = InputBuffer((1, self.prefill_chunk_size), np.int32, model.device)
         self._token_id = InputBuffer((1, 1), np.int32, model.device)
 

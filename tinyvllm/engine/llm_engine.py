@@ -20,7 +20,7 @@ import logging
 import os
 import time
 
-from tinyvllm.core.kv_cache import (
+from tinyvllm.attention.kv_cache import (
     PagedKVCache,
     activation_bytes,
     kv_cache_budget,
@@ -101,7 +101,7 @@ class LLMEngine:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         config = self.model.kv_cache_config  # the model's, with KV heads counted over every device (Phase 8)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.dtype)  # "auto": the model's
-        if not num_gpu_blocks_override:  # the budget: given, or what the GPU's memory leaves (core/kv_cache.py)
+        if not num_gpu_blocks_override:  # the budget: given, or what the GPU's memory leaves (attention/kv_cache.py)
             logits_rows = min(max_num_batched_tokens, max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
             budget = kv_cache_budget(kv_cache_memory, gpu_memory_utilization, self.model.device,
                                      activation_bytes(config, max_num_batched_tokens, logits_rows))

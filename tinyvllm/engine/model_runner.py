@@ -35,11 +35,11 @@ import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
+from tinyvllm.attention.kv_cache import PagedKVCache
 from tinyvllm.core.block_manager import slot_mapping as get_slot_mapping
-from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
-from tinyvllm.engine.input_buffer import InputBuffer
+from tinyvllm.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler

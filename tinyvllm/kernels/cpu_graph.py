@@ -4,8 +4,8 @@ vLLM captures each decode batch size as a CUDA graph so that a step is one launc
 (vllm/worker/model_runner.py, `CUDAGraphRunner`). tinygrad does the same on GPUs (its GraphRunner batches a
 TinyJit's kernels into a CUDA graph or a Metal command buffer), but on the CPU device of tinygrad 0.14 a
 replay is a Python loop: for every kernel, resolve its buffers, build the argument list, call it through
-ctypes. Measured on a 2-core x86 machine: ~25 us per kernel, ~490 kernels per decode step of SmolLM2-135M,
-10-15 ms of a ~50 ms step.
+ctypes. A decode step of SmolLM2-135M is ~490 kernels, so that Python per kernel adds up to a sizeable share
+of the step (benchmarks/README.md measures it).
 
 `GraphedJit` is a TinyJit that, once it has captured, builds a `CPUGraph`: a flat table of
 [function address, argument count, arguments...] for every kernel in the captured order, run by the C loop

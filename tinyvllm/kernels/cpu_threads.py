@@ -15,7 +15,8 @@ that launches a kernel shares its chunks of work with them through a small contr
       ticket finished owner fn ctx                               written by the launching kernel, per launch
       sleeping[i] sems[i]                                        one per helper, to park it when idle
 
-Idle helpers spin ~100 us for the next job (the gap between two matmuls of one decode step), then park on
+Idle helpers spin a short while for the next job (long enough to bridge the gap between two matmuls of one
+decode step, see kernels/cpu/threadpool.h), then park on
 a semaphore, so an idle engine uses no CPU. At exit they are stopped and joined. After fork() the child has
 no helpers: its kernels run single-threaded. `TINYVLLM_CPU_THREADS=1` turns the pool off.
 

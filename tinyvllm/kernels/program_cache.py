@@ -1,11 +1,11 @@
 """An on-disk cache of lowered kernels, so a new process does not render them again.
 
 tinygrad turns each kernel of a graph into a program in two steps: lowering (the optimizer and the
-renderer write the kernel's C, CUDA or Metal source: Python, ~30 ms per kernel) and compiling (clang,
+renderer write the kernel's C, CUDA or Metal source, in Python) and compiling (clang,
 nvrtc, ...). Compiled binaries are cached on disk, keyed by source (`~/.cache/tinygrad/cache.db`), but
 lowered programs only in memory, in the dict `tinygrad.codegen.to_program_cache`, so every process
-lowers every kernel again. For SmolLM2-135M's first decode graph that is ~0.6 s of the ~2 s it takes
-to build it.
+lowers every kernel again: a large part of the time it takes to build SmolLM2-135M's first decode graph
+(tests/test_cold_start.py, benchmarks/README.md).
 
 `install()` swaps that dict for a `DiskProgramCache`: the same dict, which also writes every program it
 is given to a file of its own and, on a miss, looks for the file before tinygrad lowers the kernel:
@@ -13,7 +13,7 @@ is given to a file of its own and, on a miss, looks for the file before tinygrad
     process 1:  lower kernel K -> to_program_cache[key] = program -> <cache dir>/<sha256 of key>.pkl
     process 2:  key in to_program_cache? not in memory -> read <sha256 of key>.pkl -> yes, no lowering
 
-One file per program, read only when asked for: a process pays for the kernels it uses (~1 ms each),
+One file per program, read only when asked for: a process pays for the kernels it uses (one small read each),
 not for everything every earlier process lowered. A key is tinygrad's own (the kernel's AST hash, the
 renderer, its target and the codegen settings), so a changed kernel, device or setting is a new entry,
 never a wrong hit; the directory name carries the tinygrad and Python versions. Programs hold machine

@@ -99,7 +99,7 @@ def _unspell_table() -> dict[int, str]:
 
 def unspell(token: str) -> bytes | None:
     """The raw bytes of a token written in GPT-2's byte alphabet ("Ġthe" -> b" the"), None if it is not.
-    (One `translate` and one `encode` in C: a vocabulary of 49k tokens in ~10 ms instead of ~60.)"""
+    (One `translate` and one `encode` in C, not a Python loop over the token's characters: 49k tokens at load.)"""
     try:
         return token.translate(_unspell_table()).encode("latin-1")
     except UnicodeEncodeError:  # a character outside the alphabet

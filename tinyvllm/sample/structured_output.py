@@ -3,8 +3,8 @@ a list of choices, or a Lark grammar), so the text always parses.
 
 The grammar work is done by llguidance (https://github.com/guidance-ai/llguidance), the library llama.cpp
 and vLLM use: for a request's output so far, its matcher computes which tokens may come next, as a bitmask
-of the vocabulary: bit t % 32 of int32 word t // 32 is set when token t is allowed (about 0.1 ms a row:
-it walks a token trie, not 49,152 strings). The engine applies the mask to the logits before sampling:
+of the vocabulary: bit t % 32 of int32 word t // 32 is set when token t is allowed (cheap per row: it walks a
+token trie, not 49,152 strings). The engine applies the mask to the logits before sampling:
 
     matcher (one per constrained request)     bitmask (rows, ceil(V / 32)) int32     device sampler
       output so far --fill_bitmask(row)--> [ 0xffffffff | 0x00010400 | ... ] --> logits[~allowed] = -inf
@@ -39,7 +39,7 @@ JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexi
 
 # llguidance's resource limits, tighter than its defaults where a request could make one matcher costly:
 # lexer states take 1-2 kB each (20,000: at most ~40 MB a request, against the default 250,000), and the grammar
-# symbols bound its size. The fuel (work per compile and per token) keeps llguidance's defaults (~20 ms, ~14 ms).
+# symbols bound its size. The fuel (work per compile and per token) keeps llguidance's defaults.
 MAX_LEXER_STATES = 20_000
 MAX_GRAMMAR_SIZE = 100_000
 GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")  # a GBNF rule: `name ::= ...`

@@ -47,12 +47,11 @@ from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor
 
+from tinyvllm.attention.kv_cache import PagedKVCache
 from tinyvllm.core.block_manager import BlockManager
-from tinyvllm.core.kv_cache import PagedKVCache
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
-from tinyvllm.engine.input_buffer import InputBuffer
-from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.input_buffer import InputBuffer
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import load_model
@@ -60,7 +59,7 @@ from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.sample import device_sampler
 from tinyvllm.sample.sampling_batch import SamplingRows
 from tinyvllm.spec_decode.config import SpeculativeConfig
-from tinyvllm.spec_decode.proposer import Draft, DraftRequest
+from tinyvllm.spec_decode.proposer import Draft, DraftRequest, DraftRunner
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
@@ -90,6 +89,8 @@ class DraftModelProposer:
         config: a speculative_config with method "draft_model": the draft's checkpoint and its quantization.
         target_model: the target (the draft runs at its dtype, on its device, with as many logits per token).
         target_tokenizer: the target's, checked against the draft's (check_same_tokenizer).
+        runner_class: the target's model runner's class (DraftRunner in proposer.py), which runs the draft too:
+            the engine hands it in, so that speculative decoding does not import the engine package.
         num_blocks, block_size: the target's KV pool; the draft's own pool is as large.
         max_model_len: the target's; the draft must handle as many positions.
         max_num_batched_tokens, max_num_seqs: the step limits the draft's runner shares (its catch-up is chunked
@@ -99,8 +100,9 @@ class DraftModelProposer:
     """
 
     def __init__(self, config: SpeculativeConfig, target_model: LlamaForCausalLM, target_tokenizer: Tokenizer, *,
-                 num_blocks: int, block_size: int, max_model_len: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, portable_attention: bool = False, target_name: str = "(the target)"):
+                 runner_class: type[DraftRunner], num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
+                 target_name: str = "(the target)"):
         if config.method != "draft_model" or config.model is None:
             raise ValueError(f"DraftModelProposer needs a speculative_config with method 'draft_model' and a "
                              f"'model', got method {config.method!r} and model {config.model!r}")
@@ -118,8 +120,8 @@ class DraftModelProposer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache = PagedKVCache(self.model.config, num_blocks, block_size, self.model.dtype, self.model.device)
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, max_model_len, max_num_batched_tokens, max_num_seqs,
-                                  portable_attention=portable_attention)
+        self.runner = runner_class(self.model, self.kv_cache, max_model_len, max_num_batched_tokens, max_num_seqs,
+                                   portable_attention=portable_attention)
         self._seqs: dict[int | str, Sequence] = {}  # request id -> its shadow sequence: the tokens the draft fed
         self._sampler_jits: dict[tuple[int, bool], GraphedJit] = {}  # per (rows, filters used)
         self._sampler_inputs: dict[tuple[int, bool], list[InputBuffer]] = {}

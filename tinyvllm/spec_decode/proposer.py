@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 from tinygrad import Tensor
 
+from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.sampling_params import SamplingParams
 
@@ -43,6 +44,22 @@ class Draft:
     # (len(token_ids), vocab) float32 on the model's device: the distribution q each draft token was drawn from
     # (after the request's sampling filters); None for a deterministic proposer (ngram: q is one-hot at the token)
     probs: Tensor | None = None
+
+
+class DraftRunner(Protocol):
+    """What the draft model asks of a model runner. The engine hands in its runner's class (ModelRunner,
+    tinyvllm/engine/model_runner.py), built as `runner_class(model, kv_cache, max_model_len, max_num_batched_tokens,
+    max_num_seqs, portable_attention=...)`, so that speculative decoding never imports the engine package back."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput):
+        """One forward pass over the scheduled tokens: the sequences that sample, and their rows of logits."""
+        ...
+
+    def sample(self, logits: Tensor, temperature: np.ndarray | None, top_k: np.ndarray | None,
+               top_p: np.ndarray | None, min_p: np.ndarray | None, keys: np.ndarray | None,
+               use_filters: bool) -> np.ndarray:
+        """Each row's token, sampled on the device (keys None: every row greedy)."""
+        ...
 
 
 class Proposer(Protocol):

@@ -69,7 +69,8 @@ class Speculator:
                                                     config.prompt_lookup_max)
         else:  # "draft_model"; imported here so that ngram never loads it
             from tinyvllm.spec_decode.draft_model import DraftModelProposer
-            self.proposer = DraftModelProposer(config, model, tokenizer, num_blocks=num_blocks, block_size=block_size,
+            self.proposer = DraftModelProposer(config, model, tokenizer, runner_class=type(runner),
+                                               num_blocks=num_blocks, block_size=block_size,
                                                max_model_len=max_model_len,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                max_num_seqs=max_num_seqs, portable_attention=portable_attention,

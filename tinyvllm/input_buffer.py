@@ -2,7 +2,7 @@
 
 Every step hands the captured graph a few small arrays: token ids, positions, the slot mapping, block
 tables. Making a new tensor for each, `Tensor(array).realize()`, schedules and runs a copy through
-tinygrad: ~2-3 ms of Python per input on a 2-core CPU, over 10 ms of a 40 ms decode step for four
+tinygrad: Python work per input per step, a large share of a small decode step once there are four
 inputs. vLLM's GPU model runner allocates its input tensors once, at the largest size, and copies each
 step's values into them (`CpuGpuBuffer` in vllm/v1/worker/gpu_model_runner.py); CUDA graphs need that
 anyway, since a graph replays with the addresses it was captured with.
