@@ -99,13 +99,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Each test gets the marker of its file's phase (tests/phases.py); a tutorial's test, its chapter's phase."""
-    from phases import PHASE_OF_TEST_FILE, phase_of_chapter
+    from phases import PHASE_OF_TEST_FILE, phase_of_chapter_test
 
     for item in items:
         stem = Path(str(item.fspath)).stem
         phase = PHASE_OF_TEST_FILE.get(stem)
         callspec = getattr(item, "callspec", None)
         if stem == "test_docs" and callspec is not None and "doc" in callspec.params:
-            phase = phase_of_chapter(callspec.params["doc"].name) or phase
+            phase = phase_of_chapter_test(callspec.params["doc"].name) or phase
         if phase is not None:
             item.add_marker(getattr(pytest.mark, f"phase{phase}"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from phases import PHASE_OF_TEST_FILE, phase_of_chapter
+from phases import CHAPTER_CODE_PHASE, PHASE_OF_TEST_FILE, phase_of_chapter, phase_of_chapter_test
 
 TESTS = Path(__file__).resolve().parent
 
@@ -22,3 +22,11 @@ def test_phase_of_chapter():
     assert phase_of_chapter("03-continuous-batching.md") == 3
     assert phase_of_chapter("07b-speculative-decoding.md") == 7
     assert phase_of_chapter("glossary.md") is None
+
+
+def test_chapters_whose_code_runs_later_exist():
+    docs = Path(__file__).resolve().parent.parent / "docs" / "phases"
+    for name, phase in CHAPTER_CODE_PHASE.items():
+        assert (docs / name).exists(), f"CHAPTER_CODE_PHASE names {name}, which docs/phases/ lacks"
+        assert phase > phase_of_chapter(name)
+    assert phase_of_chapter_test("03-continuous-batching.md") == 3
