@@ -3,7 +3,9 @@
 The roadmap promises each phase tests of its own that pass without the later phases; this table is where a test
 file says which phase it tests. `conftest.py` turns it into the markers `phase1` ... `phase9` (sub-phases such as
 7b and 7c count as 7), and `tests/test_phases.py` checks that every test file is listed here. A tutorial's own test
-(`test_docs.py::test_phase_doc_code_runs[03-...]`) takes the phase of its chapter.
+(`test_docs.py::test_phase_doc_code_runs[03-...]`) takes the phase of its chapter. A test of a later phase's
+feature inside an earlier file carries that phase's marker too (`pytest.param("int8", marks=pytest.mark.phase7)`),
+and `make test-phase P=k` leaves out every test marked with a phase after k.
 """
 
 from __future__ import annotations

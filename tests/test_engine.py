@@ -89,7 +89,7 @@ def test_batched_equals_alone(engine):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("int8", marks=pytest.mark.phase7)])  # int8: Phase 7c's cache
 def test_preemption_under_a_small_pool(tiny_dir, kv_cache_dtype):
     per_block = kv_cache_bytes_per_block(LONG_TINY, 16, resolve_kv_cache_dtype(kv_cache_dtype))
     small = LLMEngine(tiny_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
@@ -107,7 +107,7 @@ def test_preemption_under_a_small_pool(tiny_dir, kv_cache_dtype):
     assert small.scheduler.block_manager.num_free_blocks == small.scheduler.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("engine_fixture", ["engine", "int8_engine"])
+@pytest.mark.parametrize("engine_fixture", ["engine", pytest.param("int8_engine", marks=pytest.mark.phase7)])
 def test_long_prompt_does_not_stall_decodes(request, engine_fixture):
     engine = request.getfixturevalue(engine_fixture)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -207,7 +207,7 @@ def test_n_completions_per_request(engine):
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # seed + index: the completions differ
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("int8", marks=pytest.mark.phase7)])
 def test_prefix_caching_reuses_a_prompt_and_gives_the_same_tokens(tiny_dir, kv_cache_dtype):
     """Turn 2 of a chat resends turn 1: its prompt's full blocks come from the cache, the output is unchanged."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
