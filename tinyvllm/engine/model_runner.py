@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
+from tinyvllm.attention.copy_blocks import CopyBlocks
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
 from tinyvllm.attention.kv_cache import PagedKVCache
 from tinyvllm.core.block_manager import slot_mapping as get_slot_mapping
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.input_buffer import InputBuffer
+from tinyvllm.kernels import graph_cache
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
@@ -113,7 +115,7 @@ class ModelRunner:
         self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
         self._input_buffers: dict[tuple[int, int], tuple[InputBuffer, ...]] = {}  # as _jits (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
-        self._copy_blocks = None  # copy-on-write's copies (attention/copy_blocks.py), built at the first copy
+        self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
         self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D), on the device
         self._token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id -> (first row, rows) in _normed
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
@@ -229,7 +231,8 @@ class ModelRunner:
             self._token_rows = token_rows
         else:
             if (n, num_rows) not in self._jits:
-                self._jits[n, num_rows] = GraphedJit(self._forward, persist=self._persisted("forward", n, num_rows))
+                self._jits[n, num_rows] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(
+                    self, "forward", n, num_rows))
             logits = self._jits[n, num_rows](*inputs)
             hidden_states, self._token_rows = {}, {}
         self.lap("forward")
@@ -249,18 +252,10 @@ class ModelRunner:
         else:
             self.step_timer.lap(phase)
 
-    def _persisted(self, *name):
-        """Where the graph `name` is kept on disk between processes (Phase 6's cold start, kernels/graph_cache.py)."""
-        from tinyvllm.kernels import graph_cache
-
-        return graph_cache.for_model_runner(self, *name)
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src, [(src, dst), ...], in every per-layer tensor of the cache (block
         first: K, V, and a quantized cache's scales), on the device."""
         if self._copy_blocks is None:
-            from tinyvllm.attention.copy_blocks import CopyBlocks  # only copy-on-write copies blocks
-
             tensors = [t for layer in self.kv_cache.kv_caches for t in layer]
             self._copy_blocks = CopyBlocks(tensors, self.kv_cache.null_block, portable=self.portable_attention)
         self._copy_blocks(pairs)
@@ -289,7 +284,7 @@ class ModelRunner:
         key = (rows, "greedy" if keys is None else use_filters, masked)
         if key not in self._sampler_jits:
             self._sampler_jits[key] = GraphedJit(self._sampler_graph(keys is None, use_filters, masked),
-                                                 persist=self._persisted("sample", *key))
+                                                 persist=graph_cache.for_model_runner(self, "sample", *key))
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
         buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
