@@ -15,14 +15,16 @@ ARGS   ?= --max-tokens 64
 run: setup
 	$(PY) main.py --prompt "$(PROMPT)" $(ARGS)
 
+# one worker process per core (pytest-xdist); a file's tests stay on one worker
 test: setup-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 # Phases 1..P only (tests/phases.py says which phase each test file tests; a test of a later feature in an earlier
 # file carries that phase's marker too), the later phases' modules hidden (docs/modules.md): make test-phase P=3
 P ?= 9
 test-phase: setup-test
-	TINYVLLM_HIDE_AFTER_PHASE=$(P) $(PY) -m pytest -q tests -m "($$(seq -s ' or ' 1 $(P) | sed 's/[0-9]/phase&/g'))$$( \
+	TINYVLLM_HIDE_AFTER_PHASE=$(P) $(PY) -m pytest -q -n auto --dist loadfile tests \
+	  -m "($$(seq -s ' or ' 1 $(P) | sed 's/[0-9]/phase&/g'))$$( \
 	  [ $(P) -lt 9 ] && echo " and not ($$(seq -s ' or ' $$(($(P) + 1)) 9 | sed 's/[0-9]/phase&/g'))")"
 
 bench: setup-test

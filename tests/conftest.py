@@ -78,17 +78,36 @@ def generator():
     return Generator(max_model_len=512, kv_cache_memory="64MiB", quantization="none")
 
 
+def torch_threads() -> int:
+    """Threads for the HF oracle's torch: both cores in a serial run, one per worker when pytest-xdist runs
+    the suite in two processes (two processes of two spinning threads each on two cores starve each other)."""
+    return 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 @pytest.fixture(scope="session")
-def hf_model(default_gguf):
-    """HF transformers' LlamaForCausalLM on the same GGUF (dequantized to float32): the oracle."""
+def hf_model(default_gguf, tmp_path_factory):
+    """HF transformers' LlamaForCausalLM on the same GGUF (dequantized to float32): the oracle.
+
+    transformers reads the GGUF itself (its own dequantization, not ours). Under pytest-xdist the first worker
+    to get here saves what it read as an HF checkpoint in the run's shared temporary directory, and the other
+    workers load that instead of dequantizing the GGUF again."""
     pytest.importorskip("transformers")
     import torch
+    from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
-                                                 dtype=torch.float32)
-    return model.eval()
+    torch.set_num_threads(torch_threads())
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
+                                                    dtype=torch.float32).eval()
+    shared = tmp_path_factory.getbasetemp().parent / "hf-oracle"  # one directory for all workers of this run
+    with FileLock(str(shared) + ".lock"):
+        if (shared / "config.json").exists():
+            return AutoModelForCausalLM.from_pretrained(str(shared), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
+                                                     dtype=torch.float32).eval()
+        model.save_pretrained(str(shared))
+        return model
 
 
 def pytest_configure(config):

@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from conftest import torch_threads  # noqa: E402
 from tinyvllm.model.bpe import QWEN2_PATTERN  # noqa: E402
 from tinyvllm.model.config import ModelConfig  # noqa: E402
 from tinyvllm.model.gguf import GGUFFile  # noqa: E402
@@ -101,7 +102,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """name -> an HF model directory with random weights, saved by transformers (config.json as it writes it)."""
     import shutil
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(torch_threads())
     tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
     write_qwen_tokenizer(tokenizer_dir)
     dirs = {}
