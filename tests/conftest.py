@@ -89,7 +89,7 @@ def hf_model(default_gguf, tmp_path_factory):
     """HF transformers' LlamaForCausalLM on the same GGUF (dequantized to float32): the oracle.
 
     transformers reads the GGUF itself (its own dequantization, not ours). Under pytest-xdist the first worker
-    to get here saves what it read as an HF checkpoint in the run's shared temporary directory, and the other
+    to get here saves what it read (config and tensors) in the run's shared temporary directory, and the other
     workers load that instead of dequantizing the GGUF again."""
     pytest.importorskip("transformers")
     import torch
@@ -100,13 +100,16 @@ def hf_model(default_gguf, tmp_path_factory):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
                                                     dtype=torch.float32).eval()
-    shared = tmp_path_factory.getbasetemp().parent / "hf-oracle"  # one directory for all workers of this run
+    shared = tmp_path_factory.getbasetemp().parent / "hf-oracle.pt"  # one file for all workers of this run
     with FileLock(str(shared) + ".lock"):
-        if (shared / "config.json").exists():
-            return AutoModelForCausalLM.from_pretrained(str(shared), dtype=torch.float32).eval()
+        if shared.exists():  # transformers will not save a model it read from a GGUF: its config and tensors
+            saved = torch.load(shared, weights_only=False)
+            model = AutoModelForCausalLM.from_config(saved["config"], dtype=torch.float32)
+            model.load_state_dict(saved["state"])
+            return model.eval()
         model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
                                                      dtype=torch.float32).eval()
-        model.save_pretrained(str(shared))
+        torch.save({"config": model.config, "state": model.state_dict()}, shared)
         return model
 
 
