@@ -66,10 +66,7 @@
 #define CHUNK_TILES ((CHUNK_BYTES / (4 * TV_K) + NR - 1) / NR > 0 ? (CHUNK_BYTES / (4 * TV_K) + NR - 1) / NR : 1)
 #define CHUNK_ROWS (CHUNK_TILES * NR)
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
-
-/* 8 floats in one AVX2 register; aligned(4) makes loads through it unaligned loads (rows of w start at any
- * multiple of K floats). With -march=native clang turns `acc += a * b` into one FMA. */
-typedef float f8 __attribute__((vector_size(32), aligned(4)));
+#include "tile.h"  /* after MR, NR, MB, CHUNK_ROWS: its tile and loops are cut by them */
 
 struct matmul_args {
   float* out;
@@ -85,77 +82,12 @@ TV_KERNEL matmul(float* restrict out, const float* restrict x, const float* rest
   tv_parallel_for(matmul_chunk, &args, NUM_CHUNKS);
 }
 
-TV_INLINE float hsum8(f8 v) {
-  typedef float f4 __attribute__((vector_size(16)));
-  f4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  a = a + __builtin_shufflevector(a, a, 2, 3, 0, 1);
-  a = a + __builtin_shufflevector(a, a, 1, 0, 3, 2);
-  return a[0];
-}
-
-/* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
- * unrolls both loops and keeps acc[][] in registers. */
-TV_INLINE void tile(float* restrict out, const float* restrict x, const float* restrict w, int mr, int nr) {
-  f8 acc[MR][NR];
-  for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) acc[i][j] = (f8){0};
-  int k = 0;
-  for (; k + 8 <= TV_K; k += 8) {
-    f8 wv[NR];
-    for (int j = 0; j < nr; j++) wv[j] = *(const f8*)(w + j * TV_K + k);
-#if MR > 1
-    /* the next tile's rows, same column; past the last row of w this is a harmless no-op (prefetches never fault) */
-    for (int j = 0; j < nr; j++) __builtin_prefetch(w + (NR + j) * TV_K + k, 0, 3);
-#endif
-    for (int i = 0; i < mr; i++) {
-      f8 xv = *(const f8*)(x + i * TV_K + k);
-      for (int j = 0; j < nr; j++) acc[i][j] += xv * wv[j];
-    }
-  }
-  for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) {
-      float s = hsum8(acc[i][j]);
-      for (int kk = k; kk < TV_K; kk++) s += x[i * TV_K + kk] * w[j * TV_K + kk];  /* K % 8 leftover */
-      out[i * TV_N + j] = s;
-    }
-}
-
-/* rows m0..m1 of x against rows n..n+nr of w */
-TV_INLINE void tile_column(float* restrict out, const float* restrict x, const float* restrict w,
-                           int n, int m0, int m1, int nr) {
-  int m = m0;
-  for (; m + MR <= m1; m += MR) tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, MR, nr);
-#if MR > 1
-  switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
-#if MR > 7
-    case 7: tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, 7, nr); break;
-#endif
-#if MR > 6
-    case 6: tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, 6, nr); break;
-#endif
-#if MR > 5
-    case 5: tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, 5, nr); break;
-#endif
-#if MR > 4
-    case 4: tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, 4, nr); break;
-#endif
-    case 3: tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, 3, nr); break;
-    case 2: tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, 2, nr); break;
-    case 1: tile(out + m * TV_N + n, x + m * TV_K, w + n * TV_K, 1, nr); break;
-    default: break;
-  }
-#endif
-}
+/* the next tile's rows of w are prefetched when tiles have rows to share them (MR > 1) */
+#define MATMUL_TILE(out, x, w, mr, nr) float_tile(out, x, w, mr, nr, MR > 1)
+TV_TILE_COLUMN_FN(tile_column, MATMUL_TILE, float, TV_K, float, TV_K)
 
 /* One chunk: output columns [n0, n1) for every row of x. */
 static void matmul_chunk(const void* ctx, int chunk) {
   const struct matmul_args* a = (const struct matmul_args*)ctx;
-  int n0 = chunk * CHUNK_ROWS;
-  int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
-  for (int m0 = 0; m0 < TV_M; m0 += MB) {
-    int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
-    int n = n0;
-    for (; n + NR <= n1; n += NR) tile_column(a->out, a->x, a->w, n, m0, m1, NR);
-    for (; n < n1; n++) tile_column(a->out, a->x, a->w, n, m0, m1, 1);  /* N % NR leftover rows of w */
-  }
+  TV_CHUNK_COLUMNS(tile_column, chunk, a->out, a->x, a->w);
 }

@@ -59,6 +59,7 @@
  * layout; there each program's constants only fit one of the two anyway).
  */
 #include "threadpool.h"
+#include "exp_poly.h"
 
 #if TV_HEAD_DIM % 8 != 0
 #error "paged_attention.c needs head_dim to be a multiple of 8 (one AVX2 register of floats)"
@@ -255,8 +256,8 @@ TV_INLINE f8 dot8(const f8* q, const float* const* rows) {
          __builtin_shufflevector(f[0], f[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* exp(x) for 8 floats without libc (kernels are linked without it), as Cephes' expf: x = n*ln2 + r with
- * |r| <= ln2/2, exp(r) by a degree-7 polynomial (relative error ~1e-7), 2^n put straight into the exponent bits.
+/* exp(x) for 8 floats without libc, as Cephes' expf (exp_poly.h): x = n*ln2 + r with |r| <= ln2/2, exp(r) by a
+ * polynomial, 2^n put straight into the exponent bits.
  * x is clamped to [-87.3, 88.3], where 2^n stays a normal float: exp(-inf) comes out as ~1e-38, not 0, which
  * only ever multiplies an accumulator that is still 0. */
 TV_INLINE f8 exp8(f8 x) {
@@ -264,14 +265,7 @@ TV_INLINE f8 exp8(f8 x) {
   x = __builtin_elementwise_min(__builtin_elementwise_max(x, (f8){0} - 87.3f), (f8){0} + 88.3f);
   f8 t = x * 1.44269504f + magic;
   f8 n = t - magic;                                   /* round(x / ln2) */
-  f8 r = x - n * 0.693359375f + n * 2.12194440e-4f;   /* x - n*ln2, ln2 split in two for precision */
-  f8 y = (f8){0} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
+  f8 y = TV_EXP_REDUCED(f8, x, n);                   /* exp(x - n*ln2) */
   i8 bits = ((i8)t - (i8)magic + 127) << 23;          /* 2^n as a float's bits */
   return y * (f8)bits;
 }

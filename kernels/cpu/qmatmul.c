@@ -84,7 +84,10 @@
  * its set-up (each chunk's scales as floats, each tile's scale products) costs more than it saves: the pairs. */
 #define WIDE_TILE_MIN_M 8
 #define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH)
-#if TV_M == 1
+#if TV_FLOAT_PATH
+#define MR FMR   /* the float path: tiles of FNR dequantized rows of w */
+#define NR FNR
+#elif TV_M == 1
 #define MR 1
 #define NR 1
 #elif TV_WIDE_TILE
@@ -96,12 +99,9 @@
 #endif
 #define MR TV_TILE_MR
 #define NR TV_TILE_NR
-#elif !TV_FLOAT_PATH
+#else
 #define MR 4
 #define NR 2
-#else
-#define MR FMR   /* the float path: tiles of FNR dequantized rows of w */
-#define NR FNR
 #endif
 #define MB 64                               /* rows of x per pass over a chunk: 64 x 1536/32 x 40 B = 123 KB */
 #define CHUNK_BYTES 24576                   /* ~24 KB of w per chunk handed to a thread */
@@ -110,6 +110,7 @@
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
 #define QUANT_ROWS 16                       /* rows of x quantized per chunk */
 #define NUM_QUANT_CHUNKS ((TV_M + QUANT_ROWS - 1) / QUANT_ROWS)
+#include "tile.h"  /* after MR, NR, MB, CHUNK_ROWS: its tiles and loops are cut by them */
 
 /* 32 elements of x, quantized: x ~= d * q. llama.cpp's block_q8_1, with d and s in float32 instead of float16 */
 struct xblock {
@@ -559,20 +560,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
 }
 #endif
 
-/* rows m0..m1 of x against rows n..n+nr of w */
-TV_INLINE void tile_column(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
-                           int n, int m0, int m1, int nr) {
-  int m = m0;
-  for (; m + MR <= m1; m += MR) tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, MR, nr);
-#if MR > 1
-  switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
-    case 3: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 3, nr); break;
-    case 2: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 2, nr); break;
-    case 1: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 1, nr); break;
-    default: break;
-  }
-#endif
-}
+TV_TILE_COLUMN_FN(tile_column, tile, struct xblock, NB, unsigned char, ROW_BYTES)
 
 #endif  /* !TV_FLOAT_PATH */
 
@@ -592,9 +580,6 @@ TV_INLINE void tile_column(float* restrict out, const struct xblock* restrict x,
  */
 TV_INLINE void dequantize_row(float* restrict dst, const unsigned char* restrict row);  /* below */
 
-/* 8 floats; aligned(4): loads through it are unaligned loads (as matmul.c's f8) */
-typedef float tv_f8 __attribute__((vector_size(32), aligned(4)));
-
 /* dst[k] = scale[k / sub] * q[k] + offset[k / sub] for k < n: integers of a block to floats (n, sub: multiples of 8) */
 TV_INLINE void affine_to_float(float* restrict dst, const signed char* restrict q, int n, int sub,
                                const float* restrict scale, const float* restrict offset) {
@@ -608,43 +593,9 @@ TV_INLINE void affine_to_float(float* restrict dst, const signed char* restrict 
 #endif
 }
 
-TV_INLINE float hsum_f8(tv_f8 v) {
-  typedef float f4 __attribute__((vector_size(16)));
-  f4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  a = a + __builtin_shufflevector(a, a, 2, 3, 0, 1);
-  a = a + __builtin_shufflevector(a, a, 1, 0, 3, 2);
-  return a[0];
-}
-
-/* out[i, j] = dot(x[i, :], wt[j, :]) for i < mr, j < nr (constants at each call site: unrolled, in registers) */
-TV_INLINE void float_tile(float* restrict out, const float* restrict x, const float* restrict wt, int mr, int nr) {
-  tv_f8 acc[FMR][FNR];
-  for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) acc[i][j] = (tv_f8){0};
-  for (int k = 0; k < TV_K; k += 8) {
-    tv_f8 wv[FNR];
-    for (int j = 0; j < nr; j++) wv[j] = *(const tv_f8*)(wt + j * TV_K + k);
-    for (int i = 0; i < mr; i++) {
-      tv_f8 xv = *(const tv_f8*)(x + i * TV_K + k);
-      for (int j = 0; j < nr; j++) acc[i][j] += xv * wv[j];
-    }
-  }
-  for (int i = 0; i < mr; i++)
-    for (int j = 0; j < nr; j++) out[i * TV_N + j] = hsum_f8(acc[i][j]);
-}
-
-/* rows m0..m1 of x against the nr dequantized rows in wt (out: column n) */
-TV_INLINE void float_tile_column(float* restrict out, const float* restrict x, const float* restrict wt,
-                                 int m0, int m1, int nr) {
-  int m = m0;
-  for (; m + FMR <= m1; m += FMR) float_tile(out + m * TV_N, x + m * TV_K, wt, FMR, nr);
-  switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
-    case 3: float_tile(out + m * TV_N, x + m * TV_K, wt, 3, nr); break;
-    case 2: float_tile(out + m * TV_N, x + m * TV_K, wt, 2, nr); break;
-    case 1: float_tile(out + m * TV_N, x + m * TV_K, wt, 1, nr); break;
-    default: break;
-  }
-}
+/* tile.h's float_tile (matmul.c's tile) on the dequantized rows: wt holds only these rows, nothing to prefetch */
+#define FLOAT_TILE(out, x, wt, mr, nr) float_tile(out, x, wt, mr, nr, 0)
+TV_TILE_COLUMN_FN(float_tile_column, FLOAT_TILE, float, TV_K, float, 0)  /* wt: the column's rows, at n = 0 */
 
 /* output columns [n0, n1) for every row of x: w's rows n0..n1 (row_bytes each) dequantized FNR at a time */
 TV_INLINE void float_chunk(float* restrict out, const float* restrict x, const unsigned char* restrict w,
@@ -656,9 +607,9 @@ TV_INLINE void float_chunk(float* restrict out, const float* restrict x, const u
       int nr = n1 - n < FNR ? n1 - n : FNR;
       for (int j = 0; j < nr; j++) dequantize_row(wt + j * TV_K, w + (long)(n + j) * row_bytes);
       switch (nr) {
-        case 3: float_tile_column(out + n, x, wt, m0, m1, 3); break;
-        case 2: float_tile_column(out + n, x, wt, m0, m1, 2); break;
-        default: float_tile_column(out + n, x, wt, m0, m1, 1); break;
+        case 3: float_tile_column(out + n, x, wt, 0, m0, m1, 3); break;
+        case 2: float_tile_column(out + n, x, wt, 0, m0, m1, 2); break;
+        default: float_tile_column(out + n, x, wt, 0, m0, m1, 1); break;
       }
     }
   }
@@ -687,18 +638,11 @@ TV_INLINE void dequantize_row(float* restrict dst, const unsigned char* restrict
 /* One chunk: output columns [n0, n1) for every row of x. */
 static void qmatmul_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
-  int n0 = chunk * CHUNK_ROWS;
-  int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
 #if TV_FLOAT_PATH
-  float_chunk(a->out, a->x, a->w, ROW_BYTES, n0, n1);
+  float_chunk(a->out, a->x, a->w, ROW_BYTES, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
 #elif TV_WIDE_TILE
-  wide_chunk(a->out, a->xq, a->w, n0, n1);
+  wide_chunk(a->out, a->xq, a->w, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
 #else
-  for (int m0 = 0; m0 < TV_M; m0 += MB) {
-    int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
-    int n = n0;
-    for (; n + NR <= n1; n += NR) tile_column(a->out, a->xq, a->w, n, m0, m1, NR);
-    for (; n < n1; n++) tile_column(a->out, a->xq, a->w, n, m0, m1, 1);  /* N % NR leftover rows of w */
-  }
+  TV_CHUNK_COLUMNS(tile_column, chunk, a->out, a->xq, a->w);
 #endif
 }

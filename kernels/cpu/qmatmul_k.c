@@ -67,6 +67,7 @@
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
 #define QUANT_ROWS 16
 #define NUM_QUANT_CHUNKS ((TV_M + QUANT_ROWS - 1) / QUANT_ROWS)
+#include "tile.h"  /* after MR, NR, MB, CHUNK_ROWS: its loops are cut by them */
 
 /* 256 elements of x, quantized: x ~= d * q. llama.cpp's block_q8_K, with a symmetric 127 scale */
 struct xblock_k {
@@ -266,30 +267,10 @@ TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, cons
 }
 #endif
 
-/* rows m0..m1 of x against rows n..n+nr of w */
-TV_INLINE void tile_column(float* restrict out, const struct xblock_k* restrict x, const unsigned char* restrict w,
-                           int n, int m0, int m1, int nr) {
-  int m = m0;
-  for (; m + MR <= m1; m += MR) tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, MR, nr);
-#if MR > 1
-  switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
-    case 3: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 3, nr); break;
-    case 2: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 2, nr); break;
-    case 1: tile(out + m * TV_N + n, x + m * NB, w + n * ROW_BYTES, 1, nr); break;
-    default: break;
-  }
-#endif
-}
+TV_TILE_COLUMN_FN(tile_column, tile, struct xblock_k, NB, unsigned char, ROW_BYTES)
 
 /* One chunk: output columns [n0, n1) for every row of x. */
 static void qmatmul_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
-  int n0 = chunk * CHUNK_ROWS;
-  int n1 = n0 + CHUNK_ROWS < TV_N ? n0 + CHUNK_ROWS : TV_N;
-  for (int m0 = 0; m0 < TV_M; m0 += MB) {
-    int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
-    int n = n0;
-    for (; n + NR <= n1; n += NR) tile_column(a->out, a->xq, a->w, n, m0, m1, NR);
-    for (; n < n1; n++) tile_column(a->out, a->xq, a->w, n, m0, m1, 1);
-  }
+  TV_CHUNK_COLUMNS(tile_column, chunk, a->out, a->xq, a->w);
 }

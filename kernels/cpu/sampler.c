@@ -39,6 +39,7 @@
  * (0: only the tokens are read, and a top-p row may skip finding its threshold, writing NaN: see sample_row).
  */
 #include "threadpool.h"
+#include "exp_poly.h"
 
 #define NEG_INF (-__builtin_inff())
 #define PARALLEL_MIN_ROWS 8 /* fewer rows run on the calling thread: waking a helper costs more than a row */
@@ -112,20 +113,13 @@ TV_INLINE float log_approx(float x) {
   return f + y + 0.693359375f * (float)e;
 }
 
-/* exp(x) for x <= 0 without libc, as Cephes' expf: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial,
- * 2^n put into the exponent bits. x below -87 gives 0 (exp(-inf) = 0: a masked token weighs nothing). */
+/* exp(x) for x <= 0 without libc, as Cephes' expf (exp_poly.h): x = n ln2 + r, |r| <= ln2/2, exp(r) by a
+ * polynomial, 2^n put into the exponent bits. x below -87 gives 0 (exp(-inf) = 0: a masked token weighs nothing). */
 TV_INLINE float exp_approx(float x) {
   int under = !(x > -87.0f);
   x = under ? -87.0f : x;
   float n = __builtin_rintf(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
+  float y = TV_EXP_REDUCED(float, x, n);  /* exp(x - n ln2) */
   float scale = as_float((unsigned)((int)n + 127) << 23);
   return under ? 0.0f : y * scale;
 }

@@ -68,36 +68,7 @@
 #endif
 #define ROW_BYTES (TV_K / QK * TYPE_SIZE)
 
-__device__ __forceinline__ float warp_sum(float x) {  /* on every lane (xor butterfly: 5 shuffles) */
-  for (int offset = WARP / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
-__device__ __forceinline__ float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
-
-/* the 4 bytes of q, each an unsigned value minus `offset`, dotted with v.x .. v.w */
-__device__ __forceinline__ float ubytes_dot(unsigned q, int offset, float4 v) {
-  float s = (float)((int)(q & 0xFF) - offset) * v.x;
-  s = fmaf((float)((int)(q >> 8 & 0xFF) - offset), v.y, s);
-  s = fmaf((float)((int)(q >> 16 & 0xFF) - offset), v.z, s);
-  return fmaf((float)((int)(q >> 24) - offset), v.w, s);
-}
-
-/* the 4 bytes of q, each an int8 (shifted to the top, then arithmetic-shifted back: sign-extended), dotted with v */
-__device__ __forceinline__ float sbytes_dot(unsigned q, float4 v) {
-  float s = (float)((int)(q << 24) >> 24) * v.x;
-  s = fmaf((float)((int)(q << 16) >> 24), v.y, s);
-  s = fmaf((float)((int)(q << 8) >> 24), v.z, s);
-  return fmaf((float)((int)q >> 24), v.w, s);
-}
-
-/* 4 bytes from a 2-byte aligned address: two unsigned short loads */
-__device__ __forceinline__ unsigned load_u32_2(const unsigned char* p) {
-  const unsigned short* h = (const unsigned short*)p;
-  return h[0] | (unsigned)h[1] << 16;
-}
-
-__device__ __forceinline__ float f16(const unsigned char* p) { return __half2float(*(const __half*)p); }
+#include "qdot.cuh"
 
 /* one block of w (at b) dotted with its 32 floats of x (xb: 8 float4), dequantized in registers */
 __device__ __forceinline__ float block_dot(const unsigned char* b, const float4* xb) {

@@ -70,28 +70,7 @@
 #endif
 #define ROW_BYTES (TV_K / QK_K * TYPE_SIZE)
 
-__device__ __forceinline__ float warp_sum(float x) {  /* on every lane (xor butterfly: 5 shuffles) */
-  for (int offset = WARP / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
-__device__ __forceinline__ float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
-
-/* the 4 bytes of q, each an unsigned value minus `offset`, dotted with v.x .. v.w */
-__device__ __forceinline__ float ubytes_dot(unsigned q, int offset, float4 v) {
-  float s = (float)((int)(q & 0xFF) - offset) * v.x;
-  s = fmaf((float)((int)(q >> 8 & 0xFF) - offset), v.y, s);
-  s = fmaf((float)((int)(q >> 16 & 0xFF) - offset), v.z, s);
-  return fmaf((float)((int)(q >> 24) - offset), v.w, s);
-}
-
-/* 4 bytes from a 2-byte aligned address: two unsigned short loads */
-__device__ __forceinline__ unsigned load_u32_2(const unsigned char* p) {
-  const unsigned short* h = (const unsigned short*)p;
-  return h[0] | (unsigned)h[1] << 16;
-}
-
-__device__ __forceinline__ float f16(const unsigned char* p) { return __half2float(*(const __half*)p); }
+#include "qdot.cuh"
 
 #if TV_QTYPE == 12
 /* Q4_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's

@@ -69,31 +69,7 @@ using namespace metal;
 #endif
 #define ROW_BYTES (TV_K / QK * TYPE_SIZE)
 
-inline float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
-
-/* the 4 bytes of q, each an unsigned value minus `offset`, dotted with v.x .. v.w */
-inline float ubytes_dot(uint q, int offset, float4 v) {
-  float s = float(int(q & 0xFF) - offset) * v.x;
-  s = fma(float(int(q >> 8 & 0xFF) - offset), v.y, s);
-  s = fma(float(int(q >> 16 & 0xFF) - offset), v.z, s);
-  return fma(float(int(q >> 24) - offset), v.w, s);
-}
-
-/* the 4 bytes of q, each an int8 (shifted to the top, then arithmetic-shifted back: sign-extended), dotted with v */
-inline float sbytes_dot(uint q, float4 v) {
-  float s = float(int(q << 24) >> 24) * v.x;
-  s = fma(float(int(q << 16) >> 24), v.y, s);
-  s = fma(float(int(q << 8) >> 24), v.z, s);
-  return fma(float(int(q) >> 24), v.w, s);
-}
-
-/* 4 bytes from a 2-byte aligned address: two ushort loads */
-inline uint load_u32_2(const device uchar* p) {
-  const device ushort* h = (const device ushort*)p;
-  return h[0] | uint(h[1]) << 16;
-}
-
-inline float f16(const device uchar* p) { return float(*(const device half*)p); }
+#include "qdot.h"
 
 /* one block of w (at b) dotted with its 32 floats of x (xb: 8 float4), dequantized in registers */
 inline float block_dot(const device uchar* b, const device float4* xb) {

@@ -71,23 +71,7 @@ using namespace metal;
 #endif
 #define ROW_BYTES (TV_K / QK_K * TYPE_SIZE)
 
-inline float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
-
-/* the 4 bytes of q, each an unsigned value minus `offset`, dotted with v.x .. v.w */
-inline float ubytes_dot(uint q, int offset, float4 v) {
-  float s = float(int(q & 0xFF) - offset) * v.x;
-  s = fma(float(int(q >> 8 & 0xFF) - offset), v.y, s);
-  s = fma(float(int(q >> 16 & 0xFF) - offset), v.z, s);
-  return fma(float(int(q >> 24) - offset), v.w, s);
-}
-
-/* 4 bytes from a 2-byte aligned address: two ushort loads */
-inline uint load_u32_2(const device uchar* p) {
-  const device ushort* h = (const device ushort*)p;
-  return h[0] | uint(h[1]) << 16;
-}
-
-inline float f16(const device uchar* p) { return float(*(const device half*)p); }
+#include "qdot.h"
 
 #if TV_QTYPE == 12
 /* Q4_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's
