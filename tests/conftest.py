@@ -96,10 +96,13 @@ def hf_model(default_gguf, tmp_path_factory):
     from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(torch_threads())
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    def read_gguf():
         return AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
                                                     dtype=torch.float32).eval()
+
+    torch.set_num_threads(torch_threads())
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return read_gguf()
     shared = tmp_path_factory.getbasetemp().parent / "hf-oracle.pt"  # one file for all workers of this run
     with FileLock(str(shared) + ".lock"):
         if shared.exists():  # transformers will not save a model it read from a GGUF: its config and tensors
@@ -107,8 +110,7 @@ def hf_model(default_gguf, tmp_path_factory):
             model = AutoModelForCausalLM.from_config(saved["config"], dtype=torch.float32)
             model.load_state_dict(saved["state"])
             return model.eval()
-        model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
-                                                     dtype=torch.float32).eval()
+        model = read_gguf()
         torch.save({"config": model.config, "state": model.state_dict()}, shared)
         return model
 
