@@ -12,9 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# the suite must not depend on graphs an earlier run kept on disk (tinyvllm/kernels/graph_cache.py): off unless a
-# test turns it on with a directory of its own (tests/test_cold_start.py)
-os.environ.setdefault("TINYVLLM_GRAPH_CACHE", "0")
+# Captured graphs (tinyvllm/kernels/graph_cache.py) are kept in a directory of this run's own: an engine that a later
+# test builds with the same model and settings replays the graph an earlier one built (tracing a graph is most of a
+# test's time), and nothing an earlier run kept on disk is read. Under pytest-xdist the workers inherit the
+# directory from the controller, so they share it. TINYVLLM_GRAPH_CACHE=0 builds every graph in every engine.
+if os.environ.get("TINYVLLM_GRAPH_CACHE") != "0" and not os.environ.get("PYTEST_XDIST_WORKER"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TINYVLLM_GRAPH_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyvllm-test-graphs-")
+    atexit.register(shutil.rmtree, os.environ["TINYVLLM_GRAPH_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("TINYVLLM_TOKENIZER_CACHE", "0")  # tokenizers built as before (test_cold_start turns it on)
 
 # TINYVLLM_HIDE_AFTER_PHASE=k (`make test-phase P=k`): the modules of Phases k+1.. cannot be imported, as if not built

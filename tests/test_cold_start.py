@@ -57,6 +57,7 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 9]  # bucket 8 and buck
 def graph_dir(tmp_path, monkeypatch):
     """Graphs kept in a directory of this test's own, whatever TINYVLLM_GRAPH_CACHE says for the suite."""
     monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TINYVLLM_GRAPH_CACHE_DIR", raising=False)
     monkeypatch.setattr(graph_cache, "ENABLED", True)
     return tmp_path / graph_cache.cache_dir().name
 
@@ -137,7 +138,8 @@ print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted), "wri
 def test_a_new_process_reads_the_graphs_back(tiny_model_dir, tmp_path):
     """What the cache is for: a second process (its own thread pool, device and program loads) reads every graph
     the first one wrote, and gives the same tokens."""
-    env = {**os.environ, "TINYVLLM_CACHE_DIR": str(tmp_path), "TINYVLLM_GRAPH_CACHE": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "TINYVLLM_GRAPH_CACHE_DIR"}
+    env.update(TINYVLLM_CACHE_DIR=str(tmp_path), TINYVLLM_GRAPH_CACHE="1")
     runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), str(Path(__file__).parent)],
                                       env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
             for _ in range(2)]

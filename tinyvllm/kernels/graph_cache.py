@@ -34,7 +34,8 @@ Every change to the code makes new files, so the directory is kept under `MAX_BY
 SmolLM2-135M is ~0.2 MiB): after a write, the files used longest ago go (a read touches its file).
 
 `TINYVLLM_GRAPH_CACHE=0` turns it off (the graphs are then built in every process, as before);
-`TINYVLLM_CACHE_DIR` moves it with the program cache (default `~/.cache/tinyvllm/graphs-...`).
+`TINYVLLM_CACHE_DIR` moves it with the program cache (default `~/.cache/tinyvllm/graphs-...`),
+`TINYVLLM_GRAPH_CACHE_DIR` moves it alone.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class NotPersistable(Exception):
 
 
 def cache_dir() -> Path:
+    if os.getenv("TINYVLLM_GRAPH_CACHE_DIR"):  # the graphs alone elsewhere (the test suite keeps one per run)
+        return Path(os.environ["TINYVLLM_GRAPH_CACHE_DIR"])
     return program_cache.cache_dir().parent / program_cache.cache_dir().name.replace("programs-", "graphs-", 1)
 
 
