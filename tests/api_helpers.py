@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import httpx
 import openai
 
-from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 

@@ -79,7 +79,9 @@ def test_x_request_id_is_echoed_and_used(server):
 
 
 def test_cors_only_for_the_allowed_origins():
-    from tinyvllm.api.server import BackgroundServer, CorsConfig, build_app
+    from tinyvllm.api.launcher import BackgroundServer
+    from tinyvllm.api.middleware import CorsConfig
+    from tinyvllm.api.server import build_app
     from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
     app = build_app(AsyncLLMEngine(lambda: FakeLLMEngine()), api_key="sk-cors",

@@ -29,7 +29,8 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from tinyvllm.api.keys import ApiKey, ApiKeys, sha256
-from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 KEY = "sk-fuzz"

@@ -24,7 +24,8 @@ from fake_engine import FakeLLMEngine
 
 from tinyvllm.api import keys as keys_module
 from tinyvllm.api.keys import ApiKey, ApiKeys, duration, load_api_keys, sha256
-from tinyvllm.api.server import BackgroundServer, build_app, main
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app, main
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 MODEL = "fake-smollm2"

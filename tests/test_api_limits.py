@@ -20,7 +20,9 @@ import pytest
 from api_helpers import client
 from fake_engine import FakeLLMEngine, run_offline
 
-from tinyvllm.api.server import BackgroundServer, build_app, build_parser
+from tinyvllm.api.cli_args import build_parser
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm.sampling_params import SamplingParams

@@ -139,7 +139,8 @@ def test_legacy_functions_and_function_call(caller):
 
 
 def test_reasoning_is_an_output_item():
-    from tinyvllm.api.server import BackgroundServer, build_app
+    from tinyvllm.api.launcher import BackgroundServer
+    from tinyvllm.api.server import build_app
     from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(lambda: FakeLLMEngine(reply="<think>Two and two.</think>It is 4."))

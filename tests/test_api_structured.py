@@ -18,7 +18,8 @@ import pytest
 from api_helpers import client, metrics
 
 from conftest import write_tiny_model
-from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],

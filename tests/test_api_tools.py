@@ -21,7 +21,8 @@ from fake_engine import FakeLLMEngine, shared_tokenizer
 
 from conftest import write_tiny_model
 from tinyvllm.api.reasoning_parser import ThinkReasoningParser
-from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.tool_parser import HermesToolParser
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine

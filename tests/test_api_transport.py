@@ -15,7 +15,8 @@ import pytest
 
 from fake_engine import FakeLLMEngine
 from tinyvllm.api import access_log
-from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 

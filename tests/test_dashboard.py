@@ -26,7 +26,8 @@ from fake_engine import FakeLLMEngine
 
 from tinyvllm.api.dashboard import DASHBOARD_PATHS, histogram_quantile
 from tinyvllm.api.metrics import LATENCY_BUCKETS
-from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 KEY = "sk-dashboard"

@@ -24,7 +24,8 @@ import httpx
 import pytest
 from fake_engine import FakeLLMEngine
 
-from tinyvllm.api.server import BackgroundServer, build_app
+from tinyvllm.api.launcher import BackgroundServer
+from tinyvllm.api.server import build_app
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +102,8 @@ SERVER = """
 import sys
 sys.path.insert(0, sys.argv[3])
 from fake_engine import FakeLLMEngine
-from tinyvllm.api.server import build_app, serve
+from tinyvllm.api.launcher import serve
+from tinyvllm.api.server import build_app
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 engine = AsyncLLMEngine(lambda: FakeLLMEngine(step_time=0.02, max_model_len=4096, num_blocks=2048))
 serve(build_app(engine), engine, port=int(sys.argv[1]), shutdown_timeout=float(sys.argv[2]), log_level="warning")

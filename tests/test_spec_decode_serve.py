@@ -15,6 +15,7 @@ from api_helpers import parse_metrics, serve
 
 import main as cli
 from tinyvllm.api import server as api_server
+from tinyvllm.api.cli_args import build_parser
 from tinyvllm.api.metrics import ServerMetrics
 from tinyvllm.engine.arg_utils import engine_kwargs
 
@@ -52,8 +53,8 @@ def test_server_bad_speculative_config_exits_before_loading(capsys, flag, messag
 
 
 def test_server_flag_parses():
-    assert api_server.build_parser().parse_args([]).speculative_config is None
-    args = api_server.build_parser().parse_args(["--speculative-config", json.dumps(NGRAM)])
+    assert build_parser().parse_args([]).speculative_config is None
+    args = build_parser().parse_args(["--speculative-config", json.dumps(NGRAM)])
     assert engine_kwargs(args)["speculative_config"] == NGRAM  # what the server's engine gets
 
 

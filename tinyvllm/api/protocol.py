@@ -5,7 +5,7 @@ or a temperature of 3, is a 400 naming the field before any code of ours runs); 
 validated once more by `SamplingParams`, which names the field. Types are strict, as OpenAI's are:
 `"n": "2"`, `"stream": "yes"` or `"max_tokens": true` are refused, not coerced; a float field takes
 a JSON integer (`"temperature": 1`) but not a string or a boolean. The limits the server's operator
-sets (`--max-n`, the stop strings, the body size) are checked in `serving_engine.py` and `server.py`.
+sets (`--max-n`, the stop strings, the body size) are checked in `serving_engine.py` and `middleware.py`.
 Beside OpenAI's fields, the requests accept vLLM's sampling extras (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, ...) under the same names, so
 the request maps onto `SamplingParams` name for name. Unknown fields are ignored, as OpenAI does.

@@ -8,7 +8,7 @@ time a request takes to arrive, so two limits are added, one where each part is 
         |-- headers --| header_read_timeout: the request line and headers, from their first byte (or from
         |              the connection's start), must be complete in this long, else 408 and the connection closes
                       |-- body --| body_read_timeout: the whole body, from the end of the headers
-                                   (RequestGuard.read_body, tinyvllm/api/server.py), else 408
+                                   (RequestGuard.read_body, tinyvllm/api/middleware.py), else 408
 
 `read_timeout_protocol(seconds)` is uvicorn's h11 protocol with the header limit, given to `uvicorn.Config(http=...)`.
 """

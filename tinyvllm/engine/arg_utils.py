@@ -1,5 +1,5 @@
 """The engine's command-line flags, written once for every command that builds an `LLMEngine`: `tinyvllm generate` /
-`chat` / `python main.py` (tinyvllm/cli.py) and the server (tinyvllm/api/server.py). vLLM does the same with
+`chat` / `python main.py` (tinyvllm/cli.py) and the server (tinyvllm/api/cli_args.py). vLLM does the same with
 `AsyncEngineArgs.add_cli_args` (vllm/engine/arg_utils.py); the flags keep vLLM's names.
 
     parser = argparse.ArgumentParser()

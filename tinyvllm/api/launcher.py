@@ -1,0 +1,91 @@
+"""The app under uvicorn: `serve` for the command line, `BackgroundServer` inside this process.
+
+    serve(app, engine, port=8000)               until SIGTERM or Ctrl-C, then drain (GracefulServer)
+    with BackgroundServer(app) as server: ...   on a thread, on a free port: the tests, the tutorial, the benchmarks
+
+Both redact secret-looking query parameters in the access log (access_log.py) and answer 408 to headers that
+arrive too slowly (read_timeouts.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from tinyvllm.api import access_log
+from tinyvllm.api.read_timeouts import read_timeout_protocol
+from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
+
+
+class BackgroundServer:
+    """A real uvicorn server on a thread of this process, on a free port of 127.0.0.1 by default:
+    what the tests, the tutorial and the benchmark talk to. `with BackgroundServer(app) as server:`
+    returns once `/health` says the model is loaded; leaving the block stops the server."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
+                 wait_until_ready: bool = True, header_read_timeout: float = 10.0):
+        access_log.install()
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                                http=read_timeout_protocol(header_read_timeout))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.host, self.timeout, self.wait_until_ready, self.url = host, timeout, wait_until_ready, ""
+
+    def start(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + self.timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]  # the port the OS picked for port=0
+        self.url = f"http://{self.host}:{port}"
+        while self.wait_until_ready and httpx.get(f"{self.url}/health").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the model did not load within {self.timeout} s")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn with a graceful shutdown. On SIGTERM (or Ctrl-C) uvicorn closes the listening socket at once, so a
+    new server can take the port, and waits for the open responses to end; the engine meanwhile refuses new
+    requests (503) and gives those in flight `shutdown_timeout` seconds to finish, then ends the rest with an
+    error their clients can read (an SSE error event, then [DONE]). uvicorn's own limit, a little later, is
+    only a backstop: past it, it cancels whatever still runs, mid-stream."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.drain(self.shutdown_timeout)  # thread- and signal-safe: the work is queued on the event loop
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 10.0, log_level: str = "info", header_read_timeout: float = 10.0) -> None:
+    """Run `app` (built around `engine`) until SIGTERM or Ctrl-C, then drain it (see `GracefulServer`).
+    Its access log redacts secret-looking query parameters (access_log.py); a request whose headers take over
+    `header_read_timeout` seconds to arrive gets 408 (read_timeouts.py)."""
+    if shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
+    access_log.install()
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + 5,
+                            http=read_timeout_protocol(header_read_timeout))
+    GracefulServer(config, engine, shutdown_timeout).run()

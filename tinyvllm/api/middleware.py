@@ -1,0 +1,183 @@
+"""The checks every request passes before any route sees it, as ASGI middleware around the app.
+
+`RequestGuard` checks, in this order and without reading the body until the last step:
+
+    Host header      a DNS name not in --allowed-hosts -> 421   (localhost and IP addresses always pass)
+    API key          with --api-key or --api-keys-file, every path but /health -> 401 + WWW-Authenticate: Bearer
+    the key's RPM    on /v1/, a key over its requests (or in debt for its tokens) per minute -> 429 + Retry-After
+    body size        over --max-request-body-bytes -> 413, from Content-Length or while reading
+    lone surrogates  a JSON string holding one ("\ud800": no Unicode text) -> 400 naming the field
+    body time        not all arrived within --body-read-timeout seconds -> 408 (headers: --header-read-timeout,
+                     in the connection's protocol: tinyvllm/api/read_timeouts.py)
+
+Outside it, `audit.RequestAccounting` keeps a record of each request (the key's id, status, tokens,
+latency) for --audit-log and the per-key counters of /metrics; `keys.KeyedEngine` charges the key's
+tokens per minute as the request is admitted to the engine and as its tokens are generated.
+`RequestIdHeader` echoes a client's `X-Request-Id` on the response (the serving code uses it as the
+request's id); with --allowed-origins (`CorsConfig`), Starlette's CORSMiddleware answers browsers'
+cross-origin checks. `build_app` (server.py) stacks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tinyvllm.api.audit import current_record
+from tinyvllm.api.dashboard import DASHBOARD_PATHS
+from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, lone_surrogate_error, request_timeout,
+                                 request_too_large)
+from tinyvllm.api.keys import ApiKey, ApiKeys
+
+OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
+# and the dashboard page holds no data (its calls to /v1/engine/state carry the key)
+
+
+def host_name(host_header: str) -> str:
+    """'Example.com:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # an IPv6 address, bracketed because of the port
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:  # name:port (more colons: an IPv6 address without a port)
+        host = host.rpartition(":")[0]
+    return host.rstrip(".")  # "localhost." is the same name, fully qualified
+
+
+def is_allowed_host(name: str, allowed: frozenset[str]) -> bool:
+    """DNS rebinding: a web page on attacker.example has its name re-resolved to 127.0.0.1, and the
+    browser then sends the page's requests to this server, with `Host: attacker.example`. So a
+    name must be one the operator gave; an IP address can't be rebound and always passes."""
+    if "*" in allowed or name in allowed or name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+class RequestGuard:
+    """ASGI middleware: the Host, API key, rate and body size checks, before routing and before the
+    body is parsed (FastAPI would answer malformed JSON before a route's own checks ran)."""
+
+    def __init__(self, app: ASGIApp, *, keys: ApiKeys | None, allowed_hosts: frozenset[str], max_body_bytes: int,
+                 body_read_timeout: float = 60.0):
+        self.app, self.keys, self.allowed_hosts, self.max_body_bytes = app, keys, allowed_hosts, max_body_bytes
+        self.body_read_timeout = body_read_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        try:
+            name = host_name(headers.get("host", ""))
+            if name and not is_allowed_host(name, self.allowed_hosts):
+                raise host_not_allowed(name)
+            key = self.identify(scope["path"], headers)
+            if key is not None and key.has_limits:
+                send = self.with_rate_limit_headers(key, send)  # on every answer, this 429 included
+                if scope["path"].startswith("/v1/"):
+                    self.keys.admit_request(key)
+            body = await self.read_body(headers, receive)
+            if body and (error := lone_surrogate_error(body)) is not None:
+                raise error
+        except OpenAIError as e:
+            return await e.response()(scope, receive, send)
+        if body is None:  # the client left while sending
+            return
+
+        replayed = False
+
+        async def replay() -> Message:  # the body once, then the real channel (to see a disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def identify(self, path: str, headers: Headers) -> ApiKey | None:
+        """The caller's key (401 without a valid one); None when no keys are configured, or on /health."""
+        if self.keys is None or path in OPEN_PATHS:
+            return None
+        key = self.keys.identify(headers.get("authorization", ""))
+        record = current_record.get()
+        if record is not None:  # for the audit log and /metrics
+            record.key_id = key.id
+        return key
+
+    def with_rate_limit_headers(self, key: ApiKey, send: Send) -> Send:
+        """OpenAI's x-ratelimit-* headers, as they stand when the response starts (for a non-streamed
+        answer, after its completion tokens were charged)."""
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                extra = [(name.encode(), value.encode()) for name, value in self.keys.headers(key).items()]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        return send_with_headers
+
+    async def read_body(self, headers: Headers, receive: Receive) -> bytes | None:
+        """The whole body, refused (413) as soon as it is known to be too big: a declared Content-Length
+        over the limit before a byte is read, a chunked one when the bytes read pass it; 408 when it has not
+        all arrived `body_read_timeout` seconds after the headers (a slow client holding the connection)."""
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise bad_request(f"Content-Length must be a byte count, got {declared!r}")
+            if int(declared) > self.max_body_bytes:
+                raise request_too_large(self.max_body_bytes)
+        chunks, size = [], 0
+        deadline = time.monotonic() + self.body_read_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise request_timeout(self.body_read_timeout) from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                raise request_too_large(self.max_body_bytes)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class RequestIdHeader:
+    """ASGI middleware: a request's `X-Request-Id` comes back on its response, errors included (vLLM's
+    --enable-request-id-headers, always on here), so a client can match its logs with the server's."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = Headers(scope=scope).get("x-request-id") if scope["type"] == "http" else None
+        if not request_id:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+@dataclass(frozen=True)
+class CorsConfig:
+    """vLLM's CORS flags. No origin is allowed unless given: a server on localhost that answered every origin
+    would let any web page a user opens read from it (vLLM's default is "*"; here it is a choice to make)."""
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
