@@ -52,21 +52,25 @@ def test_lm_head_sized_weight():
     np.testing.assert_allclose(linear(x, w).numpy(), reference(x.numpy(), w.numpy()), rtol=RTOL, atol=ATOL)
 
 
-def test_a_rows_result_does_not_depend_on_its_batch_or_the_tile():
+@pytest.mark.parametrize("K", [200, 203])  # 203: a K % 8 leftover after the 8-lane sums
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_tile(K: int):
     # batch invariance: every output is the same 8-lane sum over K then the same horizontal sum, whatever M and
-    # whatever tile computed it (AVX-512's 6 x 4, AVX2's 4 x 3, the edge tiles, M = 1's 1 x 8)
-    N, K = 37, 200
+    # whatever tile computed it (AVX-512's 6 x 4, AVX2's 4 x 3, the edge tiles, M = 1's 1 x 8, and on an AVX-512F
+    # CPU the packed 6 x 8 tile, two rows of w per 512-bit register, here from 2 rows on instead of TV_PACK_MIN_M)
+    N = 37  # 32 rows of w in packed tiles, 5 left over
     x, w = np.random.default_rng(8).standard_normal((37, K), dtype=np.float32), random(N, K, seed=9)
     alone = linear(Tensor(x[:1]).realize(), w).numpy()[0]
-    for M in (2, 5, 11, 37):
+    for M in (2, 5, 8, 11, 37):
         rows = {}
-        for mr, nr in ((4, 3), (6, 4)):  # the two defaults, whichever this CPU has
-            defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_TILE_MR": mr, "TV_TILE_NR": nr}
+        for tile in ((4, 3), (6, 4), None):  # the two defaults (whichever this CPU has), then the kernel's choice
+            chosen = {"TV_TILE_MR": tile[0], "TV_TILE_NR": tile[1]} if tile else {"TV_PACK_MIN_M": 2}
+            defines = {"TV_M": M, "TV_N": N, "TV_K": K, **chosen}
             out = Tensor.empty(M, N, dtype=dtypes.float32)
             (out,) = launcher.launch("matmul", outs=[out], ins=[Tensor(x[:M]).realize(), w], defines=defines)
-            rows[mr, nr] = out.numpy()
-            np.testing.assert_array_equal(rows[mr, nr][0], alone, err_msg=f"M={M}, tile {mr} x {nr}")
+            rows[tile] = out.numpy()
+            np.testing.assert_array_equal(rows[tile][0], alone, err_msg=f"M={M}, tile {tile}")
         np.testing.assert_array_equal(rows[(4, 3)], rows[(6, 4)], err_msg=f"M={M}: the tiles differ")
+        np.testing.assert_array_equal(rows[(6, 4)], rows[None], err_msg=f"M={M}: the kernel's own tile differs")
 
 
 def test_same_bits_with_and_without_threads():
