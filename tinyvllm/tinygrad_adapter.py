@@ -27,10 +27,12 @@ leaves that tinygrad alone.
 from __future__ import annotations
 
 import contextlib
+import enum
 import ctypes
 import os
 import sqlite3
 import sys
+import types
 import warnings
 from dataclasses import replace
 from importlib.metadata import version
@@ -42,8 +44,9 @@ from tinygrad import Device, Tensor, UOp
 from tinygrad.device import Buffer, BufferSpec, MultiBuffer, TinyELF
 from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype
 from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit  # noqa: F401
+from tinygrad.nn.state import get_state_dict
 from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params, unwrap_multi  # noqa: F401
-from tinygrad.helpers import DEV, NUM_CPU_THREADS, ContextVar, to_tuple
+from tinygrad.helpers import DEV, dedup, NUM_CPU_THREADS, ContextVar, to_tuple
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.runtime.autogen import libc
@@ -402,6 +405,86 @@ def shard_shape(t: Tensor) -> tuple[int, ...]:
 def shard_axis(t: Tensor) -> int | None:
     """The axis `t` is split along over its devices (None: on one device, or a replica on each)."""
     return t.uop.axis if isinstance(t.device, tuple) else None
+
+
+# ---- one trace for every decoder layer (tinyvllm/model/llama.py) ----
+
+_reused_traces: dict | None = None  # inside `traces_reused()`: structure of a call -> the traced FUNCTION uop
+
+
+@contextlib.contextmanager
+def traces_reused():
+    """Inside this block, a `reusable_function` whose arguments have the structure of an earlier call's (the same
+    shapes, dtypes and devices, the same settings, only other buffers) reuses that call's traced graph.
+
+    tinygrad's `function` traces its Python body at every call: in a forward pass over 30 layers it traces the same
+    layer 30 times, and a trace costs as much Python as the layer's scheduling. Every layer's traced graph is the
+    same function of its parameters, so the first is kept and the others call it with their own buffers. The block
+    is one forward pass: whatever the graph bakes in besides its parameters (a bound variable's value) is the
+    same for every call inside it."""
+    global _reused_traces
+    outer, _reused_traces = _reused_traces, {}
+    try:
+        yield
+    finally:
+        _reused_traces = outer
+
+
+def _structure(obj, out: list, seen: dict) -> bool:
+    """Append what a trace may depend on besides the buffers' contents: every setting reachable from `obj`, and per
+    tensor its place. False where it meets an object it cannot describe (then the call is traced as usual)."""
+    if isinstance(obj, (Tensor, UOp)):
+        u = obj.uop if isinstance(obj, Tensor) else obj
+        out.append(("T",) if u.device is not None else ("V", u))  # buffers: in the signature; variables: as is
+        return True
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, DType)):
+        out.append(obj)
+        return True
+    if id(obj) in seen:
+        out.append(("seen", seen[id(obj)]))
+        return True
+    seen[id(obj)] = len(seen)
+    if isinstance(obj, (list, tuple)):
+        out.append((type(obj).__name__, len(obj)))
+        return all(_structure(x, out, seen) for x in obj)
+    if isinstance(obj, dict):
+        out.append(("dict", tuple(k for k in obj if isinstance(k, str))))
+        return all(isinstance(k, str) for k in obj) and all(_structure(v, out, seen) for v in obj.values())
+    if isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, enum.Enum)):
+        out.append(obj)  # by identity
+        return True
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        out.append((type(obj).__qualname__, tuple(vars(obj))))
+        return all(_structure(v, out, seen) for v in vars(obj).values())
+    return False
+
+
+class _ReusableFunction(sys.modules["tinygrad.function"]._function):
+    def __call__(self, *args, **kwargs):
+        if _reused_traces is None:
+            return super().__call__(*args, **kwargs)
+        # the parameters as tinygrad's `function` finds them: the same walk, the same order, the same dedup
+        uops = [t._uop for t in get_state_dict((args, kwargs), tensor_type=(Tensor, UOp)).values()]
+        call_uops = dedup([u for u in uops if u.device is not None])
+        index = {u: i for i, u in enumerate(call_uops)}
+        described: list = []
+        if not _structure((args, kwargs), described, {}):
+            return super().__call__(*args, **kwargs)
+        key = (id(self), tuple(described), tuple(index[u] for u in uops if u.device is not None),
+               tuple((u.shape, u.dtype, u.device, u.axis if isinstance(u.device, tuple) else None) for u in call_uops))
+        if (fn := _reused_traces.get(key)) is not None:
+            return Tensor(fn.replace(src=(fn.src[0], *call_uops)).gettuple(0))
+        ret = super().__call__(*args, **kwargs)
+        fn = ret.uop.src[0] if isinstance(ret, Tensor) and ret.uop.op is Ops.GETTUPLE else None
+        if fn is not None and fn.op is Ops.FUNCTION and fn.src[1:] == tuple(call_uops):  # no implicit inputs
+            _reused_traces[key] = fn
+        return ret
+
+
+def reusable_function(*, precompile: bool = False):
+    """tinygrad's `function(precompile=...)`, whose trace calls inside `traces_reused()` share (see there)."""
+    return lambda fxn: _ReusableFunction(fxn, precompile=precompile, precompile_backward=False, allow_implicit=False,
+                                         grad_fxn=None)
 
 
 # ---- speed fixes (applied by tinyvllm/model/llama.py) ----

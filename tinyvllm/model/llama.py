@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tinygrad import Tensor, dtypes, function
+from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
 from tinyvllm import tinygrad_adapter
@@ -186,7 +186,7 @@ class LlamaDecoderLayer:
         return (h + m).contiguous()
 
 
-@function(precompile=True)
+@tinygrad_adapter.reusable_function(precompile=True)
 def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
 
@@ -409,13 +409,14 @@ class LlamaForCausalLM:
             x = x * self.config.hidden_size**0.5
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
         local = None if self.inv_freq_local is None else rope_cos_sin(positions, self.inv_freq_local)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if self.pp.size > 1 and (stage := self.pp.layer_devices[i]) != x.device:  # the next pipeline stage:
-                x, cos, sin = x.to(stage), cos.to(stage), sin.to(stage)  # the hidden state moves, in the same graph
-                local = None if local is None else (local[0].to(stage), local[1].to(stage))
-                attn_metadata = attn_metadata.to(stage)
-            layer_cos, layer_sin = local if local is not None and layer.sliding_window is not None else (cos, sin)
-            x = layer(x, layer_cos, layer_sin, kv_cache, attn_metadata)
+        with tinygrad_adapter.traces_reused():  # the layers share one trace (see there)
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                if self.pp.size > 1 and (stage := self.pp.layer_devices[i]) != x.device:  # the next pipeline stage:
+                    x, cos, sin = x.to(stage), cos.to(stage), sin.to(stage)  # the hidden state moves, in one graph
+                    local = None if local is None else (local[0].to(stage), local[1].to(stage))
+                    attn_metadata = attn_metadata.to(stage)
+                layer_cos, layer_sin = local if local is not None and layer.sliding_window is not None else (cos, sin)
+                x = layer(x, layer_cos, layer_sin, kv_cache, attn_metadata)
         return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
