@@ -18,7 +18,8 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
-    llama.py                    apply_fixes (speed fixes; each changes how fast, never what tinygrad computes)
+    llama.py                    apply_fixes (speed fixes; each changes how fast, never what tinygrad computes),
+                                reusable_function, traces_reused (the decoder layers traced once per forward pass)
 
 The version is pinned in pyproject.toml and checked once, on import: any other warns, and `apply_fixes`
 leaves that tinygrad alone.
