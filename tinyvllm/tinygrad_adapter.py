@@ -18,8 +18,7 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
-    llama.py                    apply_fixes (speed fixes; each changes how fast, never what tinygrad computes),
-                                reusable_function, traces_reused (the decoder layers traced once per forward pass)
+    llama.py                    apply_fixes (speed fixes: how fast, never what), reusable_function, traces_reused
 
 The version is pinned in pyproject.toml and checked once, on import: any other warns, and `apply_fixes`
 leaves that tinygrad alone.
@@ -29,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import ctypes
 import os
 import sqlite3
@@ -410,19 +410,14 @@ def shard_axis(t: Tensor) -> int | None:
 
 # ---- one trace for every decoder layer (tinyvllm/model/llama.py) ----
 
-_reused_traces: dict | None = None  # inside `traces_reused()`: structure of a call -> the traced FUNCTION uop
+_reused_traces: dict | None = None  # inside `traces_reused()`: a call's structure -> its traced FUNCTION uop
 
 
 @contextlib.contextmanager
 def traces_reused():
-    """Inside this block, a `reusable_function` whose arguments have the structure of an earlier call's (the same
-    shapes, dtypes and devices, the same settings, only other buffers) reuses that call's traced graph.
-
-    tinygrad's `function` traces its Python body at every call: in a forward pass over 30 layers it traces the same
-    layer 30 times, and a trace costs as much Python as the layer's scheduling. Every layer's traced graph is the
-    same function of its parameters, so the first is kept and the others call it with their own buffers. The block
-    is one forward pass: whatever the graph bakes in besides its parameters (a bound variable's value) is the
-    same for every call inside it."""
+    """One forward pass: tinygrad's `function` runs its Python body at every call (30 layers, 30 traces). Here a
+    call whose arguments have an earlier call's structure (shapes, dtypes, devices, settings; other buffers) calls
+    that traced graph with its own buffers. A bound variable's value is the same throughout one pass."""
     global _reused_traces
     outer, _reused_traces = _reused_traces, {}
     try:
@@ -432,45 +427,37 @@ def traces_reused():
 
 
 def _structure(obj, out: list, seen: dict) -> bool:
-    """Append what a trace may depend on besides the buffers' contents: every setting reachable from `obj`, and per
-    tensor its place. False where it meets an object it cannot describe (then the call is traced as usual)."""
+    """Append every setting reachable from `obj` and the place of each buffer; False at what it cannot describe."""
     if isinstance(obj, (Tensor, UOp)):
         u = obj.uop if isinstance(obj, Tensor) else obj
-        out.append(("T",) if u.device is not None else ("V", u))  # buffers: in the signature; variables: as is
-        return True
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes, DType)):
-        out.append(obj)
-        return True
-    if id(obj) in seen:
+        out.append(("T",) if u.device is not None else ("V", u))  # buffers by place; variables as they are
+    elif obj is None or isinstance(obj, (bool, int, float, str, bytes, DType, enum.Enum, functools.partial,
+                                         types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        out.append(obj)  # values; functions by identity
+    elif id(obj) in seen:
         out.append(("seen", seen[id(obj)]))
-        return True
-    seen[id(obj)] = len(seen)
-    if isinstance(obj, (list, tuple)):
-        out.append((type(obj).__name__, len(obj)))
-        return all(_structure(x, out, seen) for x in obj)
-    if isinstance(obj, dict):
-        out.append(("dict", tuple(k for k in obj if isinstance(k, str))))
-        return all(isinstance(k, str) for k in obj) and all(_structure(v, out, seen) for v in obj.values())
-    if isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, enum.Enum)):
-        out.append(obj)  # by identity
-        return True
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        out.append((type(obj).__qualname__, tuple(vars(obj))))
-        return all(_structure(v, out, seen) for v in vars(obj).values())
-    return False
+    else:
+        seen[id(obj)] = len(seen)
+        if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+            out.append(("dict", tuple(obj)))
+            return all(_structure(v, out, seen) for v in obj.values())
+        if isinstance(obj, (list, tuple)) or (hasattr(obj, "__dict__") and not isinstance(obj, (type, dict))):
+            items = list(obj) if isinstance(obj, (list, tuple)) else list(vars(obj).values())
+            out.append((type(obj).__qualname__, len(items), () if isinstance(obj, (list, tuple)) else tuple(vars(obj))))
+            return all(_structure(v, out, seen) for v in items)
+        return False
+    return True
 
 
 class _ReusableFunction(sys.modules["tinygrad.function"]._function):
     def __call__(self, *args, **kwargs):
-        if _reused_traces is None:
+        described: list = []
+        if _reused_traces is None or not _structure((args, kwargs), described, {}):
             return super().__call__(*args, **kwargs)
-        # the parameters as tinygrad's `function` finds them: the same walk, the same order, the same dedup
+        # the parameters as tinygrad's `function` finds them: the same walk, order and dedup
         uops = [t._uop for t in get_state_dict((args, kwargs), tensor_type=(Tensor, UOp)).values()]
         call_uops = dedup([u for u in uops if u.device is not None])
         index = {u: i for i, u in enumerate(call_uops)}
-        described: list = []
-        if not _structure((args, kwargs), described, {}):
-            return super().__call__(*args, **kwargs)
         key = (id(self), tuple(described), tuple(index[u] for u in uops if u.device is not None),
                tuple((u.shape, u.dtype, u.device, u.axis if isinstance(u.device, tuple) else None) for u in call_uops))
         if (fn := _reused_traces.get(key)) is not None:
@@ -482,10 +469,9 @@ class _ReusableFunction(sys.modules["tinygrad.function"]._function):
         return ret
 
 
-def reusable_function(*, precompile: bool = False):
-    """tinygrad's `function(precompile=...)`, whose trace calls inside `traces_reused()` share (see there)."""
-    return lambda fxn: _ReusableFunction(fxn, precompile=precompile, precompile_backward=False, allow_implicit=False,
-                                         grad_fxn=None)
+def reusable_function(fxn):
+    """tinygrad's `function(precompile=True)`, its traces shared inside `traces_reused()`."""
+    return _ReusableFunction(fxn, precompile=True, precompile_backward=False, allow_implicit=False, grad_fxn=None)
 
 
 # ---- speed fixes (applied by tinyvllm/model/llama.py) ----
@@ -500,14 +486,10 @@ _fixes_applied = False
 
 
 def apply_fixes() -> None:
-    """Fixes to tinygrad 0.14.0 that change how fast it does something, never what it computes (once; only on
-    that version).
-
-    1. `tinygrad.function.renumber_invalid_outputs` recomputes `invalid_outputs(uret)` (a walk of the whole
-       function body) once per node of the body, so it is quadratic in the size of the body. Every decoder
-       layer call pays it (the matmul kernels' outputs are `Tensor.invalids`), ~0.5 s of the ~3 s it takes to
-       build and capture the first graph of SmolLM2-135M. The fix computes the set once.
-    """
+    """Fixes to tinygrad 0.14.0 that change how fast it does something, never what it computes (once, on that
+    version only). 1. `tinygrad.function.renumber_invalid_outputs` recomputes `invalid_outputs(uret)` (a walk of
+    the function body) once per node of the body: quadratic in its size, paid by every traced decoder layer (the
+    matmul kernels' outputs are `Tensor.invalids`). The fix computes the set once."""
     global _fixes_applied
     if _fixes_applied or INSTALLED_VERSION != TINYGRAD_VERSION:
         return

@@ -186,7 +186,7 @@ class LlamaDecoderLayer:
         return (h + m).contiguous()
 
 
-@tinygrad_adapter.reusable_function(precompile=True)
+@tinygrad_adapter.reusable_function  # tinygrad's function(precompile=True), one trace per forward
 def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
 
