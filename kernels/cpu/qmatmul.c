@@ -42,7 +42,8 @@
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
  * other rows of the step (batch invariance), which the engine's batched-equals-alone tests rely on.
- * With AVX-512 and M >= 8 the wide tile takes over (4 x 4 or 4 x 3, see "the wide tile" below): the same numbers.
+ * With AVX-512 and M >= 8 the wide tile takes over (Q8_0 4 x 6 on 512-bit registers, Q4 4 x 3, see "the wide tile"
+ * below): the same numbers.
  * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
  * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
  * below for why and what it gains). The N rows are cut into chunks of ~24 KB of w handed to the thread pool (threadpool.h); in a chunk, x is
@@ -84,6 +85,11 @@
  * its set-up (each chunk's scales as floats, each tile's scale products) costs more than it saves: the pairs. */
 #define WIDE_TILE_MIN_M 8
 #define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH)
+#if TV_WIDE_TILE && TV_QTYPE == 8 && !defined(TV_NO_WIDE_PAIRS)
+#define TV_WIDE_PAIRS 1  /* Q8_0's wide tile on 512-bit registers, two rows of w each (see wide_pair_tile) */
+#else
+#define TV_WIDE_PAIRS 0
+#endif
 #if TV_FLOAT_PATH
 #define MR FMR   /* the float path: tiles of FNR dequantized rows of w */
 #define NR FNR
@@ -95,7 +101,7 @@
 #define TV_TILE_MR 4
 #endif
 #ifndef TV_TILE_NR
-#define TV_TILE_NR (TV_QTYPE == 8 ? 4 : 3)
+#define TV_TILE_NR (TV_WIDE_PAIRS ? 6 : TV_QTYPE == 8 ? 4 : 3)
 #endif
 #define MR TV_TILE_MR
 #define NR TV_TILE_NR
@@ -397,7 +403,10 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
  *     _mm256_dpbusd_epi32 gives sum (q_x + 128) q_w; it starts from -128 sum q_w per lane (computed once per row of
  *     w and block in `wide_chunk`, shared by every row of x), which leaves sum q_x q_w, the same integers.
  * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add), where the pair
- * route spends nine operations on two blocks, three of them shuffles. */
+ * route spends nine operations on two blocks, three of them shuffles.
+ * Q8_0 (the tied embedding's lm_head, 49,152 rows) goes further where the CPU has two 512-bit FMA units (Intel's
+ * server cores; on others a 512-bit operation costs two 256-bit ones, no loss): its whole tiles put two rows of w
+ * in each 512-bit register (wide_pair_tile), 4 x 6 outputs, the same lanes and the same bits. */
 /* dst[b] = a[b] * c[b] for b < NB (written with intrinsics: left to itself, clang turns the tile's loops over i, j
  * and b into gathers and scatters) */
 TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const float* restrict c) {
@@ -406,9 +415,57 @@ TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const fl
   for (; b < NB; b++) dst[b] = a[b] * c[b];
 }
 
+#if TV_WIDE_PAIRS
+/* Q8_0's wide tile on 512-bit registers: each holds two outputs' 8 lanes, rows j and j+1 of w side by side,
+ *     dot[i][p]   = dpbusd([start_2p | start_2p+1], [q_x,i | q_x,i], [q_w,2p | q_w,2p+1])       (16 int32 lanes)
+ *     acc[i][p]  = fma(float(dot[i][p]), [d_w,2p d_x,i (x8) | d_w,2p+1 d_x,i (x8)], acc[i][p])
+ * lane for lane the integers and float operations of wide_tile (the scale is the same product d_w * d_x), so the
+ * same bits; per (row of x, two rows of w, block) one dpbusd, one conversion, one multiply and one FMA instead of
+ * two of each (and no scale table per tile). */
+TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
+                              const float* restrict dw, const __m256i* restrict w128, int mr) {
+  __m512 acc[MR][NR / 2];
+  for (int i = 0; i < mr; i++)
+    for (int p = 0; p < NR / 2; p++) acc[i][p] = _mm512_setzero_ps();
+#pragma clang loop unroll(disable)
+  for (int b = 0; b < NB; b++) {
+    __m512i wv[NR / 2], start[NR / 2];
+    __m512 ds[NR / 2];  /* [d_w,2p (x8) | d_w,2p+1 (x8)] */
+    for (int p = 0; p < NR / 2; p++) {
+      const unsigned char* blk = w + 2 * p * ROW_BYTES + b * BLOCK_BYTES;
+      wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
+                                 _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
+      start[p] = _mm512_inserti64x4(_mm512_castsi256_si512(w128[2 * p * NB + b]), w128[(2 * p + 1) * NB + b], 1);
+      ds[p] = _mm512_insertf32x8(_mm512_set1_ps(dw[2 * p * NB + b]), _mm256_set1_ps(dw[(2 * p + 1) * NB + b]), 1);
+      __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, same block */
+      __builtin_prefetch(blk + (NR + 1) * ROW_BYTES, 0, 3);
+    }
+    for (int i = 0; i < mr; i++) {
+      __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(XQ_ROW(xq, m + i) + 32 * b)));
+      __m512 xd = _mm512_set1_ps(XD_ROW(xq, m + i)[b]);
+      for (int p = 0; p < NR / 2; p++) {
+        __m512i dot = _mm512_dpbusd_epi32(start[p], xv, wv[p]);
+        acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ds[p], xd), acc[i][p]);
+      }
+    }
+  }
+  for (int i = 0; i < mr; i++)
+    for (int p = 0; p < NR / 2; p++) {
+      out[i * TV_N + 2 * p] = hsum8(_mm512_castps512_ps256(acc[i][p])) + 0.0f;  /* + wide_tile's (zero) min term */
+      out[i * TV_N + 2 * p + 1] = hsum8(_mm512_extractf32x8_ps(acc[i][p], 1)) + 0.0f;
+    }
+}
+#endif
+
 TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
                          const float* restrict dw, const float* restrict mw, const __m256i* restrict w128, int mr,
                          int nr) {
+#if TV_WIDE_PAIRS
+  if (nr == NR) {  /* whole tiles on 512-bit registers; the N % NR leftover rows, one at a time, below */
+    wide_pair_tile(out, xq, m, w, dw, w128, mr);
+    return;
+  }
+#endif
   float p[MR][NR][NB];  /* d_w d_x of block b */
 #if TV_QTYPE != 8
   float pm[MR][NR][NB];  /* the min term: m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
