@@ -444,3 +444,31 @@ def test_weights_lying_back_to_back_are_used_in_place(tmp_path):
     t = upload([odd], None)
     assert buffer_address(t.uop, t.device) != odd.ctypes.data
     np.testing.assert_array_equal(t.numpy(), odd)
+
+
+def test_gguf_string_arrays_are_decoded_when_used(tmp_path):
+    """The header parse steps over arrays of strings (a vocabulary: ~50k of them) and decodes them when first used:
+    the strings the `gguf` package reads; a truncated array is a clear error, not garbage."""
+    tokens = ["a", "", "Ġthe", "<|im_end|>", "héllo 🤖"] * 40
+    w = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("general.tags", ["x"])
+    w.add_uint32("after", 7)  # read correctly only if the arrays were stepped over exactly
+    w.add_tensor("t", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    md = GGUFFile(tmp_path / "s.gguf").metadata
+    assert md["after"] == 7 and len(md["tokenizer.ggml.tokens"]) == len(tokens)
+    assert md["tokenizer.ggml.tokens"] == tokens and list(md["tokenizer.ggml.tokens"]) == tokens
+    assert md["tokenizer.ggml.tokens"][3] == "<|im_end|>" and md["general.tags"] == ["x"] != ["y"]
+    reader = gguf.GGUFReader(tmp_path / "s.gguf")  # llama.cpp's Python reader
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == list(md["tokenizer.ggml.tokens"])
+
+    data = (tmp_path / "s.gguf").read_bytes()
+    start = data.index(b"tokenizer.ggml.tokens")
+    (tmp_path / "cut.gguf").write_bytes(data[:start + 200])  # the file ends inside the array
+    with pytest.raises(ValueError, match="corrupt GGUF: an array of 200 strings"):
+        GGUFFile(tmp_path / "cut.gguf")

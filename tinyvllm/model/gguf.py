@@ -9,6 +9,8 @@ GGUF (llama.cpp's single-file format, spec: github.com/ggml-org/ggml/blob/master
     +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
 
 Tensor data is memory-mapped, not read: a tensor's bytes are only touched when it is dequantized.
+Arrays of strings (a tokenizer's vocabulary and merges, ~50k strings each) are decoded when first used
+(`StringArray`): a process whose tokenizer comes from its disk cache (tokenizer_cache.py) never decodes them.
 Dimensions are stored fastest-varying first (ggml order), so a (rows, cols) matrix is listed as
 [cols, rows]; `GGUFTensorInfo.shape` gives it back in numpy (row-major) order.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,7 @@ GGUF_MAGIC = b"GGUF"
 
 # metadata value types -> struct format (8 = string, 9 = array are handled separately)
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_U64 = struct.Struct("<Q")  # a string's length
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,47 @@ class GGUFTensorInfo:
     @property
     def num_elements(self) -> int:
         return int(np.prod(self.shape))
+
+
+class StringArray(Sequence):
+    """A GGUF array of strings, decoded on first use: a read-only sequence of str over the file's bytes.
+
+    Stepping over 49,152 tokens takes one length read per string; decoding them all takes several times that, and
+    the tokenizer, their only reader, usually comes from its disk cache instead. Compares equal to a list or tuple
+    of the same strings."""
+
+    def __init__(self, buf: memoryview | bytes, start: int, n: int):
+        self._buf, self._start, self._n = buf, start, n  # buf: the mapped file, which this keeps alive
+        self._items: list[str] | None = None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:  # the loop is kept tight: ~50k strings
+            buf, pos, out, length_at = self._buf, self._start, [], _U64.unpack_from
+            for _ in range(self._n):
+                (length,) = length_at(buf, pos)
+                out.append(str(buf[pos + 8:pos + 8 + length], "utf-8", "replace"))
+                pos += 8 + length
+            self._items = out
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        return self._decoded()[index]
+
+    def __iter__(self):
+        return iter(self._decoded())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StringArray, list, tuple)):
+            return len(self) == len(other) and self._decoded() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # a list-like value
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._decoded()!r})" if self._n <= 8 else f"StringArray(<{self._n} strings>)"
 
 
 class _Cursor:
@@ -58,15 +103,18 @@ class _Cursor:
         self.pos += n
         return s
 
-    def strings(self, n: int) -> list[str]:
-        """n strings back to back (a vocabulary, a merge list: ~50k each, so the loop is kept tight)."""
-        buf, pos, out, from_bytes = self.buf, self.pos, [], int.from_bytes
-        for _ in range(n):
-            length = from_bytes(buf[pos:pos + 8], "little")
-            out.append(str(buf[pos + 8:pos + 8 + length], "utf-8", "replace"))
-            pos += 8 + length
+    def strings(self, n: int) -> StringArray:
+        """n strings back to back, stepped over: one length read each; decoded when first used (`StringArray`)."""
+        start, pos, buf, length_at = self.pos, self.pos, self.buf, _U64.unpack_from
+        try:
+            for _ in range(n):
+                pos += 8 + length_at(buf, pos)[0]
+        except struct.error:
+            raise ValueError(f"corrupt GGUF: an array of {n} strings at byte {start} runs past the end") from None
+        if pos > len(buf):
+            raise ValueError(f"corrupt GGUF: an array of {n} strings at byte {start} runs past the end")
         self.pos = pos
-        return out
+        return StringArray(buf, start, n)
 
     def value(self, vtype: int):
         if vtype == 8:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from tinyvllm.model.gguf import GGUF_MAGIC, GGUFFile, _Cursor
+from tinyvllm.model.gguf import GGUF_MAGIC, GGUFFile, StringArray, _Cursor
 from tinyvllm.ggml_types import type_name
 from tinyvllm.model.quant import tensor_nbytes
 
@@ -100,7 +100,7 @@ def typed(value: Any) -> MetadataValue:
         return MetadataValue(value, FLOAT32)
     if isinstance(value, str):
         return MetadataValue(value, STRING)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, StringArray)):  # StringArray: an array read from a GGUF
         items = list(value)
         if all(isinstance(v, str) for v in items):
             return MetadataValue(items, ARRAY, STRING)
