@@ -5,6 +5,7 @@ still holds, and give exactly what rebuilding it gives."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -45,6 +46,7 @@ def test_the_remembered_device_is_what_tinygrad_probes():
 
     fingerprint = program_cache.machine_fingerprint()
     assert fingerprint["tinygrad"] == tinygrad_adapter.INSTALLED_VERSION
+    assert tinygrad_adapter.installed_version() == importlib.metadata.version("tinygrad")  # read without it
     assert tinygrad_adapter.chosen_default_device() in (None, Device.DEFAULT)
 
 

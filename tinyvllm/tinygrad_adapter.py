@@ -36,8 +36,8 @@ import sys
 import types
 import warnings
 from dataclasses import replace
-from importlib.metadata import version
 
+import tinygrad
 import tinygrad.codegen
 import tinygrad.engine.realize
 import tinygrad.function  # the module (`tinygrad.function` the attribute is the decorator)
@@ -64,8 +64,25 @@ from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 #                   (tinygrad.engine.realize; `call_launches` below puts in the JIT inputs of one replay)
 
 
+def installed_version() -> str:
+    """tinygrad's version as installed (tinygrad itself has no `__version__`): the name of its wheel's
+    `tinygrad-<version>.dist-info` directory beside the package, which is what `importlib.metadata.version`
+    finds too, without importing importlib.metadata (an email parser, for the METADATA file) in every process.
+    Where that directory is not one alone (a source checkout, leftovers of an upgrade), importlib.metadata."""
+    site = os.path.dirname(os.path.dirname(os.path.abspath(tinygrad.__file__)))
+    try:
+        found = [n for n in os.listdir(site) if n.startswith("tinygrad-") and n.endswith(".dist-info")]
+    except OSError:
+        found = []
+    if len(found) == 1:
+        return found[0].removeprefix("tinygrad-").removesuffix(".dist-info")
+    from importlib.metadata import version
+
+    return version("tinygrad")
+
+
 TINYGRAD_VERSION = "0.14.0"  # the one this file was written against (pyproject.toml pins it)
-INSTALLED_VERSION = version("tinygrad")
+INSTALLED_VERSION = installed_version()  # read once: the caches' keys and directory names carry it
 if INSTALLED_VERSION != TINYGRAD_VERSION:
     warnings.warn(f"tinyvllm was written for tinygrad {TINYGRAD_VERSION}, this is tinygrad {INSTALLED_VERSION}: "
                   "its internals may have moved (see tinyvllm/tinygrad_adapter.py); speed fixes are off",

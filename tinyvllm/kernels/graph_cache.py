@@ -51,7 +51,6 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +61,8 @@ from tinyvllm.kernels import cpu_threads, program_cache
 from tinyvllm.kernels.cpu_graph import CPUGraph
 from tinyvllm.kernels.launcher import KERNELS_DIR
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import buffer_address, is_realized, load_cpu_program, tinygrad_settings
+from tinyvllm.tinygrad_adapter import (
+    INSTALLED_VERSION, buffer_address, is_realized, load_cpu_program, tinygrad_settings)
 
 ENABLED = os.getenv("TINYVLLM_GRAPH_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-graph 1\n"
@@ -175,7 +175,7 @@ class PersistedGraph:
     def key(self, names: list, input_info: list, state: dict[str, Tensor]) -> str:
         layout = [(name, tuple(t.shape), repr(t.dtype)) for name, t in sorted(state.items())]
         return repr((self.settings, input_signature(names, input_info), layout, code_identity(), cpu_identity(),
-                     version("tinygrad"), tinygrad_settings(), sys.version_info[:2], cpu_threads.pool_address(),
+                     INSTALLED_VERSION, tinygrad_settings(), sys.version_info[:2], cpu_threads.pool_address(),
                      sorted((k, v) for k, v in os.environ.items() if k.startswith("TINYVLLM_"))))
 
     def path(self, key: str) -> Path:

@@ -41,10 +41,10 @@ import pickle
 import sys
 import tempfile
 import threading
-from importlib.metadata import version
 from pathlib import Path
 
 from tinyvllm.tinygrad_adapter import (
+    INSTALLED_VERSION,
     choose_default_device,
     chosen_default_device,
     lower_cpu_device_programs_through,
@@ -60,7 +60,7 @@ _lock = threading.Lock()
 
 def cache_dir() -> Path:
     root = Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
-    return root / f"programs-tinygrad{version('tinygrad')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return root / f"programs-tinygrad{INSTALLED_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
 def key_digest(key) -> str:
@@ -153,7 +153,7 @@ def machine_fingerprint() -> dict:
         nodes = []
     env = {k: v for k, v in sorted(os.environ.items()) if k in DEVICE_NAMES or k == "LD_LIBRARY_PATH"
            or k.startswith(tuple(f"{name}_" for name in DEVICE_NAMES)) or k.endswith("_VISIBLE_DEVICES")}
-    return {"platform": sys.platform, "tinygrad": version("tinygrad"), "dev_nodes": nodes, "env": env}
+    return {"platform": sys.platform, "tinygrad": INSTALLED_VERSION, "dev_nodes": nodes, "env": env}
 
 
 def settle_default_device(path: Path) -> str:

@@ -28,7 +28,6 @@ import os
 import pickle
 import sys
 import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
 from tinyvllm.disk_cache import evict
@@ -63,6 +62,7 @@ def code_identity() -> str:
 
 def cache_key(path: Path) -> str:
     """Everything the tokenizer built from `path` depends on, as text."""
+    import tiktoken  # its version: what its pickled tables are read back by
     path = path.resolve()
     if path.is_file():  # a GGUF: its size and mtime (hashing ~100 MB of weights would cost more than the rebuild)
         st = path.stat()
@@ -74,7 +74,7 @@ def cache_key(path: Path) -> str:
                 files.append((name, hashlib.sha256((path / name).read_bytes()).hexdigest()))
             except OSError:
                 files.append((name, None))  # absent: a file appearing later is another key
-    return repr((str(path), files, code_identity(), sys.version_info[:2], version("tiktoken")))
+    return repr((str(path), files, code_identity(), sys.version_info[:2], tiktoken.__version__))
 
 
 def cache_path(key: str, directory: Path | None = None) -> Path:
