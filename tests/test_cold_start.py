@@ -50,6 +50,30 @@ def test_the_remembered_device_is_what_tinygrad_probes():
     assert tinygrad_adapter.chosen_default_device() in (None, Device.DEFAULT)
 
 
+
+RENDERERS_CHILD = """
+import sys
+from tinyvllm.kernels import program_cache
+program_cache.install(device="CPU")
+from tinygrad import Device, Tensor
+renderer = type(Device["CPU"].renderer)  # DEV=CPU:X86 picks a deferred renderer: the real class
+result = (Tensor([1.0, 2.0]) * 3).tolist()
+mesa_before = "tinygrad.runtime.autogen.mesa" in sys.modules
+from tinygrad.renderer.nir import NAKRenderer  # any other name: the real module, imported now
+print(renderer.__module__, renderer.__name__, result, mesa_before, NAKRenderer.__module__,
+      "tinygrad.runtime.autogen.mesa" in sys.modules)
+"""
+
+
+def test_the_cpu_renderers_nobody_asked_for_are_imported_on_first_use(tmp_path):
+    """The CPU device's module imports without Mesa's NIR (LVP) and x86 renderers' modules; the renderer DEV picks
+    and any name read from such a module are the real ones (a new process: this one has opened the device)."""
+    env = {**os.environ, "TINYVLLM_CACHE_DIR": str(tmp_path), "DEV": "CPU:X86", "TINYVLLM_PROGRAM_CACHE": "1"}
+    out = subprocess.run([sys.executable, "-c", RENDERERS_CHILD], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["tinygrad.renderer.isa.x86", "X86Renderer", "[3.0,", "6.0]", "False", "tinygrad.renderer.nir",
+                   "True"]
+
 # ---- captured graphs kept on disk (tinyvllm/kernels/graph_cache.py) ----
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 9]  # bucket 8 and bucket 64 prefills, then decodes

@@ -14,7 +14,9 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     graph_cache.py              tinygrad_settings, is_realized, buffer_address, load_cpu_program
     cpu_threads.py              default_cpu_threads
     program_cache.py            lowered_program_cache, set_lowered_program_cache, chosen_default_device,
-                                choose_default_device, set_default_device, lower_cpu_device_programs_through
+                                choose_default_device, set_default_device, lower_cpu_device_programs_through,
+                                defer_unused_cpu_renderers
+    program_cache.py, graph_cache.py  INSTALLED_VERSION (tinygrad's version, in their keys)
     device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
@@ -30,6 +32,7 @@ import contextlib
 import enum
 import functools
 import ctypes
+import importlib
 import os
 import sqlite3
 import sys
@@ -309,6 +312,52 @@ def lower_cpu_device_programs_through(cache: dict) -> None:
             cache[key] = program = lower(ast, renderer)
         return program
     ops_cpu.do_to_program = lower_through_cache
+
+
+# the modules of CPU renderers a process uses only when DEV names them, and the class each gives the CPU device
+DEFERRED_CPU_RENDERERS = {"tinygrad.renderer.nir": "LVPRenderer", "tinygrad.renderer.isa.x86": "X86Renderer"}
+
+
+def defer_unused_cpu_renderers() -> None:
+    """Let the CPU device's module import without the modules of renderers this process does not use.
+
+    `tinygrad.runtime.ops_cpu` imports the module of every renderer the CPU device can pick (Clang, LLVM, Mesa's
+    llvmpipe "LVP", x86) to list their classes. LVP's module, `tinygrad.renderer.nir`, defines ctypes classes for
+    the whole of Mesa's NIR API as it is imported (`tinygrad.runtime.autogen.mesa`, Mesa installed or not), and
+    x86's builds its instruction tables: the largest imports of a start, for renderers only DEV=CPU:LVP or
+    DEV=CPU:X86 choose. Until ops_cpu is imported, each of those modules is put in `sys.modules` as a stand-in
+    (`_stand_in`): instantiating its renderer class, as the device does when it picks that renderer, or reading
+    any other name from it imports the real module in its place. A process that uses them gets them; one that does
+    not never imports them. Only on the pinned tinygrad, and only before ops_cpu is imported."""
+    if "tinygrad.runtime.ops_cpu" in sys.modules or INSTALLED_VERSION != TINYGRAD_VERSION:
+        return
+    for name, renderer in DEFERRED_CPU_RENDERERS.items():
+        if name not in sys.modules:
+            sys.modules[name] = _stand_in(name, renderer)
+
+
+def _stand_in(name: str, renderer: str) -> types.ModuleType:
+    """A module `name` that holds a class `renderer` and imports the real module when either is used."""
+    module = types.ModuleType(name, "imported when first used: tinyvllm.tinygrad_adapter.defer_unused_cpu_renderers")
+
+    def real() -> types.ModuleType:
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
+        return importlib.import_module(name)
+
+    def read(attr: str):
+        if attr.startswith("__"):  # what the import system asks of any module (__path__, __spec__, ...): absent
+            raise AttributeError(attr)
+        return getattr(real(), attr)
+
+    class Deferred:
+        def __new__(cls, *args, **kwargs):  # the device picked this renderer: build the real one
+            return getattr(real(), renderer)(*args, **kwargs)
+
+    Deferred.__name__ = Deferred.__qualname__ = renderer  # the device finds its renderers by class name
+    module.__getattr__ = read
+    setattr(module, renderer, Deferred)
+    return module
 
 
 # ---- device memory seen from the host (tinyvllm/device_memory.py, tinyvllm/model/llama.py) ----

@@ -22,7 +22,9 @@ directory between different CPUs. A file that does not load is a miss (and is wr
 
 Opening the device is the other thing every process redid. `install()` also
   - builds the CPU device's own helper programs (its worker loop, signal, wait, timestamp: tinygrad lowers
-    them each time the device opens, ~0.25 s) through this cache, and
+    them each time the device opens, ~0.25 s) through this cache,
+  - keeps the CPU device's module from importing the renderers DEV does not ask for (Mesa's LVP and x86:
+    `tinygrad_adapter.defer_unused_cpu_renderers`), and
   - remembers which device tinygrad chose as its default. With no DEV set, tinygrad tries METAL, AMD, NV, CUDA,
     QCOM and CL before it settles on CPU (~0.45 s of imports and failed opens on a machine without a GPU).
     The choice is kept in `default_device.json` beside the programs with what it depended on (the platform,
@@ -47,6 +49,7 @@ from tinyvllm.tinygrad_adapter import (
     INSTALLED_VERSION,
     choose_default_device,
     chosen_default_device,
+    defer_unused_cpu_renderers,
     lower_cpu_device_programs_through,
     lowered_program_cache,
     set_default_device,
@@ -134,6 +137,7 @@ def install(directory: Path | None = None, device: str | None = None) -> DiskPro
             return None
         cache = DiskProgramCache(directory or cache_dir(), current)
         set_lowered_program_cache(cache)
+        defer_unused_cpu_renderers()  # before the CPU device's module is first imported (just below)
         lower_cpu_device_programs_through(cache)
         if device is None:
             settle_default_device(cache.directory / "default_device.json")
