@@ -51,6 +51,23 @@ def test_the_remembered_device_is_what_tinygrad_probes():
 
 
 
+
+def test_the_adapters_empty_is_tinygrads():
+    """tinygrad_adapter.empty builds what Tensor.empty builds for a shape of ints (without its no-op shrink): a new
+    buffer of that size reshaped to the shape; over memory of its own (tensor_over_memory), it reads that memory."""
+    import numpy as np
+    from tinygrad import Tensor, dtypes
+
+    for shape, dtype in [((3, 4), dtypes.float32), ((7,), dtypes.uint8), ((2, 3, 5), dtypes.int32)]:
+        ours, theirs = tinygrad_adapter.empty(shape, dtype, None), Tensor.empty(*shape, dtype=dtype)
+        for a, b in [(ours.uop, theirs.uop), (ours.uop.base, theirs.uop.base)]:
+            assert (a.op, a.shape, a.dtype, a.device, a.arg if a.op.name == "RESHAPE" else None) == \
+                (b.op, b.shape, b.dtype, b.device, b.arg if b.op.name == "RESHAPE" else None)
+        assert ours.uop.buffer.size == theirs.uop.buffer.size and ours.uop.buffer is not theirs.uop.buffer
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = tinygrad_adapter.tensor_over_memory(host.ctypes.data, (3, 4), dtypes.float32, None, owner=host)
+    np.testing.assert_array_equal((t * 2).numpy(), host * 2)
+
 RENDERERS_CHILD = """
 import sys
 from tinyvllm.kernels import program_cache

@@ -15,7 +15,8 @@ from tinygrad import Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import allocate_zeroed_host_memory, host_memory, memory_info, numpy_dtype, sharded_zeros
+from tinyvllm.tinygrad_adapter import (
+    allocate_zeroed_host_memory, empty, host_memory, memory_info, numpy_dtype, sharded_zeros)
 
 
 def host_view(t: Tensor) -> np.ndarray | None:
@@ -38,7 +39,7 @@ def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | 
     parallel: a KV cache by head), each device's slice zeroed where it lives."""
     if isinstance(device, tuple):
         return sharded_zeros(shape, dtype, device, axis)
-    out = Tensor.empty(*shape, dtype=dtype, device=device)
+    out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_adapter.empty)
     if platform_for(out.device).host_views:
         allocate_zeroed_host_memory(out)
         return out

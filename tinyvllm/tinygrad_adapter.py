@@ -17,7 +17,7 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
                                 choose_default_device, set_default_device, lower_cpu_device_programs_through,
                                 defer_unused_cpu_renderers
     program_cache.py, graph_cache.py  INSTALLED_VERSION (tinygrad's version, in their keys)
-    device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info
+    device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info, empty
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
     llama.py                    apply_fixes (speed fixes: how fast, never what), reusable_function, traces_reused
@@ -45,12 +45,12 @@ import tinygrad.codegen
 import tinygrad.engine.realize
 import tinygrad.function  # the module (`tinygrad.function` the attribute is the decorator)
 from tinygrad import Device, Tensor, UOp
-from tinygrad.device import Buffer, BufferSpec, MultiBuffer, TinyELF
+from tinygrad.device import Buffer, BufferSpec, MultiBuffer, TinyELF, canonicalize_device
 from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype
 from tinygrad.engine.jit import CapturedJit, JitError, _prepare_jit_inputs, _TinyJit  # noqa: F401
 from tinygrad.nn.state import get_state_dict
 from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params, unwrap_multi  # noqa: F401
-from tinygrad.helpers import DEV, dedup, NUM_CPU_THREADS, ContextVar, to_tuple
+from tinygrad.helpers import DEV, dedup, NUM_CPU_THREADS, ContextVar, prod, to_tuple
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.runtime.autogen import libc
@@ -196,11 +196,20 @@ def buffer_address(u: UOp, device: str) -> int:
     return u.buffer.ensure_allocated().get_buf(device).va_addr
 
 
+def empty(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
+    """`Tensor.empty(*shape, dtype=dtype, device=device)` for a shape of ints on one device: the same tensor, a new
+    buffer reshaped to `shape` (`tinygrad.mixin.creation.empty`). tinygrad's then shrinks it to `shape`, which
+    for a shape of ints gives it back unchanged, but only after building and simplifying the shrink: as much work
+    again as the rest, and a load makes a few hundred (every weight, every layer's KV cache)."""
+    return Tensor(UOp.new_buffer(canonicalize_device(device), prod(shape), dtype).reshape(shape))
+
+
 def tensor_over_memory(address: int, shape: tuple[int, ...], dtype: DType, device: str | None, owner: object) -> Tensor:
-    """A tensor whose buffer is the host memory at `address` (`Tensor.from_blob`: nothing copied, nothing owned);
+    """A tensor whose buffer is the host memory at `address` (as `Tensor.from_blob`: nothing copied, nothing owned);
     `owner`, what keeps that memory valid (a memory map, an array), is kept alive by the buffer itself, as long as
     anything uses it."""
-    t = Tensor.from_blob(address, shape, dtype=dtype, device=device)
+    t = empty(shape, dtype, device)
+    t.uop.buffer.allocate(external_ptr=address)
     t.uop.buffer.tinyvllm_memory_owner = owner
     return t
 

@@ -225,7 +225,7 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
     if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
         return mapped
-    out = Tensor.empty(*shape, dtype=dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device=device)
+    out = tinygrad_adapter.empty(shape, dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device)
     if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
         host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np_dtype)
         tinygrad_adapter.copy_in(out, memoryview(host).cast("B"))
