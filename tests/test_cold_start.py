@@ -170,9 +170,10 @@ def test_the_state_a_graph_finds_must_fit_it(tiny_model_dir, graph_dir):
 
 
 CHILD = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[2])
 import test_cold_start
+os.environ.pop("TINYVLLM_GRAPH_CACHE_DIR", None)  # conftest, imported above, gave this process a directory of its own
 tokens, persisted = test_cold_start.greedy_tokens(sys.argv[1])
 print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted), "writes": sum(p.writes for p in persisted)}))
 """
