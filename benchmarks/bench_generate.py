@@ -135,18 +135,10 @@ def kernel_cache_state() -> str:
     else:
         state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
     cache_dir = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
-    programs, graphs = count_files(cache_dir, "programs-", ".pkl"), count_files(cache_dir, "graphs-", ".graph")
-    return state + f"; tinyvllm program cache {programs} programs, {graphs} captured graphs"
-
-
-def count_files(cache_dir: Path, prefix: str, suffix: str) -> int:
-    """Files named *suffix in the folders prefix* of cache_dir: counted by name (thousands of programs, before the
-    clock of the cold start stops: no Path object or stat per file, as a glob makes)."""
-    try:
-        folders = [e.path for e in os.scandir(cache_dir) if e.name.startswith(prefix) and e.is_dir()]
-    except OSError:
-        return 0
-    return sum(sum(1 for e in os.scandir(f) if e.name.endswith(suffix)) for f in folders)
+    n = {kind: sum(f.name.endswith(suffix) for d in os.scandir(cache_dir) if d.name.startswith(kind) and d.is_dir()
+                   for f in os.scandir(d.path))  # by name: a glob's Path per file, thousands, before the clock stops
+         for kind, suffix in (("programs-", ".pkl"), ("graphs-", ".graph"))} if cache_dir.is_dir() else {}
+    return state + f"; tinyvllm program cache {n.get('programs-', 0)} programs, {n.get('graphs-', 0)} captured graphs"
 
 
 def prompt_of_length(tokenizer, n: int, variant: int = 0) -> list[int]:

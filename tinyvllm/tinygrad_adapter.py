@@ -16,7 +16,6 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
     program_cache.py            lowered_program_cache, set_lowered_program_cache, chosen_default_device,
                                 choose_default_device, set_default_device, lower_cpu_device_programs_through,
                                 defer_unused_cpu_renderers
-    program_cache.py, graph_cache.py  INSTALLED_VERSION (tinygrad's version, in their keys)
     device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info, empty
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
@@ -68,15 +67,11 @@ from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 
 
 def installed_version() -> str:
-    """tinygrad's version as installed (tinygrad itself has no `__version__`): the name of its wheel's
-    `tinygrad-<version>.dist-info` directory beside the package, which is what `importlib.metadata.version`
-    finds too, without importing importlib.metadata (an email parser, for the METADATA file) in every process.
-    Where that directory is not one alone (a source checkout, leftovers of an upgrade), importlib.metadata."""
+    """tinygrad's version (it has no `__version__`) from the name of its `tinygrad-<version>.dist-info` directory, as
+    `importlib.metadata.version` finds it, without importing that (an email parser, for METADATA) in every process;
+    importlib.metadata where that directory is not one alone (a source checkout, leftovers of an upgrade)."""
     site = os.path.dirname(os.path.dirname(os.path.abspath(tinygrad.__file__)))
-    try:
-        found = [n for n in os.listdir(site) if n.startswith("tinygrad-") and n.endswith(".dist-info")]
-    except OSError:
-        found = []
+    found = [n for n in os.listdir(site) if n.startswith("tinygrad-") and n.endswith(".dist-info")]
     if len(found) == 1:
         return found[0].removeprefix("tinygrad-").removesuffix(".dist-info")
     from importlib.metadata import version
@@ -197,10 +192,9 @@ def buffer_address(u: UOp, device: str) -> int:
 
 
 def empty(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
-    """`Tensor.empty(*shape, dtype=dtype, device=device)` for a shape of ints on one device: the same tensor, a new
-    buffer reshaped to `shape` (`tinygrad.mixin.creation.empty`). tinygrad's then shrinks it to `shape`, which
-    for a shape of ints gives it back unchanged, but only after building and simplifying the shrink: as much work
-    again as the rest, and a load makes a few hundred (every weight, every layer's KV cache)."""
+    """`Tensor.empty(*shape, dtype=dtype, device=device)` for a shape of ints on one device: the same new buffer
+    reshaped to `shape`, without the shrink to `shape` tinygrad's adds (`tinygrad.mixin.creation.empty`), which gives
+    the tensor back unchanged after as much work again as the rest: a load makes a few hundred (weights, KV caches)."""
     return Tensor(UOp.new_buffer(canonicalize_device(device), prod(shape), dtype).reshape(shape))
 
 
@@ -331,18 +325,15 @@ def defer_unused_cpu_renderers() -> None:
     """Let the CPU device's module import without the modules of renderers this process does not use.
 
     `tinygrad.runtime.ops_cpu` imports the module of every renderer the CPU device can pick (Clang, LLVM, Mesa's
-    llvmpipe "LVP", x86) to list their classes. LVP's module, `tinygrad.renderer.nir`, defines ctypes classes for
-    the whole of Mesa's NIR API as it is imported (`tinygrad.runtime.autogen.mesa`, Mesa installed or not), and
-    x86's builds its instruction tables: the largest imports of a start, for renderers only DEV=CPU:LVP or
-    DEV=CPU:X86 choose. Until ops_cpu is imported, each of those modules is put in `sys.modules` as a stand-in
-    (`_stand_in`): instantiating its renderer class, as the device does when it picks that renderer, or reading
-    any other name from it imports the real module in its place. A process that uses them gets them; one that does
-    not never imports them. Only on the pinned tinygrad, and only before ops_cpu is imported."""
+    llvmpipe "LVP", x86) to list their classes. LVP's, `tinygrad.renderer.nir`, defines ctypes classes for all of
+    Mesa's NIR API as it is imported (`runtime.autogen.mesa`, Mesa installed or not) and x86's builds instruction
+    tables: the largest imports of a start, for renderers only DEV=CPU:LVP or CPU:X86 choose. Until ops_cpu is
+    imported, each of those modules is a stand-in in `sys.modules` (`_stand_in`): instantiating its renderer class
+    (the device picked it) or reading any other name imports the real module in its place. Pinned tinygrad only."""
     if "tinygrad.runtime.ops_cpu" in sys.modules or INSTALLED_VERSION != TINYGRAD_VERSION:
         return
-    for name, renderer in DEFERRED_CPU_RENDERERS.items():
-        if name not in sys.modules:
-            sys.modules[name] = _stand_in(name, renderer)
+    sys.modules.update({name: _stand_in(name, cls) for name, cls in DEFERRED_CPU_RENDERERS.items()
+                        if name not in sys.modules})
 
 
 def _stand_in(name: str, renderer: str) -> types.ModuleType:
@@ -354,8 +345,8 @@ def _stand_in(name: str, renderer: str) -> types.ModuleType:
             del sys.modules[name]
         return importlib.import_module(name)
 
-    def read(attr: str):
-        if attr.startswith("__"):  # what the import system asks of any module (__path__, __spec__, ...): absent
+    def read(attr: str):  # what the import system asks of any module (__path__, __spec__, ...) is absent
+        if attr.startswith("__"):
             raise AttributeError(attr)
         return getattr(real(), attr)
 
