@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_CONFIG, write_tiny_model
 
-from tinyvllm import disk_cache, tinygrad_adapter
+from tinyvllm import disk_cache, tinygrad_adapter, tinygrad_startup
 from tinyvllm.kernels import graph_cache, program_cache
 
 
@@ -47,7 +47,7 @@ def test_the_remembered_device_is_what_tinygrad_probes():
     fingerprint = program_cache.machine_fingerprint()
     assert fingerprint["tinygrad"] == tinygrad_adapter.INSTALLED_VERSION
     assert tinygrad_adapter.installed_version() == importlib.metadata.version("tinygrad")  # read without it
-    assert tinygrad_adapter.chosen_default_device() in (None, Device.DEFAULT)
+    assert tinygrad_startup.chosen_default_device() in (None, Device.DEFAULT)
 
 
 

@@ -1,4 +1,5 @@
-"""Every use of tinygrad's internals, in one file: what to read when tinygrad is upgraded.
+"""Every use of tinygrad's internals, in this file and tinyvllm/tinygrad_startup.py (what a process's start uses,
+split off along that seam): what to read when tinygrad is upgraded.
 
 tinyvllm uses tinygrad's public API directly (what `import tinygrad` exports: Tensor, UOp, TinyJit, Device,
 dtypes, Context, getenv, function; and `tinygrad.dtype.DType` for type hints). Everything else it needs is
@@ -13,9 +14,7 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
                                 call_launches, launch_address, input_shard_address
     graph_cache.py              tinygrad_settings, is_realized, buffer_address, load_cpu_program
     cpu_threads.py              default_cpu_threads
-    program_cache.py            lowered_program_cache, set_lowered_program_cache, chosen_default_device,
-                                choose_default_device, set_default_device, lower_cpu_device_programs_through,
-                                defer_unused_cpu_renderers
+    program_cache.py            (tinyvllm/tinygrad_startup.py: opening the device, the lowered-program cache)
     device_memory.py, llama.py  host_memory, allocate_zeroed_host_memory, copy_in, numpy_dtype, memory_info, empty
     paged.py                    KernelInfo (a custom UOp kernel's name and options)
     async_llm_engine.py         share_kernel_cache_across_threads
@@ -31,7 +30,6 @@ import contextlib
 import enum
 import functools
 import ctypes
-import importlib
 import os
 import sqlite3
 import sys
@@ -40,7 +38,6 @@ import warnings
 from dataclasses import replace
 
 import tinygrad
-import tinygrad.codegen
 import tinygrad.engine.realize
 import tinygrad.function  # the module (`tinygrad.function` the attribute is the decorator)
 from tinygrad import Device, Tensor, UOp
@@ -259,105 +256,6 @@ def tinygrad_settings() -> dict[str, str]:
 def default_cpu_threads() -> int:
     """How many threads tinygrad itself would use on the CPU (`tinygrad.helpers.NUM_CPU_THREADS`)."""
     return NUM_CPU_THREADS.value
-
-
-# ---- lowered programs kept on disk (tinyvllm/kernels/program_cache.py) ----
-
-def lowered_program_cache() -> dict:
-    """tinygrad's in-memory dict of lowered programs, `tinygrad.codegen.to_program_cache`."""
-    return tinygrad.codegen.to_program_cache
-
-
-def set_lowered_program_cache(cache: dict) -> None:
-    """Replace that dict: `tinygrad.codegen` and `tinygrad.engine.realize` each look it up by its global name at
-    every call, so rebinding the name in both is enough."""
-    tinygrad.codegen.to_program_cache = cache
-    tinygrad.engine.realize.to_program_cache = cache
-
-
-# ---- opening the device without redoing what an earlier process did (tinyvllm/kernels/program_cache.py) ----
-
-def chosen_default_device() -> str | None:
-    """The device tinygrad's `Device.DEFAULT` is, if that is already settled without probing: DEV names it, or
-    this process has probed (`_Device._select_device`, a cached property, is in the instance dict)."""
-    return DEV.device or Device.__dict__.get("_select_device")
-
-
-def choose_default_device() -> str:
-    """`Device.DEFAULT`: with no DEV set, tinygrad opens METAL, AMD, NV, CUDA, QCOM, CL in turn until one works
-    (`_Device.get_available_devices`); on a machine with none of them that is ~0.45 s of imports and failures
-    before it settles on CPU."""
-    return Device.DEFAULT
-
-
-def set_default_device(name: str) -> None:
-    """Settle `Device.DEFAULT` on `name` without probing: store it where `_Device._select_device` caches its answer
-    and, as that method does, in the environment for child processes."""
-    Device.__dict__["_select_device"] = name
-    os.environ["DEV"] = name
-
-
-def lower_cpu_device_programs_through(cache: dict) -> None:
-    """Build the CPU device's helper programs through `cache` (a lowered-program dict, as `to_program_cache`).
-
-    tinygrad's CPU device, when it opens, lowers and compiles four programs of its own (the worker thread's
-    loop, signal, wait, timestamp: `tinygrad.runtime.ops_cpu.CPUDevice.__init__`) by calling `do_to_program`
-    directly, past `to_program_cache`: ~0.25 s of rewrites in every process. ops_cpu looks `do_to_program` up by
-    its global name, so rebinding that name routes the calls through `cache`. The key is tinygrad's own
-    (`to_program_key`) plus the ast's tag, which tinygrad's key leaves out and which says "do not optimize"."""
-    import tinygrad.runtime.ops_cpu as ops_cpu
-
-    lower = tinygrad.codegen.do_to_program
-
-    def lower_through_cache(ast: UOp, renderer) -> UOp:
-        key = (*tinygrad.codegen.to_program_key(ast, renderer), f"tag={ast.tag!r}")
-        if (program := cache.get(key)) is None:
-            cache[key] = program = lower(ast, renderer)
-        return program
-    ops_cpu.do_to_program = lower_through_cache
-
-
-# the modules of CPU renderers a process uses only when DEV names them, and the class each gives the CPU device
-DEFERRED_CPU_RENDERERS = {"tinygrad.renderer.nir": "LVPRenderer", "tinygrad.renderer.isa.x86": "X86Renderer"}
-
-
-def defer_unused_cpu_renderers() -> None:
-    """Let the CPU device's module import without the modules of renderers this process does not use.
-
-    `tinygrad.runtime.ops_cpu` imports the module of every renderer the CPU device can pick (Clang, LLVM, Mesa's
-    llvmpipe "LVP", x86) to list their classes. LVP's, `tinygrad.renderer.nir`, defines ctypes classes for all of
-    Mesa's NIR API as it is imported (`runtime.autogen.mesa`, Mesa installed or not) and x86's builds instruction
-    tables: the largest imports of a start, for renderers only DEV=CPU:LVP or CPU:X86 choose. Until ops_cpu is
-    imported, each of those modules is a stand-in in `sys.modules` (`_stand_in`): instantiating its renderer class
-    (the device picked it) or reading any other name imports the real module in its place. Pinned tinygrad only."""
-    if "tinygrad.runtime.ops_cpu" in sys.modules or INSTALLED_VERSION != TINYGRAD_VERSION:
-        return
-    sys.modules.update({name: _stand_in(name, cls) for name, cls in DEFERRED_CPU_RENDERERS.items()
-                        if name not in sys.modules})
-
-
-def _stand_in(name: str, renderer: str) -> types.ModuleType:
-    """A module `name` that holds a class `renderer` and imports the real module when either is used."""
-    module = types.ModuleType(name, "imported when first used: tinyvllm.tinygrad_adapter.defer_unused_cpu_renderers")
-
-    def real() -> types.ModuleType:
-        if sys.modules.get(name) is module:
-            del sys.modules[name]
-        return importlib.import_module(name)
-
-    def read(attr: str):  # what the import system asks of any module (__path__, __spec__, ...) is absent
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return getattr(real(), attr)
-
-    class Deferred:
-        def __new__(cls, *args, **kwargs):  # the device picked this renderer: build the real one
-            return getattr(real(), renderer)(*args, **kwargs)
-
-    Deferred.__name__ = Deferred.__qualname__ = renderer  # the device finds its renderers by class name
-    module.__getattr__ = read
-    setattr(module, renderer, Deferred)
-    return module
 
 
 # ---- device memory seen from the host (tinyvllm/device_memory.py, tinyvllm/model/llama.py) ----

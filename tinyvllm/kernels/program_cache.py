@@ -24,7 +24,7 @@ Opening the device is the other thing every process redid. `install()` also
   - builds the CPU device's own helper programs (its worker loop, signal, wait, timestamp: tinygrad lowers
     them each time the device opens, ~0.25 s) through this cache,
   - keeps the CPU device's module from importing the renderers DEV does not ask for (Mesa's LVP and x86:
-    `tinygrad_adapter.defer_unused_cpu_renderers`), and
+    `tinygrad_startup.defer_unused_cpu_renderers`), and
   - remembers which device tinygrad chose as its default. With no DEV set, tinygrad tries METAL, AMD, NV, CUDA,
     QCOM and CL before it settles on CPU (~0.45 s of imports and failed opens on a machine without a GPU).
     The choice is kept in `default_device.json` beside the programs with what it depended on (the platform,
@@ -45,8 +45,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tinyvllm.tinygrad_adapter import (
-    INSTALLED_VERSION,
+from tinyvllm.tinygrad_adapter import INSTALLED_VERSION
+from tinyvllm.tinygrad_startup import (
     choose_default_device,
     chosen_default_device,
     defer_unused_cpu_renderers,
