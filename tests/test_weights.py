@@ -432,17 +432,17 @@ def test_weights_lying_back_to_back_are_used_in_place(tmp_path):
         mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
     gate, up = mapped[:4096].reshape(64, 64), mapped[4096:8192].reshape(64, 64)
     fused = upload([gate, up], None)  # back to back: one tensor over the map
-    assert buffer_address(fused.uop, fused.device) == gate.ctypes.data
+    assert buffer_address(fused) == gate.ctypes.data
     np.testing.assert_array_equal(fused.numpy(), np.concatenate([gate, up]))
     del gate, up, mapped  # the buffer keeps the map alive
     np.testing.assert_array_equal(fused.numpy()[64:], (np.arange(4096, 8192) % 256).astype(np.uint8).reshape(64, 64))
     apart = upload([mapped_rows := np.frombuffer(path.read_bytes(), np.uint8)[:4096].reshape(64, 64),
                     mapped_rows], None)  # not back to back: copied
-    assert buffer_address(apart.uop, apart.device) != mapped_rows.ctypes.data
+    assert buffer_address(apart) != mapped_rows.ctypes.data
     np.testing.assert_array_equal(apart.numpy(), np.concatenate([mapped_rows, mapped_rows]))
     odd = np.frombuffer(path.read_bytes(), np.uint8)[1:4097].reshape(64, 64)  # misaligned: copied
     t = upload([odd], None)
-    assert buffer_address(t.uop, t.device) != odd.ctypes.data
+    assert buffer_address(t) != odd.ctypes.data
     np.testing.assert_array_equal(t.numpy(), odd)
 
 

@@ -2,8 +2,9 @@
 
 On the CPU device tinygrad's buffers are ordinary host memory (anonymous mappings), so a numpy array can
 be a view of a buffer: writing the array writes the device buffer, with no copy and no graph to
-schedule. Three places use that: loading the weights (`tinyvllm/model/llama.py`), refilling each step's
-inputs (`tinyvllm/input_buffer.py`) and allocating the KV caches (`zeros` below). Where the host
+schedule. Four places use that: loading the weights (`tinyvllm/model/llama.py`), refilling each step's
+inputs (`tinyvllm/input_buffer.py`), reading back each step's sampled tokens (`ReadBack` below) and allocating
+the KV caches (`zeros` below). Where the host
 cannot see the memory (a discrete GPU, or the CPU forced onto that path: tinyvllm/platforms.py), each
 falls back to copying in (`tinygrad_adapter.copy_in`) or to a kernel.
 """
@@ -11,7 +12,7 @@ falls back to copying in (`tinygrad_adapter.copy_in`) or to a kernel.
 from __future__ import annotations
 
 import numpy as np
-from tinygrad import Tensor
+from tinygrad import Device, Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.platforms import platform_for
@@ -25,6 +26,26 @@ def host_view(t: Tensor) -> np.ndarray | None:
     if not platform_for(t.device).host_views or (memory := host_memory(t)) is None:
         return None
     return np.frombuffer(memory, dtype=numpy_dtype(t.dtype)).reshape(t.shape)
+
+
+class ReadBack:
+    """Reads what a graph returns back to the host, step after step (a step's sampled token ids). A captured graph
+    returns the same tensor at every replay, so the host's view of its memory (where there is one) is made once;
+    each read then waits for the device and copies the few bytes out. `t.numpy()` would schedule and run a copy
+    through tinygrad every time: a large share of a decode step's Python, for a few bytes. Where the host cannot
+    see the memory, it is what runs."""
+
+    def __init__(self):
+        self._tensor: Tensor | None = None  # the tensor last read, kept alive with its view
+        self._view: np.ndarray | None = None
+
+    def __call__(self, t: Tensor) -> np.ndarray:
+        if t is not self._tensor:
+            self._tensor, self._view = t, None if isinstance(t.device, tuple) else host_view(t)
+        if self._view is None:
+            return t.numpy()
+        Device[t.device].synchronize()  # the graph's kernels have written it
+        return self._view.copy()
 
 
 def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | None, axis: int = 2) -> Tensor:

@@ -40,6 +40,7 @@ from tinyvllm.attention.kv_cache import PagedKVCache
 from tinyvllm.core.block_manager import slot_mapping as get_slot_mapping
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
+from tinyvllm.device_memory import ReadBack
 from tinyvllm.input_buffer import InputBuffer
 from tinyvllm.kernels import graph_cache
 from tinyvllm.kernels.cpu_graph import GraphedJit
@@ -115,6 +116,8 @@ class ModelRunner:
         self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
         self._input_buffers: dict[tuple[int, int], tuple[InputBuffer, ...]] = {}  # as _jits (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
+        self._sampler_outputs: dict[tuple, ReadBack] = {}  # per sampler graph: its tokens read back to the host
+        self._bound_num_blocks: dict[int, UOp] = {}  # num_blocks -> the variable bound to it (made once per value)
         self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
         self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D), on the device
         self._token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id -> (first row, rows) in _normed
@@ -219,7 +222,7 @@ class ModelRunner:
                                            first + len(scheduler_output.forked_from) + len(where)))
             num_extra += len(where)
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
-                  block_tables.copy_to_device(), logits_indices.copy_to_device(), self.v_num_blocks.bind(num_blocks))
+                  block_tables.copy_to_device(), logits_indices.copy_to_device(), self._bind_num_blocks(num_blocks))
         self.lap("prepare_inputs")
         if token_rows:  # all positions' final hidden states, then the sampled rows' logits from them
             if ("hidden", n) not in self._jits:
@@ -242,6 +245,13 @@ class ModelRunner:
                                        len(sampled_seqs), num_extra)
             sampled_seqs += forked
         return ModelRunnerOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
+
+    def _bind_num_blocks(self, num_blocks: int) -> UOp:
+        """The graph's `num_blocks` variable bound to a value: made once per value (a bound variable is a new uop,
+        built through tinygrad's uop cache; the value changes once every block_size tokens)."""
+        if num_blocks not in self._bound_num_blocks:
+            self._bound_num_blocks[num_blocks] = self.v_num_blocks.bind(num_blocks)
+        return self._bound_num_blocks[num_blocks]
 
     def lap(self, phase: str | None) -> None:
         """Profiling only: the time since the last lap of `step_timer` belongs to `phase` (None: a step starts)."""
@@ -288,7 +298,13 @@ class ModelRunner:
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
         buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
-        return self._sampler_jits[key](logits, *buffers).numpy()
+        return self._read_back(key, self._sampler_jits[key](logits, *buffers))
+
+    def _read_back(self, key: tuple, out: Tensor) -> np.ndarray:
+        """A sampler graph's output (a few numbers per row) on the host."""
+        if key not in self._sampler_outputs:
+            self._sampler_outputs[key] = ReadBack()
+        return self._sampler_outputs[key](out)
 
     @staticmethod
     def _sampler_graph(greedy: bool, use_filters: bool, masked: bool):
@@ -313,7 +329,7 @@ class ModelRunner:
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
         buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
-        out = self._sampler_jits[key](logits, *buffers).numpy()
+        out = self._read_back(key, self._sampler_jits[key](logits, *buffers))
         return out[0] != 0, out[1]  # (R,), (R,)
 
     @staticmethod

@@ -51,7 +51,9 @@ from tinyvllm.platforms import platform_for
 from tinyvllm.tinygrad_adapter import (
     CapturedJit,
     JitBase,
+    JitCallInputs,
     JitError,
+    JitInputs,
     Ops,
     call_launches,
     capture_on_next_call,
@@ -59,11 +61,11 @@ from tinyvllm.tinygrad_adapter import (
     count_replay,
     get_call_arg_uops,
     get_runtime,
+    buffer_address,
     input_shard_address,
     inputs_written_by,
     is_replaying,
-    jit_inputs,
-    launch_address,
+    replay_captured,
 )
 
 ENABLED = os.getenv("TINYVLLM_CPU_GRAPH", "1") != "0"
@@ -137,7 +139,7 @@ class CPUGraph:
         object_index: dict[int, int] = {}
 
         def add_arg(u: UOp, buf: Any, lane: int, buffers: list | None, read: bool, written: bool) -> None:
-            addr = launch_address(buf)
+            addr = buffer_address(buf)
             if (key := _input_of(u, lane)) is not None:
                 if key not in input_addrs:
                     input_addrs[key] = input_shard_address(input_uops[key[0]], key[1])
@@ -212,6 +214,10 @@ class CPUGraph:
         self.var_index = np.array([p[0] for p in var_patches], dtype=np.int64)
         self.var_which = np.array([self.var_names.index(name) for _, name in var_patches], dtype=np.int64)
         self._runner = _graph_runner()
+        # the C call's arguments: the table is patched in place, so its address never changes
+        self._args = (ctypes.c_uint64(self.table.ctypes.data), ctypes.c_uint64(self.num_calls))
+        self._patched_for: list[UOp] | None = None  # the input uops whose addresses the table holds now
+        self._var_values: tuple[int, ...] | None = None  # the variables' values the table holds now
 
     @classmethod
     def from_table(cls, table: list[int], num_calls: int, programs: list[Any],
@@ -224,12 +230,19 @@ class CPUGraph:
         return graph
 
     def __call__(self, input_uops: list[UOp], var_vals: dict[str, int]) -> None:
-        addrs = np.array([input_shard_address(input_uops[slot], shard) for slot, shard in self.input_keys],
-                         dtype=np.int64)
-        self.table[self.input_index] = addrs[self.input_which] + self.input_offset
-        if len(self.var_names):
-            self.table[self.var_index] = np.array([var_vals[n] for n in self.var_names], dtype=np.int64)[self.var_which]
-        self._runner.fxn(ctypes.c_uint64(self.table.ctypes.data), ctypes.c_uint64(self.num_calls))
+        """Patch what changed since the last call, then run the table. A step passes the same input list as the
+        step before (`JitInputs` hands out the same one for the same tensors, whose buffers never move): the
+        addresses are then already in the table; a variable (`num_blocks`) changes once per block of tokens."""
+        if input_uops is not self._patched_for:
+            addrs = np.array([input_shard_address(input_uops[slot], shard) for slot, shard in self.input_keys],
+                             dtype=np.int64)
+            self.table[self.input_index] = addrs[self.input_which] + self.input_offset
+            self._patched_for = input_uops
+        values = tuple(var_vals[name] for name in self.var_names)
+        if values != self._var_values:
+            self.table[self.var_index] = np.array(values, dtype=np.int64)[self.var_which]
+            self._var_values = values
+        self._runner.fxn(*self._args)
 
 
 def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
@@ -254,50 +267,60 @@ class GraphedJit(JitBase):
         self.graph: CPUGraph | None | bool = None  # None: not built yet; False: not graphable (or not this device)
         self.persist = persist if ENABLED else None
         self.loaded = None  # a graph_cache.LoadedGraph: replayed until this JIT captures one of its own
+        self.inputs = JitInputs()  # each call's inputs, prepared once for as long as they are the same tensors
+        self._checked: JitCallInputs | None = None  # the inputs last found to match the graph replayed
         if capture_first:
             capture_on_next_call(self)
 
     def reset(self) -> None:
         super().reset()
-        self.graph, self.loaded = None, None
+        self.graph, self.loaded, self._checked = None, None, None
         if self.capture_first:
             capture_on_next_call(self)
 
     def __call__(self, *args, **kwargs):
-        if self.graph is None and not is_replaying(self) and not _uses_cpu_graph(jit_inputs(args, kwargs)[0]):
+        inputs, var_vals = self.inputs(args, kwargs)
+        if self.graph is None and not is_replaying(self) and self.loaded is None and not _uses_cpu_graph(inputs.uops):
             self.graph, self.persist = False, None  # decided once, at the first call: tinygrad's TinyJit from here on
         if self.persist is not None and not is_replaying(self):
-            input_uops, var_vals, names, input_info = jit_inputs(args, kwargs)
             if self.loaded is None:
-                self.loaded = self.persist.load(names, input_info) or False  # False: looked, nothing usable
-            if self.loaded and self.loaded.accepts(names, input_info):
-                self.loaded.graph(input_uops, var_vals)
+                self.loaded = self.persist.load(inputs.names, inputs.input_info) or False  # False: nothing usable
+            if self.loaded and (inputs is self._checked or self.loaded.accepts(inputs.names, inputs.input_info)):
+                self._checked = inputs
+                self.loaded.graph(inputs.uops, var_vals)
                 return self.loaded.ret
+            self._checked = None
             ret = super().__call__(*args, **kwargs)  # captures
-            if is_replaying(self) and not inputs_written_by(self.captured, input_uops):
+            if is_replaying(self) and not inputs_written_by(self.captured, inputs.uops):
                 try:
-                    self.graph = CPUGraph(self.captured, input_uops, var_vals, describe=True)
+                    self.graph = CPUGraph(self.captured, inputs.uops, var_vals, describe=True)
                 except NotGraphable:
                     self.graph = False
                 else:
-                    self.persist.save(self.graph, self.captured.ret, names, input_info)
+                    self.persist.save(self.graph, self.captured.ret, inputs.names, inputs.input_info)
             return ret
-        if not is_replaying(self) or self.graph is False or not ENABLED:
-            return super().__call__(*args, **kwargs)
-        captured = self.captured
-        input_uops, var_vals, names, input_info = jit_inputs(args, kwargs)
-        if captured.expected_names != names or captured.expected_input_info != input_info:
-            raise JitError(f"args mismatch in JIT: expected {captured.expected_names}, {captured.expected_input_info}; "
-                           f"got {names}, {input_info}")
-        if inputs_written_by(captured, input_uops):  # tinygrad copies such inputs first: keep its path
-            self.graph = False
-            return super().__call__(*args, **kwargs)
-        if self.graph is None:
+        if not is_replaying(self):
+            return super().__call__(*args, **kwargs)  # runs eagerly, or captures
+        if inputs is not self._checked:  # as tinygrad checks every replay; once per distinct inputs here
+            self._check(inputs)
+            self._checked = inputs
+        if self.graph is None and ENABLED:
             try:
-                self.graph = CPUGraph(captured, input_uops, var_vals)
+                self.graph = CPUGraph(self.captured, inputs.uops, var_vals)
             except NotGraphable:
                 self.graph = False
-                return super().__call__(*args, **kwargs)
-        self.graph(input_uops, var_vals)
+        if not self.graph:  # tinygrad's own replay, with the inputs prepared here
+            return replay_captured(self, inputs.uops, var_vals)
+        self.graph(inputs.uops, var_vals)
         count_replay(self)
-        return captured.ret
+        return self.captured.ret
+
+    def _check(self, inputs: JitCallInputs) -> None:
+        """The inputs must be those the graph was captured with (tinygrad's JitError otherwise). An input the graph
+        writes makes tinygrad copy it first: then only tinygrad's own replay is right."""
+        captured = self.captured
+        if captured.expected_names != inputs.names or captured.expected_input_info != inputs.input_info:
+            raise JitError(f"args mismatch in JIT: expected {captured.expected_names}, {captured.expected_input_info}; "
+                           f"got {inputs.names}, {inputs.input_info}")
+        if inputs_written_by(captured, inputs.uops):
+            self.graph = False

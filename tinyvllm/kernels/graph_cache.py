@@ -216,17 +216,17 @@ class PersistedGraph:
             t = state[name]
             if t.nbytes() != nbytes:
                 raise NotPersistable(f"state {name} is {t.nbytes()} bytes, the graph was built for {nbytes}")
-            state_addrs[name] = buffer_address(t.uop, self.device)
+            state_addrs[name] = buffer_address(t)
         keep, region_addrs = [], []
         ret_region, ret_shape, ret_dtype = plan["ret"]
         for i, (start, size, contents) in enumerate(plan["regions"]):
             if i == ret_region:
                 t = Tensor.empty(*ret_shape, dtype=getattr(dtypes, ret_dtype), device=self.device)
-                base = buffer_address(t.uop, self.device)
+                base = buffer_address(t)
                 ret = t
             else:
                 t = Tensor.empty(size + PAGE, dtype=dtypes.uint8, device=self.device)
-                base = buffer_address(t.uop, self.device)
+                base = buffer_address(t)
                 base += (start - base) % PAGE  # the same address modulo a page as when it was captured
                 if contents is not None:
                     ctypes.memmove(base, contents, size)
@@ -243,7 +243,7 @@ class PersistedGraph:
         """Write `graph` (built with describe=True) for a later process; quietly not where it cannot be."""
         state = self.state()
         try:
-            plan = describe(graph, ret, state, self.device)
+            plan = describe(graph, ret, state)
         except NotPersistable as e:
             self.skipped = str(e)
             return
@@ -274,14 +274,14 @@ def read_plan(data: bytes) -> dict:
     return pickle.loads(payload)
 
 
-def describe(graph: CPUGraph, ret: Any, state: dict[str, Tensor], device: str) -> dict:
+def describe(graph: CPUGraph, ret: Any, state: dict[str, Tensor]) -> dict:
     """The plan of a graph: its table with every address said by what it points at (see the module doc)."""
     if not isinstance(ret, Tensor):
         raise NotPersistable(f"the graph returns a {type(ret).__name__}, not one Tensor")
     if not graph.calls:
         raise NotPersistable("the graph was built without describe=True")
     # the state, by address: (start, end, name); a tensor reachable under two names is kept under the first
-    by_address = {buffer_address(t.uop, device): (t.nbytes(), name) for name, t in sorted(state.items(), reverse=True)}
+    by_address = {buffer_address(t): (t.nbytes(), name) for name, t in sorted(state.items(), reverse=True)}
     spans = sorted(by_address.items())
     starts = [s for s, _ in spans]
 
@@ -335,7 +335,7 @@ def describe(graph: CPUGraph, ret: Any, state: dict[str, Tensor], device: str) -
                 ever_written.add(r)
     if read_first & ever_written:
         raise NotPersistable("the graph keeps buffers of its own from one replay to the next")
-    ret_addr = buffer_address(ret.uop, device)
+    ret_addr = buffer_address(ret)
     ret_region = region_of(ret_addr)
     if ret_region < 0 or regions[ret_region] != [ret_addr, ret_addr + ret.nbytes()]:
         raise NotPersistable("the graph's output is not a buffer of its own")

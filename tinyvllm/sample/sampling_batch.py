@@ -67,7 +67,10 @@ class SamplingRows:
 
     @property
     def use_filters(self) -> bool:
-        """Whether any row uses min-p, top-k or top-p (without them the sampler's graph skips the filters)."""
+        """Whether any row uses min-p, top-k or top-p (without them the sampler's graph skips the filters). No row
+        filled (no keys yet): none does."""
+        if self.keys is None:
+            return False
         return bool((self.top_k < self.vocab).any() or (self.top_p < 1).any() or (self.min_p > 0).any())
 
     @property
