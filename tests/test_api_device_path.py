@@ -28,4 +28,6 @@ def test_server_on_the_discrete_path(tiny_model_dir, monkeypatch):
                                         temperature=0)
         engine = server.async_engine.engine
     assert response.choices[0].text == offline[0].outputs[0].text
-    assert all(b._staged for bs in engine.model_runner._input_buffers.values() for b in bs)
+    runner = engine.model_runner
+    assert all(b._staged for bs in runner._token_inputs.values() for b in bs)
+    assert all(b._staged for b in runner._logits_indices.values())

@@ -89,7 +89,7 @@ def engine_path_facts(engine) -> dict:
     """What the engine's path looks like from inside: staged inputs, the device's kernels, KV zeros from a kernel,
     TinyJit replays."""
     runner = engine.model_runner
-    buffers = [b for bs in runner._input_buffers.values() for b in bs]
+    buffers = [b for bs in runner._token_inputs.values() for b in bs] + list(runner._logits_indices.values())
     jits = list(runner._jits.values())
     programs = {getattr(call.src[0].arg, "name", "") for j in jits for call in j.captured.linear.src}
     return {"staged_inputs": all(b._staged for b in buffers) and bool(buffers),
@@ -135,8 +135,9 @@ def test_draft_model_on_the_discrete_path(tiny_model_dir, discrete):
     llm = LLM(tiny_model_dir, speculative_config=spec, **args)
     assert greedy_tokens(llm, PROMPTS[:1]) == want
     draft = llm.llm_engine.speculator.proposer  # its own model (weights copied in) and runner
-    assert engine_path_facts(llm.llm_engine)["staged_inputs"] and draft.runner._input_buffers
-    assert all(b._staged for bs in draft.runner._input_buffers.values() for b in bs)
+    assert engine_path_facts(llm.llm_engine)["staged_inputs"] and draft.runner._token_inputs
+    assert all(b._staged for bs in draft.runner._token_inputs.values() for b in bs)
+    assert all(b._staged for b in draft.runner._logits_indices.values())
     assert all(j.graph is False for j in draft.runner._jits.values())
 
 

@@ -88,6 +88,14 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    def samples(self, seq: Sequence) -> bool:
+        """Whether the step computes `seq`'s newest token (a decode, a prompt's last chunk; any draft tokens it
+        verifies come after it), so that its next token is sampled from the logits there. A chunk that ends
+        mid-prompt samples nothing. Asked before the step's tokens are counted as computed: by the model runner,
+        which computes the logits of these rows only, and by `Scheduler.update_from_output`."""
+        num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, ()))
+        return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] - num_drafts == seq.num_tokens
+
 
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()`
@@ -221,7 +229,7 @@ class Scheduler:
 
         # 2. waiting sequences, first come first served; none while this step had to preempt. A sequence that
         # will fork is admitted with seats for its forks and a spare block each (their first copy-on-write).
-        seats_in_use = self.num_seats_in_use
+        seats_in_use = self.num_seats_in_use if self.waiting else 0  # (a sum over the running: only when needed)
         while self.waiting and not preempted and token_budget > 0:
             seq = self.waiting[0]
             seats = self.num_reserved_seats(seq)
@@ -245,7 +253,7 @@ class Scheduler:
 
         # 3. n > 1: a prompt this step finishes computing is shared by the completions waiting for it
         forked_from = {}
-        for seq in list(scheduled):
+        for seq in list(scheduled) if self.waiting_for_fork else ():
             if seq.seq_id in self.waiting_for_fork and seq.num_output_tokens == 0 and (
                     seq.num_computed_tokens + num_scheduled_tokens[seq.seq_id] == seq.num_tokens):
                 for child in self.waiting_for_fork.pop(seq.seq_id):  # their seats were reserved at admission
@@ -320,9 +328,10 @@ class Scheduler:
                     seq.num_computed_tokens = seq.num_tokens
                     self.block_manager.free_slots_after(seq, seq.num_computed_tokens)
                 continue
+            samples = scheduler_output.samples(seq)
             seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq.seq_id]
             self.block_manager.cache_full_blocks(seq, scheduler_output.num_scheduled_tokens[seq.seq_id])
-            if seq.num_uncomputed_tokens > 0:
+            if not samples:
                 continue  # a chunk that ended mid-prompt: its sample, if any, means nothing
             if seq.seq_id not in sampled_token_ids:
                 continue  # no token for it (a beam: the beam search chooses its next token from its logprobs)

@@ -105,6 +105,14 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_in(self, start: int, end: int) -> list[int]:
+        """The token ids at positions start .. end - 1, without joining prompt and output first (a decode step
+        reads one token: `all_token_ids` would copy every one)."""
+        num_prompt = self.num_prompt_tokens
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(end - num_prompt, 0)]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

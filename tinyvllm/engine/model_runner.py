@@ -65,21 +65,6 @@ class ModelRunnerOutput:
     hidden_states: dict[int | str, np.ndarray] = field(default_factory=dict)
 
 
-def logits_rows_needed(scheduler_output) -> int:
-    """Rows of logits a step samples from: one per sequence whose last scheduled token is its newest (a prompt's
-    last chunk, a decode token), and one per draft token it verifies. lm_head (49,152 x 576 on SmolLM2, the largest
-    matmul) runs on these rows only, padded to a bucket: a one-sequence prefill of 512 tokens computes one row, not
-    one per sequence the engine could hold. (Each (token bucket, rows bucket) is a graph of its own, captured once.)"""
-    rows = 0
-    for seq in scheduler_output.scheduled_seqs:
-        if seq.seq_id in scheduler_output.forked_from:  # samples from its source's row, copied after the graph
-            continue
-        drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, []))
-        done = seq.num_computed_tokens + scheduler_output.num_scheduled_tokens[seq.seq_id] - drafts
-        rows += (done == seq.num_tokens) + drafts
-    return max(1, rows)
-
-
 def buckets_up_to(limit: int) -> list[int]:
     """1, 2, 4, ... and `limit` itself."""
     sizes, n = [], 1
@@ -100,7 +85,7 @@ class ModelRunner:
         max_num_batched_tokens: the token budget of one step: the largest token bucket.
         max_num_seqs: the most sequences in one step.
         portable_attention: the portable paged attention instead of the kernels (and portable block copies).
-    The rows of logits a step computes are those it samples (`logits_rows_needed`), padded to a bucket.
+    The rows of logits a step computes are those it samples (`SchedulerOutput.samples`), padded to a bucket.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
@@ -114,7 +99,8 @@ class ModelRunner:
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
         self._jits: dict[tuple[int, int], GraphedJit] = {}  # one captured graph per (token bucket, rows of logits)
         self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
-        self._input_buffers: dict[tuple[int, int], tuple[InputBuffer, ...]] = {}  # as _jits (see _inputs)
+        self._token_inputs: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
+        self._logits_indices: dict[int, InputBuffer] = {}  # per bucket of rows of logits (see _inputs)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
         self._sampler_outputs: dict[tuple, ReadBack] = {}  # per sampler graph: its tokens read back to the host
         self._bound_num_blocks: dict[int, UOp] = {}  # num_blocks -> the variable bound to it (made once per value)
@@ -157,16 +143,21 @@ class ModelRunner:
         rows[:count] = np.arange(start, start + count)
         return self._rows_logits(self._normed, Tensor(rows, device=self.model.device)).numpy()[:count]
 
-    def _inputs(self, n: int, num_rows: int) -> tuple[InputBuffer, ...]:
-        """The inputs of an n-token bucket, allocated once and refilled every step: input_ids (1,n),
-        positions (1,n), slot_mapping (n,), block_tables (n, max_blocks), logits_indices (num_rows,)."""
-        if (n, num_rows) not in self._input_buffers:
+    def _inputs(self, n: int) -> tuple[InputBuffer, ...]:
+        """The inputs of an n-token bucket, allocated once and refilled every step (every graph of that bucket reads
+        them): input_ids (1,n), positions (1,n), slot_mapping (n,), block_tables (n, max_blocks)."""
+        if n not in self._token_inputs:
             dev = self.model.device
-            self._input_buffers[n, num_rows] = (InputBuffer((1, n), np.int32, dev), InputBuffer((1, n), np.int32, dev),
-                                      InputBuffer((n,), np.int32, dev),
-                                      InputBuffer((n, self.max_blocks_per_seq), np.int32, dev),
-                                      InputBuffer((num_rows,), np.int32, dev))
-        return self._input_buffers[n, num_rows]
+            self._token_inputs[n] = (InputBuffer((1, n), np.int32, dev), InputBuffer((1, n), np.int32, dev),
+                                     InputBuffer((n,), np.int32, dev),
+                                     InputBuffer((n, self.max_blocks_per_seq), np.int32, dev))
+        return self._token_inputs[n]
+
+    def _rows_input(self, num_rows: int) -> InputBuffer:
+        """logits_indices (num_rows,): which token rows reach lm_head, allocated once per bucket of rows."""
+        if num_rows not in self._logits_indices:
+            self._logits_indices[num_rows] = InputBuffer((num_rows,), np.int32, self.model.device)
+        return self._logits_indices[num_rows]
 
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
@@ -183,15 +174,14 @@ class ModelRunner:
         if scheduler_output.blocks_to_copy:  # before anything writes into the copies
             self.copy_blocks(scheduler_output.blocks_to_copy)
         seqs = scheduler_output.scheduled_seqs
-        n_real = scheduler_output.total_num_scheduled_tokens
-        n = self.bucket_for(n_real)
-        num_rows = min(n, self.bucket_for(logits_rows_needed(scheduler_output)))  # lm_head computes these rows only
+        n = self.bucket_for(scheduler_output.total_num_scheduled_tokens)
         bs = self.block_size
 
-        input_ids, positions, slot_mapping, block_tables, logits_indices = self._inputs(n, num_rows)
+        input_ids, positions, slot_mapping, block_tables = self._inputs(n)
         input_ids.np[...], positions.np[...], slot_mapping.np[...] = 0, 0, self.kv_cache.null_slot
-        block_tables.np[...], logits_indices.np[...] = self.kv_cache.null_block, 0
+        block_tables.np[...] = self.kv_cache.null_block
         sampled_seqs, num_blocks, i = [], 1, 0
+        sampled_at: list[int] = []  # the flat row of each sampled sequence's newest token
         rows: dict[int | str, int] = {}  # seq_id -> its row of the logits
         token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id in hidden_for -> its tokens' rows
         spec_positions: dict[int | str, list[int]] = {}  # seq_id -> where its drafts are in the flat row
@@ -200,7 +190,8 @@ class ModelRunner:
                 continue
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            input_ids.np[0, i:i + count] = (seq.all_token_ids + drafts)[start:start + count]
+            samples = scheduler_output.samples(seq)  # asked before anything changes
+            input_ids.np[0, i:i + count] = seq.token_ids_in(start, start + count - len(drafts)) + drafts
             positions.np[0, i:i + count] = np.arange(start, start + count)
             slot_mapping.np[i:i + count] = get_slot_mapping(seq.block_table, bs, start, start + count)
             block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table
@@ -208,12 +199,20 @@ class ModelRunner:
             if seq.seq_id in hidden_for:
                 token_rows[seq.seq_id] = (i, count)
             i += count
-            if start + count - len(drafts) == seq.num_tokens:  # caught up: this step's last token gets sampled
-                logits_indices.np[len(sampled_seqs)] = i - len(drafts) - 1
+            if samples:  # caught up: the logits at its last token before the drafts give its next token
+                sampled_at.append(i - len(drafts) - 1)
                 rows[seq.seq_id] = len(sampled_seqs)
                 sampled_seqs.append(seq)
             if drafts:
                 spec_positions[seq.seq_id] = list(range(i - len(drafts), i))
+        # lm_head (49,152 x 576 on SmolLM2, the largest matmul) runs on the rows sampled and the drafts' rows only,
+        # padded to a bucket: a one-sequence prefill of 512 tokens computes one row, not one per sequence the engine
+        # could hold. (Each (token bucket, rows bucket) is a graph of its own, captured once.)
+        num_spec_rows = sum(len(where) for where in spec_positions.values())
+        num_rows = min(n, self.bucket_for(max(1, len(sampled_seqs) + num_spec_rows)))
+        logits_indices = self._rows_input(num_rows)
+        logits_indices.np[...] = 0
+        logits_indices.np[:len(sampled_at)] = sampled_at
         spec_rows, num_extra = {}, 0  # the drafts' rows follow the sequences' rows (and those of forked sequences)
         for seq_id, where in spec_positions.items():
             first = len(sampled_seqs) + num_extra
