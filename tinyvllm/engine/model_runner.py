@@ -180,6 +180,8 @@ class ModelRunner:
         input_ids, positions, slot_mapping, block_tables = self._inputs(n)
         input_ids.np[...], positions.np[...], slot_mapping.np[...] = 0, 0, self.kv_cache.null_slot
         block_tables.np[...] = self.kv_cache.null_block
+        token_ids: list[int] = []  # the step's tokens, flattened, and the position of each in its sequence
+        token_positions: list[int] = []
         sampled_seqs, num_blocks, i = [], 1, 0
         sampled_at: list[int] = []  # the flat row of each sampled sequence's newest token
         rows: dict[int | str, int] = {}  # seq_id -> its row of the logits
@@ -191,10 +193,9 @@ class ModelRunner:
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
             samples = scheduler_output.samples(seq)  # asked before anything changes
-            input_ids.np[0, i:i + count] = seq.token_ids_in(start, start + count - len(drafts)) + drafts
-            positions.np[0, i:i + count] = np.arange(start, start + count)
-            slot_mapping.np[i:i + count] = get_slot_mapping(seq.block_table, bs, start, start + count)
-            block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table
+            token_ids += seq.token_ids_in(start, start + count - len(drafts)) + drafts
+            token_positions += range(start, start + count)
+            block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table  # every token row: its table
             num_blocks = max(num_blocks, -(-(start + count) // bs))
             if seq.seq_id in hidden_for:
                 token_rows[seq.seq_id] = (i, count)
@@ -205,6 +206,8 @@ class ModelRunner:
                 sampled_seqs.append(seq)
             if drafts:
                 spec_positions[seq.seq_id] = list(range(i - len(drafts), i))
+        input_ids.np[0, :i], positions.np[0, :i] = token_ids, token_positions
+        slot_mapping.np[:i] = get_slot_mapping(block_tables.np[:i], positions.np[0, :i], bs)  # all rows at once
         # lm_head (49,152 x 576 on SmolLM2, the largest matmul) runs on the rows sampled and the drafts' rows only,
         # padded to a bucket: a one-sequence prefill of 512 tokens computes one row, not one per sequence the engine
         # could hold. (Each (token bucket, rows bucket) is a graph of its own, captured once.)
