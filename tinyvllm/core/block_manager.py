@@ -312,15 +312,11 @@ class BlockManager:
         """The cache slot of each of `seq`'s token positions in [start, end) (see `slot_mapping`)."""
         assert 0 <= start <= end <= len(seq.block_table) * self.block_size, (
             f"positions [{start}, {end}) are outside the {len(seq.block_table)} blocks of {seq}")
-        positions = np.arange(start, end)
-        table = np.asarray(seq.block_table, np.int32)
-        return slot_mapping(np.broadcast_to(table, (len(positions), len(table))), positions, self.block_size).tolist()
+        return slot_mapping(seq.block_table, self.block_size, start, end)
 
 
-def slot_mapping(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """The cache slot of each token: token i, at position positions[i] of the sequence whose block table is the row
-    block_tables[i], goes to block_tables[i][pos // block_size] * block_size + pos % block_size. The KV cache writes
-    the K/V of those tokens to exactly these slots. One row per token is how the model runner lays out a step's
-    tokens, so one call serves the whole step. block_tables (T, W), positions (T,) -> (T,) int32"""
-    blocks = np.take_along_axis(block_tables, (positions // block_size)[:, None], axis=1)[:, 0]  # (T,)
-    return (blocks * block_size + positions % block_size).astype(np.int32)
+def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slot of each token position in [start, end): block_table[pos // block_size] * block_size
+    + pos % block_size. The KV cache writes the K/V of those tokens to exactly these slots. (Plain Python: a
+    decode asks for one slot per sequence, where numpy would cost more than the arithmetic.)"""
+    return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

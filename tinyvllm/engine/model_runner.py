@@ -178,10 +178,10 @@ class ModelRunner:
         bs = self.block_size
 
         input_ids, positions, slot_mapping, block_tables = self._inputs(n)
-        input_ids.np[...], positions.np[...], slot_mapping.np[...] = 0, 0, self.kv_cache.null_slot
         block_tables.np[...] = self.kv_cache.null_block
-        token_ids: list[int] = []  # the step's tokens, flattened, and the position of each in its sequence
+        token_ids: list[int] = []  # the step's tokens, flattened: their ids, positions and cache slots
         token_positions: list[int] = []
+        slots: list[int] = []
         sampled_seqs, num_blocks, i = [], 1, 0
         sampled_at: list[int] = []  # the flat row of each sampled sequence's newest token
         rows: dict[int | str, int] = {}  # seq_id -> its row of the logits
@@ -195,6 +195,7 @@ class ModelRunner:
             samples = scheduler_output.samples(seq)  # asked before anything changes
             token_ids += seq.token_ids_in(start, start + count - len(drafts)) + drafts
             token_positions += range(start, start + count)
+            slots += get_slot_mapping(seq.block_table, bs, start, start + count)
             block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table  # every token row: its table
             num_blocks = max(num_blocks, -(-(start + count) // bs))
             if seq.seq_id in hidden_for:
@@ -206,8 +207,9 @@ class ModelRunner:
                 sampled_seqs.append(seq)
             if drafts:
                 spec_positions[seq.seq_id] = list(range(i - len(drafts), i))
-        input_ids.np[0, :i], positions.np[0, :i] = token_ids, token_positions
-        slot_mapping.np[:i] = get_slot_mapping(block_tables.np[:i], positions.np[0, :i], bs)  # all rows at once
+        input_ids.np[0, :i], positions.np[0, :i], slot_mapping.np[:i] = token_ids, token_positions, slots
+        if i < n:  # padding: token 0 at position 0, its K/V written to the null slot, reading only the null block
+            input_ids.np[0, i:], positions.np[0, i:], slot_mapping.np[i:] = 0, 0, self.kv_cache.null_slot
         # lm_head (49,152 x 576 on SmolLM2, the largest matmul) runs on the rows sampled and the drafts' rows only,
         # padded to a bucket: a one-sequence prefill of 512 tokens computes one row, not one per sequence the engine
         # could hold. (Each (token bucket, rows bucket) is a graph of its own, captured once.)
@@ -280,8 +282,8 @@ class ModelRunner:
         rows += [0] * (self.bucket_for(len(rows)) - len(rows))
         return logits[Tensor(np.array(rows, dtype=np.int32), device=self.model.device)].contiguous().realize()
 
-    def sample(self, logits: Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-               min_p: np.ndarray, keys: np.ndarray | None, use_filters: bool,
+    def sample(self, logits: Tensor, temperature: np.ndarray | None, top_k: np.ndarray | None,
+               top_p: np.ndarray | None, min_p: np.ndarray | None, keys: np.ndarray | None, use_filters: bool,
                bitmask: np.ndarray | None = None) -> np.ndarray:
         """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
         the token ids (rows,). Only these come back to the host. keys (rows, 2) uint32: each row's draw key

@@ -42,15 +42,25 @@ if TYPE_CHECKING:
 class SamplingRows:
     """The device sampler's per-row inputs (device_sampler.draw): each row holds the "off" values until `fill`
     gives it a request's parameters. `temperature` is the value of the rows nobody fills: 0 (greedy) where they
-    are sampled as greedy rows, 1 where they are padding that a formula divides by (the verifier's)."""
+    are sampled as greedy rows, 1 where they are padding that a formula divides by (the verifier's). The arrays
+    are made by the first `fill`: until a row samples, every row is greedy, and the device's greedy graph takes
+    none of them (they stay None, as `keys` does)."""
 
     def __init__(self, rows: int, vocab: int, temperature: float = 0.0):
-        self.rows, self.vocab = rows, vocab
-        self.temperature = np.full(rows, temperature, np.float32)  # (rows,) 0 = greedy
-        self.top_k = np.full(rows, vocab, np.int32)  # (rows,) vocab = off
-        self.top_p = np.ones(rows, np.float32)  # (rows,) 1 = off
-        self.min_p = np.zeros(rows, np.float32)  # (rows,) 0 = off
-        self.keys: np.ndarray | None = None  # (rows, 2) uint32 each row's draw key (noise.py), once a row samples
+        self.rows, self.vocab, self.off_temperature = rows, vocab, temperature
+        self.temperature: np.ndarray | None = None  # (rows,) 0 = greedy
+        self.top_k: np.ndarray | None = None  # (rows,) vocab = off
+        self.top_p: np.ndarray | None = None  # (rows,) 1 = off
+        self.min_p: np.ndarray | None = None  # (rows,) 0 = off
+        self.keys: np.ndarray | None = None  # (rows, 2) uint32 each row's draw key (noise.py)
+
+    def allocate(self) -> None:
+        """Every row "off", with a key of zeros: the arrays a row's parameters are written into."""
+        self.temperature = np.full(self.rows, self.off_temperature, np.float32)
+        self.top_k = np.full(self.rows, self.vocab, np.int32)
+        self.top_p = np.ones(self.rows, np.float32)
+        self.min_p = np.zeros(self.rows, np.float32)
+        self.keys = np.zeros((self.rows, 2), np.uint32)
 
     def fill(self, first: int, params: SamplingParams, generator: np.random.Generator, count: int = 1) -> None:
         """Rows first .. first + count - 1 sample with `params`: top_k clamped to the vocabulary (<= 0: off),
@@ -58,7 +68,7 @@ class SamplingRows:
         a seeded request repeats."""
         keys = draw_keys(generator, count)  # (count, 2)
         if self.keys is None:
-            self.keys = np.zeros((self.rows, 2), np.uint32)
+            self.allocate()
         rows = slice(first, first + count)
         self.temperature[rows] = params.temperature
         self.top_k[rows] = min(params.top_k, self.vocab) if params.top_k > 0 else self.vocab
@@ -68,13 +78,13 @@ class SamplingRows:
     @property
     def use_filters(self) -> bool:
         """Whether any row uses min-p, top-k or top-p (without them the sampler's graph skips the filters). No row
-        filled (no keys yet): none does."""
+        filled: none does."""
         if self.keys is None:
             return False
         return bool((self.top_k < self.vocab).any() or (self.top_p < 1).any() or (self.min_p > 0).any())
 
     @property
-    def device_params(self) -> tuple[np.ndarray, ...]:
+    def device_params(self) -> tuple[np.ndarray | None, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p
 
 

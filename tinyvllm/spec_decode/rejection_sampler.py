@@ -79,8 +79,8 @@ class VerifyBatch(SamplingRows):
     (padding rows hold harmless values and are never read back: temperature 1, no draft, no filter)."""
 
     def __init__(self, rows: int, vocab: int):
-        super().__init__(rows, vocab, temperature=1.0)  # temperature, top_k, top_p, min_p (rows,); keys (rows, 2)
-        self.keys = np.zeros((rows, 2), np.uint32)
+        super().__init__(rows, vocab, temperature=1.0)
+        self.allocate()  # temperature, top_k, top_p, min_p (rows,); keys (rows, 2)
         self.draft_token_ids = np.full(rows, NO_DRAFT, np.int32)  # (rows,)
         self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
         self.draft_probs: np.ndarray | None = None  # (rows, vocab) q, once a request comes with one
