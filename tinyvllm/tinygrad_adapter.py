@@ -9,9 +9,10 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
 
     launcher.py                 renderer_name, CLANG_KERNEL_PREFIX, source_program, compile_cpu, load_cpu_program,
                                 elf_symbol_at_start, Estimates
-    cpu_graph.py                JitBase, capture_on_next_call, is_replaying, JitInputs, replay_captured,
-                                inputs_written_by, get_runtime, get_call_arg_uops, compiled_object,
-                                call_launches, buffer_address, input_shard_address
+    cpu_graph.py                JitBase, capture_on_next_call, is_replaying, count_replay, JitInputs,
+                                JitCallInputs, replay_captured, inputs_written_by, get_runtime,
+                                get_call_arg_uops, compiled_object, call_launches, buffer_address,
+                                input_shard_address
     graph_cache.py              tinygrad_settings, is_realized, buffer_address, load_cpu_program
     cpu_threads.py              default_cpu_threads
     program_cache.py            (tinyvllm/tinygrad_startup.py: opening the device, the lowered-program cache)
