@@ -9,10 +9,9 @@ Each function says which internal it wraps and why tinyvllm needs it. Grouped by
 
     launcher.py                 renderer_name, CLANG_KERNEL_PREFIX, source_program, compile_cpu, load_cpu_program,
                                 elf_symbol_at_start, Estimates
-    cpu_graph.py                JitBase, capture_on_next_call, is_replaying, count_replay, JitInputs,
-                                JitCallInputs, replay_captured, inputs_written_by, get_runtime,
-                                get_call_arg_uops, compiled_object, call_launches, buffer_address,
-                                input_shard_address
+    cpu_graph.py                JitBase, capture_on_next_call, is_replaying, count_replay, jit_inputs,
+                                replay_captured, inputs_written_by, get_runtime, get_call_arg_uops, compiled_object,
+                                call_launches, buffer_address, input_shard_address
     graph_cache.py              tinygrad_settings, is_realized, buffer_address, load_cpu_program
     cpu_threads.py              default_cpu_threads
     program_cache.py            (tinyvllm/tinygrad_startup.py: opening the device, the lowered-program cache)
@@ -36,7 +35,7 @@ import sqlite3
 import sys
 import types
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import tinygrad
 import tinygrad.engine.realize
@@ -172,55 +171,10 @@ def count_replay(jit: _TinyJit) -> None:
     jit.cnt += 1
 
 
-@dataclass(eq=False)
-class JitCallInputs:
-    """What a JIT call's tensors are, as `_TinyJit.__call__` finds them (`tinygrad.engine.jit._prepare_jit_inputs`):
-    the input buffer uops, the names (argument positions) and the per-input info a replay must match. The same
-    object is handed out again for a call with the same tensors (`JitInputs`), so that a check made once on it
-    holds for every such call."""
-
-    uops: list[UOp]
-    names: list
-    input_info: list
-
-
-class JitInputs:
-    """The inputs of one JIT's calls, prepared as `_TinyJit.__call__` prepares them (the same checks, the same
-    realization of unrealized inputs), remembered from one call to the next.
-
-    A step hands its graph the same tensors every time (the runner's persistent input buffers, the forward
-    graph's own returned logits) and only a bound variable's value changes (`num_blocks`). tinygrad prepares
-    every call from scratch, two graph rewrites per input tensor: most of a replay's Python. Here a call whose
-    tensors have the very uops of the call before (uops are hash-consed: the same buffer, the same view, the
-    same uop) reuses that call's `JitCallInputs`; only the variables passed beside the tensors are read again."""
-
-    def __init__(self):
-        self._key: tuple | None = None  # per argument: its tensor's uop, or its bound variable's variable
-        self._prepared: JitCallInputs | None = None
-        self._input_var_vals: dict[str, int] = {}  # the variables the input tensors' own views bind
-
-    def __call__(self, args: tuple, kwargs: dict) -> tuple[JitCallInputs, dict[str, int]]:
-        """(the call's inputs, the values of its variables by name)."""
-        key, arg_var_vals = [], {}
-        for a in args:
-            if isinstance(a, Tensor):
-                key.append(a.uop)
-            elif isinstance(a, UOp):
-                var, value = a.unbind()
-                key.append(var)
-                arg_var_vals[var.expr] = value
-            else:
-                key = None  # another kind of argument (a container of tensors): prepared in full every time
-                break
-        if key is None or kwargs or tuple(key) != self._key:
-            uops, var_vals, names, input_info = _prepare_jit_inputs(args, kwargs)
-            prepared = JitCallInputs(uops, names, input_info)
-            if key is not None and not kwargs:  # the tensors' uops now, once realized
-                self._key = tuple(a.uop if isinstance(a, Tensor) else k for a, k in zip(args, key))
-                self._prepared = prepared
-                self._input_var_vals = {k: v for k, v in var_vals.items() if k not in arg_var_vals}
-            return prepared, var_vals
-        return self._prepared, {**self._input_var_vals, **arg_var_vals}
+def jit_inputs(args: tuple, kwargs: dict) -> tuple[list[UOp], dict[str, int], list, list]:
+    """(input buffer uops, variable values, names, input info) of a call, as `_TinyJit.__call__` computes them
+    (`tinygrad.engine.jit._prepare_jit_inputs`): the same checks, and the same realization of the inputs."""
+    return _prepare_jit_inputs(args, kwargs)
 
 
 def replay_captured(jit: _TinyJit, input_uops: list[UOp], var_vals: dict[str, int]):

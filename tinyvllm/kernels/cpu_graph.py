@@ -42,18 +42,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tinygrad import UOp
+from tinygrad import Tensor, UOp
 
 from tinyvllm.platforms import platform_for
 from tinyvllm.tinygrad_adapter import (
     CapturedJit,
     JitBase,
-    JitCallInputs,
     JitError,
-    JitInputs,
     Ops,
     buffer_address,
     call_launches,
@@ -65,6 +64,7 @@ from tinyvllm.tinygrad_adapter import (
     input_shard_address,
     inputs_written_by,
     is_replaying,
+    jit_inputs,
     replay_captured,
 )
 
@@ -243,6 +243,52 @@ class CPUGraph:
             self.table[self.var_index] = np.array(values, dtype=np.int64)[self.var_which]
             self._var_values = values
         self._runner.fxn(*self._args)
+
+
+@dataclass(eq=False)
+class JitCallInputs:
+    """A JIT call's input buffer uops, names and input info, as `_TinyJit.__call__` finds them: one object for as long
+    as the tensors are the same (`JitInputs`), so a check made once on it holds for every such call."""
+
+    uops: list[UOp]
+    names: list
+    input_info: list
+
+
+class JitInputs:
+    """One JIT's call inputs, prepared as `_TinyJit.__call__` does (`jit_inputs`: its checks, unrealized inputs
+    realized) and remembered. A step passes the same tensors every time (persistent input buffers, the forward graph's
+    returned logits); only a bound variable changes (`num_blocks`). tinygrad prepares each call anew, two graph
+    rewrites per tensor: most of a replay's Python. A call whose tensors have the very uops of the last (uops are
+    hash-consed) reuses its `JitCallInputs`; only the variables passed beside the tensors are read again."""
+
+    def __init__(self):
+        self._key: tuple | None = None  # per argument: its tensor's uop, or its bound variable's variable
+        self._prepared: JitCallInputs | None = None
+        self._input_var_vals: dict[str, int] = {}  # the variables the input tensors' own views bind
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[JitCallInputs, dict[str, int]]:
+        """(the call's inputs, the values of its variables by name)."""
+        key, arg_var_vals = [], {}
+        for a in args:
+            if isinstance(a, Tensor):
+                key.append(a.uop)
+            elif isinstance(a, UOp):
+                var, value = a.unbind()
+                key.append(var)
+                arg_var_vals[var.expr] = value
+            else:
+                key = None  # another kind of argument (a container of tensors): prepared in full every time
+                break
+        if key is None or kwargs or tuple(key) != self._key:
+            uops, var_vals, names, input_info = jit_inputs(args, kwargs)
+            prepared = JitCallInputs(uops, names, input_info)
+            if key is not None and not kwargs:  # the tensors' uops now, once realized
+                self._key = tuple(a.uop if isinstance(a, Tensor) else k for a, k in zip(args, key))
+                self._prepared = prepared
+                self._input_var_vals = {k: v for k, v in var_vals.items() if k not in arg_var_vals}
+            return prepared, var_vals
+        return self._prepared, {**self._input_var_vals, **arg_var_vals}
 
 
 def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
