@@ -3,10 +3,10 @@
 On the CPU device tinygrad's buffers are ordinary host memory (anonymous mappings), so a numpy array can
 be a view of a buffer: writing the array writes the device buffer, with no copy and no graph to
 schedule. Four places use that: loading the weights (`tinyvllm/model/llama.py`), refilling each step's
-inputs (`tinyvllm/input_buffer.py`), reading back each step's sampled tokens (`ReadBack` below) and allocating
-the KV caches (`zeros` below). Where the host
-cannot see the memory (a discrete GPU, or the CPU forced onto that path: tinyvllm/platforms.py), each
-falls back to copying in (`tinygrad_adapter.copy_in`) or to a kernel.
+inputs (`tinyvllm/input_buffer.py`), reading back each step's sampled tokens (`ReadBack` below) and
+allocating the KV caches (`zeros` below). Where the host cannot see the memory (a discrete GPU, or the CPU
+forced onto that path: tinyvllm/platforms.py), each falls back to copying in (`tinygrad_adapter.copy_in`),
+to a kernel, or to `Tensor.numpy()`.
 """
 
 from __future__ import annotations

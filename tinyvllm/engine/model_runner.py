@@ -100,7 +100,7 @@ class ModelRunner:
         self._jits: dict[tuple[int, int], GraphedJit] = {}  # one captured graph per (token bucket, rows of logits)
         self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
         self._token_inputs: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
-        self._logits_indices: dict[int, InputBuffer] = {}  # per bucket of rows of logits (see _inputs)
+        self._logits_indices: dict[int, InputBuffer] = {}  # per bucket of rows of logits (see _rows_input)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
         self._sampler_outputs: dict[tuple, ReadBack] = {}  # per sampler graph: its tokens read back to the host
         self._bound_num_blocks: dict[int, UOp] = {}  # num_blocks -> the variable bound to it (made once per value)
@@ -192,7 +192,7 @@ class ModelRunner:
                 continue
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            samples = scheduler_output.samples(seq)  # asked before anything changes
+            samples = scheduler_output.samples(seq)  # its newest token is computed: it samples the next
             token_ids += seq.token_ids_in(start, start + count - len(drafts)) + drafts
             token_positions += range(start, start + count)
             slots += get_slot_mapping(seq.block_table, bs, start, start + count)
@@ -201,7 +201,7 @@ class ModelRunner:
             if seq.seq_id in hidden_for:
                 token_rows[seq.seq_id] = (i, count)
             i += count
-            if samples:  # caught up: the logits at its last token before the drafts give its next token
+            if samples:  # the logits at its last token before the drafts give its next token
                 sampled_at.append(i - len(drafts) - 1)
                 rows[seq.seq_id] = len(sampled_seqs)
                 sampled_seqs.append(seq)
