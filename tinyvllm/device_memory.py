@@ -31,20 +31,22 @@ def host_view(t: Tensor) -> np.ndarray | None:
 class ReadBack:
     """Reads what a graph returns back to the host, step after step (a step's sampled token ids). A captured graph
     returns the same tensor at every replay, so the host's view of its memory (where there is one) is made once;
-    each read then waits for the device and copies the few bytes out. `t.numpy()` would schedule and run a copy
-    through tinygrad every time: a large share of a decode step's Python, for a few bytes. Where the host cannot
-    see the memory, it is what runs."""
+    each read then copies the few bytes out, after waiting for the device unless the caller knows its kernels
+    are done (`wait=False`: a replay of the CPU graph's C table, which returns when they have run). `t.numpy()`
+    would schedule and run a copy through tinygrad every time: a large share of a decode step's Python, for a
+    few bytes. Where the host cannot see the memory, it is what runs."""
 
     def __init__(self):
         self._tensor: Tensor | None = None  # the tensor last read, kept alive with its view
         self._view: np.ndarray | None = None
 
-    def __call__(self, t: Tensor) -> np.ndarray:
+    def __call__(self, t: Tensor, wait: bool = True) -> np.ndarray:
         if t is not self._tensor:
             self._tensor, self._view = t, None if isinstance(t.device, tuple) else host_view(t)
         if self._view is None:
             return t.numpy()
-        Device[t.device].synchronize()  # the graph's kernels have written it
+        if wait:
+            Device[t.device].synchronize()  # the graph's kernels have written it
         return self._view.copy()
 
 

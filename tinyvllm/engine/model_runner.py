@@ -305,10 +305,11 @@ class ModelRunner:
         return self._read_back(key, self._sampler_jits[key](logits, *buffers))
 
     def _read_back(self, key: tuple, out: Tensor) -> np.ndarray:
-        """A sampler graph's output (a few numbers per row) on the host."""
+        """Sampler graph `key`'s output (a few numbers per row) on the host, once its kernels are done: no wait
+        after a replay of the CPU graph's C table (done when it returns)."""
         if key not in self._sampler_outputs:
             self._sampler_outputs[key] = ReadBack()
-        return self._sampler_outputs[key](out)
+        return self._sampler_outputs[key](out, wait=not self._sampler_jits[key].ran_in_c)
 
     @staticmethod
     def _sampler_graph(greedy: bool, use_filters: bool, masked: bool):

@@ -315,6 +315,7 @@ class GraphedJit(JitBase):
         self.loaded = None  # a graph_cache.LoadedGraph: replayed until this JIT captures one of its own
         self.inputs = JitInputs()  # each call's inputs, prepared once for as long as they are the same tensors
         self._checked: JitCallInputs | None = None  # the inputs last found to match the graph replayed
+        self.ran_in_c = False  # did the last call run its kernels in the C table? (then they are done when it returns)
         if capture_first:
             capture_on_next_call(self)
 
@@ -325,6 +326,7 @@ class GraphedJit(JitBase):
             capture_on_next_call(self)
 
     def __call__(self, *args, **kwargs):
+        self.ran_in_c = False
         inputs, var_vals = self.inputs(args, kwargs)
         if self.graph is None and not is_replaying(self) and self.loaded is None and not _uses_cpu_graph(inputs.uops):
             self.graph, self.persist = False, None  # decided once, at the first call: tinygrad's TinyJit from here on
@@ -334,6 +336,7 @@ class GraphedJit(JitBase):
             if self.loaded and (inputs is self._checked or self.loaded.accepts(inputs.names, inputs.input_info)):
                 self._checked = inputs
                 self.loaded.graph(inputs.uops, var_vals)
+                self.ran_in_c = True
                 return self.loaded.ret
             self._checked = None
             ret = super().__call__(*args, **kwargs)  # captures
@@ -359,6 +362,7 @@ class GraphedJit(JitBase):
             return replay_captured(self, inputs.uops, var_vals)
         self.graph(inputs.uops, var_vals)
         count_replay(self)
+        self.ran_in_c = True
         return self.captured.ret
 
     def _check(self, inputs: JitCallInputs) -> None:
