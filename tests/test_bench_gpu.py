@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
+@pytest.mark.phase6  # the benchmark times a step's phases with Phase 6's StepTimer
 def test_bench_gpu_runs_on_the_cpu_with_a_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
     import bench_gpu
     import common

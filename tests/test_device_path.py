@@ -122,6 +122,7 @@ def test_tiny_model_on_the_discrete_path_gives_the_cpu_paths_tokens(tiny_model_d
     assert copies is not None and all(j.graph is False for j in copies._jits.values())
 
 
+@pytest.mark.phase7  # the draft model of Phase 7b's speculative decoding
 def test_draft_model_on_the_discrete_path(tiny_model_dir, discrete):
     """Speculative decoding's draft model (its own runner, cache, input buffers and sampler graphs) on the discrete
     path: greedy tokens are the target's alone (exact verification), here the CPU path's."""
@@ -141,6 +142,7 @@ def test_draft_model_on_the_discrete_path(tiny_model_dir, discrete):
     assert all(j.graph is False for j in draft.runner._jits.values())
 
 
+@pytest.mark.phase6  # tinyvllm.perplexity is Phase 6's
 def test_contiguous_runner_and_perplexity_on_the_discrete_path(tiny_model_dir, discrete):
     from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
     from tinyvllm.model.loader import load_model
