@@ -120,6 +120,7 @@ def test_search_rules_by_hand():
     assert search.done and [h.tokens for h in search.finished] == [[1, 0], [2, 3, 0]]
 
 
+@pytest.mark.phase9  # through the OpenAI server (Phase 9)
 def test_server_completions_with_use_beam_search(tiny_model_dir, tiny_engine):
     import httpx
 

@@ -230,6 +230,7 @@ def test_cpu_kernel_matches_portable_and_float32(name: str, block_size: int, gro
 
 # ---- the engine: metrics, and the real model ----
 
+@pytest.mark.phase9  # the server's metrics (Phase 9) report it
 def test_stats_and_metrics_report_the_kv_dtype(tiny_model_dir):
     from tinyvllm.api.metrics import ServerMetrics
     from tinyvllm.engine.llm_engine import LLMEngine
