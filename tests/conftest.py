@@ -14,9 +14,9 @@ import pytest
 
 # Captured graphs (tinyvllm/kernels/graph_cache.py) are kept in a directory of this run's own: an engine that a later
 # test builds with the same model and settings replays the graph an earlier one built (tracing a graph is most of a
-# test's time), and nothing an earlier run kept on disk is read. Under pytest-xdist the workers inherit the
-# directory from the controller, so they share it. TINYVLLM_GRAPH_CACHE=0 builds every graph in every engine.
-if os.environ.get("TINYVLLM_GRAPH_CACHE") != "0" and not os.environ.get("PYTEST_XDIST_WORKER"):
+# test's time), and nothing an earlier run kept on disk is read. A process given a directory keeps it: pytest-xdist's
+# workers inherit the controller's, so they share it. TINYVLLM_GRAPH_CACHE=0 builds every graph in every engine.
+if os.environ.get("TINYVLLM_GRAPH_CACHE") != "0" and not os.environ.get("TINYVLLM_GRAPH_CACHE_DIR"):
     import atexit
     import shutil
     import tempfile

@@ -173,7 +173,6 @@ CHILD = """
 import json, os, sys
 sys.path.insert(0, sys.argv[2])
 import test_cold_start
-os.environ.pop("TINYVLLM_GRAPH_CACHE_DIR", None)  # conftest, imported above, gave this process a directory of its own
 tokens, persisted = test_cold_start.greedy_tokens(sys.argv[1])
 print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted), "writes": sum(p.writes for p in persisted)}))
 """
@@ -182,8 +181,8 @@ print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted), "wri
 def test_a_new_process_reads_the_graphs_back(tiny_model_dir, tmp_path):
     """What the cache is for: a second process (its own thread pool, device and program loads) reads every graph
     the first one wrote, and gives the same tokens."""
-    env = {k: v for k, v in os.environ.items() if k != "TINYVLLM_GRAPH_CACHE_DIR"}
-    env.update(TINYVLLM_CACHE_DIR=str(tmp_path), TINYVLLM_GRAPH_CACHE="1")
+    env = {**os.environ, "TINYVLLM_CACHE_DIR": str(tmp_path), "TINYVLLM_GRAPH_CACHE_DIR": str(tmp_path / "graphs"),
+           "TINYVLLM_GRAPH_CACHE": "1"}  # both processes, this test's own directory
     runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), str(Path(__file__).parent)],
                                       env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
             for _ in range(2)]
