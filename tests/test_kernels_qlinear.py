@@ -196,8 +196,8 @@ def test_portable_c_path_matches_too(ggml_type: int):
     fmt = QUANT_FORMATS[ggml_type]
     N, K = SHAPES[fmt.block_size][0]
     blocks = random_blocks(ggml_type, N, K, seed=7)
-    # the integer path at 3 and 37 rows, and (qmatmul.c, when a user turns it on) the float path at 37
-    for M, float_min_m in ((3, 0), (37, 0), (37, 12)):
+    # the integer path at 1, 3 and 37 rows, and (qmatmul.c, when a user turns it on) the float path at 37
+    for M, float_min_m in ((1, 0), (3, 0), (37, 0), (37, 12)):
         x = np.random.default_rng(7).standard_normal((M, K), dtype=np.float32)
         out = Tensor.empty(M, N, dtype=dtypes.float32)
         scratch = Tensor.empty(scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
@@ -210,7 +210,8 @@ def test_portable_c_path_matches_too(ggml_type: int):
 @needs_kernel
 @pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
 def test_avx512_and_avx2_routes(ggml_type: int):
-    # on a CPU with AVX-512 VNNI qmatmul.c takes two blocks per 512-bit register (_mm512_dpbusd_epi32); TV_NO_VNNI
+    # on a CPU with AVX-512 VNNI qmatmul.c takes two blocks per 512-bit register (_mm512_dpbusd_epi32) from 2 rows of x
+    # to 7, and AVX2's per-block route with _mm256_dpbusd_epi32 at 1 row (two rows of w at a time); TV_NO_VNNI
     # compiles AVX2's maddubs + madd. Each route must meet both oracles and be batch-invariant, and the two must give
     # the same bits: the same integer sums, then the same float operations in the same order. K=96: an odd number of
     # blocks (the 512-bit route's last block alone), K=1536: down_proj's, K=576: the model's width (18 blocks, the wide
@@ -224,7 +225,7 @@ def test_avx512_and_avx2_routes(ggml_type: int):
         routes = []
         for extra in ({}, {"TV_NO_VNNI": 1}):
             rows = {}
-            for M in (1, 9, 11, 38):
+            for M in (1, 3, 9, 11, 38):
                 out, scratch = Tensor.empty(M, N, dtype=dtypes.float32), Tensor.empty(
                     scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
                 out, _ = launcher.launch("qmatmul", outs=[out, scratch],

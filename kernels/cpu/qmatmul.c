@@ -23,9 +23,9 @@
  *      block applies d_w d_x, and the min term m s_x is summed beside it (see `tile`). The only rounding beyond
  *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *      On a CPU with AVX-512 VNNI (clang -march=native defines __AVX512VNNI__: the kernels are built on the machine
- *      that runs them) the same sums take two blocks per 512-bit register and one _mm512_dpbusd_epi32 (maddubs +
- *      madd in one instruction, no int16 step), with x's scratch laid out per pair of blocks (struct xpair), and then
- *      AVX2's float operations in AVX2's order: the two routes give the same bits. TV_NO_VNNI builds AVX2's
+ *      that runs them) one _mm256_dpbusd_epi32 does maddubs + madd (no int16 step); from 2 rows of x on, the same
+ *      sums take two blocks per 512-bit register (struct xpair: x's scratch laid out per pair of blocks), and then
+ *      AVX2's float operations in AVX2's order: every route gives the same bits. TV_NO_VNNI builds AVX2's
  *      route (the tests, qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
  *
  * Arguments (M, N, K, TV_QTYPE compile-time constants: one program per shape and format):
@@ -36,8 +36,9 @@
  *
  * How the work is cut (as matmul.c): quantize x (rows spread over the thread pool), then tiles of MR rows of x
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
- * block for NR rows of w. M=1: MR=1, NR=1: one row of w streamed at a time (measured from memory, Q8_0: several
- * times the bandwidth of four rows side by side; the hardware prefetcher keeps up with one stream only).
+ * block for NR rows of w. M=1 (one sequence decoding) is "the stream", below: MR=1, NR=2 for Q4_0/Q4_1 (two rows'
+ * FMA chains side by side), NR=1 for Q8_0, AVX2's per-block operations even where AVX-512 is there, and the weights
+ * prefetched STREAM_PREFETCH bytes ahead.
  * M > 1: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers and
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
@@ -85,6 +86,11 @@
  * its set-up (each chunk's scales as floats, each tile's scale products) costs more than it saves: the pairs. */
 #define WIDE_TILE_MIN_M 8
 #define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH)
+/* M = 1 streams each weight once, so the work per block is what counts: AVX2's 256-bit route, whose operations run
+ * on three vector ports, where the 512-bit pairs below (fewer instructions, but while a 512-bit operation is in flight
+ * this CPU's port 1 takes no vector work, and three of their nine operations are shuffles, on port 5 alone) measured
+ * 1.2-1.4x slower at every Q4_1 shape of the default model, one thread or two, from memory or cache. */
+#define TV_PAIRS (TV_AVX512 && !TV_WIDE_TILE && TV_M > 1)
 #if TV_WIDE_TILE && TV_QTYPE == 8 && !defined(TV_NO_WIDE_PAIRS)
 #define TV_WIDE_PAIRS 1  /* Q8_0's wide tile on 512-bit registers, two rows of w each (see wide_pair_tile) */
 #else
@@ -95,7 +101,10 @@
 #define NR FNR
 #elif TV_M == 1
 #define MR 1
-#define NR 1
+#ifndef TV_TILE_NR
+#define TV_TILE_NR (TV_QTYPE == 8 ? 1 : 2)  /* Q4: two independent FMA chains; Q8_0's unpack is heavier, one */
+#endif
+#define NR TV_TILE_NR
 #elif TV_WIDE_TILE
 #ifndef TV_TILE_MR
 #define TV_TILE_MR 4
@@ -110,6 +119,7 @@
 #define NR 2
 #endif
 #define MB 64                               /* rows of x per pass over a chunk: 64 x 1536/32 x 40 B = 123 KB */
+#define STREAM_PREFETCH 2048                /* M = 1: prefetch the weights this far ahead of the block in use */
 #define CHUNK_BYTES 24576                   /* ~24 KB of w per chunk handed to a thread */
 #define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
 #define CHUNK_ROWS (CHUNK_TILES * NR)
@@ -183,7 +193,7 @@ static void quantize_chunk(const void* ctx, int chunk) {
     }
   }
 }
-#elif TV_AVX512
+#elif TV_PAIRS
 /* The AVX-512 route's scratch: the same 40 bytes per block, laid out per pair of blocks b, b+1 (b even):
  *     struct xpair  { float ds[4] = d_b, s_b, d_b+1, s_b+1;  int8 q[64] }                 80 bytes = 2 x 40
  * q in the order the 512-bit register of the pair's weights has (see unpack_pair): q_b[0..31], q_b+1[0..31].
@@ -228,8 +238,9 @@ TV_INLINE __m256i unpack_block(const unsigned char* blk) {
   return _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(blk + QS_AT)),
                           _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));
 #else
-  __m128i raw = _mm_loadu_si128((const __m128i*)(blk + QS_AT));  /* lo nibbles: q[0..15], hi: q[16..31] */
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
+  /* the 16 bytes in both halves (a load, no shuffle), the high half shifted by 4: lo nibbles q[0..15], hi q[16..31] */
+  __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT)));
+  return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
 #endif
 }
 
@@ -250,9 +261,7 @@ TV_INLINE __m256i block_dot(__m256i u, const unsigned char* blk, __m256i xq) {
 /* The block's float16 scale(s) as 8 floats: Q4_1 [d, m, d, m, ...] (d and m are adjacent), else [d, d, ...] */
 TV_INLINE __m256 block_scales(const unsigned char* blk) {
 #if TV_QTYPE == 3
-  unsigned int dm;
-  __builtin_memcpy(&dm, blk, 4);
-  return _mm256_cvtph_ps(_mm_set1_epi32((int)dm));
+  return _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss((const float*)blk)));  /* d, m: 4 bytes broadcast */
 #else
   unsigned short d;
   __builtin_memcpy(&d, blk, 2);
@@ -260,7 +269,7 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
 #endif
 }
 
-#if TV_AVX512
+#if TV_PAIRS
 /* ---- AVX-512: two blocks per register, AVX2's arithmetic ----
  * A pair of blocks b, b+1 goes through one _mm512_dpbusd_epi32: 16 int32 sums of 4 products, block b's 8 in the
  * low 256 bits and block b+1's 8 in the high ones, each lane the same integer AVX2's maddubs + madd gives for that
@@ -293,7 +302,7 @@ TV_INLINE __m128 pair_scales(const unsigned char* blk) {
 #endif
   return s;  /* Q8_0: lanes 1 and 3 hold quants, not used (no min term) */
 }
-#endif  /* TV_AVX512 */
+#endif  /* TV_PAIRS */
 
 /* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
  * unrolls both loops and keeps acc[][] in registers.
@@ -306,7 +315,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) acc[i][j] = mins[i][j] = _mm256_setzero_ps();
   int b = 0;
-#if TV_AVX512 && !TV_WIDE_TILE  /* (the wide tile has a scratch of its own, below) */
+#if TV_PAIRS  /* (the wide tile has a scratch of its own, below; M = 1 goes block by block) */
   for (; b + 1 < NB; b += 2) {
     __m512i u[NR];
     __m128 ws[NR];
@@ -352,7 +361,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       }
     }
   }
-#endif  /* TV_AVX512: an odd NB's last block goes on below */
+#endif  /* TV_PAIRS: an odd NB's last block goes on below */
   for (; b < NB; b++) {
     __m256i u[NR];
     __m256 ws[NR];
@@ -363,6 +372,8 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
 #if MR > 1
       /* the next tile's rows, same block; past the last row of w a harmless no-op (prefetches never fault) */
       __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);
+#else
+      __builtin_prefetch(blk + STREAM_PREFETCH, 0, 3);  /* the stream: the hardware prefetcher alone runs behind */
 #endif
     }
     for (int i = 0; i < mr; i++) {
