@@ -238,6 +238,18 @@ def input_shard_address(u: UOp, shard: int) -> int:
     return buffer_address(buf)
 
 
+def kernel_input(t: Tensor) -> Tensor:
+    """t as a hand-written kernel's input, which reads a row-major buffer: `t.contiguous()`, except where t is
+    already one, a reshape of another custom kernel's output (`launch`'s outs): tinygrad 0.14 does not see that and
+    would copy it (an elementwise kernel over every element) between the two kernels."""
+    u = t.uop
+    while u.op is Ops.RESHAPE:
+        u = u.src[0]
+    if isinstance(t.device, str) and u.op is Ops.AFTER and any(s.op is Ops.CALL for s in u.src[1:]):
+        return t
+    return t.contiguous()
+
+
 def is_realized(t: Tensor) -> bool:
     """Does `t` stand for a buffer already (`UOp.is_realized`), rather than a computation still to run?"""
     return t.uop.is_realized

@@ -19,7 +19,7 @@ import os
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
-from tinyvllm.tinygrad_adapter import Estimates, shard_axis
+from tinyvllm.tinygrad_adapter import Estimates, kernel_input, shard_axis
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 
@@ -53,7 +53,7 @@ def run_split(x: Tensor, w: Tensor, N: int, kernel) -> Tensor:
     N_local, row_parallel = local_shape(w)[0], shard_axis(w) == 1
     out = output((M, N_local), dtypes.float32, w, None if isinstance(w.device, str) or shard_axis(w) is None
                  else 0 if row_parallel else 1)
-    out = kernel(x.reshape(M, -1).contiguous(), M, N_local, K_local, out)
+    out = kernel(kernel_input(x.reshape(M, -1)), M, N_local, K_local, out)
     if row_parallel:  # (S*M, N) split by device: each device's partial product, summed over them
         return out.reshape(-1, M, N).sum(0).reshape(*lead, N)
     return out.reshape(*lead, N)

@@ -47,6 +47,7 @@ from tinygrad.dtype import DType
 from tinyvllm import tinygrad_adapter
 from tinyvllm.device_memory import host_view
 from tinyvllm.ggml_types import KERNEL_TYPES as QUANT_NAMES
+from tinyvllm.kernels.activation import act_and_mul
 from tinyvllm.kernels.linear import linear
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.quant import QuantizedArray
@@ -166,9 +167,8 @@ class LlamaDecoderLayer:
         gate_up = project(x, self.gate_up_proj).reshape(B, T, S, 2 * F)  # (B,T,S,2F), device s: [gate_s up_s]
         # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up; GeGLU (Gemma): gelu(gate) * up, with
         # gelu's tanh approximation 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), tinygrad's gelu
-        gate = gate_up[..., :F]
-        act = gate.silu() if self.config.hidden_act == "silu" else gate.gelu()
-        h = (act * gate_up[..., F:]).reshape(B, T, S * F)
+        act = "silu" if self.config.hidden_act == "silu" else "gelu_tanh"
+        h = act_and_mul(gate_up, act).reshape(B, T, S * F)
         return project(h, self.down_proj)  # row-parallel: the all-reduce
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache, attn_metadata) -> Tensor:

@@ -1,0 +1,76 @@
+"""`act_and_mul(gate_up, act)`: the MLP's gated activation, act(gate) * up, on a hand-written kernel where there is one.
+
+    gate_up (..., 2F) float32, each row [gate | up]  ->  (..., F) = act(gate) * up        act: "silu" or "gelu_tanh"
+
+SwiGLU (LLaMA, Mistral, Qwen: silu) and GeGLU (Gemma: gelu with its tanh approximation) multiply the activated gate
+by up, both halves of gate_up_proj's output. vLLM does it in one kernel with this input (silu_and_mul,
+gelu_tanh_and_mul in csrc/activation_kernels.cu), and so does this engine:
+
+    CPU      kernels/cpu/act_and_mul.c        exp_poly.h's exp 8 floats at a time, rows over the thread pool
+    CUDA     kernels/cuda/act_and_mul.cu      one thread per output
+    METAL    kernels/metal/act_and_mul.metal  one thread per output
+    other    `act_and_mul_portable`: tinygrad's silu / gelu (also with TINYVLLM_PORTABLE=1, a symbolic shape, a
+             tensor split otherwise than tensor parallelism splits gate_up)
+
+Why on the CPU: tinygrad's CPU backend spells exp out as its own polynomial on 4-float vectors, with selects for
+the special values, so at many rows per step (64 decoding sequences, a prefill chunk) its elementwise kernel was
+the largest after the matmuls. The kernel and tinygrad's ops agree to float32 rounding, not bit for bit
+(tests/test_kernels_activation.py bounds the difference).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tinygrad import Tensor, dtypes
+
+from tinyvllm.kernels import linear as linear_module
+from tinyvllm.kernels.launcher import device_kind, has_kernel, launch, local_shape, output
+from tinyvllm.tinygrad_adapter import Estimates, kernel_input, shard_axis
+
+KERNEL = "act_and_mul"
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # TV_GELU
+NUM_THREADS = 256  # GPU threads per block (one per output element)
+
+
+def act_and_mul_portable(gate_up: Tensor, act: str) -> Tensor:
+    """act(gate) * up in tinygrad's ops: the reference, and the path where no kernel runs."""
+    F = gate_up.shape[-1] // 2
+    gate = gate_up[..., :F]
+    return (gate.silu() if act == "silu" else gate.gelu()) * gate_up[..., F:]
+
+
+def uses_kernel(gate_up: Tensor) -> bool:
+    """Would `act_and_mul` run the hand-written kernel on this tensor? On one device, or split over devices (tensor
+    parallel, Phase 8) along the axis before the last with one part each: (B, T, S, 2F), device s holding
+    [gate_s | up_s] (model/llama.py's MLP)."""
+    if linear_module.PORTABLE or gate_up.dtype != dtypes.float32 or gate_up.ndim < 1:
+        return False
+    if not all(isinstance(s, int) for s in gate_up.shape) or 0 in gate_up.shape or gate_up.shape[-1] % 2:
+        return False
+    if not isinstance(gate_up.device, str):
+        axis = shard_axis(gate_up)
+        if gate_up.ndim < 2 or axis is None or axis % gate_up.ndim != gate_up.ndim - 2 or local_shape(gate_up)[-2] != 1:
+            return False
+    return has_kernel(KERNEL, gate_up.device if isinstance(gate_up.device, str) else gate_up.device[0])
+
+
+def act_and_mul(gate_up: Tensor, act: str) -> Tensor:
+    """gate_up (..., 2F) -> act(gate_up[..., :F]) * gate_up[..., F:], (..., F)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"no gated activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+    if not uses_kernel(gate_up):
+        return act_and_mul_portable(gate_up, act)
+    *lead, two_f = local_shape(gate_up)  # one device's part
+    R, F = math.prod(lead), two_f // 2
+    defines = {"TV_R": R, "TV_F": F, "TV_GELU": ACTIVATIONS[act], "TV_NUM_THREADS": NUM_THREADS}
+    x = kernel_input(gate_up.reshape(R, -1))  # split: (R, S * 2F), device s's part [gate_s | up_s]
+    out = output((R, F), dtypes.float32, x, None if isinstance(x.device, str) else 1)
+    # ~30 operations per output (the exp polynomial, the division); reads 2F floats a row, writes F
+    estimates = Estimates(ops=30 * R * F, lds=8 * R * F, mem=12 * R * F)
+    if device_kind(x.device) == "CPU":
+        (out,) = launch(KERNEL, outs=[out], ins=[x], defines=defines, estimates=estimates)
+    else:
+        (out,) = launch(KERNEL, outs=[out], ins=[x], defines=defines, estimates=estimates,
+                        grid=(-(-R * F // NUM_THREADS), 1, 1), local_size=(NUM_THREADS, 1, 1))
+    return out.reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
