@@ -91,8 +91,8 @@
  * this CPU's port 1 takes no vector work, and three of their nine operations are shuffles, on port 5 alone) measured
  * 1.2-1.4x slower at every Q4_1 shape of the default model, one thread or two, from memory or cache. */
 #define TV_PAIRS (TV_AVX512 && !TV_WIDE_TILE && TV_M > 1)
-#if TV_WIDE_TILE && TV_QTYPE == 8 && !defined(TV_NO_WIDE_PAIRS)
-#define TV_WIDE_PAIRS 1  /* Q8_0's wide tile on 512-bit registers, two rows of w each (see wide_pair_tile) */
+#if TV_WIDE_TILE && !defined(TV_NO_WIDE_PAIRS)
+#define TV_WIDE_PAIRS 1  /* the wide tile on 512-bit registers, two rows of w each (see wide_pair_tile) */
 #else
 #define TV_WIDE_PAIRS 0
 #endif
@@ -110,7 +110,7 @@
 #define TV_TILE_MR 4
 #endif
 #ifndef TV_TILE_NR
-#define TV_TILE_NR (TV_WIDE_PAIRS ? 6 : TV_QTYPE == 8 ? 4 : 3)
+#define TV_TILE_NR (TV_WIDE_PAIRS ? (TV_QTYPE == 8 ? 6 : 4) : TV_QTYPE == 8 ? 4 : 3)
 #endif
 #define MR TV_TILE_MR
 #define NR TV_TILE_NR
@@ -429,26 +429,51 @@ TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const fl
 }
 
 #if TV_WIDE_PAIRS
-/* Q8_0's wide tile on 512-bit registers: each holds two outputs' 8 lanes, rows j and j+1 of w side by side,
- *     dot[i][p]   = dpbusd([start_2p | start_2p+1], [q_x,i | q_x,i], [q_w,2p | q_w,2p+1])       (16 int32 lanes)
- *     acc[i][p]  = fma(float(dot[i][p]), [d_w,2p d_x,i (x8) | d_w,2p+1 d_x,i (x8)], acc[i][p])
- * lane for lane the integers and float operations of wide_tile (the scale is the same product d_w * d_x), so the
- * same bits; per (row of x, two rows of w, block) one dpbusd, one conversion, one multiply and one FMA instead of
- * two of each (and no scale table per tile). */
+/* The wide tile on 512-bit registers: each holds two outputs' 8 lanes, rows j and j+1 of w side by side,
+ *     Q8_0  dot[i][p] = dpbusd([start_2p | start_2p+1], [q_x,i | q_x,i], [q_w,2p | q_w,2p+1])     (16 int32 lanes)
+ *     Q4    dot[i][p] = dpbusd(0, [q_w,2p | q_w,2p+1], [q_x,i | q_x,i])
+ *           acc[i][p] = fma(float(dot[i][p]), [d_w,2p d_x,i (x8) | d_w,2p+1 d_x,i (x8)], acc[i][p])
+ *     Q4    mins[i][p] += [m_w,2p s_x,i (x8) | m_w,2p+1 s_x,i (x8)]        (the min term, its lanes all alike)
+ * lane for lane the integers and float operations of wide_tile (the scale is the same product d_w * d_x, the min
+ * term the same product m_w * s_x, summed from 0 block after block), so the same bits; per (row of x, two rows of
+ * w, block) one dpbusd, one conversion, one multiply and one FMA (Q4: and a multiply and an add) instead of two of
+ * each (and no scale table per tile). Q4 has the min sums too, so 4 x 4 outputs fit the 32 registers, Q8_0 4 x 6. */
 TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
-                              const float* restrict dw, const __m256i* restrict w128, int mr) {
+                              const float* restrict dw, const float* restrict mw, const __m256i* restrict w128,
+                              int mr) {
   __m512 acc[MR][NR / 2];
+#if TV_QTYPE != 8
+  __m512 mins[MR][NR / 2];
+  (void)w128;
+#else
+  (void)mw;
+#endif
   for (int i = 0; i < mr; i++)
-    for (int p = 0; p < NR / 2; p++) acc[i][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NR / 2; p++) {
+      acc[i][p] = _mm512_setzero_ps();
+#if TV_QTYPE != 8
+      mins[i][p] = _mm512_setzero_ps();
+#endif
+    }
 #pragma clang loop unroll(disable)
   for (int b = 0; b < NB; b++) {
-    __m512i wv[NR / 2], start[NR / 2];
+    __m512i wv[NR / 2];
     __m512 ds[NR / 2];  /* [d_w,2p (x8) | d_w,2p+1 (x8)] */
+#if TV_QTYPE == 8
+    __m512i start[NR / 2];
+#else
+    __m512 ms[NR / 2];  /* [m_w,2p (x8) | m_w,2p+1 (x8)] */
+#endif
     for (int p = 0; p < NR / 2; p++) {
       const unsigned char* blk = w + 2 * p * ROW_BYTES + b * BLOCK_BYTES;
+#if TV_QTYPE == 8
       wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
                                  _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
       start[p] = _mm512_inserti64x4(_mm512_castsi256_si512(w128[2 * p * NB + b]), w128[(2 * p + 1) * NB + b], 1);
+#else
+      wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_block(blk)), unpack_block(blk + ROW_BYTES), 1);
+      ms[p] = _mm512_insertf32x8(_mm512_set1_ps(mw[2 * p * NB + b]), _mm256_set1_ps(mw[(2 * p + 1) * NB + b]), 1);
+#endif
       ds[p] = _mm512_insertf32x8(_mm512_set1_ps(dw[2 * p * NB + b]), _mm256_set1_ps(dw[(2 * p + 1) * NB + b]), 1);
       __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, same block */
       __builtin_prefetch(blk + (NR + 1) * ROW_BYTES, 0, 3);
@@ -456,16 +481,32 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
     for (int i = 0; i < mr; i++) {
       __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(XQ_ROW(xq, m + i) + 32 * b)));
       __m512 xd = _mm512_set1_ps(XD_ROW(xq, m + i)[b]);
+#if TV_QTYPE != 8
+      __m512 xs = _mm512_set1_ps(XS_ROW(xq, m + i)[b]);
+#endif
       for (int p = 0; p < NR / 2; p++) {
+#if TV_QTYPE == 8
         __m512i dot = _mm512_dpbusd_epi32(start[p], xv, wv[p]);
+#else
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[p], xv);
+        mins[i][p] = _mm512_add_ps(mins[i][p], _mm512_mul_ps(ms[p], xs));
+#endif
         acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ds[p], xd), acc[i][p]);
       }
     }
   }
   for (int i = 0; i < mr; i++)
     for (int p = 0; p < NR / 2; p++) {
-      out[i * TV_N + 2 * p] = hsum8(_mm512_castps512_ps256(acc[i][p])) + 0.0f;  /* + wide_tile's (zero) min term */
-      out[i * TV_N + 2 * p + 1] = hsum8(_mm512_extractf32x8_ps(acc[i][p], 1)) + 0.0f;
+#if TV_QTYPE == 8
+      float lo = 0.0f, hi = 0.0f;  /* wide_tile's (zero) min term */
+#else
+      float lo = _mm512_cvtss_f32(mins[i][p]), hi = _mm512_cvtss_f32(_mm512_shuffle_f32x4(mins[i][p], mins[i][p], 2));
+#endif
+#if TV_QTYPE == 2
+      lo *= -8.0f, hi *= -8.0f;  /* Q4_0: w = d (q - 8), so the min term is -8 d_w s_x */
+#endif
+      out[i * TV_N + 2 * p] = hsum8(_mm512_castps512_ps256(acc[i][p])) + lo;
+      out[i * TV_N + 2 * p + 1] = hsum8(_mm512_extractf32x8_ps(acc[i][p], 1)) + hi;
     }
 }
 #endif
@@ -475,7 +516,7 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
                          int nr) {
 #if TV_WIDE_PAIRS
   if (nr == NR) {  /* whole tiles on 512-bit registers; the N % NR leftover rows, one at a time, below */
-    wide_pair_tile(out, xq, m, w, dw, w128, mr);
+    wide_pair_tile(out, xq, m, w, dw, mw, w128, mr);
     return;
   }
 #endif
