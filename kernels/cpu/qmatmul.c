@@ -417,9 +417,10 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
  *     w and block in `wide_chunk`, shared by every row of x), which leaves sum q_x q_w, the same integers.
  * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add), where the pair
  * route spends nine operations on two blocks, three of them shuffles.
- * Q8_0 (the tied embedding's lm_head, 49,152 rows) goes further where the CPU has two 512-bit FMA units (Intel's
- * server cores; on others a 512-bit operation costs two 256-bit ones, no loss): its whole tiles put two rows of w
- * in each 512-bit register (wide_pair_tile), 4 x 6 outputs, the same lanes and the same bits. */
+ * Where the CPU has two 512-bit FMA units (Intel's server cores; on others a 512-bit operation costs two 256-bit
+ * ones, no loss) the whole tiles go further: two rows of w in each 512-bit register (wide_pair_tile), 4 x 6 outputs
+ * for Q8_0 (the tied embedding's lm_head, 49,152 rows), 4 x 4 for Q4 (its min sums take registers too), the same
+ * lanes and the same bits; wide_tile keeps the N % NR rows left over (and TV_NO_WIDE_PAIRS builds it alone). */
 /* dst[b] = a[b] * c[b] for b < NB (written with intrinsics: left to itself, clang turns the tile's loops over i, j
  * and b into gathers and scatters) */
 TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const float* restrict c) {
