@@ -43,7 +43,7 @@
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
  * other rows of the step (batch invariance), which the engine's batched-equals-alone tests rely on.
- * With AVX-512 and M >= 8 the wide tile takes over (Q8_0 4 x 6 on 512-bit registers, Q4 4 x 3, see "the wide tile"
+ * With AVX-512 and M >= 8 the wide tile takes over (Q8_0 4 x 6 on 512-bit registers, Q4 4 x 4, see "the wide tile"
  * below): the same numbers.
  * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
  * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
