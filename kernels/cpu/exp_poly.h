@@ -1,7 +1,7 @@
-/* exp without libc (kernels are linked without it), as Cephes' expf, shared by paged_attention.c and act_and_mul.c
- * (exp8: 8 floats at a time) and sampler.c (one float): x = n ln2 + r with n = round(x / ln2), |r| <= ln2/2, and
- * exp(x) = 2^n exp(r). exp8 clamps x to [-87.3, 88.3]; sampler.c rounds and scales its own way (exp(-inf) = 0).
- * Needs TV_INLINE (threadpool.h) for exp8. */
+/* exp without libc (kernels are linked without it), as Cephes' expf, shared by paged_attention.c (exp8: 8 floats at
+ * a time) and sampler.c (one float): x = n ln2 + r with n = round(x / ln2), |r| <= ln2/2, and exp(x) = 2^n exp(r).
+ * exp8 clamps x to [-87.3, 88.3]; sampler.c rounds and scales its own way (exp(-inf) = 0). The 8-float types f8 and
+ * i8 serve act_and_mul.c too, whose exp is llama.cpp's (see there). Needs TV_INLINE (threadpool.h) for exp8. */
 #ifndef TV_EXP_POLY_H
 #define TV_EXP_POLY_H
 
