@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 ARGS   ?= --max-tokens 64
 
-.PHONY: run test test-phase setup setup-test clang chromium bench clean
+.PHONY: run test test-phase setup setup-test clang chromium bytecode bench clean
 
 run: setup
 	$(PY) main.py --prompt "$(PROMPT)" $(ARGS)
@@ -30,8 +30,15 @@ test-phase: setup-test
 bench: setup-test
 	$(PY) benchmarks/bench_generate.py
 
-setup: clang $(VENV)/.stamp-run
-setup-test: clang chromium $(VENV)/.stamp-test
+setup: clang $(VENV)/.stamp-run bytecode
+setup-test: clang chromium $(VENV)/.stamp-test bytecode
+
+# Python compiles a module's source at every import unless its bytecode is kept beside it (__pycache__), and where
+# the environment says to write none (PYTHONDONTWRITEBYTECODE) every start compiles the whole package again: a
+# cold start's largest avoidable cost. An installed wheel has its bytecode from pip; a clone gets it here, once,
+# and again for the files that changed since (compileall skips the rest).
+bytecode: | $(VENV)/bin/python
+	@$(PY) -m compileall -q tinyvllm benchmarks main.py >/dev/null
 
 # tinygrad's CPU backend compiles every kernel with clang.
 clang:
