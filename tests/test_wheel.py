@@ -96,9 +96,11 @@ def test_installed_wheel_runs_its_own_kernels(wheel: Path, tmp_path: Path):
                           check=True, capture_output=True, text=True).stdout.strip()
     ours = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))  # this venv: numpy, tinygrad...
     Path(site, "project_dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", "--no-deps",
-                    "--disable-pip-version-check", str(wheel)], check=True, timeout=300)
+    # pip runs inside the new venv's Python (--python): with a checkout on PYTHONPATH it would find the checkout's
+    # own tinyvllm.egg-info (left by an editable install), take the package as installed, and skip the wheel
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", "--no-deps",
+                    "--disable-pip-version-check", str(wheel)], check=True, timeout=300, env=env)
     env["DEV"] = "CPU"  # the kernels' device, whatever this run was given
     result = subprocess.run([str(python), "-c", CHECK, site], check=False, cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
