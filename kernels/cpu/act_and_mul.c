@@ -19,7 +19,6 @@
  * Compile-time constants: TV_R, TV_F, TV_GELU (0: silu, 1: gelu_tanh); TV_KERNEL.
  */
 #include "threadpool.h"
-#include "exp_poly.h"  /* f8, i8: 8 floats (ints) in one AVX2 register */
 #if defined(__FMA__) && defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -30,6 +29,10 @@
 #define CHUNK_ELEMENTS 16384  /* ~64 KB of out per chunk handed to a thread: one row (F = 1536) is one tenth of it */
 #define ROWS_PER_CHUNK (TV_F >= CHUNK_ELEMENTS ? 1 : CHUNK_ELEMENTS / TV_F)
 #define NUM_CHUNKS ((TV_R + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK)
+
+/* 8 floats (ints) in one AVX2 register; aligned(4) makes loads through a pointer to it unaligned loads */
+typedef float f8 __attribute__((vector_size(32), aligned(4)));
+typedef int i8 __attribute__((vector_size(32), aligned(4)));
 
 struct act_args {
   float* out;
@@ -51,7 +54,7 @@ TV_KERNEL act_and_mul(float* restrict out, const float* restrict x) {
  * activations rounds the other 31 coarsely; an output one ulp off flips some of those roundings, and over a text
  * the model's perplexity moves by tenths of a percent with them, a sample of float rounding rather than a difference
  * in accuracy (chapter 06). Rounding as llama.cpp does keeps the two figures comparable (bench_quality). Accuracy:
- * within 1.5 ulp (exp_poly.h's Cephes polynomial is closer, and serves the attention). 2^n is put into a float's
+ * within 1.5 ulp (exp_poly.h's Cephes polynomial, which the attention uses, is closer). 2^n is put into a float's
  * exponent bits, n clamped to [-126, 127]: past that silu's exp term is either negligible beside 1 or makes the
  * output a negligible fraction of g either way. */
 TV_INLINE f8 exp8_activation(f8 x) {

@@ -1,7 +1,6 @@
-/* exp without libc (kernels are linked without it), as Cephes' expf, shared by paged_attention.c (exp8: 8 floats at
- * a time) and sampler.c (one float): x = n ln2 + r with n = round(x / ln2), |r| <= ln2/2, and exp(x) = 2^n exp(r).
- * exp8 clamps x to [-87.3, 88.3]; sampler.c rounds and scales its own way (exp(-inf) = 0). The 8-float types f8 and
- * i8 serve act_and_mul.c too, whose exp is llama.cpp's (see there). Needs TV_INLINE (threadpool.h) for exp8. */
+/* exp without libc (kernels are linked without it), as Cephes' expf, shared by paged_attention.c (8 floats at a
+ * time) and sampler.c (one float): x = n ln2 + r with n = round(x / ln2), |r| <= ln2/2, and exp(x) = 2^n exp(r).
+ * Each file rounds x / ln2 and puts 2^n into the exponent bits its own way (clamped, or with exp(-inf) = 0). */
 #ifndef TV_EXP_POLY_H
 #define TV_EXP_POLY_H
 
@@ -18,19 +17,5 @@
     y_ = y_ * r_ + 5.0000001201e-1f;                                               \
     y_ * r_ * r_ + r_ + 1.0f;                                                      \
   })
-
-/* 8 floats in one AVX2 register; aligned(4) makes loads through a pointer to it unaligned loads */
-typedef float f8 __attribute__((vector_size(32), aligned(4)));
-typedef int i8 __attribute__((vector_size(32), aligned(4)));
-
-TV_INLINE f8 exp8(f8 x) {
-  const f8 magic = (f8){0} + 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
-  x = __builtin_elementwise_min(__builtin_elementwise_max(x, (f8){0} - 87.3f), (f8){0} + 88.3f);
-  f8 t = x * 1.44269504f + magic;
-  f8 n = t - magic;                                   /* round(x / ln2) */
-  f8 y = TV_EXP_REDUCED(f8, x, n);                   /* exp(x - n*ln2) */
-  i8 bits = ((i8)t - (i8)magic + 127) << 23;          /* 2^n as a float's bits */
-  return y * (f8)bits;
-}
 
 #endif  /* TV_EXP_POLY_H */

@@ -67,6 +67,9 @@
 
 #define HD8 (TV_HEAD_DIM / 8)  /* head_dim in 8-float vectors */
 
+/* 8 floats in one AVX2 register; aligned(4) makes loads through a pointer to it unaligned loads */
+typedef float f8 __attribute__((vector_size(32), aligned(4)));
+typedef int i8 __attribute__((vector_size(32), aligned(4)));
 
 #ifndef TV_SLIDING_WINDOW
 #define TV_SLIDING_WINDOW 0
@@ -257,6 +260,16 @@ TV_INLINE f8 dot8(const f8* q, const float* const* rows) {
  * polynomial, 2^n put straight into the exponent bits.
  * x is clamped to [-87.3, 88.3], where 2^n stays a normal float: exp(-inf) comes out as ~1e-38, not 0, which
  * only ever multiplies an accumulator that is still 0. */
+TV_INLINE f8 exp8(f8 x) {
+  const f8 magic = (f8){0} + 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
+  x = __builtin_elementwise_min(__builtin_elementwise_max(x, (f8){0} - 87.3f), (f8){0} + 88.3f);
+  f8 t = x * 1.44269504f + magic;
+  f8 n = t - magic;                                   /* round(x / ln2) */
+  f8 y = TV_EXP_REDUCED(f8, x, n);                   /* exp(x - n*ln2) */
+  i8 bits = ((i8)t - (i8)magic + 127) << 23;          /* 2^n as a float's bits */
+  return y * (f8)bits;
+}
+
 TV_INLINE float exp1(float x) { return exp8((f8){0} + x)[0]; }
 
 /* One sequence x one KV head: its GROUP query heads over the sequence's keys, a tile of 32 at a time. Per head,

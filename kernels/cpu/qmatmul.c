@@ -47,8 +47,9 @@
  * below): the same numbers.
  * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
  * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
- * below for why and what it gains). The N rows are cut into chunks of ~24 KB of w (96 at M=1) handed to the thread pool (threadpool.h); in a chunk, x is
- * walked in blocks of MB rows so that a chunk's weights stay in L1/L2 while every row of x passes over them.
+ * below for why and what it gains). The N rows are cut into chunks of ~24 KB of w (96 at M=1) handed to the thread
+ * pool (threadpool.h); in a chunk, x is walked in blocks of MB rows so that a chunk's weights stay in L1/L2 while
+ * every row of x passes over them.
  */
 #include "threadpool.h"
 #include "qdot.h"

@@ -130,9 +130,11 @@ TV_INLINE float race_score(float s, unsigned key0, unsigned key1, unsigned i) {
   return s - log_approx(-log_approx(uniform_at(key0, key1, i)));
 }
 
-/* 8 floats (ints) at a time (exp_poly.h's f8 and i8), loaded from any 4-byte aligned address: the max reductions
- * and the candidate test below are written with them because the compiler does not vectorize a float reduction on
- * its own (without -ffast-math it may not reorder the comparisons) */
+/* 8 floats (ints) at a time, loaded from any 4-byte aligned address: the max reductions and the candidate test
+ * below are written with them because the compiler does not vectorize a float reduction on its own (without
+ * -ffast-math it may not reorder the comparisons) */
+typedef float f8 __attribute__((vector_size(32), aligned(4)));
+typedef int i8 __attribute__((vector_size(32), aligned(4)));
 
 TV_INLINE int any8(i8 mask) {
   int any = 0;

@@ -6,7 +6,7 @@ SwiGLU (LLaMA, Mistral, Qwen: silu) and GeGLU (Gemma: gelu with its tanh approxi
 by up, both halves of gate_up_proj's output. vLLM does it in one kernel with this input (silu_and_mul,
 gelu_tanh_and_mul in csrc/activation_kernels.cu), and so does this engine:
 
-    CPU      kernels/cpu/act_and_mul.c        exp_poly.h's exp 8 floats at a time, rows over the thread pool
+    CPU      kernels/cpu/act_and_mul.c        8 floats at a time, exp as llama.cpp evaluates it, rows over the pool
     CUDA     kernels/cuda/act_and_mul.cu      one thread per output
     METAL    kernels/metal/act_and_mul.metal  one thread per output
     other    `act_and_mul_portable`: tinygrad's silu / gelu (also with TINYVLLM_PORTABLE=1, a symbolic shape, a
@@ -25,7 +25,7 @@ import math
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels import linear as linear_module
-from tinyvllm.kernels.launcher import device_kind, has_kernel, launch, local_shape, output
+from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
 from tinyvllm.tinygrad_adapter import Estimates, kernel_input, shard_axis
 
 KERNEL = "act_and_mul"
@@ -52,7 +52,7 @@ def uses_kernel(gate_up: Tensor) -> bool:
         axis = shard_axis(gate_up)
         if gate_up.ndim < 2 or axis is None or axis % gate_up.ndim != gate_up.ndim - 2 or local_shape(gate_up)[-2] != 1:
             return False
-    return has_kernel(KERNEL, gate_up.device if isinstance(gate_up.device, str) else gate_up.device[0])
+    return has_kernel(KERNEL, gate_up.device)
 
 
 def act_and_mul(gate_up: Tensor, act: str) -> Tensor:
@@ -68,9 +68,7 @@ def act_and_mul(gate_up: Tensor, act: str) -> Tensor:
     out = output((R, F), dtypes.float32, x, None if isinstance(x.device, str) else 1)
     # ~30 operations per output (the exp polynomial, the division); reads 2F floats a row, writes F
     estimates = Estimates(ops=30 * R * F, lds=8 * R * F, mem=12 * R * F)
-    if device_kind(x.device) == "CPU":
-        (out,) = launch(KERNEL, outs=[out], ins=[x], defines=defines, estimates=estimates)
-    else:
-        (out,) = launch(KERNEL, outs=[out], ins=[x], defines=defines, estimates=estimates,
-                        grid=(-(-R * F // NUM_THREADS), 1, 1), local_size=(NUM_THREADS, 1, 1))
+    # a GPU: one thread per output; the CPU runs the kernel once (its rows go to the thread pool), whatever the grid
+    (out,) = launch(KERNEL, outs=[out], ins=[x], defines=defines, estimates=estimates,
+                    grid=(-(-R * F // NUM_THREADS), 1, 1), local_size=(NUM_THREADS, 1, 1))
     return out.reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
