@@ -57,20 +57,27 @@ def ingress(tiny_model_dir):
     ray.shutdown()
 
 
-async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = 8) -> dict:
-    """One streamed greedy completion: its text, its replica, and the error event if it ended with one."""
+async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = 8,
+                 started: asyncio.Queue | None = None) -> dict:
+    """One streamed greedy completion: its text, its replica, and the error event if it ended with one.
+    `started` (if given) receives the replica once the first event has arrived."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     text, error = "", None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        assert r.status_code == 200, (r.status_code, await r.aread())
         replica = int(r.headers["x-tinyvllm-replica"])
+        if r.status_code != 200:  # the replica failed before its response began: the ingress's 502
+            assert r.status_code == 502, (r.status_code, await r.aread())
+            return {"text": "", "replica": replica, "error": json.loads(await r.aread())["error"]}
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[6:])
                 if "error" in event:
                     error = event["error"]
                 else:
+                    if started is not None:
+                        started.put_nowait(replica)
+                        started = None
                     text += event["choices"][0]["text"]
     return {"text": text, "replica": replica, "error": error}
 
@@ -115,8 +122,11 @@ def test_a_killed_replica_fails_only_its_own_streams(ingress):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=600) as client:
-            tasks = [asyncio.create_task(stream(client, ingress, f"Long story {i}:", max_tokens=200)) for i in range(6)]
-            await asyncio.sleep(3)
+            started = asyncio.Queue()
+            tasks = [asyncio.create_task(stream(client, ingress, f"Long story {i}:", max_tokens=200, started=started))
+                     for i in range(6)]
+            for _ in range(6):  # kill once every stream is under way (a fixed wait let fast ones finish first)
+                await started.get()
             os.kill(pid, signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
@@ -124,7 +134,7 @@ def test_a_killed_replica_fails_only_its_own_streams(ingress):
     on_killed = [r for r in results if r["replica"] == 1]
     on_alive = [r for r in results if r["replica"] == 0]
     assert on_killed and on_alive
-    assert all(r["error"] is not None and "replica 1" in r["error"]["message"] for r in on_killed)
+    assert all(r["error"] is not None and "replica 1" in r["error"]["message"] for r in on_killed), results
     assert all(r["error"] is None for r in on_alive)
     after = asyncio.run(many(ingress, ["After the failure:"]))[0]  # the ingress keeps serving, on replica 0
     assert after["replica"] == 0 and after["error"] is None

@@ -136,7 +136,8 @@ class Ingress:
             self.router.finished(replica)
             self.router.mark_down(replica)
             return JSONResponse({"error": {"message": f"engine replica {replica} failed: {type(e).__name__}",
-                                           "type": "server_error", "code": 502}}, status_code=502)
+                                           "type": "server_error", "code": 502}}, status_code=502,
+                                headers={"x-tinyvllm-replica": str(replica)})
 
         async def passthrough():
             try:
