@@ -125,6 +125,50 @@ def test_prompt_chunks_attend_causally():
                                rtol=1e-5)
 
 
+def random_cache(rng, shape: tuple[int, ...], cache: str) -> tuple[Tensor, Tensor | None]:
+    """A cache of `cache` elements holding random values, and its per-token scales (int8 and fp8)."""
+    scales = Tensor(rng.uniform(0.01, 0.1, shape[:-1]).astype(np.float32)) if cache in ("int8", "fp8") else None
+    if cache == "int8":
+        return Tensor(rng.integers(-127, 128, shape).astype(np.int8)), scales
+    if cache == "fp8":  # any e4m3 code but the NaNs (0x7F, 0xFF)
+        return Tensor((rng.integers(0, 0x7F, shape) | (rng.integers(0, 2, shape) << 7)).astype(np.uint8)), scales
+    return Tensor(rng.standard_normal(shape, dtype=np.float32)).cast(getattr(dtypes, cache)).realize(), None
+
+
+@on_cpu
+@pytest.mark.parametrize("cache,group,head_dim,block_size",
+                         [("float32", 3, 64, 16), ("float32", 1, 128, 8), ("float32", 4, 64, 32), ("float16", 3, 64, 16),
+                          ("int8", 3, 64, 16), ("fp8", 2, 64, 8)])
+def test_rows_attended_together_give_each_row_its_bits_alone(cache: str, group: int, head_dim: int, block_size: int):
+    """The rows of one prompt chunk (the same block table, context lengths one apart) walk their keys together in
+    one pass (paged_attention.c's attend_rows); a row alone takes the decode route (attend_chunk). Every row's
+    output must be the bits of a launch of that row alone, whichever rows share its pass: so a prompt's tokens,
+    chunked or not, and a decoded token get the same attention."""
+    rng = np.random.default_rng(11 + group + head_dim)
+    n_kv_heads, num_blocks = 2, 40
+    k_cache, k_scale = random_cache(rng, (num_blocks, block_size, n_kv_heads, head_dim), cache)
+    v_cache, v_scale = random_cache(rng, (num_blocks, block_size, n_kv_heads, head_dim), cache)
+    max_blocks = 12
+    seq_a, seq_b = rng.permutation(num_blocks)[:max_blocks], rng.permutation(num_blocks)[:max_blocks]
+    # rows: a decode row; 13 tokens of sequence A after 40 cached ones; a decode row of B; B's first 3 tokens;
+    # a row over A's table far past the chunk (it must not join it); A's last token again
+    rows = ([(seq_b, 77)] + [(seq_a, n) for n in range(41, 54)] + [(seq_b, 90)] + [(seq_b, n) for n in (1, 2, 3)]
+            + [(seq_a, 150), (seq_a, 53)])
+    tables = np.stack([t for t, _ in rows]).astype(np.int32)
+    lengths = np.array([n for _, n in rows], np.int32)
+    q = rng.standard_normal((len(rows), group * n_kv_heads, head_dim)).astype(np.float32)
+    scales = (k_scale, v_scale) if k_scale is not None else (None, None)
+
+    def attend(i: slice) -> np.ndarray:
+        return kernel_paged_attention(Tensor(q[i]), k_cache, v_cache, Tensor(tables[i]), Tensor(lengths[i]), None,
+                                      *scales).numpy()
+
+    together = attend(slice(None))
+    alone = np.concatenate([attend(slice(i, i + 1)) for i in range(len(rows))])
+    assert np.isfinite(together).all()
+    np.testing.assert_array_equal(together.view(np.uint32), alone.view(np.uint32))
+
+
 @on_cpu
 def test_layer_under_tinyjit_replays_with_new_inputs():
     """As in the model: write then attend inside function(precompile=True), under TinyJit, one step after another

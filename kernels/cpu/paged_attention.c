@@ -193,6 +193,16 @@ TV_KERNEL reshape_and_cache(cache_t* restrict k_cache, cache_t* restrict v_cache
 #define TILE 32                                 /* keys per step of the online softmax (one rescale per tile) */
 #define PARALLEL_MIN_BYTES (4L << 20)             /* K/V bytes a launch must read before it uses the thread pool */
 
+/* Rows that read the same keys (the tokens of one prompt chunk: each its own row, with the same block table and
+ * context lengths one apart) are attended together, up to ROWS_TOGETHER rows: LANES query heads, one per lane of a
+ * vector register (see attend_rows). A row alone (decoding) takes attend_chunk. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#define ROWS_TOGETHER (TV_SLIDING_WINDOW == 0 ? LANES / GROUP : 1)  /* a window's tiles start row by row: alone */
+
 struct attention_args {
   float* out;
   const float* q;
@@ -202,9 +212,26 @@ struct attention_args {
   const float* v_scale;
   const int* block_tables;
   const int* context_lens;
+  const int* first_rows;  /* group i is rows first_rows[i] .. first_rows[i+1]-1 */
 };
 
-static void attend_chunk(const void* ctx, int chunk);
+static void attend_group(const void* ctx, int chunk);
+
+/* keys row `r` reads: its context, at most what its block table holds */
+TV_INLINE int num_keys_of(const int* context_lens, int r) {
+  return context_lens[r] < TV_MAX_BLOCKS * TV_BLOCK_SIZE ? context_lens[r] : TV_MAX_BLOCKS * TV_BLOCK_SIZE;
+}
+
+/* can row r join the group that row `first` starts? Its keys must be the first row's: the same blocks wherever
+ * either reads, and close enough in number that the longer row's last tile is not mostly masked for the other */
+TV_INLINE int reads_same_keys(const int* block_tables, const int* context_lens, int first, int r) {
+  const int a = num_keys_of(context_lens, first), b = num_keys_of(context_lens, r);
+  if (b - a >= TILE || a - b >= TILE) return 0;
+  const int blocks = ((a > b ? a : b) + TV_BLOCK_SIZE - 1) / TV_BLOCK_SIZE;
+  for (int i = 0; i < blocks; i++)
+    if (block_tables[first * TV_MAX_BLOCKS + i] != block_tables[r * TV_MAX_BLOCKS + i]) return 0;
+  return 1;
+}
 
 /* The entry point: the first function in this file, so the first in the compiled image. */
 TV_KERNEL paged_attention(float* restrict out, const float* restrict q, const cache_t* restrict k_cache,
@@ -213,20 +240,30 @@ TV_KERNEL paged_attention(float* restrict out, const float* restrict q, const ca
                           const float* restrict k_scale, const float* restrict v_scale,
 #endif
                           const int* restrict block_tables, const int* restrict context_lens) {
+  int first_rows[TV_NUM_SEQS + 1];
+  int groups = 0;
+  for (int r = 0; r < TV_NUM_SEQS;) {  /* consecutive rows over the same keys form a group */
+    int end = r + 1;
+    while (end < TV_NUM_SEQS && end - r < ROWS_TOGETHER && reads_same_keys(block_tables, context_lens, r, end)) end++;
+    first_rows[groups++] = r;
+    r = end;
+  }
+  first_rows[groups] = TV_NUM_SEQS;
 #if TV_KV_QUANT
-  struct attention_args args = {out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens};
+  struct attention_args args = {out, q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, first_rows};
 #else
-  struct attention_args args = {out, q, k_cache, v_cache, 0, 0, block_tables, context_lens};
+  struct attention_args args = {out, q, k_cache, v_cache, 0, 0, block_tables, context_lens, first_rows};
 #endif
   /* a small job runs on this thread alone: on a busy machine, waking a parked helper (or waiting for one the OS
    * paused mid-chunk) can take longer than the whole job, such as one sequence's 512-token context (2.4 MB of
-   * K/V at batch 1, 3 KV heads): below the byte count checked here, the job stays on this thread. */
+   * K/V at batch 1, 3 KV heads): below the byte count checked here, the job stays on this thread. A group reads
+   * its keys once for all its rows. */
   long bytes = 0;
-  for (int s = 0; s < TV_NUM_SEQS; s++) bytes += (long)context_lens[s] * 2 * ROW * (long)sizeof(cache_t);
+  for (int i = 0; i < groups; i++) bytes += (long)context_lens[first_rows[i + 1] - 1] * 2 * ROW * (long)sizeof(cache_t);
   if (bytes < PARALLEL_MIN_BYTES) {
-    for (int c = 0; c < TV_NUM_SEQS * TV_NUM_KV_HEADS; c++) attend_chunk(&args, c);
+    for (int c = 0; c < groups * TV_NUM_KV_HEADS; c++) attend_group(&args, c);
   } else {
-    tv_parallel_for(attend_chunk, &args, TV_NUM_SEQS * TV_NUM_KV_HEADS);
+    tv_parallel_for(attend_group, &args, groups * TV_NUM_KV_HEADS);
   }
 }
 
@@ -260,26 +297,54 @@ TV_INLINE f8 dot8(const f8* q, const float* const* rows) {
  * polynomial, 2^n put straight into the exponent bits.
  * x is clamped to [-87.3, 88.3], where 2^n stays a normal float: exp(-inf) comes out as ~1e-38, not 0, which
  * only ever multiplies an accumulator that is still 0. */
-TV_INLINE f8 exp8(f8 x) {
-  const f8 magic = (f8){0} + 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
-  x = __builtin_elementwise_min(__builtin_elementwise_max(x, (f8){0} - 87.3f), (f8){0} + 88.3f);
-  f8 t = x * 1.44269504f + magic;
-  f8 n = t - magic;                                   /* round(x / ln2) */
-  f8 y = TV_EXP_REDUCED(f8, x, n);                   /* exp(x - n*ln2) */
-  i8 bits = ((i8)t - (i8)magic + 127) << 23;          /* 2^n as a float's bits */
-  return y * (f8)bits;
-}
+/* written once for any vector width (T floats, IT ints): the grouped route below evaluates the same operations on
+ * LANES lanes, so every lane gets the bits exp8 would give it */
+#define TV_EXP_CLAMPED(T, IT, x_in)                                                      \
+  ({                                                                                     \
+    const T magic_ = (T){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */ \
+    T x_ = __builtin_elementwise_min(__builtin_elementwise_max((x_in), (T){0} - 87.3f), (T){0} + 88.3f);        \
+    T t_ = x_ * 1.44269504f + magic_;                                                    \
+    T n_ = t_ - magic_;                                          /* round(x / ln2) */    \
+    T e_ = TV_EXP_REDUCED(T, x_, n_);                            /* exp(x - n*ln2) */    \
+    IT bits_ = ((IT)t_ - (IT)magic_ + 127) << 23;                /* 2^n as a float's bits */ \
+    e_ * (T)bits_;                                                                       \
+  })
+
+TV_INLINE f8 exp8(f8 x) { return TV_EXP_CLAMPED(f8, i8, x); }
 
 TV_INLINE float exp1(float x) { return exp8((f8){0} + x)[0]; }
+
+/* The K and V rows of keys t0 .. t0+n-1 (n <= TILE) of one KV head: key p is in slot table[p / BLOCK_SIZE] *
+ * BLOCK_SIZE + p % BLOCK_SIZE, at k_cache[slot, kv_head, :] (a tile spans several blocks when block_size < TILE).
+ * float32 rows are read in place; other caches are turned into float32 in k_tile / v_tile first, scale applied,
+ * once for every query head that reads them. Rows past n point at a valid row: whatever they give is never used. */
+TV_INLINE void tile_rows(const struct attention_args* a, const int* table, int kv_head, int t0, int n,
+                         const float** k_rows, const float** v_rows, float (*k_tile)[TV_HEAD_DIM],
+                         float (*v_tile)[TV_HEAD_DIM]) {
+  for (int t = 0; t < TILE; t++) {
+    const int p = t0 + (t < n ? t : 0);
+    const long at = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS
+                    + kv_head;  /* (slot, kv head) */
+#if TV_CACHE_BITS == 32
+    (void)k_tile, (void)v_tile;
+    k_rows[t] = a->k_cache + at * TV_HEAD_DIM;  /* float32: read in place */
+    v_rows[t] = a->v_cache + at * TV_HEAD_DIM;
+#else
+    if (t < n) {  /* dequantize (or widen) once for all the heads */
+      load_row(k_tile[t], a->k_cache + at * TV_HEAD_DIM, TV_KV_QUANT ? a->k_scale[at] : 1.0f);
+      load_row(v_tile[t], a->v_cache + at * TV_HEAD_DIM, TV_KV_QUANT ? a->v_scale[at] : 1.0f);
+    }
+    k_rows[t] = k_tile[t < n ? t : 0];
+    v_rows[t] = v_tile[t < n ? t : 0];
+#endif
+  }
+}
 
 /* One sequence x one KV head: its GROUP query heads over the sequence's keys, a tile of 32 at a time. Per head,
  * the scores of 8 keys come out of dot8 as one vector, and the head's accumulator (HD8 vectors) stays in
  * registers while the tile's V rows are added in (several times faster at batch 32 x 8192 tokens than one
  * horizontal sum per score with all GROUP accumulators live at once, 24 vectors for 16 registers). */
-static void attend_chunk(const void* ctx, int chunk) {
-  const struct attention_args* a = (const struct attention_args*)ctx;
-  const int seq = chunk / TV_NUM_KV_HEADS, kv_head = chunk % TV_NUM_KV_HEADS;
-  const int context_len = a->context_lens[seq];
+static void attend_chunk(const struct attention_args* a, int seq, int kv_head) {
   const int* table = a->block_tables + seq * TV_MAX_BLOCKS;
   const f8* q = (const f8*)(a->q + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM);  /* (GROUP, HD8) */
   float* out = a->out + (seq * TV_NUM_HEADS + kv_head * GROUP) * TV_HEAD_DIM;                /* (GROUP, head_dim) */
@@ -291,35 +356,20 @@ static void attend_chunk(const void* ctx, int chunk) {
     l[g] = 0.0f;
     for (int d = 0; d < HD8; d++) acc[g][d] = (f8){0};
   }
-  const int num_keys = context_len < TV_MAX_BLOCKS * TV_BLOCK_SIZE ? context_len : TV_MAX_BLOCKS * TV_BLOCK_SIZE;
+  const int num_keys = num_keys_of(a->context_lens, seq);
 #if TV_CACHE_BITS != 32
   float k_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));  /* this tile's rows in float32, scale applied */
   float v_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));
+#else
+  float (*k_tile)[TV_HEAD_DIM] = 0, (*v_tile)[TV_HEAD_DIM] = 0;
 #endif
   /* a sliding window starts the walk at the window's first key: the keys (and blocks) before it are skipped */
   const int first_key = TV_SLIDING_WINDOW > 0 && num_keys > TV_SLIDING_WINDOW ? num_keys - TV_SLIDING_WINDOW : 0;
   for (int t0 = first_key; t0 < num_keys; t0 += TILE) {
-    /* this tile's keys: tokens t0 .. t0+n-1 of the sequence; token p is in slot table[p / BLOCK_SIZE] * BLOCK_SIZE
-     * + p % BLOCK_SIZE, at k_cache[slot, kv_head, :] (a tile spans several blocks when block_size < TILE) */
     const int n = num_keys - t0 < TILE ? num_keys - t0 : TILE;
     const float* k_rows[TILE];
     const float* v_rows[TILE];
-    for (int t = 0; t < TILE; t++) {
-      const int p = t0 + (t < n ? t : 0);  /* past the last key: any valid row (its score is never used) */
-      const long at = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS
-                      + kv_head;  /* (slot, kv head) */
-#if TV_CACHE_BITS == 32
-      k_rows[t] = a->k_cache + at * TV_HEAD_DIM;  /* float32: read in place */
-      v_rows[t] = a->v_cache + at * TV_HEAD_DIM;
-#else
-      if (t < n) {  /* dequantize (or widen) once for all GROUP heads */
-        load_row(k_tile[t], a->k_cache + at * TV_HEAD_DIM, TV_KV_QUANT ? a->k_scale[at] : 1.0f);
-        load_row(v_tile[t], a->v_cache + at * TV_HEAD_DIM, TV_KV_QUANT ? a->v_scale[at] : 1.0f);
-      }
-      k_rows[t] = k_tile[t < n ? t : 0];
-      v_rows[t] = v_tile[t < n ? t : 0];
-#endif
-    }
+    tile_rows(a, table, kv_head, t0, n, k_rows, v_rows, k_tile, v_tile);
     const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int g = 0; g < GROUP; g++) {  /* the tile's K and V rows stay in L1 from one query head to the next */
       /* 1. scores s[t] = q_g . k_t * scale, 8 keys at a time */
@@ -352,6 +402,117 @@ static void attend_chunk(const void* ctx, int chunk) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  /* an empty context (no keys) gives zeros */
     for (int d = 0; d < HD8; d++) *(f8*)(out + g * TV_HEAD_DIM + d * 8) = acc[g][d] * inv;
   }
+}
+
+/* ------------------------------------------------------------------------- several rows over the same keys */
+/* A prompt chunk's tokens are rows that read the same keys, each a few more than the last. attend_chunk would
+ * walk those keys once per row; here up to ROWS_TOGETHER rows walk them once, their GROUP heads each in one lane
+ * of a LANES-float vector (lane = row * GROUP + head), so every operation serves all the query heads at once:
+ *   - a score for key t is a vector: the lanes' q (held transposed, qt[dim][lane]) times K[t][dim], each K
+ *     element read once and broadcast to every lane;
+ *   - the online softmax's m, l and alpha are vectors, one lane per query head;
+ *   - the accumulator is held transposed too, acc[dim][lane], and V[t][dim] broadcast into it.
+ * No horizontal sums, no shuffles. Each lane's keys end at its own context: keys past it are masked (p = 0, out
+ * of the max), and a lane with no key in a tile keeps its m, l and acc unchanged (alpha = 1).
+ * The same bits as attend_chunk, lane for lane: each lane does attend_chunk's float operations in its order
+ * (dot8's eight partial sums, dims j, j+8, ..., j+56, and its add tree; the same exp; p summed 8 keys apart and
+ * then by hsum8's tree; l = l * alpha + sum; acc = acc * alpha then + p_t v_t key by key). Adding a masked key's
+ * p = 0 changes no bits, so whichever rows share a group, a row's output is the one it would get alone. */
+typedef float fl __attribute__((vector_size(4 * LANES), aligned(4)));
+typedef int il __attribute__((vector_size(4 * LANES), aligned(4)));
+
+TV_INLINE fl expl(fl x) { return TV_EXP_CLAMPED(fl, il, x); }
+TV_INLINE fl select_fl(il mask, fl yes, fl no) { return (fl)((mask & (il)yes) | (~mask & (il)no)); }
+
+static void attend_rows(const struct attention_args* a, int first, int rows, int kv_head) {
+  const int* table = a->block_tables + first * TV_MAX_BLOCKS;  /* the group's rows read these blocks alike */
+  fl qt[TV_HEAD_DIM] __attribute__((aligned(64)));   /* qt[dim][lane]: q transposed */
+  fl acc[TV_HEAD_DIM] __attribute__((aligned(64)));  /* acc[dim][lane]: running sum of p * v, transposed */
+  il keys;                                            /* keys[lane]: that lane's number of keys */
+  int max_keys = 0;
+  for (int lane = 0; lane < LANES; lane++) {
+    const int r = lane / GROUP, g = lane % GROUP;
+    const int n = lane < rows * GROUP ? num_keys_of(a->context_lens, first + r) : 0;  /* spare lanes: no keys */
+    const float* q = a->q + ((first + r) * TV_NUM_HEADS + kv_head * GROUP + g) * TV_HEAD_DIM;
+    for (int d = 0; d < TV_HEAD_DIM; d++) qt[d][lane] = n ? q[d] : 0.0f;
+    keys[lane] = n;
+    max_keys = n > max_keys ? n : max_keys;
+  }
+  for (int d = 0; d < TV_HEAD_DIM; d++) acc[d] = (fl){0};
+  fl m = (fl){0} - 3.0e38f, l = (fl){0};
+#if TV_CACHE_BITS != 32
+  float k_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));
+  float v_tile[TILE][TV_HEAD_DIM] __attribute__((aligned(32)));
+#else
+  float (*k_tile)[TV_HEAD_DIM] = 0, (*v_tile)[TV_HEAD_DIM] = 0;
+#endif
+  for (int t0 = 0; t0 < max_keys; t0 += TILE) {
+    const int n = max_keys - t0 < TILE ? max_keys - t0 : TILE;
+    const float* k_rows[TILE];
+    const float* v_rows[TILE];
+    tile_rows(a, table, kv_head, t0, n, k_rows, v_rows, k_tile, v_tile);
+    /* 1. scores, two keys at a time (16 partial sums in registers, each qt[dim] loaded once for both) */
+    fl s[TILE] __attribute__((aligned(64)));
+    for (int t = 0; t < n; t += 2) {
+      const float* k0 = k_rows[t];
+      const float* k1 = k_rows[t + 1 < TILE ? t + 1 : t];
+      fl p0[8], p1[8];  /* p[j]: the partial sum over dims j, j+8, .., j+56 (dot8's lane j) */
+      for (int j = 0; j < 8; j++) {
+        p0[j] = qt[j] * k0[j];
+        p1[j] = qt[j] * k1[j];
+      }
+      for (int i = 1; i < HD8; i++) {
+        for (int j = 0; j < 8; j++) {
+          p0[j] += qt[8 * i + j] * k0[8 * i + j];
+          p1[j] += qt[8 * i + j] * k1[8 * i + j];
+        }
+      }
+      s[t] = (((p0[0] + p0[2]) + (p0[1] + p0[3])) + ((p0[4] + p0[6]) + (p0[5] + p0[7]))) * TV_SCALE;
+      if (t + 1 < TILE) s[t + 1] = (((p1[0] + p1[2]) + (p1[1] + p1[3])) + ((p1[4] + p1[6]) + (p1[5] + p1[7]))) * TV_SCALE;
+    }
+    /* 2. online softmax, per lane over that lane's keys */
+    fl most[4] = {m, m, m, m};  /* four chains (the max of a set is the same bits in any order) */
+    for (int t = 0; t < n; t++)
+      most[t % 4] = __builtin_elementwise_max(most[t % 4], select_fl(t0 + t < keys, s[t], most[t % 4]));
+    const fl m_new = __builtin_elementwise_max(__builtin_elementwise_max(most[0], most[1]),
+                                               __builtin_elementwise_max(most[2], most[3]));
+    const il live = t0 < keys;  /* lanes with a key in this tile */
+    const fl alpha = select_fl(live, expl(m - m_new), (fl){0} + 1.0f);
+    fl sum[8];
+    for (int j = 0; j < 8; j++) sum[j] = (fl){0};
+    for (int t = 0; t < n; t++) {
+      const fl p = (fl)((il)expl(s[t] - m_new) & (t0 + t < keys));  /* a lane's keys past its context weigh 0 */
+      s[t] = p;
+      sum[t % 8] += p;
+    }
+    m = m_new;
+    l = l * alpha + (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
+    /* 3. acc = alpha * acc + sum_t p_t * v_t, 16 dims at a time in registers */
+    for (int d0 = 0; d0 < TV_HEAD_DIM; d0 += 16) {
+      const int nd = TV_HEAD_DIM - d0 < 16 ? TV_HEAD_DIM - d0 : 16;
+      fl o[16];
+      for (int d = 0; d < nd; d++) o[d] = acc[d0 + d] * alpha;
+      for (int t = 0; t < n; t++) {
+        const float* v = v_rows[t] + d0;
+        for (int d = 0; d < nd; d++) o[d] += s[t] * v[d];
+      }
+      for (int d = 0; d < nd; d++) acc[d0 + d] = o[d];
+    }
+  }
+  const fl inv = select_fl(l > 0.0f, 1.0f / l, (fl){0});  /* an empty context (no keys) gives zeros */
+  for (int lane = 0; lane < rows * GROUP; lane++) {
+    float* out = a->out + ((first + lane / GROUP) * TV_NUM_HEADS + kv_head * GROUP + lane % GROUP) * TV_HEAD_DIM;
+    for (int d = 0; d < TV_HEAD_DIM; d++) out[d] = acc[d][lane] * inv[lane];
+  }
+}
+
+/* chunk = group x KV head: a row alone through attend_chunk, several through attend_rows */
+static void attend_group(const void* ctx, int chunk) {
+  const struct attention_args* a = (const struct attention_args*)ctx;
+  const int group = chunk / TV_NUM_KV_HEADS, kv_head = chunk % TV_NUM_KV_HEADS;
+  const int first = a->first_rows[group], rows = a->first_rows[group + 1] - first;
+  if (rows == 1) attend_chunk(a, first, kv_head);
+  else attend_rows(a, first, rows, kv_head);
 }
 
 #endif
