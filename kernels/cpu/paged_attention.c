@@ -21,7 +21,9 @@
  * and per tile of keys with scores s_1..s_n:
  *     m' = max(m, s_1..s_n);  alpha = exp(m - m');  p_i = exp(s_i - m')
  *     l' = alpha * l + sum p_i;  acc' = alpha * acc + sum p_i * v_i;  at the end: out = acc / l
- * Chunks (num_seqs x n_kv_heads of them) are spread over both cores by the thread pool (threadpool.h) when the
+ * The rows of a prompt chunk read the same keys: up to 16 / GROUP of them walk those keys in one pass instead,
+ * one query head per vector lane (attend_rows, below), with the same bits per row as alone.
+ * Chunks (groups of rows x n_kv_heads) are spread over both cores by the thread pool (threadpool.h) when the
  * launch reads enough K/V to be worth it.
  *
  * Arguments of paged_attention (all row-major; q and out float32, the caches cache_t; int32 tables):
