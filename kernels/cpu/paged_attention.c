@@ -342,6 +342,21 @@ TV_INLINE void tile_rows(const struct attention_args* a, const int* table, int k
   }
 }
 
+/* Ask for the K and V rows of keys t0 .. num_keys-1 (at most a tile) to come into cache while the current tile
+ * is worked on: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses
+ * within a page, misses the first rows of every block. */
+TV_INLINE void prefetch_tile(const struct attention_args* a, const int* table, int kv_head, int t0, int num_keys) {
+  const int n = num_keys - t0 < TILE ? num_keys - t0 : TILE;
+  for (int t = 0; t < n; t++) {
+    const int p = t0 + t;
+    const long at = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS + kv_head;
+    for (int c = 0; c < TV_HEAD_DIM * (int)sizeof(cache_t); c += 64) {
+      __builtin_prefetch((const char*)(a->k_cache + at * TV_HEAD_DIM) + c, 0, 3);
+      __builtin_prefetch((const char*)(a->v_cache + at * TV_HEAD_DIM) + c, 0, 3);
+    }
+  }
+}
+
 /* One sequence x one KV head: its GROUP query heads over the sequence's keys, a tile of 32 at a time. Per head,
  * the scores of 8 keys come out of dot8 as one vector, and the head's accumulator (HD8 vectors) stays in
  * registers while the tile's V rows are added in (several times faster at batch 32 x 8192 tokens than one
@@ -372,6 +387,7 @@ static void attend_chunk(const struct attention_args* a, int seq, int kv_head) {
     const float* k_rows[TILE];
     const float* v_rows[TILE];
     tile_rows(a, table, kv_head, t0, n, k_rows, v_rows, k_tile, v_tile);
+    prefetch_tile(a, table, kv_head, t0 + TILE, num_keys);
     const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
     for (int g = 0; g < GROUP; g++) {  /* the tile's K and V rows stay in L1 from one query head to the next */
       /* 1. scores s[t] = q_g . k_t * scale, 8 keys at a time */
