@@ -43,7 +43,7 @@
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
  * other rows of the step (batch invariance), which the engine's batched-equals-alone tests rely on.
- * With AVX-512 and M >= 8 the wide tile takes over (Q8_0 4 x 6 on 512-bit registers, Q4 4 x 4, see "the wide tile"
+ * With AVX-512 and M >= 8 the wide tile takes over (Q8_0 6 x 4 on 512-bit registers, Q4 4 x 4, see "the wide tile"
  * below): the same numbers.
  * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
  * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
@@ -108,10 +108,10 @@
 #define NR TV_TILE_NR
 #elif TV_WIDE_TILE
 #ifndef TV_TILE_MR
-#define TV_TILE_MR 4
+#define TV_TILE_MR (TV_WIDE_PAIRS && TV_QTYPE == 8 ? 6 : 4)
 #endif
 #ifndef TV_TILE_NR
-#define TV_TILE_NR (TV_WIDE_PAIRS ? (TV_QTYPE == 8 ? 6 : 4) : TV_QTYPE == 8 ? 4 : 3)
+#define TV_TILE_NR (TV_WIDE_PAIRS ? 4 : TV_QTYPE == 8 ? 4 : 3)
 #endif
 #define MR TV_TILE_MR
 #define NR TV_TILE_NR
@@ -419,7 +419,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
  * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add), where the pair
  * route spends nine operations on two blocks, three of them shuffles.
  * Where the CPU has two 512-bit FMA units (Intel's server cores; on others a 512-bit operation costs two 256-bit
- * ones, no loss) the whole tiles go further: two rows of w in each 512-bit register (wide_pair_tile), 4 x 6 outputs
+ * ones, no loss) the whole tiles go further: two rows of w in each 512-bit register (wide_pair_tile), 6 x 4 outputs
  * for Q8_0 (the tied embedding's lm_head, 49,152 rows), 4 x 4 for Q4 (its min sums take registers too), the same
  * lanes and the same bits; wide_tile keeps the N % NR rows left over (and TV_NO_WIDE_PAIRS builds it alone). */
 /* dst[b] = a[b] * c[b] for b < NB (written with intrinsics: left to itself, clang turns the tile's loops over i, j
@@ -439,7 +439,8 @@ TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const fl
  * lane for lane the integers and float operations of wide_tile (the scale is the same product d_w * d_x, the min
  * term the same product m_w * s_x, summed from 0 block after block), so the same bits; per (row of x, two rows of
  * w, block) one dpbusd, one conversion, one multiply and one FMA (Q4: and a multiply and an add) instead of two of
- * each (and no scale table per tile). Q4 has the min sums too, so 4 x 4 outputs fit the 32 registers, Q8_0 4 x 6. */
+ * each (and no scale table per tile). Q4 has the min sums too, so 4 x 4 outputs fit the 32 registers; Q8_0 takes 6 x 4 (12 accumulators, and each
+ * block's w registers, built with three inserts per pair of rows, serve six rows of x instead of four). */
 TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
                               const float* restrict dw, const float* restrict mw, const __m256i* restrict w128,
                               int mr) {
