@@ -50,10 +50,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np  # numpy only here: tinygrad must not be imported before BEAM is set
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from tinyvllm.gc_utils import freeze_heap, pause_collection  # noqa: E402
+
+GC_WAS_ENABLED = pause_collection()  # as `python main.py` does until its engine is built (tinyvllm/gc_utils.py)
+
+import numpy as np  # noqa: E402  (numpy only here: tinygrad must not be imported before BEAM is set)
 
 from bandwidth import measure_bandwidth_on  # noqa: E402  (benchmarks/bandwidth.py)
 from common import (  # noqa: E402  (benchmarks/common.py)
@@ -355,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     with load_parts() as parts:
         gen = Generator(args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization)
+    freeze_heap(enable=GC_WAS_ENABLED)  # the engine is built: what the start made is frozen, collection runs again
     t_load = time.perf_counter() - t
     parts["engine_rest_s"] = t_load - sum(parts.values())  # KV cache, scheduler, model runner
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from tinyvllm.engine.arg_utils import add_engine_args, engine_kwargs
+from tinyvllm.gc_utils import engine_start
 
 PROCESS_START = time.perf_counter()
 
@@ -60,16 +61,17 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
     args = build_generate_parser(prog, chat).parse_args(argv)
     if args.device:
         os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
-    # imported here so that --help is instant and DEV is set before tinygrad starts
-    from tinyvllm.engine.generator import GenerationResult, Generator
-    from tinyvllm.sampling_params import SamplingParams
-
     try:
-        engine_args = engine_kwargs(args)  # before the model loads: a typo in the JSON is said at once
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                                seed=args.seed, stop=args.stop)
-        generator = Generator(args.model, **engine_args)
+        with engine_start():  # no garbage collection while the engine is built, then its heap frozen (gc_utils.py)
+            # imported here so that --help is instant and DEV is set before tinygrad starts
+            from tinyvllm.engine.generator import GenerationResult, Generator
+            from tinyvllm.sampling_params import SamplingParams
+
+            engine_args = engine_kwargs(args)  # before the model loads: a typo in the JSON is said at once
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                    top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                    seed=args.seed, stop=args.stop)
+            generator = Generator(args.model, **engine_args)
         if chat and args.prompt is None:
             return _chat_loop(generator, params)
         result = GenerationResult([])

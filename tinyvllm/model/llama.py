@@ -339,6 +339,7 @@ class LlamaForCausalLM:
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
         pool.shutdown()
+        del load  # it calls itself, a cycle through its closure that holds `state_dict`: freed now, not by the collector
         # only casts (float16) are left to compute; a realize of buffers that are ready would still schedule them
         if pending := [t for t in loaded if not tinygrad_adapter.is_realized(t)]:
             Tensor.realize(*pending)
