@@ -58,11 +58,13 @@ def test_the_adapters_empty_is_tinygrads():
     import numpy as np
     from tinygrad import Tensor, dtypes
 
-    for shape, dtype in [((3, 4), dtypes.float32), ((7,), dtypes.uint8), ((2, 3, 5), dtypes.int32)]:
+    for shape, dtype in [((3, 4), dtypes.float32), ((7,), dtypes.uint8), ((2, 3, 5), dtypes.int32), ((3, 4), dtypes.uint8),
+                         ((1, 1), dtypes.float32)]:  # a shape again: its reshape's sources come from the memo
         ours, theirs = tinygrad_adapter.empty(shape, dtype, None), Tensor.empty(*shape, dtype=dtype)
         for a, b in [(ours.uop, theirs.uop), (ours.uop.base, theirs.uop.base)]:
             assert (a.op, a.shape, a.dtype, a.device, a.arg if a.op.name == "RESHAPE" else None) == \
                 (b.op, b.shape, b.dtype, b.device, b.arg if b.op.name == "RESHAPE" else None)
+        assert ours.uop.src[1:] == theirs.uop.src[1:]  # the shape's uops: the same objects (tinygrad keeps one each)
         assert ours.uop.buffer.size == theirs.uop.buffer.size and ours.uop.buffer is not theirs.uop.buffer
     host = np.arange(12, dtype=np.float32).reshape(3, 4)
     t = tinygrad_adapter.tensor_over_memory(host.ctypes.data, (3, 4), dtypes.float32, None, owner=host)
@@ -90,6 +92,26 @@ def test_the_cpu_renderers_nobody_asked_for_are_imported_on_first_use(tmp_path):
                          check=True).stdout.split()
     assert out == ["tinygrad.renderer.isa.x86", "X86Renderer", "[3.0,", "6.0]", "False", "tinygrad.renderer.nir",
                    "True"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the quick search is Linux's; elsewhere tinygrad's own runs")
+def test_the_quick_library_search_finds_what_tinygrads_finds(tmp_path, monkeypatch):
+    """tinygrad_startup._findlib returns what tinygrad's DLL.findlib returns: the system's libraries, absent ones,
+    absolute paths, and a directory first on LD_LIBRARY_PATH whose first fitting name is a linker script (skipped)
+    and whose next is an ELF library (taken, ahead of the system's)."""
+    tinygrads = tinygrad_startup.TINYGRAD_FINDLIB  # this process may have swapped DLL.findlib for the quick one
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    (libs / "libm.so").write_text("GROUP ( /lib/libm.so.6 )\n")  # a linker script, as /usr/lib has
+    (libs / "libm.so.6").write_bytes(b"\x7fELF" + bytes(60))
+    (libs / "libmx.so").write_bytes(b"\x7fELF")  # a name that does not fit lib{m}.so[.N]
+    cases = [("libc", ["c"], []), ("rt", ["gcc_s"], []), ("m", ["m"], []), ("mesa", ["tinymesa"], [str(tmp_path)]),
+             ("nothing", ["no-such-library"], []), ("abs", [str(libs / "libm.so.6")], []), ("m", ["m"], [str(libs)])]
+    for env in ("", str(libs)):
+        monkeypatch.setenv("LD_LIBRARY_PATH", env)
+        for nm, paths, extra in cases:
+            assert tinygrad_startup._findlib(nm, paths, extra) == tinygrads(nm, paths, extra), (nm, paths, env)
+    assert tinygrad_startup._findlib("m", ["m"]) == str(libs / "libm.so.6")  # LD_LIBRARY_PATH is searched first
 
 # ---- captured graphs kept on disk (tinyvllm/kernels/graph_cache.py) ----
 

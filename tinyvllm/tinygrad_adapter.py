@@ -49,9 +49,7 @@ from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_para
 from tinygrad.helpers import DEV, dedup, NUM_CPU_THREADS, ContextVar, prod, to_tuple
 from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import ClangRenderer
-from tinygrad.runtime.autogen import libc
-from tinygrad.runtime.support.elf import elf_loader
-from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, shape_to_shape_arg
 
 # Imported above and used elsewhere as they are (from modules tinygrad does not export at its top level):
 #   Ops             the UOp operation enum (cpu_graph.py walks a captured graph by it)
@@ -136,7 +134,11 @@ def elf_symbol_at_start(lib: bytes, symbol: str) -> bool | None:
     """Does function `symbol` start at offset 0 of the first code section of ELF object `lib`? (None: no such
     symbol.) tinygrad's CPU runtime loads the sections back to back and calls the first byte, so that is where
     an entry function must be. Reads the object with tinygrad's ELF reader (`runtime.support.elf.elf_loader`)
-    and its libc struct definitions (`runtime.autogen.libc`)."""
+    and its libc struct definitions (`runtime.autogen.libc`), imported here: the CPU device's module imports them
+    too, but only after tinyvllm/tinygrad_startup.py has made finding libc cheaper (`find_libraries_quickly`)."""
+    from tinygrad.runtime.autogen import libc
+    from tinygrad.runtime.support.elf import elf_loader
+
     _, sections, _ = elf_loader(lib)
     symtab = next(s for s in sections if s.name == ".symtab")
     strtab = next(s for s in sections if s.name == ".strtab")
@@ -194,8 +196,21 @@ def inputs_written_by(captured: CapturedJit, input_uops: list[UOp]) -> bool:
 def empty(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
     """`Tensor.empty(*shape, dtype=dtype, device=device)` for a shape of ints on one device: the same new buffer
     reshaped to `shape`, without the shrink to `shape` tinygrad's adds (`tinygrad.mixin.creation.empty`), which gives
-    the tensor back unchanged after as much work again as the rest: a load makes a few hundred (weights, KV caches)."""
-    return Tensor(UOp.new_buffer(canonicalize_device(device), prod(shape), dtype).reshape(shape))
+    the tensor back unchanged after as much work again as the rest: a load makes a few hundred (weights, KV caches).
+
+    The reshape is `UOp.reshape` (`tinygrad.mixin.movement`, `UOp._mop`) with its one costly step, the symbolic
+    simplification of the shape's uop, done once per shape (`_reshape_sources`): a shape of ints always simplifies
+    to the same uops (tinygrad keeps one uop per value), and the 30 layers' weights have a handful of shapes."""
+    buffer = UOp.new_buffer(canonicalize_device(device), prod(shape), dtype)
+    reshaped = UOp(Ops.RESHAPE, src=(buffer, *_reshape_sources(tuple(shape))))
+    return Tensor(buffer if reshaped.shape == buffer.shape else reshaped)  # as `reshape`: the same shape is a no-op
+
+
+@functools.lru_cache(maxsize=None)
+def _reshape_sources(shape: tuple[int, ...]) -> tuple[UOp, ...]:
+    """The sources after the tensor that `UOp._mop(Ops.RESHAPE, shape)` gives its RESHAPE: the shape as a uop,
+    simplified."""
+    return UOp.sink(shape_to_shape_arg(shape)).simplify().src
 
 
 def tensor_over_memory(address: int, shape: tuple[int, ...], dtype: DType, device: str | None, owner: object) -> Tensor:

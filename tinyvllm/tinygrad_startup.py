@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import importlib
 import os
+import pathlib
+import re
 import sys
+import sysconfig
 import types
 
 import tinygrad.codegen
 import tinygrad.engine.realize
 from tinygrad import Device, UOp
-from tinygrad.helpers import DEV
+from tinygrad.helpers import DEV, getenv
+from tinygrad.runtime.support import c as tinygrad_c
 
 from tinyvllm.tinygrad_adapter import INSTALLED_VERSION, TINYGRAD_VERSION
 
@@ -117,3 +121,48 @@ def _stand_in(name: str, renderer: str) -> types.ModuleType:
     module.__getattr__ = read
     setattr(module, renderer, Deferred)
     return module
+
+
+# ---- finding the C libraries the CPU device loads (libc, libm, libgcc_s) ----
+
+TINYGRAD_FINDLIB = tinygrad_c.DLL.findlib  # tinygrad's own search, before `find_libraries_quickly` replaces it
+
+
+def find_libraries_quickly() -> None:
+    """Make tinygrad's search for a shared library (`runtime.support.c.DLL.findlib`) cheaper, finding the same file.
+
+    Opening the CPU device loads libc, libm and libgcc_s through `DLL`, which looks for `lib<name>.so[.N]` in the
+    usual directories in turn, and in each asks of every entry whether it is a file (a `stat` per entry) before
+    asking whether its name fits: the system's library directory holds over a thousand entries, read once per
+    library. Here the same directories are read in the same order and the same first match is returned, but an
+    entry's name is tested first and only a name that fits is looked at on disk. Linux only (elsewhere tinygrad's
+    own search runs); pinned tinygrad only. Call it before the CPU device's module is imported."""
+    if sys.platform != "linux" or INSTALLED_VERSION != TINYGRAD_VERSION:
+        return
+    tinygrad_c.DLL.findlib = staticmethod(_findlib)
+
+
+def _findlib(nm: str, paths: list[str], extra_paths=[]) -> str | None:  # noqa: B006  (tinygrad's signature)
+    """`DLL.findlib` of tinygrad 0.14.0 on Linux, step for step, with each directory's entries filtered by name
+    before they are stat'ed (the order of the two tests of an entry swapped; both must hold either way)."""
+    if pathlib.Path(path := getenv(nm.replace("-", "_").upper() + "_PATH", "")).is_file():
+        return path
+    for p in paths:
+        if (pth := pathlib.Path(p)).is_absolute():
+            if pth.is_file():
+                return p
+            continue
+        libpaths = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d] + [
+            "/usr/lib64", "/usr/lib", "/usr/local/lib", "/usr/lib/wsl/lib/", "/lib", "/lib64",
+            f"/lib/{sysconfig.get_config_var('MULTIARCH')}"]
+        name = re.compile(f"lib{p}\\.so\\.?[0-9]*")
+        for pre in (pathlib.Path(pre) for pre in ([path] if path else []) + libpaths + extra_paths):
+            if not pre.is_dir():
+                continue
+            with os.scandir(pre) as entries:  # the order of `pre.iterdir()`
+                for entry in entries:
+                    if name.fullmatch(entry.name) and entry.is_file():
+                        with open(entry.path, "rb") as f:  # a linker script is not the library
+                            if f.read(4) == b"\x7fELF":
+                                return str(pre / entry.name)
+    return None

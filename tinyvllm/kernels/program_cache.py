@@ -50,6 +50,7 @@ from tinyvllm.tinygrad_startup import (
     choose_default_device,
     chosen_default_device,
     defer_unused_cpu_renderers,
+    find_libraries_quickly,
     lower_cpu_device_programs_through,
     lowered_program_cache,
     set_default_device,
@@ -138,6 +139,7 @@ def install(directory: Path | None = None, device: str | None = None) -> DiskPro
         cache = DiskProgramCache(directory or cache_dir(), current)
         set_lowered_program_cache(cache)
         defer_unused_cpu_renderers()  # before the CPU device's module is first imported (just below)
+        find_libraries_quickly()  # and before it loads libc, libm, libgcc_s
         lower_cpu_device_programs_through(cache)
         if device is None:
             settle_default_device(cache.directory / "default_device.json")

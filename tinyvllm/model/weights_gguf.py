@@ -57,6 +57,8 @@ from tinyvllm.ggml_types import KERNEL_TYPES
 from tinyvllm.model.quant import QuantizedArray, as_blocks, dequantize, tensor_nbytes
 from tinyvllm.model.weights import check_state_dict, expected_shapes
 
+F32 = 0  # GGML's type id of float32 (tinyvllm/ggml_types.py)
+
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -168,12 +170,20 @@ def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32, keep_quantiz
         t = read_tensor(gguf, name, keep_quantized)
         return t if isinstance(t, QuantizedArray) else t.astype(dtype, copy=False)
 
-    # dequantizing is numpy work that releases the GIL: one thread per core cuts the load time by that factor
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for name, array in zip(names, pool.map(read, names)):
-            hf = hf_name(name, arch) or name  # an unknown name is kept, so check_state_dict reports it
-            file_names[hf] = name
-            state_dict[hf] = array
+    def kept_or_copied(name: str) -> bool:  # a view of the file's blocks, or float32 copied as it is: no work
+        info = gguf.tensors[name]
+        return info.ggml_type == F32 or (keep_quantized and info.ggml_type in KERNEL_TYPES and len(info.shape) == 2)
+
+    # dequantizing is numpy work that releases the GIL: one thread per core cuts the load time by that factor. What
+    # needs none (the blocks the kernels read, the norms) is read here: a thread per tensor would cost more than it
+    arrays = {name: read(name) for name in names if kept_or_copied(name)}
+    if dequantized := [name for name in names if name not in arrays]:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            arrays.update(zip(dequantized, pool.map(read, dequantized)))
+    for name in names:
+        hf = hf_name(name, arch) or name  # an unknown name is kept, so check_state_dict reports it
+        file_names[hf] = name
+        state_dict[hf] = arrays[name]
     check_state_dict(config, state_dict, gguf.path, file_names)
     if not config.rope_interleaved:
         return config, state_dict
