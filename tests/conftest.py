@@ -24,6 +24,7 @@ if os.environ.get("TINYVLLM_GRAPH_CACHE") != "0" and not os.environ.get("TINYVLL
     os.environ["TINYVLLM_GRAPH_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyvllm-test-graphs-")
     atexit.register(shutil.rmtree, os.environ["TINYVLLM_GRAPH_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("TINYVLLM_TOKENIZER_CACHE", "0")  # tokenizers built as before (test_cold_start turns it on)
+os.environ.setdefault("TINYVLLM_GGUF_HEADER_CACHE", "0")  # GGUF headers parsed as before (test_cold_start turns it on)
 
 # TINYVLLM_HIDE_AFTER_PHASE=k (`make test-phase P=k`): the modules of Phases k+1.. cannot be imported, as if not built
 # yet, and their test files are not collected (tests/phases.py)

@@ -266,3 +266,52 @@ def test_the_tokenizer_is_read_back_and_rebuilt_when_stale_or_corrupt(tmp_path, 
     assert tokenizer_cache.load_tokenizer(model_dir).add_bos_token and len(builds) == 4
     monkeypatch.setattr(tokenizer_cache, "code_identity", lambda: "other code")
     assert tokenizer_cache.load_tokenizer(model_dir).add_bos_token and len(builds) == 5
+
+
+# ---- a GGUF's parsed header kept on disk (tinyvllm/model/gguf.py) ----
+
+def test_the_gguf_header_is_read_back_and_parsed_again_when_stale_or_corrupt(tmp_path, monkeypatch):
+    """A second process (here: the in-memory memo cleared) reads the header back, string arrays over the file
+    included; a corrupt or truncated file, a rewritten GGUF (size, mtime) or a changed parser is parsed again."""
+    import numpy as np
+
+    from tinyvllm.model import gguf
+    from tinyvllm.model.gguf_writer import TensorData, write_gguf
+
+    monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "HEADER_CACHE", True)
+    parses = []
+    parse = gguf._parse_header
+    monkeypatch.setattr(gguf, "_parse_header", lambda path, buf: parses.append(path) or parse(path, buf))
+    model = tmp_path / "m.gguf"
+
+    def write(tokens: list[str]) -> None:
+        metadata = {"general.architecture": "llama", "tokenizer.ggml.tokens": tokens, "llama.block_count": 2,
+                    "tokenizer.ggml.scores": [0.5] * len(tokens)}
+        write_gguf(model, metadata, [TensorData("w", (2, 3), 0, np.arange(6, dtype=np.float32).reshape(2, 3))])
+
+    def opened() -> gguf.GGUFFile:
+        gguf._read_header.cache_clear()  # what a new process starts with
+        return gguf.GGUFFile(model)
+
+    write(["a", "b", "ünï", ""])
+    first = opened()  # parsed, then written
+    [file] = (tmp_path / "cache" / "gguf-headers").glob("*.header")
+    again = opened()  # read back: not parsed
+    assert len(parses) == 1 and isinstance(again.metadata["tokenizer.ggml.tokens"], gguf.StringArray)
+    assert again.metadata == first.metadata and again.tensors == first.tensors
+    assert list(again.metadata["tokenizer.ggml.tokens"]) == ["a", "b", "ünï", ""]
+    np.testing.assert_array_equal(again.raw("w", 24).view(np.float32), np.arange(6, dtype=np.float32))
+
+    data = file.read_bytes()
+    file.write_bytes(data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))  # flipped bits: checksum mismatch
+    assert opened().tensors == first.tensors and len(parses) == 2
+    assert file.read_bytes() == data  # written again
+    file.write_bytes(data[: len(data) // 2])  # truncated
+    assert opened().metadata == first.metadata and len(parses) == 3
+
+    write(["a", "b", "c", "dd", "eee"])  # the model rewritten: another size, another key
+    assert list(opened().metadata["tokenizer.ggml.tokens"]) == ["a", "b", "c", "dd", "eee"] and len(parses) == 4
+    assert list(opened().metadata["tokenizer.ggml.tokens"]) == ["a", "b", "c", "dd", "eee"] and len(parses) == 4
+    monkeypatch.setattr(gguf, "_code_identity", lambda: "other code")  # the parser changed
+    assert opened().metadata["llama.block_count"] == 2 and len(parses) == 5

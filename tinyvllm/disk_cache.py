@@ -1,7 +1,8 @@
 """What the on-disk caches share: a cache directory kept under a size, the least recently used files going first.
 
-The graph cache (kernels/graph_cache.py) and the tokenizer cache (model/tokenizer_cache.py) each touch a file when
-they read it (`os.utime`), so its modification time says when it was last used.
+The graph cache (kernels/graph_cache.py), the tokenizer cache (model/tokenizer_cache.py) and the GGUF header cache
+(model/gguf.py) each touch a file when they read it (`os.utime`), so its modification time says when it was last
+used.
 """
 
 from __future__ import annotations

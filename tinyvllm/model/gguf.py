@@ -11,6 +11,8 @@ GGUF (llama.cpp's single-file format, spec: github.com/ggml-org/ggml/blob/master
 Tensor data is memory-mapped, not read: a tensor's bytes are only touched when it is dequantized.
 Arrays of strings (a tokenizer's vocabulary and merges, ~50k strings each) are decoded when first used
 (`StringArray`): a process whose tokenizer comes from its disk cache (tokenizer_cache.py) never decodes them.
+Stepping over them still reads ~100k string lengths one by one, the most of a header's parse: the parsed header
+is kept on disk too, as the tokenizer is (`_read_header`; `TINYVLLM_GGUF_HEADER_CACHE=0` turns that off).
 Dimensions are stored fastest-varying first (ggml order), so a (rows, cols) matrix is listed as
 [cols, rows]; `GGUFTensorInfo.shape` gives it back in numpy (row-major) order.
 """
@@ -18,13 +20,20 @@ Dimensions are stored fastest-varying first (ggml order), so a (rows, cols) matr
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
+import os
+import pickle
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+from tinyvllm.disk_cache import evict
 
 GGUF_MAGIC = b"GGUF"
 
@@ -154,12 +163,23 @@ class GGUFFile:
 
 @functools.lru_cache(maxsize=8)
 def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, GGUFTensorInfo]]:
-    """Parse the metadata and tensor infos of a GGUF file, once per (path, modification time, size).
+    """The metadata and tensor infos of a GGUF file, once per (path, modification time, size).
 
     The weights loader and the tokenizer both open the model file; its vocabulary and merges are ~100k
-    strings, so the second parse is served from here. Callers must not modify what it returns."""
+    strings, so the second parse is served from here, and a later process reads the parse back from disk
+    (`HeaderCache`). Callers must not modify what it returns."""
     with open(path, "rb") as f:
         buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    cache = HeaderCache(path, mtime_ns, size) if HEADER_CACHE else None
+    if cache is not None and bytes(buf[:4]) == GGUF_MAGIC and (header := cache.read(buf)) is not None:
+        return header
+    header = _parse_header(path, buf)
+    if cache is not None:
+        cache.write(*header)
+    return header
+
+
+def _parse_header(path: str, buf: memoryview) -> tuple[dict, dict[str, GGUFTensorInfo]]:
     cur = _Cursor(buf)
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
@@ -187,3 +207,75 @@ def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, G
     tensors = {name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset)
                for name, shape, ggml_type, offset in infos}
     return metadata, tensors
+
+
+# ---- the parsed header kept on disk ----
+
+HEADER_CACHE = os.getenv("TINYVLLM_GGUF_HEADER_CACHE", "1") != "0"
+HEADER_MAGIC = b"tinyvllm-gguf-header 1\n"
+HEADER_CACHE_BYTES = 16 << 20  # of header files kept (SmolLM2's is ~0.3 MB); the least recently used go first
+
+
+class _StringsAt(NamedTuple):
+    """A `StringArray` as the header file keeps it: where in the GGUF its strings begin, and how many."""
+
+    start: int
+    n: int
+
+
+@functools.cache
+def _code_identity() -> str:
+    """sha256 of this module's source: a parse is what the code that parsed it made of the file."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+class HeaderCache:
+    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header` (the tokenizer cache's layout,
+    tokenizer_cache.py): MAGIC | sha256(payload) | payload = pickle((key, metadata, tensor infos as tuples)).
+
+    The key is the file's resolved path, size and modification time, this module's source and Python's version: a
+    rewritten model file, or a change to the parser, is another key, so a stale parse is never read (a GGUF is
+    never hashed whole: that would cost more than parsing it). A file that is missing, truncated, corrupt (the
+    checksum) or of another key is a miss: the header is parsed and the file written again."""
+
+    def __init__(self, path: str, mtime_ns: int, size: int):
+        self.key = repr((path, mtime_ns, size, _code_identity(), sys.version_info[:2]))
+        self.directory = Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm") / "gguf-headers"
+        self.file = self.directory / f"{hashlib.sha256(self.key.encode()).hexdigest()}.header"
+
+    def read(self, buf: memoryview) -> tuple[dict, dict[str, GGUFTensorInfo]] | None:
+        """The header kept for this key, its string arrays over `buf` (the mapped file); None on a miss."""
+        try:
+            data = self.file.read_bytes()
+            digest, payload = data[len(HEADER_MAGIC):len(HEADER_MAGIC) + 32], data[len(HEADER_MAGIC) + 32:]
+            if not data.startswith(HEADER_MAGIC) or hashlib.sha256(payload).digest() != digest:
+                return None
+            key, metadata, infos = pickle.loads(payload)
+            if key != self.key:
+                return None
+            metadata = {k: StringArray(buf, *v) if isinstance(v, _StringsAt) else v for k, v in metadata.items()}
+            tensors = {info[0]: GGUFTensorInfo(*info) for info in infos}
+            os.utime(self.file)  # used now: the last to be evicted
+        except Exception:  # missing, unreadable, not a pickle of this shape: parse the file
+            return None
+        return metadata, tensors
+
+    def write(self, metadata: dict, tensors: dict[str, GGUFTensorInfo]) -> None:
+        """Keep a parse for later processes (a temporary file renamed into place); quietly not where it cannot be."""
+        import tempfile
+
+        kept = {k: _StringsAt(v._start, v._n) if isinstance(v, StringArray) else v for k, v in metadata.items()}
+        infos = [(t.name, t.shape, t.ggml_type, t.offset) for t in tensors.values()]
+        tmp = None
+        try:
+            payload = pickle.dumps((self.key, kept, infos), protocol=pickle.HIGHEST_PROTOCOL)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(HEADER_MAGIC + hashlib.sha256(payload).digest() + payload)
+            os.replace(tmp, self.file)
+        except (OSError, pickle.PicklingError, TypeError):  # a read-only home, a full disk, strings nested in a list
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            return
+        evict(self.directory, "*.header", HEADER_CACHE_BYTES)
