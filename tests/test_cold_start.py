@@ -315,3 +315,22 @@ def test_the_gguf_header_is_read_back_and_parsed_again_when_stale_or_corrupt(tmp
     assert list(opened().metadata["tokenizer.ggml.tokens"]) == ["a", "b", "c", "dd", "eee"] and len(parses) == 4
     monkeypatch.setattr(gguf, "_code_identity", lambda: "other code")  # the parser changed
     assert opened().metadata["llama.block_count"] == 2 and len(parses) == 5
+
+
+def test_populating_a_gguf_changes_nothing_read_from_it(tmp_path):
+    """GGUFFile.populate only asks the kernel to map the file now (on a thread): the bytes read are the same."""
+    import threading
+
+    import numpy as np
+
+    from tinyvllm.model import gguf
+    from tinyvllm.model.gguf_writer import TensorData, write_gguf
+
+    w = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
+    write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, [TensorData("w", w.shape, 0, w)])
+    f = gguf.GGUFFile(tmp_path / "m.gguf")
+    f.populate()
+    for t in threading.enumerate():
+        if t.name == "gguf-populate":
+            t.join()
+    np.testing.assert_array_equal(f.raw("w", w.nbytes).view(np.float32).reshape(w.shape), w)

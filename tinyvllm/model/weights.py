@@ -143,7 +143,6 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, qua
     from tinyvllm.model import quantization as q
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights_gguf import load_gguf
-    from tinyvllm.model.weights_hf import load_hf
 
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float16):
@@ -153,11 +152,14 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, qua
         raise FileNotFoundError(f"no checkpoint at {path}: expected a .gguf file or an HF model directory")
     q.check_quantization(quantization)
     if path.is_dir():
+        from tinyvllm.model.weights_hf import load_hf  # safetensors: only for an HF directory
+
         config, state_dict = load_hf(path, dtype)
     elif path.suffix == ".safetensors":
         raise ValueError(f"{path} is one file of an HF checkpoint: pass its directory (with config.json) instead")
     else:
         gguf = GGUFFile(path)
+        gguf.populate()  # every tensor is read: their pages mapped in the background while the rest loads
         if quantization == "auto":
             q.notify(q.fallback_notice(gguf))
         config, state_dict = load_gguf(gguf, dtype, keep_quantized=quantization == "auto")
