@@ -82,15 +82,33 @@ def cache_dir() -> Path:
 
 @functools.cache
 def code_identity() -> str:
-    """sha256 of tinyvllm's Python source and its CPU kernels' C source: a graph is the code that traced it."""
+    """sha256 of tinyvllm's Python source and its CPU kernels' C source: a graph is the code that traced it. Each
+    file counts with its folder's and its own name, in sorted order."""
     package = Path(__file__).resolve().parents[1]
-    files = sorted(package.rglob("*.py"))
-    if KERNELS_DIR is not None:
-        files += sorted(p for p in (KERNELS_DIR / "cpu").rglob("*") if p.is_file())
+    roots = [(str(package), ".py")] + ([(str(KERNELS_DIR / "cpu"), "")] if KERNELS_DIR is not None else [])
     h = hashlib.sha256()
-    for path in files:
-        h.update(str(path.relative_to(path.parents[1])).encode() + b"\0" + path.read_bytes() + b"\0")
+    for root, suffix in roots:
+        for parts in _files_below(root, suffix):
+            folder = parts[-2] if len(parts) > 1 else os.path.basename(root)
+            with open(os.path.join(root, *parts), "rb") as f:
+                h.update(f"{folder}/{parts[-1]}".encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()
+
+
+def _files_below(root: str, suffix: str) -> list[tuple[str, ...]]:
+    """The files under `root` whose names end with `suffix`, each as its path's parts below `root`, sorted (the
+    order of sorted `Path`s); read with os.scandir, not pathlib's rglob, whose objects per file cost more than
+    reading the files."""
+    found, folders = [], [()]
+    while folders:
+        below = folders.pop()
+        with os.scandir(os.path.join(root, *below)) as entries:
+            for entry in entries:
+                if entry.is_dir():
+                    folders.append((*below, entry.name))
+                elif entry.name.endswith(suffix) and entry.is_file():
+                    found.append((*below, entry.name))
+    return sorted(found)
 
 
 @functools.cache

@@ -23,6 +23,7 @@ All integers are little-endian. "lo"/"hi" nibble = bits 0-3 / bits 4-7 of a byte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -251,7 +252,7 @@ def _format(ggml_type: int) -> tuple[int, int, Callable[[np.ndarray], np.ndarray
 def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of this type and (numpy-order) shape occupies in a GGUF file."""
     block_size, type_size, _ = _format(ggml_type)
-    n = int(np.prod(shape))
+    n = math.prod(shape)  # Python's ints: no float or int64 round trip, and no numpy call per tensor
     if shape and shape[-1] % block_size != 0:
         raise ValueError(f"a {type_name(ggml_type)} row must be a multiple of {block_size} elements, got shape {shape}")
     return n // block_size * type_size
