@@ -52,13 +52,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
 from tinyvllm.gc_utils import freeze_heap, pause_collection  # noqa: E402
-
 GC_WAS_ENABLED = pause_collection()  # as `python main.py` does until its engine is built (tinyvllm/gc_utils.py)
-
 import numpy as np  # noqa: E402  (numpy only here: tinygrad must not be imported before BEAM is set)
-
 from bandwidth import measure_bandwidth_on  # noqa: E402  (benchmarks/bandwidth.py)
 from common import (  # noqa: E402  (benchmarks/common.py)
     add_peers_arg, code_version, find_peers, log, machine_description, side_by_side_headers, table, write_results)
@@ -121,9 +117,8 @@ def percentile(values: list[float], q: float) -> float:
 def weight_bytes_per_token(config, dtype_bytes: int) -> int:
     """Bytes one decode step reads from the weights: every linear layer plus lm_head.
 
-    `num_params` counts the norms too (negligible, left out here) and, when the embedding is not
-    tied, the input embedding table, of which a step reads one row only.
-    """
+    `num_params` counts the norms too (negligible, left out here) and, when the embedding is not tied, the input
+    embedding table, of which a step reads one row only."""
     d, L = config.hidden_size, config.num_hidden_layers
     norms = 2 * d * L + d
     input_embedding = 0 if config.tie_word_embeddings else config.vocab_size * d
