@@ -32,19 +32,22 @@ def pause_collection() -> bool:
     return enabled
 
 
-def freeze_heap(enable: bool = True) -> None:
+def freeze_heap(enable: bool = True, freeze: bool = True) -> None:
     """Freeze every object made so far (the engine is built) and let collection run again if `enable`."""
-    gc.freeze()
+    if freeze:
+        gc.freeze()
     if enable:
         gc.enable()
 
 
 @contextlib.contextmanager
-def engine_start() -> Iterator[None]:
+def engine_start(freeze: bool = True) -> Iterator[None]:
     """Around a process's imports and engine build: no collection inside, the heap frozen on the way out (also
-    when the build raised: the process ends soon, and its exit then skips walking the frozen heap too)."""
+    when the build raised: the process ends soon, and its exit then skips walking the frozen heap too).
+    freeze=False for a caller that lives on after this engine (a test process, a program calling the CLI's
+    function): a freeze would keep whatever cyclic garbage it holds then, such as an earlier engine, for good."""
     enabled = pause_collection()
     try:
         yield
     finally:
-        freeze_heap(enable=enabled)
+        freeze_heap(enable=enabled, freeze=freeze)
