@@ -219,13 +219,13 @@ def test_avx512_and_avx2_routes(ggml_type: int):
     # 11 and 38 rows and 37, 19 and 11 rows of w leave every smaller tile at the edges (the other tests take M=3's)
     for N, K in ((37, 96), (19, 1536), (11, 576)):
         blocks = random_blocks(ggml_type, N, K, seed=11)
-        x = np.random.default_rng(K).standard_normal((38, K), dtype=np.float32)
+        x = np.random.default_rng(K).standard_normal((50, K), dtype=np.float32)
         x[0, :32] *= 40.0  # a block whose 8-bit x reaches -127..127 against Q8_0's -128: the widest int16 pairs
         x[5, 40:] += 30.0  # large activations of one sign (down_proj's input): large dot and min terms that cancel
         routes = []
         for extra in ({}, {"TV_NO_VNNI": 1}):
             rows = {}
-            for M in (1, 3, 9, 11, 38):
+            for M in (1, 3, 9, 11, 38, 50):  # (from 16 rows Q4, from 48 Q8_0: the pair blocks built per chunk)
                 out, scratch = Tensor.empty(M, N, dtype=dtypes.float32), Tensor.empty(
                     scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
                 out, _ = launcher.launch("qmatmul", outs=[out, scratch],
@@ -234,7 +234,7 @@ def test_avx512_and_avx2_routes(ggml_type: int):
                 rows[M] = out.numpy()
                 check_both_oracles(rows[M], x[:M], blocks, ggml_type)
                 np.testing.assert_array_equal(rows[M][0], rows[1][0], err_msg=f"{extra} M={M}: row 0 moved")
-            routes.append(rows[38])
+            routes.append(rows[50])
         np.testing.assert_array_equal(routes[0], routes[1], err_msg=f"K={K}: the AVX-512 and AVX2 routes differ")
 
 

@@ -441,15 +441,49 @@ TV_INLINE void mul_blocks(float* restrict dst, const float* restrict a, const fl
  * w, block) one dpbusd, one conversion, one multiply and one FMA (Q4: and a multiply and an add) instead of two of
  * each (and no scale table per tile). Q4 has the min sums too, so 4 x 4 outputs fit the 32 registers; Q8_0 takes 6 x 4 (12 accumulators, and each
  * block's w registers, built with three inserts per pair of rows, serve six rows of x instead of four). */
+/* One block of two rows of w, 2p and 2p+1, as wide_pair_tile's registers: built once per chunk (wide_chunk), then
+ * loaded, three aligned loads, by every tile of rows of x, where building them costs three inserts (and Q4's
+ * unpacking) per pair of rows and block. */
+struct pair_block {
+  __m512i q;      /* [q_w,2p | q_w,2p+1]: Q8_0's quants, Q4's unpacked to one byte each (unpack_block) */
+  __m512i start;  /* Q8_0: [start_2p | start_2p+1]; Q4: [m_w,2p (x8) | m_w,2p+1 (x8)], a float vector's bits */
+  __m512 d;       /* [d_w,2p (x8) | d_w,2p+1 (x8)] */
+};
+
+/* pb[r / 2 * NB + b] <- rows r, r+1 of w (rows n0 + r of the chunk; dw, mw, w128: wide_chunk's per-row tables) */
+TV_INLINE void build_pair_blocks(struct pair_block* restrict pb, const unsigned char* restrict w, int rows,
+                                 const float* restrict dw, const float* restrict mw, const __m256i* restrict w128) {
+  for (int r = 0; r + 1 < rows; r += 2)
+    for (int b = 0; b < NB; b++) {
+      const unsigned char* blk = w + (long)r * ROW_BYTES + b * BLOCK_BYTES;
+      struct pair_block* o = pb + r / 2 * NB + b;
+#if TV_QTYPE == 8
+      (void)mw;
+      o->q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
+                                _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
+      o->start = _mm512_inserti64x4(_mm512_castsi256_si512(w128[r * NB + b]), w128[(r + 1) * NB + b], 1);
+#else
+      (void)w128;
+      o->q = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_block(blk)), unpack_block(blk + ROW_BYTES), 1);
+      o->start = _mm512_castps_si512(
+          _mm512_insertf32x8(_mm512_set1_ps(mw[r * NB + b]), _mm256_set1_ps(mw[(r + 1) * NB + b]), 1));
+#endif
+      o->d = _mm512_insertf32x8(_mm512_set1_ps(dw[r * NB + b]), _mm256_set1_ps(dw[(r + 1) * NB + b]), 1);
+    }
+}
+
+/* From PAIR_BLOCKS_MIN_M rows of x on, the pair blocks are built once per chunk; below, each tile builds its
+ * registers itself: with few tiles of rows to share them, storing and loading them back costs more than it saves
+ * (measured: Q8_0 equal at 32 rows and faster from 64; Q4, whose blocks are unpacked too, faster from 16). */
+#define PAIR_BLOCKS_MIN_M (TV_QTYPE == 8 ? 48 : 16)
+#define TV_PAIR_BLOCKS (TV_M >= PAIR_BLOCKS_MIN_M)
+
 TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
                               const float* restrict dw, const float* restrict mw, const __m256i* restrict w128,
-                              int mr) {
+                              const struct pair_block* restrict pb, int mr) {
   __m512 acc[MR][NR / 2];
 #if TV_QTYPE != 8
   __m512 mins[MR][NR / 2];
-  (void)w128;
-#else
-  (void)mw;
 #endif
   for (int i = 0; i < mr; i++)
     for (int p = 0; p < NR / 2; p++) {
@@ -468,6 +502,18 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
     __m512 ms[NR / 2];  /* [m_w,2p (x8) | m_w,2p+1 (x8)] */
 #endif
     for (int p = 0; p < NR / 2; p++) {
+#if TV_PAIR_BLOCKS
+      (void)w, (void)dw, (void)mw, (void)w128;
+      const struct pair_block* o = pb + p * NB + b;
+      wv[p] = o->q;
+#if TV_QTYPE == 8
+      start[p] = o->start;
+#else
+      ms[p] = _mm512_castsi512_ps(o->start);
+#endif
+      ds[p] = o->d;
+#else  /* the same registers, built here (as build_pair_blocks does) */
+      (void)pb;
       const unsigned char* blk = w + 2 * p * ROW_BYTES + b * BLOCK_BYTES;
 #if TV_QTYPE == 8
       wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
@@ -480,6 +526,7 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
       ds[p] = _mm512_insertf32x8(_mm512_set1_ps(dw[2 * p * NB + b]), _mm256_set1_ps(dw[(2 * p + 1) * NB + b]), 1);
       __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, same block */
       __builtin_prefetch(blk + (NR + 1) * ROW_BYTES, 0, 3);
+#endif
     }
     for (int i = 0; i < mr; i++) {
       __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(XQ_ROW(xq, m + i) + 32 * b)));
@@ -514,14 +561,20 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
 }
 #endif
 
+#if !TV_WIDE_PAIRS
+struct pair_block;  /* (only the 512-bit pairs have them) */
+#endif
+
 TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, const unsigned char* restrict w,
-                         const float* restrict dw, const float* restrict mw, const __m256i* restrict w128, int mr,
-                         int nr) {
+                         const float* restrict dw, const float* restrict mw, const __m256i* restrict w128,
+                         const struct pair_block* restrict pb, int mr, int nr) {
 #if TV_WIDE_PAIRS
   if (nr == NR) {  /* whole tiles on 512-bit registers; the N % NR leftover rows, one at a time, below */
-    wide_pair_tile(out, xq, m, w, dw, mw, w128, mr);
+    wide_pair_tile(out, xq, m, w, dw, mw, w128, pb, mr);
     return;
   }
+#else
+  (void)pb;
 #endif
   float p[MR][NR][NB];  /* d_w d_x of block b */
 #if TV_QTYPE != 8
@@ -579,24 +632,26 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
     }
 }
 
-/* rows m0..m1 of x against rows n..n+nr of w (dw, mw: their scales as floats) */
+/* rows m0..m1 of x against rows n..n+nr of w (dw, mw: their scales as floats; pb: their pair blocks) */
 TV_INLINE void wide_column(float* restrict out, const void* restrict xq, const unsigned char* restrict w,
-                           const float* restrict dw, const float* restrict mw, const __m256i* restrict w128, int n,
-                           int m0, int m1, int nr) {
+                           const float* restrict dw, const float* restrict mw, const __m256i* restrict w128,
+                           const struct pair_block* restrict pb, int n, int m0, int m1, int nr) {
+#define WIDE_TILE_AT(mr) wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, pb, mr, nr)
   int m = m0;
-  for (; m + MR <= m1; m += MR) wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, MR, nr);
+  for (; m + MR <= m1; m += MR) WIDE_TILE_AT(MR);
   switch (m1 - m) {  /* a constant mr per case, so each case is its own unrolled tile */
 #if MR > 5
-    case 5: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 5, nr); break;
+    case 5: WIDE_TILE_AT(5); break;
 #endif
 #if MR > 4
-    case 4: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 4, nr); break;
+    case 4: WIDE_TILE_AT(4); break;
 #endif
-    case 3: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 3, nr); break;
-    case 2: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 2, nr); break;
-    case 1: wide_tile(out + m * TV_N + n, xq, m, w + n * ROW_BYTES, dw, mw, w128, 1, nr); break;
+    case 3: WIDE_TILE_AT(3); break;
+    case 2: WIDE_TILE_AT(2); break;
+    case 1: WIDE_TILE_AT(1); break;
     default: break;
   }
+#undef WIDE_TILE_AT
 }
 
 /* output columns [n0, n1): the rows' float16 scales as floats once, then tiles over every row of x */
@@ -619,14 +674,24 @@ TV_INLINE void wide_chunk(float* restrict out, const void* restrict xq, const un
                                           _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), q));
 #endif
     }
+  const int whole = (n1 - n0) / NR * NR;  /* rows in whole tiles */
+#if TV_WIDE_PAIRS && TV_PAIR_BLOCKS
+  struct pair_block pb[CHUNK_ROWS / 2 * NB];  /* the whole tiles' rows by pairs */
+  build_pair_blocks(pb, w + (long)n0 * ROW_BYTES, whole, dw, mw, w128);
+#define PAIRS_AT(r) (pb + (r) / 2 * NB)
+#else
+#define PAIRS_AT(r) ((const struct pair_block*)0)
+#endif
   for (int m0 = 0; m0 < TV_M; m0 += MB) {
     int m1 = m0 + MB < TV_M ? m0 + MB : TV_M;
     int n = n0;
-    for (; n + NR <= n1; n += NR)
-      wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, w128 + (n - n0) * NB, n, m0, m1, NR);
+    for (; n < n0 + whole; n += NR)
+      wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, w128 + (n - n0) * NB, PAIRS_AT(n - n0), n,
+                  m0, m1, NR);
     for (; n < n1; n++)
-      wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, w128 + (n - n0) * NB, n, m0, m1, 1);
+      wide_column(out, xq, w, dw + (n - n0) * NB, mw + (n - n0) * NB, w128 + (n - n0) * NB, 0, n, m0, m1, 1);
   }
+#undef PAIRS_AT
 }
 #endif  /* TV_WIDE_TILE */
 
