@@ -316,17 +316,21 @@ TV_INLINE f8 exp8(f8 x) { return TV_EXP_CLAMPED(f8, i8, x); }
 
 TV_INLINE float exp1(float x) { return exp8((f8){0} + x)[0]; }
 
-/* The K and V rows of keys t0 .. t0+n-1 (n <= TILE) of one KV head: key p is in slot table[p / BLOCK_SIZE] *
- * BLOCK_SIZE + p % BLOCK_SIZE, at k_cache[slot, kv_head, :] (a tile spans several blocks when block_size < TILE).
+/* Key p of a sequence (its block table `table`) for one KV head: the index of its (slot, kv head) row, slot =
+ * table[p / BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE; its K is at k_cache + row * HEAD_DIM, its scale k_scale[row]. */
+TV_INLINE long key_row(const int* table, int p, int kv_head) {
+  return ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS + kv_head;
+}
+
+/* The K and V rows of keys t0 .. t0+n-1 (n <= TILE) of one KV head (a tile spans several blocks when block_size <
+ * TILE).
  * float32 rows are read in place; other caches are turned into float32 in k_tile / v_tile first, scale applied,
  * once for every query head that reads them. Rows past n point at a valid row: whatever they give is never used. */
 TV_INLINE void tile_rows(const struct attention_args* a, const int* table, int kv_head, int t0, int n,
                          const float** k_rows, const float** v_rows, float (*k_tile)[TV_HEAD_DIM],
                          float (*v_tile)[TV_HEAD_DIM]) {
   for (int t = 0; t < TILE; t++) {
-    const int p = t0 + (t < n ? t : 0);
-    const long at = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS
-                    + kv_head;  /* (slot, kv head) */
+    const long at = key_row(table, t0 + (t < n ? t : 0), kv_head);
 #if TV_CACHE_BITS == 32
     (void)k_tile, (void)v_tile;
     k_rows[t] = a->k_cache + at * TV_HEAD_DIM;  /* float32: read in place */
@@ -348,8 +352,7 @@ TV_INLINE void tile_rows(const struct attention_args* a, const int* table, int k
 TV_INLINE void prefetch_tile(const struct attention_args* a, const int* table, int kv_head, int t0, int num_keys) {
   const int n = num_keys - t0 < TILE ? num_keys - t0 : TILE;
   for (int t = 0; t < n; t++) {
-    const int p = t0 + t;
-    const long at = ((long)table[p / TV_BLOCK_SIZE] * TV_BLOCK_SIZE + p % TV_BLOCK_SIZE) * TV_NUM_KV_HEADS + kv_head;
+    const long at = key_row(table, t0 + t, kv_head);
     for (int c = 0; c < TV_HEAD_DIM * (int)sizeof(cache_t); c += 64) {
       __builtin_prefetch((const char*)(a->k_cache + at * TV_HEAD_DIM) + c, 0, 3);
       __builtin_prefetch((const char*)(a->v_cache + at * TV_HEAD_DIM) + c, 0, 3);
@@ -442,6 +445,10 @@ typedef int il __attribute__((vector_size(4 * LANES), aligned(4)));
 TV_INLINE fl expl(fl x) { return TV_EXP_CLAMPED(fl, il, x); }
 TV_INLINE fl select_fl(il mask, fl yes, fl no) { return (fl)((mask & (il)yes) | (~mask & (il)no)); }
 
+/* a key's score from its eight partial sums p[j] (dims j, j+8, .., j+56), added as dot8's transposed tree adds
+ * them: low half (0+2)+(1+3), high half (4+6)+(5+7), then low + high */
+TV_INLINE fl dot8_tree(const fl* p) { return ((p[0] + p[2]) + (p[1] + p[3])) + ((p[4] + p[6]) + (p[5] + p[7])); }
+
 static void attend_rows(const struct attention_args* a, int first, int rows, int kv_head) {
   const int* table = a->block_tables + first * TV_MAX_BLOCKS;  /* the group's rows read these blocks alike */
   fl qt[TV_HEAD_DIM] __attribute__((aligned(64)));   /* qt[dim][lane]: q transposed */
@@ -471,9 +478,9 @@ static void attend_rows(const struct attention_args* a, int first, int rows, int
     tile_rows(a, table, kv_head, t0, n, k_rows, v_rows, k_tile, v_tile);
     /* 1. scores, two keys at a time (16 partial sums in registers, each qt[dim] loaded once for both) */
     fl s[TILE] __attribute__((aligned(64)));
-    for (int t = 0; t < n; t += 2) {
+    for (int t = 0; t < n; t += 2) {  /* (t + 1 < TILE; a row past n points at a valid row, its score unused) */
       const float* k0 = k_rows[t];
-      const float* k1 = k_rows[t + 1 < TILE ? t + 1 : t];
+      const float* k1 = k_rows[t + 1];
       fl p0[8], p1[8];  /* p[j]: the partial sum over dims j, j+8, .., j+56 (dot8's lane j) */
       for (int j = 0; j < 8; j++) {
         p0[j] = qt[j] * k0[j];
@@ -485,8 +492,8 @@ static void attend_rows(const struct attention_args* a, int first, int rows, int
           p1[j] += qt[8 * i + j] * k1[8 * i + j];
         }
       }
-      s[t] = (((p0[0] + p0[2]) + (p0[1] + p0[3])) + ((p0[4] + p0[6]) + (p0[5] + p0[7]))) * TV_SCALE;
-      if (t + 1 < TILE) s[t + 1] = (((p1[0] + p1[2]) + (p1[1] + p1[3])) + ((p1[4] + p1[6]) + (p1[5] + p1[7]))) * TV_SCALE;
+      s[t] = dot8_tree(p0) * TV_SCALE;
+      s[t + 1] = dot8_tree(p1) * TV_SCALE;
     }
     /* 2. online softmax, per lane over that lane's keys */
     fl most[4] = {m, m, m, m};  /* four chains (the max of a set is the same bits in any order) */
