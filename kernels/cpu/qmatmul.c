@@ -450,26 +450,31 @@ struct pair_block {
   __m512 d;       /* [d_w,2p (x8) | d_w,2p+1 (x8)] */
 };
 
-/* pb[r / 2 * NB + b] <- rows r, r+1 of w (rows n0 + r of the chunk; dw, mw, w128: wide_chunk's per-row tables) */
+/* Block b of rows r, r+1 of w (blk: row r's block b; dw, mw, w128: wide_chunk's per-row tables) as a pair block */
+TV_INLINE struct pair_block pair_block_of(const unsigned char* restrict blk, const float* restrict dw,
+                                          const float* restrict mw, const __m256i* restrict w128, int r, int b) {
+  struct pair_block o;
+#if TV_QTYPE == 8
+  (void)mw;
+  o.q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
+                           _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
+  o.start = _mm512_inserti64x4(_mm512_castsi256_si512(w128[r * NB + b]), w128[(r + 1) * NB + b], 1);
+#else
+  (void)w128;
+  o.q = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_block(blk)), unpack_block(blk + ROW_BYTES), 1);
+  o.start = _mm512_castps_si512(
+      _mm512_insertf32x8(_mm512_set1_ps(mw[r * NB + b]), _mm256_set1_ps(mw[(r + 1) * NB + b]), 1));
+#endif
+  o.d = _mm512_insertf32x8(_mm512_set1_ps(dw[r * NB + b]), _mm256_set1_ps(dw[(r + 1) * NB + b]), 1);
+  return o;
+}
+
+/* pb[r / 2 * NB + b] <- rows r, r+1 of w (rows n0 + r of the chunk), every block */
 TV_INLINE void build_pair_blocks(struct pair_block* restrict pb, const unsigned char* restrict w, int rows,
                                  const float* restrict dw, const float* restrict mw, const __m256i* restrict w128) {
   for (int r = 0; r + 1 < rows; r += 2)
-    for (int b = 0; b < NB; b++) {
-      const unsigned char* blk = w + (long)r * ROW_BYTES + b * BLOCK_BYTES;
-      struct pair_block* o = pb + r / 2 * NB + b;
-#if TV_QTYPE == 8
-      (void)mw;
-      o->q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                                _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
-      o->start = _mm512_inserti64x4(_mm512_castsi256_si512(w128[r * NB + b]), w128[(r + 1) * NB + b], 1);
-#else
-      (void)w128;
-      o->q = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_block(blk)), unpack_block(blk + ROW_BYTES), 1);
-      o->start = _mm512_castps_si512(
-          _mm512_insertf32x8(_mm512_set1_ps(mw[r * NB + b]), _mm256_set1_ps(mw[(r + 1) * NB + b]), 1));
-#endif
-      o->d = _mm512_insertf32x8(_mm512_set1_ps(dw[r * NB + b]), _mm256_set1_ps(dw[(r + 1) * NB + b]), 1);
-    }
+    for (int b = 0; b < NB; b++)
+      pb[r / 2 * NB + b] = pair_block_of(w + (long)r * ROW_BYTES + b * BLOCK_BYTES, dw, mw, w128, r, b);
 }
 
 /* From PAIR_BLOCKS_MIN_M rows of x on, the pair blocks are built once per chunk; below, each tile builds its
@@ -504,29 +509,21 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
     for (int p = 0; p < NR / 2; p++) {
 #if TV_PAIR_BLOCKS
       (void)w, (void)dw, (void)mw, (void)w128;
-      const struct pair_block* o = pb + p * NB + b;
-      wv[p] = o->q;
-#if TV_QTYPE == 8
-      start[p] = o->start;
-#else
-      ms[p] = _mm512_castsi512_ps(o->start);
-#endif
-      ds[p] = o->d;
-#else  /* the same registers, built here (as build_pair_blocks does) */
+      const struct pair_block o = pb[p * NB + b];
+#else  /* the same registers, built here */
       (void)pb;
       const unsigned char* blk = w + 2 * p * ROW_BYTES + b * BLOCK_BYTES;
-#if TV_QTYPE == 8
-      wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                                 _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
-      start[p] = _mm512_inserti64x4(_mm512_castsi256_si512(w128[2 * p * NB + b]), w128[(2 * p + 1) * NB + b], 1);
-#else
-      wv[p] = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_block(blk)), unpack_block(blk + ROW_BYTES), 1);
-      ms[p] = _mm512_insertf32x8(_mm512_set1_ps(mw[2 * p * NB + b]), _mm256_set1_ps(mw[(2 * p + 1) * NB + b]), 1);
-#endif
-      ds[p] = _mm512_insertf32x8(_mm512_set1_ps(dw[2 * p * NB + b]), _mm256_set1_ps(dw[(2 * p + 1) * NB + b]), 1);
+      const struct pair_block o = pair_block_of(blk, dw, mw, w128, 2 * p, b);
       __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, same block */
       __builtin_prefetch(blk + (NR + 1) * ROW_BYTES, 0, 3);
 #endif
+      wv[p] = o.q;
+#if TV_QTYPE == 8
+      start[p] = o.start;
+#else
+      ms[p] = _mm512_castsi512_ps(o.start);
+#endif
+      ds[p] = o.d;
     }
     for (int i = 0; i < mr; i++) {
       __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(XQ_ROW(xq, m + i) + 32 * b)));
