@@ -2,12 +2,56 @@
 
 The graph cache (kernels/graph_cache.py), the tokenizer cache (model/tokenizer_cache.py) and the GGUF header cache
 (model/gguf.py) each touch a file when they read it (`os.utime`), so its modification time says when it was last
-used.
+used. The last two keep one pickled value per file as a checksummed record (`read_record`, `write_record`):
+
+    MAGIC | sha256(payload) | payload = pickle((key, value))
+
+A file that is missing, truncated, corrupt (the checksum) or of another key is a miss: the caller builds the value
+again and writes it over.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pickle
+import tempfile
 from pathlib import Path
+
+
+def read_record(file: Path, magic: bytes, key: str) -> object:
+    """The value `write_record` kept in `file` under `key`, the file touched as used. ValueError if its header,
+    checksum or key is wrong, OSError if it cannot be read (and whatever unpickling raises on a file that is not)."""
+    data = file.read_bytes()
+    if not data.startswith(magic):
+        raise ValueError(f"{file.name} is not a file of this cache")
+    digest, payload = data[len(magic):len(magic) + 32], data[len(magic) + 32:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError(f"{file.name}: checksum mismatch")
+    stored_key, value = pickle.loads(payload)
+    if stored_key != key:
+        raise ValueError(f"{file.name} holds another key")
+    os.utime(file)  # used now: the last to be evicted
+    return value
+
+
+def write_record(file: Path, magic: bytes, key: str, value: object, max_bytes: int) -> bool:
+    """Keep `value` under `key` in `file` (a temporary file renamed into place), then the directory's files of the
+    same suffix under `max_bytes`; False where it cannot be (a read-only home, a full disk, an unpicklable value)."""
+    tmp = None
+    try:
+        payload = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(magic + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, file)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        return False
+    evict(file.parent, f"*{file.suffix}", max_bytes)
+    return True
 
 
 def evict(directory: Path, pattern: str, max_bytes: int) -> None:

@@ -24,7 +24,6 @@ import functools
 import hashlib
 import mmap
 import os
-import pickle
 import struct
 import sys
 import threading
@@ -35,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tinyvllm.disk_cache import evict
+from tinyvllm.disk_cache import read_record, write_record
 
 GGUF_MAGIC = b"GGUF"
 MADV_POPULATE_READ = 22  # Linux's madvise advice (its mmap module constant is Python 3.13's)
@@ -246,8 +245,8 @@ def _code_identity() -> str:
 
 
 class HeaderCache:
-    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header` (the tokenizer cache's layout,
-    tokenizer_cache.py): MAGIC | sha256(payload) | payload = pickle((key, metadata, tensor infos as tuples)).
+    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header`, a record as the tokenizer cache's
+    (disk_cache.read_record / write_record): its value (metadata, tensor infos as tuples).
 
     The key is the file's resolved path, size and modification time, this module's source and Python's version: a
     rewritten model file, or a change to the parser, is another key, so a stale parse is never read (a GGUF is
@@ -262,36 +261,15 @@ class HeaderCache:
     def read(self, buf: memoryview) -> tuple[dict, dict[str, GGUFTensorInfo]] | None:
         """The header kept for this key, its string arrays over `buf` (the mapped file); None on a miss."""
         try:
-            data = self.file.read_bytes()
-            digest, payload = data[len(HEADER_MAGIC):len(HEADER_MAGIC) + 32], data[len(HEADER_MAGIC) + 32:]
-            if not data.startswith(HEADER_MAGIC) or hashlib.sha256(payload).digest() != digest:
-                return None
-            key, metadata, infos = pickle.loads(payload)
-            if key != self.key:
-                return None
+            metadata, infos = read_record(self.file, HEADER_MAGIC, self.key)
             metadata = {k: StringArray(buf, *v) if isinstance(v, _StringsAt) else v for k, v in metadata.items()}
             tensors = {info[0]: GGUFTensorInfo(*info) for info in infos}
-            os.utime(self.file)  # used now: the last to be evicted
         except Exception:  # missing, unreadable, not a pickle of this shape: parse the file
             return None
         return metadata, tensors
 
     def write(self, metadata: dict, tensors: dict[str, GGUFTensorInfo]) -> None:
-        """Keep a parse for later processes (a temporary file renamed into place); quietly not where it cannot be."""
-        import tempfile
-
+        """Keep a parse for later processes; quietly not where it cannot be (a read-only home, a full disk)."""
         kept = {k: _StringsAt(v._start, v._n) if isinstance(v, StringArray) else v for k, v in metadata.items()}
         infos = [(t.name, t.shape, t.ggml_type, t.offset) for t in tensors.values()]
-        tmp = None
-        try:
-            payload = pickle.dumps((self.key, kept, infos), protocol=pickle.HIGHEST_PROTOCOL)
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(HEADER_MAGIC + hashlib.sha256(payload).digest() + payload)
-            os.replace(tmp, self.file)
-        except (OSError, pickle.PicklingError, TypeError):  # a read-only home, a full disk, strings nested in a list
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
-            return
-        evict(self.directory, "*.header", HEADER_CACHE_BYTES)
+        write_record(self.file, HEADER_MAGIC, self.key, (kept, infos), HEADER_CACHE_BYTES)

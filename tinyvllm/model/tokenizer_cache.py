@@ -25,12 +25,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import pickle
 import sys
-import tempfile
 from pathlib import Path
 
-from tinyvllm.disk_cache import evict
+from tinyvllm.disk_cache import read_record, write_record
 from tinyvllm.model import tokenizer as tokenizer_module
 from tinyvllm.model.tokenizer import Tokenizer
 
@@ -81,38 +79,6 @@ def cache_path(key: str, directory: Path | None = None) -> Path:
     return (directory or cache_dir()) / f"{hashlib.sha256(key.encode()).hexdigest()}.tokenizer"
 
 
-def read(data: bytes, key: str) -> Tokenizer:
-    """The tokenizer a file holds, after checking its header, checksum and key (ValueError if any is wrong)."""
-    if not data.startswith(MAGIC):
-        raise ValueError("not a tinyvllm tokenizer file")
-    digest, payload = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
-    if hashlib.sha256(payload).digest() != digest:
-        raise ValueError("tokenizer file checksum mismatch")
-    stored_key, tokenizer = pickle.loads(payload)
-    if stored_key != key or not isinstance(tokenizer, Tokenizer):
-        raise ValueError("tokenizer file of another key")
-    return tokenizer
-
-
-def write(tokenizer: Tokenizer, key: str, directory: Path | None = None) -> bool:
-    """Write the tokenizer under its key (a temporary file renamed into place); False if it could not be."""
-    directory = directory or cache_dir()
-    tmp = None
-    try:
-        payload = pickle.dumps((key, tokenizer), protocol=pickle.HIGHEST_PROTOCOL)
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
-        os.replace(tmp, cache_path(key, directory))
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):  # a read-only home, an unpicklable part
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        return False
-    evict(directory, "*.tokenizer", MAX_BYTES)
-    return True
-
-
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """`tinyvllm.model.tokenizer.load_tokenizer(path)`, read from the cache when a file there holds it."""
     path = Path(path)
@@ -121,11 +87,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     key = cache_key(path)
     file = cache_path(key)
     try:
-        tokenizer = read(file.read_bytes(), key)
-        os.utime(file)  # used now: the last to be evicted
-        return tokenizer
+        tokenizer = read_record(file, MAGIC, key)
+        if isinstance(tokenizer, Tokenizer):
+            return tokenizer
     except Exception:  # missing, truncated, corrupt, stale: build it again
         pass
     tokenizer = tokenizer_module.load_tokenizer(path)
-    write(tokenizer, key)
+    write_record(file, MAGIC, key, tokenizer, MAX_BYTES)
     return tokenizer
