@@ -16,6 +16,8 @@ GGML_TYPES: dict[int, str] = {
     34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }
 
+F32, F16, Q8_0 = 0, 1, 8  # the ids the loader and the GGUF writer name
+
 QK_K = 256  # elements in a k-quant super-block
 
 # the formats with fused dequant-matmul kernels (tinyvllm/kernels/qlinear.py): these stay quantized on the device

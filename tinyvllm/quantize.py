@@ -55,14 +55,13 @@ from tinyvllm.model.gguf import GGUFFile
 from tinyvllm.model.gguf_writer import (
     ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, MetadataValue, TensorData, read_metadata, write_gguf,
 )
-from tinyvllm.ggml_types import type_name
+from tinyvllm.ggml_types import F16, F32, Q8_0, type_name
 from tinyvllm.model.quant import tensor_nbytes
 from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize
 from tinyvllm.model.tokenizer import load_tokenizer, token_id_of
 from tinyvllm.model.weights_gguf import gguf_name, layer_names, permute_qk, read_tensor
 from tinyvllm.model.weights_hf import load_hf
 
-F32, F16, Q8_0 = 0, 1, 8
 # ggml type -> llama.cpp's llama_ftype for a file "mostly" of that type (include/llama.h)
 FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7}
 OUTPUT_TYPES = {**QUANTIZE_TYPES, "f16": F16, "f32": F32}  # --type: the block formats, or float weights

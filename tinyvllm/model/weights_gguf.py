@@ -53,11 +53,9 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile
-from tinyvllm.ggml_types import KERNEL_TYPES
+from tinyvllm.ggml_types import F32, KERNEL_TYPES
 from tinyvllm.model.quant import QuantizedArray, as_blocks, dequantize, tensor_nbytes
 from tinyvllm.model.weights import check_state_dict, expected_shapes
-
-F32 = 0  # GGML's type id of float32 (tinyvllm/ggml_types.py)
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
