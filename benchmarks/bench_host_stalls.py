@@ -48,7 +48,7 @@ def measure(engine: LLMEngine, n: int, prompt_len: int, steps: int, first: int) 
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(engine, n, prompt_len, first)):
         engine.add_request(f"stall-{n}-{i}", prompt, params)
-    while any(state.seq.num_output_tokens == 0 for state in engine.requests.values()):
+    while any(state.num_output_tokens == 0 for state in engine.scheduler.requests.values()):
         engine.step()  # the prefills, untimed
     timer = StepTimer()
     engine.step_timer = timer

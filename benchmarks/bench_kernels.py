@@ -127,7 +127,7 @@ def engine_decode(engine, batch: int, prompt_len: int, output_len: int, tag: str
 
 def run_e2e(args) -> list[dict]:
     from tinyvllm.engine.llm_engine import LLMEngine
-    from tinyvllm.engine.model_runner import ModelRunner
+    from tinyvllm.worker.model_runner import ModelRunner
 
     max_len = max(p for _, p in args.e2e) + args.output_len + 1
     engine = LLMEngine(max_model_len=max_len, kv_cache_memory=f"{args.e2e_cache_mib}MiB")

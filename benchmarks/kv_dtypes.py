@@ -56,12 +56,12 @@ def kv_decode_speed(model, tokenizer, prompt: list[int], names: list[str], num_s
                            num_gpu_blocks_override=num_blocks, max_num_seqs=num_seqs, kv_cache_dtype=name)
         t = time.perf_counter()
         engine.add_request("kv-0", prompt, params)
-        while engine.requests["kv-0"].seq.num_output_tokens == 0:
+        while engine.scheduler.requests["kv-0"].num_output_tokens == 0:
             engine.step()
         prefill_s[name] = time.perf_counter() - t
         for i in range(1, num_seqs):
             engine.add_request(f"kv-{i}", prompt, params)
-        while any(state.seq.num_output_tokens == 0 for state in engine.requests.values()):
+        while any(state.num_output_tokens == 0 for state in engine.scheduler.requests.values()):
             engine.step()
         for _ in range(warmup):  # the num_seqs-row decode graph compiles here
             engine.step()
@@ -73,7 +73,7 @@ def kv_decode_speed(model, tokenizer, prompt: list[int], names: list[str], num_s
             t = time.perf_counter()
             engine.step()
             times[name].append(time.perf_counter() - t)
-    tokens = {name: engine.requests["kv-0"].seq.output_token_ids[:warmup + steps] for name, engine in engines.items()}
+    tokens = {name: engine.scheduler.requests["kv-0"].output_token_ids[:warmup + steps] for name, engine in engines.items()}
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {"num_seqs": num_seqs, "context": context, "steps": steps, "block_size": block_size,
             "prefill_s": prefill_s, "step_ms_median": {k: 1e3 * v for k, v in med.items()},

@@ -1,10 +1,11 @@
-"""A request's width counts at admission: beams and n > 1 never push a step past max_num_seqs.
+"""Wide requests never push a step past max_num_seqs: beams and n > 1 are ordinary requests to the engine core.
 
-The defect: a beam search (or a large n) arriving while the batch was nearly full was admitted as one sequence,
-then forked into k; the step held more sequences than the model runner has rows, the runner indexed past
-max_num_seqs (IndexError) and the server ended every running request. Now the first beam (and the prompt the
-n completions share) reserves a seat for each fork; and a step that fails as a whole is retried in parts, so only
-the requests that make it fail end.
+The defect this guards against: a beam search (or a large n) arriving while the batch was nearly full was admitted
+as one sequence, then forked into k inside the scheduler; the step held more sequences than the model runner has
+rows, the runner indexed past max_num_seqs (IndexError) and the server ended every running request. Now n > 1 and
+the beams of a beam search are separate requests above the core (engine/parent_request.py, engine/beam_search.py),
+admitted one seat each; and a step that fails as a whole is retried in parts, so only the requests that make it
+fail end.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ def engine(tiny_model_dir):
 
     def counting():  # the widest step any test ran
         out = schedule()
-        engine.widest_step = max(engine.widest_step, len(out.scheduled_seqs), len(engine.scheduler.running),
-                                 engine.scheduler.num_seats_in_use)
+        engine.widest_step = max(engine.widest_step, len(out.scheduled_seqs), len(engine.scheduler.running))
         return out
 
     engine.scheduler.schedule = counting
@@ -84,12 +84,13 @@ def test_a_wide_request_into_a_nearly_full_batch(engine, wide):
     assert tokens(out["wide"]) == alone(engine, [5, 6, 7], wide)
 
 
-def test_a_beam_search_wider_than_a_step_is_refused(engine):
-    with pytest.raises(ValueError, match=r"width 5 can never run: a step holds at most max_num_seqs \(4\)"):
-        engine.add_request("too-wide", [5, 6], BeamSearchParams(beam_width=5, max_tokens=3))
-    assert not engine.has_unfinished_requests() and not engine.beam_search.requests
-    out = run(engine, {"n": ([5, 6], SamplingParams(n=6, temperature=0, max_tokens=3, ignore_eos=True))})
-    assert len(out["n"].outputs) == 6 and engine.widest_step <= MAX_NUM_SEQS  # n > max_num_seqs: in turns
+def test_requests_wider_than_a_step_run_in_turns(engine):
+    engine.widest_step = 0
+    wide = BeamSearchParams(beam_width=5, max_tokens=3, ignore_eos=True)
+    out = run(engine, {"beams": ([5, 6], wide),
+                       "n": ([5, 6], SamplingParams(n=6, temperature=0, max_tokens=3, ignore_eos=True))})
+    assert len(out["beams"].outputs) == 5 and len(out["n"].outputs) == 6 and engine.widest_step <= MAX_NUM_SEQS
+    assert tokens(out["beams"]) == alone(engine, [5, 6], wide)
 
 
 def test_a_failed_step_ends_only_the_request_that_caused_it(engine, monkeypatch):

@@ -113,14 +113,14 @@ def test_long_prompt_does_not_stall_decodes(request, engine_fixture):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"d{i}", [200 + i] * 5, params)
-    while not all(len(engine.requests[f"d{i}"].seq.output_token_ids) >= 2 for i in range(3)):
+    while not all(len(engine.scheduler.requests[f"d{i}"].output_token_ids) >= 2 for i in range(3)):
         engine.step()
     engine.add_request("long", list(range(1000, 3000)), SamplingParams(temperature=0, max_tokens=2))
     prefill_steps = 0
-    while engine.requests["long"].seq.num_output_tokens == 0:
-        before = [engine.requests[f"d{i}"].seq.num_output_tokens for i in range(3)]
+    while engine.scheduler.requests["long"].num_output_tokens == 0:
+        before = [engine.scheduler.requests[f"d{i}"].num_output_tokens for i in range(3)]
         engine.step()
-        after = [engine.requests[f"d{i}"].seq.num_output_tokens for i in range(3)]
+        after = [engine.scheduler.requests[f"d{i}"].num_output_tokens for i in range(3)]
         assert all(a == b + 1 for a, b in zip(after, before)), "a decode stalled behind the long prompt"
         prefill_steps += 1
     assert prefill_steps >= 2000 // 64  # the prompt really was chunked
@@ -136,11 +136,11 @@ def test_abort_frees_blocks_immediately(engine):
         engine.step()
     assert bm.num_free_blocks < bm.num_blocks
     engine.abort_request("a")
-    held_by_b = len(engine.requests["b"].seq.block_table)
+    held_by_b = len(engine.scheduler.requests["b"].block_table)
     assert bm.num_free_blocks == bm.num_blocks - held_by_b
     while engine.has_unfinished_requests():
         engine.step()
-    assert bm.num_free_blocks == bm.num_blocks and "a" not in engine.requests
+    assert bm.num_free_blocks == bm.num_blocks and "a" not in engine.scheduler.requests
 
 
 def test_no_recompilation_in_steady_state(engine):
@@ -178,7 +178,7 @@ def test_bad_requests_are_rejected_without_side_effects(engine):
     run_all(engine, {})
     while engine.has_unfinished_requests():
         engine.step()
-    assert not engine.requests
+    assert not engine.scheduler.requests and not engine.output_processor.request_states
 
 
 def test_llm_generate_matches_phase1_on_the_real_model(generator):

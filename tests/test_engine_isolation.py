@@ -19,7 +19,7 @@ VOCAB = 49152
 
 def no_blocks_held(engine) -> bool:
     bm = engine.scheduler.block_manager
-    return bm.num_free_blocks == bm.num_blocks and not engine.requests
+    return bm.num_free_blocks == bm.num_blocks and not engine.scheduler.requests and not engine.output_processor.request_states
 
 
 def test_huge_top_k_is_clamped_to_the_vocabulary(engine):
@@ -44,7 +44,7 @@ def test_huge_top_k_is_clamped_to_the_vocabulary(engine):
 def test_token_ids_outside_the_vocabulary_are_refused(engine, params, field):
     with pytest.raises(ValueError, match=rf"{field} must be token ids in \[0, {VOCAB}\)"):
         engine.add_request("out-of-vocab", [5, 6], params)
-    assert "out-of-vocab" not in engine.requests and not engine.has_unfinished_requests()
+    assert "out-of-vocab" not in engine.output_processor.request_states and not engine.has_unfinished_requests()
 
 
 def test_a_failure_inside_the_step_ends_that_request_alone(engine, monkeypatch):
@@ -52,14 +52,14 @@ def test_a_failure_inside_the_step_ends_that_request_alone(engine, monkeypatch):
     requests = {f"ok{i}": ([100 + i] * (i + 2), greedy) for i in range(4)}
     requests["bad"] = ([7, 8, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
     requests["n2"] = ([3, 4], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
-    sample_on_host = engine.sampler.sample_on_host
+    sample_on_host = engine.model_runner.sampler.sample_on_host
 
     def failing(seq, *args):
         if seq.seq_id == "bad" and seq.num_output_tokens == 3 or seq.seq_id == "n2-1":
             raise RuntimeError("injected")
         return sample_on_host(seq, *args)
 
-    monkeypatch.setattr(engine.sampler, "sample_on_host", failing)
+    monkeypatch.setattr(engine.model_runner.sampler, "sample_on_host", failing)
     out = run_all(engine, requests)
     monkeypatch.undo()
     assert out["bad"].error and "RuntimeError: injected" in out["bad"].error
@@ -100,7 +100,7 @@ def test_valid_requests_finish_as_alone_whatever_runs_beside_them(engine, mix):
             params = SamplingParams(max_tokens=5, ignore_eos=True, **fields)
             engine.add_request(f"mix{i}", prompt, params)
         except ValueError:
-            assert f"mix{i}" not in engine.requests  # refused with no trace
+            assert f"mix{i}" not in engine.output_processor.request_states  # refused with no trace
             continue
         accepted[f"mix{i}"] = (prompt, params)
     outputs = {}

@@ -1,10 +1,10 @@
-"""n > 1 shares its prompt (Phase 7, copy-on-write): computed once, held once, and every completion is the one it
-would be alone, with its seed.
+"""n > 1 shares its prompt through the prefix cache (Phase 7a): its full blocks computed once and held once, and
+every completion is the one it would be alone, with its seed.
 
 On a tiny random model (seconds): the step profile counts the prompt tokens each step computes, the block manager
 counts the blocks held; the completions are compared with the same requests run one at a time with n = 1 and
-seed + i, under preemption (a small pool), a cap on running sequences that leaves some completions unforked,
-and an abort of the completion that computes the prompt.
+seed + i, under preemption (a small pool), a cap on running sequences, prefix caching off (each completion then
+computes the prompt), and an abort of the completion that computes the prompt first.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def make_engine(tiny_model_dir, **kw) -> LLMEngine:
 
 def run(engine: LLMEngine, requests: dict, profile: list | None = None) -> dict:
     """requests: {id: (prompt, params)}, all added at once; returns {id: token ids of each completion}. `profile`
-    gets, per step, (prompt tokens computed, blocks in use, copies made)."""
+    gets, per step, (prompt tokens computed, blocks in use)."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     outputs = {}
@@ -50,7 +50,7 @@ def run(engine: LLMEngine, requests: dict, profile: list | None = None) -> dict:
             prompt_tokens = sum(max(0, min(s.num_prompt_tokens, s.num_computed_tokens)
                                     - (s.num_computed_tokens - so.num_scheduled_tokens[s.seq_id]))
                                 for s in so.scheduled_seqs)
-            profile.append((prompt_tokens, bm.num_blocks - bm.num_free_blocks, len(so.blocks_to_copy)))
+            profile.append((prompt_tokens, bm.num_blocks - bm.num_free_blocks))
     return outputs
 
 
@@ -65,7 +65,7 @@ def alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return make_engine(tiny_model_dir, enable_prefix_caching=False)  # no cache: any sharing is the fork's
+    return make_engine(tiny_model_dir)
 
 
 def test_the_prompt_is_computed_once_and_held_once(engine):
@@ -74,17 +74,17 @@ def test_the_prompt_is_computed_once_and_held_once(engine):
     together = run(engine, {"n4": (PROMPT, params)}, profile)["n4"]
     assert together == alone(engine, PROMPT, params)
     assert len({tuple(t) for t in together}) > 1  # the seeds differ, so do the completions
-    prompt_tokens, blocks, copies = zip(*profile)
-    assert sum(prompt_tokens) == len(PROMPT)  # not 4 x 37
-    assert blocks[0] == 3  # the step that computes the prompt holds its 3 blocks, shared by the 4
-    # the first decode: 3 of the 4 copy the partly filled block before writing (the last one writes in place)
-    assert copies[1] == 3 and blocks[1] == 3 + 3 and sum(copies) == 3
+    prompt_tokens, blocks = zip(*profile)
+    # the first completion computes the prompt; the other three read its two full blocks from the cache and
+    # compute only the 5 tokens of the partial block: 37 + 3 x 5, not 4 x 37
+    assert prompt_tokens[0] == len(PROMPT) and sum(prompt_tokens) == len(PROMPT) + 3 * 5
+    assert blocks[0] == 3 and max(blocks) == 2 + 4  # the full blocks held once, a partial block each
 
 
-@pytest.mark.parametrize("kw", [dict(num_gpu_blocks_override=9, max_model_len=144),  # copies preempt: 3 + 4 x 2 > 9
-                                dict(max_num_seqs=2),  # only one completion can fork: two compute the prompt too
-                                dict(enable_prefix_caching=True),
-                                dict(kv_cache_dtype="int8")])  # the copies carry the int8 codes and their scales
+@pytest.mark.parametrize("kw", [dict(num_gpu_blocks_override=9, max_model_len=144),  # 2 + 4 partial > 9: preempts
+                                dict(max_num_seqs=2),  # two completions at a time
+                                dict(enable_prefix_caching=False),  # each completion computes the prompt
+                                dict(kv_cache_dtype="int8")])
 def test_every_completion_is_the_one_it_is_alone(tiny_model_dir, kw):
     engine = make_engine(tiny_model_dir, **kw)
     sampled = SamplingParams(n=4, temperature=0.9, top_p=0.95, seed=3, max_tokens=20, ignore_eos=True)
@@ -98,8 +98,8 @@ def test_every_completion_is_the_one_it_is_alone(tiny_model_dir, kw):
 def test_aborting_the_completion_that_computes_the_prompt(engine):
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True)
     engine.add_request("a", PROMPT, params)
-    engine.abort_request("a")  # all three, while two of them wait to fork
-    assert not engine.has_unfinished_requests() and not engine.scheduler.waiting_for_fork
+    engine.abort_request("a")  # all three, while two of them wait for the first one's prompt
+    assert not engine.has_unfinished_requests() and not engine.parent_requests.parents
     # only the first completion, before its prompt is computed: the other two compute it themselves
     engine.add_request("b", PROMPT, params)
     engine.abort_request("b-0")

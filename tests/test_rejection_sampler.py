@@ -142,7 +142,7 @@ def speculating(tiny, script, k=4, wrong=0, block_size=16, **kwargs):
     engine = engine_like(tiny, block_size=block_size,
                          speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                              "disable_by_batch_size": None, **kwargs})
-    engine.speculator.proposer = ScriptedProposer(k, script, wrong)
+    engine.model_runner.speculator.proposer = ScriptedProposer(k, script, wrong)
     return engine
 
 
@@ -167,7 +167,7 @@ def test_seeded_sampled_request_reproduces_and_speculates(tiny):
         "spec_decode_num_verify_steps"]
     assert stats["spec_decode_mean_accepted_length"] == pytest.approx(
         stats["spec_decode_num_emitted_tokens"] / stats["spec_decode_num_verify_steps"])
-    assert first.speculator.proposer.freed == ["r"]  # told once the request finished
+    assert first.model_runner.speculator.proposer.freed == ["r"]  # told once the request finished
 
 
 def test_sampled_request_stops_exactly(tiny):
@@ -205,7 +205,7 @@ def test_disable_by_batch_size(tiny):
     on = speculating(tiny, script, disable_by_batch_size=4)
     assert {rid: o.token_ids for rid, o in run(on, prompts).items()} == {rid: o.token_ids for rid, o in ref.items()}
     assert on.get_stats()["spec_decode_num_accepted_tokens"] > 0
-    assert sorted(on.speculator.proposer.freed) == ["r0", "r1", "r2"]
+    assert sorted(on.model_runner.speculator.proposer.freed) == ["r0", "r1", "r2"]
 
 
 def test_rollback_leaves_no_stale_slots(tiny):
@@ -218,7 +218,7 @@ def test_rollback_leaves_no_stale_slots(tiny):
         """position -> the target's logits predicting the token at that position, from rows whose inputs are
         the request's real tokens (the last sampled token's row, and each draft's row while the drafts before
         it and itself are right)."""
-        seen, execute = {}, engine.model_runner.execute_model
+        seen, execute = {}, engine.model_runner.compute_logits
 
         def execute_model(scheduler_output, *args):
             seq = scheduler_output.scheduled_seqs[0]
@@ -233,7 +233,7 @@ def test_rollback_leaves_no_stale_slots(tiny):
                         break
                     seen[n + j + 1] = host[row]
             return output
-        engine.model_runner.execute_model = execute_model
+        engine.model_runner.compute_logits = execute_model
         return seen
 
     truth = prompt + run(tiny, {"r": (prompt, params)})["r"].token_ids
@@ -283,7 +283,7 @@ def test_mixed_batch_with_and_without_q_under_preemption(tiny):
         engine = engine_like(tiny, max_model_len=128, num_gpu_blocks_override=14,
                              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                  "disable_by_batch_size": None})
-        proposer = engine.speculator.proposer = OneHotProposer(4, script, 3, tiny.model.config.vocab_size, with_probs)
+        proposer = engine.model_runner.speculator.proposer = OneHotProposer(4, script, 3, tiny.model.config.vocab_size, with_probs)
         preempted = []  # (seq_id, whether the proposer had seen it by then)
         schedule = engine.scheduler.schedule
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tinyvllm.core.outputs import ModelRunnerOutput
 from tinyvllm.core.scheduler import Scheduler, SchedulerOutput
 from tinyvllm.core.sequence import Sequence, SequenceStatus
 from tinyvllm.sampling_params import SamplingParams
@@ -24,6 +25,16 @@ def next_token(tokens: list[int]) -> int:
     for t in tokens:
         h = (h * 1_000_003 + t) % 2**61
     return h % VOCAB
+
+
+def sampled(tokens: dict) -> ModelRunnerOutput:
+    """What a model runner returns for `tokens` (seq_id -> the token it sampled)."""
+    return ModelRunnerOutput(sampled_token_ids={seq_id: [token] for seq_id, token in tokens.items()})
+
+
+def new_token_ids(outputs) -> list:
+    """The ids of the sequences an update_from_output gave a token."""
+    return [out.request_id for out in outputs if out.new_token_ids]
 
 
 def generate_alone(prompt: list[int], params: SamplingParams, max_model_len: int) -> tuple[list[int], str]:
@@ -44,19 +55,19 @@ class FakePagedModel:
         self.bm = scheduler.block_manager
         self.kv = [None] * (self.bm.num_blocks * self.bm.block_size)  # one "K/V" per slot: the token id
 
-    def run(self, out: SchedulerOutput) -> dict[int, int]:
+    def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for seq in out.scheduled_seqs:  # write every scheduled token's K/V first, as one forward pass would
             start, n = seq.num_computed_tokens, out.num_scheduled_tokens[seq.seq_id]
             tokens = seq.all_token_ids
             for pos, slot in zip(range(start, start + n), self.bm.get_slot_mapping(seq, start, start + n)):
                 self.kv[slot] = tokens[pos]
-        sampled = {}
+        tokens = {}
         for seq in out.scheduled_seqs:  # then attend over the context through the block table
             context_len = seq.num_computed_tokens + out.num_scheduled_tokens[seq.seq_id]
             context = [self.kv[slot] for slot in self.bm.get_slot_mapping(seq, 0, context_len)]
             assert context == seq.all_token_ids[:context_len], f"K/V of {seq} corrupted"
-            sampled[seq.seq_id] = next_token(context)
-        return sampled
+            tokens[seq.seq_id] = next_token(context)
+        return sampled(tokens)
 
 
 def run(scheduler: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 20_000,
@@ -144,11 +155,11 @@ def test_a_chunk_that_ends_mid_prompt_samples_nothing():
     for computed in (4, 8):
         out = scheduler.schedule()
         assert out.num_scheduled_tokens == {0: 4}
-        assert scheduler.update_from_output(out, {0: 123}) == []  # a runner may sample anyway: ignored
+        assert new_token_ids(scheduler.update_from_output(out, sampled({0: 123}))) == []  # ignored
         assert seq.num_computed_tokens == computed and seq.output_token_ids == [] and seq.is_prefill
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {0: 2}
-    assert scheduler.update_from_output(out, {0: 7}) == [seq] and seq.output_token_ids == [7]
+    assert new_token_ids(scheduler.update_from_output(out, sampled({0: 7}))) == [0] and seq.output_token_ids == [7]
 
 
 def test_abort_frees_blocks_immediately():
@@ -160,19 +171,19 @@ def test_abort_frees_blocks_immediately():
     assert out.scheduled_seqs == [running] and scheduler.block_manager.num_free_blocks == 5
     assert scheduler.abort(0) is running  # mid-step: the step's result for it is then ignored
     assert scheduler.block_manager.num_free_blocks == 8 and running.status.finish_reason == "abort"
-    assert scheduler.update_from_output(out, {0: 5}) == [] and running.num_computed_tokens == 0
+    assert scheduler.update_from_output(out, sampled({0: 5})) == [] and running.num_computed_tokens == 0
     assert scheduler.abort(1) is waiting and waiting.status == SequenceStatus.FINISHED_ABORTED
     assert scheduler.abort(1) is None and scheduler.abort(42) is None
     assert not scheduler.has_unfinished_seqs() and scheduler.schedule().scheduled_seqs == []
 
 
 def test_stop_conditions():
-    def finish(params: SamplingParams, sampled: list[int], max_model_len: int = 64) -> Sequence:
+    def finish(params: SamplingParams, tokens: list[int], max_model_len: int = 64) -> Sequence:
         scheduler = Scheduler(16, 4, max_model_len, max_num_seqs=1, max_num_batched_tokens=8, eos_token_ids=[EOS])
         seq = Sequence(0, [1, 2], params)
         scheduler.add_seq(seq)
-        for token in sampled:
-            scheduler.update_from_output(scheduler.schedule(), {0: token})
+        for token in tokens:
+            scheduler.update_from_output(scheduler.schedule(), sampled({0: token}))
         assert not scheduler.has_unfinished_seqs() and scheduler.block_manager.num_free_blocks == 16
         return seq
 
@@ -205,7 +216,7 @@ def test_preemption_frees_the_newest_and_puts_it_at_the_head_of_the_queue():
         scheduler.add_seq(seq)
     out = scheduler.schedule()  # a and b fill the pool; c waits (max_num_seqs)
     assert out.scheduled_seqs == [a, b] and scheduler.block_manager.num_free_blocks == 0
-    scheduler.update_from_output(out, {0: 5, 1: 6})
+    scheduler.update_from_output(out, sampled({0: 5, 1: 6}))
     out = scheduler.schedule()  # a's sampled token starts a new block: b, the newest, makes room
     assert out.preempted_seqs == [b] and out.scheduled_seqs == [a]  # and nothing is admitted this step
     assert scheduler.num_preemptions == 1  # vLLM's num_preemptions_total, on /metrics
@@ -223,7 +234,7 @@ def test_priority_orders_admission_and_chooses_whom_to_preempt():
     low = Sequence("low", [1, 2, 3, 4, 5, 6, 7], params, arrival_time=0.0, priority=5)
     scheduler.add_seq(low)
     out = scheduler.schedule()  # low runs alone: 2 blocks
-    scheduler.update_from_output(out, {"low": 9})
+    scheduler.update_from_output(out, sampled({"low": 9}))
     late = [Sequence(f"q{p}", [p] * 7, params, arrival_time=1.0 + p, priority=p) for p in (3, 1, 2)]
     for seq in late:
         scheduler.add_seq(seq)
@@ -232,7 +243,7 @@ def test_priority_orders_admission_and_chooses_whom_to_preempt():
     for _ in range(40):
         out = scheduler.schedule()
         preempted += [s.seq_id for s in out.preempted_seqs]
-        scheduler.update_from_output(out, {s.seq_id: 9 for s in out.scheduled_seqs})
+        scheduler.update_from_output(out, sampled({s.seq_id: 9 for s in out.scheduled_seqs}))
         if not scheduler.has_unfinished_seqs():
             break
     assert preempted and all(p in ("low", "q3", "q2") for p in preempted)

@@ -18,7 +18,7 @@ from conftest import write_tiny_model
 from test_spec_decode import run
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.llm_engine import LLMEngine
-from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.worker.model_runner import ModelRunner
 from tinyvllm.model.weights_hf import read_safetensors, save_hf_weights
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.spec_decode.config import SpeculativeConfig
@@ -201,7 +201,7 @@ def same_greedy(off, on):
 
 
 def draft_blocks_free(engine) -> bool:
-    bm = engine.speculator.proposer.block_manager
+    bm = engine.model_runner.speculator.proposer.block_manager
     return bm.num_free_blocks == bm.num_blocks
 
 
@@ -254,8 +254,8 @@ def test_real_model_float32_target_with_its_q4_1_self_as_draft(generator, defaul
     off = generator.engine
     on = LLMEngine(off.model, tokenizer=off.tokenizer, max_model_len=512, kv_cache_memory="32MiB",
                    speculative_config=draft_config(default_gguf, k=4, quantization="auto"))
-    assert on.speculator.proposer.model.quantization == "auto"
-    assert "Q4_1" in on.speculator.proposer.model.weight_formats()
+    assert on.model_runner.speculator.proposer.model.quantization == "auto"
+    assert "Q4_1" in on.model_runner.speculator.proposer.model.weight_formats()
     chat = off.tokenizer.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}])
     requests = {"chat": (chat, greedy(16)), "plain": ("The capital of France is", greedy(16))}
     expected = {rid: out.token_ids for rid, out in run(off, requests).items()}

@@ -91,7 +91,7 @@ def test_every_output_follows_its_grammar_on_a_random_model(engine):
 def test_a_grammar_that_does_not_compile_is_refused(engine, constraint, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad-grammar", [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
-    assert "bad-grammar" not in engine.requests
+    assert "bad-grammar" not in engine.output_processor.request_states and not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("fields", [{}, {"json": PERSON, "regex": "a"}, {"choice": []}, {"json": 5}])

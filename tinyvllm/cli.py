@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tinyvllm.engine.arg_utils import add_engine_args, engine_kwargs
+from tinyvllm.engine.arg_utils import EngineArgs
 from tinyvllm.gc_utils import engine_start
 
 PROCESS_START = time.perf_counter()
@@ -51,7 +51,7 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    add_engine_args(p)  # LLMEngine's flags, shared with the server (engine/arg_utils.py)
+    EngineArgs.add_cli_args(p)  # the engine's flags, shared with the server (engine/arg_utils.py)
     return p
 
 
@@ -69,11 +69,12 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
             from tinyvllm.engine.generator import GenerationResult, Generator
             from tinyvllm.sampling_params import SamplingParams
 
-            engine_args = engine_kwargs(args)  # before the model loads: a typo in the JSON is said at once
+            # every flag checked before the model loads: a typo in the JSON is said at once
+            config = EngineArgs.from_cli_args(args).create_engine_config()
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                     top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                     seed=args.seed, stop=args.stop)
-            generator = Generator(args.model, **engine_args)
+            generator = Generator(config=config)
         if chat and args.prompt is None:
             return _chat_loop(generator, params)
         result = GenerationResult([])

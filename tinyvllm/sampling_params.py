@@ -100,7 +100,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to a list
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # return this many top alternatives (plus the sampled token) per position
+    logprobs: int | None = None  # return this many top alternatives (plus the sampled token) per position; -1: all
     prompt_logprobs: int | None = None  # the same for each prompt token (the engine computes every position)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     skip_special_tokens: bool = True
@@ -143,8 +143,8 @@ class SamplingParams:
             _require(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and -1 <= self.logprobs <= MAX_LOGPROBS),
+                 "logprobs", self.logprobs, f"None, -1 (every token's) or an integer in [0, {MAX_LOGPROBS}]")
         _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                   and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
                  "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")

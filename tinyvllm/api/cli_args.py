@@ -1,7 +1,7 @@
 """The server's flags: what `python -m tinyvllm.api.server --help` (and `tinyvllm serve --help`) prints.
 
 vLLM keeps its server's flags apart in the same way (`make_arg_parser`, vllm/entrypoints/openai/cli_args.py):
-the engine's own flags come from `add_engine_args` (engine/arg_utils.py, shared with `tinyvllm generate`), the
+the engine's own flags come from `EngineArgs.add_cli_args` (engine/arg_utils.py, shared with `tinyvllm generate`), the
 server's are added here, and `server.main` turns the parsed arguments into an engine, an app and a running server.
 """
 
@@ -11,7 +11,7 @@ import argparse
 import os
 
 from tinyvllm.api.serving_engine import ServerLimits
-from tinyvllm.engine.arg_utils import add_engine_args
+from tinyvllm.engine.arg_utils import EngineArgs
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -42,7 +42,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="let cross-origin requests carry cookies and Authorization (default off)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients ask for in 'model' (default: the model's own name)")
-    add_engine_args(p)  # LLMEngine's flags, shared with `tinyvllm generate` (engine/arg_utils.py)
+    EngineArgs.add_cli_args(p)  # the engine's flags, shared with `tinyvllm generate` (engine/arg_utils.py)
     p.add_argument("--max-waiting", type=int, default=256,
                    help="more requests than this waiting get 429 with Retry-After (default 256)")
     defaults = ServerLimits()

@@ -60,7 +60,7 @@ from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.api.serving_responses import OpenAIServingResponses
 from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
                                            TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse)
-from tinyvllm.engine.arg_utils import engine_kwargs
+from tinyvllm.engine.arg_utils import EngineArgs
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
 from tinyvllm.pooling_params import PoolingParams
 
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         keys = ApiKeys.build(args.api_key, args.api_keys_file)
     except (OSError, ValueError) as e:
         parser.error(f"--api-keys-file: {e}")
-    try:  # before the model loads, as vLLM does: a typo in the JSON is said at once
-        engine_args = engine_kwargs(args)
+    try:  # before the model loads, as vLLM does: a bad flag (a typo in the JSON) is said at once
+        engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     except ValueError as e:
         parser.error(str(e))
     try:
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     def make_engine():
         from tinyvllm.engine.llm_engine import LLMEngine  # here: --help stays instant, tinygrad starts on this thread
 
-        return LLMEngine(args.model, **engine_args)
+        return LLMEngine(config=engine_config)
 
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes, body_read_timeout=args.body_read_timeout,
                           max_n=args.max_n,

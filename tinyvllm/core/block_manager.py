@@ -25,18 +25,10 @@ Only the bookkeeping lives here, in pure Python: the K/V tensors themselves, sha
 (num_blocks, block_size, n_kv_heads, head_dim) per layer, live in the KV cache and are written
 through the `slot_mapping` this module computes.
 
-Sharing and copy-on-write (vLLM's `fork` / COW): n > 1 completions of one prompt, and the beams of a beam
-search, share their common blocks (`fork`: one more reference, no copy). A block shared by more than one
-sequence must never be written, so before a step writes into one (the last, partly filled block of a forked
-prompt), `append_slots` gives the writer a fresh block and records the copy (src, dst) that the step makes on
-the device before its forward pass (`take_blocks_to_copy`, run by the `copy_blocks` kernel):
+Sharing: with prefix caching (core/prefix_cache.py), sequences whose prompts start alike hold the same full
+blocks (ref_cnt > 1). A full block is never written again, so sharing needs no copies.
 
-    before the first decode of A and B       after append_slots(A), append_slots(B)
-    A: [0, 1, 2]   B: [0, 1, 2]              A: [0, 1, 5]   B: [0, 1, 2]     blocks_to_copy = [(2, 5)]
-    block 2 [ p32 p33 .. .. ]  ref_cnt 2     block 2 ref_cnt 1: B, the last holder, writes in place
-                                             block 5 [ p32 p33 .. .. ] after the copy: A writes its token there
-
-Full blocks stay shared for good: nothing writes into a full block. Running out of blocks is not an error: `can_*`
+Running out of blocks is not an error: `can_*`
 answer False and `allocate` / `append_slots` answer None, changing nothing, and the scheduler
 decides whom to preempt. Mirrors vLLM v1's `block_pool.py` and `kv_cache_manager.py`.
 """
@@ -55,8 +47,7 @@ class Block:
     """One block of the pool (vLLM's `KVCacheBlock`).
 
     `ref_cnt` counts the sequences whose block table holds this block: 0 means it is in the free
-    block queue. More than one means the block is shared (a `fork`, or a cached prefix), and then
-    nobody may write into it. `block_hash` is set once the block is full and cached (prefix caching,
+    block queue. More than one means the block is shared (a cached prefix), and then nobody may write into it. `block_hash` is set once the block is full and cached (prefix caching,
     `tinyvllm/core/prefix_cache.py`): the hash of its tokens and all tokens before them, so a new prompt
     with the same prefix can reuse it. A free block keeps its hash until it is handed out again.
     """
@@ -94,9 +85,8 @@ class BlockManager:
     """Hands out the blocks of a fixed pool to sequences and takes them back.
 
     The pool size (`num_blocks`) is computed once from a memory budget by whoever builds the KV cache
-    and passed in. Every block is either in the free block queue (ref_cnt 0), or in at least one
-    sequence's block table (ref_cnt = how many), or, between a step's scheduling and its copies, the
-    source of a pending copy nobody holds any more, so `num_free_blocks + blocks in use + held == num_blocks`.
+    and passed in. Every block is either in the free block queue (ref_cnt 0) or in at least one sequence's block
+    table (ref_cnt = how many), so `num_free_blocks + blocks in use == num_blocks`.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -110,11 +100,6 @@ class BlockManager:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.cached_blocks: dict[bytes, Block] = {}  # block hash -> the block holding that prefix's K/V
-        # copy-on-write copies the next step makes before its forward pass: dst block -> src block. A source
-        # whose last holder lets go before the copy is made waits in `held_for_copy`, out of the free queue,
-        # so that no step can hand it out (and write it) while a copy still has to read it.
-        self.pending_copies: dict[int, int] = {}
-        self.held_for_copy: list[Block] = []
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
@@ -136,9 +121,6 @@ class BlockManager:
             block_ids.append(block.block_id)
         return block_ids
 
-    def _is_free(self, block: Block) -> bool:
-        return block.ref_cnt == 0 and block not in self.held_for_copy
-
     # ---- a sequence's first blocks ----
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:
@@ -155,12 +137,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence, hits: list[Block] | None = None, num_spare: int = 0) -> bool:
-        """Enough free blocks for `seq`, given its cached prefix `hits` (looked up here when not given), with
-        `num_spare` more left free after it (the first copy-on-write of each sequence it will fork)?"""
+    def can_allocate(self, seq: Sequence, hits: list[Block] | None = None) -> bool:
+        """Enough free blocks for `seq`, given its cached prefix `hits` (looked up here when not given)?"""
         hits = self.cached_prefix(seq) if hits is None else hits
-        num_free_hits = sum(self._is_free(block) for block in hits)  # taking those also shrinks the free queue
-        return seq.num_blocks(self.block_size) - len(hits) + num_free_hits + num_spare <= self.num_free_blocks
+        num_free_hits = sum(block.ref_cnt == 0 for block in hits)  # taking those also shrinks the free queue
+        return seq.num_blocks(self.block_size) - len(hits) + num_free_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> list[int] | None:
         """Give a sequence with no blocks enough blocks for all its tokens (the prompt, or prompt and
@@ -173,10 +154,8 @@ class BlockManager:
         if not self.can_allocate(seq, hits):
             return None
         for block in hits:
-            if self._is_free(block):
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
-            elif block.ref_cnt == 0:  # a copy's source, waiting for the copy: taken back from there
-                self.held_for_copy.remove(block)
             block.ref_cnt += 1
         new_blocks = self._take_free_blocks(seq.num_blocks(self.block_size) - len(hits))
         seq.block_table = [block.block_id for block in hits] + new_blocks
@@ -206,64 +185,23 @@ class BlockManager:
         num_slots = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-num_slots // self.block_size) - len(seq.block_table))
 
-    def _shared_blocks_written(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Indices into `seq.block_table` of the blocks the next `num_new_tokens` positions write into that another
-        sequence holds too: each needs its own copy first (usually none; one on a fork's first write)."""
-        if num_new_tokens == 0:
-            return []
-        first = seq.num_computed_tokens // self.block_size
-        last = min((seq.num_computed_tokens + num_new_tokens - 1) // self.block_size, len(seq.block_table) - 1)
-        return [i for i in range(first, last + 1) if self.blocks[seq.block_table[i]].ref_cnt > 1]
-
     def can_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        needed = self._num_missing_blocks(seq, num_new_tokens) + len(self._shared_blocks_written(seq, num_new_tokens))
-        return needed <= self.num_free_blocks
+        return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[int] | None:
         """Make room for the next `num_new_tokens` tokens a step computes: positions
         num_computed_tokens .. num_computed_tokens + num_new_tokens - 1 (vLLM's `allocate_slots`).
 
         A decode computes one token, the one sampled last step: it gets a new block only when the last
-        block is full, i.e. once every block_size steps. A block those positions fall in that another
-        sequence shares (after a `fork`) is replaced by a fresh one first, and the copy is recorded for
-        `take_blocks_to_copy` (copy-on-write). Returns the ids of the blocks taken (usually none), or None
-        if too few blocks are free, leaving everything unchanged.
+        block is full, i.e. once every block_size steps. Returns the ids of the blocks taken (usually none), or
+        None if too few blocks are free, leaving everything unchanged.
         """
         num_missing = self._num_missing_blocks(seq, num_new_tokens)
-        shared = self._shared_blocks_written(seq, num_new_tokens)
-        if num_missing + len(shared) > self.num_free_blocks:
+        if num_missing > self.num_free_blocks:
             return None
-        taken = []
-        for index in shared:  # copy-on-write: the writer moves to its own copy; the others keep the block
-            src = self.blocks[seq.block_table[index]]
-            (dst,) = self._take_free_blocks(1)
-            src.ref_cnt -= 1  # still >= 1: someone else holds it
-            seq.block_table[index] = dst
-            self.pending_copies[dst] = src.block_id
-            taken.append(dst)
         new_block_ids = self._take_free_blocks(num_missing)
         seq.block_table.extend(new_block_ids)
-        return taken + new_block_ids
-
-    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
-        """The (src, dst) block copies recorded since the last call, for the step about to run: it copies them on
-        the device before its forward pass writes anything (vLLM's `blocks_to_copy`). A source nobody holds any
-        more goes back to the free queue now."""
-        pairs = [(src, dst) for dst, src in self.pending_copies.items()]
-        self.pending_copies.clear()
-        for block in self.held_for_copy:
-            self.free_block_queue.append(block)
-        self.held_for_copy.clear()
-        return pairs
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let `child` share all of `parent`'s blocks (n > 1 completions of one prompt, beams): no copy,
-        just one more reference to each block. Whichever of them writes first into a shared block gets
-        its own copy (see `append_slots`)."""
-        assert not child.block_table, f"fork: {child} already holds blocks"
-        for block_id in parent.block_table:
-            self.blocks[block_id].ref_cnt += 1
-        child.block_table = list(parent.block_table)
+        return new_block_ids
 
     # ---- giving blocks back ----
 
@@ -272,27 +210,15 @@ class BlockManager:
 
         The last block goes back first: with prefix caching the queue's left end is evicted first, so a
         sequence's last blocks, the ones least likely to be shared with a later prompt, go before its first.
-        A copy into one of its blocks that was not made yet is dropped; a block a pending copy still reads
-        waits for that copy (see `take_blocks_to_copy`).
         """
         assert seq.block_table, f"free: {seq} holds no blocks (freed twice?)"
-        sources = set(self.pending_copies.values())
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"free: block {block_id} of {seq} is already free"
             block.ref_cnt -= 1
-            if block.ref_cnt > 0:
-                continue
-            self.pending_copies.pop(block_id, None)  # nobody will read the copy into it
-            if block_id in sources:
-                self.held_for_copy.append(block)
-            else:  # a cached block keeps its hash: a later prompt may still hit it
+            if block.ref_cnt == 0:  # a cached block keeps its hash: a later prompt may still hit it
                 self.free_block_queue.append(block)
         seq.block_table = []
-        sources = set(self.pending_copies.values())
-        for block in [b for b in self.held_for_copy if b.block_id not in sources]:  # its copy was dropped above
-            self.held_for_copy.remove(block)
-            self.free_block_queue.append(block)
 
     def free_slots_after(self, seq: Sequence, num_slots: int) -> None:
         """Keep the blocks that hold `seq`'s first `num_slots` slots; free the blocks after them (speculative

@@ -75,7 +75,8 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 arrival_time: float | None = None, prompt: str | None = None, priority: int = 0):
+                 arrival_time: float | None = None, prompt: str | None = None, priority: int = 0, *,
+                 pooling_params: object | None = None, grammar: object | None = None):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must have at least one token")
         self.seq_id = seq_id
@@ -91,13 +92,21 @@ class Sequence:
         self.num_cached_tokens = -1  # of the prompt, found in the prefix cache at first admission (-1: not yet)
         self.block_table: list[int] = []
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding; vLLM's name)
-        # vLLM's name: computes its whole prompt, for it needs every position's output (pooling, prompt logprobs)
-        self.skip_reading_prefix_cache = False
+        self.pooling_params = pooling_params  # a pooling request (PoolingParams): its prompt is computed, not sampled
+        self.grammar = grammar  # structured outputs: the compiled grammar its tokens follow (the model runner's)
+        self.first_scheduled_time: float | None = None  # when a step first ran it: its queue time ends
+        self.stop_reason: int | None = None  # the stop token id that ended it, when it is one of stop_token_ids
         self._block_hashes: list[bytes] = []  # of its full blocks, for prefix caching (see block_hashes)
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
                 f"num_computed_tokens={self.num_computed_tokens}, block_table={self.block_table})")
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's name: it computes its whole prompt, for it needs every position's output (pooling, prompt
+        logprobs)."""
+        return self.pooling_params is not None or self.sampling_params.prompt_logprobs is not None
 
     # ---- tokens ----
 

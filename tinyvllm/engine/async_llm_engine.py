@@ -55,7 +55,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step failed for this request: its own sampling or stop handling, or a forward pass that failed again when
-    the engine retried it with this request alone (engine/step_retry.py): only it ends. A failure outside
+    the engine retried it with this request alone (engine/failures.py): only it ends. A failure outside
     the forward pass and sampling (the scheduler's bookkeeping) leaves the engine's state unknown: then every
     request in the engine ends. Either way the engine keeps serving new requests."""
 

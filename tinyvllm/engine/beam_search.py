@@ -1,13 +1,13 @@
-"""Beam search: keep the k most likely continuations, each a sequence forked from the one before (Phase 7).
+"""Beam search: keep the k most likely continuations (Phase 7a), above the engine core as in vLLM v1.
 
 Each step every running beam b has its next-token log-probabilities; a candidate is (b, token) scored by the
-beam's cumulative log-probability plus the token's. The best candidates become the next running beams, and
-each of those is a fork of its parent: it shares the parent's blocks (copy-on-write), so k beams of one prompt
-hold the prompt once and only the tokens where they differ:
+beam's cumulative log-probability plus the token's. The best candidates become the next running beams. The core
+never sees a beam: each step of a search adds one ordinary request per running beam (its prompt: the prompt and
+the beam's tokens; one token; every token's logprobs), and the beams share what they have in common through the
+prefix cache, so each computes little more than its newest tokens:
 
-    step t:    beam 0 "The cat"   beam 1 "The dog"          (blocks [0, 1] and [0, 2]: block 0 shared)
-    step t+1:  "The cat sat" (from 0), "The cat is" (from 0): both forks of beam 0, beam 1 dropped (its block
-               freed); the two write their new token into the shared, partly filled block 1: one copies it first
+    step t:    requests "The cat" and "The dog"      -> each one's logprobs row
+    step t+1:  requests "The cat sat", "The cat is"  (both from "The cat": its full blocks are cached)
 
 The rules are HF transformers' (`GenerationMixin._beam_search`, transformers 5), so that `generate(num_beams=k,
 do_sample=False, num_return_sequences=k, length_penalty=..., early_stopping=...)` is the oracle:
@@ -32,12 +32,15 @@ equal log-probability are broken by beam, then token id (torch.topk leaves them 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyvllm.core.sequence import Sequence, SequenceStatus
+from tinyvllm.core.outputs import EngineCoreOutput
 from tinyvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tinyvllm.sample.sampler import full_logprobs
+from tinyvllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -145,81 +148,87 @@ class BeamSearch:
         return [] if self.done else chosen
 
 
+# what each beam's request asks of the core: one token (never used) and every token's logprobs
+BEAM_STEP_PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=-1)
+
+
 @dataclass
 class BeamSearchRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     search: BeamSearch
-    seqs: list[Sequence]  # the running beams' sequences, in the search's order
-    logprobs: dict[int | str, np.ndarray] = field(default_factory=dict)  # seq_id -> its next-token logprobs
+    children: list[str]  # this step's requests, one per running beam, in the search's order
+    logprobs: dict[str, np.ndarray] = field(default_factory=dict)  # child id -> its beam's next-token logprobs
     metrics: RequestMetrics | None = None
 
 
 class BeamSearchRequests:
-    """The engine's beam search requests. Their beams are sequences in the scheduler like any other, except that
-    no token is sampled for them: the engine hands each beam's logits row to `record`, and `update` forks the
-    beams that run on (scheduler.fork_seq: shared blocks) and finishes the rest, once every beam of a request has
-    its row."""
+    """The engine's beam searches. `add_request(id, prompt_token_ids, params)` and `abort_requests(ids)` are the
+    engine core's; `take` reads each step's outputs of the beams' requests and moves every search on whose beams
+    all have their row."""
 
-    def __init__(self, scheduler, tokenizer):
-        self.scheduler, self.tokenizer = scheduler, tokenizer
+    def __init__(self, add_request: Callable[[str, list[int], SamplingParams], None],
+                 abort_requests: Callable[[list[str]], None], tokenizer, max_model_len: int):
+        self.add_request, self.abort_requests = add_request, abort_requests
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.requests: dict[str, BeamSearchRequest] = {}
-        self.request_of: dict[int | str, BeamSearchRequest] = {}  # seq_id -> its request
+        self.request_of: dict[str, BeamSearchRequest] = {}  # a beam's request id -> its search
         self._next_id = 0
-
-    def _new_seq(self, request: BeamSearchRequest, output_token_ids: list[int]) -> Sequence:
-        self._next_id += 1
-        seq = Sequence(f"{request.request_id}#beam{self._next_id}", request.prompt_token_ids)
-        seq.output_token_ids = list(output_token_ids)
-        self.request_of[seq.seq_id] = request
-        return seq
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
             metrics: RequestMetrics) -> None:
-        max_new = self.scheduler.max_model_len - len(prompt_token_ids)
-        search = BeamSearch(params, set(self.tokenizer.stop_token_ids), max_new)
+        search = BeamSearch(params, set(self.tokenizer.stop_token_ids), self.max_model_len - len(prompt_token_ids))
         request = BeamSearchRequest(request_id, prompt, list(prompt_token_ids), search, [], metrics=metrics)
-        request.seqs = [self._new_seq(request, [])]
-        try:  # its width counts at admission: the first beam reserves a seat for each beam it will fork
-            self.scheduler.add_seq(request.seqs[0], num_forks=params.beam_width - 1)
-        except ValueError:
-            del self.request_of[request.seqs[0].seq_id]
-            raise
         self.requests[request_id] = request
+        self._add_children(request)
 
-    def owns(self, seq_id: int | str) -> bool:
-        return seq_id in self.request_of
+    def _add_children(self, request: BeamSearchRequest) -> None:
+        """One request per running beam: its prompt is the search's prompt and the beam's tokens."""
+        request.children = []
+        for tokens, _ in request.search.running:
+            self._next_id += 1
+            child_id = f"{request.request_id}#beam{self._next_id}"
+            self.request_of[child_id] = request
+            request.children.append(child_id)
+            self.add_request(child_id, request.prompt_token_ids + tokens, BEAM_STEP_PARAMS)
 
-    def record(self, seqs: list[Sequence], logits) -> None:
-        """The step's beams among `seqs` take their logits rows (logits (rows, V) on the device, row i for seqs[i];
-        copied to the host only in a step that has beams): each its log-softmax (of logits / temperature, if any)."""
-        rows = [row for row, seq in enumerate(seqs) if seq.seq_id in self.request_of]
-        host = logits.numpy() if rows else None
-        for row in rows:
-            request = self.request_of[seqs[row].seq_id]
-            temperature = request.search.params.temperature
-            x = host[row].astype(np.float32) / (temperature if temperature > 0 else 1.0)
-            x = x - x.max()
-            request.logprobs[seqs[row].seq_id] = x - np.log(np.exp(x).sum())
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.request_of
 
-    def update(self) -> list[RequestOutput]:
-        """Advance every request whose beams all have their row; returns the outputs of those that finished."""
-        outputs = []
-        for request in list(self.requests.values()):
-            if any(seq.seq_id not in request.logprobs for seq in request.seqs):
-                continue
-            request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()
-            chosen = request.search.step([request.logprobs[seq.seq_id] for seq in request.seqs])
-            old, request.logprobs = request.seqs, {}
-            forks = [(old[i], self._new_seq(request, old[i].output_token_ids + [token])) for i, token in chosen]
-            request.seqs = [child for _, child in forks]
-            self.scheduler.replace_seqs(forks, old)  # the new beams take the old ones' seats
-            for seq in old:
-                del self.request_of[seq.seq_id]
-            if request.search.done:
-                outputs.append(self._finish(request))
-        return outputs
+    def take(self, outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[RequestOutput]]:
+        """(the outputs that are not the beams', the RequestOutputs of the searches that finished this step)."""
+        rest, finished = [], []
+        for out in outputs:
+            request = self.request_of.get(out.request_id)
+            if request is None:
+                rest.append(out)
+            elif out.error is not None:
+                finished.append(self.fail(request.request_id, out.error))
+            elif out.new_logprobs:
+                del self.request_of[out.request_id]
+                request.logprobs[out.request_id] = self._beam_logprobs(request, out.new_logprobs[0])
+                request.metrics.first_scheduled_time = (request.metrics.first_scheduled_time
+                                                        or out.first_scheduled_time)
+                if len(request.logprobs) == len(request.children):
+                    finished += self._step(request)
+        return rest, finished
+
+    @staticmethod
+    def _beam_logprobs(request: BeamSearchRequest, logprobs: np.ndarray) -> np.ndarray:
+        """The beam's log-probabilities: with a temperature, those of logits / temperature (vLLM's)."""
+        temperature = request.search.params.temperature
+        return full_logprobs(logprobs / temperature) if temperature > 0 else logprobs
+
+    def _step(self, request: BeamSearchRequest) -> list[RequestOutput]:
+        """Every beam has its row: the search chooses the next beams, or ends."""
+        request.metrics.first_token_time = request.metrics.first_token_time or time.monotonic()
+        request.search.step([request.logprobs[child_id] for child_id in request.children])
+        request.logprobs = {}
+        if request.search.done:
+            return [self._finish(request)]
+        self._add_children(request)
+        return []
 
     def _finish(self, request: BeamSearchRequest) -> RequestOutput:
         del self.requests[request.request_id]
@@ -233,21 +242,20 @@ class BeamSearchRequests:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished=True, metrics=request.metrics)
 
-    def fail(self, seq_id: int | str, error: str) -> RequestOutput:
-        """End the beam search that `seq_id` belongs to with an error (its beams' blocks freed)."""
-        request = self.request_of[seq_id]
-        self.abort(request.request_id)
+    def fail(self, request_id: str, error: str) -> RequestOutput:
+        """End a beam search with an error (its beams' requests aborted)."""
+        request = self.requests[request_id]
+        self.abort(request_id)
         request.metrics.finished_time = time.monotonic()
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [CompletionOutput(0, "", [], "error")], finished=True, metrics=request.metrics,
                              error=error)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a beam search request and free its beams' blocks. False if there is no such request."""
+        """Drop a beam search and abort its beams' requests. False if there is no such search."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        for seq in request.seqs:
-            self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
-            del self.request_of[seq.seq_id]
+        waiting = [child_id for child_id in request.children if self.request_of.pop(child_id, None) is not None]
+        self.abort_requests(waiting)
         return True

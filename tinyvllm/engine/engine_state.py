@@ -104,7 +104,7 @@ def dtype_name(dtype) -> str:
 def engine_state(engine) -> dict:
     """The snapshot described at the top of this file, from an `LLMEngine`'s public attributes."""
     scheduler, model, now = engine.scheduler, engine.model, time.monotonic()
-    bm, kv_cache = scheduler.block_manager, engine.kv_cache
+    bm, kv_cache, step_log = scheduler.block_manager, engine.kv_cache, engine.engine_core.step_log
     config = {
         "model": engine.model_name, "quantization": weight_formats(model),
         "dtype": dtype_name(getattr(model, "dtype", None)),
@@ -119,23 +119,36 @@ def engine_state(engine) -> dict:
     return {"config": config, "kv_cache": kv,
             "running": [request_state(seq, now) for seq in scheduler.running],
             "waiting": [request_state(seq, now) for seq in scheduler.waiting],
-            "steps": [{**asdict(record), "age_s": round(now - record.time, 3)} for record in engine.step_log.records],
-            "num_steps": engine.step_log.num_steps}
+            "steps": [{**asdict(record), "age_s": round(now - record.time, 3)} for record in step_log.records],
+            "num_steps": step_log.num_steps}
 
 
 def engine_stats(engine) -> dict:
     """An `LLMEngine`'s counters, as the server's /metrics reads them (LLMEngine.get_stats)."""
-    bm = engine.scheduler.block_manager
-    last_step = engine.step_log.records[-1] if engine.step_log.records else None
+    scheduler = engine.scheduler
+    bm, records = scheduler.block_manager, engine.engine_core.step_log.records
+    last_step = records[-1] if records else None
     iteration_tokens = 0 if last_step is None else last_step.num_prefill_tokens + last_step.num_decode_tokens
-    return {"num_running": len(engine.scheduler.running), "num_waiting": len(engine.scheduler.waiting),
+    stats = {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
             "num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
             "num_cached_blocks": len(bm.cached_blocks),  # free or not: blocks a new prompt may hit
             "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
-            "num_preemptions": engine.scheduler.num_preemptions,
+            "num_preemptions": scheduler.num_preemptions,
             # tokens the last step computed (vLLM's iteration_tokens_total); 0 before any step
             "iteration_tokens": iteration_tokens,
-            "kv_cache_dtype": engine.kv_cache_dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
+            "kv_cache_dtype": engine.kv_cache.dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
             "kv_cache_bytes_per_token": engine.kv_cache.bytes_per_token,
-            "quantization": engine.model.quantization, "weight_bytes": engine.model.weight_formats(),
-            **(engine.speculator.stats() if engine.speculator is not None else {})}
+            "quantization": engine.model.quantization, "weight_bytes": engine.model.weight_formats()}
+    if engine.model_runner.speculator is not None:
+        stats.update(spec_decoding_stats(scheduler.spec_decoding_stats))
+    return stats
+
+
+def spec_decoding_stats(counts: dict) -> dict:
+    """vLLM's spec_decode_* metrics from the scheduler's counters. mean accepted length: tokens a verify step gives
+    a request (accepted + 1)."""
+    drafts, accepted, steps = counts["num_draft_tokens"], counts["num_accepted_tokens"], counts["num_verify_steps"]
+    return {"spec_decode_num_draft_tokens": drafts, "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_num_emitted_tokens": counts["num_emitted_tokens"], "spec_decode_num_verify_steps": steps,
+            "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
+            "spec_decode_mean_accepted_length": (accepted + steps) / steps if steps else 0.0}

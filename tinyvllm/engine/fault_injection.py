@@ -82,11 +82,11 @@ class FaultInjector:
 
     def _poison_detokenization(self, markers: list[str]) -> None:
         tokenizer = self.engine.tokenizer
-        for request_id, state in list(self.engine.requests.items()):
+        for request_id, state in list(self.engine.output_processor.request_states.items()):
             if request_id in self._checked:
                 continue
             self._checked.add(request_id)
-            prompt = state.prompt if state.prompt is not None else tokenizer.decode(state.seq.prompt_token_ids)
+            prompt = state.prompt if state.prompt is not None else tokenizer.decode(state.prompt_token_ids)
             if any(marker in prompt for marker in markers):
                 state.text.add = self._raise_on_detokenize
 

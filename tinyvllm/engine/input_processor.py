@@ -1,16 +1,59 @@
-"""From what a caller gives `add_request` to what the scheduler takes: the prompt's token ids, checked against
-the model (vLLM v1's `InputProcessor`, vllm/v1/engine/input_processor.py, does the same before a request
-reaches its engine core). Bad input raises ValueError here, before anything is added."""
+"""From what a caller gives `add_request` to what the engine core takes: the prompt's token ids and the request's
+parameters, checked against the model (vLLM v1's `InputProcessor`, vllm/v1/engine/input_processor.py, does the same
+before a request reaches its engine core). Bad input raises ValueError here, before anything is added."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.sampling_params import SamplingParams
 
 
+@dataclass
+class ProcessedRequest:
+    prompt: str | None  # the text, when the prompt came as text
+    prompt_token_ids: list[int]
+    params: SamplingParams  # a pooling request's: one step that samples nothing
+    priority: int
+    arrival_time: float
+    pooling_params: object | None = None  # PoolingParams (Phase 9)
+    beam_search: object | None = None  # BeamSearchParams (Phase 7a)
+    grammar: object | None = None  # the compiled grammar (structured outputs), for the first completion
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self._structured_outputs = None  # the grammars' compiler (Phase 9), built at the first request with one
+
+    def process(self, request_id: str, prompt: str | list[int], params, priority: int,
+                in_use: Callable[[str], bool]) -> ProcessedRequest:
+        """Check everything about a request that can be checked before it runs: a ValueError says what is wrong."""
+        from tinyvllm.pooling_params import PoolingParams
+
+        arrival_time = time.monotonic()
+        if isinstance(params, SamplingParams):
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
+            self.check_params(params)
+            text, prompt_ids = self.process_prompt(prompt)
+            grammar = self.grammar(params)  # one that does not compile: ValueError, nothing added
+            return ProcessedRequest(text, prompt_ids, params, priority, arrival_time, grammar=grammar)
+        text, prompt_ids = self.process_prompt(prompt)
+        if in_use(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):  # one prefill, no token
+            return ProcessedRequest(text, prompt_ids, SamplingParams(max_tokens=1), 0, arrival_time,
+                                    pooling_params=params)
+        from tinyvllm.engine.beam_search import BeamSearchParams
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be SamplingParams, BeamSearchParams or PoolingParams, "
+                             f"got {type(params).__name__}")
+        return ProcessedRequest(text, prompt_ids, SamplingParams(), 0, arrival_time, beam_search=params)
 
     def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(the prompt's text, or None when it came as token ids; its token ids). It must leave room for output."""
@@ -35,3 +78,14 @@ class InputProcessor:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{field_name} must be token ids in [0, {vocab}) for this model, got {bad[:5]}")
+
+    def grammar(self, params: SamplingParams):
+        """A fresh compiled grammar for one request's output (structured outputs), or None; ValueError if the
+        grammar does not compile. Each completion of a request has its own: its state follows its tokens."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured_outputs is None:
+            from tinyvllm.sample.structured_output import StructuredOutputManager
+
+            self._structured_outputs = StructuredOutputManager(self.tokenizer)
+        return self._structured_outputs.matcher(params.structured_outputs)

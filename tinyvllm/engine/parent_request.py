@@ -8,10 +8,10 @@ parent's id, completion i at `outputs[i]`:
     add_request("r", prompt, n=3)  -->  children "r-0", "r-1", "r-2"  (n=1 each)  -->  scheduler
     step() outputs of the children  -->  merge: RequestOutput("r", outputs=[c0, c1, c2])
 
-The children share one prompt, so its K/V are computed and held once: "r-0" computes it, and "r-1",
-"r-2" (`prompt_source` names "r-0" for them) fork from it in the step that finishes it, each sampling
-its first token from the same logits row with its own seed (copy-on-write, tinyvllm/core/scheduler.py).
-A completion's tokens are the same as if it ran alone with its seed.
+The children share one prompt, and with prefix caching they share its K/V too, through the cache: "r-0" is added
+first, and "r-1", "r-2" once "r-0" has its first output (its prompt's full blocks are cached by then), so they
+compute only the prompt's last, partly filled block. The scheduler never sees a fork. A completion's tokens are
+the same as if it ran alone with its seed.
 
 `ParentRequests` is the one place that does this; `LLMEngine` (and the test suite's fake engine) call it
 from `add_request`, `abort_request` and `step`.
@@ -47,6 +47,9 @@ class ParentRequest:
 
     error: str | None = None  # the first child's error: the request as a whole has failed
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, from the child that computed the prompt
+    # the children added once the first has its prompt computed (prefix caching): (child id, its params)
+    pending: list[tuple[str, SamplingParams]] = dataclasses.field(default_factory=list)
+    add_child: Callable[[str, SamplingParams], None] | None = None
 
     def merge(self, index: int, child: RequestOutput) -> RequestOutput:
         self.latest[index] = dataclasses.replace(child.outputs[0], index=index)
@@ -66,9 +69,10 @@ class ParentRequests:
         self.child_of: dict[str, tuple[ParentRequest, int]] = {}  # child request id -> (parent, index)
 
     def add(self, request_id: str, params: SamplingParams, add_child: Callable[[str, SamplingParams], None],
-            in_use: Callable[[str], bool]) -> None:
+            in_use: Callable[[str], bool], share_prompt: bool = False) -> None:
         """Add a request through `add_child(request_id, params)`: itself when n == 1, else its n children.
-        `in_use(id)` says whether the engine already has a request with that id."""
+        `in_use(id)` says whether the engine already has a request with that id. `share_prompt` (prefix caching
+        on): the children after the first wait for its first output, then read the prompt's K/V from the cache."""
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.parents or any(in_use(rid) for rid in {request_id, *child_ids}):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -76,27 +80,26 @@ class ParentRequests:
             add_child(request_id, params)
             return
         parent = ParentRequest(request_id, child_ids, [CompletionOutput(i, "", []) for i in range(params.n)])
-        self.parents[request_id] = parent  # before the children: `prompt_source` answers while they are added
+        self.parents[request_id] = parent
+        for index, child_id in enumerate(child_ids):
+            self.child_of[child_id] = (parent, index)
+        children = [(child_id, child_params(params, index)) for index, child_id in enumerate(child_ids)]
         try:
-            for index, child_id in enumerate(child_ids):
-                self.child_of[child_id] = (parent, index)
-                add_child(child_id, child_params(params, index))
+            for child_id, child in children[:1] if share_prompt else children:
+                add_child(child_id, child)
         except BaseException:
             self.forget(request_id)
             raise
-
-    def prompt_source(self, child_id: str) -> str | None:
-        """The request whose prompt K/V child `child_id` shares: the parent's first child, for every other child
-        (None for the first child and for a request with n == 1)."""
-        found = self.child_of.get(child_id)
-        if found is None or found[1] == 0:
-            return None
-        return found[0].child_ids[0]
+        if share_prompt:
+            parent.pending, parent.add_child = children[1:], add_child
 
     def request_ids(self, request_id: str) -> list[str]:
-        """The engine-level ids behind a user's request id: its children, or itself."""
+        """The engine-level ids behind a user's request id: its children added so far, or itself."""
         parent = self.parents.get(request_id)
-        return list(parent.child_ids) if parent is not None else [request_id]
+        if parent is None:
+            return [request_id]
+        waiting = {child_id for child_id, _ in parent.pending}
+        return [child_id for child_id in parent.child_ids if child_id not in waiting]
 
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs become their parent's (one merged output per parent per step)."""
@@ -107,10 +110,21 @@ class ParentRequests:
                 merged[output.request_id] = output
                 continue
             parent, index = found
+            self.release_pending(output.request_id)  # the first child's prompt is computed: the others follow
             merged[parent.request_id] = parent.merge(index, output)
             if merged[parent.request_id].finished:
                 self.forget(parent.request_id)
         return list(merged.values())
+
+    def release_pending(self, child_id: str) -> None:
+        """The children waiting for `child_id` (its parent's first) are added now: its prompt is in the cache, or
+        it went away (aborted) and they compute the prompt themselves."""
+        found = self.child_of.get(child_id)
+        if found is not None and found[1] == 0 and found[0].pending:
+            parent = found[0]
+            pending, parent.pending = parent.pending, []
+            for pending_id, params in pending:
+                parent.add_child(pending_id, params)
 
     def forget(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)

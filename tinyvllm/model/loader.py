@@ -18,13 +18,18 @@ from tinyvllm.platforms import resolve_dtype
 DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 
+def check_dtype(dtype: str | DType) -> str | DType:
+    """A dtype name the engine takes ('auto', 'float32', 'float16') or a tinygrad DType; a ValueError otherwise."""
+    if not isinstance(dtype, DType) and dtype not in (*DTYPES, "auto"):
+        raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]}, got {dtype!r}")
+    return dtype
+
+
 def parse_dtype(dtype: str | DType, device: str | None = None) -> DType:
     """'float32', 'float16', or 'auto' (vLLM's default: float16 on a GPU, float32 on the CPU, which has no float16
     arithmetic; tinyvllm/platforms.py) -> the compute dtype on `device`."""
-    if isinstance(dtype, DType):
+    if isinstance(check_dtype(dtype), DType):
         return dtype
-    if dtype not in (*DTYPES, "auto"):
-        raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]}, got {dtype!r}")
     return DTYPES[resolve_dtype(dtype, device)]
 
 

@@ -196,6 +196,13 @@ def logprobs_of(logits: np.ndarray, token_id: int, k: int) -> tuple[float, list[
     return float(logprobs[token_id]), [(int(t), float(logprobs[t])) for t in top]
 
 
+def full_logprobs(logits: np.ndarray) -> np.ndarray:
+    """Every token's log-probability, (V,) float32 (`logprobs=-1`, vLLM's "all of the vocabulary": beam search)."""
+    x = np.asarray(logits, dtype=np.float32)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
 class Sampler:
     """Runs the pipeline above for one request at one position. Stateless: the generator is the request's."""
 

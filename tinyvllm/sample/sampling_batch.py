@@ -14,29 +14,26 @@ min_tokens, logprobs) gets its row of logits copied back and is sampled there:
 
 The keys come from each request's own generator (noise.py), one per row and step, so a seeded request draws
 the same numbers whichever rows it shares a step with. Structured outputs mask both paths; once the token is
-known, the request's grammar moves on by it (structured_output.py).
-
-`SamplingRows` fills the per-row parameters the device sampler takes: the engine's step (`SamplingBatch`), the
-verifier of speculative decoding (spec_decode/rejection_sampler.py's `VerifyBatch`) and the draft model
-(spec_decode/draft_model.py) all fill their rows through it. vLLM v1 keeps the same arrays in its
-`SamplingMetadata` (vllm/v1/sample/metadata.py), built by the runner's input batch.
+known, the request's grammar moves on by it (structured_output.py). The parameters come from the model runner's
+persistent batch (worker/input_batch.py), as vLLM v1's `SamplingMetadata` (vllm/v1/sample/metadata.py) does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tinyvllm.sample.noise import draw_keys
-from tinyvllm.sample.sampler import Sampler, logprobs_of
+from tinyvllm.sample.sampler import Sampler, full_logprobs, logprobs_of
 from tinyvllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tinyvllm.core.sequence import Sequence
-    from tinyvllm.model.tokenizer import Tokenizer
-    from tinyvllm.sample.structured_output import StructuredOutputManager
+
+logger = logging.getLogger("tinyvllm.engine")
 
 
 class SamplingRows:
@@ -105,86 +102,104 @@ def needs_host_sampler(seq: Sequence, params: SamplingParams) -> bool:
             or seq.num_output_tokens < params.min_tokens)
 
 
+def failure_message(error: BaseException) -> str:
+    return f"the engine failed while running this request: {type(error).__name__}: {error}"
+
+
 class StepSampler:
-    """The engine's sampling of a step's rows: `prepare` assembles the batch (parameters, keys, grammar masks, and
-    which rows go to the host) before the device samples; `finish` takes the device's tokens, samples the host's
-    rows and moves the grammars on. `requests`: the engine's request states by seq_id (their `params`,
-    `generator`, `matcher` and `logprobs`); a sequence without one (a beam) keeps a greedy row whose token is
-    unused. A request whose sampling fails ends alone: `fail(seq, error)` (the engine's), the batch goes on."""
+    """The model runner's sampling of a step's rows: `prepare` assembles the batch (parameters, keys, grammar masks,
+    and which rows go to the host) before the device samples; `finish` takes the device's tokens, samples the
+    host's rows and moves the grammars on. `input_batch`: the runner's (worker/input_batch.py). A request whose
+    sampling fails ends alone: its id and message go into `failed`, and the batch goes on."""
 
-    def __init__(self, tokenizer: Tokenizer, requests: dict, fail: Callable[[Sequence, Exception], None]):
-        self.tokenizer, self.requests, self.fail = tokenizer, requests, fail
-        self.stop_token_ids = tokenizer.stop_token_ids  # the model's: min_tokens bans them
+    def __init__(self, input_batch, stop_token_ids: Iterable[int]):
+        self.input_batch = input_batch
+        self.stop_token_ids = list(stop_token_ids)  # the model's: min_tokens bans them
         self.host_sampler = Sampler()
-        self._structured_outputs: StructuredOutputManager | None = None
 
-    @property
-    def structured_outputs(self) -> StructuredOutputManager:
-        """The grammars' matchers and masks (structured outputs, Phase 9), built at the first request with one."""
-        if self._structured_outputs is None:
-            from tinyvllm.sample.structured_output import StructuredOutputManager
-
-            self._structured_outputs = StructuredOutputManager(self.tokenizer)
-        return self._structured_outputs
-
-    def prepare(self, seqs: list[Sequence], rows: int, vocab: int, verifying: dict | tuple = ()) -> SamplingBatch:
+    def prepare(self, seqs: list[Sequence], rows: int, vocab: int, verifying: dict | tuple,
+                failed: dict) -> SamplingBatch:
         """Each row's sampling parameters, draw key and grammar mask, one request at a time: a request whose
         parameters fail here ends alone (its row stays greedy and its token is dropped). A sampled request that
         verifies drafts (`verifying`, seq_id -> its drafts' rows) stays greedy here too: rejection sampling
         draws its tokens (spec_decode/rejection_sampler.py)."""
         batch = SamplingBatch(rows, vocab)
+        device_rows, batch_rows = [], []  # the rows the device samples, and their rows of the input batch
         for row, seq in enumerate(seqs):
-            state = self.requests.get(seq.seq_id)
-            if state is None:
-                continue  # a beam (its row stays greedy, its token unused)
-            params = state.params
+            state = self.input_batch.requests[seq.seq_id]
             try:
-                if state.matcher is not None:
+                if seq.grammar is not None:
+                    from tinyvllm.sample.structured_output import StructuredOutputManager
+
                     if batch.bitmask is None:
-                        batch.bitmask = self.structured_outputs.allocate_bitmask(rows)
-                    self.structured_outputs.fill_bitmask(state.matcher, batch.bitmask, row)
-                if needs_host_sampler(seq, params):
+                        batch.bitmask = np.full((rows, -(-vocab // 32)), -1, dtype=np.int32)  # all allowed
+                    StructuredOutputManager.fill_bitmask(seq.grammar, batch.bitmask, row)
+                if needs_host_sampler(seq, state.params):
                     batch.on_host.append(row)
-                    continue
-                if params.is_greedy or seq.seq_id in verifying:
-                    continue
-                batch.fill(row, params, state.generator)  # the host sampler draws its key the same way
+                elif not state.params.is_greedy and seq.seq_id not in verifying:
+                    batch_rows.append(state.row)
+                    device_rows.append(row)
+                    if batch.keys is None:
+                        batch.allocate()
+                    batch.keys[row] = draw_keys(state.generator, 1)[0]  # the host sampler draws its key alike
             except Exception as e:  # one request's parameters must never fail the batch
-                self.fail(seq, e)
+                fail(failed, seq, e)
+        if device_rows:  # their parameters, gathered from the persistent batch
+            ib = self.input_batch
+            batch.temperature[device_rows] = ib.temperature[batch_rows]
+            batch.top_k[device_rows], batch.top_p[device_rows] = ib.top_k[batch_rows], ib.top_p[batch_rows]
+            batch.min_p[device_rows] = ib.min_p[batch_rows]
         return batch
 
-    def finish(self, seqs: list[Sequence], batch: SamplingBatch, tokens: np.ndarray, logits) -> dict[int | str, int]:
+    def finish(self, seqs: list[Sequence], batch: SamplingBatch, tokens: np.ndarray, logits,
+               failed: dict, logprobs: dict) -> dict[int | str, int]:
         """seq_id -> its token: the device's (tokens (rows,)) for the device's rows; for the host's rows, their row
-        of `logits` (rows, V) copied back and sampled by the reference sampler. Then each grammar accepts its
-        request's token."""
-        sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs) if row not in batch.on_host}
+        of `logits` (rows, V) copied back and sampled by the reference sampler (recording `logprobs` where a
+        request asks for them). Then each grammar accepts its request's token."""
+        sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)
+                   if row not in batch.on_host and seq.seq_id not in failed}
         host_logits = logits.numpy() if batch.on_host else None
         for row in batch.on_host:
+            seq = seqs[row]
+            if seq.seq_id in failed:
+                continue
             try:
                 mask = None if batch.bitmask is None else batch.bitmask[row]
-                sampled[seqs[row].seq_id] = self.sample_on_host(seqs[row], self.requests[seqs[row].seq_id],
-                                                                host_logits[row], mask)
+                sampled[seq.seq_id] = self.sample_on_host(seq, host_logits[row], mask, logprobs)
             except Exception as e:
-                self.fail(seqs[row], e)
+                fail(failed, seq, e)
         for seq in seqs:  # the grammar moves on by the token just sampled
-            state = self.requests.get(seq.seq_id)
-            if state is not None and state.matcher is not None and seq.seq_id in sampled:
+            if seq.grammar is not None and seq.seq_id in sampled:
+                from tinyvllm.sample.structured_output import StructuredOutputManager
+
                 try:
-                    self.structured_outputs.accept(state.matcher, sampled[seq.seq_id])
+                    StructuredOutputManager.accept(seq.grammar, sampled[seq.seq_id])
                 except Exception as e:
-                    self.fail(seq, e)
+                    del sampled[seq.seq_id]
+                    fail(failed, seq, e)
         return sampled
 
-    def sample_on_host(self, seq: Sequence, state, logits: np.ndarray, bitmask_row: np.ndarray | None = None) -> int:
+    def sample_on_host(self, seq: Sequence, logits: np.ndarray, bitmask_row: np.ndarray | None,
+                       logprobs: dict) -> int:
         """One row on the host reference sampler, its grammar's mask applied; records the token's logprobs when
-        the request asks for them."""
+        the request asks for them (logprobs=-1: the whole row's, as a (V,) float32 array)."""
+        state = self.input_batch.requests[seq.seq_id]
         allowed = logits
         if bitmask_row is not None:  # a grammar's (structured outputs, Phase 9)
             from tinyvllm.sample.structured_output import apply_bitmask_numpy
 
             allowed = apply_bitmask_numpy(logits, bitmask_row)
-        token = self.host_sampler(allowed, state.params, seq.prompt_token_ids, seq.output_token_ids, state.generator,
+        params = state.params
+        token = self.host_sampler(allowed, params, seq.prompt_token_ids, seq.output_token_ids, state.generator,
                                   self.stop_token_ids)
-        if state.params.logprobs is not None:  # of the model's own distribution, as vLLM's raw logprobs
-            state.logprobs.append(logprobs_of(logits, token, state.params.logprobs))
+        if params.logprobs == -1:  # every token's (beam search reads these)
+            logprobs[seq.seq_id] = [full_logprobs(logits)]
+        elif params.logprobs is not None:  # of the model's own distribution, as vLLM's raw logprobs
+            logprobs[seq.seq_id] = [logprobs_of(logits, token, params.logprobs)]
         return token
+
+
+def fail(failed: dict, seq: Sequence, error: Exception) -> None:
+    """Record that `seq`'s request failed with `error`: it alone ends (the scheduler finishes it)."""
+    logger.exception("request %s failed in the engine step; the other requests go on", seq.seq_id, exc_info=error)
+    failed[seq.seq_id] = failure_message(error)

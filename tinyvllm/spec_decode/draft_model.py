@@ -214,7 +214,7 @@ class DraftModelProposer:
             return []
         shadows = [self._seqs[r.seq.seq_id] for r, _ in scheduled]
         output = SchedulerOutput(shadows, {s.seq_id: count for s, (_, count) in zip(shadows, scheduled)}, [])
-        step = self.runner.execute_model(output)
+        step = self.runner.compute_logits(output)
         for shadow, (_, count) in zip(shadows, scheduled):
             shadow.num_computed_tokens += count
         by_id = {r.seq.seq_id: r for r, _ in scheduled}

@@ -48,10 +48,10 @@ class Draft:
 
 class DraftRunner(Protocol):
     """What the draft model asks of a model runner. The engine hands in its runner's class (ModelRunner,
-    tinyvllm/engine/model_runner.py), built as `runner_class(model, kv_cache, max_model_len, max_num_batched_tokens,
+    tinyvllm/worker/model_runner.py), built as `runner_class(model, kv_cache, max_model_len, max_num_batched_tokens,
     max_num_seqs, portable_attention=...)`, so that speculative decoding never imports the engine package back."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput):
+    def compute_logits(self, scheduler_output: SchedulerOutput):
         """One forward pass over the scheduled tokens: the sequences that sample, and their rows of logits."""
         ...
 

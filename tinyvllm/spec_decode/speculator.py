@@ -1,15 +1,14 @@
-"""The speculator: speculative decoding's part of an engine step, in one place (vLLM v1 spreads it over the
-scheduler, the model runner's `propose_draft_token_ids` and its `RejectionSampler`).
+"""The speculator: speculative decoding's part of the model runner, in one place (vLLM v1 spreads it over the
+runner's `propose_draft_token_ids`, its `RejectionSampler` and the scheduler's `update_draft_token_ids`).
 
-    step():  speculator.propose()  ->  schedule()  ->  execute_model()  ->  sample  ->  speculator.verify()
-                  |                       |                   |                               |
-          who speculates, the      counts each request's   the drafts' rows of     greedy: argmax comparison
-          proposer's drafts        num_tokens_with_spec    logits come back too    sampled: rejection sampling
-          (seq.spec_token_ids)     (drafts included)                               -> the tokens each emits
+    step N:  execute_model()  ->  speculator.verify()          ->  update_from_output()  ->  speculator.propose()
+                                     |                                  |                        |
+                         greedy: argmax comparison            appends the emitted tokens,   the drafts each running
+                         sampled: rejection sampling          rolls back rejected drafts    request verifies in step
+                         -> the tokens each request emits     (Scheduler._accept_spec...)   N + 1 (spec_token_ids)
 
-The scheduler appends the emitted tokens and rolls back the rejected drafts' KV slots (`_accept_spec_tokens`).
-The speculator keeps vLLM's counters (spec_decode_num_draft_tokens, ...), and frees what the proposer holds for a
-sequence once it no longer runs (finished, aborted, preempted).
+The proposer drops what it holds for a request once it no longer runs (finished, aborted, preempted); the scheduler
+keeps vLLM's counters (spec_decode_num_draft_tokens, ...).
 
 Who speculates in a step: nobody when `disable_by_batch_size` or more requests are running (a large batch is no
 longer bound by reading the weights: the drafts' extra rows cost compute, and the misses are wasted); otherwise
@@ -46,7 +45,7 @@ def speculates(seq: Sequence, params: SamplingParams, has_grammar: bool) -> bool
 
 
 class Speculator:
-    """Built by the engine from its `speculative_config`.
+    """Built by the model runner from the engine's `speculative_config`.
 
     Args:
         config: the checked speculative_config (method, num_speculative_tokens, ...).
@@ -75,39 +74,32 @@ class Speculator:
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                max_num_seqs=max_num_seqs, portable_attention=portable_attention,
                                                target_name=model_name)
-        self._drafts: dict[int | str, Draft] = {}  # this step's drafts, by seq_id
+        self._drafts: dict[int | str, Draft] = {}  # the drafts proposed for the next step, by seq_id
         self._holding: set[int | str] = set()  # seq_ids the proposer has been asked about (it may hold state)
-        self.num_draft_tokens = 0  # drafts verified (vLLM's spec_decode_num_draft_tokens)
-        self.num_accepted_tokens = 0  # of those, accepted by the target
-        self.num_emitted_tokens = 0  # tokens the verifying requests got (accepted + one of the target's)
-        self.num_verify_steps = 0  # one per request per step that verified drafts
 
-    # ---- before the schedule ----
+    # ---- after a step: the next step's drafts ----
 
-    def propose(self, running: list[Sequence], requests: dict) -> None:
-        """Set each running sequence's `spec_token_ids` for this step (the scheduler counts them in its
-        num_tokens_with_spec). `requests`: the engine's RequestStates by seq_id (beams have none). Never more
+    def propose(self, running: list[Sequence], input_batch) -> dict[int | str, list[int]]:
+        """The drafts each running sequence verifies next step (the scheduler counts them in its
+        num_tokens_with_spec). `input_batch`: the runner's (each request's parameters and generator). Never more
         drafts than could be kept: max_tokens and max_model_len bound the run."""
         self.free_stale(running)
         self._drafts.clear()
         asks = []
         disabled = self.config.disable_by_batch_size is not None and len(running) >= self.config.disable_by_batch_size
         for seq in running:
-            seq.spec_token_ids = []
-            state = requests.get(seq.seq_id)
-            if disabled or state is None or not speculates(seq, state.params, state.matcher is not None):
+            state = input_batch.requests.get(seq.seq_id)
+            if disabled or state is None or not speculates(seq, state.params, seq.grammar is not None):
                 continue
             limit = self.max_model_len - seq.num_tokens  # the drafts' positions must fit
             if state.params.max_tokens is not None:  # the target adds one token after the drafts
                 limit = min(limit, state.params.max_tokens - seq.num_output_tokens - 1)
             asks.append(DraftRequest(seq, state.params, state.generator, max(limit, 0)))
-        if not asks:
-            return
-        for ask, draft in zip(asks, self.proposer.propose(asks), strict=True):
+        for ask, draft in zip(asks, self.proposer.propose(asks) if asks else [], strict=True):
             assert len(draft.token_ids) <= ask.max_drafts, f"{len(draft.token_ids)} drafts, at most {ask.max_drafts}"
-            ask.seq.spec_token_ids = list(draft.token_ids)
             self._drafts[ask.seq.seq_id] = draft
             self._holding.add(ask.seq.seq_id)
+        return {seq_id: list(draft.token_ids) for seq_id, draft in self._drafts.items()}
 
     def free_stale(self, running: list[Sequence]) -> None:
         """The proposer lets go of every sequence that no longer runs (finished, aborted, failed, preempted)."""
@@ -116,31 +108,22 @@ class Speculator:
             self.proposer.free(seq_id)
         self._holding -= stale
 
-    # ---- after the forward pass ----
+    # ---- in a step: the drafts verified ----
 
     def verify(self, seqs: list[Sequence], logits: Tensor, tokens: np.ndarray, spec_rows: dict,
-               scheduler_output: SchedulerOutput, sampled: dict, requests: dict) -> list[Sequence]:
-        """Replace each verifying sequence's sampled token by the list of tokens it emits (the scheduler appends
-        them). logits (rows, V): the target's, sequence i at row i, the drafts at spec_rows[seq_id]; tokens
-        (rows,): the device sampler's argmax of every row a greedy request owns. Returns the sequences that
-        verified."""
-        verifying = [(row, seq) for row, seq in enumerate(seqs)
-                     if seq.seq_id in spec_rows and seq.seq_id in sampled and seq.seq_id in requests]
+               scheduler_output: SchedulerOutput, sampled: dict, input_batch) -> dict[int | str, list[int]]:
+        """The tokens each verifying sequence emits (the scheduler appends them). logits (rows, V): the target's,
+        sequence i at row i, the drafts at spec_rows[seq_id]; tokens (rows,): the device sampler's argmax of every
+        row a greedy request owns; `sampled`: the step's tokens (a request that failed has none)."""
+        requests = input_batch.requests
+        verifying = [(row, seq) for row, seq in enumerate(seqs) if seq.seq_id in spec_rows and seq.seq_id in sampled]
         sampling = [(row, seq) for row, seq in verifying if not requests[seq.seq_id].params.is_greedy]
         emitted = self._rejection_sample(logits, sampling, spec_rows, scheduler_output, requests) if sampling else {}
         for row, seq in verifying:
-            drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]
-            if seq.seq_id in emitted:
-                tokens_out, num_accepted = emitted[seq.seq_id]
-            else:  # greedy: the target's argmax after the last sampled token and after each draft
+            if seq.seq_id not in emitted:  # greedy: the target's argmax after the last sampled token and each draft
                 targets = [int(tokens[row])] + [int(tokens[r]) for r in spec_rows[seq.seq_id]]
-                tokens_out, num_accepted = accept_greedy(drafts, targets)
-            sampled[seq.seq_id] = tokens_out
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_tokens += num_accepted
-            self.num_emitted_tokens += len(tokens_out)
-            self.num_verify_steps += 1
-        return [seq for _, seq in verifying]
+                emitted[seq.seq_id] = accept_greedy(scheduler_output.scheduled_spec_decode_tokens[seq.seq_id], targets)
+        return {seq_id: tokens_out for seq_id, (tokens_out, _) in emitted.items()}
 
     def _rejection_sample(self, logits: Tensor, sampling: list[tuple[int, Sequence]], spec_rows: dict,
                           scheduler_output: SchedulerOutput, requests: dict) -> dict:
@@ -164,14 +147,3 @@ class Speculator:
             drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]
             out[seq.seq_id] = emitted_tokens(drafts, accepted[first:first + k], tokens[first:first + k + 1])
         return out
-
-    # ---- counters ----
-
-    def stats(self) -> dict:
-        """vLLM's spec_decode_* metrics. mean accepted length: tokens a verify step gives a request (accepted + 1)."""
-        drafts, accepted, steps = self.num_draft_tokens, self.num_accepted_tokens, self.num_verify_steps
-        return {"spec_decode_num_draft_tokens": drafts, "spec_decode_num_accepted_tokens": accepted,
-                "spec_decode_num_emitted_tokens": self.num_emitted_tokens,
-                "spec_decode_num_verify_steps": steps,
-                "spec_decode_acceptance_rate": accepted / drafts if drafts else 0.0,
-                "spec_decode_mean_accepted_length": (accepted + steps) / steps if steps else 0.0}

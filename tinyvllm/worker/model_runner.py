@@ -16,28 +16,32 @@ Attention runs on the hand-written paged-attention kernels where the device has 
 token row above is one query with its own block table row and context length `position + 1`, which is
 exactly what a decode kernel takes. `portable_attention=True` keeps the portable gather.
 
-Hidden states (a pooling request, or prompt logprobs): when a sequence in the step needs every position of
-its tokens, not only its last, the step runs another graph that returns the final hidden states of all N
-tokens (N, D); the sampled rows' logits are computed from them, and so are, on request, the logits of every
-position of one sequence (`position_logits`). The normal graph computes lm_head for the sampled rows only.
-
-Copy-on-write (Phase 7): a step whose sequences write into blocks they shared first copies those blocks
-(`scheduler_output.blocks_to_copy`, the `copy_blocks` kernel over every cache tensor) and then runs the
-forward pass. A sequence forked this step (n > 1) computes no token: it samples from the logits row of
-the sequence it forked from, so the prompt's logits are computed once for all the completions.
+`execute_model` is the step's whole device side, as vLLM v1's runner does it: it keeps its persistent batch
+(worker/input_batch.py) up to date, computes the logits of the rows that sample, samples them (on the device, or
+the host reference sampler for what the device does not do), verifies speculative drafts, and returns a
+`ModelRunnerOutput` of token ids. A request that needs every position (pooling, prompt logprobs) gets a graph
+that returns the final hidden states of all N tokens (worker/hidden_states.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
-from tinyvllm.attention.copy_blocks import CopyBlocks
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
-from tinyvllm.attention.kv_cache import PagedKVCache
+from tinyvllm.attention.kv_cache import (
+    PagedKVCache,
+    activation_bytes,
+    kv_cache_budget,
+    num_blocks_for_memory,
+    resolve_kv_cache_dtype,
+)
 from tinyvllm.core.block_manager import slot_mapping as get_slot_mapping
+from tinyvllm.core.outputs import ModelRunnerOutput
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.device_memory import ReadBack
@@ -46,14 +50,20 @@ from tinyvllm.kernels import graph_cache
 from tinyvllm.kernels.cpu_graph import GraphedJit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
+from tinyvllm.sample.sampling_batch import StepSampler, fail
+from tinyvllm.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.model.tokenizer import Tokenizer
 
 
 @dataclass
-class ModelRunnerOutput:
-    """What one forward pass computed (vLLM v1's name): the rows of logits the step samples from, and what the
-    requests that need more than one row per sequence take from it.
+class ForwardOutput:
+    """What one forward pass computed: the rows of logits the step samples from, and what the requests that need
+    more than one row per sequence take from it.
 
-        logits (R, V), on the device     row i   sampled_seqs[i]'s next token (a forked sequence: its source's row)
+        logits (R, V), on the device     row i   sampled_seqs[i]'s next token
                                          then    the drafts' rows (spec_logits_rows), then padding rows
     """
 
@@ -63,6 +73,24 @@ class ModelRunnerOutput:
     spec_logits_rows: dict[int | str, list[int]] = field(default_factory=dict)
     # `hidden_for`'s sequences: seq_id -> the final hidden states of the tokens it computed, (count, D) on the host
     hidden_states: dict[int | str, np.ndarray] = field(default_factory=dict)
+
+
+def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM) -> tuple[int, int]:
+    """(number of KV blocks, max_model_len): the blocks a budget holds (given, or what a GPU's memory leaves once
+    the weights and a step's activations are in), and the context length: the one asked for, else the model's, at
+    most what the blocks hold."""
+    cc, sc, arch = config.cache_config, config.scheduler_config, model.kv_cache_config
+    num_blocks = cc.num_gpu_blocks_override
+    if not num_blocks:
+        logits_rows = min(sc.max_num_batched_tokens, sc.max_num_seqs * (1 + config.num_speculative_tokens))
+        budget = kv_cache_budget(cc.kv_cache_memory, cc.gpu_memory_utilization, model.device,
+                                 activation_bytes(arch, sc.max_num_batched_tokens, logits_rows))
+        num_blocks = num_blocks_for_memory(arch, cc.block_size, budget,
+                                           resolve_kv_cache_dtype(cc.cache_dtype, model.dtype))
+    max_model_len = config.max_model_len or min(arch.max_position_embeddings, num_blocks * cc.block_size)
+    if not 2 <= max_model_len <= arch.max_position_embeddings:
+        raise ValueError(f"max_model_len must be in [2, {arch.max_position_embeddings}], got {max_model_len}")
+    return num_blocks, max_model_len
 
 
 def buckets_up_to(limit: int) -> list[int]:
@@ -75,8 +103,8 @@ def buckets_up_to(limit: int) -> list[int]:
 
 
 class ModelRunner:
-    """Runs the model over a step's scheduled tokens (`execute_model`), and samples on the device (`sample`,
-    `rejection_sample`); one captured graph per shape bucket.
+    """Runs a step (`execute_model`): the model over its scheduled tokens, one captured graph per shape bucket
+    (`compute_logits`), and the sampling on the device (`sample`, `rejection_sample`).
 
     Args:
         model: the model (its device, dtype and tensor-parallel layout are the runner's).
@@ -84,13 +112,16 @@ class ModelRunner:
         max_model_len: the longest sequence: the width of the block tables.
         max_num_batched_tokens: the token budget of one step: the largest token bucket.
         max_num_seqs: the most sequences in one step.
-        portable_attention: the portable paged attention instead of the kernels (and portable block copies).
+        portable_attention: the portable paged attention instead of the kernels.
+        eos_token_ids: the model's stop tokens (min_tokens bans them while sampling).
     The rows of logits a step computes are those it samples (`SchedulerOutput.samples`), padded to a bucket.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
-                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False):
+                 max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
+                 eos_token_ids: Iterable[int] = ()):
         self.model, self.kv_cache = model, kv_cache
+        self.max_model_len = max_model_len
         self.block_size = kv_cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.token_buckets = buckets_up_to(max_num_batched_tokens)
@@ -104,10 +135,93 @@ class ModelRunner:
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
         self._sampler_outputs: dict[tuple, ReadBack] = {}  # per sampler graph: its tokens read back to the host
         self._bound_num_blocks: dict[int, UOp] = {}  # num_blocks -> the variable bound to it (made once per value)
-        self._copy_blocks: CopyBlocks | None = None  # copy-on-write's copies, built at the first step that copies
         self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D), on the device
         self._token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id -> (first row, rows) in _normed
+        self.input_batch = InputBatch(max_num_seqs, model.config.vocab_size)
+        self.sampler = StepSampler(self.input_batch, eos_token_ids)
+        self.speculator = None  # speculative decoding's drafts and verification (Phase 7b), when configured
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
+                    model_name: str = "(the target)") -> ModelRunner:
+        """The runner of an engine: its KV cache sized and allocated (`size_kv_cache`), its speculator built."""
+        num_blocks, max_model_len = size_kv_cache(config, model)
+        cc, sc = config.cache_config, config.scheduler_config
+        kv_cache = PagedKVCache(model.kv_cache_config, num_blocks, cc.block_size,
+                                resolve_kv_cache_dtype(cc.cache_dtype, model.dtype), model.kv_cache_devices)
+        portable = config.device_config.portable_attention
+        runner = cls(model, kv_cache, max_model_len, sc.max_num_batched_tokens, sc.max_num_seqs, portable,
+                     tokenizer.stop_token_ids)
+        if config.speculative_config is not None:  # Phase 7b: imported where a config asks for it
+            from tinyvllm.spec_decode.speculator import Speculator
+
+            runner.speculator = Speculator(config.speculative_config, runner, model, tokenizer,
+                                           max_model_len=max_model_len, num_blocks=num_blocks,
+                                           block_size=cc.block_size, max_num_batched_tokens=sc.max_num_batched_tokens,
+                                           max_num_seqs=sc.max_num_seqs, portable_attention=portable,
+                                           model_name=model_name)
+        return runner
+
+    # ---- one step ----
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's device side: the tokens each request emits (and what it asked for beside them). A request
+        whose own sampling fails is in `failed`; if the step fails as a whole, every generator is put back as it
+        was, so that the step can be retried in parts with the same draws (engine/failures.py)."""
+        self.input_batch.update(scheduler_output)
+        output = ModelRunnerOutput()
+        if not scheduler_output.scheduled_seqs:
+            return output
+        rng_states = self.input_batch.generator_states(scheduler_output.scheduled_seqs)
+        try:
+            self._execute(scheduler_output, output)
+        except BaseException:
+            self.input_batch.restore_generators(rng_states)
+            raise
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        requests = self.input_batch.requests
+        hidden_for = frozenset(seq.seq_id for seq in scheduler_output.scheduled_seqs
+                               if requests[seq.seq_id].needs_hidden_states)
+        forward = self.compute_logits(scheduler_output, hidden_for)
+        if hidden_for:
+            self._take_hidden_states(forward, out)
+        seqs, logits, spec_rows = forward.sampled_seqs, forward.logits, forward.spec_logits_rows
+        if not seqs:
+            return
+        batch = self.sampler.prepare(seqs, *logits.shape, verifying=spec_rows, failed=out.failed)
+        self.lap("bookkeeping")
+        tokens = self.sample(logits, *batch.device_params, batch.keys, batch.use_filters, batch.bitmask)
+        self.lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
+        sampled = self.sampler.finish(seqs, batch, tokens, logits, out.failed, out.logprobs)
+        emitted = self.speculator.verify(seqs, logits, tokens, spec_rows, scheduler_output, sampled,
+                                         self.input_batch) if spec_rows else {}
+        for seq_id, token in sampled.items():
+            if seq_id not in out.pooler_output:  # a pooling request samples nothing
+                out.sampled_token_ids[seq_id] = emitted.get(seq_id, [token])
+
+    def _take_hidden_states(self, forward: ForwardOutput, out: ModelRunnerOutput) -> None:
+        """Each request that needs every position takes its part of the step's final hidden states (count, D)
+        (worker/hidden_states.py; one that fails there ends alone). A pooling request whose prompt is all computed
+        gets its pooled vector, and no token."""
+        from tinyvllm.worker.hidden_states import pooled, record_hidden_states  # only such a step
+
+        for seq_id, hidden in forward.hidden_states.items():
+            state = self.input_batch.requests[seq_id]
+            try:
+                prompt_logprobs = record_hidden_states(state, hidden, lambda: self.position_logits(seq_id))
+                if prompt_logprobs:
+                    out.prompt_logprobs[seq_id] = prompt_logprobs
+                if state.seq.pooling_params is not None and state.seq in forward.sampled_seqs:
+                    out.pooler_output[seq_id] = pooled(state)
+            except Exception as e:  # this request alone ends
+                fail(out.failed, state.seq, e)
+
+    def propose_draft_token_ids(self, running: list[Sequence]) -> dict[int | str, list[int]]:
+        """Speculative decoding: the drafts each running request verifies next step (spec_decode/speculator.py)."""
+        return self.speculator.propose(running, self.input_batch)
 
     def _hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                 num_blocks: int | UOp) -> Tensor:
@@ -162,17 +276,15 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      hidden_for: frozenset = frozenset()) -> ModelRunnerOutput:
-        """Run the step. Returns the sequences whose tokens are now all computed (they sample a token) and their
+    def compute_logits(self, scheduler_output: SchedulerOutput,
+                       hidden_for: frozenset = frozenset()) -> ForwardOutput:
+        """The forward pass of the step. Returns the sequences whose tokens are now all computed (they sample a token) and their
         logits on the device: (rows, vocab), row i for sequence i, padding rows after them. Speculative decoding:
         `spec_logits_rows` maps each sequence that verified draft tokens to the rows of the logits at its drafts'
         positions (after the sequences' rows): row i is the target's prediction after its last sampled token, these
         rows its predictions after each draft. `hidden_for`: the seq_ids that need every position (see the module
         doc); `hidden_states` maps each of those scheduled this step to the final hidden states of the tokens it
         computed, and `position_logits` gives their logits until the next step."""
-        if scheduler_output.blocks_to_copy:  # before anything writes into the copies
-            self.copy_blocks(scheduler_output.blocks_to_copy)
         seqs = scheduler_output.scheduled_seqs
         n = self.bucket_for(scheduler_output.total_num_scheduled_tokens)
         bs = self.block_size
@@ -184,12 +296,9 @@ class ModelRunner:
         slots: list[int] = []
         sampled_seqs, num_blocks, i = [], 1, 0
         sampled_at: list[int] = []  # the flat row of each sampled sequence's newest token
-        rows: dict[int | str, int] = {}  # seq_id -> its row of the logits
         token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id in hidden_for -> its tokens' rows
         spec_positions: dict[int | str, list[int]] = {}  # seq_id -> where its drafts are in the flat row
         for seq in seqs:
-            if seq.seq_id in scheduler_output.forked_from:  # no tokens: it samples from its source's row
-                continue
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
             samples = scheduler_output.samples(seq)  # its newest token is computed: it samples the next
@@ -203,7 +312,6 @@ class ModelRunner:
             i += count
             if samples:  # the logits at its last token before the drafts give its next token
                 sampled_at.append(i - len(drafts) - 1)
-                rows[seq.seq_id] = len(sampled_seqs)
                 sampled_seqs.append(seq)
             if drafts:
                 spec_positions[seq.seq_id] = list(range(i - len(drafts), i))
@@ -218,13 +326,11 @@ class ModelRunner:
         logits_indices = self._rows_input(num_rows)
         logits_indices.np[...] = 0
         logits_indices.np[:len(sampled_at)] = sampled_at
-        spec_rows, num_extra = {}, 0  # the drafts' rows follow the sequences' rows (and those of forked sequences)
+        spec_rows, first = {}, len(sampled_seqs)  # the drafts' rows follow the sequences' rows
         for seq_id, where in spec_positions.items():
-            first = len(sampled_seqs) + num_extra
             logits_indices.np[first:first + len(where)] = where
-            spec_rows[seq_id] = list(range(first + len(scheduler_output.forked_from),
-                                           first + len(scheduler_output.forked_from) + len(where)))
-            num_extra += len(where)
+            spec_rows[seq_id] = list(range(first, first + len(where)))
+            first += len(where)
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self._bind_num_blocks(num_blocks))
         self.lap("prepare_inputs")
@@ -243,12 +349,7 @@ class ModelRunner:
             logits = self._jits[n, num_rows](*inputs)
             hidden_states, self._token_rows = {}, {}
         self.lap("forward")
-        if scheduler_output.forked_from:
-            forked = [seq for seq in seqs if seq.seq_id in scheduler_output.forked_from]
-            logits = self._repeat_rows(logits, [rows[scheduler_output.forked_from[seq.seq_id]] for seq in forked],
-                                       len(sampled_seqs), num_extra)
-            sampled_seqs += forked
-        return ModelRunnerOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
+        return ForwardOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
 
     def _bind_num_blocks(self, num_blocks: int) -> UOp:
         """The graph's `num_blocks` variable bound to a value: made once per value (a bound variable is a new uop,
@@ -265,22 +366,6 @@ class ModelRunner:
             self.step_timer.start()
         else:
             self.step_timer.lap(phase)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block dst := block src, [(src, dst), ...], in every per-layer tensor of the cache (block
-        first: K, V, and a quantized cache's scales), on the device."""
-        if self._copy_blocks is None:
-            tensors = [t for layer in self.kv_cache.kv_caches for t in layer]
-            self._copy_blocks = CopyBlocks(tensors, self.kv_cache.null_block, portable=self.portable_attention)
-        self._copy_blocks(pairs)
-
-    def _repeat_rows(self, logits: Tensor, sources: list[int], num_rows: int, num_extra: int = 0) -> Tensor:
-        """The logits with rows `sources` inserted after the first `num_rows` (before the `num_extra` drafts' rows),
-        padded to a bucket of rows: (R, V). Only in a step that forks (n > 1): a gather on the device (the logits
-        never come to the host; only the row numbers go to the device)."""
-        rows = list(range(num_rows)) + sources + list(range(num_rows, num_rows + num_extra))
-        rows += [0] * (self.bucket_for(len(rows)) - len(rows))
-        return logits[Tensor(np.array(rows, dtype=np.int32), device=self.model.device)].contiguous().realize()
 
     def sample(self, logits: Tensor, temperature: np.ndarray | None, top_k: np.ndarray | None,
                top_p: np.ndarray | None, min_p: np.ndarray | None, keys: np.ndarray | None, use_filters: bool,
