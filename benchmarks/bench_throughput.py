@@ -56,6 +56,7 @@ from common import (  # (benchmarks/common.py)
 )
 from sampling_chains import add_sampling_arg, sampling_params  # (benchmarks/sampling_chains.py)
 
+from tinyvllm.core.outputs import ModelRunnerOutput
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.engine.llm_engine import LLMEngine
@@ -87,7 +88,7 @@ def buckets_used(engine: LLMEngine, prompt_lens: list[int], output_len: int) -> 
     while scheduler.has_unfinished_seqs():
         out = scheduler.schedule()
         used.add(engine.model_runner.bucket_for(out.total_num_scheduled_tokens))
-        scheduler.update_from_output(out, {seq.seq_id: 0 for seq in out.scheduled_seqs})
+        scheduler.update_from_output(out, ModelRunnerOutput({seq.seq_id: [0] for seq in out.scheduled_seqs}))
     return sorted(used)
 
 

@@ -185,7 +185,7 @@ HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
 
 
 def serving_chat(tokenizer) -> OpenAIServingChat:
-    engine = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer, max_model_len=2048))
+    engine = SimpleNamespace(get_tokenizer=lambda: tokenizer, max_model_len=2048)
     return OpenAIServingChat(engine)
 
 

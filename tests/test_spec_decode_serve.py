@@ -17,7 +17,7 @@ import main as cli
 from tinyvllm.api import server as api_server
 from tinyvllm.api.cli_args import build_parser
 from tinyvllm.api.metrics import ServerMetrics
-from tinyvllm.engine.arg_utils import engine_kwargs
+from tinyvllm.engine.arg_utils import EngineArgs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 # a prompt that repeats itself, so the ngram proposer finds its last tokens earlier and proposes what followed
@@ -55,7 +55,9 @@ def test_server_bad_speculative_config_exits_before_loading(capsys, flag, messag
 def test_server_flag_parses():
     assert build_parser().parse_args([]).speculative_config is None
     args = build_parser().parse_args(["--speculative-config", json.dumps(NGRAM)])
-    assert engine_kwargs(args)["speculative_config"] == NGRAM  # what the server's engine gets
+    config = EngineArgs.from_cli_args(args).create_engine_config()  # what the server's engine gets
+    assert config.speculative_config.method == "ngram"
+    assert config.speculative_config.num_speculative_tokens == NGRAM["num_speculative_tokens"]
 
 
 def test_main_speculates_and_prints_the_same_text(capsys, tiny_model_dir):

@@ -293,7 +293,7 @@ class KeyedEngine:
     def max_completion_tokens(self, num_prompt_tokens: int, params) -> int:
         """The most tokens a request may generate, all its choices (n, or beams) together: max_tokens x n, or
         without max_tokens what the context leaves after the prompt, x n."""
-        room = self.async_engine.engine.max_model_len - num_prompt_tokens
+        room = self.async_engine.max_model_len - num_prompt_tokens
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return max(0, max_tokens) * params.n
 

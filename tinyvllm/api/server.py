@@ -159,7 +159,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def list_models() -> dict:
         try:
             engine.check_ready()
-            names, max_model_len = completions.model_names(), engine.engine.max_model_len
+            names, max_model_len = completions.model_names(), engine.max_model_len
         except Exception as e:
             return to_openai_error(e).response()
         return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len) for name in names]).model_dump()
@@ -171,7 +171,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             names = completions.model_names()
             if model not in names:
                 raise model_not_found(model, names)
-            return ModelCard(id=model, max_model_len=engine.engine.max_model_len).model_dump()
+            return ModelCard(id=model, max_model_len=engine.max_model_len).model_dump()
         except Exception as e:
             return to_openai_error(e).response()
 

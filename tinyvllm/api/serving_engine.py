@@ -94,11 +94,11 @@ class OpenAIServing:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.get_tokenizer()
 
     def model_names(self) -> list[str]:
         """The names clients may ask for; the engine's own model name unless told otherwise."""
-        return self.served_model_names or [self.engine.engine.model_name]
+        return self.served_model_names or [self.engine.model_name]
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -116,12 +116,6 @@ class OpenAIServing:
         if max_waiting is not None and n > max_waiting:  # a 429 would never clear: say so instead
             raise bad_request(f"n={n} can never be admitted: each choice is one request, and at most {max_waiting} "
                               "requests may wait on this server (--max-waiting)", "n")
-        max_num_seqs = getattr(self.engine.engine, "max_num_seqs", None) or getattr(
-            getattr(self.engine.engine, "scheduler", None), "max_num_seqs", None)
-        if getattr(request, "use_beam_search", False) and max_num_seqs is not None and n > max_num_seqs:
-            # the n beams run in one step together (the engine refuses it too, but only after a stream's 200)
-            raise bad_request(f"a beam search of n={n} beams can never run: a step holds at most {max_num_seqs} "
-                              "sequences on this server (--max-num-seqs)", "n")
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stop) > self.limits.max_stop_sequences:
             raise bad_request(f"stop may hold at most {self.limits.max_stop_sequences} strings on this server "
@@ -142,7 +136,7 @@ class OpenAIServing:
         No token stands for more than `longest_token_bytes` bytes, so no more characters either, and
         decoding the tokens gives the text back: a text of C characters has at least C / longest tokens.
         """
-        limit = self.engine.engine.max_model_len
+        limit = self.engine.max_model_len
         at_least = math.ceil(len(text) / self.longest_token_bytes)
         if at_least >= limit:
             raise context_length_exceeded(
@@ -152,7 +146,7 @@ class OpenAIServing:
 
     def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
         vocab_size = self.tokenizer.vocab_size
-        limit = self.engine.engine.max_model_len
+        limit = self.engine.max_model_len
         if len(token_ids) >= limit:  # before the ids are read one by one
             raise context_length_exceeded(
                 f"This model's maximum context length is {limit} tokens, but the {param} has {len(token_ids)} "
@@ -164,7 +158,7 @@ class OpenAIServing:
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                            max_tokens_param: str = "max_tokens") -> int:
         """Check that prompt + output fit the context; None means all the room that is left."""
-        limit = self.engine.engine.max_model_len
+        limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise context_length_exceeded(
                 f"This model's maximum context length is {limit} tokens, but the {prompt_param} has "

@@ -154,6 +154,19 @@ class AsyncLLMEngine:
         self._input.put(_GetState(future))
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
 
+    # ---- what the server reads of the engine (vLLM's EngineClient: get_tokenizer, the model's limits) ----
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set() and self._thread is not None and self._thread.is_alive()

@@ -93,7 +93,7 @@ class LLMEngine:
             self.beam_search.add(request_id, request.prompt, request.prompt_token_ids, request.beam_search,
                                  RequestMetrics(request.arrival_time))
             return
-        share_prompt = self.config.cache_config.enable_prefix_caching and params.prompt_logprobs is None
+        share_prompt = self.config.cache_config.enable_prefix_caching and request.params.prompt_logprobs is None
         self.parent_requests.add(request_id, request.params, in_use=self._in_use, share_prompt=share_prompt,
                                  add_child=lambda rid, child: self._add_to_core(rid, request, child))
 
