@@ -8,10 +8,12 @@
   2. Multi-turn chat replay: 16 users, 6 turns each, every turn resends the whole history (as chat clients
      do) plus a new question; a user's next turn arrives when its previous answer is complete, all 16 users
      at once. Total generated tokens/s, and the mean time to first token of each turn.
-  3. n = 4 completions of one ~500-token prompt (sampled, seeded): with the prompt shared (the engine's n > 1:
-     computed once, forked, copy-on-write) against the same four completions as four n = 1 requests (each
-     computes and holds the prompt), with prefix caching off and on. The step profile counts the prompt tokens
-     each step computes; the blocks in use show the KV memory the prompt holds.
+  3. n = 4 completions of one ~500-token prompt (sampled, seeded): one request with n = 4 (the engine adds the
+     first completion, then the others once its prompt is in the prefix cache, so they compute only its last
+     partial block) against the same four completions as four n = 1 requests arriving together, with prefix
+     caching off (each computes and holds the prompt) and on (admitted in one step, before any block of the
+     prompt is full, they still compute it each). The step profile counts the prompt tokens each step
+     computes; the blocks in use show the KV memory the prompt holds. Each mode has a prompt of its own.
 
 Both engines share one loaded model in this process and have warmed up the same graphs before timing. The
 first request of workload 1 pays for putting the system prompt into the cache; its figure is kept apart.
@@ -98,7 +100,7 @@ def chat_replay(engine, system: list[int], turns: list[list[list[int]]], params)
 
 def shared_prompt_n(engine, prompt: list[int], params, shared: bool) -> dict:
     """n completions of one prompt: one request with n (shared), or n requests with n = 1 and seed + i. Returns
-    the step profile (prompt tokens computed and blocks in use per step), the copies made and the timings."""
+    the step profile (prompt tokens computed and blocks in use per step) and the timings."""
     from tinyvllm.sampling_params import SamplingParams
 
     bm, scheduler = engine.scheduler.block_manager, engine.scheduler
@@ -127,13 +129,13 @@ def shared_prompt_n(engine, prompt: list[int], params, shared: bool) -> dict:
                                     - (s.num_computed_tokens - so.num_scheduled_tokens[s.seq_id]))
                                 for s in so.scheduled_seqs if not s.is_finished)
             steps.append({"prompt_tokens": prompt_tokens, "tokens": so.total_num_scheduled_tokens,
-                          "blocks_used": bm.num_blocks - bm.num_free_blocks, "blocks_copied": len(so.blocks_to_copy)})
+                          "blocks_used": bm.num_blocks - bm.num_free_blocks})
     finally:
         del scheduler.schedule
     elapsed = time.perf_counter() - start
     return {"prompt_tokens_computed": sum(s["prompt_tokens"] for s in steps),
             "peak_blocks_used": max(s["blocks_used"] for s in steps),
-            "blocks_copied": sum(s["blocks_copied"] for s in steps), "ttft_s": first, "total_s": elapsed,
+            "ttft_s": first, "total_s": elapsed,
             "steps": steps[:4]}
 
 
@@ -205,23 +207,25 @@ def main(argv: list[str] | None = None) -> int:
                 ("prefix caching", "generated tok/s", *(f"TTFT turn {t + 1} ms" for t in range(args.turns)))))
     print(f"throughput with caching: {on['throughput_vs_off']:.2f}x the run without")
 
-    n_prompt = tokens_of_length(tokenizer, args.n_prompt_tokens, 5)
     n_params = SamplingParams(n=args.n, temperature=0.8, seed=1, max_tokens=args.output_len, ignore_eos=True)
-    modes = {"shared_n": (False, True), "separate_n1": (False, False), "separate_n1_caching_on": (True, False)}
+    # mode -> (prefix caching, one request with n), each on a prompt of its own (a cache must not serve a mode
+    # the prompt of another)
+    modes = {"shared_n": (True, True), "separate_n1": (False, False), "separate_n1_caching_on": (True, False)}
+    prompts = {name: tokens_of_length(tokenizer, args.n_prompt_tokens, 5 + 101 * i) for i, name in enumerate(modes)}
+    n_prompt = prompts["shared_n"]
     log(f"workload 3: n={args.n} completions of a {len(n_prompt)}-token prompt, shared and not ...")
     for engine in engines.values():  # warm-up: the graphs these steps use, on another prompt of the same length
         for shared in (True, False):
             shared_prompt_n(engine, tokens_of_length(tokenizer, args.n_prompt_tokens, 13), n_params, shared)
-    results["n_completions"] = {name: shared_prompt_n(engines[caching], n_prompt, n_params, shared)
+    results["n_completions"] = {name: shared_prompt_n(engines[caching], prompts[name], n_params, shared)
                                 for name, (caching, shared) in modes.items()}
     results["n_completions"]["prompt_blocks"] = -(-len(n_prompt) // 16)
     print(f"\n== 3. n={args.n} completions of one {len(n_prompt)}-token prompt (block_size 16: "
           f"{-(-len(n_prompt) // 16)} blocks) ==")
     print(table([(name, str(r["prompt_tokens_computed"]), str(r["steps"][0]["prompt_tokens"]),
-                  str(r["peak_blocks_used"]), str(r["blocks_copied"]), f"{r['ttft_s'] * 1e3:.0f}", f"{r['total_s']:.2f}")
+                  str(r["peak_blocks_used"]), f"{r['ttft_s'] * 1e3:.0f}", f"{r['total_s']:.2f}")
                  for name, r in results["n_completions"].items() if isinstance(r, dict)],
-                ("completions", "prompt tokens computed", "in step 1", "peak blocks used", "blocks copied",
-                 "TTFT ms", "total s")))
+                ("completions", "prompt tokens computed", "in step 1", "peak blocks used", "TTFT ms", "total s")))
 
     if llama is not None:
         results["peers"] = {"llama_server_q4_1": peer_shared_prompt(llama, system, asked[:args.requests])}

@@ -1,5 +1,6 @@
 """Beam search (Phase 7): the same beams, text and order, as HF transformers' beam search on the same weights; the
-beams share their blocks (fork, copy-on-write); the search's own rules on numbers chosen by hand.
+beams, requests above the engine core, share their prefix through the prefix cache; the search's own rules on
+numbers chosen by hand.
 
 The oracle: `generate(num_beams=k, do_sample=False, num_return_sequences=k, length_penalty=..., early_stopping=...)`
 on the default GGUF dequantized to float32 (tests/conftest.py's hf_model), against the engine on the same float32
@@ -73,16 +74,36 @@ def tiny_engine(tiny_model_dir):
                      kv_cache_memory="16MiB", enable_prefix_caching=False)
 
 
-def test_beams_share_their_blocks(tiny_engine):
+def test_beams_share_their_prefix_through_the_cache(tiny_model_dir, tiny_engine):
     prompt = [(5 * i) % 300 + 7 for i in range(60)]  # 60 tokens: 3 full blocks and a partial one
     params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
-    out, peak = run_beam_search(tiny_engine, prompt, params)
+
+    def tokens_computed(engine) -> tuple[object, int]:
+        schedule, computed = engine.scheduler.schedule, []
+
+        def counting():
+            out = schedule()
+            computed.append(out.total_num_scheduled_tokens)
+            return out
+
+        engine.scheduler.schedule = counting
+        try:
+            return run_beam_search(engine, prompt, params)[0], sum(computed)
+        finally:
+            del engine.scheduler.schedule
+
+    cached = LLMEngine(tiny_model_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                       kv_cache_memory="16MiB")
+    out, shared = tokens_computed(cached)
+    alone, unshared = tokens_computed(tiny_engine)  # prefix caching off: every beam's request computes it all
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
     assert len(out.outputs) == 4 and all(len(c.token_ids) == 10 for c in out.outputs)
-    # 4 beams of 70 tokens held apart would take 4 x 5 blocks; shared, the prompt's 3 full blocks are held once
-    assert peak <= 3 + 4 * 2 < 4 * 5
+    # each step's request of a beam computes only what its cached full blocks leave: fewer than a block and its
+    # new token, against the whole prompt and the beam's tokens without the cache
+    assert shared <= len(prompt) + 10 * 4 * 16 < unshared
     scores = [c.cumulative_logprob / 10 for c in out.outputs]
     assert scores == sorted(scores, reverse=True) and len({tuple(c.token_ids) for c in out.outputs}) == 4
-    again, _ = run_beam_search(tiny_engine, prompt, params)
+    again, _ = run_beam_search(cached, prompt, params)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]  # deterministic
 
 

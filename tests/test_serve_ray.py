@@ -59,27 +59,27 @@ def ingress(tiny_model_dir):
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = 8,
                  started: asyncio.Queue | None = None) -> dict:
-    """One streamed greedy completion: its text, its replica, and the error event if it ended with one.
-    `started` (if given) receives the replica once the first event has arrived."""
+    """One streamed greedy completion: its text, its replica, its finish_reason, and the error event if it ended
+    with one. `started` (if given) receives the replica once the response has begun (its headers arrived)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    text, error = "", None
+    text, error, finish_reason = "", None, None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         replica = int(r.headers["x-tinyvllm-replica"])
+        if started is not None:
+            started.put_nowait(replica)
         if r.status_code != 200:  # the replica failed before its response began: the ingress's 502
             assert r.status_code == 502, (r.status_code, await r.aread())
-            return {"text": "", "replica": replica, "error": json.loads(await r.aread())["error"]}
+            return {"text": "", "replica": replica, "error": json.loads(await r.aread())["error"], "finish": None}
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[6:])
                 if "error" in event:
                     error = event["error"]
                 else:
-                    if started is not None:
-                        started.put_nowait(replica)
-                        started = None
                     text += event["choices"][0]["text"]
-    return {"text": text, "replica": replica, "error": error}
+                    finish_reason = event["choices"][0]["finish_reason"] or finish_reason
+    return {"text": text, "replica": replica, "error": error, "finish": finish_reason}
 
 
 async def many(url: str, prompts: list[str], max_tokens: int = 8) -> list[dict]:
@@ -124,18 +124,25 @@ def test_a_killed_replica_fails_only_its_own_streams(ingress):
         async with httpx.AsyncClient(timeout=600) as client:
             started = asyncio.Queue()
             tasks = [asyncio.create_task(stream(client, ingress, f"Long story {i}:", max_tokens=200, started=started))
-                     for i in range(6)]
-            for _ in range(6):  # kill once every stream is under way (a fixed wait let fast ones finish first)
-                await started.get()
+                     for i in range(8)]
+            for _ in range(8):  # kill as soon as a response of replica 1 has begun (the ones after it are then under
+                if await started.get() == 1:  # way or not yet sent); 200 tokens take well under a second
+                    break
             os.kill(pid, signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(scenario())
+    summary = [(r["replica"], r["error"], r["finish"]) for r in results]
     on_killed = [r for r in results if r["replica"] == 1]
     on_alive = [r for r in results if r["replica"] == 0]
-    assert on_killed and on_alive
-    assert all(r["error"] is not None and "replica 1" in r["error"]["message"] for r in on_killed), results
-    assert all(r["error"] is None for r in on_alive)
+    assert on_killed and on_alive, summary
+    assert all(r["error"] is None and r["finish"] == "length" for r in on_alive), summary
+    failed = [r for r in on_killed if r["error"] is not None]
+    assert failed and all("replica 1" in r["error"]["message"] for r in failed), summary
+    # a stream of the killed replica either ends with that error or had finished before the kill: none is cut
+    # short without a word
+    assert all(r["error"] is not None or r["finish"] == "length" for r in on_killed), summary
     after = asyncio.run(many(ingress, ["After the failure:"]))[0]  # the ingress keeps serving, on replica 0
     assert after["replica"] == 0 and after["error"] is None
-    assert httpx.get(ingress + "/router").json()["down"] == [1]
+    state = httpx.get(ingress + "/router").json()
+    assert state["down"] == [1], (state, summary)

@@ -76,7 +76,7 @@ def test_rows_of_each_device():
 
 def mixed_requests(seed: int = 0) -> dict:
     """Greedy requests of several lengths (continuous batching, chunked prefill), two sharing a long prefix (prefix
-    caching), one with n=2 (forked blocks: copy-on-write), all with logprobs."""
+    caching), one with n=2 (its second completion reads the prompt from the prefix cache), all with logprobs."""
     rng = np.random.default_rng(seed)
     shared = [int(t) for t in rng.integers(100, 40000, size=36)]
     requests = {}

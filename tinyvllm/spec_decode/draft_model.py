@@ -19,11 +19,10 @@ max_num_batched_tokens as the engine's own prefill is.
 Its own paged KV cache, under a second BlockManager. The draft runs on ModelRunner like the target (a second
 runner over the draft model and a cache of its own; its graphs are captured once per token bucket), on a
 "shadow" Sequence per request that holds the tokens the draft has fed and its own block table. Why not the
-target's block ids: the target's blocks are shared (prefix caching, n > 1 forks, copy-on-write) and written by
-requests that never speculate, so a draft cache under the same ids would hold, in a block the target reuses,
+target's block ids: the target's blocks are shared (prefix caching) and written by requests that never speculate, so a draft cache under the same ids would hold, in a block the target reuses,
 K/V that no draft computed; the draft would have to run on every token the target computes, or track which
 blocks it wrote. A second block manager keeps the draft independent: its cache survives the target's
-preemption, and the target's prefix cache and forks never touch it. Its pool has as many blocks as the
+preemption, and the target's prefix cache never touches it. Its pool has as many blocks as the
 target's, so the draft's cache costs its own bytes per token on top of kv_cache_memory (the same again for a
 self-draft of the same architecture); no prefix caching in it (a prompt shared by n completions is fed once per
 completion).
