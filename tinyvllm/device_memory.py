@@ -16,7 +16,7 @@ from tinygrad import Device, Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import (
+from tinyvllm.tinygrad_ext.buffers import (
     allocate_zeroed_host_memory, empty, host_memory, memory_info, numpy_dtype, sharded_zeros)
 
 
@@ -62,7 +62,7 @@ def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | 
     parallel: a KV cache by head), each device's slice zeroed where it lives."""
     if isinstance(device, tuple):
         return sharded_zeros(shape, dtype, device, axis)
-    out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_adapter.empty)
+    out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_ext.buffers.empty)
     if platform_for(out.device).host_views:
         allocate_zeroed_host_memory(out)
         return out

@@ -25,7 +25,7 @@ import numpy as np
 from tinygrad import Tensor
 
 from tinyvllm.device_memory import host_view
-from tinyvllm.tinygrad_adapter import copy_in, tinygrad_dtype
+from tinyvllm.tinygrad_ext.buffers import copy_in, tinygrad_dtype
 
 
 class InputBuffer:

@@ -29,7 +29,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tinyvllm.attention import kernel_backend
 from tinyvllm.kernels import launcher
 from tinyvllm.kernels.cpu_graph import GraphedJit
-from tinyvllm.tinygrad_adapter import KernelInfo
+from tinyvllm.tinygrad_ext.programs import kernel_info as KernelInfo  # noqa: N813 (tinygrad's name)
 
 KERNEL = "copy_blocks"  # kernels/<device>/copy_blocks.*
 NUM_THREADS = 128  # threads per thread block on GPUs: TV_NUM_THREADS

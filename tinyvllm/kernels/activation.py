@@ -26,7 +26,8 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
-from tinyvllm.tinygrad_adapter import Estimates, kernel_input, shard_axis
+from tinyvllm.tinygrad_ext.buffers import shard_axis
+from tinyvllm.tinygrad_ext.programs import kernel_cost, kernel_input
 
 KERNEL = "act_and_mul"
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # TV_GELU
@@ -67,7 +68,7 @@ def act_and_mul(gate_up: Tensor, act: str) -> Tensor:
     x = kernel_input(gate_up.reshape(R, -1))  # split: (R, S * 2F), device s's part [gate_s | up_s]
     out = output((R, F), dtypes.float32, x, None if isinstance(x.device, str) else 1)
     # ~30 operations per output (the exp polynomial, the division); reads 2F floats a row, writes F
-    estimates = Estimates(ops=30 * R * F, lds=8 * R * F, mem=12 * R * F)
+    estimates = kernel_cost(ops=30 * R * F, lds=8 * R * F, mem=12 * R * F)
     # a GPU: one thread per output; the CPU runs the kernel once (its rows go to the thread pool), whatever the grid
     (out,) = launch(KERNEL, outs=[out], ins=[x], defines=defines, estimates=estimates,
                     grid=(-(-R * F // NUM_THREADS), 1, 1), local_size=(NUM_THREADS, 1, 1))

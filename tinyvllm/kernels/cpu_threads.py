@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinyvllm.tinygrad_adapter import default_cpu_threads
+from tinyvllm.tinygrad_ext.startup import default_cpu_threads
 
 MAX_WORKERS = 15  # TV_MAX_WORKERS in threadpool.h
 NUM_THREADS = max(1, min(int(os.getenv("TINYVLLM_CPU_THREADS", str(default_cpu_threads()))), MAX_WORKERS + 1))

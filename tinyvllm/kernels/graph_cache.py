@@ -61,8 +61,10 @@ from tinyvllm.kernels import cpu_threads, program_cache
 from tinyvllm.kernels.cpu_graph import CPUGraph
 from tinyvllm.kernels.launcher import KERNELS_DIR
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import (
-    INSTALLED_VERSION, buffer_address, is_realized, load_cpu_program, tinygrad_settings)
+from tinyvllm.tinygrad_ext import INSTALLED_VERSION
+from tinyvllm.tinygrad_ext.buffers import buffer_address, is_realized
+from tinyvllm.tinygrad_ext.programs import load_cpu_program
+from tinyvllm.tinygrad_ext.startup import tinygrad_settings
 
 ENABLED = os.getenv("TINYVLLM_GRAPH_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-graph 1\n"

@@ -52,15 +52,14 @@ from pathlib import Path
 
 from tinygrad import Context, Tensor
 
-from tinyvllm.tinygrad_adapter import (
+from tinyvllm.tinygrad_ext.buffers import empty_shards, shard_shape
+from tinyvllm.tinygrad_ext.programs import (
     CLANG_KERNEL_PREFIX,
-    Estimates,
+    HostProgram,
     compile_cpu,
     elf_symbol_at_start,
-    empty_shards,
     load_cpu_program,
     renderer_name,
-    shard_shape,
     source_program,
 )
 
@@ -174,7 +173,7 @@ def program_source(name: str, device: str, defines: dict[str, int | str], entry:
 
 
 def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
-           estimates: Estimates | None = None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
+           estimates=None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
            local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
     """Run function `entry` (default: `name`) of kernels/<device>/<name>.* on `outs` (written) and `ins` (read),
     all on one device.
@@ -222,11 +221,9 @@ def check_entry_is_first(lib: bytes, entry: str) -> None:
         raise RuntimeError(f"{entry} is not the first function of its object: put helpers after it")
 
 
-def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None):
-    """Compile kernels/cpu/<name>.c and load it as a callable on the host (not as a graph node).
-
-    Used to start the CPU thread pool's helper threads. Returns tinygrad's CPUProgram; `.fxn(*args)` calls it
-    with ctypes.c_uint64 arguments."""
+def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None) -> HostProgram:
+    """Compile kernels/cpu/<name>.c and load it as a callable on the host (not as a graph node): the CPU thread
+    pool's helper loop, the CPU graph's runner. `.fxn(*args)` calls it with ctypes.c_uint64 arguments."""
     # NOTE: this may run while a graph is being traced (the first `linear`), where tinygrad forbids device use
     # so that no tensor is realized by accident. Compiling and loading code realizes nothing.
     with Context(ALLOW_DEVICE_USAGE=1):

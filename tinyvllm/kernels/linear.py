@@ -19,7 +19,8 @@ import os
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
-from tinyvllm.tinygrad_adapter import Estimates, kernel_input, shard_axis
+from tinyvllm.tinygrad_ext.buffers import shard_axis
+from tinyvllm.tinygrad_ext.programs import kernel_cost, kernel_input
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 
@@ -66,7 +67,7 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
     def kernel(x2d: Tensor, M: int, N: int, K: int, out: Tensor) -> Tensor:
         # ops: one multiply-add per weight per row of x; mem: w once, x once, out once (what DEBUG=2 rates it by)
-        estimates = Estimates(ops=2 * M * N * K, lds=4 * (M * K + N * K + M * N), mem=4 * (M * K + N * K + M * N))
+        estimates = kernel_cost(ops=2 * M * N * K, lds=4 * (M * K + N * K + M * N), mem=4 * (M * K + N * K + M * N))
         return launch("matmul", outs=[out], ins=[x2d, w.contiguous()], defines={"TV_M": M, "TV_N": N, "TV_K": K},
                       estimates=estimates)[0]
     return run_split(x, w, w.shape[0], kernel)

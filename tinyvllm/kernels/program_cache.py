@@ -45,8 +45,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tinyvllm.tinygrad_adapter import INSTALLED_VERSION
-from tinyvllm.tinygrad_startup import (
+from tinyvllm.tinygrad_ext import INSTALLED_VERSION
+from tinyvllm.tinygrad_ext.startup import (
     choose_default_device,
     chosen_default_device,
     defer_unused_cpu_renderers,
@@ -54,7 +54,6 @@ from tinyvllm.tinygrad_startup import (
     lower_cpu_device_programs_through,
     lowered_program_cache,
     set_default_device,
-    set_lowered_program_cache,
 )
 
 ENABLED = os.getenv("TINYVLLM_PROGRAM_CACHE", "1") != "0"
@@ -137,7 +136,7 @@ def install(directory: Path | None = None, device: str | None = None) -> DiskPro
         if not ENABLED:
             return None
         cache = DiskProgramCache(directory or cache_dir(), current)
-        set_lowered_program_cache(cache)
+        lowered_program_cache(cache)
         defer_unused_cpu_renderers()  # before the CPU device's module is first imported (just below)
         find_libraries_quickly()  # and before it loads libc, libm, libgcc_s
         lower_cpu_device_programs_through(cache)
