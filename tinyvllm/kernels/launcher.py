@@ -1,45 +1,11 @@
 """Running a hand-written kernel inside tinygrad's graph, so that TinyJit captures and replays it.
 
-tinygrad turns a graph of tensor ops into a list of *programs*, each one compiled function launched on
-buffers. A program is a UOp tree:
+    kernels/<device>/<name>.<ext> --#defines, includes pasted--> source --programs.source_program--> PROGRAM
+        --Tensor.custom_kernel--> CALL(PROGRAM, outs..., ins...) in the graph: compiled, cached, captured, replayed
 
-    PROGRAM(arg=ProgramInfo: name, which args are buffers, which are written (outs) / read (ins))
-      ├── SINK       the kernel's inputs: one PARAM per buffer     (what tinygrad's own kernels start from)
-      ├── LINEAR     the instruction list                          (here: just the params)
-      ├── SOURCE     the source text                               (tinygrad renders its own; we bring ours)
-      └── BINARY     the compiled object                           (added by tinygrad: codegen `do_compile`)
-
-tinygrad's own kernels go SINK -> LINEAR -> SOURCE -> BINARY (tinygrad/codegen/__init__.py, pm_to_program).
-A raw-source program enters that pipeline at the last step: we hand it SINK, LINEAR and SOURCE, and when the
-graph is lowered tinygrad compiles SOURCE with the device's own compiler (clang on CPU, nvrtc on CUDA, ...),
-caching the binary on disk by source text. `Tensor.custom_kernel(out, *ins, fxn=...)` puts the program into
-the graph as a CALL on those tensors; from there on it is an ordinary kernel: scheduled after whatever
-produces its inputs, captured by TinyJit with its buffers, replayed with new input buffers on every call.
-
-    kernels/cpu/matmul.c --read, #define shapes--> source --custom_kernel--> CALL(PROGRAM, out, x, w) in graph
-                                                                               | lowering: clang -O2 -march=native
-                                                                               v
-                                                     CPU runtime: jump to the image's first byte with the
-                                                     buffer addresses as arguments (tinygrad/runtime/ops_cpu.py)
-
-On CPU, "launch" is a plain function call: the runtime maps the compiled object into executable memory and
-calls its first byte with every argument as a 64-bit integer, from the thread that runs the graph (the Python
-thread; with HCQ2=1 a queue thread), one program at a time. So a CPU kernel's entry function must be the first
-function in its file (`check_entry_is_first` verifies a compiled object), and using more than one core is the
-kernel's own business (`cpu_threads.py`). GPU kernels get a grid instead: `global_size` x `local_size`.
-
-Sizes are compile-time constants (`#define` per shape, one program per shape). A runtime size would have to be
-a symbolic variable that TinyJit binds from its inputs at every replay (as `start_pos` is); constants need
-nothing at replay but the buffer addresses, and let the compiler specialise the loops.
-
-A file may hold more than one entry function: `launch(name, ..., entry=e)` defines TV_<E> (e.g.
-TV_RESHAPE_AND_CACHE in paged_attention.*), and the file compiles only that entry, so that on the CPU it is
-the first function. A GPU runtime looks the entry up by name, so there a program is named after it.
-
-Kernel sources live in `kernels/<device>/` at the top of the repository; the wheel carries the same folder
-as the package `tinyvllm.kernel_sources` (pyproject.toml), found first. A kernel may include helpers from its
-own folder with `#include "name.h"`: tinygrad compiles from a string, so the launcher pastes them in.
-Everything this module needs from tinygrad beyond its public API goes through `tinyvllm/tinygrad_adapter.py`.
+On the CPU a program is called at its first byte, so an entry function comes first in its compilation
+(`check_entry_is_first`); a GPU program is launched by name on a grid. Chapter: docs/phases/05-custom-kernels.md,
+section 5.
 """
 
 from __future__ import annotations

@@ -2,13 +2,9 @@
 
     x (..., K) @ w(N, K).T -> (..., N)        w as the model stores it: (out_features, in_features)
 
-On the CPU device with float32 tensors this runs kernels/cpu/matmul.c (AVX2/FMA, both cores, see that file
-for why); everywhere else, or with `TINYVLLM_PORTABLE=1` (or `tinyvllm.kernels.linear.PORTABLE = True`), it is the
-portable `x @ w.T` that tinygrad compiles for any device. Both give the same numbers up to float rounding.
-
-The kernel is compiled per shape: x's leading dimensions must be concrete (a decode batch bucket, a prefill
-chunk), not symbolic; a symbolic shape takes the portable path. Inside a TinyJit or a
-`function(precompile=True)` the kernel is one more node of the graph.
+On the CPU in float32, kernels/cpu/matmul.c, compiled per shape (x's leading dimensions concrete); elsewhere, with a
+symbolic shape, or with `TINYVLLM_PORTABLE=1`, tinygrad's `x @ w.T`. Chapter: docs/phases/04-batched-forward.md,
+section 5.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ one of these modules, and `internals.py` lists each name with the one function t
     internals.py  the table, and the check that every name in it exists (tests/test_tinygrad_ext.py)
 
 The version is pinned in pyproject.toml and checked once, on import: any other warns, and the fixes and start-up
-shortcuts leave that tinygrad alone. Chapter: docs/phases/01-appendix-tinygrad-speed.md.
+shortcuts leave that tinygrad alone. Chapter: docs/phases/01-appendix-tinygrad-internals.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ unexported objects (a Buffer, a captured JIT, a loaded program, ...) that the pa
 
 tests/test_tinygrad_ext.py runs `missing()` and checks that the package uses each name where NAMES says, and no
 other. This module imports nothing of tinygrad at its top, so that the check can report what is missing by name.
-Chapter: docs/phases/01-appendix-tinygrad-speed.md (tinygrad's internals in one package).
+Chapter: docs/phases/01-appendix-tinygrad-internals.md.
 """
 
 from __future__ import annotations
