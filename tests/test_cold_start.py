@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY_CONFIG, write_tiny_model
 
-from tinyvllm import disk_cache, tinygrad_adapter, tinygrad_startup
+from tinyvllm import disk_cache, tinygrad_ext
+from tinyvllm.tinygrad_ext import buffers, startup
 from tinyvllm.kernels import graph_cache, program_cache
 
 
@@ -45,29 +46,29 @@ def test_the_remembered_device_is_what_tinygrad_probes():
     from tinygrad import Device
 
     fingerprint = program_cache.machine_fingerprint()
-    assert fingerprint["tinygrad"] == tinygrad_adapter.INSTALLED_VERSION
-    assert tinygrad_adapter.installed_version() == importlib.metadata.version("tinygrad")  # read without it
-    assert tinygrad_startup.chosen_default_device() in (None, Device.DEFAULT)
+    assert fingerprint["tinygrad"] == tinygrad_ext.INSTALLED_VERSION
+    assert tinygrad_ext.installed_version() == importlib.metadata.version("tinygrad")  # read without it
+    assert startup.chosen_default_device() in (None, Device.DEFAULT)
 
 
 
 
-def test_the_adapters_empty_is_tinygrads():
-    """tinygrad_adapter.empty builds what Tensor.empty builds for a shape of ints (without its no-op shrink): a new
+def test_the_packages_empty_is_tinygrads():
+    """tinygrad_ext.buffers.empty builds what Tensor.empty builds for a shape of ints (without its no-op shrink): a new
     buffer of that size reshaped to the shape; over memory of its own (tensor_over_memory), it reads that memory."""
     import numpy as np
     from tinygrad import Tensor, dtypes
 
     for shape, dtype in [((3, 4), dtypes.float32), ((7,), dtypes.uint8), ((2, 3, 5), dtypes.int32), ((3, 4), dtypes.uint8),
                          ((1, 1), dtypes.float32)]:  # a shape again: its reshape's sources come from the memo
-        ours, theirs = tinygrad_adapter.empty(shape, dtype, None), Tensor.empty(*shape, dtype=dtype)
+        ours, theirs = buffers.empty(shape, dtype, None), Tensor.empty(*shape, dtype=dtype)
         for a, b in [(ours.uop, theirs.uop), (ours.uop.base, theirs.uop.base)]:
             assert (a.op, a.shape, a.dtype, a.device, a.arg if a.op.name == "RESHAPE" else None) == \
                 (b.op, b.shape, b.dtype, b.device, b.arg if b.op.name == "RESHAPE" else None)
         assert ours.uop.src[1:] == theirs.uop.src[1:]  # the shape's uops: the same objects (tinygrad keeps one each)
         assert ours.uop.buffer.size == theirs.uop.buffer.size and ours.uop.buffer is not theirs.uop.buffer
     host = np.arange(12, dtype=np.float32).reshape(3, 4)
-    t = tinygrad_adapter.tensor_over_memory(host.ctypes.data, (3, 4), dtypes.float32, None, owner=host)
+    t = buffers.tensor_over_memory(host.ctypes.data, (3, 4), dtypes.float32, None, owner=host)
     np.testing.assert_array_equal((t * 2).numpy(), host * 2)
 
 RENDERERS_CHILD = """
@@ -96,10 +97,12 @@ def test_the_cpu_renderers_nobody_asked_for_are_imported_on_first_use(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the quick search is Linux's; elsewhere tinygrad's own runs")
 def test_the_quick_library_search_finds_what_tinygrads_finds(tmp_path, monkeypatch):
-    """tinygrad_startup._findlib returns what tinygrad's DLL.findlib returns: the system's libraries, absent ones,
+    """tinygrad_ext.startup._findlib returns what tinygrad's DLL.findlib returns: the system's libraries, absent ones,
     absolute paths, and a directory first on LD_LIBRARY_PATH whose first fitting name is a linker script (skipped)
     and whose next is an ELF library (taken, ahead of the system's)."""
-    tinygrads = tinygrad_startup.TINYGRAD_FINDLIB  # this process may have swapped DLL.findlib for the quick one
+    from tinygrad.runtime.support.c import DLL
+
+    tinygrads = startup.TINYGRAD_FINDLIB or DLL.findlib  # this process may have swapped DLL.findlib for the quick one
     libs = tmp_path / "libs"
     libs.mkdir()
     (libs / "libm.so").write_text("GROUP ( /lib/libm.so.6 )\n")  # a linker script, as /usr/lib has
@@ -110,8 +113,8 @@ def test_the_quick_library_search_finds_what_tinygrads_finds(tmp_path, monkeypat
     for env in ("", str(libs)):
         monkeypatch.setenv("LD_LIBRARY_PATH", env)
         for nm, paths, extra in cases:
-            assert tinygrad_startup._findlib(nm, paths, extra) == tinygrads(nm, paths, extra), (nm, paths, env)
-    assert tinygrad_startup._findlib("m", ["m"]) == str(libs / "libm.so.6")  # LD_LIBRARY_PATH is searched first
+            assert startup._findlib(nm, paths, extra) == tinygrads(nm, paths, extra), (nm, paths, env)
+    assert startup._findlib("m", ["m"]) == str(libs / "libm.so.6")  # LD_LIBRARY_PATH is searched first
 
 # ---- captured graphs kept on disk (tinyvllm/kernels/graph_cache.py) ----
 

@@ -34,7 +34,7 @@ def discrete(monkeypatch):
 @pytest.mark.parametrize("device", ["CPU", "PYTHON"])
 def test_copy_in_writes_device_memory(device):
     """Crash 1: weights, step inputs, draft model and perplexity all copy bytes in through `copy_in`."""
-    from tinyvllm.tinygrad_adapter import copy_in
+    from tinyvllm.tinygrad_ext.buffers import copy_in
 
     data = np.arange(12, dtype=np.float32).reshape(3, 4)
     t = Tensor.empty(3, 4, dtype=dtypes.float32, device=device)

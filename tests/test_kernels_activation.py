@@ -76,7 +76,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
 
 @needs_kernel
 def test_no_copy_between_two_kernels():
-    """A kernel's output reshaped is already the next kernel's row-major input (tinygrad_adapter.kernel_input): the
+    """A kernel's output reshaped is already the next kernel's row-major input (tinygrad_ext.programs.kernel_input): the
     MLP runs as its three kernels, gate_up_proj, act_and_mul, down_proj, with no copy between them."""
     rng = np.random.default_rng(0)
     w_gate_up = Tensor(rng.standard_normal((64, 16), dtype=np.float32)).realize()

@@ -1,4 +1,4 @@
-"""The decoder layers of a forward pass share one trace (tinyvllm/tinygrad_adapter.py `traces_reused`): a layer whose
+"""The decoder layers of a forward pass share one trace (tinyvllm/tinygrad_ext/speed.py `traces_reused`): a layer whose
 arguments have an earlier layer's structure calls that layer's traced graph with its own weights and KV cache.
 The logits must be exactly those of tracing every layer, and layers that differ (a sliding window on some) must not
 share."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIG, write_tiny_model
-from tinyvllm import tinygrad_adapter
+from tinyvllm.tinygrad_ext import speed
 from tinyvllm.kernels import graph_cache
 from tinyvllm.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from tinyvllm.model.llama import LlamaDecoderLayer
@@ -35,7 +35,7 @@ def traced_generation(model_dir, monkeypatch, reuse: bool) -> tuple[list, list, 
         m.setattr(LlamaDecoderLayer, "forward", lambda self, *a: traced.append(self) or forward(self, *a))
         m.setattr(graph_cache, "ENABLED", False)  # every graph traced here, none read from disk
         if not reuse:
-            m.setattr(tinygrad_adapter, "traces_reused", contextlib.nullcontext)
+            m.setattr(speed, "traces_reused", contextlib.nullcontext)
         llm = LLM(model_dir, max_model_len=128, max_num_seqs=2, kv_cache_memory="4MiB")
         out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2))
     return out[0].outputs[0].token_ids, out[0].outputs[0].logprobs, len(traced)

@@ -422,7 +422,7 @@ def test_weights_lying_back_to_back_are_used_in_place(tmp_path):
     from tinygrad import Device
 
     from tinyvllm.model.llama import upload
-    from tinyvllm.tinygrad_adapter import buffer_address
+    from tinyvllm.tinygrad_ext.buffers import buffer_address
 
     if not Device.DEFAULT.startswith("CPU"):
         pytest.skip("weights are used in place only where the device's memory is the host's")

@@ -1,12 +1,9 @@
 """The host's view of tinygrad device memory, where it has one, and how much of it there is.
 
-On the CPU device tinygrad's buffers are ordinary host memory (anonymous mappings), so a numpy array can
-be a view of a buffer: writing the array writes the device buffer, with no copy and no graph to
-schedule. Four places use that: loading the weights (`tinyvllm/model/llama.py`), refilling each step's
-inputs (`tinyvllm/input_buffer.py`), reading back each step's sampled tokens (`ReadBack` below) and
-allocating the KV caches (`zeros` below). Where the host cannot see the memory (a discrete GPU, or the CPU
-forced onto that path: tinyvllm/platforms.py), each falls back to copying in (`tinygrad_adapter.copy_in`),
-to a kernel, or to `Tensor.numpy()`.
+On the CPU device a buffer is host memory: the weights, each step's inputs (tinyvllm/input_buffer.py), the sampled
+tokens (`ReadBack`) and the zeroed KV caches (`zeros`) are written or read in place through a numpy view. Where the
+host cannot see the memory (a GPU, or the CPU on that path: tinyvllm/platforms.py), bytes go in by a copy, zeros by
+a kernel. Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs, starting fast).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from tinygrad import Device, Tensor
 from tinygrad.dtype import DType
 
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import (
+from tinyvllm.tinygrad_ext.buffers import (
     allocate_zeroed_host_memory, empty, host_memory, memory_info, numpy_dtype, sharded_zeros)
 
 
@@ -62,7 +59,7 @@ def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | 
     parallel: a KV cache by head), each device's slice zeroed where it lives."""
     if isinstance(device, tuple):
         return sharded_zeros(shape, dtype, device, axis)
-    out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_adapter.empty)
+    out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_ext.buffers.empty)
     if platform_for(out.device).host_views:
         allocate_zeroed_host_memory(out)
         return out

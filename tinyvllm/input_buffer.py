@@ -1,22 +1,11 @@
 """Step inputs that live on the device for good and are refilled in place (vLLM's persistent input buffers).
 
-Every step hands the captured graph a few small arrays: token ids, positions, the slot mapping, block
-tables. Making a new tensor for each, `Tensor(array).realize()`, schedules and runs a copy through
-tinygrad: Python work per input per step, a large share of a small decode step once there are four
-inputs. vLLM's GPU model runner allocates its input tensors once, at the largest size, and copies each
-step's values into them (`CpuGpuBuffer` in vllm/v1/worker/gpu_model_runner.py); CUDA graphs need that
-anyway, since a graph replays with the addresses it was captured with.
-
-`InputBuffer` does the same. On the CPU device its numpy array *is* the device memory (a zero-copy view
-of the buffer tinygrad allocated), so filling the array is the whole copy; elsewhere the array is a host
-staging copy that `copy_to_device` sends over.
-
     buf = InputBuffer((1, 32), np.int32, device)
-    buf.np[0, :n] = token_ids          # host writes, in place
+    buf.np[0, :n] = token_ids          # host writes, in place (on the CPU: the device memory itself)
     jit(buf.copy_to_device(), ...)     # the same device buffer every step: nothing to schedule
 
-A buffer must not be refilled while a step that reads it may still be running. On the CPU, tinygrad and
-the CPU graph run kernels synchronously, so a step has finished when its call returns.
+Elsewhere `np` is a host staging copy that `copy_to_device` sends over. A buffer must not be refilled while a step
+that reads it may still run. Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs).
 """
 
 from __future__ import annotations
@@ -25,7 +14,7 @@ import numpy as np
 from tinygrad import Tensor
 
 from tinyvllm.device_memory import host_view
-from tinyvllm.tinygrad_adapter import copy_in, tinygrad_dtype
+from tinyvllm.tinygrad_ext.buffers import copy_in, tinygrad_dtype
 
 
 class InputBuffer:

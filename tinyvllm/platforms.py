@@ -14,7 +14,7 @@ kind, and every module that cares asks `platform_for(device)` instead of testing
   host views   the host reads and writes device memory through numpy views of tinygrad's buffers: weights load
                straight into them, step inputs are filled in place, KV caches come zeroed from the OS
                (device_memory.py, input_buffer.py). On the discrete path bytes go in by a copy
-               (`tinygrad_adapter.copy_in`) and the zeros by a kernel.
+               (`tinygrad_ext.buffers.copy_in`) and the zeros by a kernel.
   CPU graph    a captured step is replayed by one C call through a table of function and buffer addresses
                (kernels/cpu_graph.py), and may be kept on disk (kernels/graph_cache.py). A GPU has its own
                answer, which tinygrad's TinyJit uses: it replays the step as one CUDA graph (a Metal indirect

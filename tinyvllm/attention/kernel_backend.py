@@ -59,7 +59,7 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.attention.kv_cache import kv_cache_dtype_of
 from tinyvllm.attention.paged import PagedAttentionMetadata
 from tinyvllm.kernels import launcher
-from tinyvllm.tinygrad_adapter import shard_axis
+from tinyvllm.tinygrad_ext.buffers import shard_axis
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 KERNEL = "paged_attention"  # kernels/<device>/paged_attention.*

@@ -43,7 +43,7 @@ from tinygrad import Tensor, UOp, dtypes
 
 from tinyvllm.attention.contiguous import grouped_query_attention
 from tinyvllm.attention.kv_cache import kv_cache_dtype_of
-from tinyvllm.tinygrad_adapter import KernelInfo
+from tinyvllm.tinygrad_ext.programs import kernel_info as KernelInfo  # noqa: N813 (tinygrad's name)
 
 
 def _reshape_and_cache_kernel(cache: UOp, new: UOp, slot_mapping: UOp) -> UOp:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.tinygrad_adapter import share_kernel_cache_across_threads
+from tinyvllm.tinygrad_ext.startup import share_kernel_cache_across_threads
 
 logger = logging.getLogger("tinyvllm.engine")
 

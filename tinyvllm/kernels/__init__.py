@@ -1,9 +1,8 @@
-"""Hand-written kernels, launched inside tinygrad's graph.
+"""Hand-written kernels, launched inside tinygrad's graph, and the replay of a captured step on the CPU.
 
-    launcher.py     read kernels/<device>/<name>.<ext>, hand it to tinygrad as a PROGRAM node (tinygrad compiles
-                    and caches it); works under TinyJit and inside `function(precompile=True)`
-    cpu_threads.py  the helper threads that let one CPU kernel launch use every core
-    linear.py       `linear(x, w)` = x @ w.T on kernels/cpu/matmul.c, or the portable tinygrad matmul
-
-Use `from tinyvllm.kernels.linear import linear`.
+    launcher.py       kernels/<device>/<name>.<ext> into the graph as a program    linear.py, activation.py, qlinear.py
+    cpu_threads.py    the helper threads one CPU kernel launch uses                 the kernels' entry points
+    cpu_graph.py      a captured step replayed in one C call                        program_cache.py, graph_cache.py:
+                                                                                    what a new process reuses
+Chapters: docs/phases/04-batched-forward.md (section 5), docs/phases/05-custom-kernels.md.
 """

@@ -1,21 +1,10 @@
-"""`act_and_mul(gate_up, act)`: the MLP's gated activation, act(gate) * up, on a hand-written kernel where there is one.
+"""`act_and_mul(gate_up, act)`: the MLP's gated activation in one kernel where there is one (vLLM's `silu_and_mul`).
 
     gate_up (..., 2F) float32, each row [gate | up]  ->  (..., F) = act(gate) * up        act: "silu" or "gelu_tanh"
 
-SwiGLU (LLaMA, Mistral, Qwen: silu) and GeGLU (Gemma: gelu with its tanh approximation) multiply the activated gate
-by up, both halves of gate_up_proj's output. vLLM does it in one kernel with this input (silu_and_mul,
-gelu_tanh_and_mul in csrc/activation_kernels.cu), and so does this engine:
-
-    CPU      kernels/cpu/act_and_mul.c        8 floats at a time, exp as llama.cpp evaluates it, rows over the pool
-    CUDA     kernels/cuda/act_and_mul.cu      one thread per output
-    METAL    kernels/metal/act_and_mul.metal  one thread per output
-    other    `act_and_mul_portable`: tinygrad's silu / gelu (also with TINYVLLM_PORTABLE=1, a symbolic shape, a
-             tensor split otherwise than tensor parallelism splits gate_up)
-
-Why on the CPU: tinygrad's CPU backend spells exp out as its own polynomial on 4-float vectors, with selects for
-the special values, so at many rows per step (64 decoding sequences, a prefill chunk) its elementwise kernel was
-the largest after the matmuls. The kernel and tinygrad's ops agree to float32 rounding, not bit for bit
-(tests/test_kernels_activation.py bounds the difference).
+kernels/cpu/act_and_mul.c (8 lanes, rows over the thread pool), kernels/cuda/act_and_mul.cu and
+kernels/metal/act_and_mul.metal (a thread per output); elsewhere tinygrad's ops (`act_and_mul_portable`). The kernel
+and tinygrad's ops agree to float32 rounding. Chapter: docs/phases/04-batched-forward.md, section 5.
 """
 
 from __future__ import annotations
@@ -26,7 +15,8 @@ from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
-from tinyvllm.tinygrad_adapter import Estimates, kernel_input, shard_axis
+from tinyvllm.tinygrad_ext.buffers import shard_axis
+from tinyvllm.tinygrad_ext.programs import kernel_cost, kernel_input
 
 KERNEL = "act_and_mul"
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # TV_GELU
@@ -67,7 +57,7 @@ def act_and_mul(gate_up: Tensor, act: str) -> Tensor:
     x = kernel_input(gate_up.reshape(R, -1))  # split: (R, S * 2F), device s's part [gate_s | up_s]
     out = output((R, F), dtypes.float32, x, None if isinstance(x.device, str) else 1)
     # ~30 operations per output (the exp polynomial, the division); reads 2F floats a row, writes F
-    estimates = Estimates(ops=30 * R * F, lds=8 * R * F, mem=12 * R * F)
+    estimates = kernel_cost(ops=30 * R * F, lds=8 * R * F, mem=12 * R * F)
     # a GPU: one thread per output; the CPU runs the kernel once (its rows go to the thread pool), whatever the grid
     (out,) = launch(KERNEL, outs=[out], ins=[x], defines=defines, estimates=estimates,
                     grid=(-(-R * F // NUM_THREADS), 1, 1), local_size=(NUM_THREADS, 1, 1))

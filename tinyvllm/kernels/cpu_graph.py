@@ -1,41 +1,19 @@
 """Replaying a captured TinyJit on the CPU with one C call: the CPU's answer to CUDA graphs.
 
-vLLM captures each decode batch size as a CUDA graph so that a step is one launch instead of hundreds
-(vllm/worker/model_runner.py, `CUDAGraphRunner`). tinygrad does the same on GPUs (its GraphRunner batches a
-TinyJit's kernels into a CUDA graph or a Metal command buffer), but on the CPU device of tinygrad 0.14 a
-replay is a Python loop: for every kernel, resolve its buffers, build the argument list, call it through
-ctypes. A decode step of SmolLM2-135M is ~490 kernels, so that Python per kernel adds up to a sizeable share
-of the step (benchmarks/README.md measures it).
+`GraphedJit` is a TinyJit that captures on its first call and, once it has, writes what it captured as a
+`CPUGraph`: a table of [function address, argument count, arguments...] per kernel, run by the C loop in
+kernels/cpu/graph_runner.c. Per step, Python patches only what changed (input addresses, variables):
 
-`GraphedJit` is a TinyJit that, once it has captured, builds a `CPUGraph`: a flat table of
-[function address, argument count, arguments...] for every kernel in the captured order, run by the C loop
-in kernels/cpu/graph_runner.c. Per step, Python only patches what changes and makes one call:
+    captured call (tinygrad)              CPUGraph.table (int64)                       per step
+    CALL matmul(out, x=PARAM 0, w)   ->   [&matmul, 3, &out, &x, &w]                   &x <- new input 0
+    CALL attn(..., num_blocks)       ->   [&attn, 6, ..., num_blocks]                  num_blocks <- its value
+    COPY CPU:1 <- CPU                ->   [&memmove, 3, &dest, &src, bytes]            (a model over CPU devices)
+                                                   |
+                                          graph_runner(table, num_calls): one ctypes call for the step
 
-    captured linear (tinygrad)             CPUGraph.table (int64)                       per step
-    CALL matmul(out, x=PARAM 0, w)   ->    [&matmul, 3, &out, &x, &w]                   &x <- new input 0
-    CALL rope(q, positions=PARAM 1)  ->    [&rope, 2, &q, &positions]                   &positions <- new input 1
-    CALL attn(..., num_blocks)       ->    [&attn, 6, ..., num_blocks]                  num_blocks <- its value
-                                                    |
-                                           graph_runner(table, num_calls): one ctypes call for the step
-
-The buffers the graph owns (weights, KV cache, intermediates planned by the JIT) never move, so their
-addresses are written once. A model split over several CPU devices (Phase 8: CPU, CPU:1, ...) replays the same
-way: a kernel on N devices is N entries, one per device's buffers, and a copy between devices is an entry that
-calls memmove (every CPU device's memory is the host's):
-
-    CALL matmul on (CPU, CPU:1)      ->    [&matmul, 3, &out0, &x0, &w0] [&matmul, 3, &out1, &x1, &w1]
-    COPY CPU:1 <- CPU                ->    [&memmove, 3, &dest, &src, bytes]
-
-Anything the table cannot express (a kernel with more than 24 arguments, a call on a device whose memory is not
-the host's) makes `GraphedJit` keep tinygrad's own replay, so it is correct everywhere and only faster where
-it applies. Which devices it applies to is the device table's call (tinyvllm/platforms.py, `cpu_graph`):
-the CPU, unless forced onto the discrete path. Everywhere else `GraphedJit` is tinygrad's TinyJit, which
-replays a step as one CUDA graph (Metal: an indirect command buffer). `TINYVLLM_CPU_GRAPH=0` turns it off.
-
-`GraphedJit` also captures on its first call (`capture_first=True`). A plain TinyJit runs the function
-eagerly once, captures on the second call and replays from the third: for a graph whose weights and caches
-are realized before the first call, the eager run only builds and schedules the graph a second time, seconds
-of Python on a large model before the first token.
+Where the table does not apply (a device the table in tinyvllm/platforms.py gives no CPU graph, a call it cannot
+express), tinygrad's own replay runs. `TINYVLLM_CPU_GRAPH=0` turns it off. Chapter:
+docs/phases/01-appendix-tinygrad-speed.md (a CPU graph).
 """
 
 from __future__ import annotations
@@ -49,24 +27,9 @@ import numpy as np
 from tinygrad import Tensor, UOp
 
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import (
-    CapturedJit,
-    JitBase,
-    JitError,
-    Ops,
-    buffer_address,
-    call_launches,
-    capture_on_next_call,
-    compiled_object,
-    count_replay,
-    get_call_arg_uops,
-    get_runtime,
-    input_shard_address,
-    inputs_written_by,
-    is_replaying,
-    jit_inputs,
-    replay_captured,
-)
+from tinyvllm.tinygrad_ext.buffers import input_shard_address
+from tinyvllm.tinygrad_ext.jit import (
+    Argument, JitBase, UnsupportedCall, captured_calls, compiled_object, jit_inputs, loaded_program)
 
 ENABLED = os.getenv("TINYVLLM_CPU_GRAPH", "1") != "0"
 MAX_ARGS = 24  # TV_GRAPH_MAX_ARGS in kernels/cpu/graph_runner.c
@@ -74,23 +37,6 @@ MAX_ARGS = 24  # TV_GRAPH_MAX_ARGS in kernels/cpu/graph_runner.c
 
 class NotGraphable(Exception):
     """The captured linear holds something the C table cannot run; tinygrad's own replay is used instead."""
-
-
-def _input_of(b: UOp, lane: int) -> tuple[int, int] | None:
-    """Which JIT input device `lane`'s launch of a call reads through argument `b`, as (input slot, shard): shard -1
-    for an input on one device, else the index of the device whose part of a split input it reads. None: a buffer
-    the graph owns."""
-    if b.op is Ops.PARAM:
-        return b.arg.slot, (lane if isinstance(b.device, tuple) else -1)
-    if b.op is Ops.MSELECT and b.src[0].op is Ops.PARAM:  # one device's part of a split input
-        return b.src[0].arg.slot, b.arg
-    if b.op is Ops.SHRINK and b.src[0].op is Ops.PARAM:  # a view of an input: its offset stays in the patch
-        if any(s.op is not Ops.CONST for s in b.src[1:]):
-            raise NotGraphable("a view of an input with a symbolic offset")
-        return _input_of(b.src[0], lane)
-    if b.op is Ops.MSTACK:  # one buffer per device, stacked: this lane's is a buffer on one device
-        return _input_of(b.src[lane], 0)
-    return None
 
 
 def _is_host_device(device: Any) -> bool:
@@ -121,7 +67,7 @@ class CPUGraph:
     them one after another too), and a COPY between devices (an input copied to each device, the all-reduce's
     partial sums, the logits gathered onto the first) is a memmove entry; every CPU device's memory is the host's."""
 
-    def __init__(self, captured: CapturedJit, input_uops: list[UOp], var_vals: dict[str, int], describe: bool = False):
+    def __init__(self, jit: JitBase, input_uops: list[UOp], var_vals: dict[str, int], describe: bool = False):
         table: list[int] = []
         input_patches: list[tuple[int, int, int, int]] = []  # (table index, input slot, shard, byte offset into it)
         var_patches: list[tuple[int, str]] = []  # (table index, variable name)
@@ -138,67 +84,59 @@ class CPUGraph:
         self.calls: list[tuple[int, int, list[tuple[int, int, int, bool, bool]]]] = []
         object_index: dict[int, int] = {}
 
-        def add_arg(u: UOp, buf: Any, lane: int, buffers: list | None, read: bool, written: bool) -> None:
-            addr = buffer_address(buf)
-            if (key := _input_of(u, lane)) is not None:
+        def add_arg(arg: Argument, buffers: list | None) -> None:
+            addr = arg.address
+            if (key := arg.input) is not None:
                 if key not in input_addrs:
                     input_addrs[key] = input_shard_address(input_uops[key[0]], key[1])
                 input_patches.append((len(table), *key, addr - input_addrs[key]))
             elif buffers is not None:
-                buffers.append((len(table), addr, buf.nbytes, read, written))
+                buffers.append((len(table), addr, arg.nbytes, arg.read, arg.written))
             table.append(addr)
 
-        for call in captured.linear.src:
-            ast = call.src[0]
-            if ast.op not in (Ops.PROGRAM, Ops.COPY):
-                raise NotGraphable(f"a {ast.op} call (only compiled kernels and copies go into the table)")
-            launches = call_launches(call, input_uops)
-            if describe and (len(launches) > 1 or ast.op is Ops.COPY):
+        for call in captured_calls(jit, input_uops):
+            if describe and (len(call.launches) > 1 or call.copy):
                 raise NotGraphable("a graph over several devices (kernels/graph_cache.py keeps one device's graphs)")
-            if not all(_is_host_device(b.device) for _, bufs, _ in launches for b in bufs):
-                raise NotGraphable(f"a call on {call.src[1].device} (only CPU devices' memory is the host's)")
-            arg_uops = get_call_arg_uops(call)
-            if ast.op is Ops.COPY:  # dest, src: as tinygrad's exec_copy, the destination's bytes
-                for lane, (_, (dest, src), _) in enumerate(launches):
+            if not all(_is_host_device(arg.device) for launch in call.launches for arg in launch.arguments):
+                raise NotGraphable(f"a call on {call.devices} (only CPU devices' memory is the host's)")
+            if call.copy:  # dest, src: as tinygrad's exec_copy, the destination's bytes
+                for launch in call.launches:
                     self.num_calls += 1
                     self.num_copies += 1
                     table += [MEMMOVE, 3]
-                    add_arg(arg_uops[0], dest, lane, None, False, True)
-                    add_arg(arg_uops[1], src, lane, None, True, False)
+                    dest, src = launch.arguments
+                    add_arg(dest, None)
+                    add_arg(src, None)
                     table.append(dest.nbytes)
                 continue
-            info = ast.arg
-            if not all(isinstance(s, int) for s in info.global_size):
+            if not all(isinstance(s, int) for s in call.global_size):
                 raise NotGraphable("a kernel whose number of core_ids depends on a variable")
-            num_args = len(info.globals) + len(info.vars)
-            if num_args > MAX_ARGS:
-                raise NotGraphable(f"a kernel with {num_args} arguments (at most {MAX_ARGS})")
-            globals_uops = [arg_uops[i] for i in info.globals]
-            for lane, (device, bufs, device_vars) in enumerate(launches):
-                program = get_runtime(device, ast)
-                if getattr(program, "lvp", True) or not hasattr(program, "addr"):
+            if call.num_args > MAX_ARGS:
+                raise NotGraphable(f"a kernel with {call.num_args} arguments (at most {MAX_ARGS})")
+            for launch in call.launches:
+                program, address = loaded_program(launch.device, call.program)
+                if address is None:
                     raise NotGraphable("a CPU program that is not a plain C function")
                 self._programs.append(program)
                 if describe and id(program) not in object_index:
                     object_index[id(program)] = len(self.objects)
-                    self.objects.append(compiled_object(ast))
-                for core_id in range(info.global_size[0]):  # tinygrad calls a core_id kernel once per core_id
+                    self.objects.append(compiled_object(call.program))
+                for core_id in range(call.global_size[0]):  # tinygrad calls a core_id kernel once per core_id
                     self.num_calls += 1
                     buffers: list[tuple[int, int, int, bool, bool]] = []
                     if describe:
                         self.calls.append((len(table), object_index[id(program)], buffers))
-                    table += [program.addr, num_args]
-                    for i, u, buf in zip(info.globals, globals_uops, bufs):
-                        add_arg(u, buf, lane, buffers if describe else None, i in info.ins or i not in info.outs,
-                                i in info.outs)
-                    for v in info.vars:
-                        if v.expr == "core_id":
+                    table += [address, call.num_args]
+                    for arg in launch.arguments:
+                        add_arg(arg, buffers if describe else None)
+                    for name in call.variables:
+                        if name == "core_id":
                             table.append(core_id)
-                        elif v.expr in device_vars:  # `_device_num`: which device this launch is, fixed per entry
-                            table.append(device_vars[v.expr])
+                        elif name in launch.device_vars:  # `_device_num`: which device this launch is, fixed per entry
+                            table.append(launch.device_vars[name])
                         else:
-                            var_patches.append((len(table), v.expr))
-                            table.append(var_vals[v.expr])
+                            var_patches.append((len(table), name))
+                            table.append(var_vals[name])
         self._set_table(table, input_patches, var_patches)
 
     def _set_table(self, table: list[int], input_patches: list[tuple[int, int, int, int]],
@@ -317,20 +255,20 @@ class GraphedJit(JitBase):
         self._checked: JitCallInputs | None = None  # the inputs last found to match the graph replayed
         self.ran_in_c = False  # did the last call run its kernels in the C table? (then they are done when it returns)
         if capture_first:
-            capture_on_next_call(self)
+            self.capture_on_next_call()
 
     def reset(self) -> None:
         super().reset()
         self.graph, self.loaded, self._checked = None, None, None
         if self.capture_first:
-            capture_on_next_call(self)
+            self.capture_on_next_call()
 
     def __call__(self, *args, **kwargs):
         self.ran_in_c = False
         inputs, var_vals = self.inputs(args, kwargs)
-        if self.graph is None and not is_replaying(self) and self.loaded is None and not _uses_cpu_graph(inputs.uops):
+        if self.graph is None and not self.is_replaying() and self.loaded is None and not _uses_cpu_graph(inputs.uops):
             self.graph, self.persist = False, None  # decided once, at the first call: tinygrad's TinyJit from here on
-        if self.persist is not None and not is_replaying(self):
+        if self.persist is not None and not self.is_replaying():
             if self.loaded is None:
                 self.loaded = self.persist.load(inputs.names, inputs.input_info) or False  # False: nothing usable
             if self.loaded and (inputs is self._checked or self.loaded.accepts(inputs.names, inputs.input_info)):
@@ -340,37 +278,34 @@ class GraphedJit(JitBase):
                 return self.loaded.ret
             self._checked = None
             ret = super().__call__(*args, **kwargs)  # captures
-            if is_replaying(self) and not inputs_written_by(self.captured, inputs.uops):
+            if self.is_replaying() and not self.writes_inputs(inputs.uops):
                 try:
-                    self.graph = CPUGraph(self.captured, inputs.uops, var_vals, describe=True)
-                except NotGraphable:
+                    self.graph = CPUGraph(self, inputs.uops, var_vals, describe=True)
+                except (NotGraphable, UnsupportedCall):
                     self.graph = False
                 else:
-                    self.persist.save(self.graph, self.captured.ret, inputs.names, inputs.input_info)
+                    self.persist.save(self.graph, self.captured_return(), inputs.names, inputs.input_info)
             return ret
-        if not is_replaying(self):
+        if not self.is_replaying():
             return super().__call__(*args, **kwargs)  # runs eagerly, or captures
         if inputs is not self._checked:  # as tinygrad checks every replay; once per distinct inputs here
             self._check(inputs)
             self._checked = inputs
         if self.graph is None and ENABLED:
             try:
-                self.graph = CPUGraph(self.captured, inputs.uops, var_vals)
-            except NotGraphable:
+                self.graph = CPUGraph(self, inputs.uops, var_vals)
+            except (NotGraphable, UnsupportedCall):
                 self.graph = False
         if not self.graph:  # tinygrad's own replay, with the inputs prepared here
-            return replay_captured(self, inputs.uops, var_vals)
+            return self.replay_with_tinygrad(inputs.uops, var_vals)
         self.graph(inputs.uops, var_vals)
-        count_replay(self)
+        self.count_replay()
         self.ran_in_c = True
-        return self.captured.ret
+        return self.captured_return()
 
     def _check(self, inputs: JitCallInputs) -> None:
         """The inputs must be those the graph was captured with (tinygrad's JitError otherwise). An input the graph
         writes makes tinygrad copy it first: then only tinygrad's own replay is right."""
-        captured = self.captured
-        if captured.expected_names != inputs.names or captured.expected_input_info != inputs.input_info:
-            raise JitError(f"args mismatch in JIT: expected {captured.expected_names}, {captured.expected_input_info}; "
-                           f"got {inputs.names}, {inputs.input_info}")
-        if inputs_written_by(captured, inputs.uops):
+        self.check_inputs(inputs.names, inputs.input_info)
+        if self.writes_inputs(inputs.uops):
             self.graph = False

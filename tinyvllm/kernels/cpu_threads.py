@@ -1,27 +1,9 @@
 """The CPU kernels' thread pool: helper threads started once, used by every kernel launch.
 
-tinygrad 0.14 runs each CPU program on a single thread: a program with a `core_id` is called once per
-core_id, one call after the other (tinygrad/runtime/ops_cpu.py: `CPUProgram.__call__` loops over
-`global_size[0]`; with HCQ2=1 `cpu_exec` queues the calls to one worker thread). Measured on this 2-core
-machine: a kernel that tinygrad itself split over 2 core_ids used 100% CPU, i.e. one core.
-
-So the C kernels bring their own helpers, the way llama.cpp or OpenMP do: `NUM_THREADS - 1` threads,
-started on first use, each running the C loop `tv_pool_worker_loop` (kernels/cpu/threadpool.h) on a
-daemon Python thread (ctypes releases the GIL for the call; the call only returns at shutdown). The thread
-that launches a kernel shares its chunks of work with them through a small control block:
-
-    control block: struct tv_pool, one page mapped here; its address is compiled into every CPU kernel (TV_POOL_ADDR)
-      enabled num_workers stop sem_wait sem_post sched_yield     written here, once
-      ticket finished owner fn ctx                               written by the launching kernel, per launch
-      sleeping[i] sems[i]                                        one per helper, to park it when idle
-
-Idle helpers spin a short while for the next job (long enough to bridge the gap between two matmuls of one
-decode step, see kernels/cpu/threadpool.h), then park on
-a semaphore, so an idle engine uses no CPU. At exit they are stopped and joined. After fork() the child has
-no helpers: its kernels run single-threaded. `TINYVLLM_CPU_THREADS=1` turns the pool off.
-
-The block is mapped at a fixed address when that address is free, so every process compiles the same
-kernel source and tinygrad's on-disk compile cache (keyed by source text) serves them all.
+tinygrad runs each CPU program on one thread, so the C kernels bring their own helpers: `NUM_THREADS - 1`
+daemon threads running `tv_pool_worker_loop` (kernels/cpu/threadpool.h), given each launch's chunks of work
+through a control block (`TvPool`) whose address is compiled into every CPU kernel (TV_POOL_ADDR).
+`TINYVLLM_CPU_THREADS=1` turns it off. Chapter: docs/phases/05-custom-kernels.md, section 5.
 """
 
 from __future__ import annotations
@@ -38,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinyvllm.tinygrad_adapter import default_cpu_threads
+from tinyvllm.tinygrad_ext.startup import default_cpu_threads
 
 MAX_WORKERS = 15  # TV_MAX_WORKERS in threadpool.h
 NUM_THREADS = max(1, min(int(os.getenv("TINYVLLM_CPU_THREADS", str(default_cpu_threads()))), MAX_WORKERS + 1))

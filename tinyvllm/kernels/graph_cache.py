@@ -1,12 +1,5 @@
 """Captured CPU graphs kept on disk, so that a new process replays its first step instead of building it.
 
-Before a process can run the model once, tinygrad traces the forward pass (~600 tensor ops for SmolLM2-135M),
-schedules it into kernels, rewrites and lowers them (from the program cache, kernels/program_cache.py) and
-captures the result: ~1.5 s of Python on a 2-core machine, the largest part of the time to the first token,
-and the same work in every process. What comes out of it is small: `CPUGraph` (kernels/cpu_graph.py) is a
-table of function addresses and buffer addresses. Written down with each address said by what it points at,
-the table can be rebuilt in a new process in milliseconds, the way a dynamic linker relocates a program:
-
     one entry of the table                   on disk                                  in a new process
     [&qmatmul, 4,                            program 17 (its compiled object)   ->    loaded: its new address
      &layer3.gate_up_proj.data,              state "layers.3.gate_up_proj.data" ->    that weight's address
@@ -14,28 +7,9 @@ the table can be rebuilt in a new process in milliseconds, the way a dynamic lin
      &scratch + 81920,                       region 2, offset 81920             ->    a fresh buffer of its size
      num_blocks]                             variable "num_blocks"              ->    patched at every call
 
-  state      buffers that live outside the graph and are the same in every process: the weights, the KV
-             cache, the rope frequencies. Named by the path to them (`named_tensors`), never copied.
-  regions    the graph's own buffers (intermediates; tinygrad's memory planner lets them overlap, so
-             overlapping ones become one region). A region the graph reads before it writes and never
-             writes is a constant tinygrad made while tracing: its bytes are saved. One it reads before
-             writing and also writes would carry state from one replay to the next: such a graph is not saved.
-  ret        the graph's output: a region that becomes the Tensor a replay returns.
-
-The file is keyed by everything the traced graph depends on: the graph's name and input shapes, the model's
-config and dtype, the runner's and the KV cache's settings, the names, shapes and dtypes of the state, the
-source of tinyvllm (its Python and its C kernels), tinygrad's version and settings, the CPU, and the CPU thread
-pool's address (compiled into the kernels). A change in any of them is another file; the weights' values are
-not in the key because no kernel depends on them (they are read from their buffers at every replay). A file
-that is truncated, corrupt (a checksum over its bytes) or does not fit the state it finds is a miss: the
-graph is built and written again, never replayed wrong.
-
-Every change to the code makes new files, so the directory is kept under `MAX_BYTES` (256 MiB; a graph of
-SmolLM2-135M is ~0.2 MiB): after a write, the files used longest ago go (a read touches its file).
-
-`TINYVLLM_GRAPH_CACHE=0` turns it off (the graphs are then built in every process, as before);
-`TINYVLLM_CACHE_DIR` moves it with the program cache (default `~/.cache/tinyvllm/graphs-...`),
-`TINYVLLM_GRAPH_CACHE_DIR` moves it alone.
+A file is keyed by everything the traced graph depends on; one that is stale, truncated or corrupt is a miss.
+`TINYVLLM_GRAPH_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` (or `TINYVLLM_GRAPH_CACHE_DIR`) moves it. Chapter:
+docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
 
 from __future__ import annotations
@@ -61,8 +35,10 @@ from tinyvllm.kernels import cpu_threads, program_cache
 from tinyvllm.kernels.cpu_graph import CPUGraph
 from tinyvllm.kernels.launcher import KERNELS_DIR
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_adapter import (
-    INSTALLED_VERSION, buffer_address, is_realized, load_cpu_program, tinygrad_settings)
+from tinyvllm.tinygrad_ext import INSTALLED_VERSION
+from tinyvllm.tinygrad_ext.buffers import buffer_address, is_realized
+from tinyvllm.tinygrad_ext.programs import load_cpu_program
+from tinyvllm.tinygrad_ext.startup import tinygrad_settings
 
 ENABLED = os.getenv("TINYVLLM_GRAPH_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-graph 1\n"

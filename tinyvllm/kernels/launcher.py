@@ -1,45 +1,11 @@
 """Running a hand-written kernel inside tinygrad's graph, so that TinyJit captures and replays it.
 
-tinygrad turns a graph of tensor ops into a list of *programs*, each one compiled function launched on
-buffers. A program is a UOp tree:
+    kernels/<device>/<name>.<ext> --#defines, includes pasted--> source --programs.source_program--> PROGRAM
+        --Tensor.custom_kernel--> CALL(PROGRAM, outs..., ins...) in the graph: compiled, cached, captured, replayed
 
-    PROGRAM(arg=ProgramInfo: name, which args are buffers, which are written (outs) / read (ins))
-      ├── SINK       the kernel's inputs: one PARAM per buffer     (what tinygrad's own kernels start from)
-      ├── LINEAR     the instruction list                          (here: just the params)
-      ├── SOURCE     the source text                               (tinygrad renders its own; we bring ours)
-      └── BINARY     the compiled object                           (added by tinygrad: codegen `do_compile`)
-
-tinygrad's own kernels go SINK -> LINEAR -> SOURCE -> BINARY (tinygrad/codegen/__init__.py, pm_to_program).
-A raw-source program enters that pipeline at the last step: we hand it SINK, LINEAR and SOURCE, and when the
-graph is lowered tinygrad compiles SOURCE with the device's own compiler (clang on CPU, nvrtc on CUDA, ...),
-caching the binary on disk by source text. `Tensor.custom_kernel(out, *ins, fxn=...)` puts the program into
-the graph as a CALL on those tensors; from there on it is an ordinary kernel: scheduled after whatever
-produces its inputs, captured by TinyJit with its buffers, replayed with new input buffers on every call.
-
-    kernels/cpu/matmul.c --read, #define shapes--> source --custom_kernel--> CALL(PROGRAM, out, x, w) in graph
-                                                                               | lowering: clang -O2 -march=native
-                                                                               v
-                                                     CPU runtime: jump to the image's first byte with the
-                                                     buffer addresses as arguments (tinygrad/runtime/ops_cpu.py)
-
-On CPU, "launch" is a plain function call: the runtime maps the compiled object into executable memory and
-calls its first byte with every argument as a 64-bit integer, from the thread that runs the graph (the Python
-thread; with HCQ2=1 a queue thread), one program at a time. So a CPU kernel's entry function must be the first
-function in its file (`check_entry_is_first` verifies a compiled object), and using more than one core is the
-kernel's own business (`cpu_threads.py`). GPU kernels get a grid instead: `global_size` x `local_size`.
-
-Sizes are compile-time constants (`#define` per shape, one program per shape). A runtime size would have to be
-a symbolic variable that TinyJit binds from its inputs at every replay (as `start_pos` is); constants need
-nothing at replay but the buffer addresses, and let the compiler specialise the loops.
-
-A file may hold more than one entry function: `launch(name, ..., entry=e)` defines TV_<E> (e.g.
-TV_RESHAPE_AND_CACHE in paged_attention.*), and the file compiles only that entry, so that on the CPU it is
-the first function. A GPU runtime looks the entry up by name, so there a program is named after it.
-
-Kernel sources live in `kernels/<device>/` at the top of the repository; the wheel carries the same folder
-as the package `tinyvllm.kernel_sources` (pyproject.toml), found first. A kernel may include helpers from its
-own folder with `#include "name.h"`: tinygrad compiles from a string, so the launcher pastes them in.
-Everything this module needs from tinygrad beyond its public API goes through `tinyvllm/tinygrad_adapter.py`.
+On the CPU a program is called at its first byte, so an entry function comes first in its compilation
+(`check_entry_is_first`); a GPU program is launched by name on a grid. Chapter: docs/phases/05-custom-kernels.md,
+section 5.
 """
 
 from __future__ import annotations
@@ -52,15 +18,14 @@ from pathlib import Path
 
 from tinygrad import Context, Tensor
 
-from tinyvllm.tinygrad_adapter import (
+from tinyvllm.tinygrad_ext.buffers import empty_shards, shard_shape
+from tinyvllm.tinygrad_ext.programs import (
     CLANG_KERNEL_PREFIX,
-    Estimates,
+    HostProgram,
     compile_cpu,
     elf_symbol_at_start,
-    empty_shards,
     load_cpu_program,
     renderer_name,
-    shard_shape,
     source_program,
 )
 
@@ -174,7 +139,7 @@ def program_source(name: str, device: str, defines: dict[str, int | str], entry:
 
 
 def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
-           estimates: Estimates | None = None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
+           estimates=None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
            local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
     """Run function `entry` (default: `name`) of kernels/<device>/<name>.* on `outs` (written) and `ins` (read),
     all on one device.
@@ -222,11 +187,9 @@ def check_entry_is_first(lib: bytes, entry: str) -> None:
         raise RuntimeError(f"{entry} is not the first function of its object: put helpers after it")
 
 
-def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None):
-    """Compile kernels/cpu/<name>.c and load it as a callable on the host (not as a graph node).
-
-    Used to start the CPU thread pool's helper threads. Returns tinygrad's CPUProgram; `.fxn(*args)` calls it
-    with ctypes.c_uint64 arguments."""
+def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None) -> HostProgram:
+    """Compile kernels/cpu/<name>.c and load it as a callable on the host (not as a graph node): the CPU thread
+    pool's helper loop, the CPU graph's runner. `.fxn(*args)` calls it with ctypes.c_uint64 arguments."""
     # NOTE: this may run while a graph is being traced (the first `linear`), where tinygrad forbids device use
     # so that no tensor is realized by accident. Compiling and loading code realizes nothing.
     with Context(ALLOW_DEVICE_USAGE=1):

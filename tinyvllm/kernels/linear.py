@@ -2,13 +2,9 @@
 
     x (..., K) @ w(N, K).T -> (..., N)        w as the model stores it: (out_features, in_features)
 
-On the CPU device with float32 tensors this runs kernels/cpu/matmul.c (AVX2/FMA, both cores, see that file
-for why); everywhere else, or with `TINYVLLM_PORTABLE=1` (or `tinyvllm.kernels.linear.PORTABLE = True`), it is the
-portable `x @ w.T` that tinygrad compiles for any device. Both give the same numbers up to float rounding.
-
-The kernel is compiled per shape: x's leading dimensions must be concrete (a decode batch bucket, a prefill
-chunk), not symbolic; a symbolic shape takes the portable path. Inside a TinyJit or a
-`function(precompile=True)` the kernel is one more node of the graph.
+On the CPU in float32, kernels/cpu/matmul.c, compiled per shape (x's leading dimensions concrete); elsewhere, with a
+symbolic shape, or with `TINYVLLM_PORTABLE=1`, tinygrad's `x @ w.T`. Chapter: docs/phases/04-batched-forward.md,
+section 5.
 """
 
 from __future__ import annotations
@@ -19,7 +15,8 @@ import os
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
-from tinyvllm.tinygrad_adapter import Estimates, kernel_input, shard_axis
+from tinyvllm.tinygrad_ext.buffers import shard_axis
+from tinyvllm.tinygrad_ext.programs import kernel_cost, kernel_input
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 
@@ -66,7 +63,7 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
     def kernel(x2d: Tensor, M: int, N: int, K: int, out: Tensor) -> Tensor:
         # ops: one multiply-add per weight per row of x; mem: w once, x once, out once (what DEBUG=2 rates it by)
-        estimates = Estimates(ops=2 * M * N * K, lds=4 * (M * K + N * K + M * N), mem=4 * (M * K + N * K + M * N))
+        estimates = kernel_cost(ops=2 * M * N * K, lds=4 * (M * K + N * K + M * N), mem=4 * (M * K + N * K + M * N))
         return launch("matmul", outs=[out], ins=[x2d, w.contiguous()], defines={"TV_M": M, "TV_N": N, "TV_K": K},
                       estimates=estimates)[0]
     return run_split(x, w, w.shape[0], kernel)

@@ -1,37 +1,12 @@
-"""An on-disk cache of lowered kernels, so a new process does not render them again.
-
-tinygrad turns each kernel of a graph into a program in two steps: lowering (the optimizer and the
-renderer write the kernel's C, CUDA or Metal source, in Python) and compiling (clang,
-nvrtc, ...). Compiled binaries are cached on disk, keyed by source (`~/.cache/tinygrad/cache.db`), but
-lowered programs only in memory, in the dict `tinygrad.codegen.to_program_cache`, so every process
-lowers every kernel again: a large part of the time it takes to build SmolLM2-135M's first decode graph
-(tests/test_cold_start.py, benchmarks/README.md).
-
-`install()` swaps that dict for a `DiskProgramCache`: the same dict, which also writes every program it
-is given to a file of its own and, on a miss, looks for the file before tinygrad lowers the kernel:
+"""tinygrad's lowered kernels kept on disk, and its default device remembered, so a new process redoes neither.
 
     process 1:  lower kernel K -> to_program_cache[key] = program -> <cache dir>/<sha256 of key>.pkl
     process 2:  key in to_program_cache? not in memory -> read <sha256 of key>.pkl -> yes, no lowering
 
-One file per program, read only when asked for: a process pays for the kernels it uses (one small read each),
-not for everything every earlier process lowered. A key is tinygrad's own (the kernel's AST hash, the
-renderer, its target and the codegen settings), so a changed kernel, device or setting is a new entry,
-never a wrong hit; the directory name carries the tinygrad and Python versions. Programs hold machine
-code compiled for this machine (clang `-march=native`), as tinygrad's own cache does: do not share the
-directory between different CPUs. A file that does not load is a miss (and is written again).
-
-Opening the device is the other thing every process redid. `install()` also
-  - builds the CPU device's own helper programs (its worker loop, signal, wait, timestamp: tinygrad lowers
-    them each time the device opens, ~0.25 s) through this cache,
-  - keeps the CPU device's module from importing the renderers DEV does not ask for (Mesa's LVP and x86:
-    `tinygrad_startup.defer_unused_cpu_renderers`), and
-  - remembers which device tinygrad chose as its default. With no DEV set, tinygrad tries METAL, AMD, NV, CUDA,
-    QCOM and CL before it settles on CPU (~0.45 s of imports and failed opens on a machine without a GPU).
-    The choice is kept in `default_device.json` beside the programs with what it depended on (the platform,
-    the accelerator nodes under /dev, the device variables in the environment): when any of those differs,
-    tinygrad probes again.
-
-`TINYVLLM_PROGRAM_CACHE=0` turns all of it off; `TINYVLLM_CACHE_DIR` moves it (default `~/.cache/tinyvllm`).
+`install()` swaps tinygrad's in-memory dict for a `DiskProgramCache`, lowers the CPU device's own helper programs
+through it, and settles the default device from `default_device.json` when the machine still looks the same.
+`TINYVLLM_PROGRAM_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it. Chapter:
+docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
 
 from __future__ import annotations
@@ -45,8 +20,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tinyvllm.tinygrad_adapter import INSTALLED_VERSION
-from tinyvllm.tinygrad_startup import (
+from tinyvllm.tinygrad_ext import INSTALLED_VERSION
+from tinyvllm.tinygrad_ext.startup import (
     choose_default_device,
     chosen_default_device,
     defer_unused_cpu_renderers,
@@ -54,7 +29,6 @@ from tinyvllm.tinygrad_startup import (
     lower_cpu_device_programs_through,
     lowered_program_cache,
     set_default_device,
-    set_lowered_program_cache,
 )
 
 ENABLED = os.getenv("TINYVLLM_PROGRAM_CACHE", "1") != "0"
@@ -137,7 +111,7 @@ def install(directory: Path | None = None, device: str | None = None) -> DiskPro
         if not ENABLED:
             return None
         cache = DiskProgramCache(directory or cache_dir(), current)
-        set_lowered_program_cache(cache)
+        lowered_program_cache(cache)
         defer_unused_cpu_renderers()  # before the CPU device's module is first imported (just below)
         find_libraries_quickly()  # and before it loads libc, libm, libgcc_s
         lower_cpu_device_programs_through(cache)

@@ -63,7 +63,7 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import device_kind, has_kernel, launch, output
 from tinyvllm.ggml_types import type_name
-from tinyvllm.tinygrad_adapter import Estimates
+from tinyvllm.tinygrad_ext.programs import kernel_cost as Estimates  # noqa: N813 (a kernel's cost: tinygrad's name)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
-from tinyvllm import tinygrad_adapter
+from tinyvllm.tinygrad_ext import buffers, speed
 from tinyvllm.device_memory import host_view
 from tinyvllm.ggml_types import KERNEL_TYPES as QUANT_NAMES
 from tinyvllm.kernels.activation import act_and_mul
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # Phase 6's weights in GGUF blocks, Phase 8's split over devi
     from tinyvllm.distributed.tensor_parallel import TensorParallel
     from tinyvllm.kernels.qlinear import QuantizedWeight
 
-tinygrad_adapter.apply_fixes()
+speed.apply_fixes()
 
 # A weight as the model holds it: a float tensor, GGUF blocks (QuantizedWeight: Phase 6), or, where parts fused on
 # paper are stored in different formats (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), one per part.
@@ -186,7 +186,7 @@ class LlamaDecoderLayer:
         return (h + m).contiguous()
 
 
-@tinygrad_adapter.reusable_function  # tinygrad's function(precompile=True), one trace per forward
+@speed.reusable_function  # tinygrad's function(precompile=True), one trace per forward
 def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
 
@@ -225,10 +225,10 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
     if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
         return mapped
-    out = tinygrad_adapter.empty(shape, dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device)
+    out = buffers.empty(shape, dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device)
     if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
         host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np_dtype)
-        tinygrad_adapter.copy_in(out, memoryview(host).cast("B"))
+        buffers.copy_in(out, memoryview(host).cast("B"))
         return out
     if pool is None:
         np.concatenate(parts, axis=0, out=dst, casting="same_kind")
@@ -248,7 +248,7 @@ def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype
     if start % 32 or any(a.ctypes.data + a.nbytes != b.ctypes.data for a, b in zip(parts, parts[1:])):
         return None
     dtype = dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32
-    return tinygrad_adapter.tensor_over_memory(start, shape, dtype, device, owner=list(parts))
+    return buffers.tensor_over_memory(start, shape, dtype, device, owner=list(parts))
 
 
 class LlamaForCausalLM:
@@ -341,7 +341,7 @@ class LlamaForCausalLM:
         pool.shutdown()
         del load  # it calls itself, a cycle through its closure that holds `state_dict`: freed now, not by the collector
         # only casts (float16) are left to compute; a realize of buffers that are ready would still schedule them
-        if pending := [t for t in loaded if not tinygrad_adapter.is_realized(t)]:
+        if pending := [t for t in loaded if not buffers.is_realized(t)]:
             Tensor.realize(*pending)
         if tp.size > 1:  # split or replicate every weight over the devices
             layer_weights = [{name: place(tp, w, SPLIT_AXIS.get(name)) for name, w in lw.items()}
@@ -410,7 +410,7 @@ class LlamaForCausalLM:
             x = x * self.config.hidden_size**0.5
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
         local = None if self.inv_freq_local is None else rope_cos_sin(positions, self.inv_freq_local)
-        with tinygrad_adapter.traces_reused():  # the layers share one trace (see there)
+        with speed.traces_reused():  # the layers share one trace (see there)
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 if self.pp.size > 1 and (stage := self.pp.layer_devices[i]) != x.device:  # the next pipeline stage:
                     x, cos, sin = x.to(stage), cos.to(stage), sin.to(stage)  # the hidden state moves, in one graph
