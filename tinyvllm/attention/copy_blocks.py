@@ -1,25 +1,12 @@
-"""Copy-on-write on the device: `copy_blocks` copies whole KV cache blocks before a step's forward pass (Phase 7).
-
-The block manager shares blocks between sequences (`fork`: n > 1 completions of one prompt, the beams of a beam
-search) and, before a step writes into a shared block, moves the writer to a fresh block and records the copy
-(tinyvllm/core/block_manager.py, `append_slots` / `take_blocks_to_copy`). This module makes those copies:
+"""Copy-on-write on the device: `copy_blocks` copies whole KV cache blocks before a step's forward pass.
 
     block_mapping: (num_pairs, 2) int32   [[src, dst], ...]      for every cache tensor t of every layer:
                                                                  t[dst] = t[src]   (the whole block)
 
-Every tensor the KV cache holds per layer has the block as its first dimension (K and V; a quantized cache's
-per-token scales too), so the copy is one kernel per tensor on a (num_blocks, block_numel) view, whatever the
-dtype: the kernels copy bits (an unsigned integer type of the element's size).
-
-    device   kernel file                      compiled by
-    CPU      kernels/cpu/copy_blocks.c        clang (tinygrad CPU)
-    CUDA     kernels/cuda/copy_blocks.cu      nvrtc (tinygrad CUDA)     one thread block per pair
-    METAL    kernels/metal/copy_blocks.metal  Metal (tinygrad METAL)    one threadgroup per pair
-    other    `copy_blocks_portable`: the same copy in tinygrad's own UOps (the reference the kernels are tested
-             against), also taken with `portable=True` or TINYVLLM_PORTABLE=1
-
-The number of pairs is padded to a power of two with (null block, null block) pairs, which every path skips or
-copies onto itself, so one captured graph per padded size serves every step (`CopyBlocks`).
+The block manager records the copies (`append_slots` / `take_blocks_to_copy`); the kernel (kernels/<device>/
+copy_blocks.*) copies bits, one thread block per pair on a GPU, else `copy_blocks_portable` in tinygrad's UOps.
+Pairs are padded to a power of two with (null block, null block), so one captured graph per size serves every step.
+Taught in docs/phases/07a-prefix-caching.md.
 """
 
 from __future__ import annotations
@@ -50,8 +37,8 @@ def _copy_blocks_kernel(cache: UOp, block_mapping: UOp) -> UOp:
 
 def copy_blocks_portable(cache: Tensor, block_mapping: Tensor) -> Tensor:
     """cache: (num_blocks, block_size, ...) -> the same cache after block dst := block src for each [src, dst] row
-    of block_mapping (P, 2) int32. Written in place; read it through the returned tensor. A cache split by KV head
-    over devices (tensor parallel) keeps its head axis in the view, so each device copies its own heads."""
+    of block_mapping (P, 2) int32, written in place (a cache split by KV head keeps its head axis: each device
+    copies its own heads)."""
     flat = cache.reshape(cache.shape[0], cache.shape[1], -1)
     written = flat.uop.custom_kernel(block_mapping.uop, fxn=_copy_blocks_kernel)[0]
     return Tensor(cache.uop.after(written))
@@ -81,9 +68,7 @@ def kernel_copy_blocks(cache: Tensor, block_mapping: Tensor) -> Tensor:
 
 
 def copy_blocks(caches: list[Tensor], block_mapping: Tensor, portable: bool = False) -> list[Tensor]:
-    """Copy the blocks of every tensor in `caches` (each (num_blocks, ...)) by `block_mapping` (P, 2) int32. The
-    caches may live on different devices (pipeline parallel: each layer's on its stage's): the mapping is copied to
-    each."""
+    """Copy the blocks of every tensor in `caches` (each (num_blocks, ...), on any devices) by `block_mapping`."""
     copies = []
     for c in caches:
         mapping = block_mapping.to(c.device)

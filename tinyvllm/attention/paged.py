@@ -1,37 +1,17 @@
-"""Paged attention in portable tinygrad (Phase 2): the reference the custom kernels are checked against.
+"""Paged attention in portable tinygrad: the reference the custom kernels are checked against.
 
-Two operations, named as in vLLM:
+reshape_and_cache: write this step's K/V into their slots (a scatter, as a tiny UOp kernel: O(N) work, not O(cache)).
 
-reshape_and_cache: write this step's K/V into their slots.
-
-    k: (N, n_kv_heads, head_dim) for N new tokens     slot_mapping: (N,)  slot = block * block_size + offset
+    k: (N, n_kv_heads, head_dim)   slot_mapping: (N,)   slot = block * block_size + offset
     k_cache viewed as (num_slots, n_kv_heads * head_dim):  k_cache[slot_mapping[i]] = k[i]
-
-  A scatter: tinygrad's Tensor API has no scatter-store that touches only N rows (indexed
-  assignment rewrites the whole cache with a select), so it is written as a tiny kernel in
-  tinygrad's own UOps, which every tinygrad device compiles: O(N) work, not O(cache).
 
 paged_attention: each query attends over its sequence's blocks, gathered through its block table.
 
     block_tables: (B, max_blocks)   row b lists sequence b's physical blocks in logical order
     k_cache[block_tables[:, :nb]] -> (B, nb, block_size, n_kv_heads, head_dim) -> (B, nb*block_size, ...)
 
-  Logical key index s of sequence b is its token at position s, so one mask does it all:
-  query at position p sees keys s <= p (causal inside a prompt chunk, and slots past the
-  sequence's length, in its last, partly filled block, are never seen). `nb` (the number of
-  blocks to gather) is a bound symbolic variable, so the work follows the context length,
-  not the maximum. A sliding-window layer (Mistral, Gemma 3: `sliding_window` W) also masks
-  keys s <= p - W, so a query sees its last W keys, itself included, as HF's mask does.
-
-The gather copies the sequence's K/V out of the blocks before attending: that extra memory
-traffic on every step is what Phase 5's kernels avoid by reading the blocks in place.
-
-A quantized cache (Phase 7c, int8 or fp8: `tinyvllm.attention.kv_cache`) has per-layer scale tensors beside the
-blocks, (num_blocks, block_size, n_kv_heads): `reshape_and_cache` quantizes each new token's K/V per KV head
-and writes the codes and the scale to the same slot; `paged_attention` gathers both and dequantizes
-(`tinyvllm.attention.kv_quant`) before attending. For an int8 cache `attend` rotates q, K and V first (a
-Hadamard matrix, which halves the rounding error) and the output back. A float16 cache is written and read
-with a cast.
+Gathered key s is the token at position s, so one causal mask (key s <= query p) also hides the unfilled slots
+of the last block. Taught in docs/phases/02-paged-attention.md; quantized caches in 07c-kv-cache-quantization.md.
 """
 
 from __future__ import annotations
@@ -129,9 +109,8 @@ class PagedAttentionMetadata:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
                sliding_window: int | None = None) -> Tensor:
         """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.
-        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized. An int8 cache holds
-        K/V rotated by a Hadamard matrix: q, k, v go in rotated, the output is rotated back (`kv_quant.rotate`,
-        its own inverse). sliding_window: this layer's window (None: the whole context)."""
+        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized; a rotated (int8)
+        cache takes q, k, v rotated and rotates the output back. sliding_window: None for the whole context."""
         if kv_cache_dtype_of(kv_cache[0]).rotated:
             from tinyvllm.attention.kv_quant import rotate
             return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache, sliding_window))
