@@ -1,25 +1,17 @@
-"""Errors in OpenAI's shape, each with its HTTP status.
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, each with its HTTP status.
 
-Every error the server returns has the body the official clients parse into their exceptions:
-
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
-
-    status  when                                       type / code                           client raises
-    400     a bad field, a prompt over the context     invalid_request_error                 BadRequestError
-            (code context_length_exceeded)
+    status  when                                       type / code                              client raises
+    400     a bad field, a prompt over the context     invalid_request_error                    BadRequestError
     401     missing or wrong API key                   invalid_request_error / invalid_api_key  AuthenticationError
-            (with WWW-Authenticate: Bearer)
     404     a model this server does not serve         invalid_request_error / model_not_found  NotFoundError
-    408     headers or body arriving too slowly      invalid_request_error / request_timeout    APIStatusError
-            (--header-read-timeout, --body-read-timeout)
-    413     a body over --max-request-body-bytes       invalid_request_error / request_too_large  APIStatusError
-    421     a Host header not in --allowed-hosts       invalid_request_error / host_not_allowed   APIStatusError
-    429     the waiting queue is full (Retry-After)    requests / rate_limit_exceeded        RateLimitError
-    503     the model is loading or the engine stopped server_error / service_unavailable    InternalServerError
-    500     a bug or a failed engine step (logged)     server_error / internal_error         InternalServerError
+    408     headers or body arriving too slowly        invalid_request_error / request_timeout  APIStatusError
+    413     a body over --max-request-body-bytes       invalid_request_error / request_too_large
+    421     a Host header not in --allowed-hosts       invalid_request_error / host_not_allowed
+    429     the waiting queue is full (Retry-After)    requests / rate_limit_exceeded           RateLimitError
+    503     the model is loading or the engine stopped server_error / service_unavailable       InternalServerError
+    500     a bug or a failed engine step (logged)     server_error / internal_error            InternalServerError
 
-The engine raises plain Python exceptions (ValueError for bad input, its own classes for overload
-and failures); `to_openai_error` is the one place that maps them onto this table.
+`to_openai_error` is the one place that maps the engine's exceptions onto this table.
 """
 
 from __future__ import annotations
@@ -76,9 +68,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def lone_surrogate_error(body: bytes) -> OpenAIError | None:
-    """A 400 naming the field if the JSON body holds a string with a lone surrogate (`"\ud800"`: valid JSON, but
-    no Unicode text: encoding it, to tokenize or to answer, would fail later with a 500, or mid-stream after a
-    200). Bodies without such an escape (nearly all) are not parsed here."""
+    """A 400 naming the field if the JSON body holds a string with a lone surrogate (`"\ud800"`: valid JSON, not
+    Unicode text, so a later 500); None otherwise. Bodies without such an escape are not parsed."""
     if _SURROGATE_ESCAPE.search(body) is None:
         return None
     try:

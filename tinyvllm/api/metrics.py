@@ -1,9 +1,4 @@
-"""`GET /metrics`: what the engine is doing, in Prometheus' text format.
-
-The numbers come from the engine thread (`ServerMetrics` is the async engine's stat logger) and are
-read by the event loop when a scraper asks, so one lock guards them. The names follow vLLM's
-(`vllm:num_requests_running` here is `tinyvllm:num_requests_running`), so a dashboard built for one
-reads the other. The text format is simple enough to write by hand:
+"""`GET /metrics`: what the engine is doing, in Prometheus' text format, with vLLM's names under `tinyvllm:`.
 
     # HELP tinyvllm:time_to_first_token_seconds Time from arrival to the first generated token.
     # TYPE tinyvllm:time_to_first_token_seconds histogram
@@ -12,19 +7,8 @@ reads the other. The text format is simple enough to write by hand:
     tinyvllm:time_to_first_token_seconds_sum 1.25
     tinyvllm:time_to_first_token_seconds_count 5
 
-Time to first token (TTFT) is the wait a user feels before anything appears: queueing plus prefill.
-Inter-token latency (ITL) is the gap between tokens after that: one decode step of the whole batch,
-so it grows with the batch while the total throughput grows faster.
-
-Each finished request is also split into its phases, as vLLM's request-level histograms split it (the
-times are the engine's: `RequestMetrics`):
-
-    arrival ---queue---> first scheduled ---prefill---> first token ---decode---> last token
-       |                        |<-------------- inference ----------------------->|
-       |<------------------------------- e2e ------------------------------------>|
-
-with its prompt and generated token counts (`request_prompt_tokens`, `request_generation_tokens`), its mean
-time per output token (decode / (tokens - 1)), and the preemptions the scheduler made (`num_preemptions_total`).
+Written on the engine thread (`ServerMetrics` is the async engine's stat logger), read on the event loop: one lock.
+Taught in docs/phases/09-api-server.md; the request-level histograms in 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -293,11 +277,7 @@ class ServerMetrics:
 
 
 class KeyMetrics:
-    """Requests and tokens per API key (`--api-keys-file`), labelled by the key's id, never the key.
-
-    Written by `audit.RequestAccounting` when a request ends and read by /metrics, both on the event
-    loop: no lock. Tokens are the request's own (prompt once, completions of all its choices).
-    """
+    """Requests and tokens per API key, labelled by the key's id, never the key (event loop only: no lock)."""
 
     def __init__(self):
         self.requests: dict[tuple[str, str], int] = {}  # (key_id, status) -> requests

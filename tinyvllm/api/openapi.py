@@ -1,11 +1,8 @@
 """`/openapi.json`: FastAPI's schema of the pydantic models, made true to what the server does.
 
-FastAPI writes the request bodies from `protocol.py` by itself. What it cannot know is added here:
-every error status a route can answer (in OpenAI's shape; a validation error is a 400 here, never
-FastAPI's 422), `Retry-After` and the `x-ratelimit-*` headers, the SSE events of "stream": true, the
-bearer key when keys are configured, and two fields described as the serving code serves them. A
-client generated from the schema then sends requests the server can serve, and a fuzzer
-(`tests/test_api_fuzz.py`, schemathesis) can check every answer against it.
+Added here: every error status a route can answer (a validation error is a 400, never FastAPI's 422),
+`Retry-After` and the `x-ratelimit-*` headers, the SSE events, the bearer key, and two fields described as
+served, so that `tests/test_api_fuzz.py` (schemathesis) can check every answer against the schema.
 """
 
 from __future__ import annotations
@@ -46,10 +43,8 @@ def responses(ok: type | dict, *statuses: int, stream: bool = False) -> dict:
     return documented
 
 
-# Two fields whose pydantic type is looser than what the serving code serves, described as served, so
-# that a client generated from the schema, or a fuzzer, sends requests that can reach the engine:
-# `messages` are plain dicts to pydantic (tool calls and all) and serving_chat checks their roles and
-# content; a completion's prompt is one text or one list of token ids, or a batch of them, not empty.
+# Two fields whose pydantic type is looser than what the serving code serves, described as served, so that a
+# generated client or a fuzzer sends requests that can reach the engine (serving_chat checks messages' roles).
 CHAT_MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string", "enum": list(ROLES)},
     "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
@@ -64,9 +59,8 @@ SERVED_AS = {("ChatCompletionRequest", "messages"): {"type": "array", "items": C
 
 
 def openapi_schema(app: FastAPI, secured: bool, open_paths: tuple[str, ...] = ()) -> dict:
-    """FastAPI's schema (/openapi.json), made true to this server: a validation error is a 400 here,
-    never FastAPI's 422; messages and prompts are described as served (SERVED_AS); `secured`: every
-    path but the `open_paths` needs `Authorization: Bearer`."""
+    """FastAPI's schema made true to this server (see the module doc); `secured`: every path but the
+    `open_paths` needs `Authorization: Bearer`."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for (model, field), served in SERVED_AS.items():

@@ -1,24 +1,12 @@
 """The OpenAI API's request and response bodies, as pydantic models, field for field.
 
-Requests are validated here for type, shape and OpenAI's ranges (a string where a number belongs,
-or a temperature of 3, is a 400 naming the field before any code of ours runs); values are
-validated once more by `SamplingParams`, which names the field. Types are strict, as OpenAI's are:
-`"n": "2"`, `"stream": "yes"` or `"max_tokens": true` are refused, not coerced; a float field takes
-a JSON integer (`"temperature": 1`) but not a string or a boolean. The limits the server's operator
-sets (`--max-n`, the stop strings, the body size) are checked in `serving_engine.py` and `middleware.py`.
-Beside OpenAI's fields, the requests accept vLLM's sampling extras (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, ...) under the same names, so
-the request maps onto `SamplingParams` name for name. Unknown fields are ignored, as OpenAI does.
-Output constraints come three ways, as in vLLM: OpenAI's `response_format`, vLLM's `structured_outputs`
-and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; chat also takes
-OpenAI's `tools` and `tool_choice`.
-
     request                      response (stream=false)       chunk (stream=true, one per SSE event)
     CompletionRequest            CompletionResponse            CompletionStreamResponse
     ChatCompletionRequest        ChatCompletionResponse        ChatCompletionStreamResponse
 
-Shapes follow the OpenAPI spec the official clients are generated from (openai/openai-openapi) and
-vLLM's `vllm/entrypoints/openai/protocol.py`.
+Types are strict and ranges OpenAI's (`"n": "2"` is a 400 naming the field, not coerced); vLLM's sampling extras
+take `SamplingParams`' names; unknown fields are ignored. Shapes follow openai/openai-openapi and vLLM's
+`vllm/entrypoints/openai/protocol.py`. Taught in docs/phases/09-api-server.md and 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -89,8 +77,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: "text" (no constraint), "json_object" (some JSON object) or
-    "json_schema" (JSON that validates against `json_schema.schema`)."""
+    """OpenAI's `response_format`: "text", "json_object" or "json_schema" (against `json_schema.schema`)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None  # with type "json_schema"
@@ -107,8 +94,7 @@ class StructuredOutputsRequest(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields both endpoints share. Names equal `SamplingParams`' wherever the meaning is the same;
-    ranges are OpenAI's (the API reference) where OpenAI has the field, `SamplingParams`' otherwise."""
+    """The fields both endpoints share: `SamplingParams`' names; OpenAI's ranges where OpenAI has the field."""
 
     model: StrictStr | None = None  # OpenAI requires it; like vLLM, a missing model means the served one
     n: StrictInt = Field(1, ge=1)  # at most the server's --max-n
