@@ -1,25 +1,16 @@
 """`POST /v1/chat/completions`: a conversation in, the assistant's next message out.
 
-The engine knows nothing of chats. The conversation becomes one prompt through the model's own
-chat template (the Jinja template shipped with its weights), which writes each turn with the
-markers the model was trained on and ends with the assistant's header, so that the model's
-continuation is the reply:
-
     [{"role": "user", "content": "Hi"}]
-        --chat template-->  "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
+        --chat template-->  "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         --tokenize------->  prompt token ids  --> engine.generate()
 
-A streamed reply opens each choice with a chunk holding only `delta.role`, then sends the new text
-as `delta.content`, the last one with its `finish_reason`.
-
-With `tools` (see `tool_parser.py`) and a reasoning parser (`reasoning_parser.py`), each choice's text
-goes through a `ChoiceParser` before it is sent, the same one streamed or not:
+Each choice's text goes through one `ChoiceParser`, streamed or not:
 
     output text --ThinkReasoningParser--+--> reasoning_content
                                         +--> the rest --ToolParser--+--> content
                                                                     +--> tool_calls (those the ToolCallPolicy keeps)
-    (a choice that made a call and stopped has finish_reason "tool_calls"; the ToolParser is the
-    --tool-call-parser's: hermes or llama3_json)
+
+Taught in docs/phases/09-api-server.md; tools and reasoning in 09-appendix-tools-and-reasoning.md.
 """
 
 from __future__ import annotations
@@ -201,10 +192,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
-        """The prompt text: the conversation (and the tools) through the model's chat template. vLLM's fields:
-        `add_generation_prompt` ends it with the assistant's header; `continue_final_message` instead leaves the
-        last message open, so the model continues it (a prefill of the answer); `chat_template_kwargs` are more
-        variables for the template (e.g. `enable_thinking`)."""
+        """The prompt text: the conversation (and the tools) through the model's chat template, with vLLM's
+        `add_generation_prompt`, `continue_final_message` (the last message left open) and `chat_template_kwargs`."""
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true: the first opens "
                               "a new assistant turn, the second continues the last message", "continue_final_message")
@@ -260,8 +249,7 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def open_final_message(text: str, conversation: list[dict]) -> str:
-        """The rendered text cut right after the last message's content, dropping the end-of-turn the template
-        wrote after it (what HF's and vLLM's `continue_final_message` do)."""
+        """The rendered text cut right after the last message's content (HF's and vLLM's `continue_final_message`)."""
         final = conversation[-1]["content"] if conversation else ""
         if not final or final not in text:
             raise bad_request("continue_final_message needs a last message with text content to continue",
@@ -318,8 +306,8 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     def stream_choices(delta: ChoiceDelta, parser: ChoiceParser,
                        logprobs: ChatCompletionLogProbs | None) -> list[ChatCompletionResponseStreamChoice]:
-        """One engine delta of one choice as stream chunks: the text, then each tool call completed by it (its
-        id and name first, its arguments next, as OpenAI streams them); the last chunk has the finish_reason."""
+        """One engine delta of one choice as stream chunks: the text, then each tool call it completed (id and name,
+        then arguments, as OpenAI streams them); the last chunk has the finish_reason."""
         reasoning, content, calls = parser.feed(delta.text, last=delta.finish_reason is not None)
         messages = []
         if not parser.active:

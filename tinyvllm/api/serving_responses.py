@@ -1,9 +1,4 @@
-"""`POST /v1/responses`: OpenAI's Responses API, served by the chat route.
-
-A response is a chat completion in other clothes, so this module only translates: the request becomes a
-`ChatCompletionRequest` and goes through `OpenAIServingChat` whole (the chat template, limits, tools and
-their parser, structured outputs, reasoning, errors before any 200), and what comes back is turned into
-output items, or, streamed, into the Responses API's events:
+"""`POST /v1/responses`: OpenAI's Responses API, translated to and from the chat route.
 
     input "Hi" / items  --------------------------+   instructions -> a system message first
     tools [{"type": "function", "name", ...}]      |   function_call / function_call_output items ->
@@ -12,14 +7,9 @@ output items, or, streamed, into the Responses API's events:
                                   ChatCompletionRequest --> OpenAIServingChat
                                                    |
     output: [reasoning] [message: output_text] [function_call ...]   <-- message, tool_calls
-    events: response.created, response.in_progress,                  <-- chat chunks, one by one
-            response.output_item.added, response.content_part.added,
-            response.output_text.delta ..., response.output_text.done, response.content_part.done,
-            response.output_item.added (function_call), response.function_call_arguments.delta / .done,
-            response.output_item.done, then response.completed (or response.incomplete, response.failed)
+    events: response.created, ... response.output_text.delta ..., response.completed   <-- chat chunks
 
-The server keeps no responses (`store` is accepted, and the answer says `"store": false`), so
-`previous_response_id` is refused: send the conversation's items again instead.
+Nothing is stored, so `previous_response_id` is refused. Taught in docs/phases/09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -195,8 +185,8 @@ class OpenAIServingResponses:
 
 
 class ItemStream:
-    """The output items a streamed chat message becomes, one delta at a time: at most one item is open (a
-    reasoning, a message or a function call); a delta of another kind closes it and opens the next."""
+    """The output items a streamed chat message becomes: at most one item is open; a delta of another kind closes
+    it and opens the next."""
 
     def __init__(self):
         self.output: list = []  # the items so far, as in the final response
