@@ -1,30 +1,8 @@
-"""Byte-level BPE (GPT-2, Llama-3, SmolLM2), run by tiktoken.
+"""Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen2), run by tiktoken.
 
-Byte-pair encoding starts from the text's UTF-8 bytes and repeatedly merges the adjacent pair
-that was merged earliest when the vocabulary was learned (lowest "rank"). SmolLM2 on " the":
-
-    bytes      [" ", "t", "h", "e"]          GPT-2 spells them "Ġ", "t", "h", "e"
-    merge #0   "Ġ t"   -> ["Ġt", "h", "e"]
-    merge #3   "h e"   -> ["Ġt", "he"]
-    merge #8   "Ġt he" -> ["Ġthe"]            one token, id 260; no pair left to merge: done
-
-Three details make it work on real text:
-  1. A regex first splits the text into pieces (words, a space plus a word, digit runs, whitespace)
-     and merges never cross pieces, so " the" stays one piece but "the." never becomes one token.
-     Each model family has its own regex (`PRETOKENIZER_PATTERNS`); SmolLM2 isolates every digit.
-  2. Vocabulary files are text, so GPT-2 spells each of the 256 bytes as a printable character
-     (`bytes_to_unicode`: printable ASCII and Latin-1 stand for themselves, the others shift to
-     U+0100 and up: space -> "Ġ", newline -> "Ċ"). We turn every token back into its raw bytes.
-  3. tiktoken wants one number per token, its rank: the merge that creates the token. The token id
-     (the row of the embedding table) is a separate thing. Here rank = 256 + the merge's index, and
-     single bytes rank 0..255; a table maps each rank back to the token id.
-
-tiktoken is not quite HF's BPE, in two ways. It ranks a merge by the token it produces, where HF
-ranks the pair; and it first looks a whole piece up in the vocabulary (what HF does only with
-`ignore_merges`, which Llama-3 sets). Neither changes the result when BPE builds every token from
-its own bytes and no other pair of neighbours concatenates to a token: true of SmolLM2, whose every
-token and thousands of random runs of tokens the tests put through both. A byte the vocabulary
-lacks (SmolLM2 has 235 of the 256) is dropped, as HF does when there is no unknown token.
+A pre-tokenizer regex splits the text (`PRETOKENIZER_PATTERNS`); tiktoken merges each piece's bytes by rank,
+rank = 256 + the index of the merge that makes the token (single bytes rank 0..255), and `_rank_to_id` maps
+ranks back to token ids. Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -99,7 +77,7 @@ def _unspell_table() -> dict[int, str]:
 
 def unspell(token: str) -> bytes | None:
     """The raw bytes of a token written in GPT-2's byte alphabet ("Ġthe" -> b" the"), None if it is not.
-    (One `translate` and one `encode` in C, not a Python loop over the token's characters: 49k tokens at load.)"""
+    One `translate` and one `encode` in C, not a Python loop per character (every token, at load)."""
     try:
         return token.translate(_unspell_table()).encode("latin-1")
     except UnicodeEncodeError:  # a character outside the alphabet

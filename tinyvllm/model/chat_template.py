@@ -1,8 +1,5 @@
 """Chat templates: a conversation -> the exact prompt text the model was trained on.
 
-Every chat model ships a Jinja template (GGUF `tokenizer.chat_template`, HF `tokenizer_config.json`
-or `chat_template.jinja`) that writes the turns with its own markers. SmolLM2's, for one user turn:
-
     [{"role": "user", "content": "Hi"}]
     ->  <|im_start|>system
         You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
@@ -10,10 +7,9 @@ or `chat_template.jinja`) that writes the turns with its own markers. SmolLM2's,
         Hi<|im_end|>
         <|im_start|>assistant          <- add_generation_prompt: the model continues from here
 
-Templates are written against HF's environment, so we render in one like it (transformers,
-`utils/chat_template_utils.py`): a sandbox (templates are untrusted code from the Hub),
-`trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, `raise_exception(msg)`,
-`strftime_now(fmt)`, and a `tojson` that keeps non-ASCII characters and accepts `indent`.
+Rendered in an environment like HF's (transformers' `utils/chat_template_utils.py`): a sandbox (templates are
+untrusted code), `trim_blocks`, `lstrip_blocks`, `loopcontrols`, `raise_exception`, `strftime_now`, and a `tojson`
+that keeps non-ASCII. Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations

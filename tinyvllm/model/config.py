@@ -1,22 +1,10 @@
-"""The model's shape, derived once from the weights' own metadata and then frozen.
-
-Config flows one way: a GGUF file's metadata or an HF `config.json` is read into one
-`ModelConfig`, and every module (the model, the KV cache, the scheduler) reads it and never
-writes it back. Field names follow HF's `LlamaConfig`, the names vLLM uses too.
+"""The model's shape, derived once from the weights' own metadata and then frozen (HF `LlamaConfig`'s names).
 
     GGUF metadata  --from_gguf_metadata-->  ModelConfig  <--from_hf_config--  config.json
 
-One decoder block serves every architecture tinyvllm runs (`ARCHITECTURES`): the others are LLaMA with a few
-switches, each a field here (docs/phases/01-appendix-architectures.md):
-
-    architecture         HF class             GGUF arch   what differs from LLaMA
-    LlamaForCausalLM     llama                llama       (the block as it is; rope_scaling for Llama 3.1)
-    MistralForCausalLM   mistral              llama       sliding_window: a query sees the last W keys only
-    Qwen2ForCausalLM     qwen2                qwen2       attention_bias: q/k/v projections add a bias
-    Qwen3ForCausalLM     qwen3                qwen3       qk_norm: RMSNorm over each head of q and k
-    Gemma3ForCausalLM    gemma3_text          gemma3      qk_norm, sandwich norms, GeGLU, scaled embedding,
-                                                          query_pre_attn_scalar, sliding layers (layer_types)
-                                                          with their own rope_local_theta
+Every module reads it, none writes it back. The other architectures (`ARCHITECTURES`: Mistral, Qwen2, Qwen3,
+Gemma 3) are LLaMA's block with switches, each a field. Taught in docs/phases/01-foundation.md; the switches in
+01-appendix-architectures.md.
 """
 
 from __future__ import annotations
@@ -39,13 +27,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU (LLaMA, Mistral, Qwen), Ge
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling, HF's `rope_scaling`. Two kinds:
-
-    "llama3": low frequencies (long wavelengths) are divided by `factor`, high ones kept, and the band
-              between is interpolated smoothly (Llama 3.1+).
-    "linear": every frequency is divided by `factor` (position interpolation).
-    See `tinyvllm.model.rope.rope_frequencies`.
-    """
+    """RoPE frequency scaling, HF's `rope_scaling`: "llama3" (Llama 3.1+) or "linear" (`rope.rope_frequencies`)."""
 
     factor: float
     low_freq_factor: float = 1.0

@@ -12,25 +12,10 @@
         v
     RMSNorm -> lm_head (tied to embed_tokens on small models) -> logits (B, vocab)
 
-The attention step is delegated to an attention backend (`tinyvllm.attention`): it writes this
-step's K and V into the KV cache and attends over everything cached so far. The contiguous backend
-(Phase 1) keeps one pre-allocated row per position; the paged backend (Phase 2) keeps blocks.
-The model itself never knows which one it runs on.
-
-Names follow HF / vLLM (`q_proj`, `gate_up_proj`, ...). Like vLLM, q/k/v are fused into one
-`qkv_proj` and gate/up into one `gate_up_proj`: the same bytes of weights are read, in two matmuls
-per layer instead of five, which matters when decode is launch- and bandwidth-bound.
-
-Mistral, Qwen2/2.5, Qwen3 and Gemma 3 run on this same block: each is LLaMA plus a few switches of the config
-(`ModelConfig`: attention_bias, qk_norm, sliding_window / layer_types, hidden_act, scale_embeddings,
-sandwich_norms, query_pre_attn_scalar, rope_local_theta), each an `if` below where the step it changes
-happens (docs/phases/01-appendix-architectures.md):
-
-    Qwen2     qkv = x @ W_qkv.T + b_qkv
-    Qwen3     q, k = rms_norm(q) per head, rms_norm(k) per head             (before RoPE)
-    Mistral   attention over the last sliding_window keys only              (attend(..., sliding_window))
-    Gemma 3   x = embed * sqrt(D);  GeGLU: gelu_tanh(gate) * up;  h = x + norm(attn(norm(x)));
-              q scaled by sqrt(Hd / query_pre_attn_scalar); 5 of 6 layers sliding, rotating with base 10000
+Attention is the backend's (`attn_metadata.attend`: contiguous or paged), so the model never knows which.
+q/k/v and gate/up are fused as in vLLM (two matmuls per layer instead of five, the same bytes read). Mistral,
+Qwen2, Qwen3 and Gemma 3 are this block with `ModelConfig`'s switches, each an `if` where its step happens.
+Taught in docs/phases/01-foundation.md; the switches in 01-appendix-architectures.md.
 """
 
 from __future__ import annotations
@@ -95,8 +80,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class OneDevice:
-    """The whole model on one device: every weight as it is, every layer here. It answers what the model asks of
-    Phase 8's TensorParallel and PipelineParallel (tinyvllm/distributed/), which take its place for several."""
+    """The whole model on one device; Phase 8's TensorParallel and PipelineParallel take its place for several."""
 
     size = 1
 
@@ -212,15 +196,9 @@ def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
 
 def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor | None = None,
            copies: list[Future] | None = None) -> Tensor:
-    """Concatenate `parts` along dim 0 into a new device tensor of their dtype (float32, or uint8 for GGUF
-    blocks), realized (or, with `pool`, being filled by one of its threads: the future goes into `copies`;
-    wait for it before using the tensor).
-
-    Where the device's memory is the host's (the CPU device) and the parts already lie back to back in memory as
-    the tensor would (a GGUF's blocks, memory-mapped: ffn_gate then ffn_up, or one tensor alone), the tensor is
-    that memory: nothing is copied, and the file's pages are the weights (`in_place`). Otherwise, on the host, the
-    parts are written straight into the buffer tinygrad allocated: one copy, no graph to schedule. Elsewhere the
-    bytes are copied in."""
+    """`parts` concatenated along dim 0 into a device tensor of their dtype (float32, or uint8 GGUF blocks): the
+    parts' own memory where it can be (`in_place`), else one copy into tinygrad's buffer. With `pool` the copy runs
+    on one of its threads, its future appended to `copies`: wait for it before using the tensor."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
     if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
@@ -238,10 +216,9 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
 
 
 def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype, device: str | None) -> Tensor | None:
-    """The parts as one tensor over their own memory, or None where that cannot be: the device's memory must be the
-    host's, the parts C-contiguous, of the tensor's dtype, back to back, and aligned as tinygrad's kernels align
-    their buffers. The tensor's buffer keeps the parts (and so the memory map they view) alive; nothing writes into
-    a weight (a GGUF's map is read-only)."""
+    """The parts as one tensor over their own memory (a GGUF's mapped pages), or None unless the device's memory is
+    the host's and the parts are C-contiguous, of the dtype, back to back and 32-byte aligned. The tensor keeps
+    the parts alive; nothing writes into a weight."""
     if not platform_for(device).host_views or any(p.dtype != np_dtype or not p.flags.c_contiguous for p in parts):
         return None
     start = parts[0].ctypes.data

@@ -1,24 +1,11 @@
 """The tokenizer: text <-> token ids, the only part of the engine that sees strings.
 
-The engine runs on token ids. Text comes in once (a prompt, a chat rendered by the model's own
-template) and goes out once per generated token (streamed through `IncrementalDetokenizer`).
-vLLM keeps the same split: its `InputProcessor` (`vllm/v1/engine/input_processor.py`) tokenizes
-the request before the scheduler sees it, and its detokenizer turns sampled ids back into text
-after each step.
-
     "Hello<|im_end|>"  --encode-->  [ordinary text "Hello" -> BPE] + [added token "<|im_end|>" -> its id]
     [19556, 2]         --decode-->  bytes of each token, joined, decoded as UTF-8
 
-Two tokenizer families cover the LLaMA world, and both are subclasses of `Tokenizer`:
-  - byte-level BPE (GPT-2, Llama-3, SmolLM2): `tinyvllm.model.bpe.ByteLevelBPETokenizer`, on tiktoken;
-  - sentencepiece (Llama-2, Mistral v0.1, TinyLlama): `tinyvllm.model.sentencepiece_tokenizer`.
-A subclass only says how to encode ordinary text (`_encode_ordinary`) and gives every token's
-bytes. Everything else lives here, shared: finding added tokens such as `<|im_start|>` written in
-the text (HF calls them "added tokens"; those marked special are the ones `skip_special_tokens`
-drops), BOS, decoding, stop tokens, and chat templates.
-
-`load_tokenizer(path)` picks the family from what is on disk: a `.gguf` file, or an HF directory
-holding `tokenizer.json` or `tokenizer.model`.
+A family (byte-level BPE: `bpe.py`; sentencepiece: `sentencepiece_tokenizer.py`) only encodes ordinary text
+(`_encode_ordinary`) and gives every token's bytes; added tokens, BOS, decoding, stop tokens and chat templates are
+shared here. `load_tokenizer(path)` picks the family from what is on disk. Taught in docs/phases/01-foundation.md.
 """
 
 from __future__ import annotations
@@ -30,10 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
-# Tokens that end a turn or the text, beside the EOS id itself. A chat model is trained to write
-# its end-of-turn token, which is often not the EOS the tokenizer declares (Llama-3-Instruct:
-# EOS <|end_of_text|>, end of turn <|eot_id|>). llama.cpp collects its "end of generation" set
-# from the vocabulary by these same names (llama-vocab.cpp, `special_eog_ids`).
+# Tokens that end a turn or the text, beside the EOS id: a chat model writes its end-of-turn token, often not the
+# declared EOS (Llama-3-Instruct: EOS <|end_of_text|>, end of turn <|eot_id|>). llama.cpp's `special_eog_ids` set.
 END_OF_TURN_TOKENS = (
     "<|im_end|>",
     "<|eot_id|>",
@@ -48,11 +33,8 @@ END_OF_TURN_TOKENS = (
 
 
 class Tokenizer:
-    """What the engine needs from a tokenizer, whichever family it is.
-
-    A subclass passes every token's bytes and its added tokens to `__init__` and implements
-    `_encode_ordinary(text, at_start)`: ids for text that contains no added token.
-    """
+    """What the engine needs from a tokenizer. A subclass passes every token's bytes and its added tokens to
+    `__init__` and implements `_encode_ordinary(text, at_start)`: ids for text that holds no added token."""
 
     def __init__(
         self,
@@ -116,8 +98,7 @@ class Tokenizer:
     # --- decode -------------------------------------------------------------------------------------
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes of one token. Not always valid UTF-8 on its own: "😀" is 4 bytes that
-        byte-level BPE may split over several tokens (see `IncrementalDetokenizer`)."""
+        """The raw bytes of one token: not always valid UTF-8 alone (see `IncrementalDetokenizer`)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return self._token_bytes[token_id]

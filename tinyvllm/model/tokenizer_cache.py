@@ -1,10 +1,4 @@
-"""The tokenizer's tables kept on disk per tokenizer file, so that a new process does not rebuild them.
-
-Building SmolLM2's tokenizer reads 49,152 tokens and 48,900 merges out of the GGUF's metadata, turns every token
-back into its bytes, ranks every merge for tiktoken (tinyvllm/model/bpe.py) and compiles the added tokens' regex:
-the largest part of loading after the weights, and the same work in every process. What comes out is a handful of
-tables (token bytes, ranks, ids), so the finished `Tokenizer` is written down once, pickled, and read back by the
-next process in a fraction of the time (tiktoken's own tables are rebuilt from the ranks when it is read back).
+"""The finished tokenizer kept on disk per tokenizer file, so that a new process does not rebuild its tables.
 
     load_tokenizer(path)   key = (the files it reads: a GGUF's path, size and mtime, an HF directory's tokenizer
                                   files' contents; the tokenizer code; Python; tiktoken)
@@ -12,12 +6,8 @@ next process in a fraction of the time (tiktoken's own tables are rebuilt from t
         present, checksum right, same key  ->  the pickled tokenizer
         missing, truncated, corrupt, or another key (a file changed, the code changed)  ->  built and written again
 
-A changed tokenizer file changes its contents (a GGUF: its size or mtime); a change to the tokenizer's code changes
-the digest of its source: either is another key, so a stale file is never used (and, like a corrupt one, is overwritten by the
-rebuild). The directory is kept small as the graph cache's is (the least recently used files go first).
-
-`TINYVLLM_TOKENIZER_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it with the other caches
-(default `~/.cache/tinyvllm/tokenizers`).
+`TINYVLLM_TOKENIZER_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it. Taught in
+docs/phases/06-appendix-measurements.md (the cold start).
 """
 
 from __future__ import annotations
