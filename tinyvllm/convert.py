@@ -10,17 +10,8 @@
       tokenizer.json               the BPE tokenizer rebuilt from the GGUF's tokenizer.ggml.* metadata
       tokenizer_config.json        special tokens, add_bos_token, chat_template
 
-The weights are dequantized (a Q4_1 GGUF becomes float32), so the directory is ~6x larger than the
-GGUF; it loads in tinyvllm, HF transformers and vLLM alike.
-
-The tokenizer. A GGUF "gpt2" tokenizer is a byte-level BPE: a vocab (token string -> id, bytes
-spelled with GPT-2's printable byte alphabet, e.g. 'Ġ' for a space), a ranked merge list, per-token
-types (CONTROL tokens are special), and a pre-tokenizer preset name (`tokenizer.ggml.pre`) standing
-for the regex that splits text before BPE runs. tokenizer.json spells the same thing in HF
-tokenizers' terms:
-
-    {"added_tokens": [special tokens], "pre_tokenizer": {the preset, below}, "decoder": ByteLevel,
-     "post_processor": adds BOS (if add_bos_token), "model": {"type": "BPE", "vocab": {...}, "merges": [...]}}
+The weights are dequantized, so the directory is several times the GGUF's size; it loads in tinyvllm, HF
+transformers and vLLM alike. The GGUF's pre-tokenizer preset (`tokenizer.ggml.pre`) becomes HF's pre_tokenizer.
 """
 
 from __future__ import annotations
