@@ -1,13 +1,5 @@
-"""The `tinyvllm` command, with vLLM's verbs (pyproject's [project.scripts]).
-
-    tinyvllm serve [MODEL] [--port 8000 ...]        the OpenAI-compatible server (python -m tinyvllm.api.server)
-    tinyvllm generate [MODEL] --prompt TEXT [...]   generate text, streamed to stdout (python main.py)
-    tinyvllm chat [MODEL] [--prompt TEXT]           chat in the model's template: one turn, or a conversation on stdin
-    tinyvllm bench {latency,throughput,serve} ...   the benchmarks (benchmarks/ of a source checkout)
-    tinyvllm quantize IN OUT.gguf --type q8_0       write a quantized GGUF (python -m tinyvllm.quantize)
-    tinyvllm perplexity [--model MODEL] ...         perplexity on a text (python -m tinyvllm.perplexity)
-
-Each verb has the flags of the module it runs; nothing heavy is imported before a verb runs, so --help is instant.
+"""The `tinyvllm` command, with vLLM's verbs (`VERBS`: serve, generate, chat, bench, quantize, perplexity), each
+with the flags of the module it runs; nothing heavy is imported before a verb runs, so --help is instant.
 """
 
 from __future__ import annotations

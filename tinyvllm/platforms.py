@@ -1,15 +1,7 @@
-"""What differs between devices, decided once per device kind in one table (vLLM: `vllm/platforms/`).
-
-    kind      path       host views  CPU graph  dtype "auto"  KV cache sized by
-    CPU       host       yes         yes        float32       kv_cache_memory (default 512MiB)
-    CUDA/NV   discrete   no          no         float16       gpu_memory_utilization (default 0.9)
-    METAL     discrete   no          no         float16       gpu_memory_utilization (default 0.9)
-    AMD       discrete   no          no         float16       gpu_memory_utilization (default 0.9)
-    PYTHON    discrete   no          no         float32       kv_cache_memory (tinygrad's emulator of a GPU)
-
-Every module asks `platform_for(device)` instead of testing a device's name. `TINYVLLM_DEVICE_PATH=discrete`
-(read once, at import) puts the CPU device on a GPU's path, so that path is tested without a GPU.
-Taught in docs/phases/05b-gpu.md.
+"""What differs between devices, decided once per device kind in one table, `PLATFORMS` (vLLM's
+`vllm/platforms/`): every module asks `platform_for(device)` instead of testing a device's name.
+`TINYVLLM_DEVICE_PATH=discrete` (read once, at import) puts the CPU device on a GPU's path, so that path is tested
+without a GPU. The table is drawn in docs/phases/05b-gpu.md, section 1.
 """
 
 from __future__ import annotations

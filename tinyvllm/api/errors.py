@@ -1,17 +1,6 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, each with its HTTP status.
-
-    status  when                                       type / code                              client raises
-    400     a bad field, a prompt over the context     invalid_request_error                    BadRequestError
-    401     missing or wrong API key                   invalid_request_error / invalid_api_key  AuthenticationError
-    404     a model this server does not serve         invalid_request_error / model_not_found  NotFoundError
-    408     headers or body arriving too slowly        invalid_request_error / request_timeout  APIStatusError
-    413     a body over --max-request-body-bytes       invalid_request_error / request_too_large
-    421     a Host header not in --allowed-hosts       invalid_request_error / host_not_allowed
-    429     the waiting queue is full (Retry-After)    requests / rate_limit_exceeded           RateLimitError
-    503     the model is loading or the engine stopped server_error / service_unavailable       InternalServerError
-    500     a bug or a failed engine step (logged)     server_error / internal_error            InternalServerError
-
-`to_openai_error` is the one place that maps the engine's exceptions onto this table.
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, each with its HTTP status;
+`to_openai_error` is the one place that maps the engine's exceptions onto them. The table of statuses is in
+docs/phases/09-appendix-endpoints.md, section 3.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""API keys with limits: who may call the server, and how much of it each caller may use.
-
-`--api-keys-file PATH`: JSON (a list, or {"keys": [...]}) or JSON lines, one object per key:
-
-    {"id": "alice", "sha256": "<hex SHA-256 of the key>", "rpm": 60, "tpm": 20000}
-    {"id": "batch-jobs", "key": "sk-in-clear-if-you-must"}
-
-    id       required: the audit log's and /metrics' key_id (letters, digits, . _ -)
-    sha256   `printf %s "$KEY" | sha256sum` (or "key": the key itself)
-    rpm      requests per minute to /v1/ (optional)
-    tpm      tokens per minute, prompt and completion together, reserved at admission (optional)
-
-Each limit is a token bucket. `python -m tinyvllm.api.keys alice --rpm 60 >> keys.jsonl` makes a key.
-Taught in docs/phases/09-appendix-limits-and-keys.md.
+"""API keys with limits (`--api-keys-file`: JSON or JSON lines, one {"id", "sha256" or "key", "rpm", "tpm"} per
+key), each limit a token bucket; `python -m tinyvllm.api.keys ID` makes a key. The file format and the buckets are
+taught in docs/phases/09-appendix-limits-and-keys.md.
 """
 
 from __future__ import annotations

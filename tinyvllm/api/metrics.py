@@ -1,14 +1,6 @@
 """`GET /metrics`: what the engine is doing, in Prometheus' text format, with vLLM's names under `tinyvllm:`.
-
-    # HELP tinyvllm:time_to_first_token_seconds Time from arrival to the first generated token.
-    # TYPE tinyvllm:time_to_first_token_seconds histogram
-    tinyvllm:time_to_first_token_seconds_bucket{le="0.1"} 3      <- cumulative: observations <= 0.1
-    tinyvllm:time_to_first_token_seconds_bucket{le="+Inf"} 5
-    tinyvllm:time_to_first_token_seconds_sum 1.25
-    tinyvllm:time_to_first_token_seconds_count 5
-
 Written on the engine thread (`ServerMetrics` is the async engine's stat logger), read on the event loop: one lock.
-Taught in docs/phases/09-api-server.md; the request-level histograms in 09-appendix-endpoints.md.
+Taught in docs/phases/09-api-server.md; the format and the request-level histograms in 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""The checks every request passes before any route sees it, as ASGI middleware; `build_app` stacks them.
-
-`RequestGuard`, in this order, the body read only in the last steps:
-
-    Host header      a DNS name not in --allowed-hosts -> 421   (localhost and IP addresses always pass)
-    API key          with --api-key or --api-keys-file, every path but /health -> 401 + WWW-Authenticate: Bearer
-    the key's RPM    on /v1/, a key over its requests (or in debt for its tokens) per minute -> 429 + Retry-After
-    body size        over --max-request-body-bytes -> 413, from Content-Length or while reading
-    lone surrogates  a JSON string holding one -> 400 naming the field
-    body time        not all arrived within --body-read-timeout seconds -> 408
-
-Taught in docs/phases/09-appendix-limits-and-keys.md.
+"""The checks every request passes before any route sees it, as ASGI middleware: `RequestGuard` checks the Host
+(421), the API key (401), the key's rate (429), then reads the body (413, 408, 400 for a lone surrogate).
+`build_app` stacks them. Taught in docs/phases/09-appendix-limits-and-keys.md, which lists them in order.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from tinyvllm.api.protocol import ErrorResponse
 from tinyvllm.api.serving_chat import ROLES
 
-# What each error status means here (errors.py has the table).
+# What each error status means here (docs/phases/09-appendix-endpoints.md has the table).
 ERRORS = {400: "A bad field (`param` names it), or a prompt over the context", 401: "Missing or wrong API key",
           404: "A model this server does not serve", 413: "A body over --max-request-body-bytes",
           421: "A Host header not in --allowed-hosts", 429: "Over the key's limits, or the waiting queue is full",

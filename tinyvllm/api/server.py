@@ -1,13 +1,6 @@
-"""`python -m tinyvllm.api.server`: the OpenAI API over the continuous-batching engine.
-
-    client --HTTP--> uvicorn --> FastAPI route --> OpenAIServing*   (event loop: parse, validate, tokenize)
-                                                        |
-                                      AsyncLLMEngine.generate() --queue--> engine loop thread: step() ...
-                                                        |
-    client <--SSE chunks / JSON-- StreamingResponse <---+  (one asyncio.Queue of outputs per request)
-
-`build_app` puts the engine, the serving classes, the middleware and the routes together; `main` does it from
-the command line. Taught in docs/phases/09-api-server.md; the endpoints in 09-appendix-endpoints.md.
+"""`python -m tinyvllm.api.server`: the OpenAI API over the continuous-batching engine. `build_app` puts the
+engine, the serving classes, the middleware and the routes together; `main` does it from the command line.
+Taught in docs/phases/09-api-server.md (the request path: section 2); the endpoints in 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""`POST /v1/responses`: OpenAI's Responses API, translated to and from the chat route.
-
-    input "Hi" / items  --------------------------+   instructions -> a system message first
-    tools [{"type": "function", "name", ...}]      |   function_call / function_call_output items ->
-    text.format {"type": "json_schema", ...}       |   the assistant's tool_calls / a tool message
-                                                   v
-                                  ChatCompletionRequest --> OpenAIServingChat
-                                                   |
-    output: [reasoning] [message: output_text] [function_call ...]   <-- message, tool_calls
-    events: response.created, ... response.output_text.delta ..., response.completed   <-- chat chunks
-
-Nothing is stored, so `previous_response_id` is refused. Taught in docs/phases/09-appendix-endpoints.md.
+"""`POST /v1/responses`: OpenAI's Responses API, translated into a chat request for `OpenAIServingChat` and back
+into output items and events. Nothing is stored, so `previous_response_id` is refused. The translation is drawn in
+docs/phases/09-appendix-endpoints.md, section 5.
 """
 
 from __future__ import annotations

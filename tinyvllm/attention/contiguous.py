@@ -1,11 +1,5 @@
-"""The contiguous KV cache: one pre-allocated row per position, per sequence.
-
-    k_cache[layer]: (B, max_model_len, n_kv_heads, head_dim)      same for v_cache
-                     pos 0   1   2  ...  start_pos ... start_pos+T-1 ...  max_model_len-1
-                    [ k0 | k1 | k2 | ... | new K written here (T rows) | unused, but allocated ]
-
-Every sequence reserves the whole `max_model_len` up front: the waste Phase 2's blocks remove.
-Taught in docs/phases/01-foundation.md.
+"""The contiguous KV cache, `k_cache[layer]: (B, max_model_len, n_kv_heads, head_dim)`: position p is row p,
+every row allocated up front (the waste Phase 2's blocks remove). Taught in docs/phases/01-foundation.md.
 """
 
 from __future__ import annotations

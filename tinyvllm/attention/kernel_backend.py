@@ -1,15 +1,10 @@
 """Paged attention on the hand-written kernels (kernels/<device>/paged_attention.*): the blocks read in place.
 
-    kernel_reshape_and_cache:  key, value (N, KvH, Hd) --slot_mapping (N,)--> k_cache, v_cache     one launch for both
-    kernel_paged_attention:    q (R, H, Hd), one query per row --block_tables (R, max_blocks),
-                               context_lens (R,)--> out (R, H, Hd)                                 one launch
-
-One query per row serves a flattened batch too: each token is a row whose context is `position + 1` keys.
-`KernelPagedAttentionMetadata.attend` runs the kernels where the device has them, else the portable path
-(`tinyvllm.attention.paged`; forced by TINYVLLM_PORTABLE=1, `PORTABLE = True` or `portable=True`). The launch
-itself is `tinyvllm/kernels/launcher.py`'s; this module decides the dtypes, the shared-memory check and the grid:
-one thread block per (row, KV head), or flash-decoding's split and reduce on a GPU with few rows.
-Taught in docs/phases/05-custom-kernels.md; the GPU routes in 05b-gpu.md.
+`kernel_reshape_and_cache` writes K and V in one launch; `kernel_paged_attention` reads them, one query per row
+(a flattened batch's token is a row whose context is `position + 1` keys). `KernelPagedAttentionMetadata.attend`
+takes the kernels where the device has them, else the portable path (`attention/paged.py`; forced by
+TINYVLLM_PORTABLE=1). This module picks the dtypes and the grid: one thread block per (row, KV head), or
+flash-decoding's split and reduce on a GPU with few rows. Taught in docs/phases/05-custom-kernels.md and 05b-gpu.md.
 """
 
 from __future__ import annotations

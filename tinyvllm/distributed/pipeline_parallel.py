@@ -1,10 +1,5 @@
-"""Pipeline parallel: the layers split into consecutive stages, one device each.
-
-    device 0: embed_tokens, layers 0 .. 9      device 1: layers 10 .. 19      device 2: layers 20 .. 29, norm, lm_head
-    input_ids --> [stage 0] --hidden (T, D)--> [stage 1] --hidden (T, D)--> [stage 2] --> logits --> device 0
-
-The hidden state moves inside the step's one captured graph (`Tensor.to`), so the engine does not change.
-Taught in docs/phases/08-multi-device.md.
+"""Pipeline parallel: the layers split into consecutive stages, one device each; the hidden state moves to the
+next stage inside the step's one captured graph (`Tensor.to`). Taught in docs/phases/08-multi-device.md, section 6.
 """
 
 from __future__ import annotations

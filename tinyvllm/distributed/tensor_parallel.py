@@ -1,13 +1,5 @@
-"""Tensor parallel: every layer split over N devices, Megatron-LM's way (two all-reduces per block).
-
-    x (replicated) --> qkv_proj  COLUMN-parallel: device i holds the rows of its heads  --> q,k,v of heads i
-                       attention, per device, over its own heads and its own KV cache slice (no communication)
-                   --> o_proj    ROW-parallel: device i holds the columns of its heads --> a partial sum
-                   --> ALL-REDUCE (sum over devices)                                   --> x' (replicated)
-    x' ------------> gate_up     COLUMN-parallel: device i holds F/N rows of gate and of up
-                   --> down_proj ROW-parallel                                           --> a partial sum
-                   --> ALL-REDUCE                                                       --> x'' (replicated)
-
+"""Tensor parallel: every layer split over N devices, Megatron-LM's way: column-parallel qkv_proj and gate_up,
+row-parallel o_proj and down_proj, so a block costs two all-reduces; the embedding and lm_head split by vocabulary.
 A split is tinygrad's `Tensor.shard(devices, axis)`, so one captured graph holds every device's kernels and the
 all-reduces. Taught in docs/phases/08-multi-device.md.
 """

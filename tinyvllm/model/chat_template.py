@@ -1,15 +1,7 @@
-"""Chat templates: a conversation -> the exact prompt text the model was trained on.
-
-    [{"role": "user", "content": "Hi"}]
-    ->  <|im_start|>system
-        You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
-        <|im_start|>user
-        Hi<|im_end|>
-        <|im_start|>assistant          <- add_generation_prompt: the model continues from here
-
-Rendered in an environment like HF's (transformers' `utils/chat_template_utils.py`): a sandbox (templates are
-untrusted code), `trim_blocks`, `lstrip_blocks`, `loopcontrols`, `raise_exception`, `strftime_now`, and a `tojson`
-that keeps non-ASCII. Taught in docs/phases/01-appendix-tokens-and-sampling.md.
+"""Chat templates: a conversation -> the exact prompt text the model was trained on, rendered in an environment
+like HF's (transformers' `utils/chat_template_utils.py`): a sandbox (templates are untrusted code), `trim_blocks`,
+`lstrip_blocks`, `loopcontrols`, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII.
+Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 r"""Streaming detokenization: one token id in, the text it completes out, never half a UTF-8 character.
 
-    token id   bytes                 emitted
-    19556      b"Hello"              "Hello"
-    40303      b" \xf0\x9f\x98"      " "       the space is whole; 3 of the emoji's 4 bytes wait
-    218        b"\x80"               "😀"      the 4th byte completes it
-
 Everything `add` returns, concatenated, is what `tokenizer.decode(prompt + generated)` has beyond the prompt's
 (a character unfinished when the stream stops is never emitted). Taught in
 docs/phases/01-appendix-tokens-and-sampling.md.

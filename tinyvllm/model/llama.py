@@ -1,21 +1,8 @@
-"""LLaMA in tinygrad: embedding -> N x (attention + SwiGLU MLP) -> norm -> lm_head.
-
-    input_ids (B,T)
-        |  embed_tokens
-        v
-    x (B,T,D) --+--> RMSNorm -> qkv_proj -> RoPE(q,k) -> attention(q, KV cache) -> o_proj --(+)--+
-                |                                                                        ^       |
-                +------------------------------------------------------------------------+       |
-                  h --+--> RMSNorm -> gate_up_proj -> silu(gate) * up -> down_proj --(+)--> x'   |
-                      +--------------------------------------------------------------^           |
-        ... x num_hidden_layers ...
-        v
-    RMSNorm -> lm_head (tied to embed_tokens on small models) -> logits (B, vocab)
-
-Attention is the backend's (`attn_metadata.attend`: contiguous or paged), so the model never knows which.
-q/k/v and gate/up are fused as in vLLM (two matmuls per layer instead of five, the same bytes read). Mistral,
-Qwen2, Qwen3 and Gemma 3 are this block with `ModelConfig`'s switches, each an `if` where its step happens.
-Taught in docs/phases/01-foundation.md; the switches in 01-appendix-architectures.md.
+"""LLaMA in tinygrad: embedding -> N x (attention + SwiGLU MLP) -> norm -> lm_head (the diagram: chapter 01,
+section 5). Attention is the backend's (`attn_metadata.attend`: contiguous or paged), unseen by the model; q/k/v and
+gate/up are fused as in vLLM (two matmuls per layer instead of five). Mistral, Qwen2, Qwen3 and Gemma 3 are this
+block with `ModelConfig`'s switches, each an `if` where its step happens. Taught in docs/phases/01-foundation.md;
+the switches in 01-appendix-architectures.md.
 """
 
 from __future__ import annotations

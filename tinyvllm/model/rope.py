@@ -1,10 +1,6 @@
-"""Rotary position embeddings (RoPE), with Llama 3's frequency scaling; HF's rotate_half pairing:
-
-    x = [x1 | x2]                 x1, x2: (..., head_dim/2)
-    rope(x, pos) = [x1*cos - x2*sin | x2*cos + x1*sin]     cos, sin of pos * inv_freq
-
-The angles are computed from the positions inside the graph, not looked up in a table.
-Taught in docs/phases/01-foundation.md; by hand in 01-appendix-weights-and-layers.md.
+"""Rotary position embeddings (RoPE), HF's rotate_half pairing, with Llama 3's frequency scaling; the angles
+are computed from the positions inside the graph, not looked up in a table. Taught in docs/phases/01-foundation.md;
+by hand in 01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations

@@ -4,17 +4,8 @@
                                                                                           +--> Checkpoint(config,
     HF dir     --- weights_hf.load_hf: read safetensors (one file or shards) as they are --+      state_dict, path)
 
-    model.embed_tokens.weight                         (vocab_size, hidden_size)
-    model.layers.{i}.input_layernorm.weight           (hidden_size,)
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  (out_features, in_features): y = x @ W.T
-    model.layers.{i}.post_attention_layernorm.weight  (hidden_size,)
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight   (out_features, in_features)
-    model.norm.weight                                 (hidden_size,)
-    lm_head.weight                                    (vocab_size, hidden_size), only when not tied
-    + the switches' tensors (biases, q/k norms, Gemma's sandwich norms): `expected_shapes`
-
-q_proj and k_proj rows are in HF's rotate_half layout; a norm weight is the factor itself (Gemma's 1 + w added at
-load). Taught in docs/phases/01-foundation.md and 01-appendix-weights-and-layers.md.
+The names and shapes are `expected_shapes`'; linear weights are (out_features, in_features), q/k rows in HF's
+rotate_half order. Drawn in docs/phases/01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations

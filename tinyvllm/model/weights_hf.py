@@ -1,21 +1,6 @@
-"""HF checkpoint directories: config.json + safetensors, read as they are (HF names, HF q/k layout).
-
-    model_dir/
-      config.json                          -> ModelConfig.from_hf_config
-      model.safetensors                    one file holding every tensor, or shards:
-      model.safetensors.index.json         {"metadata": {"total_size": N}, "weight_map": {tensor name: file}}
-      model-00001-of-00002.safetensors ...
-
-    +-----------------+-------------------------------------------+-------------------------------+
-    | N: u64, LE      | header: N bytes of JSON                   | data: the tensors' raw bytes, |
-    |                 | {"name": {"dtype": "BF16",                | little-endian, row-major,     |
-    |                 |           "shape": [out, in],             | back to back                  |
-    |                 |           "data_offsets": [begin, end]},  |                               |
-    |                 |  ..., "__metadata__": {"format": "pt"}}   |                               |
-    +-----------------+-------------------------------------------+-------------------------------+
-                                          data_offsets count from the start of data ^
-
+"""HF checkpoint directories: config.json + safetensors (one file, or shards with an index), read as they are.
 Read by hand because numpy has no bfloat16 (the top 16 bits of a float32: one shift); written with safetensors.
+The layout is drawn in docs/phases/01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations

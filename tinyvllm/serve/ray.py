@@ -1,13 +1,10 @@
-"""N engine replicas behind one OpenAI-compatible endpoint, on Ray Serve.
-
-    client --HTTP--> Ingress (Ray Serve, FastAPI) --router.choose(prompt)--> replica i's server --> its engine
-                       |  /metrics: every replica's, labelled replica="i", plus the router's own counts
-                       |  a replica that fails: its in-flight requests end with an error, it gets no new ones
+"""N engine replicas behind one OpenAI-compatible endpoint, on Ray Serve: an ingress passes each request to the
+replica the router picks (`serve/router.py`), each replica a `python -m tinyvllm.api.server` process (the arguments
+after `--`) that its Ray Serve replica starts and watches.
 
     python -m tinyvllm.serve.ray --num-replicas 2 --port 8000 -- --model path/or/default --max-num-seqs 32
 
-Each replica runs `python -m tinyvllm.api.server` (the arguments after `--`) in a process its Ray Serve replica
-starts and watches, on its node's address. Taught in docs/phases/08-multi-device.md, section 8.
+Taught in docs/phases/08-multi-device.md, section 8.
 """
 
 import argparse  # no `from __future__ import annotations`: FastAPI reads the handlers' annotations as types
