@@ -52,8 +52,7 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
     if args.device:
         os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
     try:
-        # no garbage collection while the engine is built, then its heap frozen (gc_utils.py) when this is the
-        # process's own command line (argv None): a caller passing argv lives on after it
+        # the heap frozen only for the process's own command line (argv None): a caller lives on after it
         with engine_start(freeze=argv is None):
             # imported here so that --help is instant and DEV is set before tinygrad starts
             from tinyvllm.engine.generator import GenerationResult, Generator

@@ -1,17 +1,9 @@
-"""Convert a GGUF checkpoint into an HF model directory.
+"""Convert a GGUF checkpoint into an HF model directory (config.json, generation_config.json, safetensors in HF
+names and layout, tokenizer.json rebuilt from the GGUF's tokenizer.ggml.* metadata, tokenizer_config.json).
 
     python -m tinyvllm.convert SRC.gguf OUT_DIR [--dtype float32|float16|bfloat16] [--max-shard-size 2GB]
 
-    OUT_DIR/
-      config.json                  ModelConfig.to_hf_config() + token ids + torch_dtype
-      generation_config.json       bos / eos token ids
-      model.safetensors            HF names and HF q/k layout; no lm_head when the embeddings are tied
-        (or model-00001-of-0000N.safetensors ... + model.safetensors.index.json with --max-shard-size)
-      tokenizer.json               the BPE tokenizer rebuilt from the GGUF's tokenizer.ggml.* metadata
-      tokenizer_config.json        special tokens, add_bos_token, chat_template
-
-The weights are dequantized, so the directory is several times the GGUF's size; it loads in tinyvllm, HF
-transformers and vLLM alike. The GGUF's pre-tokenizer preset (`tokenizer.ggml.pre`) becomes HF's pre_tokenizer.
+The weights are dequantized; the directory loads in tinyvllm, HF transformers and vLLM alike.
 """
 
 from __future__ import annotations
@@ -166,7 +158,7 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fl
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # weights of an earlier conversion (single file or other shard count) would shadow or mix with these
+    # an earlier conversion's weights would shadow or mix with these
     for old in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
         old.unlink(missing_ok=True)
     save_hf_weights(state_dict, out, dtype, max_shard_size)

@@ -1,10 +1,6 @@
-"""Python's garbage collector at a process's start: paused while the engine is built, then the heap frozen.
-
-A start allocates without pause and frees almost nothing (what it builds lives until the process ends), so each
-collection walks everything for nothing, and so does the one at exit. As vLLM's `freeze_gc_heap`, `gc.freeze()`
-moves what the start built to a generation no collection walks again; the pause before it means no collection runs
-during the start at all. For a process that builds one engine and keeps it (`python main.py`, `tinyvllm generate`);
-a library call leaves the collector alone. Taught in docs/phases/06-appendix-measurements.md (the cold start).
+"""Python's garbage collector at a process's start: paused while the engine is built, then the heap frozen
+(vLLM's `freeze_gc_heap`), so neither the start nor the exit walks what the start built. Taught in
+docs/phases/06-appendix-measurements.md.
 """
 
 from __future__ import annotations

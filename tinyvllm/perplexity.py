@@ -93,12 +93,8 @@ def scored_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 class ChunkScorer:
     """One chunk of n_ctx tokens -> the float32 logits of its scored positions, (n_ctx - n_ctx/2 - 1, vocab).
 
-    One sequence on a paged KV cache of its own (the attention kernels, not the contiguous cache's slower generic
-    ones): block table [0, 1, ...], token i at position i in slot i. Each chunk overwrites every slot the next one
-    reads, so nothing carries over: "evaluated from scratch".
-
-    tokens_per_step: that many tokens per forward (it must divide n_ctx); the same logits up to float rounding,
-    unless the quantized kernels' float path is on (TINYVLLM_QMATMUL_FLOAT_MIN_M, tinyvllm/kernels/qlinear.py)."""
+    One sequence on a paged KV cache of its own, token i in slot i: each chunk overwrites every slot the next one
+    reads ("evaluated from scratch"). tokens_per_step: tokens per forward (a divisor of n_ctx)."""
 
     BLOCK_SIZE = 16
 
@@ -109,8 +105,7 @@ class ChunkScorer:
             raise ValueError(f"tokens_per_step must divide n_ctx ({n_ctx}), got {tokens_per_step}")
         self.model, self.n_ctx, self.first, self.step = model, n_ctx, n_ctx // 2, step
         device, num_blocks = model.device, -(-n_ctx // self.BLOCK_SIZE)
-        # kv_cache_dtype (Phase 7c): the chunk's K/V stored as float16/int8/fp8 and read back, so the quantization
-        # is in every score
+        # kv_cache_dtype: the chunk's K/V stored in it and read back, so its rounding is in every score
         self.cache = PagedKVCache(model.config, num_blocks, self.BLOCK_SIZE,
                                   dtype=resolve_kv_cache_dtype(kv_cache_dtype, model.dtype), device=device)
         self.block_table = Tensor(np.arange(num_blocks, dtype=np.int32).reshape(1, -1), device=device).realize()

@@ -17,7 +17,7 @@ if DEVICE_PATH not in DEVICE_PATHS:
 
 @dataclass(frozen=True)
 class Platform:
-    """One row of the table in the module doc."""
+    """One row of the device table (drawn in docs/phases/05b-gpu.md)."""
 
     kind: str  # the device kind: "CPU", "CUDA", "METAL", ...
     path: str  # "host": the host sees the device's memory; "discrete": it does not (a GPU's own memory)

@@ -1,9 +1,6 @@
-"""Who did what: one record per request, written to the audit log (`--audit-log`) and counted per API key.
-
-`RequestAccounting`, the outermost middleware, opens a `RequestRecord` in the `current_record` context variable
-(one per asyncio task, so each request's guard and `keys.KeyedEngine` find their own) and finishes it however the
-request ends; a thread writes the JSON lines, so a slow disk never stalls a connection. The key itself is never
-written, only its id. Taught in docs/phases/09-appendix-limits-and-keys.md.
+"""Who did what: one record per request (`RequestRecord`, in the `current_record` context variable), written to
+`--audit-log` by a thread and counted per API key; the key itself is never written.
+Taught in docs/phases/09-appendix-limits-and-keys.md.
 """
 
 from __future__ import annotations

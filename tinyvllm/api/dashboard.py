@@ -1,14 +1,6 @@
-"""A live picture of the engine: `GET /dashboard`, fed by `GET /v1/engine/state` and its SSE stream.
-
-    browser                              server (event loop)                       engine thread
-    -------                              -------------------                       -------------
-    GET /dashboard  (public: no data) -> dashboard.html, .js, .css (tinyvllm/api/static/, no CDN, no build)
-    fetch /v1/engine/state/stream     -> every `interval` s: AsyncLLMEngine.get_state() --_GetState--> get_state()
-      Authorization: Bearer KEY          + rates from ServerMetrics (the numbers of /metrics)   between two steps
-    <-- data: {state} (SSE) ----------
-
-Rates and percentiles are diffs of /metrics' counters and histograms over the last RATE_WINDOW_S seconds.
-Taught in docs/phases/09-api-server.md, section 10.
+"""A live picture of the engine: `GET /dashboard` (three static files, public: they hold no data), fed by
+`GET /v1/engine/state` and its SSE stream, the engine's state taken between two steps plus rates diffed from
+/metrics' counters over RATE_WINDOW_S seconds. Taught in docs/phases/09-api-server.md, section 10.
 """
 
 from __future__ import annotations

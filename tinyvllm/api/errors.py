@@ -52,7 +52,7 @@ def invalid_api_key() -> OpenAIError:
                        "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): only where one is written can a parsed string hold a lone one
+# a JSON escape of a UTF-16 surrogate: the only way a parsed string can hold a lone one
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -101,7 +101,7 @@ def request_too_large(limit: int) -> OpenAIError:
 
 
 def host_not_allowed(name: str) -> OpenAIError:
-    # 421 Misdirected Request: this server does not answer for that name (the guard against DNS rebinding)
+    # 421 Misdirected Request: the guard against DNS rebinding
     return OpenAIError(421, f"This server does not answer to the host name {name!r}: besides localhost and IP "
                        f"addresses it answers only to the names given with --allowed-hosts (e.g. --allowed-hosts "
                        f"{name}, or '*' for any)", "invalid_request_error", code="host_not_allowed")
@@ -125,7 +125,7 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", retry_after=e.retry_after)
     if isinstance(e, (EngineNotReadyError, EngineDeadError)):
         return OpenAIError(503, str(e), "server_error", code="service_unavailable", retry_after=5)
-    if isinstance(e, EngineStepError):  # the engine said what failed (its own words, no traceback): pass them on
+    if isinstance(e, EngineStepError):  # the engine's own words, passed on
         logger.error("engine step error: %s", e)
         return OpenAIError(500, f"{e}; the server keeps serving", "server_error", code="internal_error")
     if isinstance(e, ValueError):  # the engine's word for bad caller input

@@ -168,8 +168,8 @@ class ApiKeys:
         # Starlette decodes headers as latin-1: encoding back gives the bytes the client sent
         digest = hashlib.sha256(token.encode("latin-1")).digest()
         found = None
-        for key in self.keys:  # every key, match or not, each compared in constant time: the time the
-            if hmac.compare_digest(digest, key.digest):  # check takes says nothing of the key or of which matched
+        for key in self.keys:  # every key, in constant time: the check's time says nothing of which matched
+            if hmac.compare_digest(digest, key.digest):
                 found = key
         if scheme.lower() != "bearer" or found is None:
             raise invalid_api_key()
@@ -263,7 +263,7 @@ class KeyedEngine:
                 generated = sum(len(completion.token_ids) for completion in output.outputs)
                 record.completion_tokens = generated
                 yield output
-        finally:  # closed early (the client left): close the engine's stream now, which aborts the request
+        finally:  # closing the engine's stream aborts the request
             if key is not None:
                 self.keys.settle_tokens(key, reserved, num_prompt_tokens + generated)
             await stream.aclose()

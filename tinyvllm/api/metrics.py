@@ -117,14 +117,14 @@ class ServerMetrics:
         self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
-        # how K/V are stored (Phase 7c: float32, float16, int8, fp8) and what a token of context costs, scales included
+        # how K/V are stored (Phase 7c) and what a token of context costs
         self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.")
         self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
                                         "over all layers (K and V, with their scales).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.success = Counter("request_success_total", "Requests finished, by reason.", "finished_reason")
-        # prefix caching, in tokens: hits / queries is the share of prompt tokens whose K/V was reused
+        # prefix caching, in tokens: hits / queries is the share of prompt tokens reused
         self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.",
@@ -132,7 +132,7 @@ class ServerMetrics:
         self.itl = Histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
                              LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS)
-        # vLLM's older name of the inter-token latency, still read by dashboards: the same observations
+        # vLLM's older name of the inter-token latency, still read by dashboards
         self.tpot = Histogram("time_per_output_token_seconds", "Time between two tokens of one request "
                               "(the older name of inter_token_latency_seconds).", LATENCY_BUCKETS)
         self.queue_time = Histogram("request_queue_time_seconds", "Time from arrival to the first step that ran "
@@ -157,7 +157,7 @@ class ServerMetrics:
         self.preemptions = Counter("num_preemptions_total", "Requests preempted (their KV blocks freed, to be "
                                    "recomputed) to make room for others.")
         self.batch = Histogram("num_running_per_step", "Requests in the batch of each engine step.", BATCH_BUCKETS)
-        # speculative decoding (Phase 7b), shown only when it is on: the engine's own running totals, copied
+        # speculative decoding (Phase 7b), shown only when on: the engine's running totals
         self.spec_decode_on = False
         self.spec_draft = Counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.")
         self.spec_accepted = Counter("spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.")

@@ -33,7 +33,7 @@ def responses(ok: type | dict, *statuses: int, stream: bool = False) -> dict:
         documented[200] = {"description": "OK", "content": {media: {"schema": schema} for media, schema in ok.items()}}
     else:
         documented[200] = {"description": "OK", "model": ok}
-    if stream:  # "stream": true. The schema is of one event (OpenAPI 3.1): `data` is a JSON chunk, or [DONE]
+    if stream:  # one SSE event (OpenAPI 3.1): `data` is a JSON chunk, or [DONE]
         event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
         documented[200]["content"] = {"text/event-stream": {"schema": event}}
     if 429 in statuses:
@@ -59,8 +59,7 @@ SERVED_AS = {("ChatCompletionRequest", "messages"): {"type": "array", "items": C
 
 
 def openapi_schema(app: FastAPI, secured: bool, open_paths: tuple[str, ...] = ()) -> dict:
-    """FastAPI's schema made true to this server (see the module doc); `secured`: every path but the
-    `open_paths` needs `Authorization: Bearer`."""
+    """FastAPI's schema made true to this server; `secured`: every path but `open_paths` needs the bearer key."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for (model, field), served in SERVED_AS.items():

@@ -1,12 +1,6 @@
-"""The OpenAI API's request and response bodies, as pydantic models, field for field.
-
-    request                      response (stream=false)       chunk (stream=true, one per SSE event)
-    CompletionRequest            CompletionResponse            CompletionStreamResponse
-    ChatCompletionRequest        ChatCompletionResponse        ChatCompletionStreamResponse
-
-Types are strict and ranges OpenAI's (`"n": "2"` is a 400 naming the field, not coerced); vLLM's sampling extras
-take `SamplingParams`' names; unknown fields are ignored. Shapes follow openai/openai-openapi and vLLM's
-`vllm/entrypoints/openai/protocol.py`. Taught in docs/phases/09-api-server.md and 09-appendix-endpoints.md.
+"""The OpenAI API's request and response bodies as pydantic models, field for field (openai/openai-openapi,
+vLLM's `entrypoints/openai/protocol.py`): strict types and OpenAI's ranges, a 400 naming the field; vLLM's
+sampling extras under `SamplingParams`' names. Taught in docs/phases/09-api-server.md and 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -59,10 +53,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
-# ---- requests ----------------------------------------------------------------------------------
+# ---- requests ----
 
-# A list that stops at its first bad item. A prompt is a union of list types, tried in turn: without
-# fail_fast, a million token ids tried as list[str] would first collect a million errors.
+# fail_fast: a million token ids tried as list[str] (a prompt's union) would first collect a million errors
 Ids = Annotated[list[StrictInt], Field(fail_fast=True)]
 Strings = Annotated[list[StrictStr], Field(fail_fast=True)]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
@@ -126,15 +119,15 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    # one prompt: text or token ids. A list of them is a batch; only batches of one are served.
+    # text or token ids, or a batch (a list) of them
     prompt: StrictStr | Strings | Ids | Annotated[list[Ids], Field(fail_fast=True)]
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     echo: StrictBool = False  # put the prompt in front of the completion
-    # how many top alternatives per token (0 = the sampled token only); OpenAI allows 5, vLLM 20
+    # top alternatives per token (0: the sampled token only); OpenAI allows 5, vLLM 20
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
-    # vLLM's extras: n beams instead of n samples (tinyvllm/engine/beam_search.py), ranked with this penalty
+    # vLLM's extras: n beams instead of n samples, ranked with this penalty
     use_beam_search: StrictBool = False
     length_penalty: StrictFloat = 1.0
 
@@ -192,14 +185,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = None  # None: as many as the context leaves
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token, needs logprobs
-    # vLLM's chat template extras: open the assistant's turn (the default), or continue the last message instead
-    # (a prefill of the answer); more variables for the template
+    # vLLM's chat template extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
 
 
-# ---- completions responses -----------------------------------------------------------------------
+# ---- completions responses ----
 
 
 class CompletionLogProbs(BaseModel):
@@ -235,7 +227,7 @@ class CompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None  # only on the last chunk, with stream_options.include_usage
 
 
-# ---- chat responses ------------------------------------------------------------------------------
+# ---- chat responses ----
 
 
 class TopLogprob(BaseModel):

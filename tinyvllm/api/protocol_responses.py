@@ -1,11 +1,5 @@
-"""The Responses API's bodies (OpenAI's `POST /v1/responses`), as pydantic models.
-
-    request                      response (stream=false)       events (stream=true, one per SSE event)
-    ResponsesRequest             ResponsesResponse             {"type": "response.created" | ... , ...}
-
-`input` is a text or a list of items (messages, earlier function calls and their outputs); `output` a list of
-items (a message of `output_text` parts, `function_call`s, `reasoning`). Tools are flat, structured outputs are
-`text.format`. Shapes follow the openai client's `responses.create` types and vLLM's `ResponsesRequest`.
+"""The Responses API's bodies (OpenAI's `POST /v1/responses`) as pydantic models, after the openai client's
+`responses.create` types and vLLM's `ResponsesRequest`. Taught in docs/phases/09-appendix-endpoints.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Read timeouts: a client that sends part of its headers, or part of its body, and then waits, is cut off (408).
-
-    connection opens / last response ends
-        |-- headers --| header_read_timeout: from their first byte (or the connection's start), here
-                      |-- body --| body_read_timeout: from the end of the headers (RequestGuard.read_body)
-
-uvicorn bounds only the idle time between requests (`timeout_keep_alive`), not the time one takes to arrive.
-Taught in docs/phases/09-appendix-server-defects.md.
+"""Read timeouts: a client that sends part of its headers and waits gets 408 after `header_read_timeout`
+(here, in uvicorn's h11 protocol; the body's limit is `RequestGuard.read_body`'s). uvicorn bounds only the idle time
+between requests. Taught in docs/phases/09-appendix-server-defects.md.
 """
 
 from __future__ import annotations

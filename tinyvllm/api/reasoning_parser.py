@@ -1,10 +1,5 @@
-"""Reasoning split (vLLM's `--reasoning-parser think`): `<think>...</think>` sent apart, as `reasoning_content`.
-
-    "<think>2 and 2 make 4.</think>The answer is 4."
-        -> message.reasoning_content = "2 and 2 make 4."     message.content = "The answer is 4."
-
-Incremental: only what could still become a tag is held back; the non-streamed response feeds the whole text to
-the same parser, so the two agree. Taught in docs/phases/09-appendix-tools-and-reasoning.md.
+"""Reasoning split (vLLM's `--reasoning-parser think`): `<think>...</think>` sent as `reasoning_content`, held
+back only where a tag may still be forming. Taught in docs/phases/09-appendix-tools-and-reasoning.md.
 """
 
 from __future__ import annotations

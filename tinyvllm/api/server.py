@@ -150,7 +150,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def create_completion(request: CompletionRequest, raw_request: Request):
         try:
             return await completions.create_completion(request, raw_request)
-        except Exception as e:  # OpenAIError as it is; engine errors mapped; anything else logged as a 500
+        except Exception as e:  # anything unmapped: a logged 500
             return to_openai_error(e).response()
 
     @v1.post("/chat/completions", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))

@@ -1,12 +1,6 @@
-"""`POST /v1/completions`: a prompt in, its continuation out (OpenAI's legacy text API).
-
-    CompletionRequest --tokenize, check, SamplingParams--> engine.generate() --cumulative outputs-->
-        stream=true:  one chunk per new token(s), each the text added since the last chunk, then [DONE]
-        stream=false: the last output, whole
-
-A list of prompts is a batch: prompt i runs as request `{id}-{i}`, and choice `i * n + k` is its k-th completion.
-`best_of`, `echo` with `logprobs`, and vLLM's `use_beam_search` are served; `suffix` (fill-in-the-middle) is
-refused. Taught in docs/phases/09-api-server.md; the fields in 09-appendix-endpoints.md.
+"""`POST /v1/completions`: a prompt in, its continuation out (OpenAI's legacy text API), streamed or joined.
+A list of prompts is a batch: prompt i runs as request `{id}-{i}`, its k-th completion choice `i * n + k`.
+Taught in docs/phases/09-api-server.md; the fields in 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
         width = self.best_of(request)  # samples per prompt
         echo_logprobs = request.echo and request.logprobs is not None  # the prompt's own logprobs come first
         prompts = self.prompts(request.prompt)
-        if len(prompts) > 1:  # each prompt is a request of `width` choices: all must be able to wait at once
+        if len(prompts) > 1:  # all must be able to wait at once
             self.check_batch_width(len(prompts) * width)
         params_of = []
         for prompt_ids, _ in prompts:
@@ -253,7 +247,7 @@ async def merged_outputs(request_id: str, streams: list[AsyncIterator[RequestOut
                 raise item
             latest[i] = item
             if any(output is None for output in latest):
-                continue  # every prompt's first output first: then the prompts' ids line up in each output
+                continue  # the prompts' ids line up only then
             outputs = [dataclasses.replace(c, index=j * n + c.index)
                        for j, output in enumerate(latest) if output is not None for c in output.outputs]
             prompt_logprobs = None

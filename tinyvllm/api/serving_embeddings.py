@@ -1,11 +1,6 @@
-"""`POST /v1/embeddings`: one vector per input, pooled from the model's final hidden states.
-
-    {"input": "some text" | ["text", ...] | [ids] | [[ids], ...], "encoding_format": "float" | "base64"}
-        --tokenize--> one pooling request per input (engine: a prefill that samples nothing)
-        --> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}], "usage": ...}
-
-Pooling is the server's `--pooler-config` (tinyvllm/pooling_params.py); `base64` is the float32 bytes,
-little-endian; `dimensions` is refused (no Matryoshka model). Taught in docs/phases/09-appendix-endpoints.md.
+"""`POST /v1/embeddings`: one vector per input, each a pooling request (a prefill that samples nothing) pooled by
+the server's `--pooler-config`. `base64` is the float32 bytes, little-endian; `dimensions` is refused.
+Taught in docs/phases/09-appendix-endpoints.md.
 """
 
 from __future__ import annotations

@@ -35,19 +35,14 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
 class ServerLimits:
     """What one request may ask of the server, each a flag; over one: a 400 (413 for the body) naming it."""
 
-    # The whole JSON body. 4 MiB is 32 bytes per token of a 128k-token context: the longest prompt of
-    # any model served here fits, as token ids or as text escaped in JSON. Everything else is parsed
-    # on the event loop, so a bigger body would stall every connection while it is read.
+    # 4 MiB is 32 bytes per token of a 128k-token context: any model's longest prompt fits, as ids or as JSON
+    # text; a bigger body, parsed on the event loop, would stall every connection
     max_request_body_bytes: int = 4 * 2**20
-    # Seconds for the whole body to arrive once the headers have (a slow client otherwise holds its connection
-    # for as long as it likes): 4 MiB in 60 s is 70 KB/s, slower than any client the server should wait for.
+    # seconds for the body after the headers: 4 MiB in 60 s is 70 KB/s, slower than any client worth waiting for
     body_read_timeout: float = 60.0
-    # Choices per request. Each is a sequence of its own in the batch (`parent_request.py`), so n
-    # multiplies the request's cost: 16 lets one request fill at most half of the default batch
-    # (--max-num-seqs 32). OpenAI allows 128; vLLM sets no bound.
+    # each choice is a sequence in the batch: 16 fills at most half the default --max-num-seqs 32 (OpenAI: 128)
     max_n: int = 16
-    # Stop strings are searched for in every new piece of text of every running request, on the
-    # engine thread. OpenAI allows 4 strings; these are generous bounds for real use.
+    # stop strings are searched in every new piece of text, on the engine thread (OpenAI allows 4)
     max_stop_sequences: int = 16
     max_stop_length: int = 256  # characters; the stream also holds back up to this many
 
@@ -229,8 +224,7 @@ class OpenAIServing:
     def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
         parsed = {}
         for key, bias in logit_bias.items():
-            # ASCII digits only: str.isdigit() also says yes to "²", which int() refuses; the length first, as
-            # int() refuses (with a message of its own) strings of more than 4300 digits
+            # ASCII digits (isdigit() accepts "²"), and the length first (int() refuses over 4300 digits)
             if (re.fullmatch(r"[0-9]+", key) is None or len(key) > len(str(self.tokenizer.vocab_size))
                     or int(key) >= self.tokenizer.vocab_size):
                 shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
@@ -360,6 +354,6 @@ async def last_output(request: Request, stream) -> RequestOutput | None:
     finally:
         disconnect.cancel()
         if not consumer.done():
-            consumer.cancel()  # raises CancelledError inside the stream, whose `finally` aborts the request
+            consumer.cancel()  # the stream's `finally` aborts the request
             await asyncio.gather(consumer, return_exceptions=True)
     return None if consumer.cancelled() else consumer.result()

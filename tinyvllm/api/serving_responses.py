@@ -131,7 +131,7 @@ class OpenAIServingResponses:
 
     async def events(self, chunks: AsyncIterator[str], request: ResponsesRequest,
                      created: int) -> AsyncIterator[str]:
-        """The chat route's stream, chunk by chunk, as the Responses API's events (see the module doc)."""
+        """The chat route's stream, chunk by chunk, as the Responses API's events."""
         numbers = itertools.count()
         stream = ItemStream()
 
@@ -171,7 +171,7 @@ class OpenAIServingResponses:
                 final = ResponsesResponse(**head, output=stream.output, **outcome(stream.finish_reason),
                                           usage=None if stream.usage is None else response_usage(stream.usage))
                 yield event(f"response.{final.status}", response=final.model_dump())
-        finally:  # the client left (or we are done): closing the chat stream aborts its request
+        finally:  # closing the chat stream aborts its request
             await chunks.aclose()
 
 

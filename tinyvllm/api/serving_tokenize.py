@@ -1,11 +1,6 @@
-"""`POST /tokenize` and `POST /detokenize`: the model's tokenizer over HTTP (vLLM's endpoints and shapes).
-
-    POST /tokenize    {"prompt": "Hello world"}                  -> {"count": 2, "max_model_len": 2048,
-                      {"messages": [...], "add_generation_prompt": true}   "tokens": [19556, 905], "token_strs": null}
-    POST /detokenize  {"tokens": [19556, 905]}                   -> {"prompt": "Hello world"}
-
-`messages` go through the chat route's `render_text`, so the count is what that chat request would run;
-`token_strs` are the tokens' bytes as text (" world"), not vLLM's vocabulary strings ("Ġworld").
+"""`POST /tokenize` and `POST /detokenize` (vLLM's endpoints and shapes); `messages` go through the chat route's
+`render_text`, so the count is that chat request's. `token_strs` are the tokens' bytes as text (" world"), not
+vLLM's vocabulary strings ("Ġworld").
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Tool calling (OpenAI's `tools` / `tool_choice`): the prompt, the forced-call grammar, the parsers, the policy.
-
-    prompt      the template's own `tools` support, else TOOLS_PROMPT (Hermes' format, Qwen2.5's words)
-    constraint  tool_choice "required" or a named function: `forced_grammar`, built from the functions' schemas
-    parser      `--tool-call-parser`: hermes (<tool_call> JSON </tool_call>) or llama3_json (Llama 3.1+)
-    policy      `ToolCallPolicy`: undeclared calls dropped, one call without parallel_tool_calls, a call whose
-                arguments do not validate left in the content
-
-vLLM: `entrypoints/openai/tool_parsers/hermes_tool_parser.py`, `llama_tool_parser.py`.
+"""Tool calling (OpenAI's `tools` / `tool_choice`): the prompt (TOOLS_PROMPT where the template has no tool
+support), the forced-call grammar, the parsers of `--tool-call-parser` (hermes, llama3_json: vLLM's
+`tool_parsers/`), and the `ToolCallPolicy` that decides which calls a client gets.
 Taught in docs/phases/09-appendix-tools-and-reasoning.md.
 """
 
@@ -113,7 +107,7 @@ def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
 
 
 class ToolCallPolicy:
-    """Which of the calls a model writes become tool calls (the module docstring's policy)."""
+    """Which calls a client gets: undeclared ones dropped, one without parallel calls, invalid arguments left as text."""
 
     def __init__(self, functions: list[dict], parallel: bool = True):
         self.functions = {f["name"]: f for f in functions}

@@ -53,7 +53,6 @@ class ContiguousAttentionMetadata:
         sliding_window W: a query at position p sees keys p-W+1 .. p only (Mistral)."""
         k_cache, v_cache = kv_cache
         T, sp = q.shape[1], self.start_pos
-        # write this step's K/V into their rows, then read rows 0 .. start_pos+T-1
         # NOTE: a store + `after` instead of `assign`, so this also works inside a tinygrad `function`
         k_cache = Tensor(k_cache.uop.after(k_cache[:, sp:sp + T].uop.store(k.cast(k_cache.dtype).uop)))
         v_cache = Tensor(v_cache.uop.after(v_cache[:, sp:sp + T].uop.store(v.cast(v_cache.dtype).uop)))

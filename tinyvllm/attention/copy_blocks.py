@@ -1,12 +1,10 @@
-"""Copy-on-write on the device: `copy_blocks` copies whole KV cache blocks before a step's forward pass.
+"""Copy-on-write on the device: the step's block copies before its forward pass.
 
     block_mapping: (num_pairs, 2) int32   [[src, dst], ...]      for every cache tensor t of every layer:
                                                                  t[dst] = t[src]   (the whole block)
 
-The block manager records the copies (`append_slots` / `take_blocks_to_copy`); the kernel (kernels/<device>/
-copy_blocks.*) copies bits, one thread block per pair on a GPU, else `copy_blocks_portable` in tinygrad's UOps.
-Pairs are padded to a power of two with (null block, null block), so one captured graph per size serves every step.
-Taught in docs/phases/07a-prefix-caching.md.
+The kernel (kernels/<device>/copy_blocks.*) copies bits, else `copy_blocks_portable` in UOps. Pairs are padded to
+a power of two with (null block, null block): one captured graph per size. Taught in docs/phases/07a-prefix-caching.md.
 """
 
 from __future__ import annotations
@@ -77,8 +75,7 @@ def copy_blocks(caches: list[Tensor], block_mapping: Tensor, portable: bool = Fa
 
 
 class CopyBlocks:
-    """The copies of one step, as a captured graph per padded number of pairs, over a fixed list of cache tensors
-    (the KV cache's, every layer's K, V and whatever else it keeps per block)."""
+    """The copies of one step, a captured graph per padded number of pairs, over every cache tensor per block."""
 
     def __init__(self, caches: list[Tensor], null_block: int, portable: bool = False):
         self.caches, self.null_block, self.portable = caches, null_block, portable

@@ -32,7 +32,7 @@ _noticed: set[str] = set()  # device kinds already told about the fallback
 KV_STORAGE = (dtypes.float32, dtypes.float16, dtypes.int8, dtypes.uint8)  # every KVCacheDtype's storage
 CACHE_DTYPES = {"CPU": KV_STORAGE, "GPU": KV_STORAGE}
 QUERY_DTYPES = {"CPU": (dtypes.float32,), "GPU": (dtypes.float32, dtypes.float16)}
-# each language's name for an element type (the CPU kernel's q and out are always float)
+# each language's name for an element type
 C_TYPES = {"CPU": {dtypes.float32: "float", dtypes.float16: "__fp16", dtypes.int8: "signed char",
                    dtypes.uint8: "unsigned char"},
            "CUDA": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "signed char",
@@ -41,8 +41,7 @@ C_TYPES = {"CPU": {dtypes.float32: "float", dtypes.float16: "__fp16", dtypes.int
 KV_QUANT = {"float32": 0, "float16": 0, "int8": 1, "fp8": 2}  # TV_KV_QUANT: what a cache element's bits mean
 
 
-# flash-decoding: the split route is taken on a GPU when a row's block table can hold more than one partition and
-# the one-block-per-(row, KV head) grid has at most SPLIT_MAX_BLOCKS blocks (vLLM splits below 512 rows x heads)
+# flash-decoding's split route: a table of more than one partition, and at most SPLIT_MAX_BLOCKS (row, KV head) blocks
 PARTITION_SIZE = 512  # keys per thread block of the split route (vLLM's); a multiple of 4 warps x 32 keys
 SPLIT_MAX_BLOCKS = 512
 
@@ -57,10 +56,8 @@ class GpuLaunch:
 
 def gpu_attention_launches(rows: int, heads: int, kv_heads: int, max_keys: int,
                            partition_size: int = PARTITION_SIZE) -> list[GpuLaunch]:
-    """What a GPU runs for R = `rows` query rows whose tables hold up to `max_keys` keys: one block per (row, KV head),
-    or, where that grid is small and the context long, the keys split in partitions (TV_PARTITION_SIZE), then merged.
-
-    The grid is fixed when a graph is captured, so the table's width (not this step's contexts) decides the route."""
+    """What a GPU runs for `rows` query rows whose tables hold up to `max_keys` keys: one block per (row, KV head),
+    or, for a small grid and a long table, the split route. The table's width decides (a captured grid is fixed)."""
     parts = -(-max_keys // partition_size)
     if parts <= 1 or rows * kv_heads > SPLIT_MAX_BLOCKS:
         return [GpuLaunch("paged_attention", (kv_heads, rows, 1))]
@@ -89,7 +86,7 @@ def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
     if not all(isinstance(s, int) for s in q.shape + k_cache.shape):
         return False
     if isinstance(device, tuple) and (shard_axis(q) != 2 or shard_axis(k_cache) != 2):
-        return False  # tensor parallel: the kernels run per device on its heads (q and the cache split by head)
+        return False  # tensor parallel: q and the cache must be split by head
     kind = launcher.device_kind(device)
     family = "CPU" if kind == "CPU" else "GPU"
     head_dim = k_cache.shape[-1]
@@ -140,9 +137,8 @@ def _check_scales(cache: Tensor, scales: tuple[Tensor | None, Tensor | None]) ->
 
 def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                              k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> tuple[Tensor, ...]:
-    """key, value: (N, KvH, Hd) -> (k_cache, v_cache) after writing row i at slot_mapping[i] (negative: skipped);
-    (k_cache, v_cache, k_scale, v_scale) for an int8 or fp8 cache. Written in place: read them through the
-    returned tensors, so that the read is ordered after the write."""
+    """key, value: (N, KvH, Hd) -> the caches (and scales) after writing row i at slot_mapping[i] (negative:
+    skipped), in place: read them through the returned tensors, so the read is ordered after the write."""
     num_tokens, kv_heads, head_dim = launcher.local_shape(key)  # one device's heads (tensor parallel)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     caches = [k_cache, v_cache] + _check_scales(k_cache, (k_scale, v_scale))
@@ -160,10 +156,9 @@ def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cach
 def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float | None = None, k_scale: Tensor | None = None,
                            v_scale: Tensor | None = None, sliding_window: int | None = None) -> Tensor:
-    """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1, found
-    through block_tables[r] (R, max_blocks) in k_cache, v_cache (num_blocks, block_size, KvH, Hd), with
-    k_scale, v_scale (num_blocks, block_size, KvH) for an int8 or fp8 cache. sliding_window W: only the last W keys
-    (the blocks before them are never read)."""
+    """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1 through
+    block_tables[r] (R, max_blocks); caches (num_blocks, block_size, KvH, Hd), scales (num_blocks, block_size, KvH).
+    sliding_window W: only the last W keys are read."""
     rows, heads, head_dim = launcher.local_shape(q)  # one device's heads (tensor parallel)
     _, block_size, kv_heads, _ = launcher.local_shape(k_cache)
     assert heads % kv_heads == 0, f"{heads} query heads do not group over {kv_heads} KV heads"
@@ -192,12 +187,8 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 
 @dataclass
 class KernelPagedAttentionMetadata(PagedAttentionMetadata):
-    """`PagedAttentionMetadata` plus each query row's context length, for the kernels.
-
-    context_lens: (R,) int32, R = B*T query rows; derived from `positions` when not given (position p: p + 1 keys)
-    portable:     True to take the portable path whatever the device
-    Block tables with one row per sequence are repeated to one row per token.
-    """
+    """`PagedAttentionMetadata` plus context_lens: (R,) int32 per query row, R = B*T (default: position + 1), and
+    `portable` to take the portable path whatever the device."""
 
     context_lens: Tensor | None = None
     portable: bool = False

@@ -44,9 +44,9 @@ def parse_memory(text: str | int) -> int:
 class KVCacheDtype:
     """How the cache stores one element of K or V.
 
-    storage: the element dtype of k_cache / v_cache (fp8 e4m3 codes are stored as uint8 bytes on every device)
-    qmax:    the largest code magnitude a scale maps amax onto (int8 127, fp8 448); None: stored as is, no scale
-    rotated: K and V are stored rotated by a Hadamard matrix, q and the output rotated to match (`kv_quant.rotate`)
+    storage: the element dtype of k_cache / v_cache (fp8 e4m3 codes as uint8)
+    qmax:    the largest code a scale maps amax onto (int8 127, fp8 448); None: stored as is, no scale
+    rotated: K and V stored rotated by a Hadamard matrix (`kv_quant.rotate`)
     """
 
     name: str
@@ -122,11 +122,9 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
 
 
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_logits_rows: int) -> int:
-    """A bound on the bytes of the captured graphs' intermediates, allocated after the KV cache.
-
-    Per token, float32: the residual stream and its norms, q/k/v, attention's output, the MLP's gate, up and product;
-    per row of logits: the logits and the sampler's copies. Doubled: each bucket's graph (1, 2, 4, ... tokens) has
-    buffers of its own, and the buckets below the largest add up to less than it."""
+    """A bound on the bytes of the captured graphs' intermediates (allocated after the KV cache): per float32
+    token, the residual stream, norms, q/k/v, attention's output and the MLP's; per logits row, the logits and the
+    sampler's copies. Doubled: the smaller buckets' graphs (1, 2, 4, ...) add up to less than the largest's."""
     per_token = 4 * (4 * config.hidden_size + (config.num_attention_heads + 2 * config.num_key_value_heads)
                      * config.head_dim + 3 * config.intermediate_size)
     per_row = 4 * 4 * config.vocab_size

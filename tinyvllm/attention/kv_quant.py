@@ -1,14 +1,7 @@
-"""K and V quantized into the cache and dequantized out of it, in portable tinygrad: the reference every kernel's
-`reshape_and_cache` and `paged_attention` must match bit for bit.
-
-    x: (head_dim,) one token's K (or V) for one KV head      amax = max |x_i|
-    s = amax / qmax                                          stored beside the block, float32
-    code_i = round(x_i / s)         int8: qmax 127, round half to even
-           = e4m3(x_i / s)          fp8:  qmax 448, the nearest e4m3 value (ties to even)
-    x_i ~ code_i * s                (fp8: decode(code_i) * s)
-
-An int8 cache stores K and V rotated by a Hadamard matrix (`rotate`, QuaRot: https://arxiv.org/abs/2404.00456).
-Taught in docs/phases/07c-kv-cache-quantization.md, which also gives the e4m3 bit layout and the operation order.
+"""K and V quantized into the cache (one scale per token per KV head: s = amax / qmax; int8 codes round(x / s),
+fp8 the nearest e4m3 of x / s) and dequantized out of it, in portable tinygrad: the reference every kernel must match
+bit for bit. An int8 cache is rotated by a Hadamard matrix first (`rotate`, QuaRot: arXiv 2404.00456).
+Taught in docs/phases/07c-kv-cache-quantization.md, section 3, with the e4m3 bit layout and the operation order.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Paged attention in portable tinygrad: the reference the custom kernels are checked against.
-
-reshape_and_cache: write this step's K/V into their slots (a scatter, as a tiny UOp kernel: O(N) work, not O(cache)).
-
-    k: (N, n_kv_heads, head_dim)   slot_mapping: (N,)   slot = block * block_size + offset
-    k_cache viewed as (num_slots, n_kv_heads * head_dim):  k_cache[slot_mapping[i]] = k[i]
-
-paged_attention: each query attends over its sequence's blocks, gathered through its block table.
-
-    block_tables: (B, max_blocks)   row b lists sequence b's physical blocks in logical order
-    k_cache[block_tables[:, :nb]] -> (B, nb, block_size, n_kv_heads, head_dim) -> (B, nb*block_size, ...)
-
-Gathered key s is the token at position s, so one causal mask (key s <= query p) also hides the unfilled slots
-of the last block. Taught in docs/phases/02-paged-attention.md; quantized caches in 07c-kv-cache-quantization.md.
+"""Paged attention in portable tinygrad, the reference the custom kernels are checked against: `reshape_and_cache`
+scatters this step's K/V into their slots (a UOp kernel: O(tokens written), not O(cache)); `paged_attention` gathers
+each sequence's blocks through its block table, where key index s is the token at position s, so one causal mask
+also hides the last block's unfilled slots. Taught in docs/phases/02-paged-attention.md, sections 6 and 7.
 """
 
 from __future__ import annotations
@@ -46,8 +36,8 @@ def _scatter(x: Tensor, cache: Tensor, slot_mapping: Tensor) -> Tensor:
 
 def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor,
                       scale_cache: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """x: (N, n_kv_heads, head_dim) -> cache (num_blocks, block_size, n_kv_heads, head_dim) after the write.
-    A quantized cache takes its scales too, (num_blocks, block_size, n_kv_heads), and both come back."""
+    """x: (N, n_kv_heads, head_dim) -> cache (num_blocks, block_size, n_kv_heads, head_dim) after the write (and
+    a quantized cache's scales, (num_blocks, block_size, n_kv_heads))."""
     spec = kv_cache_dtype_of(cache)
     if not spec.quantized:
         return _scatter(x, cache, slot_mapping)
@@ -60,9 +50,8 @@ def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor,
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, num_blocks: int | UOp,
                     positions: Tensor, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                     sliding_window: int | None = None) -> Tensor:
-    """q: (B,T,H,Hd) for tokens at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table.
-    k_scale, v_scale: (num_blocks, block_size, KvH), for an int8 or fp8 cache. sliding_window W: a query at
-    position p sees keys p-W+1 .. p only."""
+    """q: (B,T,H,Hd) at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table.
+    k_scale, v_scale: (num_blocks, block_size, KvH) for an 8-bit cache; sliding_window W: keys p-W+1 .. p only."""
     B, T = q.shape[0], q.shape[1]
     _, block_size, kv_heads, head_dim = k_cache.shape
     table = block_tables[:, :num_blocks]  # (B, nb)
@@ -89,8 +78,7 @@ class PagedAttentionMetadata:
     """Everything a step's attention needs to find its tokens' K/V, as tensors (JIT inputs) and variables.
 
     slot_mapping: (B*T,) int32     where each new token's K/V are written
-    block_tables: (B, max_blocks)  int32, each row padded past the sequence's blocks, or (B*T, max_blocks):
-                  one row per token, for a flattened batch where the tokens of many sequences share one row
+    block_tables: (B, max_blocks)  int32, rows padded; or (B*T, max_blocks), one row per token of a flattened batch
     positions:    (B, T) int32     each token's position in its sequence
     num_blocks:   blocks to gather per sequence (>= ceil(context_len / block_size) for every row)
     """
@@ -108,9 +96,8 @@ class PagedAttentionMetadata:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
                sliding_window: int | None = None) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.
-        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized; a rotated (int8)
-        cache takes q, k, v rotated and rotates the output back. sliding_window: None for the whole context."""
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd): writes k/v, then reads them back with the rest.
+        kv_cache: (k_cache, v_cache[, k_scale, v_scale]); a rotated cache gets q, k, v rotated, the output back."""
         if kv_cache_dtype_of(kv_cache[0]).rotated:
             from tinyvllm.attention.kv_quant import rotate
             return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache, sliding_window))
@@ -130,7 +117,7 @@ class PagedAttentionMetadata:
         if self.block_tables.shape[0] == B:
             return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions,
                                    k_scale, v_scale, sliding_window)
-        # a flattened batch (Phase 4): every token is its own query row, with its own sequence's block table
+        # a flattened batch: every token a query row, with its sequence's block table
         H, Hd = q.shape[2], q.shape[3]
         out = paged_attention(q.reshape(B * T, 1, H, Hd), k_cache, v_cache, self.block_tables, self.num_blocks,
                               self.positions.reshape(B * T, 1), k_scale, v_scale, sliding_window)

@@ -22,9 +22,8 @@ LLAMA3_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
 )
-# SmolLM2 / StarCoder: HF runs two pre-tokenizers, Digits(individual_digits) then GPT-2's regex on the text
-# between digits. One regex does the same: every digit alone, no " ?" before digits, and a whitespace run
-# right before a digit ends there whole (for GPT-2's `\s+(?!\S)` that digit is the end of its piece).
+# SmolLM2 / StarCoder: HF's Digits(individual_digits) then GPT-2's regex, as one regex: every digit alone, and a
+# whitespace run before a digit ends there whole (for GPT-2's `\s+(?!\S)` the digit ends its piece)
 SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
 # Qwen2 / Qwen2.5 / Qwen3: Llama-3's regex with every digit alone (\p{N}, not \p{N}{1,3})
@@ -136,7 +135,7 @@ class ByteLevelBPETokenizer(Tokenizer):
             text = unicodedata.normalize(self.normalizer, text)
         return [rank_to_id[r] for r in self._bpe.encode_ordinary(text) if rank_to_id[r] is not None]
 
-    # --- readers ------------------------------------------------------------------------------------
+    # --- readers ----
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict) -> ByteLevelBPETokenizer:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# HF architecture -> (HF model_type, GGUF general.architecture). Mistral's GGUF is a 'llama' one (llama.cpp's
-# converter writes it so), with the window in llama.attention.sliding_window.
+# HF architecture -> (HF model_type, GGUF general.architecture); llama.cpp writes Mistral as 'llama'
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "llama"),
     "MistralForCausalLM": ("mistral", "llama"),

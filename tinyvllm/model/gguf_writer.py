@@ -1,14 +1,9 @@
 """Writing a GGUF v3 file: the inverse of tinyvllm/model/gguf.py (whose docstring draws the layout).
 
-Little-endian. A string: u64 byte count, then UTF-8 bytes. A metadata value: u32 type id, then the value:
-
-    0 u8   1 i8   2 u16   3 i16   4 u32   5 i32   6 f32   7 bool (one byte)   10 u64   11 i64   12 f64
-    8 string
-    9 array: u32 item type, u64 count, then the items back to back
-
-A tensor info: name, u32 n_dims, u64 dims fastest-varying first, u32 ggml type, u64 offset from the data section,
-which starts (and every tensor starts) at a multiple of `general.alignment`. A bare Python value gets the type
-llama.cpp writes most often (int -> u32, float -> f32, list of ints -> i32 array); `MetadataValue` states another.
+Little-endian; a string is a u64 byte count and its UTF-8 bytes; a metadata value is a u32 type id (ggml's
+gguf_type: the constants below) and the value; an array, a u32 item type, a u64 count and the items. Every tensor
+starts at a multiple of `general.alignment`. A bare Python value gets the type llama.cpp writes most often (int ->
+u32, float -> f32, list of ints -> i32 array); `MetadataValue` states another.
 """
 
 from __future__ import annotations

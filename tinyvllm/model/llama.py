@@ -224,8 +224,7 @@ class LlamaForCausalLM:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.config, self.dtype = config, dtype
         self.quantization = quantization  # the --quantization method the weights were loaded with
-        # where the weights go: one device, or (Phase 8) split over several, by heads (tensor parallel,
-        # tinyvllm/distributed/tensor_parallel.py) or by layers (pipeline parallel, distributed/pipeline_parallel.py)
+        # one device, or (Phase 8) several, split by heads (tensor parallel) or by layers (pipeline parallel)
         self.tp: OneDevice | TensorParallel = OneDevice(config, device)
         self.pp: OneDevice | PipelineParallel = self.tp
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
@@ -244,10 +243,8 @@ class LlamaForCausalLM:
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
         def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None) -> Weight:
-            # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
-            # axis: the dimension split over the devices (0 column-parallel, 1 row-parallel; None replicated);
-            # parts_of: what each fused part is ("q", "k", "v", ...), for the order of its rows device by device;
-            # at: the device of a pipeline stage (default: the first device)
+            # HF tensors fused along dim 0 (vLLM's QKVParallelLinear); axis: split over devices (None: replicated);
+            # parts_of: each part's name ("q", ...), for the rows' order; at: a pipeline stage's device
             dev = at or device
             parts = [tp.pad_vocab(state_dict[n]) if "embed" in n or "lm_head" in n else state_dict[n] for n in names]
             if all(isinstance(p, np.ndarray) for p in parts):
@@ -303,8 +300,8 @@ class LlamaForCausalLM:
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
         pool.shutdown()
-        del load  # it calls itself, a cycle through its closure that holds `state_dict`: freed now, not by the collector
-        # only casts (float16) are left to compute; a realize of buffers that are ready would still schedule them
+        del load  # a cycle (it calls itself) holding `state_dict`: freed now
+        # only casts are left to compute: realizing ready buffers would still schedule them
         if pending := [t for t in loaded if not tinygrad_adapter.is_realized(t)]:
             Tensor.realize(*pending)
         if tp.size > 1:  # split or replicate every weight over the devices

@@ -1,11 +1,6 @@
-"""The tokenizer: text <-> token ids, the only part of the engine that sees strings.
-
-    "Hello<|im_end|>"  --encode-->  [ordinary text "Hello" -> BPE] + [added token "<|im_end|>" -> its id]
-    [19556, 2]         --decode-->  bytes of each token, joined, decoded as UTF-8
-
-A family (byte-level BPE: `bpe.py`; sentencepiece: `sentencepiece_tokenizer.py`) only encodes ordinary text
-(`_encode_ordinary`) and gives every token's bytes; added tokens, BOS, decoding, stop tokens and chat templates are
-shared here. `load_tokenizer(path)` picks the family from what is on disk. Taught in docs/phases/01-foundation.md.
+"""The tokenizer: text <-> token ids, the only part of the engine that sees strings. A family (`bpe.py`,
+`sentencepiece_tokenizer.py`) encodes ordinary text and gives every token's bytes; added tokens, BOS, decoding, stop
+tokens and chat templates are shared here. Taught in docs/phases/01-foundation.md, section 6.
 """
 
 from __future__ import annotations
@@ -17,8 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
-# Tokens that end a turn or the text, beside the EOS id: a chat model writes its end-of-turn token, often not the
-# declared EOS (Llama-3-Instruct: EOS <|end_of_text|>, end of turn <|eot_id|>). llama.cpp's `special_eog_ids` set.
+# Tokens that end a turn, beside the EOS id (Llama-3-Instruct ends turns with <|eot_id|>): llama.cpp's special_eog_ids
 END_OF_TURN_TOKENS = (
     "<|im_end|>",
     "<|eot_id|>",
@@ -72,13 +66,13 @@ class Tokenizer:
         contents = sorted(self.added_tokens, key=len, reverse=True)
         self._added_tokens_re = re.compile("|".join(map(re.escape, contents))) if contents else None
 
-    # --- what a subclass provides -----------------------------------------------------------------
+    # --- what a subclass provides ----
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
         """Ids for `text`, which holds no added token. `at_start`: it begins the input."""
         raise NotImplementedError
 
-    # --- encode -------------------------------------------------------------------------------------
+    # --- encode ----
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Added tokens written in it ("<|im_start|>") become their own ids,
@@ -95,7 +89,7 @@ class Tokenizer:
             ids += self._encode_ordinary(text[pos:], at_start=pos == 0)
         return ids
 
-    # --- decode -------------------------------------------------------------------------------------
+    # --- decode ----
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token: not always valid UTF-8 alone (see `IncrementalDetokenizer`)."""
@@ -117,7 +111,7 @@ class Tokenizer:
         """Take off the one space sentencepiece put in front of the text when encoding it."""
         return text[1:] if self.add_dummy_prefix and text.startswith(" ") else text
 
-    # --- chat ---------------------------------------------------------------------------------------
+    # --- chat ----
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for a conversation, rendered by the model's own Jinja template.

@@ -1,13 +1,7 @@
-"""The finished tokenizer kept on disk per tokenizer file, so that a new process does not rebuild its tables.
-
-    load_tokenizer(path)   key = (the files it reads: a GGUF's path, size and mtime, an HF directory's tokenizer
-                                  files' contents; the tokenizer code; Python; tiktoken)
-        file <cache>/tokenizers/<sha256 of key>.tokenizer holds  MAGIC | sha256(payload) | payload (key, tokenizer)
-        present, checksum right, same key  ->  the pickled tokenizer
-        missing, truncated, corrupt, or another key (a file changed, the code changed)  ->  built and written again
-
-`TINYVLLM_TOKENIZER_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it. Taught in
-docs/phases/06-appendix-measurements.md (the cold start).
+"""The finished tokenizer kept on disk (a `disk_cache` record), keyed by the files it reads (a GGUF's path, size
+and mtime; an HF directory's tokenizer files' contents), the tokenizer's code, Python and tiktoken: a changed file
+or code is another key, a stale or corrupt file a rebuild. `TINYVLLM_TOKENIZER_CACHE=0` turns it off.
+Taught in docs/phases/06-appendix-measurements.md.
 """
 
 from __future__ import annotations

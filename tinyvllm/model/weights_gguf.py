@@ -1,15 +1,7 @@
-"""GGUF checkpoint -> HF LLaMA state dict: dequantize, rename (`GLOBAL_NAMES`, `ARCH_LAYER_NAMES`), undo the q/k
-row permutation.
-
-    HF (rotate_half):        pairs (j, j + head_dim/2)   one head's rows:  x0 x1 x2 x3 | y0 y1 y2 y3
-    llama.cpp (ROPE NORM):   pairs (2j, 2j + 1)          one head's rows:  x0 y0 x1 y1 x2 y2 x3 y3
-
-    permute   (HF -> GGUF):  W.reshape(n_heads, 2, head_dim/2, in).swapaxes(1, 2).reshape(out, in)
-    unpermute (GGUF -> HF):  W.reshape(n_heads, head_dim/2, 2, in).swapaxes(1, 2).reshape(out, in)
-
-Only 'llama' files (Llama, Mistral) are permuted (llama.cpp's convert_hf_to_gguf.py, `LlamaModel.permute`);
-qwen2, qwen3 and gemma3 run NEOX RoPE, HF's order. GGUF dims are already reversed by `GGUFFile`: no transpose.
-Taught in docs/phases/01-appendix-weights-and-layers.md.
+"""GGUF checkpoint -> HF LLaMA state dict: dequantize, rename (`GLOBAL_NAMES`, `ARCH_LAYER_NAMES`), and undo the
+permutation llama.cpp's converter (`LlamaModel.permute`) gives q/k rows for its adjacent-pair RoPE, back to HF's
+rotate_half order; only 'llama' files (Llama, Mistral) are permuted. Taught in
+docs/phases/01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations
