@@ -46,8 +46,7 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
 
 
 def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: bool = False) -> int:
-    """`tinyvllm generate` and `python main.py` (chat=False), `tinyvllm chat` (chat=True): the text streams to
-    stdout, the statistics go to stderr. Returns the exit status."""
+    """`tinyvllm generate`, `python main.py`, `tinyvllm chat` (chat=True): text to stdout, statistics to stderr."""
     args = build_generate_parser(prog, chat).parse_args(argv)
     if args.device:
         os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device

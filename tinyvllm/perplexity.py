@@ -142,8 +142,7 @@ class ChunkScorer:
 def perplexity(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, n_ctx: int = 512,
                max_chunks: int | None = None, tokens_per_step: int | None = None, progress=None,
                kv_cache_dtype: str = "auto") -> PerplexityResult:
-    """llama-perplexity's chunked perplexity of `text`. tokens_per_step: see `ChunkScorer`; kv_cache_dtype: how
-    the chunk's K/V are stored; progress: called after each chunk with (chunk index, running perplexity)."""
+    """llama-perplexity's chunked perplexity of `text`; `progress(chunk index, running perplexity)` per chunk."""
     start = time.perf_counter()
     token_ids = tokenizer.encode(text, add_special_tokens=True)  # BOS first iff the vocab's add_bos
     chunks = num_chunks(len(token_ids), n_ctx, max_chunks)

@@ -26,8 +26,8 @@ MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 10.0
 
 
 def histogram_quantile(q: float, buckets: tuple[float, ...], counts: list[float]) -> float | None:
-    """The q-quantile of observations counted per bucket (counts[i] in (buckets[i-1], buckets[i]], the last
-    one above every bound), interpolated inside its bucket as Prometheus does; None without observations."""
+    """The q-quantile of per-bucket counts (the last above every bound), interpolated in its bucket as Prometheus
+    does; None without observations."""
     total = sum(counts)
     if total <= 0:
         return None

@@ -26,8 +26,7 @@ RATE_LIMIT_HEADERS = {f"x-ratelimit-{what}-{kind}": {"description": f"{descripti
 
 
 def responses(ok: type | dict, *statuses: int, stream: bool = False) -> dict:
-    """The documented answers of one route: the 200 (a pydantic model, or {media type: JSON schema};
-    `stream`: SSE as well) and the errors, all in OpenAI's shape."""
+    """One route's documented answers: the 200 (a model, or {media type: schema}; `stream`: SSE too) and errors."""
     documented: dict = {status: {"model": ErrorResponse, "description": ERRORS[status]} for status in statuses}
     if isinstance(ok, dict):
         documented[200] = {"description": "OK", "content": {media: {"schema": schema} for media, schema in ok.items()}}

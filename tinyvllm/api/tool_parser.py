@@ -115,8 +115,7 @@ class ToolCallPolicy:
         self._validators: dict[str, object] = {}
 
     def check(self, call: ToolCall, num_kept: int) -> str:
-        """"keep", "drop" (undeclared, or a second call when parallel calls are off) or "invalid" (arguments that
-        do not validate against the function's parameters schema)."""
+        """"keep", "drop" (undeclared, or a second call without parallel calls) or "invalid" (bad arguments)."""
         function = self.functions.get(call.function.name)
         if function is None:
             logger.info("dropped a call to %r, which is not among the declared tools", call.function.name)
@@ -151,8 +150,8 @@ def parse_tool_call(body: str) -> ToolCall | None:
 
 
 class ToolParser:
-    """The parsers' common part: `feed(text)` -> (content, calls) as the output arrives, `finish()` at its end,
-    `num_calls` so far; each call found goes through the request's `ToolCallPolicy` (None: every call kept)."""
+    """A parser: `feed(text)` -> (content, calls) as the output arrives, `finish()` at its end; each call found goes
+    through the `ToolCallPolicy` (None: every call kept)."""
 
     def __init__(self, policy: ToolCallPolicy | None = None):
         self.policy = policy

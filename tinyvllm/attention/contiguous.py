@@ -42,15 +42,13 @@ def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
 
 @dataclass
 class ContiguousAttentionMetadata:
-    """This step's tokens sit at positions start_pos .. start_pos+T-1 of every sequence (an int, or a bound
-    symbolic variable under TinyJit, so one graph serves every position)."""
+    """This step's tokens are at start_pos .. start_pos+T-1 (a bound symbolic variable under TinyJit)."""
 
     start_pos: int | UOp
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
                sliding_window: int | None = None) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) for the new tokens -> attention output (B,T,H,Hd).
-        sliding_window W: a query at position p sees keys p-W+1 .. p only (Mistral)."""
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd); sliding_window W: keys p-W+1 .. p only."""
         k_cache, v_cache = kv_cache
         T, sp = q.shape[1], self.start_pos
         # NOTE: a store + `after` instead of `assign`, so this also works inside a tinygrad `function`

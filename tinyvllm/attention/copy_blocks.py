@@ -34,9 +34,8 @@ def _copy_blocks_kernel(cache: UOp, block_mapping: UOp) -> UOp:
 
 
 def copy_blocks_portable(cache: Tensor, block_mapping: Tensor) -> Tensor:
-    """cache: (num_blocks, block_size, ...) -> the same cache after block dst := block src for each [src, dst] row
-    of block_mapping (P, 2) int32, written in place (a cache split by KV head keeps its head axis: each device
-    copies its own heads)."""
+    """cache: (num_blocks, block_size, ...) -> the cache after block dst := block src for each [src, dst] row of
+    block_mapping (P, 2) int32, in place (split by KV head, each device copies its own heads)."""
     flat = cache.reshape(cache.shape[0], cache.shape[1], -1)
     written = flat.uop.custom_kernel(block_mapping.uop, fxn=_copy_blocks_kernel)[0]
     return Tensor(cache.uop.after(written))

@@ -111,8 +111,7 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DType 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
                           dtype: DType | KVCacheDtype = dtypes.float32) -> int:
-    """How many blocks the BlockManager can hand out within the budget, which also holds the null block.
-    `dtype`: the compute dtype or a KVCacheDtype (scales counted). Raises ValueError below two blocks."""
+    """Blocks to hand out within the budget (which also holds the null block); ValueError below two blocks."""
     budget, per_block = parse_memory(memory), kv_cache_bytes_per_block(config, block_size, dtype)
     if budget < 2 * per_block:
         raise ValueError(f"kv cache memory {budget} bytes is less than two blocks (one to hand out plus the null "

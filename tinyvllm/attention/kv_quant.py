@@ -15,8 +15,8 @@ FP8_MIN_NORMAL = 2.0**-6
 
 
 def hadamard(n: int, dtype=dtypes.float32, device: str | None = None) -> Tensor:
-    """Sylvester's Hadamard matrix of order n (a power of 2), normalized: H[i, j] = (-1)^popcount(i & j) / sqrt(n).
-    Orthonormal and symmetric, so H @ H = I. Built from aranges, in the graph (no host buffer to capture)."""
+    """Sylvester's normalized Hadamard matrix of order n (a power of 2): H[i, j] = (-1)^popcount(i & j) / sqrt(n),
+    H @ H = I. Built in the graph (no host buffer to capture)."""
     assert n > 0 and n & (n - 1) == 0, f"a Hadamard matrix of order {n}: the order must be a power of 2"
     index = Tensor.arange(n).to(device)
     both = index.reshape(n, 1) & index.reshape(1, n)

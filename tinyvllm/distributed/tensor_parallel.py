@@ -34,8 +34,8 @@ def shard_devices(device: str | None, size: int) -> tuple[str, ...]:
 
 
 class TensorParallel:
-    """Which rows of each weight go to which of `size` devices (shapes are the whole ones; device i holds 1/size
-    of the sharded axis). The embedding and lm_head split by vocabulary; a KV head is replicated when N > KvH."""
+    """Which rows of each weight go to which of `size` devices (device i holds 1/size of the sharded axis); a KV head
+    is replicated when there are more devices than KV heads."""
 
     def __init__(self, config: ModelConfig, size: int = 1, device: str | None = None):
         check_tensor_parallel_size(config, size)

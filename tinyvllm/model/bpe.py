@@ -68,8 +68,8 @@ def _unicode_to_bytes() -> dict[str, int]:
 
 @lru_cache(maxsize=1)
 def _unspell_table() -> dict[int, str]:
-    """`str.translate` table: each character of the alphabet -> the character of its byte (code point < 256);
-    code points < 256 that are not in the alphabet -> one above 255, so that encoding to latin-1 fails."""
+    """`str.translate` table: each alphabet character -> its byte's; other code points < 256 -> one that latin-1
+    cannot encode."""
     table = {ord(char): chr(b) for char, b in _unicode_to_bytes().items()}
     return {**{c: "\U00010000" for c in range(256) if c not in table}, **table}
 

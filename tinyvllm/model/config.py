@@ -84,8 +84,7 @@ class ModelConfig:
 
     @property
     def rope_interleaved(self) -> bool:
-        """Are q/k rows stored in GGUF permuted for llama.cpp's adjacent-pair RoPE? True for 'llama' GGUFs only:
-        llama.cpp runs Qwen and Gemma with the NEOX (rotate_half) RoPE, HF's own order (weights_gguf)."""
+        """Are a GGUF's q/k rows permuted for llama.cpp's adjacent-pair RoPE? 'llama' files only (Qwen, Gemma: NEOX)."""
         return self.gguf_architecture == "llama"
 
     def layer_window(self, layer: int) -> int | None:
@@ -166,8 +165,7 @@ class ModelConfig:
         )
 
     def to_hf_config(self) -> dict:
-        """The inverse of `from_hf_config`: what `convert` writes as config.json (transformers 4's keys, which
-        transformers 5 reads too)."""
+        """The inverse of `from_hf_config`, in transformers 4's keys (5 reads them too)."""
         cfg = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -302,8 +300,7 @@ def _activation(cfg: dict, default: str) -> str:
 
 
 def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None, float | None]:
-    """(rope_theta, rope_scaling, the sliding layers' own theta or None) from transformers 4's keys (rope_theta,
-    rope_scaling, rope_local_base_freq) or transformers 5's rope_parameters (per layer type for Gemma 3)."""
+    """(rope_theta, rope_scaling, the sliding layers' theta or None) from transformers 4's or 5's keys."""
     params = cfg.get("rope_parameters")
     if params is None:
         local = cfg.get("rope_local_base_freq")

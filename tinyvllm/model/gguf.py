@@ -53,8 +53,8 @@ class GGUFTensorInfo:
 
 
 class StringArray(Sequence):
-    """A GGUF array of strings, decoded on first use (the tokenizer, their only reader, usually comes from its disk
-    cache): a read-only sequence of str over the file's bytes, equal to a list or tuple of the same strings."""
+    """A GGUF array of strings decoded on first use (often never: the tokenizer comes from its cache); a read-only
+    sequence of str, equal to a list or tuple of the same strings."""
 
     def __init__(self, buf: memoryview | bytes, start: int, n: int):
         self._buf, self._start, self._n = buf, start, n  # buf: the mapped file, which this keeps alive
@@ -151,9 +151,8 @@ class GGUFFile:
         self.metadata, self.tensors = _read_header(str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
 
     def populate(self) -> None:
-        """Map the whole file into this process now, on a thread (`madvise(MADV_POPULATE_READ)`, Linux 5.14+, through
-        ctypes, which releases the GIL), not one page fault per 64 KiB in the first step. Only advice: elsewhere a
-        no-op."""
+        """Map the whole file in now, on a thread (`madvise(MADV_POPULATE_READ)`, Linux 5.14+; a no-op elsewhere),
+        not one page fault per 64 KiB in the first step."""
         if sys.platform != "linux":
             return
         data = np.frombuffer(self._mmap, dtype=np.uint8)  # keeps the map open while the thread runs
@@ -169,8 +168,8 @@ class GGUFFile:
 
 @functools.lru_cache(maxsize=8)
 def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, GGUFTensorInfo]]:
-    """The metadata and tensor infos of a GGUF file, once per (path, modification time, size) in a process (the
-    weights loader and the tokenizer both open it) and across processes (`HeaderCache`). Do not modify the result."""
+    """The metadata and tensor infos of a GGUF file, parsed once per (path, mtime, size) in a process and across
+    processes (`HeaderCache`). Do not modify the result."""
     with open(path, "rb") as f:
         buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
     cache = HeaderCache(path, mtime_ns, size) if HEADER_CACHE else None

@@ -44,8 +44,7 @@ class MetadataValue:
 
 @dataclass(frozen=True)
 class TensorData:
-    """One tensor to write: `data`, its bytes in `ggml_type`, or a function returning them when its turn comes (a
-    whole model is never in memory at once). shape: numpy order, (out_features, in_features) for a linear."""
+    """One tensor to write (numpy shape order): its bytes in `ggml_type`, or a function returning them in its turn."""
 
     name: str
     shape: tuple[int, ...]

@@ -167,8 +167,7 @@ SPLIT_AXIS = {"qkv_proj": 0, "qkv_bias": 0, "gate_up_proj": 0, "o_proj": 1, "dow
 
 
 def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
-    """A weight split along `axis` over the devices (or replicated): GGUF blocks split along whole rows (axis 0) or
-    between blocks (axis 1: each device's slice of a row must be whole blocks)."""
+    """A weight split along `axis` over the devices (None: replicated); GGUF blocks split only between blocks."""
     if isinstance(w, tuple):
         return tuple(place(tp, part, axis) for part in w)
     if not isinstance(w, Tensor):  # a QuantizedWeight
@@ -216,8 +215,7 @@ def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype
 
 
 class LlamaForCausalLM:
-    """The whole model. Weights come in as an HF-named state dict (see `tinyvllm.model.weights`): numpy float
-    arrays, or `QuantizedArray`s whose GGUF blocks are uploaded as they are (Phase 6)."""
+    """The whole model, from an HF-named state dict of float arrays or `QuantizedArray`s (uploaded as they are)."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray | QuantizedArray],
                  dtype: DType = dtypes.float32, device: str | None = None, quantization: str = "none",
@@ -339,8 +337,7 @@ class LlamaForCausalLM:
 
     @property
     def kv_cache_config(self) -> ModelConfig:
-        """The config the KV cache is sized and shaped by: with more devices than KV heads, each device holds a
-        replica of one KV head, so the cache over all devices has one head per device."""
+        """The config the KV cache is shaped by: one KV head per device when KV heads are replicated."""
         if self.tp.num_kv_heads == self.config.num_key_value_heads:
             return self.config
         return dataclasses.replace(self.config, num_key_value_heads=self.tp.num_kv_heads)
@@ -386,8 +383,7 @@ class LlamaForCausalLM:
         return self.logits_of_normed(self.final_norm(hidden))
 
     def final_norm(self, hidden: Tensor) -> Tensor:
-        """hidden: (..., D) -> the final hidden states (..., D), after the last norm: what lm_head reads, and
-        what a pooling request pools (vLLM's pooler reads the same)."""
+        """hidden: (..., D) -> after the last norm: what lm_head reads and a pooling request pools."""
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def logits_of_normed(self, normed: Tensor) -> Tensor:

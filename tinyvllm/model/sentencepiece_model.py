@@ -105,8 +105,7 @@ def without_dummy_prefix(model_proto: bytes) -> tuple[bytes, bool, bool]:
 
 
 def model_proto_from_gguf(metadata: dict) -> bytes:
-    """A sentencepiece BPE model from a GGUF's `tokenizer.ggml.*` keys (`tokenizer.ggml.model == "llama"`), which
-    keep every piece's score and type: it encodes exactly as the original."""
+    """A sentencepiece BPE model from a GGUF's `tokenizer.ggml.*` keys; it encodes exactly as the original."""
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     scores: list[float] = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     types: list[int] = metadata.get("tokenizer.ggml.token_type") or [PIECE_NORMAL] * len(tokens)

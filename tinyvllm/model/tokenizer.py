@@ -27,8 +27,7 @@ END_OF_TURN_TOKENS = (
 
 
 class Tokenizer:
-    """What the engine needs from a tokenizer. A subclass passes every token's bytes and its added tokens to
-    `__init__` and implements `_encode_ordinary(text, at_start)`: ids for text that holds no added token."""
+    """What the engine needs from a tokenizer; a subclass gives every token's bytes and `_encode_ordinary`."""
 
     def __init__(
         self,
@@ -75,8 +74,8 @@ class Tokenizer:
     # --- encode ----
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`. Added tokens written in it ("<|im_start|>") become their own ids,
-        as HF does; BOS is prepended iff `add_special_tokens` and the model's `add_bos_token`."""
+        """Token ids for `text`, added tokens written in it as their own ids; BOS iff `add_special_tokens` and
+        `add_bos_token`."""
         ids = [self.bos_token_id] if add_special_tokens and self.add_bos_token and self.bos_token_id is not None else []
         pos = 0
         if self._added_tokens_re is not None:
@@ -101,8 +100,7 @@ class Tokenizer:
         return token_id in self.special_token_ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text for `token_ids`: the tokens' bytes joined, then decoded as UTF-8 (an invalid or
-        unfinished sequence becomes U+FFFD, as HF's byte-level decoder does)."""
+        """The tokens' bytes joined and decoded as UTF-8 (an invalid sequence becomes U+FFFD, as in HF)."""
         ids = [t for t in token_ids if not (skip_special_tokens and t in self.special_token_ids)]
         text = b"".join(self.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
         return self.strip_dummy_prefix(text)
@@ -114,8 +112,7 @@ class Tokenizer:
     # --- chat ----
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The prompt text for a conversation, rendered by the model's own Jinja template.
-        `kwargs` reach the template as variables (e.g. `tools`, `documents`), as in HF."""
+        """The prompt text for a conversation by the model's template; `kwargs` are template variables, as in HF."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: pass a plain prompt, or a model with one")
         # imported here: jinja2 is a tenth of the engine's imports, and a plain prompt never needs it
@@ -136,8 +133,7 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer stored at `path`: a `.gguf` file, or an HF model directory with `tokenizer.json`
-    (byte-level BPE) or `tokenizer.model` (sentencepiece), plus `tokenizer_config.json` if present."""
+    """The tokenizer at `path`: a `.gguf` file, or an HF directory with `tokenizer.json` or `tokenizer.model`."""
     # imported here: both modules subclass `Tokenizer` from this one
     from tinyvllm.model.bpe import ByteLevelBPETokenizer
     from tinyvllm.model.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -186,8 +182,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _chat_template(model_dir: Path, config: dict) -> str | None:
-    """The model's chat template: `chat_template.jinja` (where recent transformers save it) or the
-    `chat_template` entry of tokenizer_config.json (a string, or a list of named templates)."""
+    """The model's chat template: `chat_template.jinja`, or tokenizer_config.json's (a string or named templates)."""
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")

@@ -99,8 +99,7 @@ def unpermute_qk_rows(w: np.ndarray | QuantizedArray, n_heads: int) -> np.ndarra
 
 
 def read_tensor(gguf: GGUFFile, name: str, keep_quantized: bool = False) -> np.ndarray | QuantizedArray:
-    """One GGUF tensor in numpy shape order: dequantized to float32, or, with `keep_quantized` and a 2-D
-    tensor in a format the kernels read (quant.KERNEL_TYPES), its blocks as they are in the file."""
+    """One GGUF tensor in numpy shape order: float32, or with `keep_quantized` a 2-D kernel format's blocks as is."""
     info = gguf.tensors[name]
     try:
         raw = gguf.raw(name, tensor_nbytes(info.ggml_type, info.shape))
