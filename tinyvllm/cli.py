@@ -90,8 +90,7 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
 
 
 def _chat_loop(generator, params) -> int:
-    """A conversation, one user turn per line of stdin, the whole history templated each time (the prefix cache
-    finds the earlier turns); an empty line, 'exit' or end of input ends it."""
+    """A conversation, a user turn per line of stdin, until an empty line, 'exit' or end of input."""
     tokenizer = generator.tokenizer
     messages: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -142,7 +141,7 @@ def perplexity_main(argv: list[str]) -> int:
 
 
 def benchmarks_dir() -> Path | None:
-    """benchmarks/ of the source checkout tinyvllm runs from (an editable install), or of the current directory."""
+    """benchmarks/ of the source checkout tinyvllm runs from, or of the current directory."""
     for root in (Path(__file__).resolve().parents[1], Path.cwd()):
         if (root / "benchmarks" / BENCH_SCRIPTS["latency"]).is_file():
             return root / "benchmarks"

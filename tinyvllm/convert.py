@@ -24,7 +24,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 
-# tokenizer.ggml.pre preset -> HF pre_tokenizer. Each mirrors the regex list llama.cpp uses for the preset.
+# tokenizer.ggml.pre preset -> HF pre_tokenizer (llama.cpp's regexes)
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 # Llama 3: split with its own regex first, then ByteLevel maps bytes only (use_regex off)
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -100,7 +100,6 @@ def tokenizer_json(md: dict) -> dict:
 def tokenizer_config(md: dict) -> dict:
     """tokenizer_config.json: which tokens are special, whether BOS is prepended, the chat template."""
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}  # a plain wrapper around tokenizer.json
-    # HF's name for each special token -> GGUF's (tokenizer.ggml.<name>_token_id)
     for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         if _token(md, gguf_key) is not None:
             cfg[f"{key}_token"] = _token(md, gguf_key)

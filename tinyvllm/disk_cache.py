@@ -16,8 +16,8 @@ from pathlib import Path
 
 
 def read_record(file: Path, magic: bytes, key: str) -> object:
-    """The value `write_record` kept in `file` under `key`, the file touched as used. ValueError for a wrong
-    header, checksum or key; OSError if unreadable; whatever unpickling raises."""
+    """The value kept in `file` under `key`, the file touched as used; ValueError for a wrong header, checksum or
+    key, OSError if unreadable."""
     data = file.read_bytes()
     if not data.startswith(magic):
         raise ValueError(f"{file.name} is not a file of this cache")

@@ -35,8 +35,8 @@ class PerplexityResult:
     nll: float  # mean negative log-likelihood of a scored token, in nats
     tokens_scored: int  # chunks * (n_ctx - n_ctx // 2 - 1)
     chunks: int
-    text_tokens: int = 0  # the whole text's token count (most of it, not all, is in the chunks)
-    seconds: float = 0.0  # forward passes and log-softmax, tokenizing and compilation included
+    text_tokens: int = 0  # the whole text's
+    seconds: float = 0.0  # all of it, compilation included
 
 
 def default_text_path() -> Path:
@@ -72,7 +72,7 @@ def num_chunks(num_tokens: int, n_ctx: int, max_chunks: int | None = None) -> in
 
 
 def chunk_tokens(token_ids: list[int], n_ctx: int, chunks: int, bos_token_id: int | None) -> list[list[int]]:
-    """The chunks' token ids; with a BOS id, each chunk's first token is replaced by it (llama-perplexity's add_bos)."""
+    """The chunks' token ids, each one's first token replaced by `bos_token_id` if given."""
     out = []
     for i in range(chunks):
         chunk = list(token_ids[i * n_ctx:(i + 1) * n_ctx])
@@ -105,7 +105,7 @@ class ChunkScorer:
             raise ValueError(f"tokens_per_step must divide n_ctx ({n_ctx}), got {tokens_per_step}")
         self.model, self.n_ctx, self.first, self.step = model, n_ctx, n_ctx // 2, step
         device, num_blocks = model.device, -(-n_ctx // self.BLOCK_SIZE)
-        # kv_cache_dtype: the chunk's K/V stored in it and read back, so its rounding is in every score
+        # the chunk's K/V stored in kv_cache_dtype: its rounding is in every score
         self.cache = PagedKVCache(model.config, num_blocks, self.BLOCK_SIZE,
                                   dtype=resolve_kv_cache_dtype(kv_cache_dtype, model.dtype), device=device)
         self.block_table = Tensor(np.arange(num_blocks, dtype=np.int32).reshape(1, -1), device=device).realize()

@@ -52,8 +52,7 @@ def device_kind(device: str | None) -> str:
 
 
 def platform_for(device: str | None, device_path: str | None = None) -> Platform:
-    """The row of `device` (None: tinygrad's default). `device_path` overrides TINYVLLM_DEVICE_PATH ("discrete":
-    a CPU device takes a GPU's path, keeping its dtype and memory budget)."""
+    """The row of `device` (None: tinygrad's default); `device_path` overrides TINYVLLM_DEVICE_PATH."""
     kind = device_kind(device)
     row = PLATFORMS.get(kind, replace(GPU, kind=kind))  # a device not listed: treat it as a GPU of its own
     if (device_path or DEVICE_PATH) == "discrete" and row.path == "host":

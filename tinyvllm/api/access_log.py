@@ -27,7 +27,7 @@ def redact_query(target: str) -> str:
 
 
 class RedactQuerySecrets(logging.Filter):
-    """On uvicorn's access logger: its records carry (client, method, target, http version, status) as args."""
+    """On uvicorn's access logger, whose record args are (client, method, target, ...)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args

@@ -140,7 +140,7 @@ def rate_limited(key: ApiKey, kind: str, limit: int, needed: int, wait: float) -
 
 
 class ApiKeys:
-    """The server's keys, and for each key with limits its request and token buckets (event loop only: no lock)."""
+    """The server's keys and their buckets (event loop only: no lock)."""
 
     def __init__(self, keys: list[ApiKey], clock: Callable[[], float] = time.monotonic):
         assert keys, "at least one key"

@@ -269,7 +269,7 @@ class ServerMetrics:
 
 
 class KeyMetrics:
-    """Requests and tokens per API key, labelled by the key's id, never the key (event loop only: no lock)."""
+    """Requests and tokens per API key id (event loop only: no lock)."""
 
     def __init__(self):
         self.requests: dict[tuple[str, str], int] = {}  # (key_id, status) -> requests

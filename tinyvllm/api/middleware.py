@@ -19,8 +19,7 @@ from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, lon
                                  request_too_large)
 from tinyvllm.api.keys import ApiKey, ApiKeys
 
-OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
-# and the dashboard page holds no data (its calls to /v1/engine/state carry the key)
+OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # without the API key: a probe has none, the page holds no data
 
 
 def host_name(host_header: str) -> str:
@@ -106,8 +105,7 @@ class RequestGuard:
         return send_with_headers
 
     async def read_body(self, headers: Headers, receive: Receive) -> bytes | None:
-        """The whole body (None if the client left): 413 as soon as it is known to be too big, 408 when it has not
-        all arrived `body_read_timeout` seconds after the headers."""
+        """The whole body (None if the client left); 413 as soon as it is too big, 408 when it comes too slowly."""
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -132,7 +130,7 @@ class RequestGuard:
 
 
 class RequestIdHeader:
-    """A request's `X-Request-Id` comes back on its response, errors included (vLLM's --enable-request-id-headers)."""
+    """A request's `X-Request-Id` echoed on its response (vLLM's --enable-request-id-headers)."""
 
     def __init__(self, app: ASGIApp):
         self.app = app

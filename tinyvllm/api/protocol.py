@@ -49,7 +49,7 @@ class UsageInfo(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False  # one last chunk with `usage` (and no choices) before [DONE]
+    include_usage: StrictBool = False  # a last chunk with `usage` before [DONE]
     continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
@@ -89,7 +89,7 @@ class StructuredOutputsRequest(BaseModel):
 class SamplingFields(BaseModel):
     """The fields both endpoints share: `SamplingParams`' names; OpenAI's ranges where OpenAI has the field."""
 
-    model: StrictStr | None = None  # OpenAI requires it; like vLLM, a missing model means the served one
+    model: StrictStr | None = None  # missing: the served one (vLLM's rule)
     n: StrictInt = Field(1, ge=1)  # at most the server's --max-n
     temperature: StrictFloat | None = Field(None, ge=0, le=2)  # None: OpenAI's default 1.0
     top_p: StrictFloat | None = Field(None, gt=0, le=1)  # (0, 1], as vLLM's SamplingParams checks it
@@ -181,7 +181,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None  # accepted; a forced tool_choice makes one call
-    max_tokens: StrictInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI
     max_completion_tokens: StrictInt | None = None  # None: as many as the context leaves
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token, needs logprobs

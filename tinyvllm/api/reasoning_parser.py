@@ -24,7 +24,7 @@ class ThinkReasoningParser:
 
     def __init__(self, prompt_opened: bool = False):
         self.state = "reasoning" if prompt_opened else "start"  # start -> reasoning -> content
-        self.has_reasoning = prompt_opened  # whether a reasoning block was seen (its text may be empty)
+        self.has_reasoning = prompt_opened  # a block was seen (maybe empty)
         self.held = ""  # text not yet sent: it may still become a tag
 
     def feed(self, text: str) -> tuple[str, str]:

@@ -239,7 +239,7 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def open_final_message(text: str, conversation: list[dict]) -> str:
-        """The rendered text cut right after the last message's content (HF's and vLLM's `continue_final_message`)."""
+        """The rendered text cut right after the last message's content."""
         final = conversation[-1]["content"] if conversation else ""
         if not final or final not in text:
             raise bad_request("continue_final_message needs a last message with text content to continue",
@@ -296,8 +296,7 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     def stream_choices(delta: ChoiceDelta, parser: ChoiceParser,
                        logprobs: ChatCompletionLogProbs | None) -> list[ChatCompletionResponseStreamChoice]:
-        """One engine delta of one choice as stream chunks: the text, then each tool call it completed (id and name,
-        then arguments, as OpenAI streams them); the last chunk has the finish_reason."""
+        """One choice's engine delta as chunks: the text, then each completed call (id and name, then arguments)."""
         reasoning, content, calls = parser.feed(delta.text, last=delta.finish_reason is not None)
         messages = []
         if not parser.active:

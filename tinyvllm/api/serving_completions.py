@@ -89,7 +89,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return best_of
 
     def check_fim(self) -> None:
-        """`suffix` (fill-in-the-middle) needs the FIM markers in the vocabulary: always a 400, naming what is missing."""
+        """`suffix` (fill-in-the-middle): a 400, naming the FIM markers missing."""
         missing = [t for t in FIM_TOKENS if t not in self.tokenizer.added_tokens]
         if missing:
             raise bad_request(f"suffix (fill-in-the-middle) needs a model trained with FIM tokens; this model's "
@@ -136,8 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def full_response(self, final: RequestOutput, head: dict, echo: list[str], n: int, num_logprobs: int | None,
                       billed: UsageInfo, prompt_lengths: list[int] | None = None) -> dict:
-        """`echo`: each prompt's text, or "" (choice i*n + k belongs to prompt i). `prompt_lengths`: with echo and
-        logprobs, each prompt's token count (its logprobs come first)."""
+        """`echo`: each prompt's text or ""; `prompt_lengths`: with echo and logprobs, each prompt's token count."""
         choices = []
         for completion in final.outputs:
             logprobs = None
@@ -215,8 +214,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 def best_of_choices(final: RequestOutput, best_of: int, n: int) -> RequestOutput:
-    """Of each prompt's `best_of` samples (choices i*best_of ...), the n with the highest cumulative
-    log-probability, best first, as choices i*n ... (OpenAI's `best_of`)."""
+    """OpenAI's `best_of`: of each prompt's samples, the n of highest cumulative log-probability, best first."""
     chosen = []
     for start in range(0, len(final.outputs), best_of):
         samples = final.outputs[start:start + best_of]

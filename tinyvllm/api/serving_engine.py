@@ -88,7 +88,7 @@ class OpenAIServing:
         max_num_seqs = getattr(self.engine.engine, "max_num_seqs", None) or getattr(
             getattr(self.engine.engine, "scheduler", None), "max_num_seqs", None)
         if getattr(request, "use_beam_search", False) and max_num_seqs is not None and n > max_num_seqs:
-            # the n beams run in one step together (the engine refuses it too, but only after a stream's 200)
+            # the n beams run in one step (the engine would refuse it only after a 200)
             raise bad_request(f"a beam search of n={n} beams can never run: a step holds at most {max_num_seqs} "
                               "sequences on this server (--max-num-seqs)", "n")
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
@@ -242,7 +242,7 @@ class OpenAIServing:
 
     @staticmethod
     def continuous_usage(request: SamplingFields) -> bool:
-        """vLLM's `stream_options.continuous_usage_stats` (with include_usage): each chunk carries the usage so far."""
+        """vLLM's `continuous_usage_stats` (with include_usage): each chunk carries the usage so far."""
         options = request.stream_options
         return options is not None and options.include_usage and options.continuous_usage_stats
 
@@ -288,7 +288,7 @@ async def choice_deltas(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[t
 
 
 def grammar_error(params: StructuredOutputsParams) -> str:
-    """Why the constraint's grammar does not compile, or "" when it does (llguidance, without the vocabulary)."""
+    """Why the constraint's grammar does not compile, or "" when it does."""
     from llguidance import LLMatcher
 
     from tinyvllm.sample.structured_output import grammar_limits, grammar_of
@@ -306,7 +306,7 @@ def base_request_id(raw_request: Request | None) -> str:
 
 
 def usage(output: RequestOutput) -> UsageInfo:
-    """The prompt counted once however many choices share it, as OpenAI bills it; `cached_tokens`: prefix cache hits."""
+    """The prompt counted once however many choices share it, as OpenAI bills it."""
     prompt_tokens = len(output.prompt_token_ids)
     completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

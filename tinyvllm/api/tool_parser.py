@@ -42,7 +42,7 @@ def tool_call_text(name: str, arguments: dict | str) -> str:
 
 
 def _arguments(tool_call: dict) -> dict | str:
-    """A history tool call's arguments, as a dict where they parse (templates read them as one, as in vLLM)."""
+    """A history tool call's arguments, as a dict where they parse (as in vLLM)."""
     arguments = tool_call.get("function", {}).get("arguments", {})
     if isinstance(arguments, str):
         try:
@@ -86,8 +86,7 @@ def with_default_tool_prompt(messages: list[dict], tools: list[dict] | None) -> 
 
 
 def call_schema(functions: list[dict], arguments_key: str = "arguments") -> dict:
-    """The JSON schema of one call to one of `functions`: {"name": one of theirs, arguments_key: that function's
-    parameters}."""
+    """The JSON schema of one call: {"name": one of `functions`, arguments_key: its parameters}."""
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
               "properties": {"name": {"const": f["name"]}, arguments_key: f.get("parameters") or NO_PARAMETERS}}
              for f in functions]

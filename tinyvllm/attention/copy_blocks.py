@@ -52,8 +52,7 @@ def uses_kernel(cache: Tensor, portable: bool = False) -> bool:
 
 
 def kernel_copy_blocks(cache: Tensor, block_mapping: Tensor) -> Tensor:
-    """`copy_blocks_portable` on the hand-written kernel of the cache's device: one launch, one GPU thread block
-    per pair."""
+    """`copy_blocks_portable` on the device's kernel: one launch, a GPU thread block per pair."""
     num_blocks = cache.shape[0]
     flat = cache.reshape(num_blocks, -1)
     defines = {"TV_NUM_PAIRS": block_mapping.shape[0], "TV_NUM_BLOCKS": num_blocks, "TV_BLOCK_NUMEL": flat.shape[1],
@@ -65,7 +64,7 @@ def kernel_copy_blocks(cache: Tensor, block_mapping: Tensor) -> Tensor:
 
 
 def copy_blocks(caches: list[Tensor], block_mapping: Tensor, portable: bool = False) -> list[Tensor]:
-    """Copy the blocks of every tensor in `caches` (each (num_blocks, ...), on any devices) by `block_mapping`."""
+    """Copy the blocks of every tensor in `caches` (on any devices) by `block_mapping`."""
     copies = []
     for c in caches:
         mapping = block_mapping.to(c.device)
@@ -74,7 +73,7 @@ def copy_blocks(caches: list[Tensor], block_mapping: Tensor, portable: bool = Fa
 
 
 class CopyBlocks:
-    """The copies of one step, a captured graph per padded number of pairs, over every cache tensor per block."""
+    """The copies of one step: a captured graph per padded number of pairs."""
 
     def __init__(self, caches: list[Tensor], null_block: int, portable: bool = False):
         self.caches, self.null_block, self.portable = caches, null_block, portable

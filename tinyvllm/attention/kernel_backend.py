@@ -23,7 +23,7 @@ from tinyvllm.tinygrad_adapter import shard_axis
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 KERNEL = "paged_attention"  # kernels/<device>/paged_attention.*
-NUM_THREADS = 128  # threads per thread block on GPUs (4 warps / SIMD groups of 32): TV_NUM_THREADS
+NUM_THREADS = 128  # per GPU thread block: 4 warps of 32
 
 logger = logging.getLogger("tinyvllm.attention")
 _noticed: set[str] = set()  # device kinds already told about the fallback
@@ -69,7 +69,7 @@ GPU_SHARED_BYTES = 48 * 1024  # shared (threadgroup) memory a thread block may u
 
 
 def gpu_shared_bytes(group: int, head_dim: int) -> int:
-    """Shared memory of one GPU thread block: per warp, scores (group, 32 keys), m, l and acc (group, head_dim)."""
+    """One GPU thread block's shared bytes: per warp, scores (group, 32), m, l, acc (group, head_dim)."""
     return 4 * (NUM_THREADS // 32) * group * (32 + 2 + head_dim)
 
 
@@ -111,7 +111,7 @@ def kernel_source(entry: str, device: str, defines: dict[str, int | str]) -> tup
 
 def _launch(entry: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
             grid: tuple[int, int, int]) -> list[Tensor]:
-    """Put `entry` into the graph on outs (written) and ins (read): on GPUs a grid of NUM_THREADS-thread blocks."""
+    """Put `entry` into the graph on outs (written) and ins (read)."""
     return launcher.launch(KERNEL, outs, ins, defines, entry=entry, grid=grid, local_size=(NUM_THREADS, 1, 1))
 
 
@@ -126,7 +126,7 @@ def _type_defines(device: str, t: Tensor, cache: Tensor) -> dict[str, int | str]
 
 
 def _check_scales(cache: Tensor, scales: tuple[Tensor | None, Tensor | None]) -> list[Tensor]:
-    """The scale tensors an int8 / fp8 cache needs (none for a float cache), checked against the cache's shape."""
+    """The scale tensors an 8-bit cache needs (none for a float cache), checked."""
     spec = kv_cache_dtype_of(cache)
     if not spec.quantized:
         return []

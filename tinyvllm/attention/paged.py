@@ -89,7 +89,7 @@ class PagedAttentionMetadata:
     num_blocks: int | UOp
 
     def to(self, device: str | tuple[str, ...]) -> PagedAttentionMetadata:
-        """The same metadata with its tensors on `device` (a pipeline stage's: copied inside the step's graph)."""
+        """The same metadata with its tensors on `device` (a pipeline stage's)."""
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.init
                  and isinstance(getattr(self, f.name), Tensor)}
         return dataclasses.replace(self, **moved)

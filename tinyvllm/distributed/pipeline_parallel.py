@@ -8,8 +8,7 @@ from tinyvllm.distributed.tensor_parallel import shard_devices
 
 
 def split_layers(num_layers: int, size: int) -> list[range]:
-    """Consecutive layers per stage, as even as possible; the first stages take the remainder (the last holds
-    lm_head too, as in vLLM's get_pp_indices)."""
+    """Consecutive layers per stage, the first stages taking the remainder (the last holds lm_head too)."""
     base, extra = divmod(num_layers, size)
     stages, start = [], 0
     for s in range(size):

@@ -51,7 +51,7 @@ class TensorParallel:
         return self.kv_heads * self.size
 
     def _kv_rows(self) -> np.ndarray:
-        """Rows of a (KvH*Hd, D) k_proj / v_proj, device by device: device i's KV heads (replicated if need be)."""
+        """Rows of a (KvH*Hd, D) k_proj / v_proj, device by device."""
         hd, replicas = self.config.head_dim, max(1, self.size // self.config.num_key_value_heads)
         heads = [i // replicas * self.kv_heads + j for i in range(self.size) for j in range(self.kv_heads)]
         return np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in heads])
@@ -63,8 +63,7 @@ class TensorParallel:
         return self._kv_rows()
 
     def fused_rows(self, sizes: list[int], parts: list[str]) -> np.ndarray | None:
-        """Row order of weights fused along dim 0 such that device i's slice is its slices of the parts:
-        [q_i k_i v_i]."""
+        """Row order of weights fused along dim 0: device i's slice is [q_i k_i v_i]."""
         if self.size == 1 or not parts:
             return None
         offsets = np.cumsum([0] + sizes)
@@ -83,7 +82,7 @@ class TensorParallel:
         return np.concatenate([rows, np.zeros((pad, *rows.shape[1:]), rows.dtype)])
 
     def place(self, t: Tensor, axis: int | None) -> Tensor:
-        """A weight split along `axis`, or replicated (None); not yet realized (realize all at once: one schedule)."""
+        """A weight split along `axis`, or replicated (None); not yet realized."""
         if self.size == 1:
             return t
         return t.to(self.devices) if axis is None else t.shard(self.devices, axis)

@@ -109,7 +109,7 @@ class ByteLevelBPETokenizer(Tokenizer):
             token_bytes=token_bytes, added_tokens=added_tokens, special_token_ids=special_token_ids, **kwargs
         )
 
-        # ranks: bytes -> rank for tiktoken, and rank -> token id for us (None: a byte missing from the vocabulary)
+        # bytes -> rank for tiktoken; rank -> token id (None: a byte the vocabulary lacks)
         added_ids = set(added_tokens.values())
         ranks = {bytes([b]): b for b in range(256)}
         self._rank_to_id: list[int | None] = [None] * (256 + len(merges))

@@ -44,8 +44,7 @@ def _compile(template: str) -> jinja2.Template:
 
 @lru_cache(maxsize=16)
 def template_variables(template: str) -> frozenset[str]:
-    """The variables a template reads from outside: "tools" among them when it can render tool definitions
-    (SmolLM2's reads only messages and add_generation_prompt)."""
+    """The variables a template reads from outside ("tools" when it renders tool definitions)."""
     return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
 
 

@@ -88,7 +88,7 @@ class ModelConfig:
         return self.gguf_architecture == "llama"
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of layer `layer`'s attention (keys it sees behind a query), None for full attention."""
+        """Layer `layer`'s sliding window, None for full attention."""
         if self.sliding_window is None:
             return None
         if self.layer_types is not None and self.layer_types[layer] != SLIDING_ATTENTION:
@@ -122,7 +122,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
-        """Build from an HF `config.json` dict (an architecture of ARCHITECTURES), as transformers 4 or 5 wrote it."""
+        """Build from an HF `config.json` dict, as transformers 4 or 5 wrote it."""
         arch = architecture_of(cfg)
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads

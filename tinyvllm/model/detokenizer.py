@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []  # the generated ones, not the prompt
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pieces: list[str] = []
-        # Has the text begun? Until it has, sentencepiece's first space is the dummy prefix, to be dropped.
+        # until the text begins, sentencepiece's first space is the dummy prefix, dropped
         self._started = False
         for token_id in prompt_token_ids:  # the prompt's text is not ours to emit: decode it and drop it
             self._decode_next(token_id)

@@ -1,15 +1,10 @@
-"""Reading a GGUF file: its key/value metadata and the layout of its tensors.
+"""Reading a GGUF file (llama.cpp's format, github.com/ggml-org/ggml/blob/master/docs/gguf.md):
 
-GGUF (llama.cpp's single-file format, spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+    | "GGUF" | u32 version | u64 n_tensors | u64 n_kv | metadata: key, type, value ... |
+    | tensor infos: name, dims, type, offset ... | padding to the alignment | tensor data |
 
-    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
-    | magic | version | n_tensors | n_kv | kv pairs (metadata)| tensor infos | padding | tensor data  |
-    | GGUF  | u32 = 3 | u64       | u64  | key, type, value   | name, dims,  | to      | each tensor  |
-    |       |         |           |      | ...                | type, offset | align   | at offset    |
-    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
-
-Dimensions are stored fastest-varying first (ggml order); `GGUFTensorInfo.shape` is numpy's order. Tensor data is
-memory-mapped, string arrays decoded on first use, the parsed header kept on disk (`HeaderCache`). Taught in
+Dims are stored fastest-varying first; `GGUFTensorInfo.shape` is numpy's order. Tensor data is memory-mapped,
+string arrays decoded on first use, the parsed header kept on disk (`HeaderCache`). Taught in
 docs/phases/01-foundation.md; the cold start in 06-appendix-measurements.md.
 """
 
@@ -108,7 +103,7 @@ class _Cursor:
         return s
 
     def strings(self, n: int) -> StringArray:
-        """n strings back to back, stepped over: one length read each; decoded when first used (`StringArray`)."""
+        """n strings back to back, stepped over (one length read each)."""
         start, pos, buf, length_at = self.pos, self.pos, self.buf, _U64.unpack_from
         try:
             for _ in range(n):

@@ -1,4 +1,4 @@
-"""Writing a GGUF v3 file: the inverse of tinyvllm/model/gguf.py (whose docstring draws the layout).
+"""Writing a GGUF v3 file: the inverse of tinyvllm/model/gguf.py (whose docstring has the layout).
 
 Little-endian; a string is a u64 byte count and its UTF-8 bytes; a metadata value is a u32 type id (ggml's
 gguf_type: the constants below) and the value; an array, a u32 item type, a u64 count and the items. Every tensor
@@ -113,7 +113,7 @@ def _array_items(item_type: int, items: list, key: str) -> bytes:
     if item_type == STRING:
         return b"".join(_string(s) for s in items)
     if item_type in _SCALARS and item_type != BOOL:
-        # numbers in one go (a vocabulary's token types: ~50k of them); range-checked by the conversion
+        # numbers in one go (a vocabulary's token types), range-checked by the conversion
         dtype = np.dtype(_SCALARS[item_type])
         array = np.asarray(items)
         if item_type in _INT_RANGES and array.size:
@@ -178,9 +178,8 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: list[
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, MetadataValue]:
-    """A GGUF file's metadata with each value's type (`GGUFFile.metadata` without them), for a faithful rewrite."""
+    """A GGUF file's metadata with each value's type, for a faithful rewrite."""
     GGUFFile(path)  # checks the magic and the version
-    # the reader's own cursor: the same parsing, with each value's type kept beside it
     with open(path, "rb") as f:
         cur = _Cursor(memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)))
     cur.pos = 4 + 4

@@ -67,7 +67,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class OneDevice:
-    """The whole model on one device; Phase 8's TensorParallel and PipelineParallel take its place for several."""
+    """The whole model on one device (TensorParallel and PipelineParallel take its place for several)."""
 
     size = 1
 
@@ -117,7 +117,7 @@ class LlamaDecoderLayer:
         B, T, _ = x.shape
         S, H, KvH, Hd = self.tp.size, self.tp.heads, self.tp.kv_heads, self.config.head_dim  # H, KvH: per device
         qkv = project(x, self.qkv_proj)  # (B,T,S*(H+2*KvH)*Hd)
-        if self.qkv_bias is not None:  # Qwen2 (its rows in the same device-by-device order as qkv_proj's)
+        if self.qkv_bias is not None:  # Qwen2
             qkv = qkv + self.qkv_bias
         qkv = qkv.reshape(B, T, S, (H + 2 * KvH) * Hd)  # device s: [q_s k_s v_s]
         q = qkv[..., : H * Hd].reshape(B, T, S * H, Hd)
@@ -162,7 +162,7 @@ def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
 
 
-# The axis each weight of a layer is split along (tensor parallel): 0 column-parallel, 1 row-parallel; others replicated
+# tensor parallel: 0 column-parallel, 1 row-parallel; others replicated
 SPLIT_AXIS = {"qkv_proj": 0, "qkv_bias": 0, "gate_up_proj": 0, "o_proj": 1, "down_proj": 1}
 
 
@@ -196,7 +196,7 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
         return out
     if pool is None:
         np.concatenate(parts, axis=0, out=dst, casting="same_kind")
-    else:  # the copy is page faults and memory traffic: numpy releases the GIL, so threads share it out
+    else:  # page faults and memory traffic: numpy releases the GIL
         copies.append(pool.submit(np.concatenate, parts, axis=0, out=dst, casting="same_kind"))
     return out
 
@@ -285,14 +285,14 @@ class LlamaForCausalLM:
                 weights["post_attention_layernorm"] = load(p + "pre_feedforward_layernorm.weight", at=at)
                 weights["mlp_output_norm"] = load(p + "post_feedforward_layernorm.weight", at=at)
             layer_weights.append(weights)
-        self.norm = load("model.norm.weight", at=pp.last)  # with the last layers: the last pipeline stage's
-        if pp.size > 1:  # lm_head on the last stage; a tied one is a second copy of the embedding there
+        self.norm = load("model.norm.weight", at=pp.last)  # the last pipeline stage's
+        if pp.size > 1:  # a tied one: a second copy there
             self.lm_head = load("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight",
                                 at=pp.last)
         else:
             self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight", axis=0)
         self.inv_freq = upload([rope_frequencies(config)], device)  # (Hd/2,), in place on the CPU
-        # Gemma 3's sliding layers rotate with their own base (None: every layer shares inv_freq)
+        # Gemma 3's sliding layers' own RoPE base
         self.inv_freq_local = None if config.rope_local_theta is None else upload(
             [rope_frequencies(config, local=True)], device)
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)

@@ -19,7 +19,7 @@ DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16
 
 
 def parse_dtype(dtype: str | DType, device: str | None = None) -> DType:
-    """'float32', 'float16', or 'auto' (the device's: tinyvllm/platforms.py) -> the compute dtype on `device`."""
+    """'float32', 'float16', or 'auto' (the device's) -> the compute dtype."""
     if isinstance(dtype, DType):
         return dtype
     if dtype not in (*DTYPES, "auto"):

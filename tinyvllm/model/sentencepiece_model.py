@@ -82,8 +82,7 @@ def field(number: int, value: int | float | bytes | str) -> bytes:
 
 
 def without_dummy_prefix(model_proto: bytes) -> tuple[bytes, bool, bool]:
-    """The model with `add_dummy_prefix` off, and the model's own add_dummy_prefix and
-    remove_extra_whitespaces flags."""
+    """The model with `add_dummy_prefix` off, and its own add_dummy_prefix and remove_extra_whitespaces."""
     add_dummy_prefix = removes_whitespace = True  # the proto's defaults, when a field is absent
     top = list(fields(model_proto))
     spec = next((value for number, value, _ in top if number == MODEL_NORMALIZER_SPEC), b"")

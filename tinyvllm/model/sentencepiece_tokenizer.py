@@ -38,7 +38,7 @@ class SentencePieceTokenizer(Tokenizer):
                 return piece.encode("utf-8")
             return piece.replace("▁", " ").encode("utf-8")
 
-        # added tokens: the model's control and unknown pieces, and those tokenizer_config.json adds
+        # added tokens: control and unknown pieces, and tokenizer_config.json's
         added = {sp.id_to_piece(i): i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)}
         special = set(added.values())
         for token_id, token in config.get("added_tokens_decoder", {}).items():
@@ -102,7 +102,7 @@ class SentencePieceTokenizer(Tokenizer):
         return cls(model_proto_from_gguf(metadata), config, metadata.get("tokenizer.chat_template"), stops)
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
-        # the dummy prefix, placed as HF's Metaspace places it; sentencepiece turns the space into "▁"
+        # the dummy prefix where HF's Metaspace puts it
         prepend = self._prepend_scheme == "always" or (self._prepend_scheme == "first" and at_start)
         if prepend and not text.startswith(" "):
             text = " " + text

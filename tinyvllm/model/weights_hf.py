@@ -130,8 +130,7 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike, dt
 
 def save_hf_weights(state_dict: dict[str, np.ndarray], model_dir: str | os.PathLike, dtype: str = "float32",
                     max_shard_size: int | None = None) -> list[Path]:
-    """Write a state dict as model.safetensors, or as shards of at most `max_shard_size` bytes + an index
-    (tensors fill shards in order; one larger than the limit gets its own, as HF does)."""
+    """Write a state dict as model.safetensors, or as HF does in shards of at most `max_shard_size` + an index."""
     model_dir = Path(model_dir)
     itemsize = 4 if dtype == "float32" else 2
     shards: list[dict[str, np.ndarray]] = [{}]
