@@ -106,7 +106,7 @@ def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
 
 
 class ToolCallPolicy:
-    """Which calls a client gets: undeclared ones dropped, one without parallel calls, invalid arguments left as text."""
+    """Which calls a client gets: undeclared ones dropped, one without parallel calls, bad arguments left as text."""
 
     def __init__(self, functions: list[dict], parallel: bool = True):
         self.functions = {f["name"]: f for f in functions}
