@@ -39,7 +39,7 @@ _U64 = struct.Struct("<Q")  # a string's length
 class GGUFTensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy order (slowest-varying first)
-    ggml_type: int  # see tinyvllm.model.quant.GGML_TYPES
+    ggml_type: int  # see tinyvllm.ggml_types.GGML_TYPES
     offset: int  # absolute byte offset of the tensor's data in the file
 
     @property
