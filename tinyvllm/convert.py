@@ -2,25 +2,8 @@
 
     python -m tinyvllm.convert SRC.gguf OUT_DIR [--dtype float32|float16|bfloat16] [--max-shard-size 2GB]
 
-    OUT_DIR/
-      config.json                  ModelConfig.to_hf_config() + token ids + torch_dtype
-      generation_config.json       bos / eos token ids
-      model.safetensors            HF names and HF q/k layout; no lm_head when the embeddings are tied
-        (or model-00001-of-0000N.safetensors ... + model.safetensors.index.json with --max-shard-size)
-      tokenizer.json               the BPE tokenizer rebuilt from the GGUF's tokenizer.ggml.* metadata
-      tokenizer_config.json        special tokens, add_bos_token, chat_template
-
-The weights are dequantized (a Q4_1 GGUF becomes float32), so the directory is ~6x larger than the
-GGUF; it loads in tinyvllm, HF transformers and vLLM alike.
-
-The tokenizer. A GGUF "gpt2" tokenizer is a byte-level BPE: a vocab (token string -> id, bytes
-spelled with GPT-2's printable byte alphabet, e.g. 'Ġ' for a space), a ranked merge list, per-token
-types (CONTROL tokens are special), and a pre-tokenizer preset name (`tokenizer.ggml.pre`) standing
-for the regex that splits text before BPE runs. tokenizer.json spells the same thing in HF
-tokenizers' terms:
-
-    {"added_tokens": [special tokens], "pre_tokenizer": {the preset, below}, "decoder": ByteLevel,
-     "post_processor": adds BOS (if add_bos_token), "model": {"type": "BPE", "vocab": {...}, "merges": [...]}}
+config.json, generation_config.json, safetensors in HF names and layout (dequantized), tokenizer.json rebuilt from
+the GGUF's tokenizer.ggml.* metadata, tokenizer_config.json: it loads in tinyvllm, HF transformers and vLLM alike.
 """
 
 from __future__ import annotations
@@ -41,7 +24,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
 
-# tokenizer.ggml.pre preset -> HF pre_tokenizer. Each mirrors the regex list llama.cpp uses for the preset.
+# tokenizer.ggml.pre preset -> HF pre_tokenizer (llama.cpp's regexes)
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 # Llama 3: split with its own regex first, then ByteLevel maps bytes only (use_regex off)
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -117,7 +100,6 @@ def tokenizer_json(md: dict) -> dict:
 def tokenizer_config(md: dict) -> dict:
     """tokenizer_config.json: which tokens are special, whether BOS is prepended, the chat template."""
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}  # a plain wrapper around tokenizer.json
-    # HF's name for each special token -> GGUF's (tokenizer.ggml.<name>_token_id)
     for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         if _token(md, gguf_key) is not None:
             cfg[f"{key}_token"] = _token(md, gguf_key)
@@ -175,7 +157,7 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fl
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # weights of an earlier conversion (single file or other shard count) would shadow or mix with these
+    # an earlier conversion's weights would shadow or mix with these
     for old in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
         old.unlink(missing_ok=True)
     save_hf_weights(state_dict, out, dtype, max_shard_size)

@@ -1,15 +1,9 @@
 """`python -m tinyvllm.dashboard --url http://host:8000`: the engine dashboard of a tinyvllm server elsewhere.
 
-The server serves its own dashboard at /dashboard; this serves the same page on this machine and passes
-its data calls on to the server, so the browser talks to one origin (no CORS to open on the server):
-
     browser --> http://127.0.0.1:8001/dashboard              the page's files, from this package
             --> http://127.0.0.1:8001/v1/engine/state/stream  --httpx, streamed--> URL/v1/engine/state/stream
 
-    python -m tinyvllm.dashboard --url http://gpu-box:8000 --api-key sk-... --open   # serve here, open a browser
-    python -m tinyvllm.dashboard --url http://gpu-box:8000 --direct                  # open URL/dashboard itself
-
-The key (--api-key, else $TINYVLLM_API_KEY, else the one the page sends) goes to the server only.
+One origin for the browser, so no CORS to open on the server; the API key goes to the server only.
 """
 
 from __future__ import annotations

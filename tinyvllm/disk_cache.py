@@ -1,13 +1,9 @@
-"""What the on-disk caches share: a cache directory kept under a size, the least recently used files going first.
-
-The graph cache (kernels/graph_cache.py), the tokenizer cache (model/tokenizer_cache.py) and the GGUF header cache
-(model/gguf.py) each touch a file when they read it (`os.utime`), so its modification time says when it was last
-used. The last two keep one pickled value per file as a checksummed record (`read_record`, `write_record`):
+"""What the on-disk caches share: a directory kept under a size, least recently used files first (a read touches
+its file), and a checksummed record of one pickled value per file:
 
     MAGIC | sha256(payload) | payload = pickle((key, value))
 
-A file that is missing, truncated, corrupt (the checksum) or of another key is a miss: the caller builds the value
-again and writes it over.
+A missing, truncated, corrupt or other-key file is a miss: the caller builds the value again and writes it over.
 """
 
 from __future__ import annotations
@@ -20,8 +16,8 @@ from pathlib import Path
 
 
 def read_record(file: Path, magic: bytes, key: str) -> object:
-    """The value `write_record` kept in `file` under `key`, the file touched as used. ValueError if its header,
-    checksum or key is wrong, OSError if it cannot be read (and whatever unpickling raises on a file that is not)."""
+    """The value kept in `file` under `key`, the file touched as used; ValueError for a wrong header, checksum or
+    key, OSError if unreadable."""
     data = file.read_bytes()
     if not data.startswith(magic):
         raise ValueError(f"{file.name} is not a file of this cache")
@@ -36,8 +32,8 @@ def read_record(file: Path, magic: bytes, key: str) -> object:
 
 
 def write_record(file: Path, magic: bytes, key: str, value: object, max_bytes: int) -> bool:
-    """Keep `value` under `key` in `file` (a temporary file renamed into place), then the directory's files of the
-    same suffix under `max_bytes`; False where it cannot be (a read-only home, a full disk, an unpicklable value)."""
+    """Keep `value` under `key` in `file` (written to a temporary file, renamed into place), then evict the
+    directory's files of that suffix down to `max_bytes`. False where it cannot (read-only, full, unpicklable)."""
     tmp = None
     try:
         payload = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)

@@ -3,37 +3,8 @@
     python -m tinyvllm.perplexity [--model PATH] [--quantization auto|none|q8_0|q4_0|q4_1]
                                   [--n-ctx 512] [--chunks N] [--tokens-per-step N] [--file PATH]
 
-Perplexity is exp(mean negative log-likelihood) of a text's tokens: ppl = exp(-(1/N) sum_i log p(t_i | t_<i)).
-A model that put probability 1 on every next token would score 1; one that guessed uniformly over SmolLM2's
-49,152 tokens would score 49,152. Quantizing weights moves it a little: the shift is what a format costs.
-
-The method is llama.cpp's `llama-perplexity` (tools/perplexity/perplexity.cpp, `perplexity()`), followed
-exactly so that the two numbers are comparable:
-
-    tokens  [t0 t1 ...................................................... t3766]   (LICENSE.txt, SmolLM2: 3,767)
-    chunks  [ chunk 0: 512 tokens ][ chunk 1: 512 tokens ] ... [ chunk 6 ][rest: dropped]
-              |<- context 256 ->|<- scored 255 ->|
-              positions 0..255    logits at 256..510 predict tokens 257..511
-
-  - the text is tokenized once, BOS prepended only if the vocab says `add_bos` (SmolLM2: no), and cut into
-    floor(tokens / n_ctx) chunks of n_ctx (fewer with --chunks); at least 2 * n_ctx tokens are needed;
-  - each chunk is evaluated from scratch (an empty KV cache), its first token replaced by BOS when `add_bos`;
-  - only the second half is scored: the logits at positions n_ctx/2 .. n_ctx-2 against the tokens after them,
-    n_ctx - n_ctx/2 - 1 tokens per chunk (255 at 512), so every scored token has at least n_ctx/2 of context.
-
-Here each chunk is one forward of the model (`LlamaForCausalLM.__call__`, then `compute_logits`) over n_ctx
-tokens at positions 0..n_ctx-1, as one sequence on a paged KV cache of its own, captured once with TinyJit and
-replayed per chunk. Only the scored positions go through the lm_head. Their logits leave the device as
-float32 and the log-softmax is computed on the host in float64, as llama-perplexity sums its exponentials in
-double.
-
-NOTE: an added token's text written in the file ("<|im_end|>") becomes that token here, as HF tokenizes;
-llama-perplexity tokenizes it as plain text (parse_special false). LICENSE.txt holds none; with another text,
-benchmarks/bench_quality.py --peers checks that the two engines scored the same token ids.
-
-The default text is Python's own LICENSE.txt from the standard library directory: every machine with Python
-has it, no download needed. Its wording changes a little between Python releases, so the CLI prints its size
-and digest with the figure. Like `llama-perplexity -f`, one trailing newline is dropped before tokenizing.
+llama.cpp's `llama-perplexity` method, followed exactly: chunks of n_ctx tokens, each from scratch, the second
+half scored. Taught in docs/phases/06-quantized-weights.md, section 5.
 """
 
 from __future__ import annotations
@@ -64,8 +35,8 @@ class PerplexityResult:
     nll: float  # mean negative log-likelihood of a scored token, in nats
     tokens_scored: int  # chunks * (n_ctx - n_ctx // 2 - 1)
     chunks: int
-    text_tokens: int = 0  # the whole text's token count (most of it, not all, is in the chunks)
-    seconds: float = 0.0  # forward passes and log-softmax, tokenizing and compilation included
+    text_tokens: int = 0  # the whole text's
+    seconds: float = 0.0  # all of it, compilation included
 
 
 def default_text_path() -> Path:
@@ -101,7 +72,7 @@ def num_chunks(num_tokens: int, n_ctx: int, max_chunks: int | None = None) -> in
 
 
 def chunk_tokens(token_ids: list[int], n_ctx: int, chunks: int, bos_token_id: int | None) -> list[list[int]]:
-    """The chunks' token ids; with a BOS id, each chunk's first token is replaced by it (llama-perplexity's add_bos)."""
+    """The chunks' token ids, each one's first token replaced by `bos_token_id` if given."""
     out = []
     for i in range(chunks):
         chunk = list(token_ids[i * n_ctx:(i + 1) * n_ctx])
@@ -122,18 +93,8 @@ def scored_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 class ChunkScorer:
     """One chunk of n_ctx tokens -> the float32 logits of its scored positions, (n_ctx - n_ctx/2 - 1, vocab).
 
-    The chunk is one sequence on a paged KV cache of its own (Phase 2), attended by the engine's attention
-    kernels (Phase 5; the portable paged path on a device without them): block table [0, 1, ..., n_ctx/16 - 1],
-    token i at position i in slot i. A chunk always starts at position 0, so each forward overwrites every slot
-    the next one reads: no state carries over from chunk to chunk, which is what "evaluated from scratch" asks.
-    NOTE: the contiguous cache of Phase 1 gives the same logits, but its attention is tinygrad's generic
-    (T, S) kernels, several times slower per chunk than the paged kernels here.
-
-    tokens_per_step: feed the chunk that many tokens per forward instead of all at once (it must divide n_ctx).
-    The logits are the same up to float rounding: the quantized kernels round the activations to 8 bits at every
-    number of rows, as a decode step does (and as llama.cpp does). Only where a user turned on their float path
-    (TINYVLLM_QMATMUL_FLOAT_MIN_M=N, tinyvllm/kernels/qlinear.py) does a whole chunk multiply the dequantized
-    weights in float32 instead; steps of fewer than N tokens still measure what a decode step computes."""
+    One sequence on a paged KV cache of its own, token i in slot i: each chunk overwrites every slot the next one
+    reads ("evaluated from scratch"). tokens_per_step: tokens per forward (a divisor of n_ctx)."""
 
     BLOCK_SIZE = 16
 
@@ -144,8 +105,7 @@ class ChunkScorer:
             raise ValueError(f"tokens_per_step must divide n_ctx ({n_ctx}), got {tokens_per_step}")
         self.model, self.n_ctx, self.first, self.step = model, n_ctx, n_ctx // 2, step
         device, num_blocks = model.device, -(-n_ctx // self.BLOCK_SIZE)
-        # kv_cache_dtype (Phase 7c): the chunk's K/V stored as float16/int8/fp8 and read back, so the quantization
-        # is in every score
+        # the chunk's K/V stored in kv_cache_dtype: its rounding is in every score
         self.cache = PagedKVCache(model.config, num_blocks, self.BLOCK_SIZE,
                                   dtype=resolve_kv_cache_dtype(kv_cache_dtype, model.dtype), device=device)
         self.block_table = Tensor(np.arange(num_blocks, dtype=np.int32).reshape(1, -1), device=device).realize()
@@ -182,12 +142,7 @@ class ChunkScorer:
 def perplexity(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, n_ctx: int = 512,
                max_chunks: int | None = None, tokens_per_step: int | None = None, progress=None,
                kv_cache_dtype: str = "auto") -> PerplexityResult:
-    """llama-perplexity's chunked perplexity of `text` (see the module docstring).
-
-    tokens_per_step: see `ChunkScorer` (None: each chunk in one forward); kv_cache_dtype: how the chunk's K/V are
-    stored ("auto": the model's dtype; "float16", "int8", "fp8": tinyvllm/attention/kv_cache.py).
-    progress: called after each chunk with (chunk index, running perplexity), as llama-perplexity prints
-    `[i]ppl` per chunk."""
+    """llama-perplexity's chunked perplexity of `text`; `progress(chunk index, running perplexity)` per chunk."""
     start = time.perf_counter()
     token_ids = tokenizer.encode(text, add_special_tokens=True)  # BOS first iff the vocab's add_bos
     chunks = num_chunks(len(token_ids), n_ctx, max_chunks)

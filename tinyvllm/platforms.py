@@ -1,34 +1,7 @@
-"""What differs between devices, decided once per device in one table (vLLM: `vllm/platforms/`).
-
-tinyvllm runs one engine on every device tinygrad has. Almost nothing in it knows which device it is on: the
-model, the scheduler, the sampler are the same code everywhere. What must differ is decided here, per device
-kind, and every module that cares asks `platform_for(device)` instead of testing the device's name itself:
-
-    kind      path       host views  CPU graph  dtype "auto"  KV cache sized by
-    CPU       host       yes         yes        float32       kv_cache_memory (default 512MiB)
-    CUDA/NV   discrete   no          no         float16       gpu_memory_utilization (default 0.9)
-    METAL     discrete   no          no         float16       gpu_memory_utilization (default 0.9)
-    AMD       discrete   no          no         float16       gpu_memory_utilization (default 0.9)
-    PYTHON    discrete   no          no         float32       kv_cache_memory (tinygrad's emulator of a GPU)
-
-  host views   the host reads and writes device memory through numpy views of tinygrad's buffers: weights load
-               straight into them, step inputs are filled in place, KV caches come zeroed from the OS
-               (device_memory.py, input_buffer.py). On the discrete path bytes go in by a copy
-               (`tinygrad_ext.buffers.copy_in`) and the zeros by a kernel.
-  CPU graph    a captured step is replayed by one C call through a table of function and buffer addresses
-               (kernels/cpu_graph.py), and may be kept on disk (kernels/graph_cache.py). A GPU has its own
-               answer, which tinygrad's TinyJit uses: it replays the step as one CUDA graph (a Metal indirect
-               command buffer), one launch for the whole step.
-  dtype        what `--dtype auto` computes in: this CPU has no float16 arithmetic, a GPU's tensor cores want it.
-  KV cache     vLLM sizes the cache from what is left of the GPU's memory (`--gpu-memory-utilization`); on the
-               CPU device the machine's memory is shared with everything else, so the budget is given.
-
-The C kernels (kernels/cpu) and their thread pool go with the device's kernel table (kernels/launcher.py), not
-with the path: a device only launches the kernels written in its language.
-
-The discrete path runs in CI without a GPU: `TINYVLLM_DEVICE_PATH=discrete` makes the CPU device take it (no host
-views, no CPU graph, tinygrad's JIT; the CPU's kernels and float32, which the CPU needs), so the code a GPU runs
-is tested on every commit. It is read once, when this module is imported.
+"""What differs between devices, decided once per device kind in one table, `PLATFORMS` (vLLM's
+`vllm/platforms/`): every module asks `platform_for(device)` instead of testing a device's name.
+`TINYVLLM_DEVICE_PATH=discrete` (read once, at import) puts the CPU device on a GPU's path, so that path is tested
+without a GPU. The table is drawn in docs/phases/05b-gpu.md, section 1.
 """
 
 from __future__ import annotations
@@ -44,7 +17,7 @@ if DEVICE_PATH not in DEVICE_PATHS:
 
 @dataclass(frozen=True)
 class Platform:
-    """One row of the table in the module doc."""
+    """One row of the device table (drawn in docs/phases/05b-gpu.md)."""
 
     kind: str  # the device kind: "CPU", "CUDA", "METAL", ...
     path: str  # "host": the host sees the device's memory; "discrete": it does not (a GPU's own memory)
@@ -79,8 +52,7 @@ def device_kind(device: str | None) -> str:
 
 
 def platform_for(device: str | None, device_path: str | None = None) -> Platform:
-    """The row of `device` (None: tinygrad's default). `device_path` overrides TINYVLLM_DEVICE_PATH: "discrete"
-    puts a CPU device on the path a discrete GPU takes (its dtype and memory budget stay the CPU's)."""
+    """The row of `device` (None: tinygrad's default); `device_path` overrides TINYVLLM_DEVICE_PATH."""
     kind = device_kind(device)
     row = PLATFORMS.get(kind, replace(GPU, kind=kind))  # a device not listed: treat it as a GPU of its own
     if (device_path or DEVICE_PATH) == "discrete" and row.path == "host":

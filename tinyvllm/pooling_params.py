@@ -1,15 +1,11 @@
-"""What a pooling request asks for: one vector for a whole prompt, from the model's hidden states (vLLM's
-`PoolingParams` with the pooler's settings; the server's `/v1/embeddings`).
+"""What a pooling request asks for: one vector for a whole prompt from the final hidden states (vLLM's
+`PoolingParams` and `--pooler-config`; the server's `/v1/embeddings`).
 
-A decoder model has no embedding head, but its final hidden states (after the last norm, the vectors the
-lm_head reads) describe the text. Pooling turns the prompt's (T, D) of them into one (D,):
-
-    LAST   the last token's: in a causal model the only one that has seen the whole prompt (vLLM's default
-           for decoder models)
+    LAST   the last token's: in a causal model the only one that has seen the whole prompt (vLLM's decoder default)
     MEAN   the mean over the prompt's tokens
+    then, with `normalize` (the default), scaled to unit length, so a dot product is a cosine
 
-then, by default (`normalize`, as vLLM's embed pooler), scaled to unit length, so a dot product is a cosine.
-The engine runs such a request as a prefill that samples nothing (`LLMEngine.add_request`).
+Taught in docs/phases/09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -33,12 +29,12 @@ class PoolingParams:
 
     @property
     def n(self) -> int:
-        """Outputs returned: one vector (what a server counts against its queue, as `SamplingParams.n`)."""
+        """Outputs returned: one vector (as `SamplingParams.n`)."""
         return 1
 
     @property
     def max_tokens(self) -> int:
-        """Tokens it may generate: none (what a key's tokens-per-minute reserves, as for `SamplingParams`)."""
+        """Tokens it may generate: none (as `SamplingParams.max_tokens`)."""
         return 0
 
     @classmethod

@@ -1,11 +1,8 @@
 """The access log holds no secret: query parameters that may carry one are written as `***`.
 
-uvicorn logs each request's path with its query string, `GET /dashboard?key=sk-... HTTP/1.1" 200`: a key put in
-an address (the dashboard once documented `?key=`) would sit in clear in every log the server writes. The
-dashboard now takes its key from the address's fragment (`/dashboard#key=...`), which browsers never send, or
-from its form; this filter is the backstop for whatever else a client puts in a query string:
-
     GET /v1/models?api_key=sk-abc&limit=2   ->   GET /v1/models?api_key=***&limit=2
+
+Taught in docs/phases/09-appendix-server-defects.md.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ def redact_query(target: str) -> str:
 
 
 class RedactQuerySecrets(logging.Filter):
-    """On uvicorn's access logger: its records carry (client, method, target, http version, status) as args."""
+    """On uvicorn's access logger, whose record args are (client, method, target, ...)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args

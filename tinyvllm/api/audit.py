@@ -1,23 +1,6 @@
-"""Who did what: one record per request, written to the audit log and counted per API key.
-
-`RequestAccounting` is the outermost middleware, so it sees every request, those the guard refuses
-(401, 413, 421, 429) included. It opens a `RequestRecord` and puts it in the `current_record` context
-variable: each request is its own asyncio task, and a context variable belongs to its task, so the
-guard (which writes the key id) and `keys.KeyedEngine` (which writes the token counts) find the
-record of their own request without it being passed through the serving code. When the response is
-done, or the client has gone, the record is finished: one JSON line for `--audit-log PATH`,
-
-    {"time": "2025-01-31T12:00:00.000Z", "key_id": "alice", "method": "POST", "route": "/v1/completions",
-     "status": 200, "prompt_tokens": 12, "completion_tokens": 16, "latency_s": 0.25, "disconnected": false,
-     "request_id": "cmpl-..."}
-
-and the per-key counters of /metrics (`metrics.KeyMetrics`). The key itself is never written, only
-its id; the route is the path without its query string. `status` is the one sent (499 when a
-client left before a non-streamed answer was ready); `disconnected` is true when the client left
-before the end of the response. /health (a load balancer's probe, every few seconds) is not logged.
-
-The event loop only puts the record on a queue; a thread turns it into JSON and writes it, so a
-slow disk never stalls a connection.
+"""Who did what: one record per request (`RequestRecord`, in the `current_record` context variable), written to
+`--audit-log` by a thread and counted per API key; the key itself is never written.
+Taught in docs/phases/09-appendix-limits-and-keys.md.
 """
 
 from __future__ import annotations

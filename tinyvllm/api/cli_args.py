@@ -1,9 +1,4 @@
-"""The server's flags: what `python -m tinyvllm.api.server --help` (and `tinyvllm serve --help`) prints.
-
-vLLM keeps its server's flags apart in the same way (`make_arg_parser`, vllm/entrypoints/openai/cli_args.py):
-the engine's own flags come from `EngineArgs.add_cli_args` (engine/arg_utils.py, shared with `tinyvllm generate`), the
-server's are added here, and `server.main` turns the parsed arguments into an engine, an app and a running server.
-"""
+"""The server's flags (vLLM's `make_arg_parser`): the engine's from `EngineArgs.add_cli_args`, the server's added here."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
-"""A live picture of the engine: `GET /dashboard`, fed by `GET /v1/engine/state` and its SSE stream.
-
-    browser                              server (event loop)                       engine thread
-    -------                              -------------------                       -------------
-    GET /dashboard  (public: no data) -> dashboard.html, .js, .css (tinyvllm/api/static/, no CDN, no build)
-    fetch /v1/engine/state/stream     -> every `interval` s: AsyncLLMEngine.get_state() --_GetState--> get_state()
-      Authorization: Bearer KEY          + rates from ServerMetrics (the numbers of /metrics)   between two steps
-    <-- data: {state} (SSE) ----------
-
-The state (tinyvllm/engine/engine_state.py) is taken on the engine thread between two steps, so its block
-table, queues and step records agree with each other; the rates are computed here from the counters and
-histograms that `/metrics` shows, over the last `RATE_WINDOW_S` seconds:
-
-    generated tok/s, prompt tok/s     d(generation_tokens_total) / dt, d(prompt_tokens_total) / dt
-    TTFT, ITL p50 / p99               from the histograms' bucket counts gained in the window, interpolated
-                                      inside a bucket (as Prometheus' histogram_quantile does): an estimate
-    prefix cache hit rate             d(prefix_cache_hits_total) / d(prefix_cache_queries_total), in tokens
-
-The page is public (it holds nothing); its data calls carry the API key when one is set, the same key
-as /v1. The page reads the stream with `fetch`, not `EventSource`, because EventSource cannot send an
-Authorization header. `python -m tinyvllm.dashboard --url ...` serves the same page against a server elsewhere.
+"""A live picture of the engine: `GET /dashboard` (three static files, public: they hold no data), fed by
+`GET /v1/engine/state` and its SSE stream, the engine's state taken between two steps plus rates diffed from
+/metrics' counters over RATE_WINDOW_S seconds. Taught in docs/phases/09-api-server.md, section 10.
 """
 
 from __future__ import annotations
@@ -44,9 +26,8 @@ MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 10.0
 
 
 def histogram_quantile(q: float, buckets: tuple[float, ...], counts: list[float]) -> float | None:
-    """The q-quantile of observations counted per bucket (counts[i] in (buckets[i-1], buckets[i]], the last
-    one above every bound), interpolated linearly inside its bucket; None without observations. Above the
-    last bound the answer is that bound: the histogram knows no more."""
+    """The q-quantile of per-bucket counts (the last above every bound), interpolated in its bucket as Prometheus
+    does; None without observations."""
     total = sum(counts)
     if total <= 0:
         return None
@@ -76,8 +57,7 @@ class RateWindow:
                     "ttft": list(m.ttft.counts), "itl": list(m.itl.counts)}
 
     def rates(self, extra_stats: dict) -> dict:
-        """Rates over the window. The first call has nothing to diff against: no rates yet, and the
-        percentiles count every observation so far."""
+        """Rates over the window (the first call: no rates, percentiles over everything so far)."""
         if self.metrics is None:
             return {}
         now, current = time.monotonic(), self.read()

@@ -1,25 +1,6 @@
-"""Errors in OpenAI's shape, each with its HTTP status.
-
-Every error the server returns has the body the official clients parse into their exceptions:
-
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
-
-    status  when                                       type / code                           client raises
-    400     a bad field, a prompt over the context     invalid_request_error                 BadRequestError
-            (code context_length_exceeded)
-    401     missing or wrong API key                   invalid_request_error / invalid_api_key  AuthenticationError
-            (with WWW-Authenticate: Bearer)
-    404     a model this server does not serve         invalid_request_error / model_not_found  NotFoundError
-    408     headers or body arriving too slowly      invalid_request_error / request_timeout    APIStatusError
-            (--header-read-timeout, --body-read-timeout)
-    413     a body over --max-request-body-bytes       invalid_request_error / request_too_large  APIStatusError
-    421     a Host header not in --allowed-hosts       invalid_request_error / host_not_allowed   APIStatusError
-    429     the waiting queue is full (Retry-After)    requests / rate_limit_exceeded        RateLimitError
-    503     the model is loading or the engine stopped server_error / service_unavailable    InternalServerError
-    500     a bug or a failed engine step (logged)     server_error / internal_error         InternalServerError
-
-The engine raises plain Python exceptions (ValueError for bad input, its own classes for overload
-and failures); `to_openai_error` is the one place that maps them onto this table.
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, each with its HTTP status;
+`to_openai_error` is the one place that maps the engine's exceptions onto them. The table of statuses is in
+docs/phases/09-appendix-endpoints.md, section 3.
 """
 
 from __future__ import annotations
@@ -71,14 +52,13 @@ def invalid_api_key() -> OpenAIError:
                        "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): only where one is written can a parsed string hold a lone one
+# a JSON escape of a UTF-16 surrogate: the only way a parsed string can hold a lone one
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def lone_surrogate_error(body: bytes) -> OpenAIError | None:
-    """A 400 naming the field if the JSON body holds a string with a lone surrogate (`"\ud800"`: valid JSON, but
-    no Unicode text: encoding it, to tokenize or to answer, would fail later with a 500, or mid-stream after a
-    200). Bodies without such an escape (nearly all) are not parsed here."""
+    """A 400 naming the field if the JSON body holds a string with a lone surrogate (`"\ud800"`: valid JSON, not
+    Unicode text, so a later 500); None otherwise. Bodies without such an escape are not parsed."""
     if _SURROGATE_ESCAPE.search(body) is None:
         return None
     try:
@@ -121,7 +101,7 @@ def request_too_large(limit: int) -> OpenAIError:
 
 
 def host_not_allowed(name: str) -> OpenAIError:
-    # 421 Misdirected Request: this server does not answer for that name (the guard against DNS rebinding)
+    # 421 Misdirected Request: the guard against DNS rebinding
     return OpenAIError(421, f"This server does not answer to the host name {name!r}: besides localhost and IP "
                        f"addresses it answers only to the names given with --allowed-hosts (e.g. --allowed-hosts "
                        f"{name}, or '*' for any)", "invalid_request_error", code="host_not_allowed")
@@ -145,7 +125,7 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", retry_after=e.retry_after)
     if isinstance(e, (EngineNotReadyError, EngineDeadError)):
         return OpenAIError(503, str(e), "server_error", code="service_unavailable", retry_after=5)
-    if isinstance(e, EngineStepError):  # the engine said what failed (its own words, no traceback): pass them on
+    if isinstance(e, EngineStepError):  # the engine's own words, passed on
         logger.error("engine step error: %s", e)
         return OpenAIError(500, f"{e}; the server keeps serving", "server_error", code="internal_error")
     if isinstance(e, ValueError):  # the engine's word for bad caller input

@@ -1,35 +1,6 @@
-"""API keys with limits: who may call the server, and how much of it each caller may use.
-
-`--api-keys-file PATH` holds the keys, as JSON (a list of objects, or {"keys": [...]}) or as JSON
-lines (one object per line). The file need not hold a secret: a key is given by its SHA-256.
-
-    {"id": "alice", "sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", "rpm": 60, "tpm": 20000}
-    {"id": "batch-jobs", "key": "sk-in-clear-if-you-must"}
-
-    id       required; shown in the audit log and as the key_id label in /metrics (letters, digits, . _ -)
-    sha256   the hex SHA-256 of the key: `printf %s "$KEY" | sha256sum` (or "key": the key itself)
-    rpm      requests per minute to /v1/ (optional: no limit)
-    tpm      tokens per minute, prompt and completion tokens together (optional: no limit)
-
-`python -m tinyvllm.api.keys alice --rpm 60 >> keys.jsonl` makes a new random key: the key goes to
-the terminal (stderr), to be given to alice; only its line, with the hash, goes to the file.
-`--api-key KEY` is one more key, with the id "default" and no limits.
-
-Each limit is a token bucket (the algorithm behind OpenAI's limits and most API gateways): a bucket
-holds up to `limit` units and refills at `limit` per minute, so a key may burst up to its limit at once
-and then runs at its steady rate. The units are taken when they are known:
-
-    RPM  1 per request, when the request arrives (before its body is read)
-    TPM  a reservation when the request is admitted to the engine: its prompt's tokens plus the most it
-         may generate, max_tokens x n (without max_tokens: what the context leaves after the prompt, x n);
-         settled when it ends: the tokens it did not use go back to the bucket
-
-A reservation is what makes the limit a bound: tokens charged only as they came would let concurrent
-requests with large max_tokens x n spend many times the per-minute budget before any was refused. So
-a request fits only if the bucket holds its whole reservation (else 429), and one that could never fit,
-its reservation over the limit itself, gets a 400 naming max_tokens. A key's spending in any minute is
-then at most its limit plus a minute's refill. Retry-After is exact for a key that sends nothing else
-meanwhile: the seconds, rounded up, until the bucket holds what the refused request needed.
+"""API keys with limits (`--api-keys-file`: JSON or JSON lines, one {"id", "sha256" or "key", "rpm", "tpm"} per
+key), each limit a token bucket; `python -m tinyvllm.api.keys ID` makes a key. The file format and the buckets are
+taught in docs/phases/09-appendix-limits-and-keys.md.
 """
 
 from __future__ import annotations
@@ -122,10 +93,7 @@ def load_api_keys(path: str | Path) -> list[ApiKey]:
 
 
 class TokenBucket:
-    """Up to `per_minute` units, refilled continuously at `per_minute` / 60 per second.
-
-    `level` never goes below zero: a request takes its reservation only if the bucket holds it.
-    """
+    """Up to `per_minute` units, refilled continuously at `per_minute` / 60 per second; never below zero."""
 
     def __init__(self, per_minute: int, now: float):
         self.capacity, self.rate = per_minute, per_minute / 60.0  # units per second
@@ -172,11 +140,7 @@ def rate_limited(key: ApiKey, kind: str, limit: int, needed: int, wait: float) -
 
 
 class ApiKeys:
-    """The server's keys, and for each key with limits its request and token buckets.
-
-    Used on the event loop only (the guard, the route's admission, the stream), so no lock.
-    `clock` is for the tests.
-    """
+    """The server's keys and their buckets (event loop only: no lock)."""
 
     def __init__(self, keys: list[ApiKey], clock: Callable[[], float] = time.monotonic):
         assert keys, "at least one key"
@@ -204,8 +168,8 @@ class ApiKeys:
         # Starlette decodes headers as latin-1: encoding back gives the bytes the client sent
         digest = hashlib.sha256(token.encode("latin-1")).digest()
         found = None
-        for key in self.keys:  # every key, match or not, each compared in constant time: the time the
-            if hmac.compare_digest(digest, key.digest):  # check takes says nothing of the key or of which matched
+        for key in self.keys:  # every key, in constant time: the check's time says nothing of which matched
+            if hmac.compare_digest(digest, key.digest):
                 found = key
         if scheme.lower() != "bearer" or found is None:
             raise invalid_api_key()
@@ -224,9 +188,8 @@ class ApiKeys:
             requests.take(1, now)
 
     def reserve_tokens(self, key: ApiKey, num_prompt_tokens: int, max_completion_tokens: int) -> int:
-        """At admission to the engine: take the request's reservation, its prompt's tokens and the most it may
-        generate (429 if the bucket does not hold it now, 400 if it never can). Returns what was taken (0 for a
-        key without a tokens limit); give it to `settle_tokens` when the request ends."""
+        """Take the request's reservation, prompt plus the most it may generate: 429 if the bucket does not hold it
+        now, 400 if it never can. Returns what was taken (0 without a tokens limit), for `settle_tokens`."""
         bucket = self.tokens.get(key.id)
         if bucket is None:
             return 0
@@ -258,12 +221,7 @@ class ApiKeys:
 
 
 class KeyedEngine:
-    """The AsyncLLMEngine as the serving code sees it, with each request charged to its caller.
-
-    `OpenAIServing*` call `engine.add_request(request_id, prompt_ids, params)` as before; which key the
-    request belongs to travels with the request's asyncio task, in the `current_record` context
-    variable that `audit.RequestAccounting` sets. Everything else is the engine's own attribute.
-    """
+    """The AsyncLLMEngine as the serving code sees it, each request charged to the key in `current_record`."""
 
     def __init__(self, engine, keys: ApiKeys | None):
         self.async_engine, self.keys = engine, keys
@@ -291,23 +249,21 @@ class KeyedEngine:
         return self.metered(stream, record, key, reserved, num_prompt_tokens)
 
     def max_completion_tokens(self, num_prompt_tokens: int, params) -> int:
-        """The most tokens a request may generate, all its choices (n, or beams) together: max_tokens x n, or
-        without max_tokens what the context leaves after the prompt, x n."""
+        """The most tokens a request may generate, all its choices together: (max_tokens or the room left) x n."""
         room = self.async_engine.max_model_len - num_prompt_tokens
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return max(0, max_tokens) * params.n
 
     async def metered(self, stream: AsyncIterator[RequestOutput], record, key: ApiKey | None, reserved: int,
                       num_prompt_tokens: int):
-        """The stream, counting its completion tokens (all choices together); the key's reservation is settled
-        when it ends, however it ends."""
+        """The stream, counting its completion tokens; the key's reservation settled however it ends."""
         generated = 0
         try:
             async for output in stream:
                 generated = sum(len(completion.token_ids) for completion in output.outputs)
                 record.completion_tokens = generated
                 yield output
-        finally:  # closed early (the client left): close the engine's stream now, which aborts the request
+        finally:  # closing the engine's stream aborts the request
             if key is not None:
                 self.keys.settle_tokens(key, reserved, num_prompt_tokens + generated)
             await stream.aclose()

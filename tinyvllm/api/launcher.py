@@ -2,9 +2,6 @@
 
     serve(app, engine, port=8000)               until SIGTERM or Ctrl-C, then drain (GracefulServer)
     with BackgroundServer(app) as server: ...   on a thread, on a free port: the tests, the tutorial, the benchmarks
-
-Both redact secret-looking query parameters in the access log (access_log.py) and answer 408 to headers that
-arrive too slowly (read_timeouts.py).
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 
 class BackgroundServer:
-    """A real uvicorn server on a thread of this process, on a free port of 127.0.0.1 by default:
-    what the tests, the tutorial and the benchmark talk to. `with BackgroundServer(app) as server:`
-    returns once `/health` says the model is loaded; leaving the block stops the server."""
+    """A real uvicorn server on a thread, on a free port of 127.0.0.1 by default. Entering returns once `/health`
+    says the model is loaded; leaving stops the server."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
                  wait_until_ready: bool = True, header_read_timeout: float = 10.0):
@@ -62,11 +58,9 @@ class BackgroundServer:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn with a graceful shutdown. On SIGTERM (or Ctrl-C) uvicorn closes the listening socket at once, so a
-    new server can take the port, and waits for the open responses to end; the engine meanwhile refuses new
-    requests (503) and gives those in flight `shutdown_timeout` seconds to finish, then ends the rest with an
-    error their clients can read (an SSE error event, then [DONE]). uvicorn's own limit, a little later, is
-    only a backstop: past it, it cancels whatever still runs, mid-stream."""
+    """uvicorn with a graceful shutdown: on SIGTERM the listening socket closes at once, the engine refuses new
+    requests (503) and gives those in flight `shutdown_timeout` seconds, then ends the rest with an error their
+    clients can read. uvicorn's own, later limit is only a backstop (it cancels streams mid-word)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
         super().__init__(config)
@@ -79,9 +73,7 @@ class GracefulServer(uvicorn.Server):
 
 def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout: float = 10.0, log_level: str = "info", header_read_timeout: float = 10.0) -> None:
-    """Run `app` (built around `engine`) until SIGTERM or Ctrl-C, then drain it (see `GracefulServer`).
-    Its access log redacts secret-looking query parameters (access_log.py); a request whose headers take over
-    `header_read_timeout` seconds to arrive gets 408 (read_timeouts.py)."""
+    """Run `app` (built around `engine`) until SIGTERM or Ctrl-C, then drain it (see `GracefulServer`)."""
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
     access_log.install()

@@ -1,9 +1,5 @@
 """OpenAI's deprecated `functions` / `function_call` on /v1/chat/completions, served as tools.
 
-Before `tools`, a chat request listed `functions` and chose with `function_call`; the answer carried one
-`message.function_call` ({name, arguments}) and `finish_reason: "function_call"`. Older clients and agents still
-send this, so the request is rewritten into today's fields and the answer back into the old ones:
-
     functions [{name, parameters}]   -> tools [{"type": "function", "function": {...}}]
     function_call "none" | "auto"    -> tool_choice "none" | "auto"
     function_call {"name": f}        -> tool_choice {"type": "function", "function": {"name": f}}

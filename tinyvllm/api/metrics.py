@@ -1,30 +1,6 @@
-"""`GET /metrics`: what the engine is doing, in Prometheus' text format.
-
-The numbers come from the engine thread (`ServerMetrics` is the async engine's stat logger) and are
-read by the event loop when a scraper asks, so one lock guards them. The names follow vLLM's
-(`vllm:num_requests_running` here is `tinyvllm:num_requests_running`), so a dashboard built for one
-reads the other. The text format is simple enough to write by hand:
-
-    # HELP tinyvllm:time_to_first_token_seconds Time from arrival to the first generated token.
-    # TYPE tinyvllm:time_to_first_token_seconds histogram
-    tinyvllm:time_to_first_token_seconds_bucket{le="0.1"} 3      <- cumulative: observations <= 0.1
-    tinyvllm:time_to_first_token_seconds_bucket{le="+Inf"} 5
-    tinyvllm:time_to_first_token_seconds_sum 1.25
-    tinyvllm:time_to_first_token_seconds_count 5
-
-Time to first token (TTFT) is the wait a user feels before anything appears: queueing plus prefill.
-Inter-token latency (ITL) is the gap between tokens after that: one decode step of the whole batch,
-so it grows with the batch while the total throughput grows faster.
-
-Each finished request is also split into its phases, as vLLM's request-level histograms split it (the
-times are the engine's: `RequestMetrics`):
-
-    arrival ---queue---> first scheduled ---prefill---> first token ---decode---> last token
-       |                        |<-------------- inference ----------------------->|
-       |<------------------------------- e2e ------------------------------------>|
-
-with its prompt and generated token counts (`request_prompt_tokens`, `request_generation_tokens`), its mean
-time per output token (decode / (tokens - 1)), and the preemptions the scheduler made (`num_preemptions_total`).
+"""`GET /metrics`: what the engine is doing, in Prometheus' text format, with vLLM's names under `tinyvllm:`.
+Written on the engine thread (`ServerMetrics` is the async engine's stat logger), read on the event loop: one lock.
+Taught in docs/phases/09-api-server.md; the format and the request-level histograms in 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -141,14 +117,14 @@ class ServerMetrics:
         self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
-        # how K/V are stored (Phase 7c: float32, float16, int8, fp8) and what a token of context costs, scales included
+        # how K/V are stored (Phase 7c) and what a token of context costs
         self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.")
         self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
                                         "over all layers (K and V, with their scales).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.success = Counter("request_success_total", "Requests finished, by reason.", "finished_reason")
-        # prefix caching, in tokens: hits / queries is the share of prompt tokens whose K/V was reused
+        # prefix caching, in tokens: hits / queries is the share of prompt tokens reused
         self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.",
@@ -156,7 +132,7 @@ class ServerMetrics:
         self.itl = Histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
                              LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS)
-        # vLLM's older name of the inter-token latency, still read by dashboards: the same observations
+        # vLLM's older name of the inter-token latency, still read by dashboards
         self.tpot = Histogram("time_per_output_token_seconds", "Time between two tokens of one request "
                               "(the older name of inter_token_latency_seconds).", LATENCY_BUCKETS)
         self.queue_time = Histogram("request_queue_time_seconds", "Time from arrival to the first step that ran "
@@ -181,7 +157,7 @@ class ServerMetrics:
         self.preemptions = Counter("num_preemptions_total", "Requests preempted (their KV blocks freed, to be "
                                    "recomputed) to make room for others.")
         self.batch = Histogram("num_running_per_step", "Requests in the batch of each engine step.", BATCH_BUCKETS)
-        # speculative decoding (Phase 7b), shown only when it is on: the engine's own running totals, copied
+        # speculative decoding (Phase 7b), shown only when on: the engine's running totals
         self.spec_decode_on = False
         self.spec_draft = Counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.")
         self.spec_accepted = Counter("spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.")
@@ -293,11 +269,7 @@ class ServerMetrics:
 
 
 class KeyMetrics:
-    """Requests and tokens per API key (`--api-keys-file`), labelled by the key's id, never the key.
-
-    Written by `audit.RequestAccounting` when a request ends and read by /metrics, both on the event
-    loop: no lock. Tokens are the request's own (prompt once, completions of all its choices).
-    """
+    """Requests and tokens per API key id (event loop only: no lock)."""
 
     def __init__(self):
         self.requests: dict[tuple[str, str], int] = {}  # (key_id, status) -> requests

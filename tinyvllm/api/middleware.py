@@ -1,21 +1,6 @@
-"""The checks every request passes before any route sees it, as ASGI middleware around the app.
-
-`RequestGuard` checks, in this order and without reading the body until the last step:
-
-    Host header      a DNS name not in --allowed-hosts -> 421   (localhost and IP addresses always pass)
-    API key          with --api-key or --api-keys-file, every path but /health -> 401 + WWW-Authenticate: Bearer
-    the key's RPM    on /v1/, a key over its requests (or in debt for its tokens) per minute -> 429 + Retry-After
-    body size        over --max-request-body-bytes -> 413, from Content-Length or while reading
-    lone surrogates  a JSON string holding one ("\ud800": no Unicode text) -> 400 naming the field
-    body time        not all arrived within --body-read-timeout seconds -> 408 (headers: --header-read-timeout,
-                     in the connection's protocol: tinyvllm/api/read_timeouts.py)
-
-Outside it, `audit.RequestAccounting` keeps a record of each request (the key's id, status, tokens,
-latency) for --audit-log and the per-key counters of /metrics; `keys.KeyedEngine` charges the key's
-tokens per minute as the request is admitted to the engine and as its tokens are generated.
-`RequestIdHeader` echoes a client's `X-Request-Id` on the response (the serving code uses it as the
-request's id); with --allowed-origins (`CorsConfig`), Starlette's CORSMiddleware answers browsers'
-cross-origin checks. `build_app` (server.py) stacks them.
+"""The checks every request passes before any route sees it, as ASGI middleware: `RequestGuard` checks the Host
+(421), the API key (401), the key's rate (429), then reads the body (413, 408, 400 for a lone surrogate).
+`build_app` stacks them. Taught in docs/phases/09-appendix-limits-and-keys.md, which lists them in order.
 """
 
 from __future__ import annotations
@@ -34,8 +19,7 @@ from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, lon
                                  request_too_large)
 from tinyvllm.api.keys import ApiKey, ApiKeys
 
-OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # answered without the API key: a load balancer's probe has none,
-# and the dashboard page holds no data (its calls to /v1/engine/state carry the key)
+OPEN_PATHS = ("/health", "/ping", *DASHBOARD_PATHS)  # without the API key: a probe has none, the page holds no data
 
 
 def host_name(host_header: str) -> str:
@@ -49,9 +33,7 @@ def host_name(host_header: str) -> str:
 
 
 def is_allowed_host(name: str, allowed: frozenset[str]) -> bool:
-    """DNS rebinding: a web page on attacker.example has its name re-resolved to 127.0.0.1, and the
-    browser then sends the page's requests to this server, with `Host: attacker.example`. So a
-    name must be one the operator gave; an IP address can't be rebound and always passes."""
+    """Against DNS rebinding: a name must be localhost or one the operator gave; an IP address can't be rebound."""
     if "*" in allowed or name in allowed or name == "localhost":
         return True
     try:
@@ -62,8 +44,7 @@ def is_allowed_host(name: str, allowed: frozenset[str]) -> bool:
 
 
 class RequestGuard:
-    """ASGI middleware: the Host, API key, rate and body size checks, before routing and before the
-    body is parsed (FastAPI would answer malformed JSON before a route's own checks ran)."""
+    """The Host, API key, rate and body checks, before FastAPI parses the body (it would answer bad JSON first)."""
 
     def __init__(self, app: ASGIApp, *, keys: ApiKeys | None, allowed_hosts: frozenset[str], max_body_bytes: int,
                  body_read_timeout: float = 60.0):
@@ -113,8 +94,7 @@ class RequestGuard:
         return key
 
     def with_rate_limit_headers(self, key: ApiKey, send: Send) -> Send:
-        """OpenAI's x-ratelimit-* headers, as they stand when the response starts (for a non-streamed
-        answer, after its completion tokens were charged)."""
+        """OpenAI's x-ratelimit-* headers, as they stand when the response starts."""
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -125,9 +105,7 @@ class RequestGuard:
         return send_with_headers
 
     async def read_body(self, headers: Headers, receive: Receive) -> bytes | None:
-        """The whole body, refused (413) as soon as it is known to be too big: a declared Content-Length
-        over the limit before a byte is read, a chunked one when the bytes read pass it; 408 when it has not
-        all arrived `body_read_timeout` seconds after the headers (a slow client holding the connection)."""
+        """The whole body (None if the client left); 413 as soon as it is too big, 408 when it comes too slowly."""
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -152,8 +130,7 @@ class RequestGuard:
 
 
 class RequestIdHeader:
-    """ASGI middleware: a request's `X-Request-Id` comes back on its response, errors included (vLLM's
-    --enable-request-id-headers, always on here), so a client can match its logs with the server's."""
+    """A request's `X-Request-Id` echoed on its response (vLLM's --enable-request-id-headers)."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -174,8 +151,8 @@ class RequestIdHeader:
 
 @dataclass(frozen=True)
 class CorsConfig:
-    """vLLM's CORS flags. No origin is allowed unless given: a server on localhost that answered every origin
-    would let any web page a user opens read from it (vLLM's default is "*"; here it is a choice to make)."""
+    """vLLM's CORS flags; no origin is allowed unless given (vLLM's default is "*": any web page could read a
+    server on localhost)."""
 
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)

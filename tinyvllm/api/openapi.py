@@ -1,11 +1,8 @@
 """`/openapi.json`: FastAPI's schema of the pydantic models, made true to what the server does.
 
-FastAPI writes the request bodies from `protocol.py` by itself. What it cannot know is added here:
-every error status a route can answer (in OpenAI's shape; a validation error is a 400 here, never
-FastAPI's 422), `Retry-After` and the `x-ratelimit-*` headers, the SSE events of "stream": true, the
-bearer key when keys are configured, and two fields described as the serving code serves them. A
-client generated from the schema then sends requests the server can serve, and a fuzzer
-(`tests/test_api_fuzz.py`, schemathesis) can check every answer against it.
+Added here: every error status a route can answer (a validation error is a 400, never FastAPI's 422),
+`Retry-After` and the `x-ratelimit-*` headers, the SSE events, the bearer key, and two fields described as
+served, so that `tests/test_api_fuzz.py` (schemathesis) can check every answer against the schema.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from tinyvllm.api.protocol import ErrorResponse
 from tinyvllm.api.serving_chat import ROLES
 
-# What each error status means here (errors.py has the table).
+# What each error status means here (docs/phases/09-appendix-endpoints.md has the table).
 ERRORS = {400: "A bad field (`param` names it), or a prompt over the context", 401: "Missing or wrong API key",
           404: "A model this server does not serve", 413: "A body over --max-request-body-bytes",
           421: "A Host header not in --allowed-hosts", 429: "Over the key's limits, or the waiting queue is full",
@@ -29,14 +26,13 @@ RATE_LIMIT_HEADERS = {f"x-ratelimit-{what}-{kind}": {"description": f"{descripti
 
 
 def responses(ok: type | dict, *statuses: int, stream: bool = False) -> dict:
-    """The documented answers of one route: the 200 (a pydantic model, or {media type: JSON schema};
-    `stream`: SSE as well) and the errors, all in OpenAI's shape."""
+    """One route's documented answers: the 200 (a model, or {media type: schema}; `stream`: SSE too) and errors."""
     documented: dict = {status: {"model": ErrorResponse, "description": ERRORS[status]} for status in statuses}
     if isinstance(ok, dict):
         documented[200] = {"description": "OK", "content": {media: {"schema": schema} for media, schema in ok.items()}}
     else:
         documented[200] = {"description": "OK", "model": ok}
-    if stream:  # "stream": true. The schema is of one event (OpenAPI 3.1): `data` is a JSON chunk, or [DONE]
+    if stream:  # one SSE event (OpenAPI 3.1): `data` is a JSON chunk, or [DONE]
         event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
         documented[200]["content"] = {"text/event-stream": {"schema": event}}
     if 429 in statuses:
@@ -46,10 +42,8 @@ def responses(ok: type | dict, *statuses: int, stream: bool = False) -> dict:
     return documented
 
 
-# Two fields whose pydantic type is looser than what the serving code serves, described as served, so
-# that a client generated from the schema, or a fuzzer, sends requests that can reach the engine:
-# `messages` are plain dicts to pydantic (tool calls and all) and serving_chat checks their roles and
-# content; a completion's prompt is one text or one list of token ids, or a batch of them, not empty.
+# Two fields whose pydantic type is looser than what the serving code serves, described as served, so that a
+# generated client or a fuzzer sends requests that can reach the engine (serving_chat checks messages' roles).
 CHAT_MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string", "enum": list(ROLES)},
     "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
@@ -64,9 +58,7 @@ SERVED_AS = {("ChatCompletionRequest", "messages"): {"type": "array", "items": C
 
 
 def openapi_schema(app: FastAPI, secured: bool, open_paths: tuple[str, ...] = ()) -> dict:
-    """FastAPI's schema (/openapi.json), made true to this server: a validation error is a 400 here,
-    never FastAPI's 422; messages and prompts are described as served (SERVED_AS); `secured`: every
-    path but the `open_paths` needs `Authorization: Bearer`."""
+    """FastAPI's schema made true to this server; `secured`: every path but `open_paths` needs the bearer key."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for (model, field), served in SERVED_AS.items():

@@ -1,24 +1,6 @@
-"""The OpenAI API's request and response bodies, as pydantic models, field for field.
-
-Requests are validated here for type, shape and OpenAI's ranges (a string where a number belongs,
-or a temperature of 3, is a 400 naming the field before any code of ours runs); values are
-validated once more by `SamplingParams`, which names the field. Types are strict, as OpenAI's are:
-`"n": "2"`, `"stream": "yes"` or `"max_tokens": true` are refused, not coerced; a float field takes
-a JSON integer (`"temperature": 1`) but not a string or a boolean. The limits the server's operator
-sets (`--max-n`, the stop strings, the body size) are checked in `serving_engine.py` and `middleware.py`.
-Beside OpenAI's fields, the requests accept vLLM's sampling extras (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, ...) under the same names, so
-the request maps onto `SamplingParams` name for name. Unknown fields are ignored, as OpenAI does.
-Output constraints come three ways, as in vLLM: OpenAI's `response_format`, vLLM's `structured_outputs`
-and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; chat also takes
-OpenAI's `tools` and `tool_choice`.
-
-    request                      response (stream=false)       chunk (stream=true, one per SSE event)
-    CompletionRequest            CompletionResponse            CompletionStreamResponse
-    ChatCompletionRequest        ChatCompletionResponse        ChatCompletionStreamResponse
-
-Shapes follow the OpenAPI spec the official clients are generated from (openai/openai-openapi) and
-vLLM's `vllm/entrypoints/openai/protocol.py`.
+"""The OpenAI API's request and response bodies as pydantic models, field for field (openai/openai-openapi,
+vLLM's `entrypoints/openai/protocol.py`): strict types and OpenAI's ranges, a 400 naming the field; vLLM's
+sampling extras under `SamplingParams`' names. Taught in docs/phases/09-api-server.md and 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -67,14 +49,13 @@ class UsageInfo(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False  # one last chunk with `usage` (and no choices) before [DONE]
+    include_usage: StrictBool = False  # a last chunk with `usage` before [DONE]
     continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
-# ---- requests ----------------------------------------------------------------------------------
+# ---- requests ----
 
-# A list that stops at its first bad item. A prompt is a union of list types, tried in turn: without
-# fail_fast, a million token ids tried as list[str] would first collect a million errors.
+# fail_fast: a million token ids tried as list[str] (a prompt's union) would first collect a million errors
 Ids = Annotated[list[StrictInt], Field(fail_fast=True)]
 Strings = Annotated[list[StrictStr], Field(fail_fast=True)]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
@@ -89,8 +70,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: "text" (no constraint), "json_object" (some JSON object) or
-    "json_schema" (JSON that validates against `json_schema.schema`)."""
+    """OpenAI's `response_format`: "text", "json_object" or "json_schema" (against `json_schema.schema`)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None  # with type "json_schema"
@@ -107,10 +87,9 @@ class StructuredOutputsRequest(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields both endpoints share. Names equal `SamplingParams`' wherever the meaning is the same;
-    ranges are OpenAI's (the API reference) where OpenAI has the field, `SamplingParams`' otherwise."""
+    """The fields both endpoints share: `SamplingParams`' names; OpenAI's ranges where OpenAI has the field."""
 
-    model: StrictStr | None = None  # OpenAI requires it; like vLLM, a missing model means the served one
+    model: StrictStr | None = None  # missing: the served one (vLLM's rule)
     n: StrictInt = Field(1, ge=1)  # at most the server's --max-n
     temperature: StrictFloat | None = Field(None, ge=0, le=2)  # None: OpenAI's default 1.0
     top_p: StrictFloat | None = Field(None, gt=0, le=1)  # (0, 1], as vLLM's SamplingParams checks it
@@ -140,15 +119,15 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    # one prompt: text or token ids. A list of them is a batch; only batches of one are served.
+    # text or token ids, or a batch (a list) of them
     prompt: StrictStr | Strings | Ids | Annotated[list[Ids], Field(fail_fast=True)]
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     echo: StrictBool = False  # put the prompt in front of the completion
-    # how many top alternatives per token (0 = the sampled token only); OpenAI allows 5, vLLM 20
+    # top alternatives per token (0: the sampled token only); OpenAI allows 5, vLLM 20
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
-    # vLLM's extras: n beams instead of n samples (tinyvllm/engine/beam_search.py), ranked with this penalty
+    # vLLM's extras: n beams instead of n samples, ranked with this penalty
     use_beam_search: StrictBool = False
     length_penalty: StrictFloat = 1.0
 
@@ -202,18 +181,17 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None  # accepted; a forced tool_choice makes one call
-    max_tokens: StrictInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI
     max_completion_tokens: StrictInt | None = None  # None: as many as the context leaves
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token, needs logprobs
-    # vLLM's chat template extras: open the assistant's turn (the default), or continue the last message instead
-    # (a prefill of the answer); more variables for the template
+    # vLLM's chat template extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
 
 
-# ---- completions responses -----------------------------------------------------------------------
+# ---- completions responses ----
 
 
 class CompletionLogProbs(BaseModel):
@@ -249,7 +227,7 @@ class CompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None  # only on the last chunk, with stream_options.include_usage
 
 
-# ---- chat responses ------------------------------------------------------------------------------
+# ---- chat responses ----
 
 
 class TopLogprob(BaseModel):

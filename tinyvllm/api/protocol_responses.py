@@ -1,14 +1,5 @@
-"""The Responses API's request and response bodies (OpenAI's `POST /v1/responses`), as pydantic models.
-
-The Responses API is OpenAI's newer shape of a chat: `input` (a text, or a list of items: messages, the
-model's earlier function calls and their outputs) and `instructions` in; a list of `output` items out
-(a message with `output_text` parts, `function_call`s, `reasoning`). Tools are flat (`{"type": "function",
-"name", "parameters"}`, not nested under "function"), and structured outputs are `text.format`.
-
-    request                      response (stream=false)       events (stream=true, one per SSE event)
-    ResponsesRequest             ResponsesResponse             {"type": "response.created" | ... , ...}
-
-Shapes follow the openai client's `responses.create` types and vLLM's `ResponsesRequest`.
+"""The Responses API's bodies (OpenAI's `POST /v1/responses`) as pydantic models, after the openai client's
+`responses.create` types and vLLM's `ResponsesRequest`. Taught in docs/phases/09-appendix-endpoints.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Read timeouts: a client that sends part of its headers, or part of its body, and then waits, is cut off.
-
-A slow client ("slowloris") holds a connection, and the memory and file descriptor behind it, for as long as it
-keeps sending nothing. uvicorn bounds only the idle time between two requests (`timeout_keep_alive`), not the
-time a request takes to arrive, so two limits are added, one where each part is read:
-
-    connection opens / last response ends
-        |-- headers --| header_read_timeout: the request line and headers, from their first byte (or from
-        |              the connection's start), must be complete in this long, else 408 and the connection closes
-                      |-- body --| body_read_timeout: the whole body, from the end of the headers
-                                   (RequestGuard.read_body, tinyvllm/api/middleware.py), else 408
-
-`read_timeout_protocol(seconds)` is uvicorn's h11 protocol with the header limit, given to `uvicorn.Config(http=...)`.
+"""Read timeouts: a client that sends part of its headers and waits gets 408 after `header_read_timeout`
+(here, in uvicorn's h11 protocol; the body's limit is `RequestGuard.read_body`'s). uvicorn bounds only the idle time
+between requests. Taught in docs/phases/09-appendix-server-defects.md.
 """
 
 from __future__ import annotations
@@ -26,8 +16,8 @@ REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request headers take longer than `header_read_timeout`
-    seconds to arrive (counted from the connection's start, or from the first byte of a later request)."""
+    """uvicorn's h11 protocol, closing (408) a connection whose request headers take longer than
+    `header_read_timeout` seconds to arrive."""
 
     def __init__(self, *args, header_read_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,15 +1,5 @@
-"""Reasoning split (vLLM's `--reasoning-parser`): a thinking model writes its reasoning first, between
-`<think>` and `</think>`, then the answer. The server sends the two apart, as `reasoning_content` and
-`content`, so a client shows the answer without the scratch work:
-
-    "<think>2 and 2 make 4.</think>The answer is 4."
-        -> message.reasoning_content = "2 and 2 make 4."     message.content = "The answer is 4."
-
-Streamed, the same text arrives a few characters at a time, and a tag may be cut anywhere ("</thi" in one
-chunk, "nk>" in the next). So the parser reads its input incrementally and holds back only what could
-still become a tag; everything else goes out at once. The non-streamed response feeds the whole text
-into the same parser, so the two can never disagree. `python -m tinyvllm.api.server --reasoning-parser
-think` turns it on (SmolLM2 does not think: the default is none).
+"""Reasoning split (vLLM's `--reasoning-parser think`): `<think>...</think>` sent as `reasoning_content`, held
+back only where a tag may still be forming. Taught in docs/phases/09-appendix-tools-and-reasoning.md.
 """
 
 from __future__ import annotations
@@ -26,17 +16,15 @@ def partial_tag_length(text: str, tag: str) -> int:
 class ThinkReasoningParser:
     """Split an output into (reasoning, content) pieces as it arrives.
 
-    Reasoning is what follows a `<think>` at the very start of the output (whitespace before it allowed),
-    up to `</think>`; with no `</think>` (the output was cut short), all of it. Some chat templates open
-    the block in the prompt themselves: then `prompt_opened=True` and the output starts inside it. An
-    output that starts with anything else is all content.
+    Reasoning is what follows a `<think>` at the very start of the output, up to `</think>` (or the end);
+    `prompt_opened`: the chat template opened the block in the prompt. Any other start is all content.
     """
 
     START, END = "<think>", "</think>"
 
     def __init__(self, prompt_opened: bool = False):
         self.state = "reasoning" if prompt_opened else "start"  # start -> reasoning -> content
-        self.has_reasoning = prompt_opened  # whether a reasoning block was seen (its text may be empty)
+        self.has_reasoning = prompt_opened  # a block was seen (maybe empty)
         self.held = ""  # text not yet sent: it may still become a tag
 
     def feed(self, text: str) -> tuple[str, str]:

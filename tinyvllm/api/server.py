@@ -1,32 +1,6 @@
-"""`python -m tinyvllm.api.server`: the OpenAI API over the continuous-batching engine.
-
-    client --HTTP--> uvicorn --> FastAPI route --> OpenAIServing*   (event loop: parse, validate, tokenize)
-                                                        |
-                                      AsyncLLMEngine.generate() --queue--> engine loop thread: step() ...
-                                                        |
-    client <--SSE chunks / JSON-- StreamingResponse <---+  (one asyncio.Queue of outputs per request)
-
-    python -m tinyvllm.api.server --port 8000
-    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-         -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
-
-Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (serving_responses.py: the chat
-route in the Responses API's shapes), POST /v1/embeddings (serving_embeddings.py),
-GET /v1/models (+ /{model}), GET /health (503
-until the model is loaded), GET|POST /ping (the same), GET /version, POST /tokenize and /detokenize
-(serving_tokenize.py), GET /metrics (Prometheus text), GET /v1/engine/state (+ /stream, SSE) and the page
-GET /dashboard that draws it (tinyvllm/api/dashboard.py). The server listens on 127.0.0.1 unless told
-otherwise. On SIGTERM it drains: the port is released at once, new requests get 503, and the requests in
-flight get --shutdown-timeout seconds to finish before they end with an error.
-
-The rest of the server is in modules of its own:
-
-    middleware.py   RequestGuard (Host, API key, the key's rate, the body: before any route), RequestIdHeader, CORS
-    cli_args.py     the command line's flags (`build_parser`)
-    launcher.py     `serve` (uvicorn, draining on SIGTERM: GracefulServer) and the in-process `BackgroundServer`
-
-Here: `build_app`, which puts the engine, the serving classes, the middleware and the routes together, and `main`,
-which does it from the command line.
+"""`python -m tinyvllm.api.server`: the OpenAI API over the continuous-batching engine. `build_app` puts the
+engine, the serving classes, the middleware and the routes together; `main` does it from the command line.
+Taught in docs/phases/09-api-server.md (the request path: section 2); the endpoints in 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -70,13 +44,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
               reasoning_parser: str | None = None, cors: CorsConfig | None = None,
               tool_call_parser: str = "hermes", pooler: PoolingParams | None = None) -> FastAPI:
-    """The FastAPI app around `engine`, which it starts and stops with the server. `allowed_hosts`:
-    the DNS names the server answers to besides localhost and IP addresses ("*": any). `api_key`: one
-    key without limits; `api_keys`: several, with limits (not both: `ApiKeys.build` merges them).
-    `audit_log`: a file to append one JSON line per request to. `reasoning_parser`: "think" sends what the
-    model writes in <think>...</think> as `reasoning_content`. `tool_call_parser`: the format the model writes
-    tool calls in, "hermes" or "llama3_json" (vLLM's --tool-call-parser; tinyvllm/api/tool_parser.py). `cors`: the
-    origins browsers may call it from. `pooler`: how /v1/embeddings pools the hidden states (vLLM's --pooler-config)."""
+    """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
+    `cli_args.build_parser`. `api_key` (one key, no limits) or `api_keys` (several, with limits), not both."""
     if api_key is not None and api_keys is not None:
         raise ValueError("give api_key or api_keys, not both (ApiKeys.build(api_key, keys_file) merges them)")
     keys = api_keys if api_key is None else ApiKeys.build(api_key)
@@ -181,7 +150,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def create_completion(request: CompletionRequest, raw_request: Request):
         try:
             return await completions.create_completion(request, raw_request)
-        except Exception as e:  # OpenAIError as it is; engine errors mapped; anything else logged as a 500
+        except Exception as e:  # anything unmapped: a logged 500
             return to_openai_error(e).response()
 
     @v1.post("/chat/completions", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))

@@ -1,25 +1,6 @@
-"""`POST /v1/chat/completions`: a conversation in, the assistant's next message out.
-
-The engine knows nothing of chats. The conversation becomes one prompt through the model's own
-chat template (the Jinja template shipped with its weights), which writes each turn with the
-markers the model was trained on and ends with the assistant's header, so that the model's
-continuation is the reply:
-
-    [{"role": "user", "content": "Hi"}]
-        --chat template-->  "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
-        --tokenize------->  prompt token ids  --> engine.generate()
-
-A streamed reply opens each choice with a chunk holding only `delta.role`, then sends the new text
-as `delta.content`, the last one with its `finish_reason`.
-
-With `tools` (see `tool_parser.py`) and a reasoning parser (`reasoning_parser.py`), each choice's text
-goes through a `ChoiceParser` before it is sent, the same one streamed or not:
-
-    output text --ThinkReasoningParser--+--> reasoning_content
-                                        +--> the rest --ToolParser--+--> content
-                                                                    +--> tool_calls (those the ToolCallPolicy keeps)
-    (a choice that made a call and stopped has finish_reason "tool_calls"; the ToolParser is the
-    --tool-call-parser's: hermes or llama3_json)
+"""`POST /v1/chat/completions`: a conversation through the model's chat template, the assistant's next message
+out. Each choice's text goes through one `ChoiceParser` (reasoning, then tool calls), streamed or not.
+Taught in docs/phases/09-api-server.md; tools and reasoning in 09-appendix-tools-and-reasoning.md.
 """
 
 from __future__ import annotations
@@ -76,7 +57,7 @@ class ToolUse:
 
 
 class ChoiceParser:
-    """One choice's text -> (reasoning, content, tool calls), piece by piece (see the module docstring)."""
+    """One choice's text -> (reasoning, content, tool calls), piece by piece: reasoning first, then tool calls."""
 
     def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None):
         self.reasoning, self.tools = reasoning, tools
@@ -130,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
                                 continue_final_message=request.continue_final_message,
                                 chat_template_kwargs=request.chat_template_kwargs)
         prompt_ids = self.tokenize(text)
-        # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted, the new one wins
+        # max_completion_tokens (OpenAI's newer name) wins over max_tokens
         if request.max_completion_tokens is not None:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_completion_tokens, "messages",
                                                  "max_completion_tokens")
@@ -138,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "messages")
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         structured = self.structured_outputs(request, tool_use.constraint)
-        # a tag that is a special token of this vocabulary (Qwen's <tool_call>) must stay in the text to be parsed
+        # a tag that is a special token (Qwen's <tool_call>) must stay in the text to be parsed
         tags = ([START, END] if tool_use.parse else []) + (["<think>", "</think>"] if self.reasoning_parser else [])
         defaults = {"skip_special_tokens": False} if self.has_special_token(tags) else {}
         params = self.sampling_params(request, max_tokens, num_logprobs, structured, **defaults)
@@ -172,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
         names = [tool["function"]["name"] for tool in tools]
         if len(set(names)) < len(names):
             raise bad_request(f"tools must have distinct function names, got {names}", "tools")
-        for i, tool in enumerate(tools):  # each arguments schema compiles (whatever tool_choice), or the 400 says which
+        for i, tool in enumerate(tools):  # whatever tool_choice
             error = grammar_error(StructuredOutputsParams(json=tool["function"].get("parameters") or NO_PARAMETERS))
             if error:
                 raise bad_request(f"tools[{i}].function.parameters is not a JSON schema this server can check "
@@ -187,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
                               f"({', '.join(names)})", "tool_choice")
         wanted = names if choice == "required" else [choice.function.name]
         forced = [tool["function"] for tool in tools if tool["function"]["name"] in wanted]
-        # a named function: one call to it (vLLM's); required: one or more, as parallel_tool_calls allows
+        # a named function: one call (vLLM's); required: one or more, as parallel_tool_calls allows
         return ToolUse(tools, parse=True, forced=forced, parallel=parallel and choice == "required",
                        parser=self.tool_parser)
 
@@ -201,10 +182,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
-        """The prompt text: the conversation (and the tools) through the model's chat template. vLLM's fields:
-        `add_generation_prompt` ends it with the assistant's header; `continue_final_message` instead leaves the
-        last message open, so the model continues it (a prefill of the answer); `chat_template_kwargs` are more
-        variables for the template (e.g. `enable_thinking`)."""
+        """The prompt text: the conversation (and the tools) through the model's chat template, with vLLM's
+        `add_generation_prompt`, `continue_final_message` (the last message left open) and `chat_template_kwargs`."""
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true: the first opens "
                               "a new assistant turn, the second continues the last message", "continue_final_message")
@@ -219,7 +198,7 @@ class OpenAIServingChat(OpenAIServing):
                 role = message.get("role") if isinstance(message, dict) else message
                 raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
             content = message.get("content")
-            if content is None:  # an assistant turn that only carries tool_calls, or a missing content
+            if content is None:  # an assistant turn of tool_calls only
                 content = ""
             if isinstance(content, list):  # content parts: only text ones can be served by a text model
                 if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
@@ -260,8 +239,7 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def open_final_message(text: str, conversation: list[dict]) -> str:
-        """The rendered text cut right after the last message's content, dropping the end-of-turn the template
-        wrote after it (what HF's and vLLM's `continue_final_message` do)."""
+        """The rendered text cut right after the last message's content."""
         final = conversation[-1]["content"] if conversation else ""
         if not final or final not in text:
             raise bad_request("continue_final_message needs a last message with text content to continue",
@@ -269,7 +247,7 @@ class OpenAIServingChat(OpenAIServing):
         return text[:text.rindex(final) + len(final)]
 
     def tokenize(self, text: str) -> list[int]:
-        # the template wrote the special tokens (BOS included, where the model uses one): add none
+        # the template wrote the special tokens
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def full_response(self, final: RequestOutput, head: dict, num_logprobs: int | None,
@@ -318,8 +296,7 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     def stream_choices(delta: ChoiceDelta, parser: ChoiceParser,
                        logprobs: ChatCompletionLogProbs | None) -> list[ChatCompletionResponseStreamChoice]:
-        """One engine delta of one choice as stream chunks: the text, then each tool call completed by it (its
-        id and name first, its arguments next, as OpenAI streams them); the last chunk has the finish_reason."""
+        """One choice's engine delta as chunks: the text, then each completed call (id and name, then arguments)."""
         reasoning, content, calls = parser.feed(delta.text, last=delta.finish_reason is not None)
         messages = []
         if not parser.active:
@@ -333,7 +310,7 @@ class OpenAIServingChat(OpenAIServing):
             messages.append(DeltaMessage(tool_calls=[DeltaToolCall(
                 index=k, function=DeltaFunctionCall(arguments=call.function.arguments))]))
         if not messages and delta.finish_reason is None:
-            return []  # all held back (a tag, or a call not yet closed): nothing to send yet
+            return []  # all held back (a tag, an open call)
         choices = [ChatCompletionResponseStreamChoice(index=delta.index, delta=message)
                    for message in messages or [DeltaMessage()]]
         choices[0].logprobs = logprobs

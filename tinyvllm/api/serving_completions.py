@@ -1,23 +1,6 @@
-"""`POST /v1/completions`: a prompt in, its continuation out (OpenAI's legacy text API).
-
-    CompletionRequest --tokenize, check, SamplingParams--> engine.generate() --cumulative outputs-->
-        stream=true:  one chunk per new token(s), each the text added since the last chunk, then [DONE]
-        stream=false: the last output, whole
-
-Both paths read the same stream of `RequestOutput`s: the streaming one sends differences, the
-other waits for the end. `echo` puts the prompt in front of the text (with `logprobs`, the prompt tokens'
-logprobs first: the engine computes them, vLLM's `prompt_logprobs`); `logprobs=k` returns, per
-token, its log-probability and the k most likely alternatives. `response_format`, `structured_outputs`
-and the `guided_*` fields constrain the text as on the chat route (see `serving_engine.py`).
-`use_beam_search=true` (vLLM's extra) returns the n best beams instead of n samples, ranked with
-`length_penalty`; they arrive at once, when the search ends.
-
-A list of prompts is a batch: each prompt runs as its own engine request (`{id}-{i}`), side by side in the
-engine's batch, and the answer holds len(prompts) x n choices, choice `i * n + k` being prompt i's k-th
-(`merged_outputs` joins the requests' streams into one). `best_of` samples that many per prompt and returns
-the n with the highest cumulative log-probability (OpenAI's rule; every sample counts in `usage`), so it
-cannot stream. `suffix` (fill-in-the-middle) needs a model trained with FIM tokens, which the supported
-models are not: it is refused, naming the tokens a model would need.
+"""`POST /v1/completions`: a prompt in, its continuation out (OpenAI's legacy text API), streamed or joined.
+A list of prompts is a batch: prompt i runs as request `{id}-{i}`, its k-th completion choice `i * n + k`.
+Taught in docs/phases/09-api-server.md; the fields in 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -52,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
         width = self.best_of(request)  # samples per prompt
         echo_logprobs = request.echo and request.logprobs is not None  # the prompt's own logprobs come first
         prompts = self.prompts(request.prompt)
-        if len(prompts) > 1:  # each prompt is a request of `width` choices: all must be able to wait at once
+        if len(prompts) > 1:  # all must be able to wait at once
             self.check_batch_width(len(prompts) * width)
         params_of = []
         for prompt_ids, _ in prompts:
@@ -106,8 +89,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return best_of
 
     def check_fim(self) -> None:
-        """`suffix` asks for fill-in-the-middle: prompt and suffix around a hole, in markers the model was trained
-        on. A model without them would read them as plain text and answer something unrelated."""
+        """`suffix` (fill-in-the-middle): a 400, naming the FIM markers missing."""
         missing = [t for t in FIM_TOKENS if t not in self.tokenizer.added_tokens]
         if missing:
             raise bad_request(f"suffix (fill-in-the-middle) needs a model trained with FIM tokens; this model's "
@@ -154,8 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def full_response(self, final: RequestOutput, head: dict, echo: list[str], n: int, num_logprobs: int | None,
                       billed: UsageInfo, prompt_lengths: list[int] | None = None) -> dict:
-        """`echo`: each prompt's text, or "" (choice i*n + k belongs to prompt i). `prompt_lengths`: with echo and
-        logprobs, each prompt's token count (its logprobs come first)."""
+        """`echo`: each prompt's text or ""; `prompt_lengths`: with echo and logprobs, each prompt's token count."""
         choices = []
         for completion in final.outputs:
             logprobs = None
@@ -196,8 +177,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def echoed_logprobs(self, final: RequestOutput, prompt_index: int, prompt_lengths: list[int] | None,
                         num_top: int) -> tuple[CompletionLogProbs, int]:
-        """Prompt `prompt_index`'s tokens and logprobs (the first one's is null: nothing predicts it), and the text
-        offset after them; empty without echo. A batch's outputs hold the prompts one after another."""
+        """Prompt `prompt_index`'s tokens and logprobs (the first one null), and the text offset after them; empty
+        without echo."""
         if prompt_lengths is None:
             return CompletionLogProbs(), 0
         start = sum(prompt_lengths[:prompt_index])
@@ -208,9 +189,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int, text_offset: int,
                  result: CompletionLogProbs | None = None) -> tuple[CompletionLogProbs, int]:
-        """OpenAI's legacy logprobs: parallel lists, one entry per token; top_logprobs maps token text to
-        logprob (the sampled token first, then the `num_top` most likely). Appended to `result` when given.
-        An entry of None (a prompt's first token) has null logprobs."""
+        """OpenAI's legacy logprobs, appended to `result`: parallel lists, one entry per token; top_logprobs maps
+        token text to logprob, the sampled token first. An entry of None (a prompt's first token) is null."""
         result = CompletionLogProbs() if result is None else result
         for token_id, entry in zip(token_ids, logprobs or []):
             token = self.token_text(token_id)
@@ -234,8 +214,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 def best_of_choices(final: RequestOutput, best_of: int, n: int) -> RequestOutput:
-    """Of each prompt's `best_of` samples (choices i*best_of ...), the n with the highest cumulative
-    log-probability, best first, as choices i*n ... (OpenAI's `best_of`)."""
+    """OpenAI's `best_of`: of each prompt's samples, the n of highest cumulative log-probability, best first."""
     chosen = []
     for start in range(0, len(final.outputs), best_of):
         samples = final.outputs[start:start + best_of]
@@ -247,8 +226,7 @@ def best_of_choices(final: RequestOutput, best_of: int, n: int) -> RequestOutput
 async def merged_outputs(request_id: str, streams: list[AsyncIterator[RequestOutput]],
                          n: int) -> AsyncIterator[RequestOutput]:
     """Several prompts' requests (n choices each) as one stream of cumulative outputs: completion k of prompt i
-    becomes choice i * n + k; `prompt_token_ids` holds the prompts one after another, so `usage` counts them
-    all. Leaving early cancels every request's reader, which aborts the requests (their streams' `finally`)."""
+    becomes choice i * n + k, the prompts' ids one after another. Leaving early aborts every request."""
     latest: list[RequestOutput | None] = [None] * len(streams)
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -267,7 +245,7 @@ async def merged_outputs(request_id: str, streams: list[AsyncIterator[RequestOut
                 raise item
             latest[i] = item
             if any(output is None for output in latest):
-                continue  # every prompt's first output first: then the prompts' ids line up in each output
+                continue  # the prompts' ids line up only then
             outputs = [dataclasses.replace(c, index=j * n + c.index)
                        for j, output in enumerate(latest) if output is not None for c in output.outputs]
             prompt_logprobs = None

@@ -1,16 +1,6 @@
-"""`POST /v1/embeddings`: one vector per input, pooled from the model's final hidden states (OpenAI's API,
-vLLM's fields).
-
-    {"input": "some text" | ["text", ...] | [ids] | [[ids], ...], "encoding_format": "float" | "base64"}
-        --tokenize--> one pooling request per input (engine: a prefill that samples nothing)
-        --> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}], "usage": ...}
-
-How the hidden states are pooled is the server's setting, as in vLLM (`--pooler-config '{"pooling_type":
-"MEAN"}'`; LAST by default, vLLM's for decoder models); tinyvllm/pooling_params.py says what each means.
-Vectors are normalized to unit length unless the request says `"normalize": false` (vLLM's extra).
-`base64` sends each vector's float32 bytes, little-endian, base64-encoded: what the official client asks for by
-default, a quarter of the JSON's size. `dimensions` (a shorter vector) works only for models trained for it
-(Matryoshka), which the supported models are not: it is refused.
+"""`POST /v1/embeddings`: one vector per input, each a pooling request (a prefill that samples nothing) pooled by
+the server's `--pooler-config`. `base64` is the float32 bytes, little-endian; `dimensions` is refused.
+Taught in docs/phases/09-appendix-endpoints.md.
 """
 
 from __future__ import annotations

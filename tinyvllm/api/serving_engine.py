@@ -1,30 +1,8 @@
-"""What both endpoints share: the model check, the context check, request -> SamplingParams, SSE.
+"""What every endpoint shares: the model check, the limits, the context check, request -> SamplingParams, SSE.
 
-Validation happens here, before a request reaches the engine, so a bad request gets its 400 at once
-and never holds a KV block: the operator's limits (`ServerLimits`) are checked, the prompt is
-tokenized on the event loop (microseconds for a short one), its length checked against
-`max_model_len`, and the fields turned into a `SamplingParams`, whose own checks name the field at
-fault. A prompt that cannot fit is refused before it is tokenized or decoded where that can be told
-cheaply: token ids by their count, text by its length (see `check_prompt_chars`).
-
-Output constraints (structured outputs) arrive under several names; each becomes vLLM's
-`StructuredOutputsParams`, and its grammar is compiled here once to be checked (a schema, regex or
-grammar that does not compile is a 400 naming the field, before any 200 of a stream):
-
-    response_format {"type": "json_object"}                   -> json_object=True
-    response_format {"type": "json_schema", "json_schema": {"schema": S}}  -> json=S
-    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  (vLLM's)
-    guided_json, guided_regex, guided_choice, guided_grammar  (vLLM's older names)
-    tool_choice "required" or a named function (chat)          -> grammar=ToolParser.forced_grammar(...)
-
-Server-sent events (SSE) are how a streamed response travels: an HTTP response that stays open, with
-`Content-Type: text/event-stream`, made of events separated by a blank line. OpenAI's stream is one
-JSON chunk per event, then a literal `[DONE]`:
-
-    data: {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": " Paris", ...}]}
-
-    data: [DONE]
-
+Everything is checked here, before the request reaches the engine, so a bad request gets its 400 at once and
+never holds a KV block; an output constraint is compiled once to be checked (a 400 naming its field, never a
+broken stream after the 200). Taught in docs/phases/09-api-server.md, sections 2, 3 and 6.
 """
 
 from __future__ import annotations
@@ -55,25 +33,16 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask of the server, each a flag of `python -m tinyvllm.api.server`.
+    """What one request may ask of the server, each a flag; over one: a 400 (413 for the body) naming it."""
 
-    Each bounds work done on the event loop or the engine thread before the request could be refused
-    for another reason; a request over one gets a 400 (413 for the body) naming the limit and its flag.
-    """
-
-    # The whole JSON body. 4 MiB is 32 bytes per token of a 128k-token context: the longest prompt of
-    # any model served here fits, as token ids or as text escaped in JSON. Everything else is parsed
-    # on the event loop, so a bigger body would stall every connection while it is read.
+    # 4 MiB is 32 bytes per token of a 128k-token context: any model's longest prompt fits, as ids or as JSON
+    # text; a bigger body, parsed on the event loop, would stall every connection
     max_request_body_bytes: int = 4 * 2**20
-    # Seconds for the whole body to arrive once the headers have (a slow client otherwise holds its connection
-    # for as long as it likes): 4 MiB in 60 s is 70 KB/s, slower than any client the server should wait for.
+    # seconds for the body after the headers: 4 MiB in 60 s is 70 KB/s, slower than any client worth waiting for
     body_read_timeout: float = 60.0
-    # Choices per request. Each is a sequence of its own in the batch (`parent_request.py`), so n
-    # multiplies the request's cost: 16 lets one request fill at most half of the default batch
-    # (--max-num-seqs 32). OpenAI allows 128; vLLM sets no bound.
+    # each choice is a sequence in the batch: 16 fills at most half the default --max-num-seqs 32 (OpenAI: 128)
     max_n: int = 16
-    # Stop strings are searched for in every new piece of text of every running request, on the
-    # engine thread. OpenAI allows 4 strings; these are generous bounds for real use.
+    # stop strings are searched in every new piece of text, on the engine thread (OpenAI allows 4)
     max_stop_sequences: int = 16
     max_stop_length: int = 256  # characters; the stream also holds back up to this many
 
@@ -131,11 +100,8 @@ class OpenAIServing:
         return max(len(self.tokenizer.token_bytes(t)) for t in range(self.tokenizer.vocab_size))
 
     def check_prompt_chars(self, text: str, prompt_param: str) -> None:
-        """Refuse a text that can't fit the context before tokenizing it (which takes time in proportion).
-
-        No token stands for more than `longest_token_bytes` bytes, so no more characters either, and
-        decoding the tokens gives the text back: a text of C characters has at least C / longest tokens.
-        """
+        """Refuse a text that can't fit the context before tokenizing it: no token stands for more than
+        `longest_token_bytes` characters, so a text of C characters has at least C / longest tokens."""
         limit = self.engine.max_model_len
         at_least = math.ceil(len(text) / self.longest_token_bytes)
         if at_least >= limit:
@@ -191,9 +157,8 @@ class OpenAIServing:
         return params
 
     def check_stop_token_ids(self, params: SamplingParams) -> None:
-        """What the engine would find only after a 200: stop token ids outside the vocabulary, and min_tokens
-        with stop tokens (and the model's eos) covering the whole vocabulary, which leaves nothing to sample
-        until min_tokens tokens exist."""
+        """400s the engine would find only after a 200: stop ids outside the vocabulary, or covering all of it
+        while min_tokens holds stop tokens back."""
         vocab_size = self.tokenizer.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -206,8 +171,8 @@ class OpenAIServing:
 
     def structured_outputs(self, request: SamplingFields,
                            forced: tuple[str, StructuredOutputsParams] | None = None) -> StructuredOutputsParams | None:
-        """The request's one output constraint, checked to compile (`forced`: the server's own, as a named
-        field: a forced tool call). None when there is none; a 400 naming the fields when there are more."""
+        """The request's one output constraint, checked to compile, or None; `forced`: the server's own (a forced
+        tool call), with its field's name. A 400 naming the fields when there are more than one."""
         given = []  # (field, params)
         for field, kwargs in self._constraints(request):
             try:
@@ -253,8 +218,7 @@ class OpenAIServing:
     def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
         parsed = {}
         for key, bias in logit_bias.items():
-            # ASCII digits only: str.isdigit() also says yes to "²", which int() refuses; the length first, as
-            # int() refuses (with a message of its own) strings of more than 4300 digits
+            # ASCII digits (isdigit() accepts "²"), and the length first (int() refuses over 4300 digits)
             if (re.fullmatch(r"[0-9]+", key) is None or len(key) > len(str(self.tokenizer.vocab_size))
                     or int(key) >= self.tokenizer.vocab_size):
                 shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
@@ -272,8 +236,7 @@ class OpenAIServing:
 
     @staticmethod
     def continuous_usage(request: SamplingFields) -> bool:
-        """vLLM's `stream_options.continuous_usage_stats`: each chunk carries the usage so far (with
-        include_usage, as in vLLM)."""
+        """vLLM's `continuous_usage_stats` (with include_usage): each chunk carries the usage so far."""
         options = request.stream_options
         return options is not None and options.include_usage and options.continuous_usage_stats
 
@@ -319,8 +282,7 @@ async def choice_deltas(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[t
 
 
 def grammar_error(params: StructuredOutputsParams) -> str:
-    """Why the constraint's grammar does not compile, or "" when it does (llguidance checks it without the
-    vocabulary: microseconds to milliseconds, on the event loop)."""
+    """Why the constraint's grammar does not compile, or "" when it does."""
     from llguidance import LLMatcher
 
     from tinyvllm.sample.structured_output import grammar_limits, grammar_of
@@ -332,15 +294,13 @@ def grammar_error(params: StructuredOutputsParams) -> str:
 
 
 def base_request_id(raw_request: Request | None) -> str:
-    """The client's `X-Request-Id` where it sent one (vLLM's rule: the engine then runs the request under that id,
-    so the server's logs and the client's match), else a fresh one."""
+    """The client's `X-Request-Id` where it sent one (vLLM's rule), else a fresh one."""
     header = None if raw_request is None else raw_request.headers.get("x-request-id")
     return header or uuid.uuid4().hex
 
 
 def usage(output: RequestOutput) -> UsageInfo:
-    """The prompt counts once however many choices (n) share it, as OpenAI bills it. `cached_tokens`: how
-    many prompt tokens the prefix cache served (OpenAI's field; vLLM's `num_cached_tokens`)."""
+    """The prompt counted once however many choices share it, as OpenAI bills it."""
     prompt_tokens = len(output.prompt_token_ids)
     completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -373,8 +333,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 async def last_output(request: Request, stream) -> RequestOutput | None:
-    """The non-streaming path joins the stream: run it to its last output, unless the client leaves
-    first. Then the stream is cancelled, which aborts the request (None is returned)."""
+    """The non-streaming path joins the stream: its last output, or None if the client left first (aborted)."""
 
     async def consume() -> RequestOutput:
         final = None
@@ -389,6 +348,6 @@ async def last_output(request: Request, stream) -> RequestOutput | None:
     finally:
         disconnect.cancel()
         if not consumer.done():
-            consumer.cancel()  # raises CancelledError inside the stream, whose `finally` aborts the request
+            consumer.cancel()  # the stream's `finally` aborts the request
             await asyncio.gather(consumer, return_exceptions=True)
     return None if consumer.cancelled() else consumer.result()

@@ -1,25 +1,6 @@
-"""`POST /v1/responses`: OpenAI's Responses API, served by the chat route.
-
-A response is a chat completion in other clothes, so this module only translates: the request becomes a
-`ChatCompletionRequest` and goes through `OpenAIServingChat` whole (the chat template, limits, tools and
-their parser, structured outputs, reasoning, errors before any 200), and what comes back is turned into
-output items, or, streamed, into the Responses API's events:
-
-    input "Hi" / items  --------------------------+   instructions -> a system message first
-    tools [{"type": "function", "name", ...}]      |   function_call / function_call_output items ->
-    text.format {"type": "json_schema", ...}       |   the assistant's tool_calls / a tool message
-                                                   v
-                                  ChatCompletionRequest --> OpenAIServingChat
-                                                   |
-    output: [reasoning] [message: output_text] [function_call ...]   <-- message, tool_calls
-    events: response.created, response.in_progress,                  <-- chat chunks, one by one
-            response.output_item.added, response.content_part.added,
-            response.output_text.delta ..., response.output_text.done, response.content_part.done,
-            response.output_item.added (function_call), response.function_call_arguments.delta / .done,
-            response.output_item.done, then response.completed (or response.incomplete, response.failed)
-
-The server keeps no responses (`store` is accepted, and the answer says `"store": false`), so
-`previous_response_id` is refused: send the conversation's items again instead.
+"""`POST /v1/responses`: OpenAI's Responses API, translated into a chat request for `OpenAIServingChat` and back
+into output items and events. Nothing is stored, so `previous_response_id` is refused. The translation is drawn in
+docs/phases/09-appendix-endpoints.md, section 5.
 """
 
 from __future__ import annotations
@@ -150,7 +131,7 @@ class OpenAIServingResponses:
 
     async def events(self, chunks: AsyncIterator[str], request: ResponsesRequest,
                      created: int) -> AsyncIterator[str]:
-        """The chat route's stream, chunk by chunk, as the Responses API's events (see the module doc)."""
+        """The chat route's stream, chunk by chunk, as the Responses API's events."""
         numbers = itertools.count()
         stream = ItemStream()
 
@@ -190,13 +171,13 @@ class OpenAIServingResponses:
                 final = ResponsesResponse(**head, output=stream.output, **outcome(stream.finish_reason),
                                           usage=None if stream.usage is None else response_usage(stream.usage))
                 yield event(f"response.{final.status}", response=final.model_dump())
-        finally:  # the client left (or we are done): closing the chat stream aborts its request
+        finally:  # closing the chat stream aborts its request
             await chunks.aclose()
 
 
 class ItemStream:
-    """The output items a streamed chat message becomes, one delta at a time: at most one item is open (a
-    reasoning, a message or a function call); a delta of another kind closes it and opens the next."""
+    """The output items a streamed chat message becomes: at most one item is open; a delta of another kind closes
+    it and opens the next."""
 
     def __init__(self):
         self.output: list = []  # the items so far, as in the final response

@@ -1,17 +1,6 @@
-"""`POST /tokenize` and `POST /detokenize`: the model's tokenizer, over HTTP (vLLM's endpoints, same shapes).
-
-A client that budgets its context (how many tokens is this prompt? this conversation, once the chat
-template has written it?) asks the server that will run it, so the count is the engine's own:
-
-    POST /tokenize    {"prompt": "Hello world"}                  -> {"count": 2, "max_model_len": 2048,
-                      {"messages": [...], "add_generation_prompt": true}   "tokens": [19556, 905], "token_strs": null}
-    POST /detokenize  {"tokens": [19556, 905]}                   -> {"prompt": "Hello world"}
-
-A `messages` body goes through the same `render_text` as /v1/chat/completions (the chat template, the tools,
-`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`), so its count is the prompt a chat
-request with the same fields would run. `return_token_strs` gives each token's text; where vLLM gives the
-tokenizer's vocabulary strings ("Ġworld"), this server gives the token's bytes as text (" world"), as its
-logprobs do.
+"""`POST /tokenize` and `POST /detokenize` (vLLM's endpoints and shapes); `messages` go through the chat route's
+`render_text`, so the count is that chat request's. `token_strs` are the tokens' bytes as text (" world"), not
+vLLM's vocabulary strings ("Ġworld").
 """
 
 from __future__ import annotations

@@ -1,38 +1,7 @@
-"""Tool calling (OpenAI's `tools` / `tool_choice`) in the Hermes format that Qwen and many others use.
-
-A model calls a tool by writing it as text; the server finds the calls in the output and returns them as
-`message.tool_calls`. Three parts:
-
-1. The prompt. A chat template with tool support reads a `tools` variable and writes the tools the way
-   its model was trained on (tokenizer.apply_chat_template(..., tools=...)). A template without one, as
-   SmolLM2's, gets `TOOLS_PROMPT`: a system-message block that lists the tools as JSON and asks for
-
-       <tool_call>
-       {"name": "get_weather", "arguments": {"city": "Paris"}}
-       </tool_call>
-
-   Past turns are rewritten the same way: an assistant's `tool_calls` become those blocks, a `tool`
-   message a user turn holding `<tool_response>...</tool_response>`.
-
-2. The constraint. tool_choice "required" or a named function may not be left to the model: the output
-   follows `forced_tool_grammar`, a Lark grammar whose JSON part is a schema built from the functions'
-   `parameters`, so a call is always there and its arguments always parse and validate. "auto" leaves the
-   model free; "none" parses nothing.
-
-3. The parser. `HermesToolParser` reads the output as it streams, sends the text around the calls as
-   content, and each call once its closing tag is read. The non-streamed response runs the same parser
-   over the whole text, so the two agree. `--tool-call-parser` (vLLM's flag) picks the format the served
-   model writes: `hermes` (Qwen, Hermes, and SmolLM2 through `TOOLS_PROMPT`) or `llama3_json` (Llama 3.1
-   and later: `{"name": ..., "parameters": {...}}`, several separated by `;`).
-
-4. The policy (`ToolCallPolicy`). What the model writes is checked before it becomes a call a client may
-   execute: a call to a function that was not declared is dropped; with `parallel_tool_calls: false` only
-   the first call is kept; a call whose arguments do not validate against the function's `parameters` schema
-   is not a call: its text stays in the content, where the client sees what the model tried. Forced calls
-   (`required`, a named function) follow a grammar built from the same schemas, so they always pass; under
-   `required` with parallel calls allowed, the grammar lets the model make several.
-
-vLLM: `entrypoints/openai/tool_parsers/hermes_tool_parser.py`, `llama_tool_parser.py`; the prompt is Qwen2.5's.
+"""Tool calling (OpenAI's `tools` / `tool_choice`): the prompt (TOOLS_PROMPT where the template has no tool
+support), the forced-call grammar, the parsers of `--tool-call-parser` (hermes, llama3_json: vLLM's
+`tool_parsers/`), and the `ToolCallPolicy` that decides which calls a client gets.
+Taught in docs/phases/09-appendix-tools-and-reasoning.md.
 """
 
 from __future__ import annotations
@@ -73,7 +42,7 @@ def tool_call_text(name: str, arguments: dict | str) -> str:
 
 
 def _arguments(tool_call: dict) -> dict | str:
-    """A history tool call's arguments, as a dict where they parse (templates read them as one, as in vLLM)."""
+    """A history tool call's arguments, as a dict where they parse (as in vLLM)."""
     arguments = tool_call.get("function", {}).get("arguments", {})
     if isinstance(arguments, str):
         try:
@@ -117,8 +86,7 @@ def with_default_tool_prompt(messages: list[dict], tools: list[dict] | None) -> 
 
 
 def call_schema(functions: list[dict], arguments_key: str = "arguments") -> dict:
-    """The JSON schema of one call to one of `functions`: {"name": one of theirs, arguments_key: that function's
-    parameters}."""
+    """The JSON schema of one call: {"name": one of `functions`, arguments_key: its parameters}."""
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
               "properties": {"name": {"const": f["name"]}, arguments_key: f.get("parameters") or NO_PARAMETERS}}
              for f in functions]
@@ -126,9 +94,7 @@ def call_schema(functions: list[dict], arguments_key: str = "arguments") -> dict
 
 
 def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
-    """A Lark grammar (llguidance's dialect) for a call to one of `functions` (OpenAI function definitions), or
-    one or more when `parallel`: the tags, then a JSON object whose "name" is one of theirs and whose "arguments"
-    follow that function's parameters schema.
+    """A Lark grammar (llguidance's dialect) for a call to one of `functions`, or one or more when `parallel`.
 
         start: block ("\\n" block)*              (parallel; else start: block)
         block: "<tool_call>\\n" call "\\n</tool_call>"
@@ -140,7 +106,7 @@ def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
 
 
 class ToolCallPolicy:
-    """Which of the calls a model writes become tool calls (see the module docstring, part 4)."""
+    """Which calls a client gets: undeclared ones dropped, one without parallel calls, bad arguments left as text."""
 
     def __init__(self, functions: list[dict], parallel: bool = True):
         self.functions = {f["name"]: f for f in functions}
@@ -148,8 +114,7 @@ class ToolCallPolicy:
         self._validators: dict[str, object] = {}
 
     def check(self, call: ToolCall, num_kept: int) -> str:
-        """"keep", "drop" (undeclared, or a second call when parallel calls are off) or "invalid" (arguments that
-        do not validate against the function's parameters schema)."""
+        """"keep", "drop" (undeclared, or a second call without parallel calls) or "invalid" (bad arguments)."""
         function = self.functions.get(call.function.name)
         if function is None:
             logger.info("dropped a call to %r, which is not among the declared tools", call.function.name)
@@ -184,8 +149,8 @@ def parse_tool_call(body: str) -> ToolCall | None:
 
 
 class ToolParser:
-    """The parsers' common part: `feed(text)` -> (content, calls) as the output arrives, `finish()` at its end,
-    `num_calls` so far; each call found goes through the request's `ToolCallPolicy` (None: every call kept)."""
+    """A parser: `feed(text)` -> (content, calls) as the output arrives, `finish()` at its end; each call found goes
+    through the `ToolCallPolicy` (None: every call kept)."""
 
     def __init__(self, policy: ToolCallPolicy | None = None):
         self.policy = policy
@@ -208,9 +173,8 @@ class ToolParser:
 class HermesToolParser(ToolParser):
     """Split an output into content and tool calls as it arrives.
 
-    Text outside the tags is content, sent at once but for what could still be the start of `<tool_call>`
-    and for trailing whitespace (held until more content follows: whitespace around the calls is dropped,
-    so a reply of only calls has no content). A block that does not parse stays in the content as written.
+    Text outside the tags is content, sent at once but for a possible partial `<tool_call>` and trailing
+    whitespace (dropped around calls). A block that does not parse stays in the content as written.
     """
 
     def __init__(self, policy: ToolCallPolicy | None = None):
@@ -273,10 +237,9 @@ class HermesToolParser(ToolParser):
 
 
 class Llama3JsonToolParser(ToolParser):
-    """Llama 3.1+'s JSON tool calls (vLLM's `llama3_json`): the output is one call or several separated by `;`,
-    each `{"name": ..., "parameters": {...}}` (or "arguments"), optionally after `<|python_tag|>`. An output
-    that starts otherwise is content, streamed as it comes; one that starts like a call is held to its end and
-    parsed then (what does not parse is content after all)."""
+    """Llama 3.1+'s JSON tool calls (vLLM's `llama3_json`): `{"name": ..., "parameters": {...}}`, several separated
+    by `;`, optionally after `<|python_tag|>`. An output that starts like a call is held to its end and parsed
+    then; any other is content, streamed."""
 
     PYTHON_TAG = "<|python_tag|>"
 
@@ -317,9 +280,7 @@ class Llama3JsonToolParser(ToolParser):
 
 
 def split_json_objects(text: str) -> list[str]:
-    """'{...}; {...}' -> ['{...}', '{...}']: the top-level objects, split where the braces balance (strings
-    respected), each with its text as written. Text outside them, separators and whitespace aside, is one more
-    part (it parses as no call)."""
+    """'{...}; {...}' -> ['{...}', '{...}']: the top-level objects as written; other text is one more part."""
     parts, outside, depth, start, in_string, escaped = [], "", 0, 0, False, False
     for i, ch in enumerate(text):
         if in_string:

@@ -1,16 +1,5 @@
-"""The contiguous KV cache (Phase 1): one pre-allocated row per position, per sequence.
-
-Why a KV cache at all: generating token n needs attention over the keys and values of all n-1
-tokens before it. Recomputing them every step costs O(n) work per token, O(n^2) per sequence.
-Keeping them costs memory instead: each step computes K and V for the new token only, appends
-them, and attends over the cache.
-
-    k_cache[layer]: (B, max_model_len, n_kv_heads, head_dim)      same for v_cache
-                     pos 0   1   2  ...  start_pos ... start_pos+T-1 ...  max_model_len-1
-                    [ k0 | k1 | k2 | ... | new K written here (T rows) | unused, but allocated ]
-
-The catch, and the reason Phase 2 exists: the whole `max_model_len` is reserved up front for every
-sequence, however short it turns out to be.
+"""The contiguous KV cache, `k_cache[layer]: (B, max_model_len, n_kv_heads, head_dim)`: position p is row p,
+every row allocated up front (the waste Phase 2's blocks remove). Taught in docs/phases/01-foundation.md.
 """
 
 from __future__ import annotations
@@ -33,11 +22,9 @@ def allocate_contiguous_kv_cache(config: ModelConfig, max_model_len: int, batch_
 
 
 def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Scaled dot-product attention with grouped-query heads.
+    """Scaled dot-product attention, each of the KvH K/V heads serving G = H / KvH query heads (not copied G times).
 
-    q: (B, T, H, Hd)   k, v: (B, S, KvH, Hd)   mask: broadcastable to (B, KvH, G, T, S), 0 or -inf
-    -> (B, T, H, Hd). Each of the KvH key/value heads serves G = H / KvH query heads: the query
-    heads are grouped instead of the K/V heads being copied G times.
+    q: (B, T, H, Hd)   k, v: (B, S, KvH, Hd)   mask: broadcastable to (B, KvH, G, T, S), 0 or -inf -> (B, T, H, Hd)
     """
     B, T, H, Hd = q.shape
     KvH = k.shape[2]
@@ -55,21 +42,15 @@ def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
 
 @dataclass
 class ContiguousAttentionMetadata:
-    """Where this step's tokens sit: positions start_pos .. start_pos+T-1 of every sequence in the batch.
-
-    `start_pos` is an int, or a bound symbolic variable under TinyJit so one compiled graph serves
-    every position.
-    """
+    """This step's tokens are at start_pos .. start_pos+T-1 (a bound symbolic variable under TinyJit)."""
 
     start_pos: int | UOp
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
                sliding_window: int | None = None) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) for the new tokens -> attention output (B,T,H,Hd).
-        sliding_window W: a query at position p sees keys p-W+1 .. p only (Mistral)."""
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd); sliding_window W: keys p-W+1 .. p only."""
         k_cache, v_cache = kv_cache
         T, sp = q.shape[1], self.start_pos
-        # write this step's K/V into their rows, then read rows 0 .. start_pos+T-1
         # NOTE: a store + `after` instead of `assign`, so this also works inside a tinygrad `function`
         k_cache = Tensor(k_cache.uop.after(k_cache[:, sp:sp + T].uop.store(k.cast(k_cache.dtype).uop)))
         v_cache = Tensor(v_cache.uop.after(v_cache[:, sp:sp + T].uop.store(v.cast(v_cache.dtype).uop)))
@@ -77,8 +58,7 @@ class ContiguousAttentionMetadata:
         mask = None
         if not isinstance(T, int) or T > 1 or sliding_window is not None:
             # causal: query t (at position sp+t) sees keys 0 .. sp+t (and, in a window, not before sp+t-W+1)
-            # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length
-            # is symbolic as a running sum, an S x S kernel (benchmarks/README.md, bench_memory part 5)
+            # a fixed-length arange cut to the symbolic length: a symbolic-length arange is an S x S running sum
             key_pos = Tensor.arange(k_cache.shape[1])[: sp + T].reshape(1, -1)  # (1, S)
             query_pos = (Tensor.arange(T) + sp).reshape(-1, 1)  # (T, 1)
             hidden = key_pos > query_pos

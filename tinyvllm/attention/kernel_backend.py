@@ -1,50 +1,10 @@
-"""Paged attention on hand-written kernels (Phase 5): the blocks are read in place, not gathered.
+"""Paged attention on the hand-written kernels (kernels/<device>/paged_attention.*): the blocks read in place.
 
-The same two operations as the portable backend (`tinyvllm.attention.paged`), each one program from
-`kernels/<device>/paged_attention.*` put into tinygrad's graph, so TinyJit captures and replays it:
-
-    kernel_reshape_and_cache:  key, value (N, KvH, Hd) --slot_mapping (N,)--> k_cache, v_cache     one launch for both
-    kernel_paged_attention:    q (R, H, Hd), one query per row --block_tables (R, max_blocks),
-                               context_lens (R,)--> out (R, H, Hd)                                 one launch
-
-One query per row is all a decode step needs, and it covers a flattened batch too (Phase 4): there every
-token, a prompt chunk's included, is its own row with its own block table row, and its context is
-`position + 1` keys, so causality is just "read this row's first context_lens keys".
-
-`KernelPagedAttentionMetadata` is `PagedAttentionMetadata` plus `context_lens`; its `attend` runs the kernels
-where the device has them and falls back to the portable path elsewhere:
-
-    device   kernel file                          compiled by             caches (Phase 7c: every KV cache dtype)
-    CPU      kernels/cpu/paged_attention.c        clang (tinygrad CPU)    float32, float16, int8, fp8 (emulated)
-    CUDA     kernels/cuda/paged_attention.cu      nvrtc (tinygrad CUDA)   float32, float16, int8, fp8 (sm_89+ native)
-    METAL    kernels/metal/paged_attention.metal  Metal (tinygrad METAL)  float32, float16, int8, fp8 (emulated)
-
-An int8 or fp8 cache comes with per-layer scale tensors (`tinyvllm.attention.kv_cache`): the write takes them as two
-more outputs, the attention as two more inputs; the kernels quantize and dequantize as
-`tinyvllm.attention.kv_quant` does.
-
-The portable path is forced with `TINYVLLM_PORTABLE=1` (as for the matmul kernel), with
-`tinyvllm.attention.kernel_backend.PORTABLE = True`, or per metadata with `portable=True`. A device with
-no kernel takes the portable path and says so once.
-
-How a raw-source program enters the graph, on every device, is explained in `tinyvllm/kernels/launcher.py`;
-this module decides only what is attention's own: which dtypes the kernels take, whether a GPU thread block's
-shared memory fits, and the launch grid: one thread block (threadgroup) per sequence x KV head, NUM_THREADS
-threads each (on the CPU one call, which shares its work with the thread pool).
-
-On a GPU with few rows that grid leaves the device idle (SmolLM2: 3 KV heads, so one sequence's decode runs 3
-thread blocks on an H100's 132 SMs, each walking the whole context). There the attention is split as
-flash-decoding does (Tri Dao et al., 2023; vLLM's paged_attention_v2), `gpu_attention_launches`:
-
-    paged_attention_split    grid (n_kv_heads x NUM_PARTS, R): block (kv_head + n_kv_heads * part, r) attends to
-                             keys part * 512 .. part * 512 + 511 of row r only, and writes its (m, l, acc) per head
-                             to the partials (R, H, NUM_PARTS, 2 + Hd) float32
-    paged_attention_reduce   grid (H, R): out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M = max_p m_p
-                             (the merge the warps of one block already do, one level up)
-
-The grid is fixed when a graph is captured, so the table's width (max_model_len / block_size keys), not this
-step's contexts, decides: a short context on the split route pays the reduce's launch per layer and partitions
-whose blocks leave at once; a long one is read by NUM_PARTS times more blocks.
+`kernel_reshape_and_cache` writes K and V in one launch; `kernel_paged_attention` reads them, one query per row
+(a flattened batch's token is a row whose context is `position + 1` keys). `KernelPagedAttentionMetadata.attend`
+takes the kernels where the device has them, else the portable path (`attention/paged.py`; forced by
+TINYVLLM_PORTABLE=1). This module picks the dtypes and the grid: one thread block per (row, KV head), or
+flash-decoding's split and reduce on a GPU with few rows. Taught in docs/phases/05-custom-kernels.md and 05b-gpu.md.
 """
 
 from __future__ import annotations
@@ -63,7 +23,7 @@ from tinyvllm.tinygrad_ext.buffers import shard_axis
 
 PORTABLE = os.getenv("TINYVLLM_PORTABLE", "0") == "1"  # True: never use the hand-written kernels
 KERNEL = "paged_attention"  # kernels/<device>/paged_attention.*
-NUM_THREADS = 128  # threads per thread block on GPUs (4 warps / SIMD groups of 32): TV_NUM_THREADS
+NUM_THREADS = 128  # per GPU thread block: 4 warps of 32
 
 logger = logging.getLogger("tinyvllm.attention")
 _noticed: set[str] = set()  # device kinds already told about the fallback
@@ -72,7 +32,7 @@ _noticed: set[str] = set()  # device kinds already told about the fallback
 KV_STORAGE = (dtypes.float32, dtypes.float16, dtypes.int8, dtypes.uint8)  # every KVCacheDtype's storage
 CACHE_DTYPES = {"CPU": KV_STORAGE, "GPU": KV_STORAGE}
 QUERY_DTYPES = {"CPU": (dtypes.float32,), "GPU": (dtypes.float32, dtypes.float16)}
-# each language's name for an element type (the CPU kernel's q and out are always float)
+# each language's name for an element type
 C_TYPES = {"CPU": {dtypes.float32: "float", dtypes.float16: "__fp16", dtypes.int8: "signed char",
                    dtypes.uint8: "unsigned char"},
            "CUDA": {dtypes.float32: "float", dtypes.float16: "half", dtypes.int8: "signed char",
@@ -81,8 +41,7 @@ C_TYPES = {"CPU": {dtypes.float32: "float", dtypes.float16: "__fp16", dtypes.int
 KV_QUANT = {"float32": 0, "float16": 0, "int8": 1, "fp8": 2}  # TV_KV_QUANT: what a cache element's bits mean
 
 
-# flash-decoding: the split route is taken on a GPU when a row's block table can hold more than one partition and
-# the one-block-per-(row, KV head) grid has at most SPLIT_MAX_BLOCKS blocks (vLLM splits below 512 rows x heads)
+# flash-decoding's split route: a table of more than one partition, and at most SPLIT_MAX_BLOCKS (row, KV head) blocks
 PARTITION_SIZE = 512  # keys per thread block of the split route (vLLM's); a multiple of 4 warps x 32 keys
 SPLIT_MAX_BLOCKS = 512
 
@@ -97,8 +56,8 @@ class GpuLaunch:
 
 def gpu_attention_launches(rows: int, heads: int, kv_heads: int, max_keys: int,
                            partition_size: int = PARTITION_SIZE) -> list[GpuLaunch]:
-    """What a GPU runs for R = `rows` query rows whose tables hold up to `max_keys` keys: one block per (row, KV head),
-    or, where that grid is small and the context long, the keys split in partitions (TV_PARTITION_SIZE), then merged."""
+    """What a GPU runs for `rows` query rows whose tables hold up to `max_keys` keys: one block per (row, KV head),
+    or, for a small grid and a long table, the split route. The table's width decides (a captured grid is fixed)."""
     parts = -(-max_keys // partition_size)
     if parts <= 1 or rows * kv_heads > SPLIT_MAX_BLOCKS:
         return [GpuLaunch("paged_attention", (kv_heads, rows, 1))]
@@ -110,7 +69,7 @@ GPU_SHARED_BYTES = 48 * 1024  # shared (threadgroup) memory a thread block may u
 
 
 def gpu_shared_bytes(group: int, head_dim: int) -> int:
-    """Shared memory of one GPU thread block: per warp, scores (group, 32 keys), m, l and acc (group, head_dim)."""
+    """One GPU thread block's shared bytes: per warp, scores (group, 32), m, l, acc (group, head_dim)."""
     return 4 * (NUM_THREADS // 32) * group * (32 + 2 + head_dim)
 
 
@@ -127,7 +86,7 @@ def uses_kernels(q: Tensor, k_cache: Tensor, portable: bool = False) -> bool:
     if not all(isinstance(s, int) for s in q.shape + k_cache.shape):
         return False
     if isinstance(device, tuple) and (shard_axis(q) != 2 or shard_axis(k_cache) != 2):
-        return False  # tensor parallel: the kernels run per device on its heads (q and the cache split by head)
+        return False  # tensor parallel: q and the cache must be split by head
     kind = launcher.device_kind(device)
     family = "CPU" if kind == "CPU" else "GPU"
     head_dim = k_cache.shape[-1]
@@ -152,14 +111,12 @@ def kernel_source(entry: str, device: str, defines: dict[str, int | str]) -> tup
 
 def _launch(entry: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
             grid: tuple[int, int, int]) -> list[Tensor]:
-    """Put `entry` into the graph on outs (written) and ins (read): on GPUs a grid of thread blocks of
-    NUM_THREADS threads; on the CPU one call."""
+    """Put `entry` into the graph on outs (written) and ins (read)."""
     return launcher.launch(KERNEL, outs, ins, defines, entry=entry, grid=grid, local_size=(NUM_THREADS, 1, 1))
 
 
 def _type_defines(device: str, t: Tensor, cache: Tensor) -> dict[str, int | str]:
-    """Kernels are compiled per element type: TV_T for q/out/key/value (GPUs; the CPU's is float), TV_CACHE_T for
-    the caches, with TV_CACHE_BITS and TV_KV_QUANT (0 a float as is, 1 int8 codes, 2 fp8 e4m3 codes)."""
+    """TV_T for q/out/key/value (GPUs; the CPU's is float), TV_CACHE_T, TV_CACHE_BITS and TV_KV_QUANT for the cache."""
     kind = launcher.device_kind(device)
     types = C_TYPES[kind if kind in C_TYPES else "CUDA"]
     defines: dict[str, int | str] = {} if kind == "CPU" else {"TV_T": types[t.dtype]}
@@ -169,7 +126,7 @@ def _type_defines(device: str, t: Tensor, cache: Tensor) -> dict[str, int | str]
 
 
 def _check_scales(cache: Tensor, scales: tuple[Tensor | None, Tensor | None]) -> list[Tensor]:
-    """The scale tensors an int8 / fp8 cache needs (none for a float cache), checked against the cache's shape."""
+    """The scale tensors an 8-bit cache needs (none for a float cache), checked."""
     spec = kv_cache_dtype_of(cache)
     if not spec.quantized:
         return []
@@ -180,11 +137,8 @@ def _check_scales(cache: Tensor, scales: tuple[Tensor | None, Tensor | None]) ->
 
 def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                              k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> tuple[Tensor, ...]:
-    """key, value: (N, KvH, Hd) -> (k_cache, v_cache) after writing row i at slot_mapping[i] (negative: skipped);
-    (k_cache, v_cache, k_scale, v_scale) for an int8 or fp8 cache, each row quantized with its own scale.
-
-    The caches, (num_blocks, block_size, KvH, Hd), and scales, (num_blocks, block_size, KvH), are written in
-    place; read them through the returned tensors so that the read is ordered after the write."""
+    """key, value: (N, KvH, Hd) -> the caches (and scales) after writing row i at slot_mapping[i] (negative:
+    skipped), in place: read them through the returned tensors, so the read is ordered after the write."""
     num_tokens, kv_heads, head_dim = launcher.local_shape(key)  # one device's heads (tensor parallel)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     caches = [k_cache, v_cache] + _check_scales(k_cache, (k_scale, v_scale))
@@ -202,11 +156,9 @@ def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cach
 def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float | None = None, k_scale: Tensor | None = None,
                            v_scale: Tensor | None = None, sliding_window: int | None = None) -> Tensor:
-    """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1, found
-    through block_tables[r] (R, max_blocks) in k_cache, v_cache (num_blocks, block_size, KvH, Hd), and their
-    k_scale, v_scale (num_blocks, block_size, KvH) for an int8 or fp8 cache. With a sliding_window W, row r reads
-    only its last W keys, context_lens[r]-W .. context_lens[r]-1: the blocks before them are never touched
-    (TV_SLIDING_WINDOW, a compile-time constant like the sizes; 0 means no window)."""
+    """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1 through
+    block_tables[r] (R, max_blocks); caches (num_blocks, block_size, KvH, Hd), scales (num_blocks, block_size, KvH).
+    sliding_window W: only the last W keys are read."""
     rows, heads, head_dim = launcher.local_shape(q)  # one device's heads (tensor parallel)
     _, block_size, kv_heads, _ = launcher.local_shape(k_cache)
     assert heads % kv_heads == 0, f"{heads} query heads do not group over {kv_heads} KV heads"
@@ -235,13 +187,8 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 
 @dataclass
 class KernelPagedAttentionMetadata(PagedAttentionMetadata):
-    """`PagedAttentionMetadata` plus each query row's context length, for the kernels.
-
-    context_lens: (R,) int32, R = B*T query rows: keys each row attends to. Derived from `positions` when
-                  not given (a token at position p sees p + 1 keys: its own and everything before).
-    portable:     True to take the portable path whatever the device.
-    Block tables with one row per sequence (B rows for (B, T) tokens) are repeated to one row per token.
-    """
+    """`PagedAttentionMetadata` plus context_lens: (R,) int32 per query row, R = B*T (default: position + 1), and
+    `portable` to take the portable path whatever the device."""
 
     context_lens: Tensor | None = None
     portable: bool = False
@@ -259,9 +206,7 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
                 sliding_window: int | None = None) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then attends over the blocks.
-        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized (q, k, v come in
-        rotated for int8: `PagedAttentionMetadata.attend`). sliding_window: this layer's window, or None."""
+        """The kernels' `PagedAttentionMetadata._attend`: writes k/v, then attends over the blocks in place."""
         if not uses_kernels(q, kv_cache[0], self.portable):
             return super()._attend(q, k, v, kv_cache, sliding_window)
         B, T, H, Hd = q.shape

@@ -1,41 +1,17 @@
-"""The physical KV cache: per layer, one K and one V tensor of blocks (Phase 2), and their scales when the
-cache is quantized (Phase 7c).
+"""The physical KV cache: per layer, a K and a V tensor of blocks, and their scales when quantized.
 
     k_cache[layer]: (num_blocks + 1, block_size, n_kv_heads, head_dim)      v_cache[layer]: the same
                      block 0 | block 1 | ... | block num_blocks-1 | null block
-    k_scale[layer]: (num_blocks + 1, block_size, n_kv_heads) float32        v_scale[layer]: the same
-                     int8 and fp8 caches only: one scale per token per KV head, beside its block
+    k_scale[layer]: (num_blocks + 1, block_size, n_kv_heads) float32        v_scale[layer]: the same (int8, fp8)
 
-The BlockManager (pure Python) decides which sequence owns which block; this module only holds
-the tensors. A token's K and V go to its *slot*, `block_id * block_size + offset`, written through
-the `slot_mapping` (see `tinyvllm.attention.paged.reshape_and_cache`). The extra last block is the
-*null block*: padding tokens (in padded batches) write there, and no block table ever points at it.
+A token's K/V go to slot `block_id * block_size + offset` (`slot_mapping`); padding tokens write into the null
+block, which no block table points at. The BlockManager decides who owns which block; this module holds the
+tensors, and sizes the pool once from a memory budget (config flows one way):
 
-`kv_cache_dtype` says how one element is stored (vLLM's flag of the same name):
+    num_blocks = budget // (block_size * kv_cache_bytes_per_token) - 1 (the null block)
 
-    name      element                      scale per token per KV head   bytes per token per KV head (head_dim 64)
-    float32   float32                      -                             256
-    float16   float16                      -                             128
-    int8      round(x / s), s = amax / 127  float32                       64 + 4 = 68   (x: the row rotated)
-    fp8       e4m3(x / s),  s = amax / 448  float32                       64 + 4 = 68
-    auto      the model's compute dtype
-
-A quantized cache keeps one layout for both 8-bit types: codes where the float elements were, scales in a
-tensor of their own whose first two dimensions are the block's (so whatever copies or frees a block copies
-or frees its scales with it). The arithmetic of the codes is in `tinyvllm.attention.kv_quant`.
-
-The pool size is derived once, from a memory budget, and passed in (config flows one way):
-
-    bytes per block = 2 (K and V) * num_layers * block_size * n_kv_heads * (head_dim * element size + scale size)
-    num_blocks      = budget // bytes per block - 1 (the null block)
-
-The budget is `kv_cache_memory` where given. Otherwise, on a GPU, it is what vLLM's `gpu_memory_utilization`
-leaves once the weights are on the device (`kv_cache_budget`):
-
-    |<------------------------------- total device memory -------------------------------->|
-    |<----------- gpu_memory_utilization * total ------------>|<-- 1 - utilization: left -->|
-    | used: weights, tinygrad, other processes | step | KV     |     to everything else      |
-                                     free now ^      ^ activations: each graph's intermediates, allocated when captured
+Taught in docs/phases/02-paged-attention.md; the GPU budget in 05b-gpu.md; the 8-bit dtypes in
+07c-kv-cache-quantization.md.
 """
 
 from __future__ import annotations
@@ -68,11 +44,9 @@ def parse_memory(text: str | int) -> int:
 class KVCacheDtype:
     """How the cache stores one element of K or V.
 
-    storage: the element dtype of k_cache / v_cache (fp8 e4m3 codes are stored as uint8 bytes on every device)
-    qmax:    the largest code magnitude a scale maps amax onto (int8 127, fp8 448); None: stored as is, no scale
-    rotated: K and V are stored rotated by a Hadamard matrix (and q and the output rotated to match: see
-             `tinyvllm.attention.kv_quant.rotate`). It halves int8's rounding error on the real model's K/V
-             (evenly spaced codes: a flatter row wastes fewer); fp8's is relative to each element and grows.
+    storage: the element dtype of k_cache / v_cache (fp8 e4m3 codes as uint8)
+    qmax:    the largest code a scale maps amax onto (int8 127, fp8 448); None: stored as is, no scale
+    rotated: K and V stored rotated by a Hadamard matrix (`kv_quant.rotate`)
     """
 
     name: str
@@ -137,9 +111,7 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: DType 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | int,
                           dtype: DType | KVCacheDtype = dtypes.float32) -> int:
-    """How many blocks the BlockManager can hand out within the budget. The budget also holds the null
-    block (see PagedKVCache), so it must fit at least two; otherwise a ValueError says how much that is.
-    `dtype`: the compute dtype (a cache of it) or a KVCacheDtype, whose scales are counted too."""
+    """Blocks to hand out within the budget (which also holds the null block); ValueError below two blocks."""
     budget, per_block = parse_memory(memory), kv_cache_bytes_per_block(config, block_size, dtype)
     if budget < 2 * per_block:
         raise ValueError(f"kv cache memory {budget} bytes is less than two blocks (one to hand out plus the null "
@@ -149,10 +121,9 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
 
 
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_logits_rows: int) -> int:
-    """A bound on the intermediates of the engine's captured graphs, which tinygrad allocates when it captures them
-    (after the KV cache). Per token, float32: the residual stream and its norms, q/k/v, attention's output, the
-    MLP's gate, up and product; per row of logits: the logits and the sampler's copies. Doubled: each bucket's graph
-    (1, 2, 4, ... tokens) has buffers of its own, and the buckets below the largest add up to less than it."""
+    """A bound on the bytes of the captured graphs' intermediates (allocated after the KV cache): per float32
+    token, the residual stream, norms, q/k/v, attention's output and the MLP's; per logits row, the logits and the
+    sampler's copies. Doubled: the smaller buckets' graphs (1, 2, 4, ...) add up to less than the largest's."""
     per_token = 4 * (4 * config.hidden_size + (config.num_attention_heads + 2 * config.num_key_value_heads)
                      * config.head_dim + 3 * config.intermediate_size)
     per_row = 4 * 4 * config.vocab_size
@@ -161,10 +132,9 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_logit
 
 def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: float | None, device: str | None,
                     activations: int = 0) -> int:
-    """Bytes for the KV cache: `kv_cache_memory` if given; else, on a GPU, the share `gpu_memory_utilization` of
-    its memory (the device's default, 0.9, if None) less what is in use now (the weights are loaded) and less
-    `activations` (see the module doc); else (the CPU device) DEFAULT_KV_CACHE_MEMORY. Raises ValueError when the
-    share leaves nothing, or when a utilization is given for a device whose free memory cannot be read."""
+    """Bytes for the KV cache: `kv_cache_memory` if given; else, on a GPU, `gpu_memory_utilization` of its memory
+    (the device's default if None) less what is in use now and less `activations`; else DEFAULT_KV_CACHE_MEMORY.
+    Raises ValueError when that leaves nothing, or a utilization is given for a device that cannot report memory."""
     if kv_cache_memory is not None:
         return parse_memory(kv_cache_memory)
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -190,13 +160,10 @@ def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: f
 
 class PagedKVCache:
     """The block tensors of every layer: `kv_caches[layer] = (k_cache, v_cache)`, or
-    `(k_cache, v_cache, k_scale, v_scale)` for an int8 or fp8 cache. Every tensor of a layer has the block
-    as its first dimension.
+    `(k_cache, v_cache, k_scale, v_scale)` for an int8 or fp8 cache; the block is every tensor's first dimension.
 
-    Tensor parallel (Phase 8): `device` a tuple of devices splits every tensor by KV head (axis 2), each device
-    holding the heads its share of the attention reads; `config.num_key_value_heads` is then the count over all
-    devices (`LlamaForCausalLM.kv_cache_config`). Every device has every block: one block table serves them all.
-    Pipeline parallel: `device` a list, one device per layer (its stage's)."""
+    device: one device; a tuple (tensor parallel): every tensor split by KV head (axis 2), every device holding
+    every block; a list (pipeline parallel): one device per layer."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: DType | KVCacheDtype = dtypes.float32, device: str | tuple[str, ...] | list | None = None):

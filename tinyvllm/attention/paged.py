@@ -1,37 +1,7 @@
-"""Paged attention in portable tinygrad (Phase 2): the reference the custom kernels are checked against.
-
-Two operations, named as in vLLM:
-
-reshape_and_cache: write this step's K/V into their slots.
-
-    k: (N, n_kv_heads, head_dim) for N new tokens     slot_mapping: (N,)  slot = block * block_size + offset
-    k_cache viewed as (num_slots, n_kv_heads * head_dim):  k_cache[slot_mapping[i]] = k[i]
-
-  A scatter: tinygrad's Tensor API has no scatter-store that touches only N rows (indexed
-  assignment rewrites the whole cache with a select), so it is written as a tiny kernel in
-  tinygrad's own UOps, which every tinygrad device compiles: O(N) work, not O(cache).
-
-paged_attention: each query attends over its sequence's blocks, gathered through its block table.
-
-    block_tables: (B, max_blocks)   row b lists sequence b's physical blocks in logical order
-    k_cache[block_tables[:, :nb]] -> (B, nb, block_size, n_kv_heads, head_dim) -> (B, nb*block_size, ...)
-
-  Logical key index s of sequence b is its token at position s, so one mask does it all:
-  query at position p sees keys s <= p (causal inside a prompt chunk, and slots past the
-  sequence's length, in its last, partly filled block, are never seen). `nb` (the number of
-  blocks to gather) is a bound symbolic variable, so the work follows the context length,
-  not the maximum. A sliding-window layer (Mistral, Gemma 3: `sliding_window` W) also masks
-  keys s <= p - W, so a query sees its last W keys, itself included, as HF's mask does.
-
-The gather copies the sequence's K/V out of the blocks before attending: that extra memory
-traffic on every step is what Phase 5's kernels avoid by reading the blocks in place.
-
-A quantized cache (Phase 7c, int8 or fp8: `tinyvllm.attention.kv_cache`) has per-layer scale tensors beside the
-blocks, (num_blocks, block_size, n_kv_heads): `reshape_and_cache` quantizes each new token's K/V per KV head
-and writes the codes and the scale to the same slot; `paged_attention` gathers both and dequantizes
-(`tinyvllm.attention.kv_quant`) before attending. For an int8 cache `attend` rotates q, K and V first (a
-Hadamard matrix, which halves the rounding error) and the output back. A float16 cache is written and read
-with a cast.
+"""Paged attention in portable tinygrad, the reference the custom kernels are checked against: `reshape_and_cache`
+scatters this step's K/V into their slots (a UOp kernel: O(tokens written), not O(cache)); `paged_attention` gathers
+each sequence's blocks through its block table, where key index s is the token at position s, so one causal mask
+also hides the last block's unfilled slots. Taught in docs/phases/02-paged-attention.md, sections 6 and 7.
 """
 
 from __future__ import annotations
@@ -66,8 +36,8 @@ def _scatter(x: Tensor, cache: Tensor, slot_mapping: Tensor) -> Tensor:
 
 def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor,
                       scale_cache: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """x: (N, n_kv_heads, head_dim) -> cache (num_blocks, block_size, n_kv_heads, head_dim) after the write.
-    A quantized cache takes its scales too, (num_blocks, block_size, n_kv_heads), and both come back."""
+    """x: (N, n_kv_heads, head_dim) -> cache (num_blocks, block_size, n_kv_heads, head_dim) after the write (and
+    a quantized cache's scales, (num_blocks, block_size, n_kv_heads))."""
     spec = kv_cache_dtype_of(cache)
     if not spec.quantized:
         return _scatter(x, cache, slot_mapping)
@@ -80,9 +50,8 @@ def reshape_and_cache(x: Tensor, cache: Tensor, slot_mapping: Tensor,
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, num_blocks: int | UOp,
                     positions: Tensor, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                     sliding_window: int | None = None) -> Tensor:
-    """q: (B,T,H,Hd) for tokens at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table.
-    k_scale, v_scale: (num_blocks, block_size, KvH), for an int8 or fp8 cache. sliding_window W: a query at
-    position p sees keys p-W+1 .. p only."""
+    """q: (B,T,H,Hd) at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table.
+    k_scale, v_scale: (num_blocks, block_size, KvH) for an 8-bit cache; sliding_window W: keys p-W+1 .. p only."""
     B, T = q.shape[0], q.shape[1]
     _, block_size, kv_heads, head_dim = k_cache.shape
     table = block_tables[:, :num_blocks]  # (B, nb)
@@ -109,8 +78,7 @@ class PagedAttentionMetadata:
     """Everything a step's attention needs to find its tokens' K/V, as tensors (JIT inputs) and variables.
 
     slot_mapping: (B*T,) int32     where each new token's K/V are written
-    block_tables: (B, max_blocks)  int32, each row padded past the sequence's blocks, or (B*T, max_blocks):
-                  one row per token, for a flattened batch where the tokens of many sequences share one row
+    block_tables: (B, max_blocks)  int32, rows padded; or (B*T, max_blocks), one row per token of a flattened batch
     positions:    (B, T) int32     each token's position in its sequence
     num_blocks:   blocks to gather per sequence (>= ceil(context_len / block_size) for every row)
     """
@@ -121,17 +89,15 @@ class PagedAttentionMetadata:
     num_blocks: int | UOp
 
     def to(self, device: str | tuple[str, ...]) -> PagedAttentionMetadata:
-        """The same metadata with its tensors on `device` (a pipeline stage's: copied inside the step's graph)."""
+        """The same metadata with its tensors on `device` (a pipeline stage's)."""
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.init
                  and isinstance(getattr(self, f.name), Tensor)}
         return dataclasses.replace(self, **moved)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
                sliding_window: int | None = None) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd). Writes k/v first, then reads them back with the rest.
-        kv_cache: (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) when quantized. An int8 cache holds
-        K/V rotated by a Hadamard matrix: q, k, v go in rotated, the output is rotated back (`kv_quant.rotate`,
-        its own inverse). sliding_window: this layer's window (None: the whole context)."""
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd): writes k/v, then reads them back with the rest.
+        kv_cache: (k_cache, v_cache[, k_scale, v_scale]); a rotated cache gets q, k, v rotated, the output back."""
         if kv_cache_dtype_of(kv_cache[0]).rotated:
             from tinyvllm.attention.kv_quant import rotate
             return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache, sliding_window))
@@ -151,7 +117,7 @@ class PagedAttentionMetadata:
         if self.block_tables.shape[0] == B:
             return paged_attention(q, k_cache, v_cache, self.block_tables, self.num_blocks, self.positions,
                                    k_scale, v_scale, sliding_window)
-        # a flattened batch (Phase 4): every token is its own query row, with its own sequence's block table
+        # a flattened batch: every token a query row, with its sequence's block table
         H, Hd = q.shape[2], q.shape[3]
         out = paged_attention(q.reshape(B * T, 1, H, Hd), k_cache, v_cache, self.block_tables, self.num_blocks,
                               self.positions.reshape(B * T, 1), k_scale, v_scale, sliding_window)

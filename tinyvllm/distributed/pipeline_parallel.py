@@ -1,14 +1,5 @@
-"""Pipeline parallel (Phase 8): the layers split into consecutive stages, one device each.
-
-    device 0: embed_tokens, layers 0 .. 9      device 1: layers 10 .. 19      device 2: layers 20 .. 29, norm, lm_head
-    input_ids --> [stage 0] --hidden (T, D)--> [stage 1] --hidden (T, D)--> [stage 2] --> logits --> device 0
-
-Each device holds its layers' weights and its layers' KV cache blocks (every block id exists on every stage: one
-block table serves them all), and the only traffic is the hidden state, T x hidden_size floats per stage boundary,
-once per step: far less than tensor parallel's two all-reduces per layer, and any head count splits. The price is
-that the stages run one after another: a step on P devices takes as long as on one, unless micro-batches keep every
-stage busy at once (vLLM's virtual engines), which needs devices that run concurrently. tinyvllm moves the hidden
-state inside the step's one captured graph (`Tensor.to(device)`), so the engine and its scheduler do not change.
+"""Pipeline parallel: the layers split into consecutive stages, one device each; the hidden state moves to the
+next stage inside the step's one captured graph (`Tensor.to`). Taught in docs/phases/08-multi-device.md, section 6.
 """
 
 from __future__ import annotations
@@ -17,8 +8,7 @@ from tinyvllm.distributed.tensor_parallel import shard_devices
 
 
 def split_layers(num_layers: int, size: int) -> list[range]:
-    """Consecutive layers per stage, as even as possible; the first stages take the remainder (vLLM's
-    get_pp_indices gives the last stages fewer too: the last one also holds lm_head)."""
+    """Consecutive layers per stage, the first stages taking the remainder (the last holds lm_head too)."""
     base, extra = divmod(num_layers, size)
     stages, start = [], 0
     for s in range(size):

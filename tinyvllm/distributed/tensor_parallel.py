@@ -1,33 +1,7 @@
-"""Tensor parallel (Phase 8): one model's every layer split over N devices, Megatron-LM's way.
-
-Megatron-LM (Shoeybi et al. 2019, arxiv.org/abs/1909.08053) splits a transformer block so that each device
-computes a slice of it with no communication until the block's last matmul, where one all-reduce sums the slices:
-
-    x (replicated) --> qkv_proj  COLUMN-parallel: device i holds the rows of its heads  --> q,k,v of heads i
-                       attention, per device, over its own heads and its own KV cache slice (no communication)
-                   --> o_proj    ROW-parallel: device i holds the columns of its heads --> a partial sum
-                   --> ALL-REDUCE (sum over devices)                                   --> x' (replicated)
-    x' ------------> gate_up     COLUMN-parallel: device i holds F/N rows of gate and of up
-                       silu(gate) * up, per device (elementwise: no communication)
-                   --> down_proj ROW-parallel                                           --> a partial sum
-                   --> ALL-REDUCE                                                       --> x'' (replicated)
-
-A column-parallel matmul splits the output features (each device the full input, a slice of the output); a
-row-parallel one splits the input features (each device a slice of the input, a partial output). Column then row
-composes without a gather in between, so a block costs exactly two all-reduces of (tokens, hidden_size) floats.
-
-The embedding and lm_head are split by vocabulary (vLLM's VocabParallelEmbedding / ParallelLMHead): device i holds
-rows [i V/N, (i+1) V/N). A token's row lives on one device; the others contribute zeros and one all-reduce sums
-them. lm_head is column-parallel: each device computes the logits of its vocabulary slice, gathered onto the
-first device for sampling.
-
-KV heads: each device holds the KV heads its query heads read. With more devices than KV heads each KV head is
-replicated (as vLLM does): device i holds KV head i // (N / n_kv_heads). The paged KV cache is sharded by head
-the same way, so every device has every block (one block table for all: the BlockManager does not change).
-
-On tinygrad a split is a multi-device tensor, `Tensor.shard(devices, axis)`: ops on it run per device, and a
-reduction over the sharded axis becomes an all-reduce in the same graph (tinygrad/schedule/multi.py), so one
-captured TinyJit holds every device's kernels and the all-reduces between them.
+"""Tensor parallel: every layer split over N devices, Megatron-LM's way: column-parallel qkv_proj and gate_up,
+row-parallel o_proj and down_proj, so a block costs two all-reduces; the embedding and lm_head split by vocabulary.
+A split is tinygrad's `Tensor.shard(devices, axis)`, so one captured graph holds every device's kernels and the
+all-reduces. Taught in docs/phases/08-multi-device.md.
 """
 
 from __future__ import annotations
@@ -40,8 +14,7 @@ from tinyvllm.model.quant import QuantizedArray
 
 
 def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
-    """Raise ValueError unless `size` devices can split the model's heads (vLLM's rule): the query heads
-    evenly, and the KV heads evenly or, with more devices than KV heads, each KV head onto a whole group."""
+    """ValueError unless `size` divides the query heads, and divides the KV heads or is a multiple of them (vLLM's)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
@@ -61,11 +34,8 @@ def shard_devices(device: str | None, size: int) -> tuple[str, ...]:
 
 
 class TensorParallel:
-    """How one model is placed on `size` devices: which rows of each weight go to which device.
-
-    size 1 places everything on one device as it is (no permutation, no copies): the model's code is the
-    same for every size. Shapes below are the logical (whole) ones; device i holds 1/size of the sharded axis.
-    """
+    """Which rows of each weight go to which of `size` devices (device i holds 1/size of the sharded axis); a KV head
+    is replicated when there are more devices than KV heads."""
 
     def __init__(self, config: ModelConfig, size: int = 1, device: str | None = None):
         check_tensor_parallel_size(config, size)
@@ -81,21 +51,19 @@ class TensorParallel:
         return self.kv_heads * self.size
 
     def _kv_rows(self) -> np.ndarray:
-        """Rows of a (KvH*Hd, D) k_proj / v_proj, device by device: device i's KV heads (replicated if need be)."""
+        """Rows of a (KvH*Hd, D) k_proj / v_proj, device by device."""
         hd, replicas = self.config.head_dim, max(1, self.size // self.config.num_key_value_heads)
         heads = [i // replicas * self.kv_heads + j for i in range(self.size) for j in range(self.kv_heads)]
         return np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in heads])
 
     def part_rows(self, part: str) -> np.ndarray | None:
-        """Row order of one HF weight, device by device (None: as it is). 'q' rows are head-major, so device i's
-        heads are already rows i*H/N*Hd ... ; 'k' and 'v' may repeat heads."""
+        """Row order of one HF weight, device by device (None: as it is; 'k' and 'v' may repeat heads)."""
         if self.size == 1 or part not in ("k", "v"):
             return None
         return self._kv_rows()
 
     def fused_rows(self, sizes: list[int], parts: list[str]) -> np.ndarray | None:
-        """Row order of weights fused along dim 0 (qkv_proj: q, k, v; gate_up_proj: gate, up) such that each device's
-        slice of the fused matrix is its slices of the parts, in order: [q_i k_i v_i] on device i."""
+        """Row order of weights fused along dim 0: device i's slice is [q_i k_i v_i]."""
         if self.size == 1 or not parts:
             return None
         offsets = np.cumsum([0] + sizes)
@@ -114,8 +82,7 @@ class TensorParallel:
         return np.concatenate([rows, np.zeros((pad, *rows.shape[1:]), rows.dtype)])
 
     def place(self, t: Tensor, axis: int | None) -> Tensor:
-        """Put a weight (loaded on the first device) where it belongs: split along `axis`, or a replica on every
-        device (axis None). Not yet realized: realize every placed weight at once (one schedule for all copies)."""
+        """A weight split along `axis`, or replicated (None); not yet realized."""
         if self.size == 1:
             return t
         return t.to(self.devices) if axis is None else t.shard(self.devices, axis)

@@ -1,30 +1,8 @@
-"""Byte-level BPE (GPT-2, Llama-3, SmolLM2), run by tiktoken.
+"""Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen2), run by tiktoken.
 
-Byte-pair encoding starts from the text's UTF-8 bytes and repeatedly merges the adjacent pair
-that was merged earliest when the vocabulary was learned (lowest "rank"). SmolLM2 on " the":
-
-    bytes      [" ", "t", "h", "e"]          GPT-2 spells them "Ġ", "t", "h", "e"
-    merge #0   "Ġ t"   -> ["Ġt", "h", "e"]
-    merge #3   "h e"   -> ["Ġt", "he"]
-    merge #8   "Ġt he" -> ["Ġthe"]            one token, id 260; no pair left to merge: done
-
-Three details make it work on real text:
-  1. A regex first splits the text into pieces (words, a space plus a word, digit runs, whitespace)
-     and merges never cross pieces, so " the" stays one piece but "the." never becomes one token.
-     Each model family has its own regex (`PRETOKENIZER_PATTERNS`); SmolLM2 isolates every digit.
-  2. Vocabulary files are text, so GPT-2 spells each of the 256 bytes as a printable character
-     (`bytes_to_unicode`: printable ASCII and Latin-1 stand for themselves, the others shift to
-     U+0100 and up: space -> "Ġ", newline -> "Ċ"). We turn every token back into its raw bytes.
-  3. tiktoken wants one number per token, its rank: the merge that creates the token. The token id
-     (the row of the embedding table) is a separate thing. Here rank = 256 + the merge's index, and
-     single bytes rank 0..255; a table maps each rank back to the token id.
-
-tiktoken is not quite HF's BPE, in two ways. It ranks a merge by the token it produces, where HF
-ranks the pair; and it first looks a whole piece up in the vocabulary (what HF does only with
-`ignore_merges`, which Llama-3 sets). Neither changes the result when BPE builds every token from
-its own bytes and no other pair of neighbours concatenates to a token: true of SmolLM2, whose every
-token and thousands of random runs of tokens the tests put through both. A byte the vocabulary
-lacks (SmolLM2 has 235 of the 256) is dropped, as HF does when there is no unknown token.
+A pre-tokenizer regex splits the text (`PRETOKENIZER_PATTERNS`); tiktoken merges each piece's bytes by rank,
+rank = 256 + the index of the merge that makes the token (single bytes rank 0..255), and `_rank_to_id` maps
+ranks back to token ids. Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -44,9 +22,8 @@ LLAMA3_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
     r"""|\s+(?!\S)|\s+"""
 )
-# SmolLM2 / StarCoder: HF runs two pre-tokenizers, Digits(individual_digits) then GPT-2's regex on the text
-# between digits. One regex does the same: every digit alone, no " ?" before digits, and a whitespace run
-# right before a digit ends there whole (for GPT-2's `\s+(?!\S)` that digit is the end of its piece).
+# SmolLM2 / StarCoder: HF's Digits(individual_digits) then GPT-2's regex, as one regex: every digit alone, and a
+# whitespace run before a digit ends there whole (for GPT-2's `\s+(?!\S)` the digit ends its piece)
 SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
 # Qwen2 / Qwen2.5 / Qwen3: Llama-3's regex with every digit alone (\p{N}, not \p{N}{1,3})
@@ -91,15 +68,15 @@ def _unicode_to_bytes() -> dict[str, int]:
 
 @lru_cache(maxsize=1)
 def _unspell_table() -> dict[int, str]:
-    """`str.translate` table: each character of the alphabet -> the character of its byte (code point < 256);
-    code points < 256 that are not in the alphabet -> one above 255, so that encoding to latin-1 fails."""
+    """`str.translate` table: each alphabet character -> its byte's; other code points < 256 -> one that latin-1
+    cannot encode."""
     table = {ord(char): chr(b) for char, b in _unicode_to_bytes().items()}
     return {**{c: "\U00010000" for c in range(256) if c not in table}, **table}
 
 
 def unspell(token: str) -> bytes | None:
     """The raw bytes of a token written in GPT-2's byte alphabet ("Ġthe" -> b" the"), None if it is not.
-    (One `translate` and one `encode` in C, not a Python loop over the token's characters: 49k tokens at load.)"""
+    One `translate` and one `encode` in C, not a Python loop per character (every token, at load)."""
     try:
         return token.translate(_unspell_table()).encode("latin-1")
     except UnicodeEncodeError:  # a character outside the alphabet
@@ -132,7 +109,7 @@ class ByteLevelBPETokenizer(Tokenizer):
             token_bytes=token_bytes, added_tokens=added_tokens, special_token_ids=special_token_ids, **kwargs
         )
 
-        # ranks: bytes -> rank for tiktoken, and rank -> token id for us (None: a byte missing from the vocabulary)
+        # bytes -> rank for tiktoken; rank -> token id (None: a byte the vocabulary lacks)
         added_ids = set(added_tokens.values())
         ranks = {bytes([b]): b for b in range(256)}
         self._rank_to_id: list[int | None] = [None] * (256 + len(merges))
@@ -158,7 +135,7 @@ class ByteLevelBPETokenizer(Tokenizer):
             text = unicodedata.normalize(self.normalizer, text)
         return [rank_to_id[r] for r in self._bpe.encode_ordinary(text) if rank_to_id[r] is not None]
 
-    # --- readers ------------------------------------------------------------------------------------
+    # --- readers ----
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict) -> ByteLevelBPETokenizer:

@@ -1,19 +1,7 @@
-"""Chat templates: a conversation -> the exact prompt text the model was trained on.
-
-Every chat model ships a Jinja template (GGUF `tokenizer.chat_template`, HF `tokenizer_config.json`
-or `chat_template.jinja`) that writes the turns with its own markers. SmolLM2's, for one user turn:
-
-    [{"role": "user", "content": "Hi"}]
-    ->  <|im_start|>system
-        You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
-        <|im_start|>user
-        Hi<|im_end|>
-        <|im_start|>assistant          <- add_generation_prompt: the model continues from here
-
-Templates are written against HF's environment, so we render in one like it (transformers,
-`utils/chat_template_utils.py`): a sandbox (templates are untrusted code from the Hub),
-`trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, `raise_exception(msg)`,
-`strftime_now(fmt)`, and a `tojson` that keeps non-ASCII characters and accepts `indent`.
+"""Chat templates: a conversation -> the exact prompt text the model was trained on, rendered in an environment
+like HF's (transformers' `utils/chat_template_utils.py`): a sandbox (templates are untrusted code), `trim_blocks`,
+`lstrip_blocks`, `loopcontrols`, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII.
+Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -56,8 +44,7 @@ def _compile(template: str) -> jinja2.Template:
 
 @lru_cache(maxsize=16)
 def template_variables(template: str) -> frozenset[str]:
-    """The variables a template reads from outside: "tools" among them when it can render tool definitions
-    (SmolLM2's reads only messages and add_generation_prompt)."""
+    """The variables a template reads from outside ("tools" when it renders tool definitions)."""
     return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
 
 

@@ -1,30 +1,17 @@
-"""The model's shape, derived once from the weights' own metadata and then frozen.
-
-Config flows one way: a GGUF file's metadata or an HF `config.json` is read into one
-`ModelConfig`, and every module (the model, the KV cache, the scheduler) reads it and never
-writes it back. Field names follow HF's `LlamaConfig`, the names vLLM uses too.
+"""The model's shape, derived once from the weights' own metadata and then frozen (HF `LlamaConfig`'s names).
 
     GGUF metadata  --from_gguf_metadata-->  ModelConfig  <--from_hf_config--  config.json
 
-One decoder block serves every architecture tinyvllm runs (`ARCHITECTURES`): the others are LLaMA with a few
-switches, each a field here (docs/phases/01-appendix-architectures.md):
-
-    architecture         HF class             GGUF arch   what differs from LLaMA
-    LlamaForCausalLM     llama                llama       (the block as it is; rope_scaling for Llama 3.1)
-    MistralForCausalLM   mistral              llama       sliding_window: a query sees the last W keys only
-    Qwen2ForCausalLM     qwen2                qwen2       attention_bias: q/k/v projections add a bias
-    Qwen3ForCausalLM     qwen3                qwen3       qk_norm: RMSNorm over each head of q and k
-    Gemma3ForCausalLM    gemma3_text          gemma3      qk_norm, sandwich norms, GeGLU, scaled embedding,
-                                                          query_pre_attn_scalar, sliding layers (layer_types)
-                                                          with their own rope_local_theta
+Every module reads it, none writes it back. The other architectures (`ARCHITECTURES`: Mistral, Qwen2, Qwen3,
+Gemma 3) are LLaMA's block with switches, each a field. Taught in docs/phases/01-foundation.md; the switches in
+01-appendix-architectures.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# HF architecture -> (HF model_type, GGUF general.architecture). Mistral's GGUF is a 'llama' one (llama.cpp's
-# converter writes it so), with the window in llama.attention.sliding_window.
+# HF architecture -> (HF model_type, GGUF general.architecture); llama.cpp writes Mistral as 'llama'
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "llama"),
     "MistralForCausalLM": ("mistral", "llama"),
@@ -39,13 +26,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU (LLaMA, Mistral, Qwen), Ge
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling, HF's `rope_scaling`. Two kinds:
-
-    "llama3": low frequencies (long wavelengths) are divided by `factor`, high ones kept, and the band
-              between is interpolated smoothly (Llama 3.1+).
-    "linear": every frequency is divided by `factor` (position interpolation).
-    See `tinyvllm.model.rope.rope_frequencies`.
-    """
+    """RoPE frequency scaling, HF's `rope_scaling`: "llama3" (Llama 3.1+) or "linear" (`rope.rope_frequencies`)."""
 
     factor: float
     low_freq_factor: float = 1.0
@@ -103,12 +84,11 @@ class ModelConfig:
 
     @property
     def rope_interleaved(self) -> bool:
-        """Are q/k rows stored in GGUF permuted for llama.cpp's adjacent-pair RoPE? True for 'llama' GGUFs only:
-        llama.cpp runs Qwen and Gemma with the NEOX (rotate_half) RoPE, HF's own order (weights_gguf)."""
+        """Are a GGUF's q/k rows permuted for llama.cpp's adjacent-pair RoPE? 'llama' files only (Qwen, Gemma: NEOX)."""
         return self.gguf_architecture == "llama"
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of layer `layer`'s attention (keys it sees behind a query), None for full attention."""
+        """Layer `layer`'s sliding window, None for full attention."""
         if self.sliding_window is None:
             return None
         if self.layer_types is not None and self.layer_types[layer] != SLIDING_ATTENTION:
@@ -142,7 +122,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
-        """Build from an HF `config.json` dict (an architecture of ARCHITECTURES), as transformers 4 or 5 wrote it."""
+        """Build from an HF `config.json` dict, as transformers 4 or 5 wrote it."""
         arch = architecture_of(cfg)
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
@@ -185,8 +165,7 @@ class ModelConfig:
         )
 
     def to_hf_config(self) -> dict:
-        """The inverse of `from_hf_config`: what `convert` writes as config.json (transformers 4's keys, which
-        transformers 5 reads too)."""
+        """The inverse of `from_hf_config`, in transformers 4's keys (5 reads them too)."""
         cfg = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -321,8 +300,7 @@ def _activation(cfg: dict, default: str) -> str:
 
 
 def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling | None, float | None]:
-    """(rope_theta, rope_scaling, the sliding layers' own theta or None) from transformers 4's keys (rope_theta,
-    rope_scaling, rope_local_base_freq) or transformers 5's rope_parameters (per layer type for Gemma 3)."""
+    """(rope_theta, rope_scaling, the sliding layers' theta or None) from transformers 4's or 5's keys."""
     params = cfg.get("rope_parameters")
     if params is None:
         local = cfg.get("rope_local_base_freq")

@@ -1,28 +1,8 @@
-r"""Streaming detokenization: one token id in, the text it completes out.
+r"""Streaming detokenization: one token id in, the text it completes out, never half a UTF-8 character.
 
-A token is bytes, not characters, and byte-level BPE may cut a character between tokens.
-SmolLM2 writes "Hello 😀" (the emoji is the 4 bytes F0 9F 98 80) as three tokens; decoding each
-on its own would stream U+FFFD marks instead of the emoji:
-
-    token id   bytes                 emitted
-    19556      b"Hello"              "Hello"
-    40303      b" \xf0\x9f\x98"      " "       the space is whole; 3 of the emoji's 4 bytes wait
-    218        b"\x80"               "😀"      the 4th byte completes it
-
-So we feed the bytes to an incremental UTF-8 decoder, which holds back an unfinished character
-until its last byte arrives. vLLM (`vllm/v1/engine/detokenizer.py`) reaches the same result by
-re-decoding a short window of recent tokens (`prefix_offset`, `read_offset`, or HF tokenizers'
-`DecodeStream`) and emitting only text that no longer ends in U+FFFD. Having each token's bytes,
-we need no window.
-
-Like vLLM's, the stream can start after a prompt (`prompt_token_ids`): generated text continues
-the prompt's, which matters for sentencepiece. Its first token "▁Paris" after "The capital of
-France is" is " Paris", while decoding it alone gives "Paris" (the leading space of a whole text
-is the dummy prefix, which decode takes off).
-
-Concatenating everything `add` returns gives the text `tokenizer.decode(prompt + generated)` has
-beyond the prompt's (with the same `skip_special_tokens`), except for a character still unfinished
-when the stream stops, which is never emitted.
+Everything `add` returns, concatenated, is what `tokenizer.decode(prompt + generated)` has beyond the prompt's
+(a character unfinished when the stream stops is never emitted). Taught in
+docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -42,7 +22,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []  # the generated ones, not the prompt
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pieces: list[str] = []
-        # Has the text begun? Until it has, sentencepiece's first space is the dummy prefix, to be dropped.
+        # until the text begins, sentencepiece's first space is the dummy prefix, dropped
         self._started = False
         for token_id in prompt_token_ids:  # the prompt's text is not ours to emit: decode it and drop it
             self._decode_next(token_id)

@@ -1,20 +1,11 @@
-"""Reading a GGUF file: its key/value metadata and the layout of its tensors.
+"""Reading a GGUF file (llama.cpp's format, github.com/ggml-org/ggml/blob/master/docs/gguf.md):
 
-GGUF (llama.cpp's single-file format, spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+    | "GGUF" | u32 version | u64 n_tensors | u64 n_kv | metadata: key, type, value ... |
+    | tensor infos: name, dims, type, offset ... | padding to the alignment | tensor data |
 
-    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
-    | magic | version | n_tensors | n_kv | kv pairs (metadata)| tensor infos | padding | tensor data  |
-    | GGUF  | u32 = 3 | u64       | u64  | key, type, value   | name, dims,  | to      | each tensor  |
-    |       |         |           |      | ...                | type, offset | align   | at offset    |
-    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
-
-Tensor data is memory-mapped, not read: a tensor's bytes are only touched when it is dequantized.
-Arrays of strings (a tokenizer's vocabulary and merges, ~50k strings each) are decoded when first used
-(`StringArray`): a process whose tokenizer comes from its disk cache (tokenizer_cache.py) never decodes them.
-Stepping over them still reads ~100k string lengths one by one, the most of a header's parse: the parsed header
-is kept on disk too, as the tokenizer is (`_read_header`; `TINYVLLM_GGUF_HEADER_CACHE=0` turns that off).
-Dimensions are stored fastest-varying first (ggml order), so a (rows, cols) matrix is listed as
-[cols, rows]; `GGUFTensorInfo.shape` gives it back in numpy (row-major) order.
+Dims are stored fastest-varying first; `GGUFTensorInfo.shape` is numpy's order. Tensor data is memory-mapped,
+string arrays decoded on first use, the parsed header kept on disk (`HeaderCache`). Taught in
+docs/phases/01-foundation.md; the cold start in 06-appendix-measurements.md.
 """
 
 from __future__ import annotations
@@ -48,7 +39,7 @@ _U64 = struct.Struct("<Q")  # a string's length
 class GGUFTensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy order (slowest-varying first)
-    ggml_type: int  # see tinyvllm.model.quant.GGML_TYPES
+    ggml_type: int  # see tinyvllm.ggml_types.GGML_TYPES
     offset: int  # absolute byte offset of the tensor's data in the file
 
     @property
@@ -57,11 +48,8 @@ class GGUFTensorInfo:
 
 
 class StringArray(Sequence):
-    """A GGUF array of strings, decoded on first use: a read-only sequence of str over the file's bytes.
-
-    Stepping over 49,152 tokens takes one length read per string; decoding them all takes several times that, and
-    the tokenizer, their only reader, usually comes from its disk cache instead. Compares equal to a list or tuple
-    of the same strings."""
+    """A GGUF array of strings decoded on first use (often never: the tokenizer comes from its cache); a read-only
+    sequence of str, equal to a list or tuple of the same strings."""
 
     def __init__(self, buf: memoryview | bytes, start: int, n: int):
         self._buf, self._start, self._n = buf, start, n  # buf: the mapped file, which this keeps alive
@@ -115,7 +103,7 @@ class _Cursor:
         return s
 
     def strings(self, n: int) -> StringArray:
-        """n strings back to back, stepped over: one length read each; decoded when first used (`StringArray`)."""
+        """n strings back to back, stepped over (one length read each)."""
         start, pos, buf, length_at = self.pos, self.pos, self.buf, _U64.unpack_from
         try:
             for _ in range(n):
@@ -158,11 +146,8 @@ class GGUFFile:
         self.metadata, self.tensors = _read_header(str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
 
     def populate(self) -> None:
-        """Have the kernel map the whole file into this process now, on a thread of its own, instead of one page
-        fault per 64 KiB when the first step reads the weights (`madvise(MADV_POPULATE_READ)`, Linux 5.14+: one
-        system call, made through ctypes, which lets go of the GIL while it runs, so the load goes on meanwhile).
-        Only advice: where the call is unknown (another OS, an older kernel) nothing happens, and a weight read
-        before the thread is done faults its pages in as it always did."""
+        """Map the whole file in now, on a thread (`madvise(MADV_POPULATE_READ)`, Linux 5.14+; a no-op elsewhere),
+        not one page fault per 64 KiB in the first step."""
         if sys.platform != "linux":
             return
         data = np.frombuffer(self._mmap, dtype=np.uint8)  # keeps the map open while the thread runs
@@ -178,11 +163,8 @@ class GGUFFile:
 
 @functools.lru_cache(maxsize=8)
 def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, GGUFTensorInfo]]:
-    """The metadata and tensor infos of a GGUF file, once per (path, modification time, size).
-
-    The weights loader and the tokenizer both open the model file; its vocabulary and merges are ~100k
-    strings, so the second parse is served from here, and a later process reads the parse back from disk
-    (`HeaderCache`). Callers must not modify what it returns."""
+    """The metadata and tensor infos of a GGUF file, parsed once per (path, mtime, size) in a process and across
+    processes (`HeaderCache`). Do not modify the result."""
     with open(path, "rb") as f:
         buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
     cache = HeaderCache(path, mtime_ns, size) if HEADER_CACHE else None
@@ -245,13 +227,10 @@ def _code_identity() -> str:
 
 
 class HeaderCache:
-    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header`, a record as the tokenizer cache's
-    (disk_cache.read_record / write_record): its value (metadata, tensor infos as tuples).
+    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header` (a `disk_cache` record).
 
-    The key is the file's resolved path, size and modification time, this module's source and Python's version: a
-    rewritten model file, or a change to the parser, is another key, so a stale parse is never read (a GGUF is
-    never hashed whole: that would cost more than parsing it). A file that is missing, truncated, corrupt (the
-    checksum) or of another key is a miss: the header is parsed and the file written again."""
+    The key: the file's resolved path, size and modification time, this module's source, Python's version (a GGUF
+    is never hashed whole: that would cost more than parsing it). A missing, corrupt or other-key file is a miss."""
 
     def __init__(self, path: str, mtime_ns: int, size: int):
         self.key = repr((path, mtime_ns, size, _code_identity(), sys.version_info[:2]))

@@ -1,27 +1,9 @@
-"""Writing a GGUF v3 file: the inverse of tinyvllm/model/gguf.py.
+"""Writing a GGUF v3 file: the inverse of tinyvllm/model/gguf.py (whose docstring has the layout).
 
-    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
-    | magic | version | n_tensors | n_kv | kv pairs (metadata)| tensor infos | padding | tensor data  |
-    | GGUF  | u32 = 3 | u64       | u64  | key, type, value   | name, dims,  | to      | each tensor  |
-    |       |         |           |      | ...                | type, offset | align   | padded       |
-    +-------+---------+-----------+------+--------------------+--------------+---------+--------------+
-
-Every number is little-endian. A string is a u64 byte count, then that many UTF-8 bytes (no NUL).
-A metadata value is a u32 type id, then the value:
-
-    0 u8   1 i8   2 u16   3 i16   4 u32   5 i32   6 f32   7 bool (one byte)   10 u64   11 i64   12 f64
-    8 string
-    9 array: u32 item type, u64 count, then the items back to back (an array of strings: count strings)
-
-A tensor info is its name, u32 n_dims, u64 dims fastest-varying first (a numpy (rows, cols) matrix is
-written [cols, rows]), u32 ggml type, and u64 offset counted from the start of the data section. The
-data section starts at the first multiple of `general.alignment` (default 32) after the infos, and
-every tensor's offset is a multiple of it too: each tensor's bytes are followed by zeros up to it.
-
-Types. Python's int has no width, so a value's GGUF type is stated with `MetadataValue` where it
-matters; a bare value gets the type llama.cpp writes for such a key most often (int -> u32, or i32 /
-i64 when it does not fit; float -> f32; a list of ints -> i32 array, as `tokenizer.ggml.token_type`).
-`read_metadata` reads a file's metadata with every value's type, so a rewrite can keep them all.
+Little-endian; a string is a u64 byte count and its UTF-8 bytes; a metadata value is a u32 type id (ggml's
+gguf_type: the constants below) and the value; an array, a u32 item type, a u64 count and the items. Every tensor
+starts at a multiple of `general.alignment`. A bare Python value gets the type llama.cpp writes most often (int ->
+u32, float -> f32, list of ints -> i32 array); `MetadataValue` states another.
 """
 
 from __future__ import annotations
@@ -62,11 +44,7 @@ class MetadataValue:
 
 @dataclass(frozen=True)
 class TensorData:
-    """One tensor to write: `data` holds its bytes in `ggml_type` (uint8 blocks, or float32/float16 values),
-    or is a function returning them, called when the tensor's turn to be written comes (so that a whole
-    model never has to be in memory at once).
-
-    shape: numpy order, (out_features, in_features) for a linear weight."""
+    """One tensor to write (numpy shape order): its bytes in `ggml_type`, or a function returning them in its turn."""
 
     name: str
     shape: tuple[int, ...]
@@ -135,7 +113,7 @@ def _array_items(item_type: int, items: list, key: str) -> bytes:
     if item_type == STRING:
         return b"".join(_string(s) for s in items)
     if item_type in _SCALARS and item_type != BOOL:
-        # numbers in one go (a vocabulary's token types: ~50k of them); range-checked by the conversion
+        # numbers in one go (a vocabulary's token types), range-checked by the conversion
         dtype = np.dtype(_SCALARS[item_type])
         array = np.asarray(items)
         if item_type in _INT_RANGES and array.size:
@@ -200,11 +178,8 @@ def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: list[
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, MetadataValue]:
-    """A GGUF file's metadata with each value's type, so that a rewrite keeps u32 as u32 and i32 as i32.
-
-    `GGUFFile(path).metadata` holds the same values without their types."""
+    """A GGUF file's metadata with each value's type, for a faithful rewrite."""
     GGUFFile(path)  # checks the magic and the version
-    # the reader's own cursor: the same parsing, with each value's type kept beside it
     with open(path, "rb") as f:
         cur = _Cursor(memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)))
     cur.pos = 4 + 4

@@ -1,36 +1,8 @@
-"""LLaMA in tinygrad: embedding -> N x (attention + SwiGLU MLP) -> norm -> lm_head.
-
-    input_ids (B,T)
-        |  embed_tokens
-        v
-    x (B,T,D) --+--> RMSNorm -> qkv_proj -> RoPE(q,k) -> attention(q, KV cache) -> o_proj --(+)--+
-                |                                                                        ^       |
-                +------------------------------------------------------------------------+       |
-                  h --+--> RMSNorm -> gate_up_proj -> silu(gate) * up -> down_proj --(+)--> x'   |
-                      +--------------------------------------------------------------^           |
-        ... x num_hidden_layers ...
-        v
-    RMSNorm -> lm_head (tied to embed_tokens on small models) -> logits (B, vocab)
-
-The attention step is delegated to an attention backend (`tinyvllm.attention`): it writes this
-step's K and V into the KV cache and attends over everything cached so far. The contiguous backend
-(Phase 1) keeps one pre-allocated row per position; the paged backend (Phase 2) keeps blocks.
-The model itself never knows which one it runs on.
-
-Names follow HF / vLLM (`q_proj`, `gate_up_proj`, ...). Like vLLM, q/k/v are fused into one
-`qkv_proj` and gate/up into one `gate_up_proj`: the same bytes of weights are read, in two matmuls
-per layer instead of five, which matters when decode is launch- and bandwidth-bound.
-
-Mistral, Qwen2/2.5, Qwen3 and Gemma 3 run on this same block: each is LLaMA plus a few switches of the config
-(`ModelConfig`: attention_bias, qk_norm, sliding_window / layer_types, hidden_act, scale_embeddings,
-sandwich_norms, query_pre_attn_scalar, rope_local_theta), each an `if` below where the step it changes
-happens (docs/phases/01-appendix-architectures.md):
-
-    Qwen2     qkv = x @ W_qkv.T + b_qkv
-    Qwen3     q, k = rms_norm(q) per head, rms_norm(k) per head             (before RoPE)
-    Mistral   attention over the last sliding_window keys only              (attend(..., sliding_window))
-    Gemma 3   x = embed * sqrt(D);  GeGLU: gelu_tanh(gate) * up;  h = x + norm(attn(norm(x)));
-              q scaled by sqrt(Hd / query_pre_attn_scalar); 5 of 6 layers sliding, rotating with base 10000
+"""LLaMA in tinygrad: embedding -> N x (attention + SwiGLU MLP) -> norm -> lm_head (the diagram: chapter 01,
+section 5). Attention is the backend's (`attn_metadata.attend`: contiguous or paged), unseen by the model; q/k/v and
+gate/up are fused as in vLLM (two matmuls per layer instead of five). Mistral, Qwen2, Qwen3 and Gemma 3 are this
+block with `ModelConfig`'s switches, each an `if` where its step happens. Taught in docs/phases/01-foundation.md;
+the switches in 01-appendix-architectures.md.
 """
 
 from __future__ import annotations
@@ -95,8 +67,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class OneDevice:
-    """The whole model on one device: every weight as it is, every layer here. It answers what the model asks of
-    Phase 8's TensorParallel and PipelineParallel (tinyvllm/distributed/), which take its place for several."""
+    """The whole model on one device (TensorParallel and PipelineParallel take its place for several)."""
 
     size = 1
 
@@ -146,7 +117,7 @@ class LlamaDecoderLayer:
         B, T, _ = x.shape
         S, H, KvH, Hd = self.tp.size, self.tp.heads, self.tp.kv_heads, self.config.head_dim  # H, KvH: per device
         qkv = project(x, self.qkv_proj)  # (B,T,S*(H+2*KvH)*Hd)
-        if self.qkv_bias is not None:  # Qwen2 (its rows in the same device-by-device order as qkv_proj's)
+        if self.qkv_bias is not None:  # Qwen2
             qkv = qkv + self.qkv_bias
         qkv = qkv.reshape(B, T, S, (H + 2 * KvH) * Hd)  # device s: [q_s k_s v_s]
         q = qkv[..., : H * Hd].reshape(B, T, S * H, Hd)
@@ -191,13 +162,12 @@ def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
 
 
-# The axis each weight of a layer is split along (tensor parallel): 0 column-parallel, 1 row-parallel; others replicated
+# tensor parallel: 0 column-parallel, 1 row-parallel; others replicated
 SPLIT_AXIS = {"qkv_proj": 0, "qkv_bias": 0, "gate_up_proj": 0, "o_proj": 1, "down_proj": 1}
 
 
 def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
-    """A weight split along `axis` over the devices (or replicated): GGUF blocks split along whole rows (axis 0) or
-    between blocks (axis 1: each device's slice of a row must be whole blocks)."""
+    """A weight split along `axis` over the devices (None: replicated); GGUF blocks split only between blocks."""
     if isinstance(w, tuple):
         return tuple(place(tp, part, axis) for part in w)
     if not isinstance(w, Tensor):  # a QuantizedWeight
@@ -212,15 +182,9 @@ def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
 
 def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor | None = None,
            copies: list[Future] | None = None) -> Tensor:
-    """Concatenate `parts` along dim 0 into a new device tensor of their dtype (float32, or uint8 for GGUF
-    blocks), realized (or, with `pool`, being filled by one of its threads: the future goes into `copies`;
-    wait for it before using the tensor).
-
-    Where the device's memory is the host's (the CPU device) and the parts already lie back to back in memory as
-    the tensor would (a GGUF's blocks, memory-mapped: ffn_gate then ffn_up, or one tensor alone), the tensor is
-    that memory: nothing is copied, and the file's pages are the weights (`in_place`). Otherwise, on the host, the
-    parts are written straight into the buffer tinygrad allocated: one copy, no graph to schedule. Elsewhere the
-    bytes are copied in."""
+    """`parts` concatenated along dim 0 into a device tensor of their dtype (float32, or uint8 GGUF blocks): the
+    parts' own memory where it can be (`in_place`), else one copy into tinygrad's buffer. With `pool` the copy runs
+    on one of its threads, its future appended to `copies`: wait for it before using the tensor."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
     if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
@@ -232,16 +196,15 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
         return out
     if pool is None:
         np.concatenate(parts, axis=0, out=dst, casting="same_kind")
-    else:  # the copy is page faults and memory traffic: numpy releases the GIL, so threads share it out
+    else:  # page faults and memory traffic: numpy releases the GIL
         copies.append(pool.submit(np.concatenate, parts, axis=0, out=dst, casting="same_kind"))
     return out
 
 
 def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype, device: str | None) -> Tensor | None:
-    """The parts as one tensor over their own memory, or None where that cannot be: the device's memory must be the
-    host's, the parts C-contiguous, of the tensor's dtype, back to back, and aligned as tinygrad's kernels align
-    their buffers. The tensor's buffer keeps the parts (and so the memory map they view) alive; nothing writes into
-    a weight (a GGUF's map is read-only)."""
+    """The parts as one tensor over their own memory (a GGUF's mapped pages), or None unless the device's memory is
+    the host's and the parts are C-contiguous, of the dtype, back to back and 32-byte aligned. The tensor keeps
+    the parts alive; nothing writes into a weight."""
     if not platform_for(device).host_views or any(p.dtype != np_dtype or not p.flags.c_contiguous for p in parts):
         return None
     start = parts[0].ctypes.data
@@ -252,16 +215,14 @@ def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype
 
 
 class LlamaForCausalLM:
-    """The whole model. Weights come in as an HF-named state dict (see `tinyvllm.model.weights`): numpy float
-    arrays, or `QuantizedArray`s whose GGUF blocks are uploaded as they are (Phase 6)."""
+    """The whole model, from an HF-named state dict of float arrays or `QuantizedArray`s (uploaded as they are)."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray | QuantizedArray],
                  dtype: DType = dtypes.float32, device: str | None = None, quantization: str = "none",
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.config, self.dtype = config, dtype
         self.quantization = quantization  # the --quantization method the weights were loaded with
-        # where the weights go: one device, or (Phase 8) split over several, by heads (tensor parallel,
-        # tinyvllm/distributed/tensor_parallel.py) or by layers (pipeline parallel, distributed/pipeline_parallel.py)
+        # one device, or (Phase 8) several, split by heads (tensor parallel) or by layers (pipeline parallel)
         self.tp: OneDevice | TensorParallel = OneDevice(config, device)
         self.pp: OneDevice | PipelineParallel = self.tp
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
@@ -280,10 +241,8 @@ class LlamaForCausalLM:
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
         def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None) -> Weight:
-            # several HF tensors fused along the output dimension (vLLM's QKVParallelLinear / MergedColumnParallelLinear)
-            # axis: the dimension split over the devices (0 column-parallel, 1 row-parallel; None replicated);
-            # parts_of: what each fused part is ("q", "k", "v", ...), for the order of its rows device by device;
-            # at: the device of a pipeline stage (default: the first device)
+            # HF tensors fused along dim 0 (vLLM's QKVParallelLinear); axis: split over devices (None: replicated);
+            # parts_of: each part's name ("q", ...), for the rows' order; at: a pipeline stage's device
             dev = at or device
             parts = [tp.pad_vocab(state_dict[n]) if "embed" in n or "lm_head" in n else state_dict[n] for n in names]
             if all(isinstance(p, np.ndarray) for p in parts):
@@ -326,21 +285,21 @@ class LlamaForCausalLM:
                 weights["post_attention_layernorm"] = load(p + "pre_feedforward_layernorm.weight", at=at)
                 weights["mlp_output_norm"] = load(p + "post_feedforward_layernorm.weight", at=at)
             layer_weights.append(weights)
-        self.norm = load("model.norm.weight", at=pp.last)  # with the last layers: the last pipeline stage's
-        if pp.size > 1:  # lm_head on the last stage; a tied one is a second copy of the embedding there
+        self.norm = load("model.norm.weight", at=pp.last)  # the last pipeline stage's
+        if pp.size > 1:  # a tied one: a second copy there
             self.lm_head = load("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight",
                                 at=pp.last)
         else:
             self.lm_head = self.embed_tokens if config.tie_word_embeddings else load("lm_head.weight", axis=0)
         self.inv_freq = upload([rope_frequencies(config)], device)  # (Hd/2,), in place on the CPU
-        # Gemma 3's sliding layers rotate with their own base (None: every layer shares inv_freq)
+        # Gemma 3's sliding layers' own RoPE base
         self.inv_freq_local = None if config.rope_local_theta is None else upload(
             [rope_frequencies(config, local=True)], device)
         for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
             copy.result()
         pool.shutdown()
-        del load  # it calls itself, a cycle through its closure that holds `state_dict`: freed now, not by the collector
-        # only casts (float16) are left to compute; a realize of buffers that are ready would still schedule them
+        del load  # a cycle (it calls itself) holding `state_dict`: freed now
+        # only casts are left to compute: realizing ready buffers would still schedule them
         if pending := [t for t in loaded if not buffers.is_realized(t)]:
             Tensor.realize(*pending)
         if tp.size > 1:  # split or replicate every weight over the devices
@@ -378,8 +337,7 @@ class LlamaForCausalLM:
 
     @property
     def kv_cache_config(self) -> ModelConfig:
-        """The config the KV cache is sized and shaped by: with more devices than KV heads, each device holds a
-        replica of one KV head, so the cache over all devices has one head per device."""
+        """The config the KV cache is shaped by: one KV head per device when KV heads are replicated."""
         if self.tp.num_kv_heads == self.config.num_key_value_heads:
             return self.config
         return dataclasses.replace(self.config, num_key_value_heads=self.tp.num_kv_heads)
@@ -425,8 +383,7 @@ class LlamaForCausalLM:
         return self.logits_of_normed(self.final_norm(hidden))
 
     def final_norm(self, hidden: Tensor) -> Tensor:
-        """hidden: (..., D) -> the final hidden states (..., D), after the last norm: what lm_head reads, and
-        what a pooling request pools (vLLM's pooler reads the same)."""
+        """hidden: (..., D) -> after the last norm: what lm_head reads and a pooling request pools."""
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def logits_of_normed(self, normed: Tensor) -> Tensor:

@@ -26,8 +26,7 @@ def check_dtype(dtype: str | DType) -> str | DType:
 
 
 def parse_dtype(dtype: str | DType, device: str | None = None) -> DType:
-    """'float32', 'float16', or 'auto' (vLLM's default: float16 on a GPU, float32 on the CPU, which has no float16
-    arithmetic; tinyvllm/platforms.py) -> the compute dtype on `device`."""
+    """'float32', 'float16', or 'auto' (the device's) -> the compute dtype."""
     if isinstance(check_dtype(dtype), DType):
         return dtype
     return DTYPES[resolve_dtype(dtype, device)]
@@ -36,15 +35,9 @@ def parse_dtype(dtype: str | DType, device: str | None = None) -> DType:
 def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "auto",
                device: str | None = None, quantization: str = "auto",
                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
-    """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct.
-
-    Returns (model, tokenizer, the resolved path). `quantization` (vLLM's flag, see
-    tinyvllm/model/quantization.py): "auto" keeps a GGUF's blocks as they are for the fused kernels, "none"
-    dequantizes every weight, "q8_0" / "q4_0" / "q4_1" quantize a checkpoint at load. Float weights are read
-    as float32 on the host and cast to `dtype` on the device ("auto": the device's, see `parse_dtype`).
-    `tensor_parallel_size` N > 1 splits the model over N devices of `device`'s kind
-    (tinyvllm/distributed/tensor_parallel.py); `pipeline_parallel_size` P > 1 puts consecutive layers on P devices
-    (tinyvllm/distributed/pipeline_parallel.py).
+    """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct -> (model, tokenizer,
+    the resolved path). `quantization`: vLLM's flag (tinyvllm/model/quantization.py); `dtype`: see `parse_dtype`;
+    `tensor_parallel_size` / `pipeline_parallel_size`: split over that many devices of `device`'s kind.
     """
     program_cache.install(device=device)  # what earlier processes lowered and chose (kernels/program_cache.py)
     dt = parse_dtype(dtype, device)

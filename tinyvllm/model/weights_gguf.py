@@ -1,47 +1,7 @@
-"""GGUF checkpoint -> HF LLaMA state dict: dequantize, rename, undo the q/k row permutation.
-
-Names. llama.cpp names tensors its own way; we rename them to HF's (the names vLLM uses too):
-
-    GGUF                          HF
-    token_embd.weight             model.embed_tokens.weight
-    blk.{i}.attn_norm.weight      model.layers.{i}.input_layernorm.weight
-    blk.{i}.attn_q.weight         model.layers.{i}.self_attn.q_proj.weight     rows permuted (below)
-    blk.{i}.attn_k.weight         model.layers.{i}.self_attn.k_proj.weight     rows permuted (below)
-    blk.{i}.attn_v.weight         model.layers.{i}.self_attn.v_proj.weight
-    blk.{i}.attn_output.weight    model.layers.{i}.self_attn.o_proj.weight
-    blk.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
-    blk.{i}.ffn_gate.weight       model.layers.{i}.mlp.gate_proj.weight
-    blk.{i}.ffn_up.weight         model.layers.{i}.mlp.up_proj.weight
-    blk.{i}.ffn_down.weight       model.layers.{i}.mlp.down_proj.weight
-    output_norm.weight            model.norm.weight
-    output.weight                 lm_head.weight                               absent when tied
-
-Other architectures add tensors (and Gemma renames its norms: four per layer, `layer_names`):
-
-    blk.{i}.attn_{q,k,v}.bias     model.layers.{i}.self_attn.{q,k,v}_proj.bias   qwen2
-    blk.{i}.attn_{q,k}_norm.weight  model.layers.{i}.self_attn.{q,k}_norm.weight qwen3, gemma3
-    blk.{i}.post_attention_norm   model.layers.{i}.post_attention_layernorm      gemma3 (the attention output's)
-    blk.{i}.ffn_norm              model.layers.{i}.pre_feedforward_layernorm     gemma3
-    blk.{i}.post_ffw_norm         model.layers.{i}.post_feedforward_layernorm    gemma3
-
-Shapes need no transpose: GGUF lists dims fastest-first, and `GGUFFile` reverses them, so a GGUF
-linear weight is already (out_features, in_features).
-
-The q/k permutation. RoPE rotates pairs of dimensions inside each head; which dims pair up is a convention:
-
-    HF (rotate_half):        pairs (j, j + head_dim/2)   one head's rows:  x0 x1 x2 x3 | y0 y1 y2 y3
-    llama.cpp (ROPE NORM):   pairs (2j, 2j + 1)          one head's rows:  x0 y0 x1 y1 x2 y2 x3 y3
-
-llama.cpp's convert_hf_to_gguf.py (`LlamaModel.permute`) interleaves the rows of q_proj and k_proj so
-that its adjacent-pair RoPE computes what HF's rotate_half computed on the original rows:
-
-    permute   (HF -> GGUF):  W.reshape(n_heads, 2, head_dim/2, in).swapaxes(1, 2).reshape(out, in)
-    unpermute (GGUF -> HF):  W.reshape(n_heads, head_dim/2, 2, in).swapaxes(1, 2).reshape(out, in)
-
-Our model uses rotate_half, so the loader unpermutes. k_proj uses num_key_value_heads (its rows are KV
-heads). v_proj and o_proj are left alone: only q and k meet RoPE, and the score q . k sums over a
-head's dims, so any order works as long as q and k agree. Only 'llama' files (Llama, Mistral) are permuted:
-llama.cpp runs qwen2, qwen3 and gemma3 with the NEOX RoPE, which is rotate_half, so their rows are HF's as they are.
+"""GGUF checkpoint -> HF LLaMA state dict: dequantize, rename (`GLOBAL_NAMES`, `ARCH_LAYER_NAMES`), and undo the
+permutation llama.cpp's converter (`LlamaModel.permute`) gives q/k rows for its adjacent-pair RoPE, back to HF's
+rotate_half order; only 'llama' files (Llama, Mistral) are permuted. Taught in
+docs/phases/01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations
@@ -131,7 +91,7 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def unpermute_qk_rows(w: np.ndarray | QuantizedArray, n_heads: int) -> np.ndarray | QuantizedArray:
-    """`unpermute_qk` for a float weight or one still in blocks (a row is whole blocks: the rows move as bytes)."""
+    """`unpermute_qk` for a float weight or one in blocks (whole rows of blocks move)."""
     if isinstance(w, np.ndarray):
         return unpermute_qk(w, n_heads)
     order = unpermute_qk(np.arange(w.shape[0])[:, None], n_heads)[:, 0]  # where each output row comes from
@@ -139,8 +99,7 @@ def unpermute_qk_rows(w: np.ndarray | QuantizedArray, n_heads: int) -> np.ndarra
 
 
 def read_tensor(gguf: GGUFFile, name: str, keep_quantized: bool = False) -> np.ndarray | QuantizedArray:
-    """One GGUF tensor in numpy shape order: dequantized to float32, or, with `keep_quantized` and a 2-D
-    tensor in a format the kernels read (quant.KERNEL_TYPES), its blocks as they are in the file."""
+    """One GGUF tensor in numpy shape order: float32, or with `keep_quantized` a 2-D kernel format's blocks as is."""
     info = gguf.tensors[name]
     try:
         raw = gguf.raw(name, tensor_nbytes(info.ggml_type, info.shape))
@@ -155,8 +114,8 @@ def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32, keep_quantiz
               ) -> tuple[ModelConfig, dict[str, np.ndarray | QuantizedArray]]:
     """Read a LLaMA GGUF file (a path, or one already opened) into (config, state dict in HF names and layout).
 
-    `keep_quantized`: 2-D tensors in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K stay in their blocks (`QuantizedArray`,
-    views of the memory-mapped file: no bytes are read here); everything else is dequantized to `dtype`."""
+    `keep_quantized`: 2-D tensors in a kernel format stay in their blocks (`QuantizedArray`, views of the mapped
+    file); everything else is dequantized to `dtype`."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
     state_dict: dict[str, np.ndarray | QuantizedArray] = {}

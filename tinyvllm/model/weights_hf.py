@@ -1,26 +1,6 @@
-"""HF checkpoint directories: config.json + safetensors, read as they are (HF names, HF q/k layout).
-
-    model_dir/
-      config.json                          -> ModelConfig.from_hf_config
-      model.safetensors                    one file holding every tensor, or shards:
-      model.safetensors.index.json         {"metadata": {"total_size": N}, "weight_map": {tensor name: file}}
-      model-00001-of-00002.safetensors
-      model-00002-of-00002.safetensors
-
-A safetensors file (spec: github.com/huggingface/safetensors):
-
-    +-----------------+-------------------------------------------+-------------------------------+
-    | N: u64, LE      | header: N bytes of JSON                   | data: the tensors' raw bytes, |
-    |                 | {"name": {"dtype": "BF16",                | little-endian, row-major,     |
-    |                 |           "shape": [out, in],             | back to back                  |
-    |                 |           "data_offsets": [begin, end]},  |                               |
-    |                 |  ..., "__metadata__": {"format": "pt"}}   |                               |
-    +-----------------+-------------------------------------------+-------------------------------+
-                                          data_offsets count from the start of data ^
-
-We read it ourselves rather than with `safetensors.numpy.load_file` because numpy has no bfloat16,
-the dtype most HF LLaMA checkpoints ship in; a BF16 value is the top 16 bits of a float32, so
-widening it is one shift. Writing goes through the safetensors package.
+"""HF checkpoint directories: config.json + safetensors (one file, or shards with an index), read as they are.
+Read by hand because numpy has no bfloat16 (the top 16 bits of a float32: one shift); written with safetensors.
+The layout is drawn in docs/phases/01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations
@@ -150,10 +130,7 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike, dt
 
 def save_hf_weights(state_dict: dict[str, np.ndarray], model_dir: str | os.PathLike, dtype: str = "float32",
                     max_shard_size: int | None = None) -> list[Path]:
-    """Write a state dict as model.safetensors, or as shards of at most `max_shard_size` bytes + an index.
-
-    Tensors fill shards in order; one larger than the limit gets a shard of its own (as HF does).
-    """
+    """Write a state dict as model.safetensors, or as HF does in shards of at most `max_shard_size` + an index."""
     model_dir = Path(model_dir)
     itemsize = 4 if dtype == "float32" else 2
     shards: list[dict[str, np.ndarray]] = [{}]

@@ -1,21 +1,10 @@
-"""N engine replicas behind one OpenAI-compatible endpoint, on Ray Serve (Phase 8).
+"""N engine replicas behind one OpenAI-compatible endpoint, on Ray Serve: an ingress passes each request to the
+replica the router picks (`serve/router.py`), each replica a `python -m tinyvllm.api.server` process (the arguments
+after `--`) that its Ray Serve replica starts and watches.
 
-Ray is what vLLM uses to go past one machine. Here each replica is a whole tinyvllm engine (any tensor or pipeline
-parallel inside), served by its own OpenAI server (`python -m tinyvllm.api.server`) in a process its Ray Serve
-replica starts and watches; one ingress deployment takes every request and passes it to the replica the router
-picks (`tinyvllm/serve/router.py`: the replica most likely to hold the prompt's prefix in its cache, load as the
-tie-break), streaming the response through chunk by chunk:
-
-    client --HTTP--> Ingress (Ray Serve, FastAPI) --router.choose(prompt)--> replica i's server --> its engine
-                       |  /metrics: every replica's, labelled replica="i", plus the router's own counts
-                       |  a replica that fails: its in-flight requests end with an error, it gets no new ones
-
-    pip install tinyvllm[ray]
     python -m tinyvllm.serve.ray --num-replicas 2 --port 8000 -- --model path/or/default --max-num-seqs 32
-    ray start --head; (on other machines) ray start --address HEAD:6379; then the same with --address auto
 
-Arguments after `--` go to each replica's `tinyvllm.api.server` (its --host/--port are chosen here). A replica's
-server listens on its node's address, so replicas may sit on any node of the cluster.
+Taught in docs/phases/08-multi-device.md, section 8.
 """
 
 import argparse  # no `from __future__ import annotations`: FastAPI reads the handlers' annotations as types

@@ -1,18 +1,7 @@
-"""Which engine replica serves a request: prefix-cache affinity, load as the tie-break (Phase 8).
-
-Each replica is a whole engine with its own prefix cache (Phase 7): a prompt whose beginning a replica has
-already computed costs it only the new tokens. So the router sends a request to the replica that most likely holds
-the longest prefix of its prompt, the idea of vLLM's production-stack router ("prefix-aware routing"):
-
-    prompt  "You are a helpful assistant. ... Question 7"
-    blocks  [h1][h2][h3][h4]           h_i = hash of the prompt's first i * block_chars characters
-    replica 0 has seen h1 h2 h3        <- the longest match: replica 0
-    replica 1 has seen h1
-    a tie (no replica has seen h1, or two match as far): the one with fewer requests in flight, then the lower index
-
-The router only remembers what it sent where (it cannot see inside the replicas), and forgets the oldest prefixes
-beyond `max_prefixes`, as a replica's cache evicts the least recently used blocks. A replica marked down gets nothing.
-`policy="round_robin"` ignores prefixes (the baseline the benchmark compares against).
+"""Which engine replica serves a request: the one most likely to hold the prompt's prefix in its cache (hashes of
+the prompt's first 1, 2, ... blocks of characters, remembered per replica: vLLM production-stack's "prefix-aware
+routing"), ties broken by fewer requests in flight, then the lower index; `policy="round_robin"` is the baseline.
+Taught in docs/phases/08-multi-device.md, section 8.
 """
 
 from __future__ import annotations
