@@ -158,7 +158,6 @@ def load_parts():
     """Time the parts of the engine's load by wrapping what tinyvllm/model/loader.py calls: {part: seconds}."""
     from tinygrad import Device
 
-    from tinyvllm.kernels import program_cache
     from tinyvllm.model import loader
 
     parts = dict.fromkeys(["device_open_s", "checkpoint_s", "tokenizer_s", "weights_s"], 0.0)
@@ -178,15 +177,15 @@ def load_parts():
     def open_device(a, k):  # the device opens at the first weight otherwise: count it here
         Device[k.get("device") or Device.DEFAULT]
 
-    saved = (program_cache.install, loader.load_checkpoint, loader.load_tokenizer, loader.LlamaForCausalLM)
-    program_cache.install = timed(program_cache.install, "device_open_s", open_device)
+    saved = (loader.install_program_cache, loader.load_checkpoint, loader.load_tokenizer, loader.LlamaForCausalLM)
+    loader.install_program_cache = timed(loader.install_program_cache, "device_open_s", open_device)
     loader.load_checkpoint = timed(loader.load_checkpoint, "checkpoint_s")
     loader.load_tokenizer = timed(loader.load_tokenizer, "tokenizer_s")
     loader.LlamaForCausalLM = timed(loader.LlamaForCausalLM, "weights_s")
     try:
         yield parts
     finally:
-        program_cache.install, loader.load_checkpoint, loader.load_tokenizer, loader.LlamaForCausalLM = saved
+        loader.install_program_cache, loader.load_checkpoint, loader.load_tokenizer, loader.LlamaForCausalLM = saved
 
 
 def graph_counts(runner) -> dict:

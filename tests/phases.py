@@ -19,24 +19,26 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 1: foundation (model, weights, tokenizers, chat templates, sampling, contiguous cache, main.py)
     "test_model_tiny": 1, "test_weights": 1, "test_convert": 1, "test_tokenizer": 1,
     "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1,
-    "test_kernels_linear": 1, "test_kernels_activation": 1, "test_cpu_graph": 1, "test_docs": 1, "test_wheel": 1, "test_phases": 1,
+     "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1, "test_tinygrad_ext": 1,
     "test_prose_share": 1,
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
     "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3, "test_engine_size": 3, "test_paged_engine": 3,
-    "test_trace_reuse": 3,  # the layers of the engine's forward pass (the model runner's graphs)
+
     "test_generate": 3,  # Generator and main.py (Phase 1's entry points) run on the Phase 3 engine
     # Phase 4: batched forward, device sampling
-    "test_device_sampler": 4, "test_kernels_sampler_gpu": 4,
+    "test_device_sampler": 4, "test_kernels_sampler_gpu": 5,
     # Phase 5: custom kernels
+    "test_kernels_linear": 5, "test_kernels_activation": 5, "test_wheel": 5,
+    "test_trace_reuse": 5,  # the layers share one trace inside a graph captured on its first call (the CPU graph)
     "test_kernels_paged_attention": 5, "test_sliding_window": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,
     # Phase 6: quantized weights, perplexity, cold start
     "test_kernels_qlinear": 6, "test_kernels_qlinear_gpu": 6, "test_quantize": 6, "test_quantized_weights": 6,
-    "test_perplexity": 6, "test_cold_start": 6, "test_bench_peers": 6,
+    "test_perplexity": 6, "test_cold_start": 6, "test_cpu_graph": 6, "test_bench_peers": 6,
     # Phase 7: prefix caching, copy-on-write, beam search (7a), speculative decoding (7b), KV-cache quantization (7c)
     "test_block_manager_caching": 7, "test_prefix_cache_sharing": 7,
     "test_beam_search": 7, "test_spec_decode": 7, "test_spec_decode_draft": 7, "test_rejection_sampler": 7,
@@ -55,6 +57,8 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
 
 # a chapter whose code runs a later phase's modules: its test (test_docs.py) takes that phase
 CHAPTER_CODE_PHASE: dict[str, int] = {
+    "01-appendix-tinygrad-speed.md": 5,  # its CPU graph block replays through Phase 5's graph runner
+    "02-appendix-sharing-blocks.md": 3,  # its blocks are shared through the prefix cache's hashes
     "01-foundation.md": 3,  # its last blocks stream through Generator, which runs on the Phase 3 engine
     "02-paged-attention.md": 3,  # its last block compares the contiguous runner with the Phase 3 engine's tokens
 }

@@ -278,11 +278,11 @@ def test_the_gguf_header_is_read_back_and_parsed_again_when_stale_or_corrupt(tmp
     included; a corrupt or truncated file, a rewritten GGUF (size, mtime) or a changed parser is parsed again."""
     import numpy as np
 
-    from tinyvllm.model import gguf
+    from tinyvllm.model import gguf, gguf_header_cache
     from tinyvllm.model.gguf_writer import TensorData, write_gguf
 
     monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf, "HEADER_CACHE", True)
+    monkeypatch.setattr(gguf_header_cache, "HEADER_CACHE", True)
     parses = []
     parse = gguf._parse_header
     monkeypatch.setattr(gguf, "_parse_header", lambda path, buf: parses.append(path) or parse(path, buf))
@@ -316,7 +316,7 @@ def test_the_gguf_header_is_read_back_and_parsed_again_when_stale_or_corrupt(tmp
     write(["a", "b", "c", "dd", "eee"])  # the model rewritten: another size, another key
     assert list(opened().metadata["tokenizer.ggml.tokens"]) == ["a", "b", "c", "dd", "eee"] and len(parses) == 4
     assert list(opened().metadata["tokenizer.ggml.tokens"]) == ["a", "b", "c", "dd", "eee"] and len(parses) == 4
-    monkeypatch.setattr(gguf, "_code_identity", lambda: "other code")  # the parser changed
+    monkeypatch.setattr(gguf_header_cache, "_code_identity", lambda: "other code")  # the parser changed
     assert opened().metadata["llama.block_count"] == 2 and len(parses) == 5
 
 

@@ -12,7 +12,7 @@ import pytest
 from gpu_emulation import can_emulate, check_ptx, compile_cuda, kernel_file_source, run_emulated
 from tinygrad import Tensor
 
-from tinyvllm.sample import device_sampler, noise
+from tinyvllm.sample import device_sampler, noise, sampler_kernel
 
 pytestmark = pytest.mark.skipif(not can_emulate(), reason="the GPU emulation needs clang++ on x86-64 Linux")
 
@@ -52,7 +52,7 @@ def test_emulated_kernel_matches_the_cpu_kernel(language: str, vocab: int, tmp_p
 @pytest.mark.parametrize("rows", [32])
 def test_cuda_source_compiles(rows: int, tmp_path: Path):
     source = kernel_file_source("cuda", "sampler", {"TV_NUM_ROWS": rows, "TV_VOCAB": 49152,
-                                                    "TV_NUM_THREADS": device_sampler.NUM_THREADS})
+                                                    "TV_NUM_THREADS": sampler_kernel.NUM_THREADS})
     ptx = compile_cuda(source, tmp_path)
     if ptx is None:
         pytest.skip("no CUDA compiler (libnvrtc or nvcc)")

@@ -8,7 +8,9 @@ import pytest
 
 from fake_engine import run_offline
 from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
+from tinyvllm import ops
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.plugins import provided
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -36,6 +38,9 @@ def test_paged_tokens_equal_contiguous(model_and_contiguous, block_size):
     # Phase 2's portable path: bit-near the contiguous cache (the kernels of Phase 5 agree to ~3e-5 in logits,
     # float32 summation order; tests/test_kernels_paged_attention.py checks them against this path). A budget of
     # 4 tokens a step keeps the graphs to three (1, 2, 4 tokens) and chunks every prompt.
+    # before Phase 5 the matmuls are tinygrad's portable ones, whose float32 summation order follows the shape of
+    # the batch (a 4-token step here, a 32-token chunk there); the matmul kernel's rows do not depend on it
+    tolerance = 1e-5 if provided("linear", ops.linear) is not ops.linear else 1e-4
     engine = LLMEngine(loaded.model, tokenizer=loaded.tokenizer, max_model_len=256, block_size=block_size,
                        num_gpu_blocks_override=256 // block_size + 2, max_num_seqs=1, max_num_batched_tokens=4,
                        portable_attention=True)
@@ -45,7 +50,7 @@ def test_paged_tokens_equal_contiguous(model_and_contiguous, block_size):
         ref_logprobs, ref_tokens = contiguous_greedy(contiguous, prompt, 6)
         out = run_offline(engine, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
         _, top = out.outputs[0].logprobs[0]
-        assert max(abs(lp - ref_logprobs[token]) for token, lp in top) < 1e-5
+        assert max(abs(lp - ref_logprobs[token]) for token, lp in top) < tolerance
         assert out.outputs[0].token_ids == ref_tokens, f"prompt of {n} tokens, block_size {block_size}"
     block_manager = engine.scheduler.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks

@@ -13,7 +13,6 @@ import pytest
 
 from conftest import TINY_CONFIG, write_tiny_model
 from tinyvllm.tinygrad_ext import speed
-from tinyvllm.kernels import graph_cache
 from tinyvllm.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from tinyvllm.model.llama import LlamaDecoderLayer
 
@@ -33,7 +32,7 @@ def traced_generation(model_dir, monkeypatch, reuse: bool) -> tuple[list, list, 
     forward = LlamaDecoderLayer.forward
     with monkeypatch.context() as m:
         m.setattr(LlamaDecoderLayer, "forward", lambda self, *a: traced.append(self) or forward(self, *a))
-        m.setattr(graph_cache, "ENABLED", False)  # every graph traced here, none read from disk
+        m.setattr("tinyvllm.worker.model_runner.persisted_graph", lambda *args: None)  # every graph traced here
         if not reuse:
             m.setattr(speed, "traces_reused", contextlib.nullcontext)
         llm = LLM(model_dir, max_model_len=128, max_num_seqs=2, kv_cache_memory="4MiB")

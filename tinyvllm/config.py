@@ -35,7 +35,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         from tinyvllm.model.loader import check_dtype
-        from tinyvllm.model.quantization import check_quantization
+        from tinyvllm.model.weights import check_quantization
 
         check_quantization(self.quantization)
         check_dtype(self.dtype)

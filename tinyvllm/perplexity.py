@@ -21,12 +21,15 @@ from pathlib import Path
 import numpy as np
 from tinygrad import Tensor
 
-from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
+from tinyvllm.attention.paged import attention_metadata as portable_attention_metadata
 from tinyvllm.attention.kv_cache import PagedKVCache, resolve_kv_cache_dtype
 from tinyvllm.input_buffer import InputBuffer
-from tinyvllm.kernels.cpu_graph import GraphedJit
+from tinyvllm.jit import Jit
+from tinyvllm.plugins import provided
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.tokenizer import Tokenizer
+
+attention_metadata = provided("attention_metadata", portable_attention_metadata)  # Phase 5: the paged kernels
 
 
 @dataclass(frozen=True)
@@ -113,11 +116,10 @@ class ChunkScorer:
         self._ids = InputBuffer((1, step), np.int32, device)
         self._positions = InputBuffer((1, step), np.int32, device)
         self._slots = InputBuffer((step,), np.int32, device)
-        self._jit = GraphedJit(self._forward)
+        self._jit = Jit(self._forward)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor) -> Tensor:
-        metadata = KernelPagedAttentionMetadata(slot_mapping=slot_mapping, block_tables=self.block_table,
-                                                positions=positions, num_blocks=self.block_table.shape[1])
+        metadata = attention_metadata(slot_mapping, self.block_table, positions, self.block_table.shape[1])
         hidden = self.model(input_ids, positions, self.cache.kv_caches, metadata)  # (1,step,D)
         if self.step == self.n_ctx:  # only the scored rows through the lm_head: first .. T-2 predict first+1 .. T-1
             hidden = hidden[:, self.first:self.n_ctx - 1]

@@ -218,3 +218,9 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
                                      self.context_lens, None, *scales, sliding_window=sliding_window)
         return out.reshape(B, T, H, Hd)
 
+
+
+def kernel_attention_metadata(slot_mapping: Tensor, block_tables: Tensor, positions: Tensor, num_blocks,
+                              portable: bool = False) -> KernelPagedAttentionMetadata:
+    """What a model runner attends with once Phase 5 is here (tinyvllm/plugins.py: "attention_metadata")."""
+    return KernelPagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks, portable=portable)

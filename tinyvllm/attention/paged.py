@@ -122,3 +122,9 @@ class PagedAttentionMetadata:
         out = paged_attention(q.reshape(B * T, 1, H, Hd), k_cache, v_cache, self.block_tables, self.num_blocks,
                               self.positions.reshape(B * T, 1), k_scale, v_scale, sliding_window)
         return out.reshape(B, T, H, Hd)
+
+
+def attention_metadata(slot_mapping: Tensor, block_tables: Tensor, positions: Tensor, num_blocks: int | UOp,
+                       portable: bool = True) -> PagedAttentionMetadata:
+    """What a model runner attends with: the portable paged attention (Phase 5 plugs in its kernels)."""
+    return PagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks)

@@ -24,7 +24,7 @@ from tinygrad import Tensor, UOp
 
 from tinyvllm.attention.contiguous import ContiguousAttentionMetadata, allocate_contiguous_kv_cache
 from tinyvllm.input_buffer import InputBuffer
-from tinyvllm.kernels.cpu_graph import GraphedJit
+from tinyvllm.jit import Jit
 from tinyvllm.model.llama import LlamaForCausalLM
 
 
@@ -39,8 +39,8 @@ class ContiguousModelRunner:
         # a variable's range must keep every slice in bounds: a chunk starting at s writes rows s .. s+chunk-1
         self.v_start_pos = UOp.variable("start_pos", 0, max_model_len - 1)
         self.v_chunk_start = UOp.variable("chunk_start", 0, max_model_len - self.prefill_chunk_size)
-        self._prefill_jit = GraphedJit(self._forward)
-        self._decode_jit = GraphedJit(self._forward)
+        self._prefill_jit = Jit(self._forward)
+        self._decode_jit = Jit(self._forward)
         # the token ids each graph reads, refilled in place every step (see tinyvllm/input_buffer.py)
         self._chunk_ids = InputBuffer((1, self.prefill_chunk_size), np.int32, model.device)
         self._token_id = InputBuffer((1, 1), np.int32, model.device)

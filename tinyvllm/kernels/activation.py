@@ -3,7 +3,7 @@
     gate_up (..., 2F) float32, each row [gate | up]  ->  (..., F) = act(gate) * up        act: "silu" or "gelu_tanh"
 
 kernels/cpu/act_and_mul.c (8 lanes, rows over the thread pool), kernels/cuda/act_and_mul.cu and
-kernels/metal/act_and_mul.metal (a thread per output); elsewhere tinygrad's ops (`act_and_mul_portable`). The kernel
+kernels/metal/act_and_mul.metal (a thread per output); elsewhere tinygrad's ops (`tinyvllm.ops.act_and_mul`). The kernel
 and tinygrad's ops agree to float32 rounding. Chapter: docs/phases/04-batched-forward.md, section 5.
 """
 
@@ -13,6 +13,7 @@ import math
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm import ops
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
 from tinyvllm.tinygrad_ext.buffers import shard_axis
@@ -21,13 +22,6 @@ from tinyvllm.tinygrad_ext.programs import kernel_cost, kernel_input
 KERNEL = "act_and_mul"
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # TV_GELU
 NUM_THREADS = 256  # GPU threads per block (one per output element)
-
-
-def act_and_mul_portable(gate_up: Tensor, act: str) -> Tensor:
-    """act(gate) * up in tinygrad's ops: the reference, and the path where no kernel runs."""
-    F = gate_up.shape[-1] // 2
-    gate = gate_up[..., :F]
-    return (gate.silu() if act == "silu" else gate.gelu()) * gate_up[..., F:]
 
 
 def uses_kernel(gate_up: Tensor) -> bool:
@@ -50,7 +44,7 @@ def act_and_mul(gate_up: Tensor, act: str) -> Tensor:
     if act not in ACTIVATIONS:
         raise ValueError(f"no gated activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
     if not uses_kernel(gate_up):
-        return act_and_mul_portable(gate_up, act)
+        return ops.act_and_mul(gate_up, act)
     *lead, two_f = local_shape(gate_up)  # one device's part
     R, F = math.prod(lead), two_f // 2
     defines = {"TV_R": R, "TV_F": F, "TV_GELU": ACTIVATIONS[act], "TV_NUM_THREADS": NUM_THREADS}

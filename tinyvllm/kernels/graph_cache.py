@@ -354,12 +354,13 @@ def _covered(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
     return start >= end
 
 
-def for_model_runner(runner: Any, *name: Any) -> PersistedGraph | None:
-    """The PersistedGraph of one of a ModelRunner's graphs (`name`: which, e.g. ("forward", 8)); None where graphs
-    are not kept (turned off, a device the table in tinyvllm/platforms.py gives no CPU graph, or several devices: a
-    split model's step replays through a CPUGraph too, but this cache keeps graphs of one device only)."""
-    model, kv_cache = runner.model, runner.kv_cache
+def persisted_graph(model: Any, kv_cache: Any, runner_settings: dict, *name: Any) -> PersistedGraph | None:
+    """The PersistedGraph of one of a model runner's graphs (`name`: which, e.g. ("forward", 8);
+    `runner_settings`: what else the runner bakes into its graphs); None where graphs are not kept (turned off, a
+    device the table in tinyvllm/platforms.py gives no CPU graph, or several devices: a split model's step replays
+    through a CPUGraph too, but this cache keeps graphs of one device only)."""
     if not ENABLED or not platform_for(model.device).cpu_graph or not isinstance(model.devices, str):
         return None
-    settings = (name, repr(model.config), simple_settings(model), simple_settings(runner), simple_settings(kv_cache))
+    settings = (name, repr(model.config), simple_settings(model), {k: repr(v) for k, v in sorted(
+        runner_settings.items())}, simple_settings(kv_cache))
     return PersistedGraph(settings, lambda: named_tensors(model, kv_cache), model.device)

@@ -14,6 +14,7 @@ import os
 
 from tinygrad import Tensor, dtypes
 
+from tinyvllm import ops
 from tinyvllm.kernels.launcher import has_kernel, launch, local_shape, output
 from tinyvllm.tinygrad_ext.buffers import shard_axis
 from tinyvllm.tinygrad_ext.programs import kernel_cost, kernel_input
@@ -59,7 +60,7 @@ def run_split(x: Tensor, w: Tensor, N: int, kernel) -> Tensor:
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """x (..., K) @ w(N, K).T -> (..., N)."""
     if not uses_kernel(x, w):
-        return x @ w.T
+        return ops.linear(x, w)
 
     def kernel(x2d: Tensor, M: int, N: int, K: int, out: Tensor) -> Tensor:
         # ops: one multiply-add per weight per row of x; mem: w once, x once, out once (what DEBUG=2 rates it by)

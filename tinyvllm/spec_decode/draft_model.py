@@ -51,7 +51,7 @@ from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.input_buffer import InputBuffer
-from tinyvllm.kernels.cpu_graph import GraphedJit
+from tinyvllm.jit import Jit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import load_model
 from tinyvllm.model.tokenizer import Tokenizer
@@ -122,7 +122,7 @@ class DraftModelProposer:
         self.runner = runner_class(self.model, self.kv_cache, max_model_len, max_num_batched_tokens, max_num_seqs,
                                    portable_attention=portable_attention)
         self._seqs: dict[int | str, Sequence] = {}  # request id -> its shadow sequence: the tokens the draft fed
-        self._sampler_jits: dict[tuple[int, bool], GraphedJit] = {}  # per (rows, filters used)
+        self._sampler_jits: dict[tuple[int, bool], Jit] = {}  # per (rows, filters used)
         self._sampler_inputs: dict[tuple[int, bool], list[InputBuffer]] = {}
 
     # ---- the Proposer protocol ----
@@ -242,7 +242,7 @@ class DraftModelProposer:
         arrays = (*batch.device_params, batch.keys)
         key = (rows, batch.use_filters)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(self._sampler_graph(batch.use_filters))
+            self._sampler_jits[key] = Jit(self._sampler_graph(batch.use_filters))
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in arrays]
         inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], arrays)]
         tokens, q = self._sampler_jits[key](logits, *inputs)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
-from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata
+from tinyvllm.attention.paged import attention_metadata as portable_attention_metadata
 from tinyvllm.attention.kv_cache import (
     PagedKVCache,
     activation_bytes,
@@ -46,16 +46,20 @@ from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.device_memory import ReadBack
 from tinyvllm.input_buffer import InputBuffer
-from tinyvllm.kernels import graph_cache
-from tinyvllm.kernels.cpu_graph import GraphedJit
+from tinyvllm.jit import Jit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample import device_sampler
 from tinyvllm.sample.sampling_batch import StepSampler, fail
+from tinyvllm.plugins import provided
 from tinyvllm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from tinyvllm.config import EngineConfig
     from tinyvllm.model.tokenizer import Tokenizer
+
+
+persisted_graph = provided("persisted_graph", lambda *args: None)  # Phase 6: graphs kept on disk
+attention_metadata = provided("attention_metadata", portable_attention_metadata)  # Phase 5: the paged kernels
 
 
 @dataclass
@@ -128,8 +132,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
-        self._jits: dict[tuple[int, int], GraphedJit] = {}  # one captured graph per (token bucket, rows of logits)
-        self._sampler_jits: dict[tuple, GraphedJit] = {}  # per (rows, filters used / "greedy", masked)
+        self._jits: dict[tuple[int, int], Jit] = {}  # one captured graph per (token bucket, rows of logits)
+        self._sampler_jits: dict[tuple, Jit] = {}  # per (rows, filters used / "greedy", masked)
         self._token_inputs: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
         self._logits_indices: dict[int, InputBuffer] = {}  # per bucket of rows of logits (see _rows_input)
         self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
@@ -227,8 +231,8 @@ class ModelRunner:
                 num_blocks: int | UOp) -> Tensor:
         """The model over the step's tokens: hidden states (1,N,D), before the final norm."""
         tp = self.model.tp  # tensor parallel: every device reads the step's inputs (copied to each in the graph)
-        metadata = KernelPagedAttentionMetadata(tp.replicate(slot_mapping), tp.replicate(block_tables),
-                                                tp.replicate(positions), num_blocks, portable=self.portable_attention)
+        metadata = attention_metadata(tp.replicate(slot_mapping), tp.replicate(block_tables), tp.replicate(positions),
+                                      num_blocks, portable=self.portable_attention)
         return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
@@ -245,7 +249,7 @@ class ModelRunner:
         """Logits of some rows of the final hidden states: normed (N,D), rows (R,) -> (R,V), one graph per (N, R)."""
         key = ("rows", normed.shape[0], rows.shape[0])
         if key not in self._jits:
-            self._jits[key] = GraphedJit(
+            self._jits[key] = Jit(
                 lambda h, r: self.model.logits_of_normed(h[r.to(h.device)]).realize())
         return self._jits[key](normed, rows)
 
@@ -336,7 +340,7 @@ class ModelRunner:
         self.lap("prepare_inputs")
         if token_rows:  # all positions' final hidden states, then the sampled rows' logits from them
             if ("hidden", n) not in self._jits:
-                self._jits["hidden", n] = GraphedJit(self._forward_hidden)
+                self._jits["hidden", n] = Jit(self._forward_hidden)
             self._normed = self._jits["hidden", n](*inputs[:4], inputs[5])
             logits = self._rows_logits(self._normed, inputs[4])
             host = self._normed.numpy()
@@ -344,12 +348,17 @@ class ModelRunner:
             self._token_rows = token_rows
         else:
             if (n, num_rows) not in self._jits:
-                self._jits[n, num_rows] = GraphedJit(self._forward, persist=graph_cache.for_model_runner(
-                    self, "forward", n, num_rows))
+                self._jits[n, num_rows] = Jit(self._forward, persist=self._persisted("forward", n, num_rows))
             logits = self._jits[n, num_rows](*inputs)
             hidden_states, self._token_rows = {}, {}
         self.lap("forward")
         return ForwardOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
+
+    def _persisted(self, *name):
+        """Where graph `name` is kept on disk (Phase 6), keyed by everything this runner bakes into its graphs."""
+        settings = {"block_size": self.block_size, "max_blocks_per_seq": self.max_blocks_per_seq,
+                    "max_num_seqs": self.max_num_seqs, "portable_attention": self.portable_attention}
+        return persisted_graph(self.model, self.kv_cache, settings, *name)
 
     def _bind_num_blocks(self, num_blocks: int) -> UOp:
         """The graph's `num_blocks` variable bound to a value: made once per value (a bound variable is a new uop,
@@ -382,8 +391,8 @@ class ModelRunner:
         inputs += [bitmask] if masked else []
         key = (rows, "greedy" if keys is None else use_filters, masked)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(self._sampler_graph(keys is None, use_filters, masked),
-                                                 persist=graph_cache.for_model_runner(self, "sample", *key))
+            self._sampler_jits[key] = Jit(self._sampler_graph(keys is None, use_filters, masked),
+                                                 persist=self._persisted("sample", *key))
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
         buffers = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], inputs)]
@@ -414,7 +423,7 @@ class ModelRunner:
         has_q = batch.draft_probs is not None
         key = ("rejection", logits.shape[0], batch.use_filters, has_q)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = GraphedJit(self._rejection_graph(batch.use_filters, has_q))
+            self._sampler_jits[key] = Jit(self._rejection_graph(batch.use_filters, has_q))
         inputs = [row_index, *batch.inputs()]
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]

@@ -1,0 +1,19 @@
+"""The captured graph a runner replays every step (vLLM: CUDA graphs): tinygrad's TinyJit, or the CPU graph Phase 5
+plugs in (kernels/cpu_graph.py: a captured step replayed by one C call). Chapter: docs/phases/01-foundation.md."""
+
+from __future__ import annotations
+
+from tinygrad import TinyJit
+
+from tinyvllm.plugins import provided
+
+
+def tiny_jit(fxn, persist=None):
+    """tinygrad's TinyJit: runs `fxn` eagerly once, captures the second call, replays from the third. `persist` (a
+    graph kept on disk, Phase 6) is the CPU graph's alone."""
+    jit = TinyJit(fxn)
+    jit.ran_in_c = False  # the CPU graph's flag: its kernels are done when a call returns
+    return jit
+
+
+Jit = provided("jit", tiny_jit)  # Jit(fxn, persist=None): what every runner captures its step with

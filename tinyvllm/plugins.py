@@ -1,0 +1,43 @@
+"""Where a later phase plugs into the earlier ones: each hook, the module that provides it, and its phase.
+
+An earlier phase's module asks for a hook by name, with what it does without it; it never imports the later module
+itself (vLLM's plugins and custom-op registry do the same):
+
+    linear = provided("linear", portable_linear)     # Phase 1's x @ w.T, until Phase 5 provides its kernel
+
+A hook whose module is not there yet (`make test-phase P=k` hides the phases after k, tests/phases.py) gives the
+default; any other failure to import a provider is an error, never a silent fall back to the slow path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+# hook -> (the module that provides it, the attribute; "": the module itself), by the phase that adds it
+PROVIDERS: dict[str, tuple[str, str]] = {
+    "jit": ("tinyvllm.kernels.cpu_graph", "GraphedJit"),  # 5: a captured step replayed by one C call on the CPU
+    "linear": ("tinyvllm.kernels.linear", "linear"),  # 5: the matmul kernel
+    "act_and_mul": ("tinyvllm.kernels.activation", "act_and_mul"),  # 5: SwiGLU / GeGLU in one kernel
+    "attention_metadata": ("tinyvllm.attention.kernel_backend", "kernel_attention_metadata"),  # 5: paged kernels
+    "sampler_kernel": ("tinyvllm.sample.sampler_kernel", "kernel_draw"),  # 5: sampling in one launch
+    "quantized_weight": ("tinyvllm.kernels.qlinear", "QuantizedWeight"),  # 6: weights kept in GGUF blocks
+    "quantization": ("tinyvllm.model.quantization", ""),  # 6: --quantization, GGUF blocks kept or made (the module)
+    "persisted_graph": ("tinyvllm.kernels.graph_cache", "persisted_graph"),  # 6: captured graphs kept on disk
+    "program_cache": ("tinyvllm.kernels.program_cache", "install"),  # 6: compiled kernels kept on disk
+    "tokenizer_cache": ("tinyvllm.model.tokenizer_cache", "load_tokenizer"),  # 6: tokenizers kept on disk
+    "gguf_header_cache": ("tinyvllm.model.gguf_header_cache", "header_cache"),  # 6: GGUF headers kept on disk
+}
+
+
+@functools.cache
+def provided(hook: str, default=None):
+    """What the module of `hook` provides, or `default` while that module's phase is not there."""
+    module_name, attribute = PROVIDERS[hook]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:  # the provider's module (or its package) is not there: its phase is not built
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise  # the provider is there but needs something missing: a real error
+        return default
+    return getattr(module, attribute) if attribute else module
