@@ -20,7 +20,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_model_tiny": 1, "test_weights": 1, "test_convert": 1, "test_tokenizer": 1,
     "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1,
      "test_docs": 1, "test_phases": 1,
-    "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1, "test_tinygrad_ext": 1,
+    "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
     "test_prose_share": 1,
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
@@ -31,7 +31,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 4: batched forward, device sampling
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 5,
     # Phase 5: custom kernels
-    "test_kernels_linear": 5, "test_kernels_activation": 5, "test_wheel": 5,
+    "test_kernels_linear": 5, "test_kernels_activation": 5, "test_wheel": 5, "test_tinygrad_ext": 5,
     "test_trace_reuse": 5,  # the layers share one trace inside a graph captured on its first call (the CPU graph)
     "test_kernels_paged_attention": 5, "test_sliding_window": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU

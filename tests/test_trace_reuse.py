@@ -34,7 +34,7 @@ def traced_generation(model_dir, monkeypatch, reuse: bool) -> tuple[list, list, 
         m.setattr(LlamaDecoderLayer, "forward", lambda self, *a: traced.append(self) or forward(self, *a))
         m.setattr("tinyvllm.worker.model_runner.persisted_graph", lambda *args: None)  # every graph traced here
         if not reuse:
-            m.setattr(speed, "traces_reused", contextlib.nullcontext)
+            m.setattr("tinyvllm.model.llama.traces_reused", contextlib.nullcontext)
         llm = LLM(model_dir, max_model_len=128, max_num_seqs=2, kv_cache_memory="4MiB")
         out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2))
     return out[0].outputs[0].token_ids, out[0].outputs[0].logprobs, len(traced)

@@ -17,6 +17,8 @@ import importlib
 # hook -> (the module that provides it, the attribute; "": the module itself), by the phase that adds it
 PROVIDERS: dict[str, tuple[str, str]] = {
     "jit": ("tinyvllm.kernels.cpu_graph", "GraphedJit"),  # 5: a captured step replayed by one C call on the CPU
+    "reusable_function": ("tinyvllm.tinygrad_ext.speed", "reusable_function"),  # 5: a layer traced once ...
+    "traces_reused": ("tinyvllm.tinygrad_ext.speed", "traces_reused"),  # 5: ... and called for every layer
     "linear": ("tinyvllm.kernels.linear", "linear"),  # 5: the matmul kernel
     "act_and_mul": ("tinyvllm.kernels.activation", "act_and_mul"),  # 5: SwiGLU / GeGLU in one kernel
     "attention_metadata": ("tinyvllm.attention.kernel_backend", "kernel_attention_metadata"),  # 5: paged kernels

@@ -7,6 +7,7 @@ the switches in 01-appendix-architectures.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,7 @@ from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
 from tinyvllm import ops
-from tinyvllm.tinygrad_ext import buffers, speed
+from tinyvllm.tinygrad_ext import buffers
 from tinyvllm.device_memory import host_view
 from tinyvllm.ggml_types import KERNEL_TYPES as QUANT_NAMES
 from tinyvllm.model.config import ModelConfig
@@ -31,10 +32,11 @@ if TYPE_CHECKING:  # Phase 6's weights in GGUF blocks, Phase 8's split over devi
     from tinyvllm.distributed.tensor_parallel import TensorParallel
     from tinyvllm.kernels.qlinear import QuantizedWeight
 
-speed.apply_fixes()
-
 linear = provided("linear", ops.linear)  # Phase 5: the matmul kernel where the device has it
 act_and_mul = provided("act_and_mul", ops.act_and_mul)  # Phase 5: the gated activation in one kernel
+# Phase 5: a layer traced once and called for every layer of a forward pass (tinygrad_ext/speed.py)
+reusable_function = provided("reusable_function", lambda fxn: fxn)
+traces_reused = provided("traces_reused", contextlib.nullcontext)
 
 # A weight as the model holds it: a float tensor, GGUF blocks (QuantizedWeight: Phase 6), or, where parts fused on
 # paper are stored in different formats (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), one per part.
@@ -160,7 +162,7 @@ class LlamaDecoderLayer:
         return (h + m).contiguous()
 
 
-@speed.reusable_function  # tinygrad's function(precompile=True), one trace per forward
+@reusable_function  # tinygrad's function(precompile=True), one trace per forward
 def _decoder_layer(layer, x, cos, sin, kv_cache, attn_metadata):
     return layer.forward(x, cos, sin, kv_cache, attn_metadata)
 
@@ -371,7 +373,7 @@ class LlamaForCausalLM:
             x = x * self.config.hidden_size**0.5
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
         local = None if self.inv_freq_local is None else rope_cos_sin(positions, self.inv_freq_local)
-        with speed.traces_reused():  # the layers share one trace (see there)
+        with traces_reused():  # the layers share one trace (see there)
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 if self.pp.size > 1 and (stage := self.pp.layer_devices[i]) != x.device:  # the next pipeline stage:
                     x, cos, sin = x.to(stage), cos.to(stage), sin.to(stage)  # the hidden state moves, in one graph

@@ -145,8 +145,11 @@ ATTRIBUTES: tuple[Internal, ...] = (
 def problem(row: Internal) -> str | None:
     """What is wrong with `row` in the installed tinygrad (None: nothing): its module, its name, or a parameter
     the package relies on is missing."""
-    if importlib.util.find_spec(row.module) is None:
-        return f"no module {row.module}"
+    try:
+        if importlib.util.find_spec(row.module) is None:
+            return f"no module {row.module}"
+    except ValueError:  # a stand-in in sys.modules (startup.defer_unused_cpu_renderers): the module is there
+        pass
     try:
         found = importlib.import_module(row.module)
     except Exception:  # a module that does not import here (Metal's, off macOS): read its source instead

@@ -5,7 +5,7 @@
         for layer in layers: ...       30 layers, 1 trace (per distinct structure: a sliding-window layer is another)
     apply_fixes()                      on tinygrad 0.14.0 only: `renumber_invalid_outputs` made linear
 
-Applied by tinyvllm/model/llama.py. Chapter: docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
+Applied when imported (the model asks for its traces through tinyvllm/plugins.py). Chapter: docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
 """
 
 from __future__ import annotations
@@ -114,3 +114,6 @@ def apply_fixes() -> None:
         return
     tinygrad_function.renumber_invalid_outputs = _renumber_invalid_outputs
     _fixes_applied = True
+
+
+apply_fixes()  # on import: the model asks for this module's traces (tinyvllm/plugins.py)
