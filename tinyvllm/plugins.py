@@ -16,6 +16,7 @@ import importlib
 
 # hook -> (the module that provides it, the attribute; "": the module itself), by the phase that adds it
 PROVIDERS: dict[str, tuple[str, str]] = {
+    "device_sampler": ("tinyvllm.sample.device_sampler", ""),  # 4: a batch's tokens sampled on the device
     "jit": ("tinyvllm.kernels.cpu_graph", "GraphedJit"),  # 5: a captured step replayed by one C call on the CPU
     "reusable_function": ("tinyvllm.tinygrad_ext.speed", "reusable_function"),  # 5: a layer traced once ...
     "traces_reused": ("tinyvllm.tinygrad_ext.speed", "traces_reused"),  # 5: ... and called for every layer
@@ -23,12 +24,13 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "act_and_mul": ("tinyvllm.kernels.activation", "act_and_mul"),  # 5: SwiGLU / GeGLU in one kernel
     "attention_metadata": ("tinyvllm.attention.kernel_backend", "kernel_attention_metadata"),  # 5: paged kernels
     "sampler_kernel": ("tinyvllm.sample.sampler_kernel", "kernel_draw"),  # 5: sampling in one launch
-    "quantized_weight": ("tinyvllm.kernels.qlinear", "QuantizedWeight"),  # 6: weights kept in GGUF blocks
     "quantization": ("tinyvllm.model.quantization", ""),  # 6: --quantization, GGUF blocks kept or made (the module)
     "persisted_graph": ("tinyvllm.kernels.graph_cache", "persisted_graph"),  # 6: captured graphs kept on disk
     "program_cache": ("tinyvllm.kernels.program_cache", "install"),  # 6: compiled kernels kept on disk
     "tokenizer_cache": ("tinyvllm.model.tokenizer_cache", "load_tokenizer"),  # 6: tokenizers kept on disk
     "gguf_header_cache": ("tinyvllm.model.gguf_header_cache", "header_cache"),  # 6: GGUF headers kept on disk
+    "beam_search_params": ("tinyvllm.engine.beam_search", "BeamSearchParams"),  # 7a: beam search, above the core
+    "pooling_params": ("tinyvllm.pooling_params", "PoolingParams"),  # 9: embeddings, a prompt's pooled states
 }
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tinyvllm.model.tokenizer import Tokenizer
+from tinyvllm.plugins import provided
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -32,8 +33,6 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int], params, priority: int,
                 in_use: Callable[[str], bool]) -> ProcessedRequest:
         """Check everything about a request that can be checked before it runs: a ValueError says what is wrong."""
-        from tinyvllm.pooling_params import PoolingParams
-
         arrival_time = time.monotonic()
         if isinstance(params, SamplingParams):
             if not isinstance(priority, int) or isinstance(priority, bool):
@@ -45,12 +44,12 @@ class InputProcessor:
         text, prompt_ids = self.process_prompt(prompt)
         if in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(params, PoolingParams):  # one prefill, no token
+        pooling = provided("pooling_params")  # Phase 9's embeddings: PoolingParams
+        if pooling is not None and isinstance(params, pooling):  # one prefill, no token
             return ProcessedRequest(text, prompt_ids, SamplingParams(max_tokens=1), 0, arrival_time,
                                     pooling_params=params)
-        from tinyvllm.engine.beam_search import BeamSearchParams
-
-        if not isinstance(params, BeamSearchParams):
+        beam_search = provided("beam_search_params")  # Phase 7a: BeamSearchParams
+        if beam_search is None or not isinstance(params, beam_search):
             raise ValueError(f"params must be SamplingParams, BeamSearchParams or PoolingParams, "
                              f"got {type(params).__name__}")
         return ProcessedRequest(text, prompt_ids, SamplingParams(), 0, arrival_time, beam_search=params)

@@ -112,8 +112,9 @@ class StepSampler:
     host's rows and moves the grammars on. `input_batch`: the runner's (worker/input_batch.py). A request whose
     sampling fails ends alone: its id and message go into `failed`, and the batch goes on."""
 
-    def __init__(self, input_batch, stop_token_ids: Iterable[int]):
+    def __init__(self, input_batch, stop_token_ids: Iterable[int], on_device: bool = True):
         self.input_batch = input_batch
+        self.on_device = on_device  # False before Phase 4's device sampler: every row on the host
         self.stop_token_ids = list(stop_token_ids)  # the model's: min_tokens bans them
         self.host_sampler = Sampler()
 
@@ -134,7 +135,7 @@ class StepSampler:
                     if batch.bitmask is None:
                         batch.bitmask = np.full((rows, -(-vocab // 32)), -1, dtype=np.int32)  # all allowed
                     StructuredOutputManager.fill_bitmask(seq.grammar, batch.bitmask, row)
-                if needs_host_sampler(seq, state.params):
+                if not self.on_device or needs_host_sampler(seq, state.params):
                     batch.on_host.append(row)
                 elif not state.params.is_greedy and seq.seq_id not in verifying:
                     batch_rows.append(state.row)
@@ -157,7 +158,7 @@ class StepSampler:
         of `logits` (rows, V) copied back and sampled by the reference sampler (recording `logprobs` where a
         request asks for them). Then each grammar accepts its request's token."""
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)
-                   if row not in batch.on_host and seq.seq_id not in failed}
+                   if row not in batch.on_host and seq.seq_id not in failed}  # (tokens None: every row the host's)
         host_logits = logits.numpy() if batch.on_host else None
         for row in batch.on_host:
             seq = seqs[row]

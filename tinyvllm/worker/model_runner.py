@@ -48,7 +48,6 @@ from tinyvllm.device_memory import ReadBack
 from tinyvllm.input_buffer import InputBuffer
 from tinyvllm.jit import Jit
 from tinyvllm.model.llama import LlamaForCausalLM
-from tinyvllm.sample import device_sampler
 from tinyvllm.sample.sampling_batch import StepSampler, fail
 from tinyvllm.plugins import provided
 from tinyvllm.worker.input_batch import InputBatch
@@ -60,6 +59,7 @@ if TYPE_CHECKING:
 
 persisted_graph = provided("persisted_graph", lambda *args: None)  # Phase 6: graphs kept on disk
 attention_metadata = provided("attention_metadata", portable_attention_metadata)  # Phase 5: the paged kernels
+device_sampler = provided("device_sampler")  # Phase 4: the batch sampled on the device; before it, on the host
 
 
 @dataclass
@@ -142,7 +142,7 @@ class ModelRunner:
         self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D), on the device
         self._token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id -> (first row, rows) in _normed
         self.input_batch = InputBatch(max_num_seqs, model.config.vocab_size)
-        self.sampler = StepSampler(self.input_batch, eos_token_ids)
+        self.sampler = StepSampler(self.input_batch, eos_token_ids, on_device=device_sampler is not None)
         self.speculator = None  # speculative decoding's drafts and verification (Phase 7b), when configured
         self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
 
@@ -197,7 +197,8 @@ class ModelRunner:
             return
         batch = self.sampler.prepare(seqs, *logits.shape, verifying=spec_rows, failed=out.failed)
         self.lap("bookkeeping")
-        tokens = self.sample(logits, *batch.device_params, batch.keys, batch.use_filters, batch.bitmask)
+        tokens = None if len(batch.on_host) == len(seqs) else self.sample(  # None: every row is the host's
+            logits, *batch.device_params, batch.keys, batch.use_filters, batch.bitmask)
         self.lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
         sampled = self.sampler.finish(seqs, batch, tokens, logits, out.failed, out.logprobs)
         emitted = self.speculator.verify(seqs, logits, tokens, spec_rows, scheduler_output, sampled,
