@@ -1,10 +1,6 @@
-"""The KV cache's bookkeeping: which fixed-size block of the pool holds which sequence's tokens.
-
-This is the core idea of vLLM (PagedAttention, https://arxiv.org/abs/2309.06180): instead of
-reserving max_model_len slots of K/V per request up front, the KV cache is one pool of `num_blocks`
-blocks of `block_size` slots (one slot = one token's K and V, in every layer), handed out a block at
-a time as a sequence grows, like pages of virtual memory. A sequence's `block_table` is its page
-table: logical block i of the sequence lives in physical block `block_table[i]`.
+"""The KV cache's bookkeeping: which block of the pool holds which sequence's tokens (vLLM v1's `block_pool.py` and
+`kv_cache_manager.py`). A sequence's `block_table` is its page table: logical block i lives in physical block
+`block_table[i]`. Taught in docs/phases/02-paged-attention.md; sharing in 07a-prefix-caching.md.
 
     pool: num_blocks = 8, block_size = 4                     ref_cnt  holders
         block 0  [ a0 a1 a2 a3 ]  <- seq A, logical block 0      1     A
@@ -21,16 +17,8 @@ table: logical block i of the sequence lives in physical block `block_table[i]`.
 
     slot of token 5 of A = block_table[5 // 4] * 4 + 5 % 4 = 2 * 4 + 1 = 9
 
-Only the bookkeeping lives here, in pure Python: the K/V tensors themselves, shaped
-(num_blocks, block_size, n_kv_heads, head_dim) per layer, live in the KV cache and are written
-through the `slot_mapping` this module computes.
-
-Sharing: with prefix caching (core/prefix_cache.py), sequences whose prompts start alike hold the same full
-blocks (ref_cnt > 1). A full block is never written again, so sharing needs no copies.
-
-Running out of blocks is not an error: `can_*`
-answer False and `allocate` / `append_slots` answer None, changing nothing, and the scheduler
-decides whom to preempt. Mirrors vLLM v1's `block_pool.py` and `kv_cache_manager.py`.
+Running out of blocks is not an error: `can_*` answer False, `allocate` / `append_slots` answer None and change
+nothing; the scheduler decides whom to preempt.
 """
 
 from __future__ import annotations
@@ -44,12 +32,8 @@ from tinyvllm.core.sequence import Sequence
 
 @dataclass(eq=False)
 class Block:
-    """One block of the pool (vLLM's `KVCacheBlock`).
-
-    `ref_cnt` counts the sequences whose block table holds this block: 0 means it is in the free
-    block queue. More than one means the block is shared (a cached prefix), and then nobody may write into it. `block_hash` is set once the block is full and cached (prefix caching,
-    `tinyvllm/core/prefix_cache.py`): the hash of its tokens and all tokens before them, so a new prompt
-    with the same prefix can reuse it. A free block keeps its hash until it is handed out again.
+    """One block of the pool (vLLM's `KVCacheBlock`). `ref_cnt`: the block tables holding it (0: free; > 1: a
+    shared cached prefix, never written). `block_hash`: set once full and cached; a free block keeps it until reused.
     """
 
     block_id: int
@@ -58,9 +42,8 @@ class Block:
 
 
 class FreeBlockQueue:
-    """The free blocks, least recently freed first (vLLM's `FreeKVCacheBlockQueue`). Blocks leave from the
-    left (the oldest: evicted first when they hold a cached prefix) and come back on the right; a cached
-    block that a new prompt hits leaves from the middle, in O(1) (an ordered dict, not a deque)."""
+    """The free blocks, least recently freed first (vLLM's `FreeKVCacheBlockQueue`): taken from the left, returned
+    on the right; a cached block a prompt hits leaves from the middle in O(1) (an ordered dict, not a deque)."""
 
     def __init__(self, blocks: list[Block]):
         self._blocks = {block.block_id: block for block in blocks}  # dicts keep insertion order
@@ -82,12 +65,8 @@ class FreeBlockQueue:
 
 
 class BlockManager:
-    """Hands out the blocks of a fixed pool to sequences and takes them back.
-
-    The pool size (`num_blocks`) is computed once from a memory budget by whoever builds the KV cache
-    and passed in. Every block is either in the free block queue (ref_cnt 0) or in at least one sequence's block
-    table (ref_cnt = how many), so `num_free_blocks + blocks in use == num_blocks`.
-    """
+    """Hands out the blocks of a fixed pool of `num_blocks` (computed once by whoever builds the KV cache) and takes
+    them back. Invariant: `num_free_blocks + blocks in use == num_blocks`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
@@ -124,9 +103,8 @@ class BlockManager:
     # ---- a sequence's first blocks ----
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:
-        """The longest run of cached blocks at the start of `seq`'s tokens, short of its last token: that one is
-        always computed, so that the step has its logits to sample from (vLLM's `get_computed_blocks`). None for
-        a sequence that must compute every position itself (`skip_reading_prefix_cache`: pooling, prompt logprobs)."""
+        """The longest run of cached blocks at the start of `seq`'s tokens, short of its last token (always computed,
+        for its logits; vLLM's `get_computed_blocks`). [] when `seq.skip_reading_prefix_cache`."""
         if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return []
         hits = []
@@ -144,11 +122,8 @@ class BlockManager:
         return seq.num_blocks(self.block_size) - len(hits) + num_free_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> list[int] | None:
-        """Give a sequence with no blocks enough blocks for all its tokens (the prompt, or prompt and
-        output after a preemption). Returns its block table, or None if too few blocks are free.
-
-        With prefix caching, the blocks of its longest cached prefix come first, shared (ref_cnt + 1), and
-        `seq.num_computed_tokens` starts after them: their K/V are in the cache already."""
+        """Give a sequence holding no blocks enough for all its tokens, its cached prefix first (shared, ref_cnt + 1,
+        `num_computed_tokens` set past it). Returns its block table, or None if too few blocks are free."""
         assert not seq.block_table, f"allocate: {seq} already holds blocks"
         hits = self.cached_prefix(seq)  # one lookup serves the check and the allocation
         if not self.can_allocate(seq, hits):
@@ -166,8 +141,8 @@ class BlockManager:
         return seq.block_table
 
     def cache_full_blocks(self, seq: Sequence, num_new_computed: int) -> None:
-        """Offer the blocks that the last `num_new_computed` computed tokens of `seq` filled to the prefix
-        cache. A block whose prefix another block holds already stays uncached: the first one keeps the hash."""
+        """Offer the blocks that the last `num_new_computed` computed tokens of `seq` filled to the prefix cache; the
+        first block cached for a prefix keeps its hash."""
         if not self.enable_prefix_caching:
             return
         first, end = (seq.num_computed_tokens - num_new_computed) // self.block_size, seq.num_computed_tokens // self.block_size
@@ -189,13 +164,8 @@ class BlockManager:
         return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[int] | None:
-        """Make room for the next `num_new_tokens` tokens a step computes: positions
-        num_computed_tokens .. num_computed_tokens + num_new_tokens - 1 (vLLM's `allocate_slots`).
-
-        A decode computes one token, the one sampled last step: it gets a new block only when the last
-        block is full, i.e. once every block_size steps. Returns the ids of the blocks taken (usually none), or
-        None if too few blocks are free, leaving everything unchanged.
-        """
+        """Make room for positions num_computed_tokens .. + num_new_tokens - 1 (vLLM's `allocate_slots`). Returns
+        the ids of the blocks taken (usually none), or None if too few are free, changing nothing."""
         num_missing = self._num_missing_blocks(seq, num_new_tokens)
         if num_missing > self.num_free_blocks:
             return None
@@ -206,11 +176,8 @@ class BlockManager:
     # ---- giving blocks back ----
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's reference to each of its blocks; a block nobody references is free again.
-
-        The last block goes back first: with prefix caching the queue's left end is evicted first, so a
-        sequence's last blocks, the ones least likely to be shared with a later prompt, go before its first.
-        """
+        """Drop `seq`'s reference to each of its blocks, last block first: the queue's left end is evicted first,
+        and a sequence's last blocks are the least likely to be shared."""
         assert seq.block_table, f"free: {seq} holds no blocks (freed twice?)"
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -221,9 +188,8 @@ class BlockManager:
         seq.block_table = []
 
     def free_slots_after(self, seq: Sequence, num_slots: int) -> None:
-        """Keep the blocks that hold `seq`'s first `num_slots` slots; free the blocks after them (speculative
-        decoding: blocks that only rejected draft tokens were written into). The slots after `num_slots` in the
-        last kept block are simply written again later: attention never reads past a token's own position."""
+        """Keep the blocks holding `seq`'s first `num_slots` slots, free the rest (rejected draft tokens); the
+        slots after `num_slots` are written again later, and attention never reads past a token's position."""
         num_kept = -(-num_slots // self.block_size)
         for block_id in reversed(seq.block_table[num_kept:]):
             block = self.blocks[block_id]
@@ -242,7 +208,6 @@ class BlockManager:
 
 
 def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """The cache slot of each token position in [start, end): block_table[pos // block_size] * block_size
-    + pos % block_size. The KV cache writes the K/V of those tokens to exactly these slots. (Plain Python: a
-    decode asks for one slot per sequence, where numpy would cost more than the arithmetic.)"""
+    """The cache slot of each position in [start, end): block_table[pos // block_size] * block_size
+    + pos % block_size. (Plain Python: a decode asks for one slot per sequence, cheaper than a numpy call.)"""
     return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

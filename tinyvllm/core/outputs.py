@@ -1,10 +1,7 @@
-"""What crosses the boundaries of one step (vLLM v1's names, vllm/v1/outputs.py and vllm/v1/engine/__init__.py):
+"""What crosses the boundaries of one step, as plain data (vLLM v1's names, `vllm/v1/outputs.py`):
 
     Scheduler.schedule() --SchedulerOutput--> ModelRunner.execute_model() --ModelRunnerOutput-->
         Scheduler.update_from_output() --list[EngineCoreOutput]--> OutputProcessor (text, RequestOutputs)
-
-Plain data: the scheduler reads a ModelRunnerOutput without knowing what computed it, and the output processor
-reads EngineCoreOutputs without knowing the scheduler.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Continuous batching: each step, decide which sequences compute how many of their tokens (docs/phases/03).
+"""Continuous batching: each step, decide which sequences compute how many of their tokens. Taught in
+docs/phases/03-continuous-batching.md.
 
     NOTE(woosuk) on the scheduling algorithm, from vLLM v1's `scheduler.py`:
     "There's no 'decoding phase' nor 'prefill phase' in the scheduler. Each request just has the
@@ -19,8 +20,8 @@ A step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_nu
                   ^                     |
                   +-----PREEMPTED-------+   (back at the head of the waiting queue)
 
-The scheduler owns the BlockManager; the model runner never sees the queues. Stop tokens and lengths are
-checked here; stop strings need text, so the engine's output processor finds them and finishes the request.
+The scheduler owns the BlockManager; the model runner never sees the queues. Stop strings need text: the engine's
+output processor finds them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy values
 
 
 def check_scheduler_limits(max_num_seqs: int, max_num_batched_tokens: int, policy: str) -> None:
-    """The limits of a step, checked once (SchedulerConfig and Scheduler both ask): a ValueError says what is wrong."""
+    """The limits of a step, checked once (SchedulerConfig and Scheduler both ask); ValueError says what is wrong."""
     if policy not in POLICIES:
         raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
     if max_num_seqs < 1:
@@ -49,7 +50,7 @@ def check_scheduler_limits(max_num_seqs: int, max_num_batched_tokens: int, polic
 
 
 def _rank(seq: Sequence) -> tuple[int, float]:
-    """Lower is served first: the request's priority (vLLM: lower value, earlier handling), then its arrival."""
+    """Lower is served first: priority (vLLM: lower value, earlier), then arrival."""
     return seq.priority, seq.arrival_time
 
 
@@ -61,10 +62,9 @@ class SchedulerOutput:
     scheduled_seqs: list[Sequence]  # batch order: running ones first, then newly admitted
     num_scheduled_tokens: dict[int | str, int]  # seq_id -> tokens computed this step (1 for a decode)
     preempted_seqs: list[Sequence] = field(default_factory=list)  # sent back to the waiting queue by this step
-    # speculative decoding: seq_id -> the draft tokens it verifies this step, counted in its num_scheduled_tokens
-    # after its last sampled token (vLLM v1's name)
+    # speculative decoding (vLLM v1's name): seq_id -> the drafts it verifies, after its last sampled token
     scheduled_spec_decode_tokens: dict[int | str, list[int]] = field(default_factory=dict)
-    # requests that finished since the last step: the model runner drops what it keeps for them
+    # finished since the last step: the model runner drops what it keeps for them
     finished_req_ids: set[int | str] = field(default_factory=set)
 
     @property
@@ -72,26 +72,17 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens.values())
 
     def samples(self, seq: Sequence) -> bool:
-        """Whether the step computes `seq`'s newest token (a decode, a prompt's last chunk; any draft tokens it
-        verifies come after it), so that its next token is sampled from the logits there. A chunk that ends
-        mid-prompt samples nothing. Asked before the step's tokens are counted as computed."""
+        """Whether the step computes `seq`'s newest token (any drafts come after it), so a token is sampled from
+        its logits; a chunk that ends mid-prompt samples nothing. Asked before the step's tokens count as computed."""
         num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, ()))
         return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] - num_drafts == seq.num_tokens
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()`
-    once per step. The KV pool size (`num_blocks`) is computed once elsewhere and passed in.
-
-    Args:
-        num_blocks: KV blocks in the pool (the BlockManager's).
-        block_size: tokens per block.
-        max_model_len: the longest sequence; it must fit in the pool.
-        max_num_seqs: the most sequences in one step.
-        max_num_batched_tokens: the token budget of one step (>= max_num_seqs: every decode gets its token).
-        eos_token_ids: the model's stop tokens (a request may ignore them: ignore_eos).
-        policy: "fcfs" (arrival order) or "priority" (each request's priority, lower first; preempts the lowest).
-        enable_prefix_caching: reuse full blocks of prompts seen before (core/block_manager.py).
+    """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()` once per
+    step. `num_blocks` is computed once elsewhere and passed in; `max_model_len` must fit in the pool;
+    `max_num_batched_tokens` >= `max_num_seqs`, so every decode gets its token; `policy`: "fcfs" (arrival order) or
+    "priority" (lower first; preempts the lowest); `eos_token_ids`: the model's stop tokens.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
@@ -106,14 +97,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_token_ids = tuple(eos_token_ids)  # the model's; a request may ignore them (ignore_eos)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.policy = policy
         self.requests: dict[int | str, Sequence] = {}  # every unfinished sequence, by id (vLLM v1's `requests`)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.finished_req_ids: set[int | str] = set()  # since the last schedule(): told to the model runner
         self.num_preemptions = 0  # since the start (vLLM's num_preemptions_total)
-        # speculative decoding (vLLM's spec_decode_* counters): drafts verified, accepted, tokens emitted, verify steps
+        # speculative decoding (vLLM's spec_decode_* counters)
         self.spec_decoding_stats = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_emitted_tokens": 0,
                                     "num_verify_steps": 0}
 
@@ -138,8 +129,8 @@ class Scheduler:
             self.waiting.append(seq)
 
     def _choose_victim(self) -> Sequence:
-        """Whom to preempt when blocks run out. fcfs: the newest running sequence (it has the least work to
-        lose). priority: the one of lowest priority (highest value), the newest among equals (vLLM v1's rule)."""
+        """Whom to preempt when blocks run out. fcfs: the newest running sequence (least work to lose); priority:
+        the lowest priority, the newest among equals (vLLM v1's rule)."""
         if self.policy == "priority":
             return max(self.running, key=_rank)
         return self.running[-1]
@@ -156,8 +147,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         spec_tokens: dict[int | str, list[int]] = {}
 
-        # 1. running sequences, oldest first: each one's next chunk (one token for a decode, plus its draft
-        # tokens when it speculates: num_tokens_with_spec)
+        # 1. running sequences, oldest first: each one's next chunk (plus its drafts: num_tokens_with_spec)
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
@@ -167,7 +157,7 @@ class Scheduler:
                 continue
             while self.block_manager.append_slots(seq, num_new_tokens) is None:
                 victim = self._choose_victim()
-                if victim in scheduled:  # priority order may pick one already given tokens this step: take them back
+                if victim in scheduled:  # priority order may pick one scheduled already: take its tokens back
                     scheduled.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.seq_id)
                     spec_tokens.pop(victim.seq_id, None)
@@ -198,7 +188,7 @@ class Scheduler:
                 seq.first_scheduled_time = now
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            # the rest of its tokens (after a cached prefix, if any), or a prefix of them: chunked prefill
+            # the rest of its tokens after any cached prefix, or as much as the budget allows (chunked prefill)
             num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
@@ -210,11 +200,11 @@ class Scheduler:
 
     @staticmethod
     def _num_tokens_with_spec(seq: Sequence) -> int:
-        """Its tokens plus its draft tokens, when it has drafts and only its last sampled token left to compute."""
+        """Its tokens plus its drafts, when it has drafts and only its last sampled token left to compute."""
         return seq.num_tokens + (len(seq.spec_token_ids) if seq.num_uncomputed_tokens == 1 else 0)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: drop its K/V; its tokens, prompt and output, are recomputed when readmitted."""
+        """Preemption by recompute: drop its K/V; its prompt and output are recomputed when readmitted."""
         self.block_manager.free(seq)
         self.num_preemptions += 1
         seq.num_computed_tokens = 0
@@ -225,14 +215,14 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled sequence by the tokens it computed; those that caught up get their sampled
-        token(s), and may finish (their blocks are freed). Returns one EngineCoreOutput per sequence that got a
-        token, finished, or received prompt logprobs."""
+        token(s) and may finish. Returns an EngineCoreOutput per sequence that got a token, finished, or got
+        prompt logprobs."""
         outputs = []
         for seq in scheduler_output.scheduled_seqs:
             seq_id = seq.seq_id
             if seq.is_finished:
                 continue  # aborted while the step ran
-            if seq_id in model_output.failed:  # its own parameters, grammar or part of the step: it alone ends
+            if seq_id in model_output.failed:  # its own parameters or grammar failed: it alone ends
                 outputs.append(self._fail(seq, model_output.failed[seq_id]))
                 continue
             num_tokens_before = seq.num_tokens
@@ -262,17 +252,9 @@ class Scheduler:
         return outputs
 
     def _accept_spec_tokens(self, seq: Sequence, scheduler_output: SchedulerOutput, emitted: list[int]) -> None:
-        """The step computed seq's last sampled token and its drafts d0..d(s-1); `emitted` is what the target
-        accepts: d0..d(a-1) and one token of its own (1 <= len(emitted) <= s + 1). Tokens are appended one at a
-        time with the stop checks of plain decoding, so a stop token or max_tokens cuts the run where plain
-        decoding would have stopped. The K/V of the rejected drafts are rolled back: num_computed_tokens moves
-        back to cover only tokens that are kept, and blocks holding nothing but rejected slots are freed.
-
-            block_size 4; tokens t0..t5 computed up to t4; t5 sampled last step; drafts d0 d1 d2 d3
-            this step computes:  t5 d0 d1 d2 d3     (positions 5..9, blocks [A B C])
-            target accepts d0 d1, emits d0 d1 x:    tokens t0..t5 d0 d1 x, num_computed_tokens 8
-            block C (positions 8..11) holds only rejected slots (d2 d3): freed. x is computed next step.
-        """
+        """Append the `emitted` tokens (accepted drafts d0..d(a-1), then the target's own) with plain decoding's
+        stop checks, then roll back: num_computed_tokens covers only the kept tokens, and blocks holding only
+        rejected slots are freed (docs/phases/07b-speculative-decoding.md, 4)."""
         num_drafts = len(scheduler_output.scheduled_spec_decode_tokens[seq.seq_id])
         assert 1 <= len(emitted) <= num_drafts + 1, f"{len(emitted)} tokens emitted from {num_drafts} drafts"
         stats = self.spec_decoding_stats
@@ -281,10 +263,10 @@ class Scheduler:
         stats["num_emitted_tokens"] += len(emitted)
         stats["num_verify_steps"] += 1
         num_computed_before = seq.num_computed_tokens
-        seq.num_computed_tokens = seq.num_tokens  # the last sampled token; the drafts count once they are kept
+        seq.num_computed_tokens = seq.num_tokens  # the last sampled token; a draft counts once kept
         for j, token in enumerate(emitted):
             if j > 0:
-                seq.num_computed_tokens += 1  # the token emitted before this one was a draft: its K/V are good
+                seq.num_computed_tokens += 1  # the token before this one was an accepted draft
             seq.append_token_id(token)
             status = self._check_stop(seq)
             if status is not None:
@@ -320,9 +302,8 @@ class Scheduler:
                                 num_cached_tokens=max(seq.num_cached_tokens, 0))
 
     def _fail_stuck_head(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
-        """Nothing was scheduled, nothing runs and nothing was preempted: no block will come free, so the head of
-        the waiting queue can never be admitted. It ends with an error instead of waiting forever (the pool can
-        only be that short when blocks leaked, or a test took them: tinyvllm/engine/fault_injection.py)."""
+        """Nothing scheduled, running or preempted: no block will come free, so the head of the waiting queue ends
+        with an error instead of waiting forever (only when blocks leaked, or engine/fault_injection.py took them)."""
         if scheduler_output.preempted_seqs or self.running or not self.waiting:
             return []
         seq, bm = self.waiting[0], self.block_manager
@@ -334,8 +315,8 @@ class Scheduler:
     # ---- finishing from outside a step ----
 
     def finish_requests(self, seq_ids: Iterable[int | str], status: SequenceStatus) -> None:
-        """Finish these sequences now, wherever they are, and free their blocks: an abort, or a stop string the
-        output processor found in the text (vLLM v1's name). Ids that are not (or no longer) here are skipped."""
+        """Finish these sequences now and free their blocks: an abort, or a stop string the output processor found
+        (vLLM v1's name). Ids no longer here are skipped."""
         for seq_id in seq_ids:
             self.finish_seq(seq_id, status)
 

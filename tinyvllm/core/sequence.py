@@ -1,24 +1,10 @@
-"""One request's tokens and where it stands: the unit the scheduler and the block manager move around.
-
-vLLM v1 calls this a `Request` (`vllm/v1/request.py`); nano-vllm and vLLM v0 call it a `Sequence`.
-It stores only what cannot be derived: the prompt's token ids, the token ids sampled so far, how
-many of its tokens already have their K/V in the cache (`num_computed_tokens`), its block table and
-its status. Everything else (number of tokens, "is it prefilling?", blocks needed) is a property.
-
-There is no prefill phase or decode phase. vLLM's scheduler says: "There's no 'decoding phase' nor
-'prefill phase' in the scheduler. Each request just has the num_computed_tokens and
-num_tokens_with_spec" (here num_tokens: no speculative tokens yet), and each step lets
-num_computed_tokens catch up with it. A step computes some of the tokens not yet computed; when a
-step reaches the last token, the model samples one more and the gap opens again:
+"""One request's tokens and where it stands (vLLM v1's `Request`, nano-vllm's `Sequence`). It stores what cannot be
+derived: the token ids, `num_computed_tokens`, the block table, the status; the rest are properties. There is no
+prefill or decode phase: each step lets num_computed_tokens catch up with num_tokens (03-continuous-batching.md, 3).
 
     tokens:    p0 p1 p2 p3 p4 | o0 o1            prompt (5) + output (2), num_tokens = 7
     computed:  ============== | ==               num_computed_tokens = 6
                                    ^ the next step computes o1 (a "decode") and samples o2
-
-A prompt of 5 tokens scheduled in chunks of 3 is computed as [p0 p1 p2] then [p3 p4] (chunked
-prefill); only the second step samples. Preemption by recompute throws the cache away and sets
-num_computed_tokens back to 0: then prompt and output tokens alike are recomputed before the next
-token is sampled, which is why "is prefill" is not "num_computed_tokens < num_prompt_tokens".
 """
 
 from __future__ import annotations
@@ -30,14 +16,13 @@ from tinyvllm.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
-    """Where a sequence is in its life (vLLM's `RequestStatus`).
+    """Where a sequence is in its life (vLLM's `RequestStatus`); any status can become FINISHED_ABORTED.
 
         WAITING --admitted--> RUNNING --stop/length--> FINISHED_*
            ^                     |
            +------PREEMPTED------+        (out of blocks: its cache is freed, recomputed later)
 
-    Any status can turn into FINISHED_ABORTED (the client went away). The finished statuses come
-    last, so "finished" is a comparison, as in vLLM.
+    The finished statuses come last, so "finished" is a comparison, as in vLLM.
     """
 
     WAITING = enum.auto()
@@ -67,12 +52,8 @@ _FINISH_REASONS = {
 
 
 class Sequence:
-    """A prompt, the tokens sampled after it, and how much of it is in the KV cache.
-
-    `seq_id` is vLLM's `request_id` (the engine uses the request id itself; tests use ints). `block_table` lists the ids of the KV cache blocks holding this
-    sequence's tokens, in order: token at position `pos` lives in block `block_table[pos // block_size]`
-    at offset `pos % block_size`. The `BlockManager` fills it in; the sequence only carries it.
-    """
+    """A prompt, the tokens sampled after it, and how much of it is in the KV cache. `seq_id` is vLLM's
+    `request_id`; `block_table` is filled in by the `BlockManager` (position pos: block_table[pos // block_size])."""
 
     def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                  arrival_time: float | None = None, prompt: str | None = None, priority: int = 0, *,
@@ -84,8 +65,7 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
-        # monotonic clock: only differences (time to first token, queueing time) are meaningful
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time  # monotonic: differences only
         self.priority = priority  # vLLM's: lower is served first under the "priority" scheduling policy
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
@@ -104,8 +84,7 @@ class Sequence:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """vLLM's name: it computes its whole prompt, for it needs every position's output (pooling, prompt
-        logprobs)."""
+        """vLLM's name: it computes its whole prompt, needing every position's output (pooling, prompt logprobs)."""
         return self.pooling_params is not None or self.sampling_params.prompt_logprobs is not None
 
     # ---- tokens ----
@@ -115,8 +94,7 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
-        """The token ids at positions start .. end - 1, without joining prompt and output first (a decode step
-        reads one token: `all_token_ids` would copy every one)."""
+        """The token ids at positions start .. end - 1, without copying all of them as `all_token_ids` would."""
         num_prompt = self.num_prompt_tokens
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
@@ -161,7 +139,7 @@ class Sequence:
     # ---- blocks ----
 
     def block_hashes(self, block_size: int) -> list[bytes]:
-        """The prefix-cache hash of each of its full blocks (tinyvllm/core/prefix_cache.py), each computed once."""
+        """The prefix-cache hash of each of its full blocks (core/prefix_cache.py), each computed once."""
         if len(self._block_hashes) < self.num_tokens // block_size:
             from tinyvllm.core.prefix_cache import block_hashes  # Phase 7: only prefix caching asks
 

@@ -1,29 +1,7 @@
-"""The async engine: one thread owns the device, the event loop owns the clients.
-
-`LLMEngine.step()` blocks for a whole forward pass (tens of milliseconds on a CPU). Called from the
-server's asyncio event loop it would freeze every connection for that long: no new request accepted,
-no token sent, no disconnect noticed. So the engine lives on its own thread, and the two sides only
-talk through queues:
-
-    event loop (HTTP, many requests)                     engine loop thread (the device, one)
-    --------------------------------                     ------------------------------------
-    add_request() - _Add / _Abort --> input queue.Queue --> drain: add_request / abort_request
-         ^                           (thread-safe)          step()  (schedule -> forward -> update)
-         |                                                     |
-    per-request asyncio.Queue <-- _dispatch <-- call_soon_threadsafe(one batch per step)
-
-The thread builds the engine too (`engine_factory`), so loading weights and compiling kernels also
-stay off the event loop, and `/health` can answer "not yet" meanwhile. It steps while any request is
-unfinished and sleeps on the input queue otherwise. Commands are drained before every step, so an
-abort (a client that went away) frees its KV blocks before the next forward pass.
-
-vLLM v0 had the same split (`AsyncLLMEngine` over `LLMEngine`, `AsyncStream` per request); vLLM v1
-moved the engine core into another process (`AsyncLLM` + `EngineCoreClient`), with the same queues
-carried over ZeroMQ. Outputs are cumulative, so a consumer that fell behind takes only the newest one
-(v1's `RequestOutputCollector` merges them likewise).
-
-`n > 1` is fanned out by the engine below (tinyvllm/engine/parent_request.py, v1's `ParentRequest`): a
-stream here carries the merged output, `outputs[i].index == i`.
+"""The async engine (vLLM v0's `AsyncLLMEngine`): one thread builds and owns the engine and steps it, the event loop
+owns the clients, and the two meet only at queues: a thread-safe input queue drained before every step, and an
+asyncio.Queue per request filled through `call_soon_threadsafe`. Outputs are cumulative, so a stream that fell
+behind takes the newest. Taught in docs/phases/09-api-server.md, sections 1 and 2.
 """
 
 from __future__ import annotations
@@ -54,10 +32,9 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step failed for this request: its own sampling or stop handling, or a forward pass that failed again when
-    the engine retried it with this request alone (engine/failures.py): only it ends. A failure outside
-    the forward pass and sampling (the scheduler's bookkeeping) leaves the engine's state unknown: then every
-    request in the engine ends. Either way the engine keeps serving new requests."""
+    """A step failed for this request: its own sampling or stop handling, or a forward pass that failed again with
+    it alone (engine/failures.py). A failure outside them (the scheduler's bookkeeping) ends every request in the
+    engine. Either way the engine keeps serving new requests."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -94,11 +71,9 @@ _SHUTDOWN = object()
 
 
 class AsyncLLMEngine:
-    """`generate()` streams one request's outputs; everything device-side happens on `engine-loop`.
-
-    stat_logger (optional) is called on the engine thread: `record_added(request_id, arrival_time, params)`,
-    `record_removed(request_id)`, and `record(now, stats, outputs, stepped)` after each loop turn.
-    """
+    """`generate()` streams one request's outputs; everything device-side happens on `engine-loop`. stat_logger
+    (optional), called on the engine thread: `record_added(request_id, arrival_time, params)`,
+    `record_removed(request_id)`, and `record(now, stats, outputs, stepped)` after each loop turn."""
 
     def __init__(self, engine_factory: Callable[[], object], *, max_waiting: int | None = None,
                  stat_logger: object | None = None, retry_after: int = 1):
@@ -131,9 +106,8 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
 
     def drain(self, timeout: float) -> None:
-        """Graceful shutdown (the server got SIGTERM): refuse new requests (503), give the ones in flight
-        `timeout` seconds to finish, then end those left with an error their clients can read. Safe to call
-        from any thread or a signal handler: the work is done on the event loop."""
+        """Graceful shutdown (SIGTERM): refuse new requests (503), give the ones in flight `timeout` seconds, then end
+        those left with an error their clients can read. Safe from any thread or a signal handler."""
         if self._loop is not None and not self.draining:
             self._loop.call_soon_threadsafe(self._start_draining, timeout)
 
@@ -147,8 +121,8 @@ class AsyncLLMEngine:
         self._loop.call_later(timeout, self._input.put, _AbortAll(error))
 
     async def get_state(self, timeout: float = 30.0) -> dict:
-        """The engine's snapshot (`LLMEngine.get_state`: blocks, queues, last steps) with its `get_stats()`, taken
-        on the engine thread between two steps. An engine without `get_state` gives its stats alone."""
+        """The engine's snapshot (`LLMEngine.get_state`) with its `get_stats()`, taken on the engine thread between two
+        steps (its stats alone for an engine without `get_state`)."""
         self.check_ready()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._input.put(_GetState(future))
@@ -185,9 +159,8 @@ class AsyncLLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
                     priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Check there is room, queue the request for the engine thread now, and return its stream of
-        outputs. Leaving the stream early (the client went away, the task was cancelled) aborts the
-        request: its KV blocks are freed before the next step. `n > 1` is the engine's to fan out."""
+        """Check there is room, queue the request for the engine thread, and return its stream of outputs; leaving
+        the stream early aborts the request (its blocks are freed before the next step)."""
         self.check_can_accept(sampling_params.n)
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -1,32 +1,8 @@
-"""Beam search: keep the k most likely continuations (Phase 7a), above the engine core as in vLLM v1.
-
-Each step every running beam b has its next-token log-probabilities; a candidate is (b, token) scored by the
-beam's cumulative log-probability plus the token's. The best candidates become the next running beams. The core
-never sees a beam: each step of a search adds one ordinary request per running beam (its prompt: the prompt and
-the beam's tokens; one token; every token's logprobs), and the beams share what they have in common through the
-prefix cache, so each computes little more than its newest tokens:
-
-    step t:    requests "The cat" and "The dog"      -> each one's logprobs row
-    step t+1:  requests "The cat sat", "The cat is"  (both from "The cat": its full blocks are cached)
-
-The rules are HF transformers' (`GenerationMixin._beam_search`, transformers 5), so that `generate(num_beams=k,
-do_sample=False, num_return_sequences=k, length_penalty=..., early_stopping=...)` is the oracle:
-
-  - the top `max(2, 1 + number of eos ids) * k` candidates are ranked by cumulative log-probability, with no
-    length penalty; the best k that do not end the beam (eos, or the length limit) run on;
-  - a candidate that ends its beam is kept as a finished hypothesis only if it ranks among the top k, with the
-    score cum_logprob / generated_length ** length_penalty (generated tokens, the eos included); the k best
-    hypotheses are kept;
-  - the search stops when the running beams cannot beat the worst of k hypotheses (the best running beam's
-    score divided by the current generated length ** length_penalty; with early_stopping="never" and a positive
-    length_penalty, by max_tokens ** length_penalty), when k hypotheses exist and early_stopping is True, or at
-    max_tokens (then the top k candidates all become hypotheses); the k hypotheses are returned, best first.
-
-Where vLLM's `LLM.beam_search` differs (vllm/entrypoints/llm.py, vllm/beam_search.py): it ranks candidates by the
-length-penalized score, over the prompt and output length (less one for an eos); an eos candidate among the best
-k leaves the running set, so fewer beams run on; it has no early stopping (it runs max_tokens steps unless every
-beam has finished) and returns the best k of finished and running beams together. Ties between candidates of
-equal log-probability are broken by beam, then token id (torch.topk leaves them unspecified).
+"""Beam search above the engine core, as in vLLM v1: each step of a search adds one ordinary request per running
+beam (its prompt: the prompt and the beam's tokens; one token; every token's logprobs), and the beams share their
+common blocks through the prefix cache. The scoring and stopping rules are HF transformers' (`_beam_search`), so
+`generate(num_beams=k)` is the oracle. Taught in docs/phases/07a-prefix-caching.md, section 6; the rules and
+vLLM's differences in 07a-appendix-beam-search.md.
 """
 
 from __future__ import annotations
@@ -45,9 +21,8 @@ from tinyvllm.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """vLLM's `BeamSearchParams`, plus HF's `early_stopping` (True, False or "never"; False as in HF).
-
-    `temperature` > 0 divides the logits before the log-softmax (vLLM's); 0 leaves them as they are."""
+    """vLLM's `BeamSearchParams`, plus HF's `early_stopping` (True, False or "never"; False as in HF). `temperature`
+    > 0 divides the logits before the log-softmax (vLLM's); 0 leaves them as they are."""
 
     beam_width: int
     max_tokens: int
@@ -76,8 +51,8 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One returned beam (vLLM's): the prompt and generated tokens, the cumulative log-probability, the text of the
-    generated tokens (an ending eos left out), and the score it was ranked by."""
+    """One returned beam (vLLM's): prompt and generated tokens, the cumulative log-probability, the text of the
+    generated tokens (an ending eos left out), and its score."""
 
     tokens: list[int]
     cum_logprob: float
@@ -119,7 +94,7 @@ class BeamSearch:
         num_keep = min(max(2, 1 + len(self.eos_token_ids)) * k, scores.size)
         flat = scores.reshape(-1)
         top = np.argpartition(-flat, num_keep - 1)[:num_keep]
-        top = top[np.lexsort((top, -flat[top]))]  # best first; ties by beam, then token
+        top = top[np.lexsort((top, -flat[top]))]  # best first; ties by beam, then token (torch.topk: unspecified)
         vocab = scores.shape[1]
         gen_len = len(self.running[0][0]) + 1  # generated tokens once this step's token is added
         candidates = [(float(flat[i]), int(i // vocab), int(i % vocab)) for i in top]
@@ -164,9 +139,9 @@ class BeamSearchRequest:
 
 
 class BeamSearchRequests:
-    """The engine's beam searches. `add_request(id, prompt_token_ids, params)` and `abort_requests(ids)` are the
-    engine core's; `take` reads each step's outputs of the beams' requests and moves every search on whose beams
-    all have their row."""
+    """The engine's beam searches, over the engine core's `add_request(id, prompt_token_ids, params)` and
+    `abort_requests(ids)`; `take` reads each step's outputs of the beams' requests and moves on every search whose
+    beams all have their row."""
 
     def __init__(self, add_request: Callable[[str, list[int], SamplingParams], None],
                  abort_requests: Callable[[list[str]], None], tokenizer, max_model_len: int):

@@ -2,19 +2,8 @@
 
     prompt [t0 t1 t2 ... t(n-1)]        --prefill (chunks of up to `prefill_chunk_size`)--> logits of t(n-1)
     token t(n) at position n            --decode-->  logits of t(n)     (repeat, one token per step)
-
-Both steps are captured with TinyJit, so after warm-up a step replays a fixed list of compiled
-kernels instead of re-tracing Python. A JIT needs fixed shapes; what changes from step to step,
-the position, is passed as a *bound symbolic variable* instead:
-
-    start_pos  (where this step's tokens go in the cache)    UOp.variable("start_pos", 0, max_model_len-1)
-
-so one compiled graph serves every position. Token counts stay concrete: the prompt is fed in
-full chunks of `prefill_chunk_size` tokens (one graph) and the remainder one token at a time
-through the decode graph (the other), so there are exactly two graphs to compile.
-
-    prompt of 75 tokens, chunk 32:  [ chunk 0..31 ][ chunk 32..63 ][64][65]...[74]
-                                      prefill graph  prefill graph   decode graph x 11
+Two graphs: the prompt in full chunks of `prefill_chunk_size` and the rest one token at a time through the decode
+graph, each taking its position as a bound symbolic variable (docs/phases/01-appendix-tinygrad-speed.md).
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""Batched sampling on the device (Phase 4): a whole batch's next tokens from its logits, one graph.
+"""Batched sampling on the device: a batch's next tokens from its logits in one graph, each row with its own
+parameters, drawing what the host reference (`sample/sampler.py`) draws for the same key. Rows with penalties,
+logit bias, min_tokens or logprobs take the host path. Taught in docs/phases/04-batched-forward.md, section 6.
 
     logits (S, V) on the device ----> [ /temperature, min-p, top-k, top-p, exponential race ] ----> tokens (S,)
-    per-row params (S,): temperature, top_k, top_p, min_p              only S int32s come back to the host
-    per-row keys   (S, 2) uint32: one draw from each request's own generator (seeded rows reproduce); the race's
-                   Exp(1) clocks are hashed from it on the device (noise.py), never uploaded
+    per-row params (S,): temperature (0: argmax), top_k, top_p, min_p  only S int32s come back to the host
+    per-row keys   (S, 2) uint32: the race's Exp(1) clocks are hashed from them on the device (noise.py)
 
-It computes what the host reference (`tinyvllm.sample.sampler`) computes for the same key, for every request
-without penalties, logit bias, min_tokens or logprobs (those rows take the host path). Each row has its own
-parameters, so greedy and sampled requests share one batch: temperature 0 means argmax.
-
-Every filter keeps the tokens whose logit is at or above a threshold (ties are kept together, as on the host), so a
-row's whole filtered distribution is described by one number, the smallest logit it keeps. Two ways to find it:
-
-    the sampler kernel (kernels/<device>/sampler.*, where the device has one): reads each row once or twice and
-        then works on its few candidates only: top-k keeps a small buffer above a rising cut, top-p orders only
-        the nucleus (a heap popped most likely first), the race runs over the survivors. Same draws as below.
-    the portable graph (any device, `portable=True`, TINYVLLM_PORTABLE=1): bisection on the value, a handful of
-        cheap reductions over the row per step:
-        top-k: the k-th largest logit t is the largest v with count(logits >= v) >= k
-        top-p: the smallest logit t whose strictly-more-likely mass, sum(p[logits > t]), is still < top_p
-        After the bisection has narrowed [lo, hi] to less than the spacing of float32 values, the threshold is
-        the smallest logit above lo: an exact element of the row, not an approximation.
-
-A row that only scales by temperature (top_k off, top_p 1, min_p 0) needs no threshold at all: its draw is one
-pass over the row (hash, two logs, argmax), on either path.
+Every filter keeps the logits >= a threshold, found by the sampler kernel (kernels/<device>/sampler.*) or, in the
+portable graph, by bisection on the value: top-k's t is the largest v with count(logits >= v) >= k, top-p's the
+smallest logit whose strictly-more-likely mass is < top_p; once [lo, hi] is narrower than float32's spacing, the
+smallest logit above lo is the exact threshold.
 """
 
 from __future__ import annotations
@@ -35,8 +21,14 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.plugins import provided
 from tinyvllm.sample import noise
 
+<<<<<<< HEAD
 kernel_draw = provided("sampler_kernel")  # Phase 5: the sampler kernel (sample/sampler_kernel.py), else None
 BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for any logit range we see
+=======
+KERNEL = "sampler"  # kernels/<device>/sampler.*
+NUM_THREADS = 256  # threads per row (one thread block per row) on GPUs: TV_NUM_THREADS
+BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for the logit ranges seen
+>>>>>>> prose2
 
 
 def _bisect(lo: Tensor, hi: Tensor, predicate) -> tuple[Tensor, Tensor]:
@@ -84,8 +76,8 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     """Structured outputs: bitmask (S, ceil(V/32)) int32, bit t % 32 of word t // 32 set when token t is allowed
-    (llguidance's layout, see tinyvllm/sample/structured_output.py) -> logits with every other token at -inf.
-    Unpacked here, on the device: 4 bytes per 32 tokens go up instead of a (S, V) mask."""
+    (llguidance's layout) -> logits with every other token at -inf. Unpacked on the device: 4 bytes per 32 tokens
+    go up instead of a (S, V) mask."""
     rows, vocab = logits.shape
     words = bitmask.shape[1]
     shifts = Tensor.arange(32, dtype=dtypes.int32).reshape(1, 1, 32)
@@ -99,6 +91,7 @@ def greedy(logits: Tensor) -> Tensor:
     return logits.argmax(-1).cast(dtypes.int32)
 
 
+<<<<<<< HEAD
 def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
          use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
     """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32).
@@ -108,6 +101,22 @@ def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_
     if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
                                                          portable=portable)) is not None:
         return drawn  # Phase 5: the sampler kernel, where the device has it
+=======
+def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
+    """Does this device run the sampler kernel? (From the device name alone: graphs are being traced.)"""
+    device = logits.device
+    if portable or kernel_backend.PORTABLE or not isinstance(device, str):
+        return False
+    return launcher.has_kernel(KERNEL, device)
+
+
+def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
+         use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
+    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32); a row
+    keeps the logits >= its threshold (-inf: none filtered). `use_filters=False`: no row uses min-p, top-k, top-p."""
+    if uses_kernel(logits, portable):
+        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys, thresholds=True)
+>>>>>>> prose2
     rows = logits.shape[0]
     thresholds = (filter_thresholds(logits, temperature, top_k, top_p, min_p) if use_filters
                   else Tensor.full((rows, 1), -math.inf, device=logits.device))
@@ -125,9 +134,28 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
     return draw(logits, temperature, top_k, top_p, min_p, keys, use_filters, portable)[0]
 
 
+<<<<<<< HEAD
+=======
+def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
+                thresholds: bool = True) -> tuple[Tensor, Tensor]:
+    """`draw` on the device's sampler kernel, one GPU thread block per row. `thresholds=False`: only the tokens
+    are read (a row may leave NaN as its threshold)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    outs = [Tensor.empty(rows, dtype=dtypes.int32, device=device), Tensor.empty(rows, device=device),
+            Tensor.empty(rows, 2 * vocab, dtype=dtypes.int32, device=device)]  # tokens, thresholds, scratch
+    ins = [logits.float().contiguous(), temperature.float().contiguous(), top_k.cast(dtypes.int32).contiguous(),
+           top_p.float().contiguous(), min_p.float().contiguous(), keys.cast(dtypes.uint32).contiguous()]
+    defines = {"TV_NUM_ROWS": rows, "TV_VOCAB": vocab, "TV_NUM_THREADS": NUM_THREADS,
+               "TV_THRESHOLDS": int(thresholds)}
+    tokens, found, _ = launcher.launch(KERNEL, outs, ins, defines, grid=(rows, 1, 1), local_size=(NUM_THREADS, 1, 1))
+    return tokens, found.reshape(rows, 1)
+
+
+>>>>>>> prose2
 def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """The portable graph's thresholds (S,1): the smallest logit that min-p, top-k and top-p (in that order, on the
-    logits divided by the temperature) keep in each row. Greedy rows: -inf."""
+    """The portable graph's thresholds (S,1): the smallest logit min-p, top-k and top-p keep on the logits divided
+    by the temperature. Greedy rows: -inf."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
     kept = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
     survives = kept > -math.inf  # (S,V)
@@ -137,9 +165,8 @@ def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
 
 
 def processed_logits(logits: Tensor, temperature: Tensor, thresholds: Tensor | None = None) -> Tensor:
-    """logits (S,V) -> what each row draws from: divided by its temperature (a greedy row's 0 by 1), the tokens
-    below its threshold (S,1) (from `draw`; None: nothing filtered) at -inf. Its softmax is the request's
-    distribution: what the sampler, speculative decoding's rejection sampler and a draft model's q all use."""
+    """logits (S,V) -> what each row draws from: divided by its temperature (greedy: by 1), the logits below its
+    threshold (S,1) at -inf. Its softmax is the request's distribution (sampler, rejection sampler, draft q)."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
     return scaled if thresholds is None else (logits >= thresholds).where(scaled, -math.inf)
 

@@ -1,24 +1,13 @@
-"""Random numbers made where they are used: a counter-based hash of (key, token id), on the host or the device.
-
-Sampling a token draws one Exp(1) "clock" per vocabulary entry (the exponential race, see sampler.random_sample).
-Drawing 49,152 of them per row per step with numpy and uploading them costs more than the draw itself. A
-counter-based generator (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3", the idea behind
-Philox and threefry) needs no state at all: the i-th number is a hash of (key, i). So each request's own numpy
-generator gives each draw a 64-bit key (two uint32s: a few bytes per row go up), and the device expands it into
-one uniform per token, inside the sampler's own pass over the row:
+"""The exponential race's clocks, made where they are used: a counter-based hash of (key, token id) (the idea behind
+Philox; Salmon et al. 2011), the same bits in numpy, the tinygrad graph and the C, CUDA and Metal sampler kernels.
+Each request's generator draws the keys, so a seeded request reproduces. docs/phases/04-batched-forward.md, 6.
 
     request's generator --integers--> key (2,) uint32 --(host: 8 bytes)--> device:
         h = mix(mix(i ^ key[0]) + key[1])        for token i: two rounds of a 32-bit integer hash
         u = ((h >> 8) + 0.5) / 2**24             a float32 in (0, 1), never 0 or 1
         clock = -log(u)                          Exp(1)
 
-A seeded request still reproduces (its generator hands out the same keys in the same order), and every place
-that samples (this module in numpy, the tinygrad graph, the C, CUDA and Metal kernels) computes the same bits
-for the same key, so the host reference and the device draw the same token.
-
-`mix` is Chris Wellons' "lowbias32" (xor-shift-multiply, github.com/skeeto/hash-prospector): a bijection of
-uint32 whose output bits each flip with probability ~1/2 when any input bit flips. Two rounds with the two halves
-of the key decorrelate the rows (different keys) and the tokens of a row (consecutive i).
+`mix` is Chris Wellons' "lowbias32" (github.com/skeeto/hash-prospector), a bijection of uint32 with good avalanche.
 """
 
 from __future__ import annotations

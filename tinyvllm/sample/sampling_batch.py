@@ -1,9 +1,6 @@
-"""One step's sampling, row by row (Phase 4): each row's parameters, where it is sampled, and its grammar.
-
-Every sequence that caught up in a step owns one row of the step's logits (rows, V). Most rows are sampled
-together on the device, in one graph (`ModelRunner.sample` around device_sampler.py), from per-row parameters;
-a row whose request needs what only the host reference sampler does (sampler.py: penalties, logit bias,
-min_tokens, logprobs) gets its row of logits copied back and is sampled there:
+"""One step's sampling, row by row: each row's parameters (from the persistent batch, as vLLM v1's
+`SamplingMetadata`), whether the device or the host reference sampler takes it, and its grammar's mask.
+Taught in docs/phases/04-batched-forward.md, section 6.
 
     row  request                  routed to   temperature  top_k  top_p  min_p  key      bitmask
     0    greedy                   device      0            V      1      0      -        all ones
@@ -11,11 +8,6 @@ min_tokens, logprobs) gets its row of logits copied back and is sampled there:
     2    repetition_penalty=1.2   host        0 (unused on the device)                   all ones
     3    JSON schema              device      0            V      1      0      -        its grammar's
          padding rows             device      0            V      1      0      -        all ones
-
-The keys come from each request's own generator (noise.py), one per row and step, so a seeded request draws
-the same numbers whichever rows it shares a step with. Structured outputs mask both paths; once the token is
-known, the request's grammar moves on by it (structured_output.py). The parameters come from the model runner's
-persistent batch (worker/input_batch.py), as vLLM v1's `SamplingMetadata` (vllm/v1/sample/metadata.py) does.
 """
 
 from __future__ import annotations
@@ -37,11 +29,9 @@ logger = logging.getLogger("tinyvllm.engine")
 
 
 class SamplingRows:
-    """The device sampler's per-row inputs (device_sampler.draw): each row holds the "off" values until `fill`
-    gives it a request's parameters. `temperature` is the value of the rows nobody fills: 0 (greedy) where they
-    are sampled as greedy rows, 1 where they are padding that a formula divides by (the verifier's). The arrays
-    are made by the first `fill`: until a row samples, every row is greedy, and the device's greedy graph takes
-    none of them (they stay None, as `keys` does)."""
+    """The device sampler's per-row inputs, "off" until `fill`. `temperature`: the value of unfilled rows, 0
+    (greedy) or 1 (padding a formula divides by: the verifier's). The arrays are made by the first `fill`: until
+    then every row is greedy and they stay None, for the greedy graph takes none."""
 
     def __init__(self, rows: int, vocab: int, temperature: float = 0.0):
         self.rows, self.vocab, self.off_temperature = rows, vocab, temperature
@@ -60,9 +50,8 @@ class SamplingRows:
         self.keys = np.zeros((self.rows, 2), np.uint32)
 
     def fill(self, first: int, params: SamplingParams, generator: np.random.Generator, count: int = 1) -> None:
-        """Rows first .. first + count - 1 sample with `params`: top_k clamped to the vocabulary (<= 0: off),
-        and a draw key each from the request's own generator (count keys, drawn before any row changes), so
-        a seeded request repeats."""
+        """Rows first .. first + count - 1 sample with `params` (top_k clamped to the vocabulary, <= 0: off), each
+        with a key from the request's generator, drawn before any row changes."""
         keys = draw_keys(generator, count)  # (count, 2)
         if self.keys is None:
             self.allocate()
@@ -74,8 +63,7 @@ class SamplingRows:
 
     @property
     def use_filters(self) -> bool:
-        """Whether any row uses min-p, top-k or top-p (without them the sampler's graph skips the filters). No row
-        filled: none does."""
+        """Whether any row uses min-p, top-k or top-p (without them the graph skips the filters)."""
         if self.keys is None:
             return False
         return bool((self.top_k < self.vocab).any() or (self.top_p < 1).any() or (self.min_p > 0).any())
@@ -86,9 +74,8 @@ class SamplingRows:
 
 
 class SamplingBatch(SamplingRows):
-    """One engine step's sampling inputs: rows of greedy defaults until a request fills its own. keys exist once
-    a row samples on the device (None: the greedy graph runs); bitmask (rows, ceil(vocab/32)) int32 once a row
-    has a grammar; `on_host`: the rows the host reference sampler takes."""
+    """One step's sampling inputs. keys: once a row samples on the device (None: the greedy graph runs); bitmask
+    (rows, ceil(vocab/32)) int32: once a row has a grammar; `on_host`: the rows the host sampler takes."""
 
     def __init__(self, rows: int, vocab: int):
         super().__init__(rows, vocab)
@@ -107,10 +94,9 @@ def failure_message(error: BaseException) -> str:
 
 
 class StepSampler:
-    """The model runner's sampling of a step's rows: `prepare` assembles the batch (parameters, keys, grammar masks,
-    and which rows go to the host) before the device samples; `finish` takes the device's tokens, samples the
-    host's rows and moves the grammars on. `input_batch`: the runner's (worker/input_batch.py). A request whose
-    sampling fails ends alone: its id and message go into `failed`, and the batch goes on."""
+    """The model runner's sampling of a step's rows: `prepare` assembles the batch before the device samples,
+    `finish` takes the device's tokens, samples the host's rows and moves the grammars on. A request whose
+    sampling fails ends alone: its id and message go into `failed`."""
 
     def __init__(self, input_batch, stop_token_ids: Iterable[int], on_device: bool = True):
         self.input_batch = input_batch
@@ -120,10 +106,9 @@ class StepSampler:
 
     def prepare(self, seqs: list[Sequence], rows: int, vocab: int, verifying: dict | tuple,
                 failed: dict) -> SamplingBatch:
-        """Each row's sampling parameters, draw key and grammar mask, one request at a time: a request whose
-        parameters fail here ends alone (its row stays greedy and its token is dropped). A sampled request that
-        verifies drafts (`verifying`, seq_id -> its drafts' rows) stays greedy here too: rejection sampling
-        draws its tokens (spec_decode/rejection_sampler.py)."""
+        """Each row's parameters, draw key and grammar mask; a request whose parameters fail ends alone (its row
+        stays greedy). A request verifying drafts (`verifying`: seq_id -> its drafts' rows) stays greedy here:
+        rejection sampling draws its tokens."""
         batch = SamplingBatch(rows, vocab)
         device_rows, batch_rows = [], []  # the rows the device samples, and their rows of the input batch
         for row, seq in enumerate(seqs):
@@ -154,9 +139,8 @@ class StepSampler:
 
     def finish(self, seqs: list[Sequence], batch: SamplingBatch, tokens: np.ndarray, logits,
                failed: dict, logprobs: dict) -> dict[int | str, int]:
-        """seq_id -> its token: the device's (tokens (rows,)) for the device's rows; for the host's rows, their row
-        of `logits` (rows, V) copied back and sampled by the reference sampler (recording `logprobs` where a
-        request asks for them). Then each grammar accepts its request's token."""
+        """seq_id -> its token: the device's `tokens` (rows,), or for the host's rows the reference sampler's on
+        their row of `logits` (rows, V) copied back (recording `logprobs`). Then each grammar accepts its token."""
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)
                    if row not in batch.on_host and seq.seq_id not in failed}  # (tokens None: every row the host's)
         host_logits = logits.numpy() if batch.on_host else None
@@ -182,8 +166,8 @@ class StepSampler:
 
     def sample_on_host(self, seq: Sequence, logits: np.ndarray, bitmask_row: np.ndarray | None,
                        logprobs: dict) -> int:
-        """One row on the host reference sampler, its grammar's mask applied; records the token's logprobs when
-        the request asks for them (logprobs=-1: the whole row's, as a (V,) float32 array)."""
+        """One row on the host reference sampler, its grammar's mask applied; records the logprobs a request asks
+        for (logprobs=-1: the whole (V,) float32 row)."""
         state = self.input_batch.requests[seq.seq_id]
         allowed = logits
         if bitmask_row is not None:  # a grammar's (structured outputs, Phase 9)

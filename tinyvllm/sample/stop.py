@@ -1,23 +1,9 @@
-"""Stop strings for a streamed output: stop at the first one, and never show a piece of one.
-
-Stop *tokens* are easy (the sampled id is in a set). Stop *strings* are text, and text arrives a
-token at a time, so a stop string can straddle tokens: with stop = ["</answer>"] the detokenizer
-may produce "42</", then "ans", then "wer>". Two rules make a stream correct:
-
-1. Stop where a stop string first *ends*. Whatever the chunking, the output is the text before that
-   stop string (plus the stop string itself with `include_stop_str_in_output`), exactly what a
-   character-at-a-time stream would give. (vLLM checks the strings in list order instead.)
-2. Hold back a tail that could still become a stop string. After "42</" we may emit "42" but
-   must keep "</": if "answer>" follows, it was never part of the output.
+"""Stop strings for a streamed output: stop where a stop string first ends, and hold back the longest tail that
+could still become one (docs/phases/01-appendix-tokens-and-sampling.md).
 
     text so far  "The answer is 42</"          stop = ["</answer>"]
     emitted      "The answer is 42"           held back "</"  (a prefix of "</answer>")
     next chunk   "answer>\\n"     -> "</answer>" found: emit "", stopped; the rest is dropped
-
-What is held back is the longest tail of the pending text that is a prefix of some stop string
-(vLLM holds back a fixed `max_stop_len - 1` characters; this emits sooner and is just as safe).
-With `include_stop_str_in_output` nothing needs holding back, since any text before the end of a
-stop string is output anyway; the tail is still remembered, to find a stop string that straddles chunks.
 """
 
 from __future__ import annotations
@@ -29,7 +15,7 @@ class StopStringChecker:
         checker = StopStringChecker(["</answer>"], include_in_output=False)
         checker.feed("42</")     -> ("42", False)
         checker.feed("answer>")  -> ("", True);   checker.stop_str == "</answer>"
-        checker.flush()          -> ""            (at the end of a stream that never stopped: the held-back text)
+        checker.flush()          -> ""            (a stream that never stopped: the held-back text)
     """
 
     def __init__(self, stop: list[str], include_in_output: bool = False):
@@ -37,9 +23,7 @@ class StopStringChecker:
         self.stop = list(stop)
         self.include_in_output = include_in_output
         self.stop_str: str | None = None  # the stop string that ended the output, for vLLM's `stop_reason`
-        # The longest tail of the text so far that could be the start of a stop string: a match that
-        # ends in the next chunk can only start here. Its last `_num_held` characters are not emitted yet
-        # (all of it, or none with include_in_output).
+        # the longest tail that could start a stop string; its last `_num_held` characters are not emitted yet
         self._tail = ""
         self._num_held = 0
 

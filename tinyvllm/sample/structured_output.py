@@ -1,24 +1,12 @@
-"""Structured outputs: every sampled token keeps the output inside a grammar (a JSON schema, a regex, one of
-a list of choices, or a Lark grammar), so the text always parses.
-
-The grammar work is done by llguidance (https://github.com/guidance-ai/llguidance), the library llama.cpp
-and vLLM use: for a request's output so far, its matcher computes which tokens may come next, as a bitmask
-of the vocabulary: bit t % 32 of int32 word t // 32 is set when token t is allowed (cheap per row: it walks a
-token trie, not 49,152 strings). The engine applies the mask to the logits before sampling:
+"""Structured outputs: every sampled token keeps the output inside a grammar (a JSON schema, a regex, choices, Lark
+or GBNF), so the text always parses. llguidance (the library llama.cpp and vLLM use) computes, per request, the
+tokens that may come next as a bitmask: bit t % 32 of int32 word t // 32 set when token t is allowed. Taught in
+docs/phases/09-api-server.md, section 6.
 
     matcher (one per constrained request)     bitmask (rows, ceil(V / 32)) int32     device sampler
       output so far --fill_bitmask(row)--> [ 0xffffffff | 0x00010400 | ... ] --> logits[~allowed] = -inf
             ^                                all ones for unconstrained rows          --> token
             +------------------------------------- accept(token) <--------------------------+
-
-Rows without a grammar get all-ones masks, and a batch with no constrained row builds no mask at all.
-When the grammar is complete the matcher allows only the end-of-sequence token, so the request stops
-as it would on its own eos (a `max_tokens` cap can still cut it first, as in vLLM).
-
-A grammar comes as Lark (llguidance's own syntax) or as GBNF, llama.cpp's format that vLLM's `guided_grammar`
-examples use (`root ::= ...`): a GBNF grammar is converted to Lark by llguidance's converter. Compiling and
-matching are bounded (`grammar_limits`): a regex or grammar whose lexer would grow past the bounds, say a
-repetition that explodes into millions of states, is refused when it is checked, not after a 200.
 """
 
 from __future__ import annotations
@@ -37,9 +25,8 @@ from tinyvllm.sampling_params import StructuredOutputsParams
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
-# llguidance's resource limits, tighter than its defaults where a request could make one matcher costly:
-# lexer states take 1-2 kB each (20,000: at most ~40 MB a request, against the default 250,000), and the grammar
-# symbols bound its size. The fuel (work per compile and per token) keeps llguidance's defaults.
+# llguidance's limits, tighter than its defaults where a request could make a matcher costly: a lexer state takes
+# 1-2 kB, so 20,000 bound a request to ~40 MB (default 250,000). The fuel keeps llguidance's defaults.
 MAX_LEXER_STATES = 20_000
 MAX_GRAMMAR_SIZE = 100_000
 GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")  # a GBNF rule: `name ::= ...`
@@ -101,8 +88,8 @@ class _VocabularyView:
 
 
 class StructuredOutputManager:
-    """One per engine: the tokenizer's trie (built once, ~1 s, on the first constrained request) and a matcher
-    per request."""
+    """One per engine: the tokenizer's trie (built once, on the first constrained request) and a matcher per
+    request."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -159,10 +146,9 @@ _byte_tokenizer = None
 
 
 def schema_validator(schema: dict):
-    """A function value -> "" if `value` fits the JSON `schema`, else why not: the schema's grammar (the one a
-    constrained output follows) run over the bytes of the value written as this grammar writes JSON. Objects
-    are written with their keys in the schema's order first, the order the grammar expects. A schema that
-    does not compile is a ValueError."""
+    """A function value -> "" if `value` fits the JSON `schema`, else why not: the schema's grammar run over the
+    bytes of the value as this grammar writes JSON (keys in the schema's order). A schema that does not compile is
+    a ValueError."""
     global _byte_tokenizer
     from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 

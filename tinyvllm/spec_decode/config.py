@@ -12,10 +12,8 @@ from tinyvllm.model.quantization import METHODS as QUANTIZATION_METHODS
 
 METHODS = ("ngram", "draft_model")  # vLLM also has "eagle", "medusa", ...: not built here
 
-# Left out of the dict, disable_by_batch_size is this (vLLM's default is None): bench_speculative's sweep of the
-# batch size finds speculation ahead up to 4 running requests and behind from 8 on, on this project's CPU
-# (results/bench_speculative.json: batch.sweep; an earlier run was behind at 4 already, so the smaller side); an
-# explicit None keeps it on at every batch size
+# the default where the dict leaves it out (vLLM's is None: never off): where bench_speculative's batch sweep finds
+# speculation losing (docs/phases/07b-speculative-decoding.md, section 6); an explicit None keeps it on
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
@@ -27,8 +25,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int  # ngram: the longest
     model: str | None = None  # draft_model: the draft's checkpoint (a .gguf file or an HF directory)
     quantization: str = "auto"  # draft_model: how the draft's weights are stored (as the engine's --quantization)
-    # no request speculates in a step where this many or more are running (None: never off). At large batches
-    # the forward pass is no longer bound by reading the weights, and verifying drafts that miss costs compute
+    # no request speculates in a step where this many or more are running (None: never off)
     disable_by_batch_size: int | None = None
 
     @classmethod

@@ -1,44 +1,7 @@
-"""The draft model proposer (vLLM's `draft_model` method): a cheaper model with the target's tokenizer decodes k
-tokens of its own each step, and the target checks them all in its one forward pass.
-
-Here the cheap model is the target itself, quantized: SmolLM2-135M in float32 as the target, the same checkpoint
-in its Q4_1 blocks as the draft, ~6x fewer weight bytes per token (tinyvllm/model/quantization.py). They agree on
-most tokens, so the target's float32 output comes at close to the quantized model's speed.
-
-One step, for every request that speculates (k = num_speculative_tokens = 3):
-
-    target tokens    t0 .. t9 t10 t11        (t10 t11: emitted by the last verify, not yet seen by the draft)
-    draft catches up       feed t10 t11  -> logits -> d0       one forward pass over every request's catch-up
-    draft decodes          feed d0       -> logits -> d1       k - 1 batched single-token steps
-                           feed d1       -> logits -> d2
-    proposed               d0 d1 d2      (d2 is never fed: if it is kept, the next catch-up feeds it)
-
-On the first step a request speculates, its catch-up is the whole prompt (and any output), chunked by
-max_num_batched_tokens as the engine's own prefill is.
-
-Its own paged KV cache, under a second BlockManager. The draft runs on ModelRunner like the target (a second
-runner over the draft model and a cache of its own; its graphs are captured once per token bucket), on a
-"shadow" Sequence per request that holds the tokens the draft has fed and its own block table. Why not the
-target's block ids: the target's blocks are shared (prefix caching) and written by requests that never speculate, so a draft cache under the same ids would hold, in a block the target reuses,
-K/V that no draft computed; the draft would have to run on every token the target computes, or track which
-blocks it wrote. A second block manager keeps the draft independent: its cache survives the target's
-preemption, and the target's prefix cache never touches it. Its pool has as many blocks as the
-target's, so the draft's cache costs its own bytes per token on top of kv_cache_memory (the same again for a
-self-draft of the same architecture); no prefix caching in it (a prompt shared by n completions is fed once per
-completion).
-
-Rollback: what the draft has computed is its shadow sequence's tokens. Each step they are compared with the
-request's tokens and everything after the first difference is dropped (num_computed_tokens moves back, emptied
-blocks are freed): rejected drafts, or a request that was preempted and changed, leave no K/V that is used.
-
-    draft fed       t0 .. t9 t10 t11 d0 d1            the target kept d0, rejected d1, emitted x
-    request now     t0 .. t9 t10 t11 d0 x
-    kept            t0 .. d0       -> catch-up feeds x
-
-Sampling: a greedy request's drafts are the draft model's argmax (`Draft.probs` None). A request with
-temperature > 0 draws its drafts from q, the draft's distribution after the request's temperature, min-p, top-k
-and top-p (device_sampler's filters), with the request's own generator (seeded requests reproduce), and gets q
-back as `Draft.probs` (k, vocab): exact rejection sampling accepts d_j with min(1, p(d_j) / q(d_j)).
+"""The draft model proposer (vLLM's `draft_model` method): a cheaper model with the target's tokenizer (here the
+target itself, quantized) decodes k tokens of its own each step, on its own paged KV cache under a second
+BlockManager, through a shadow Sequence per request that it rolls back to the request's tokens each step. Taught
+in docs/phases/07b-speculative-decoding.md, section 5.
 """
 
 from __future__ import annotations
@@ -62,8 +25,8 @@ from tinyvllm.spec_decode.proposer import Draft, DraftRequest, DraftRunner
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
-    """The draft's token ids must mean what the target's mean: same vocabulary (every id's bytes), same added and
-    special tokens, same BOS/EOS and stop tokens. A ValueError names both models and the first difference."""
+    """The draft's token ids must mean what the target's mean: the same bytes for every id, the same added, special,
+    BOS/EOS and stop tokens. A ValueError names both models and the first difference."""
     def fail(what: str, a, b) -> None:
         raise ValueError(f"the draft model {draft_name} does not share the tokenizer of the target {target_name}: "
                          f"{what} differ ({a!r} against {b!r}); speculative decoding needs a draft with the "
@@ -81,22 +44,10 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, 
 
 
 class DraftModelProposer:
-    """The `Proposer` of the draft_model method (see proposer.py), built once by the engine with what it knows
-    of the target.
-
-    Args:
-        config: a speculative_config with method "draft_model": the draft's checkpoint and its quantization.
-        target_model: the target (the draft runs at its dtype, on its device, with as many logits per token).
-        target_tokenizer: the target's, checked against the draft's (check_same_tokenizer).
-        runner_class: the target's model runner's class (DraftRunner in proposer.py), which runs the draft too:
-            the engine hands it in, so that speculative decoding does not import the engine package.
-        num_blocks, block_size: the target's KV pool; the draft's own pool is as large.
-        max_model_len: the target's; the draft must handle as many positions.
-        max_num_batched_tokens, max_num_seqs: the step limits the draft's runner shares (its catch-up is chunked
-            by the first).
-        portable_attention: the draft's runner keeps the portable paged attention.
-        target_name: the target's name, in the errors.
-    """
+    """The `Proposer` of the draft_model method, built once by the engine with the target's model, tokenizer
+    (checked against the draft's), KV pool size (the draft's is as large), max_model_len and step limits.
+    `runner_class`: the target's model runner's class, handed in so that speculative decoding does not import the
+    engine package."""
 
     def __init__(self, config: SpeculativeConfig, target_model: LlamaForCausalLM, target_tokenizer: Tokenizer, *,
                  runner_class: type[DraftRunner], num_blocks: int, block_size: int, max_model_len: int,
@@ -179,7 +130,7 @@ class DraftModelProposer:
 
     def _catch_up_plan(self, r: DraftRequest) -> None:
         """Point the shadow sequence at the request's tokens: K/V after the first token that differs from what the
-        draft fed are dropped (rejected drafts, or tokens changed since) and will be fed again."""
+        draft fed are dropped, to be fed again."""
         tokens = r.seq.all_token_ids
         shadow = self._seqs.get(r.seq.seq_id)
         if shadow is None:
@@ -197,7 +148,7 @@ class DraftModelProposer:
         shadow.prompt_token_ids = list(tokens)
 
     def _append_slots(self, shadow: Sequence, count: int, requests: list[DraftRequest]) -> bool:
-        """Room for `count` more tokens of `shadow`; when the pool is short, the draft K/V of sequences that are not
+        """Room for `count` more tokens of `shadow`; when the pool is short, the draft K/V of sequences not
         speculating this step go first (finished or preempted ones whose free() has not come yet)."""
         if self.block_manager.append_slots(shadow, count) is not None:
             return True
@@ -207,7 +158,7 @@ class DraftModelProposer:
         return self.block_manager.append_slots(shadow, count) is not None
 
     def _run(self, scheduled: list[tuple[DraftRequest, int]], drafts: dict, probs: dict) -> list[DraftRequest]:
-        """One forward pass of the draft over `scheduled` (request, tokens to feed), then one draft token for each
+        """One forward pass of the draft over `scheduled` (request, tokens to feed), then a draft token for each
         request whose fed tokens reached its last: returns those requests."""
         if not scheduled:
             return []
@@ -231,7 +182,7 @@ class DraftModelProposer:
 
     def _sample(self, logits: Tensor, requests: list[DraftRequest]) -> tuple[np.ndarray, Tensor | None]:
         """Token ids (rows,) for the first len(requests) rows of `logits` (rows, vocab), and q (rows, vocab) in a
-        buffer of its own when any of them samples (None when all are greedy: their q is one-hot)."""
+        buffer of its own (None when all are greedy: their q is one-hot)."""
         rows, vocab = logits.shape
         if all(r.params.is_greedy for r in requests):
             return self.runner.sample(logits, None, None, None, None, None, False), None

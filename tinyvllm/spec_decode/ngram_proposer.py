@@ -1,17 +1,10 @@
-"""Prompt lookup decoding (vLLM's `ngram` method; Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding).
-
-No second model: the draft is copied from the request's own tokens. Find the last n tokens (n from
-prompt_lookup_max down to prompt_lookup_min) earlier in the prompt and output; propose the k tokens that followed
-that earlier occurrence. Text that quotes its prompt (edit this code, repeat this passage, extract fields)
-continues the way it did the first time, so many drafts are right:
+"""Prompt lookup decoding (vLLM's `ngram` method; Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding): the
+draft is copied from the request's own tokens, after the earliest earlier occurrence of its longest recurring
+suffix (docs/phases/07b-speculative-decoding.md, section 5).
 
     tokens:  def area ( r ) : return 3.14 * r * r  ...  def area ( r ) :
                                                         `-------------' the last 5 tokens (n = 5)
              `-------------' found here first    -> propose "return 3.14 * r" (k = 4)
-
-The longest n that matches wins; among its matches the earliest, as vLLM's NgramProposer does. Cost: one
-vectorized scan of the tokens per n, on the host, for each speculating request each step. The proposal is
-deterministic, so its distribution q is one-hot at each draft token (`Draft.probs` None, see proposer.py).
 """
 
 from __future__ import annotations

@@ -1,36 +1,14 @@
-"""Exact rejection sampling (Leviathan et al. 2023, arxiv.org/abs/2211.17192; Chen et al. 2023,
-arxiv.org/abs/2302.01318): speculative decoding for requests that sample (temperature > 0) without changing
-the distribution of what they emit.
-
-The verify pass gives the target's logits at the request's last sampled token and at each of its k drafts, so
-its distribution p_j for each of the next k + 1 positions (after the request's temperature, min-p, top-k and
-top-p: the same filters and order as the device sampler). Each draft d_j was drawn from the proposer's q_j.
-Going left to right:
+"""Exact rejection sampling (Leviathan et al. 2023, arxiv.org/abs/2211.17192; Chen et al. 2023): speculative
+decoding for requests that sample (temperature > 0), emitting what the target's p would. Proof and worked numbers:
+docs/phases/07b-speculative-decoding.md, section 3. Left to right over a request's rows:
 
     accept d_j with probability min(1, p_j(d_j) / q_j(d_j))      (u_j ~ U[0,1): accept when u_j q_j(d_j) < p_j(d_j))
     at the first rejection: emit a token drawn from norm(max(0, p_j - q_j)), the run ends
-    all k accepted: emit a bonus token drawn from p_k
+    all k accepted: emit a bonus token drawn from p_k              (q = 0 on the bonus row: the same formula)
 
-Why the emitted token at position j is distributed as p_j: it is d_j = x with probability q(x) min(1, p(x)/q(x))
-= min(q(x), p(x)), and comes from the resampling with probability (1 - sum_y min(q(y), p(y))) * max(0, p(x) -
-q(x)) / sum_y max(0, p(y) - q(y)). Both sums equal the same mass (sum min(q,p) = 1 - sum max(0, p - q)), so the
-second term is max(0, p(x) - q(x)); and min(q, p) + max(0, p - q) = p. Worked numbers, vocabulary {a, b, c}:
-
-    p = (.5, .3, .2)    q = (.2, .6, .2)    draft d = b:  accept with .3/.6 = 1/2
-    rejected: max(0, p - q) = (.3, 0, 0) -> emit a
-    P(b) = q(b) * 1/2 = .3    P(c) = q(c) * 1 = .2    P(a) = q(a) * 1 + P(rejected) = .2 + (.6 * 1/2) = .5   = p
-
-A deterministic proposer (ngram) has q one-hot at its draft: accept with probability p(d), else resample from p
-with d removed. The bonus row has no draft: with q = 0 there, "resample from max(0, p - q)" is sampling from p, so
-every row runs the same formula. All rows of a step's sampled verify requests go through one graph on the device;
-only two numbers per row come back (accepted, and the token that row would emit if the run ended there). The
-random draws (u_j, and a key per row whose Exp(1) clocks the device hashes for the exponential race that samples:
-see sampler.random_sample and noise.py) come from the request's own generator, as the device sampler's keys do, so
-a seeded request reproduces. The filters' thresholds come from the device sampler's `draw` (the sampler kernel
-where the device has one): no bisection over the vocabulary.
-
-Greedy requests keep the argmax comparison of verify.py: with temperature 0, p is one-hot at the argmax, and the
-rule above reduces to it.
+p is filtered as the device sampler filters (its `draw` gives the thresholds). Every row of a step runs in one
+graph, and only two numbers per row come back; u_j and the keys come from the request's own generator, so a
+seeded request reproduces.
 """
 
 from __future__ import annotations
@@ -53,9 +31,9 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
 
     logits (R,V) the target's; temperature (R,) > 0, top_k (R,) int (V = off), top_p (R,), min_p (R,);
     draft_token_ids (R,) int32, NO_DRAFT on bonus rows; uniforms (R,) U[0,1); keys (R,2) uint32 (noise.py);
-    draft_probs (R,V) q, zero rows on bonus rows, or None: q one-hot at the draft (a deterministic proposer).
-    Returns accepted (R,) bool (draft rows: is the draft kept) and tokens (R,) int32 (what the row emits if the
-    run ends there: the resampled token on a draft row, the bonus token on a bonus row).
+    draft_probs (R,V) q, zero on bonus rows, or None: q one-hot at the draft (a deterministic proposer).
+    Returns accepted (R,) bool (is the row's draft kept) and tokens (R,) int32 (what the row emits if the run ends
+    there: the resampled token, or the bonus token).
     """
     vocab = logits.shape[1]
     # (R,V): the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
@@ -76,7 +54,7 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
 
 class VerifyBatch(SamplingRows):
     """The host's inputs to `rejection_sample` for one step, built request by request (`add`), padded to `rows`
-    (padding rows hold harmless values and are never read back: temperature 1, no draft, no filter)."""
+    with harmless rows never read back (temperature 1, no draft, no filter)."""
 
     def __init__(self, rows: int, vocab: int):
         super().__init__(rows, vocab, temperature=1.0)
@@ -90,8 +68,7 @@ class VerifyBatch(SamplingRows):
     def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator,
             draft_probs: np.ndarray | None = None) -> None:
         """One request's k drafts: k + 1 rows (its drafts', then the bonus row). Draws k uniforms, then k + 1 keys,
-        from its generator, always in that order. draft_probs (k, V): the distribution q each draft was
-        drawn from, None for a deterministic proposer (q one-hot at the draft)."""
+        always in that order. draft_probs (k, V): each draft's q, None for a deterministic proposer."""
         k, first = len(draft_token_ids), self.num_rows_used
         assert first + k + 1 <= self.rows, f"{first + k + 1} verify rows do not fit in {self.rows}"
         self.draft_token_ids[first:first + k] = draft_token_ids
@@ -117,9 +94,8 @@ class VerifyBatch(SamplingRows):
 
 
 def emitted_tokens(draft_token_ids: list[int], accepted: np.ndarray, tokens: np.ndarray) -> tuple[list[int], int]:
-    """(emitted tokens, number of drafts accepted) from one request's rows: accepted (k,) and tokens (k + 1,).
-    The drafts up to the first rejection, then the token of the row where the run ended (the bonus row's when
-    every draft was accepted)."""
+    """(emitted tokens, number of drafts accepted) from one request's rows, accepted (k,) and tokens (k + 1,): the
+    drafts up to the first rejection, then the token of the row where the run ended."""
     num_accepted = 0
     while num_accepted < len(draft_token_ids) and accepted[num_accepted]:
         num_accepted += 1

@@ -1,27 +1,12 @@
 """The speculator: speculative decoding's part of the model runner, in one place (vLLM v1 spreads it over the
-runner's `propose_draft_token_ids`, its `RejectionSampler` and the scheduler's `update_draft_token_ids`).
+runner's `propose_draft_token_ids`, its `RejectionSampler` and the scheduler's `update_draft_token_ids`). Taught in
+docs/phases/07b-speculative-decoding.md, which also says why only some requests speculate.
 
     step N:  execute_model()  ->  speculator.verify()          ->  update_from_output()  ->  speculator.propose()
                                      |                                  |                        |
                          greedy: argmax comparison            appends the emitted tokens,   the drafts each running
                          sampled: rejection sampling          rolls back rejected drafts    request verifies in step
                          -> the tokens each request emits     (Scheduler._accept_spec...)   N + 1 (spec_token_ids)
-
-The proposer drops what it holds for a request once it no longer runs (finished, aborted, preempted); the scheduler
-keeps vLLM's counters (spec_decode_num_draft_tokens, ...).
-
-Who speculates in a step: nobody when `disable_by_batch_size` or more requests are running (a large batch is no
-longer bound by reading the weights: the drafts' extra rows cost compute, and the misses are wasted); otherwise
-every running request that decodes one token (a prefill has nothing to draft after) and whose tokens come from
-the device sampler. Not the others, each for a reason:
-
-- penalties (repetition, frequency, presence): the target's distribution at draft j depends on the counts of the
-  tokens before it, drafts included, so each verify row would need its own counts: not built.
-- logit bias and min_tokens: the host reference sampler applies them (one row, one token a step).
-- logprobs: each emitted token would need its logprobs from its row of the verify pass: not built.
-- a grammar (structured outputs): the allowed tokens at draft j depend on the grammar state after d0 .. d(j-1),
-  which needs a matcher that advances over the drafts and rolls back; not built.
-- beams: the beam search picks their tokens from their log-probabilities.
 """
 
 from __future__ import annotations
@@ -39,24 +24,17 @@ from tinyvllm.spec_decode.verify import accept_greedy
 
 
 def speculates(seq: Sequence, params: SamplingParams, has_grammar: bool) -> bool:
-    """Whether a running request may get drafts this step (see the module docstring for why not)."""
+    """Whether a running request may get drafts this step: it decodes one token the device sampler draws (no
+    penalties, logit bias, min_tokens, logprobs or grammar; docs/phases/07b-speculative-decoding.md says why)."""
     return (seq.num_uncomputed_tokens == 1 and not has_grammar and not params.uses_penalties
             and not params.logit_bias and params.logprobs is None and seq.num_output_tokens >= params.min_tokens)
 
 
 class Speculator:
-    """Built by the model runner from the engine's `speculative_config`.
-
-    Args:
-        config: the checked speculative_config (method, num_speculative_tokens, ...).
-        runner: the target's ModelRunner (its rejection sampling graphs).
-        model, tokenizer: the target's (a draft model runs at its dtype, on its device, with the same tokenizer).
-        max_model_len: the target's; no draft goes past it.
-        num_blocks, block_size: the target's KV pool (a draft model's own pool is as large).
-        max_num_batched_tokens, max_num_seqs: the target's step limits, which a draft model's runner shares.
-        portable_attention: the draft model's runner keeps the portable paged attention too.
-        model_name: the target's name, for the error that a draft with another tokenizer gets.
-    """
+    """Built by the model runner from the engine's checked `speculative_config`. `runner`: the target's ModelRunner
+    (its rejection sampling graphs); `model`, `tokenizer`, `max_model_len`, the KV pool and the step limits: the
+    target's, which a draft model shares (its own pool as large); `model_name`: for the error a draft with another
+    tokenizer gets."""
 
     def __init__(self, config: SpeculativeConfig, runner, model, tokenizer, *, max_model_len: int, num_blocks: int,
                  block_size: int, max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
@@ -80,9 +58,8 @@ class Speculator:
     # ---- after a step: the next step's drafts ----
 
     def propose(self, running: list[Sequence], input_batch) -> dict[int | str, list[int]]:
-        """The drafts each running sequence verifies next step (the scheduler counts them in its
-        num_tokens_with_spec). `input_batch`: the runner's (each request's parameters and generator). Never more
-        drafts than could be kept: max_tokens and max_model_len bound the run."""
+        """The drafts each running sequence verifies next step (counted in the scheduler's num_tokens_with_spec),
+        never more than max_tokens and max_model_len let it keep. `input_batch`: the runner's."""
         self.free_stale(running)
         self._drafts.clear()
         asks = []
@@ -102,7 +79,7 @@ class Speculator:
         return {seq_id: list(draft.token_ids) for seq_id, draft in self._drafts.items()}
 
     def free_stale(self, running: list[Sequence]) -> None:
-        """The proposer lets go of every sequence that no longer runs (finished, aborted, failed, preempted)."""
+        """The proposer lets go of every sequence that no longer runs."""
         stale = self._holding - {seq.seq_id for seq in running}
         for seq_id in stale:
             self.proposer.free(seq_id)
@@ -112,9 +89,9 @@ class Speculator:
 
     def verify(self, seqs: list[Sequence], logits: Tensor, tokens: np.ndarray, spec_rows: dict,
                scheduler_output: SchedulerOutput, sampled: dict, input_batch) -> dict[int | str, list[int]]:
-        """The tokens each verifying sequence emits (the scheduler appends them). logits (rows, V): the target's,
-        sequence i at row i, the drafts at spec_rows[seq_id]; tokens (rows,): the device sampler's argmax of every
-        row a greedy request owns; `sampled`: the step's tokens (a request that failed has none)."""
+        """The tokens each verifying sequence emits. logits (rows, V): the target's, sequence i at row i, its drafts
+        at spec_rows[seq_id]; tokens (rows,): the device sampler's argmax of every greedy row; `sampled`: the step's
+        tokens (a failed request has none)."""
         requests = input_batch.requests
         verifying = [(row, seq) for row, seq in enumerate(seqs) if seq.seq_id in spec_rows and seq.seq_id in sampled]
         sampling = [(row, seq) for row, seq in verifying if not requests[seq.seq_id].params.is_greedy]
@@ -127,8 +104,7 @@ class Speculator:
 
     def _rejection_sample(self, logits: Tensor, sampling: list[tuple[int, Sequence]], spec_rows: dict,
                           scheduler_output: SchedulerOutput, requests: dict) -> dict:
-        """Exact rejection sampling (rejection_sampler.py) for the sampled requests, one graph on the device:
-        seq_id -> (emitted tokens, number accepted)."""
+        """Rejection sampling for the sampled requests, one graph: seq_id -> (emitted tokens, number accepted)."""
         rows, vocab = logits.shape
         # as many verify rows as the logits have (they are a subset of them): one graph per logits bucket
         batch = VerifyBatch(rows, vocab)
@@ -138,8 +114,8 @@ class Speculator:
             first = batch.num_rows_used
             row_index[first:first + len(drafts) + 1] = [row] + spec_rows[seq.seq_id]
             state, probs = requests[seq.seq_id], self._drafts[seq.seq_id].probs
-            # NOTE: q goes through the host (one (k, V) copy per request): rows of a device tensor could be
-            # gathered on the device instead, at the cost of a graph per layout of the step's requests
+            # NOTE: q goes through the host (a (k, V) copy per request); gathering it on the device would cost a
+            # graph per layout of the step's requests
             batch.add(drafts, state.params, state.generator, None if probs is None else probs.numpy()[:len(drafts)])
         accepted, tokens = self.runner.rejection_sample(logits, row_index, batch)
         out = {}

@@ -1,19 +1,7 @@
-"""Every use of tinygrad's internals, in one package: what to read when tinygrad is upgraded.
-
-tinyvllm uses what `import tinygrad` exports (Tensor, UOp, TinyJit, Device, dtypes, Context, getenv, function;
-`tinygrad.dtype.DType` for type hints) directly. Everything else it needs from tinygrad is behind a function of
-one of these modules, and `internals.py` lists each name with the one function that uses it:
-
-    jit.py        capture and replay: `JitBase` (tinygrad's TinyJit class, to subclass), a call's inputs, and what
-                  a TinyJit captured, read as calls and launches (kernels/cpu_graph.py builds its table from them)
-    programs.py   hand-written kernels as tinygrad programs: built, compiled, loaded (kernels/launcher.py)
-    buffers.py    device memory: buffers' addresses, host views, copies, zeroed memory, split tensors
-    startup.py    a process's start: the default device, the lowered-program cache, the CPU device's imports
-    speed.py      fixes to the pinned tinygrad that change how fast, never what (one trace for every layer)
-    internals.py  the table, and the check that every name in it exists (tests/test_tinygrad_ext.py)
-
-The version is pinned in pyproject.toml and checked once, on import: any other warns, and the fixes and start-up
-shortcuts leave that tinygrad alone. Chapter: docs/phases/01-appendix-tinygrad-internals.md.
+"""Every use of tinygrad's internals, in one package: what to read when tinygrad is upgraded. `internals.py` lists
+each name with the one function that uses it; the version is pinned in pyproject.toml and checked once, on import
+(another one warns, and the speed fixes and start-up shortcuts leave it alone). Taught in
+docs/phases/01-appendix-tinygrad-internals.md.
 """
 
 from __future__ import annotations
@@ -25,9 +13,8 @@ import tinygrad
 
 
 def installed_version() -> str:
-    """tinygrad's version (it has no `__version__`) from the name of its `tinygrad-<version>.dist-info` directory, as
-    `importlib.metadata.version` finds it, without importing that (an email parser, for METADATA) in every process;
-    importlib.metadata where that directory is not one alone (a source checkout, leftovers of an upgrade)."""
+    """tinygrad's version (it has no `__version__`) from its `tinygrad-<version>.dist-info` directory's name, without
+    importing importlib.metadata (an email parser) in every process; that where the directory is not one alone."""
     site = os.path.dirname(os.path.dirname(os.path.abspath(tinygrad.__file__)))
     found = [n for n in os.listdir(site) if n.startswith("tinygrad-") and n.endswith(".dist-info")]
     if len(found) == 1:

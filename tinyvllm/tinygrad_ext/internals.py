@@ -1,15 +1,11 @@
 """The table of tinygrad's internals that tinyvllm uses, and the check that the installed tinygrad has them all.
 
-NAMES: every name tinyvllm takes from tinygrad beyond what `import tinygrad` exports (a module attribute of one of
-its submodules, imported, read or rebound; a private attribute; a member of its `Ops` enum), with the module it
-comes from and the one function (or class) of this package that uses it. ATTRIBUTES: the attributes of tinygrad's
-unexported objects (a Buffer, a captured JIT, a loaded program, ...) that the package reads or writes.
+NAMES: every name tinyvllm takes from tinygrad beyond what `import tinygrad` exports, with its module and the one
+function of this package that uses it; ATTRIBUTES: the attributes of tinygrad's unexported objects it reads or
+writes. Nothing of tinygrad is imported at the top, so a missing name is reported by name
+(docs/phases/01-appendix-tinygrad-internals.md).
 
     python -m tinyvllm.tinygrad_ext.internals       # after an upgrade: what the installed tinygrad lacks
-
-tests/test_tinygrad_ext.py runs `missing()` and checks that the package uses each name where NAMES says, and no
-other. This module imports nothing of tinygrad at its top, so that the check can report what is missing by name.
-Chapter: docs/phases/01-appendix-tinygrad-internals.md.
 """
 
 from __future__ import annotations

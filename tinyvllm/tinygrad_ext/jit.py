@@ -1,21 +1,10 @@
-"""TinyJit's capture and replay: `JitBase`, tinygrad's TinyJit as a class to subclass, and what it captured, read as
-calls and launches (kernels/cpu_graph.py replays a capture through a table built from them).
-
-The public `TinyJit` is a function that returns a `tinygrad.engine.jit._TinyJit`, which counts its calls in `cnt`:
-
-    cnt 0   runs the function eagerly            (JitBase.capture_on_next_call skips this call)
-    cnt 1   captures: `captured`, a CapturedJit  (the calls it made, the inputs it expects, what it returned)
-    cnt 2+  replays the capture with the call's input buffers
-
-A capture (`CapturedJit.linear`) is a list of CALL uops, each a compiled kernel (a PROGRAM) or a copy between
-devices (a COPY) over buffers: the graph's own, or PARAMs that stand for the JIT's inputs. tinygrad's replay
-(`exec_kernel`, `exec_copy` in tinygrad/engine/realize.py) launches each once per device it runs on:
+"""TinyJit's capture and replay: `JitBase`, tinygrad's `_TinyJit` as a class to subclass (cnt 0: eager, 1: captures,
+2+: replays), and a capture read as calls and launches, one launch per device, for kernels/cpu_graph.py's table.
+Taught in docs/phases/01-appendix-tinygrad-speed.md (a CPU graph).
 
     CALL(PROGRAM matmul, out, PARAM 0, w) on (CPU, CPU:1)  ->  Call(copy=False, program=matmul, launches=[
                                                                  Launch("CPU",   [out0, input (0, shard 0), w0]),
                                                                  Launch("CPU:1", [out1, input (0, shard 1), w1])])
-
-Chapter: docs/phases/01-appendix-tinygrad-speed.md (TinyJit, and a CPU graph).
 """
 
 from __future__ import annotations
@@ -39,22 +28,22 @@ class JitBase(_TinyJit):
         self.cnt = 1
 
     def is_replaying(self) -> bool:
-        """Has this JIT captured, so that its next call replays? (`cnt` >= 2 and a capture; JIT=0 never captures)"""
+        """Has this JIT captured, so that its next call replays? (JIT=0 never captures)"""
         return self.cnt >= 2 and self.captured is not None
 
     def count_replay(self) -> None:
-        """Count a replay done outside `_TinyJit.__call__`, as that method would (`cnt += 1`)."""
+        """Count a replay done outside `_TinyJit.__call__`, as that method would."""
         self.cnt += 1
 
     def replay_with_tinygrad(self, input_uops: list[UOp], var_vals: dict[str, int]) -> Any:
-        """Replay the capture with tinygrad's own runner (`CapturedJit.__call__`, which first copies any input the
-        graph writes), counted as `_TinyJit.__call__` counts a replay; returns the captured return value."""
+        """Replay the capture with tinygrad's own runner (which first copies any input the graph writes), counted as
+        a replay; returns the captured return value."""
         ret = self.captured(input_uops, var_vals)
         self.count_replay()
         return ret
 
     def captured_return(self) -> Any:
-        """What the captured function returned: the tensors every replay returns again (`CapturedJit.ret`)."""
+        """What the captured function returned: the tensors every replay returns again."""
         return self.captured.ret
 
     def check_inputs(self, names: list, input_info: list) -> None:
@@ -65,22 +54,21 @@ class JitBase(_TinyJit):
                            f"got {names}, {input_info}")
 
     def writes_inputs(self, input_uops: list[UOp]) -> bool:
-        """Does the captured graph write one of these inputs? tinygrad then copies the input first (its private
-        `CapturedJit._written_uops`), which a replay outside tinygrad would not do."""
+        """Does the captured graph write one of these inputs? tinygrad's replay then copies the input first (its
+        private `_written_uops`); a replay outside tinygrad would not."""
         return any(u in self.captured._written_uops for u in input_uops)
 
 
 def jit_inputs(args: tuple, kwargs: dict) -> tuple[list[UOp], dict[str, int], list, list]:
-    """(input buffer uops, variable values, names, input info) of a call, as `_TinyJit.__call__` computes them
-    (`tinygrad.engine.jit._prepare_jit_inputs`): the same checks, and the same realization of the inputs."""
+    """(input buffer uops, variable values, names, input info) of a call, as `_TinyJit.__call__` computes them, with
+    the same checks and realization of the inputs."""
     return _prepare_jit_inputs(args, kwargs)
 
 
 # ---- what a capture holds ----
 
 class UnsupportedCall(Exception):
-    """A captured call this module cannot describe: neither a compiled kernel nor a copy, or one that reads an input
-    through a view whose offset is symbolic."""
+    """A captured call that is neither a compiled kernel nor a copy, or reads an input through a symbolic offset."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +115,7 @@ class Call:
 
 def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
     """The calls `jit` captured, in order, each with the buffers tinygrad's replay would launch it on for these
-    inputs (`resolve_params`, `unwrap_multi` in tinygrad.engine.realize: one launch per device, in device order;
-    a kernel's buffers those of its `globals`). Raises UnsupportedCall at a call it cannot describe."""
+    inputs (one launch per device, in device order). Raises UnsupportedCall at a call it cannot describe."""
     for call in jit.captured.linear.src:
         ast = call.src[0]
         if ast.op is not Ops.PROGRAM and ast.op is not Ops.COPY:
@@ -155,9 +142,8 @@ def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
 
 
 def input_of(b: UOp, lane: int) -> tuple[int, int] | None:
-    """Which JIT input device `lane`'s launch of a call reads through argument `b`, as (input slot, shard): shard -1
-    for an input on one device, else the index of the device whose part of a split input it reads. None: a buffer
-    the graph owns."""
+    """(input slot, shard) of the JIT input device `lane`'s launch reads through argument `b` (shard -1: an input on
+    one device); None: a buffer the graph owns."""
     if b.op is Ops.PARAM:
         return b.arg.slot, (lane if isinstance(b.device, tuple) else -1)
     if b.op is Ops.MSELECT and b.src[0].op is Ops.PARAM:  # one device's part of a split input
@@ -172,9 +158,8 @@ def input_of(b: UOp, lane: int) -> tuple[int, int] | None:
 
 
 def loaded_program(device: str, program: UOp) -> tuple[Any, int | None]:
-    """(tinygrad's loaded program for `program` on `device`, the address of its function): the program tinygrad's
-    own replay calls (`get_runtime`, cached per program and device), and its entry's address where it is a plain C
-    function (a `CPUProgram` not built for Mesa's llvmpipe, LVP); None otherwise."""
+    """(tinygrad's loaded program for `program` on `device`, the address of its entry where it is a plain C function,
+    not an LVP one; else None)."""
     runtime = get_runtime(device, program)
     if getattr(runtime, "lvp", True) or not hasattr(runtime, "addr"):
         return runtime, None
@@ -182,7 +167,7 @@ def loaded_program(device: str, program: UOp) -> tuple[Any, int | None]:
 
 
 def compiled_object(program: UOp) -> tuple[bytes, str]:
-    """(compiled object, entry name) of a compiled PROGRAM uop (`UOp.to_elf`): what `programs.load_cpu_program`
-    loads again in another process."""
+    """(compiled object, entry name) of a compiled PROGRAM uop: what `programs.load_cpu_program` loads again in
+    another process."""
     elf = program.to_elf()
     return elf.lib, elf.name

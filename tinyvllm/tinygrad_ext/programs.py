@@ -6,8 +6,7 @@
       |-- SOURCE   the source text (tinygrad renders its own; tinyvllm brings its own)
       +-- BINARY   the compiled object (added by tinygrad when the graph is lowered)
 
-kernels/launcher.py hands `source_program`'s PROGRAM to `Tensor.custom_kernel`. Chapter:
-docs/phases/05-custom-kernels.md, section 5.
+kernels/launcher.py hands `source_program`'s PROGRAM to `Tensor.custom_kernel` (docs/phases/05-custom-kernels.md, 5).
 """
 
 from __future__ import annotations
@@ -23,40 +22,33 @@ from tinygrad.renderer import Estimates
 from tinygrad.renderer.cstyle import ClangRenderer
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 
-# How the clang renderer declares a kernel entry point (the CPU's TV_KERNEL): `ClangRenderer.kernel_typedef`.
+# the clang renderer's kernel entry declaration (the CPU's TV_KERNEL)
 CLANG_KERNEL_PREFIX: str = ClangRenderer.kernel_typedef
 
 
 def renderer_name(kind: str) -> str:
-    """The renderer DEV selects for device kind `kind` ("" = the device's default; DEV=CPU:LLVM gives "LLVM").
-
-    Wraps `tinygrad.helpers.DEV.target`: it reads the setting without opening the device, which the launcher
-    needs because it decides while a graph is traced, where tinygrad forbids device use."""
+    """The renderer DEV selects for device kind `kind` ("" = the device's default; DEV=CPU:LLVM gives "LLVM"), read
+    without opening the device: the launcher decides while a graph is traced, where tinygrad forbids device use."""
     return DEV.target(kind).renderer
 
 
 def kernel_cost(ops: int = 0, lds: int = 0, mem: int = 0) -> Estimates:
-    """A kernel's cost as DEBUG=2 rates it (`tinygrad.renderer.Estimates`): operations, bytes loaded and stored,
-    bytes of memory touched once."""
+    """A kernel's cost as DEBUG=2 rates it: operations, bytes loaded and stored, bytes of memory touched once."""
     return Estimates(ops=ops, lds=lds, mem=mem)
 
 
 def kernel_info(name: str, estimates: Estimates | None = None, opts_to_apply: tuple | None = None) -> KernelInfo:
-    """What a kernel's SINK carries (`tinygrad.uop.ops.KernelInfo`): its name, its cost, and the optimizations to
-    apply (None: tinygrad's optimizer chooses; (): none, the kernel as written)."""
+    """What a kernel's SINK carries: its name, its cost, and the optimizations to apply (None: tinygrad's
+    optimizer chooses; (): the kernel as written)."""
     return KernelInfo(name=name, estimates=estimates, opts_to_apply=opts_to_apply)
 
 
 def source_program(name: str, source: str, num_outs: int, num_ins: int, estimates: Estimates | None = None,
                    global_size: tuple[int, int, int] = (1, 1, 1), local_size: tuple[int, int, int] | None = None):
-    """The `fxn` for `Tensor.custom_kernel`: given the params of (outs..., ins...), a PROGRAM UOp of raw source.
-
-    Builds what tinygrad's codegen builds for its own kernels, minus the last step (`pm_to_program` in
-    tinygrad/codegen/__init__.py): PROGRAM(SINK, LINEAR, SOURCE) with a `ProgramInfo` (tinygrad.uop.ops).
-    ProgramInfo tells tinygrad which arguments are buffers (all), which the kernel writes (the first
-    num_outs) and which it reads: the scheduler orders kernels by it, and TinyJit knows what to copy. Its
-    fields changed between 0.13 and 0.14 (tinygrad's test/backend/test_custom_kernel.py shows the current ones).
-    global_size / local_size are the launch grid of GPU kernels; a CPU program runs once (global_size 1)."""
+    """The `fxn` for `Tensor.custom_kernel`: given the params of (outs..., ins...), PROGRAM(SINK, LINEAR, SOURCE) of
+    raw source, as tinygrad's codegen builds its own short of `pm_to_program`. Its `ProgramInfo` says every argument
+    is a buffer, the first num_outs written and the rest read (the scheduler orders kernels by it, TinyJit knows what
+    to copy). global_size / local_size: a GPU kernel's launch grid; a CPU program runs once."""
     num = num_outs + num_ins
     info = ProgramInfo(name=name, global_size=global_size, local_size=local_size, globals=tuple(range(num)),
                        outs=tuple(range(num_outs)), ins=tuple(range(num_outs, num)))
@@ -70,9 +62,8 @@ def source_program(name: str, source: str, num_outs: int, num_ins: int, estimate
 
 
 def kernel_input(t: Tensor) -> Tensor:
-    """t as a hand-written kernel's input, which reads a row-major buffer: `t.contiguous()`, except where t is
-    already one, a reshape of another custom kernel's output (`launch`'s outs): tinygrad 0.14 does not see that and
-    would copy it (an elementwise kernel over every element) between the two kernels."""
+    """t as a hand-written kernel's row-major input: `t.contiguous()`, except where t is a reshape of another custom
+    kernel's output, which tinygrad 0.14 would copy (an elementwise kernel over every element) for nothing."""
     u = t.uop
     while u.op is Ops.RESHAPE:
         u = u.src[0]
@@ -82,14 +73,14 @@ def kernel_input(t: Tensor) -> Tensor:
 
 
 def compile_cpu(source: str) -> bytes:
-    """C source -> the CPU device's compiled object, through tinygrad's on-disk cache (`Compiler.compile_cached`)."""
+    """C source -> the CPU device's compiled object, through tinygrad's on-disk cache."""
     return Device["CPU"].compiler.compile_cached(source)
 
 
 @dataclass(frozen=True)
 class HostProgram:
     """A compiled object loaded on the host: `fxn(*args)` calls its entry with ctypes.c_uint64 arguments, `addr` is
-    the entry's address. Holds tinygrad's loaded program (`program`), whose memory the code lives in."""
+    the entry's address; `program` (tinygrad's) holds the memory the code lives in."""
 
     name: str
     addr: int
@@ -98,19 +89,16 @@ class HostProgram:
 
 
 def load_cpu_program(lib: bytes, name: str) -> HostProgram:
-    """A compiled object loaded as a host-callable program: `Compiled.runtime` takes a `TinyELF` (tinygrad.device)
-    in 0.14 and gives a `CPUProgram` (tinygrad.runtime.ops_cpu), which maps the code and calls its first byte."""
+    """A compiled object loaded as a host-callable program (0.14: `Compiled.runtime` of a `TinyELF` -> `CPUProgram`)."""
     dev = Device["CPU"]
     program = dev.runtime(TinyELF(lib, name, dev.renderer.target, ()))
     return HostProgram(name, program.addr, program.fxn, program)
 
 
 def elf_symbol_at_start(lib: bytes, symbol: str) -> bool | None:
-    """Does function `symbol` start at offset 0 of the first code section of ELF object `lib`? (None: no such
-    symbol.) tinygrad's CPU runtime loads the sections back to back and calls the first byte, so that is where
-    an entry function must be. Reads the object with tinygrad's ELF reader (`runtime.support.elf.elf_loader`)
-    and its libc struct definitions (`runtime.autogen.libc`), imported here: the CPU device's module imports them
-    too, but only after `startup.find_libraries_quickly` has made finding libc cheaper."""
+    """Does function `symbol` start at offset 0 of the first code section of ELF object `lib`, where tinygrad's CPU
+    runtime calls? (None: no such symbol.) tinygrad's ELF reader and libc structs are imported here, only after
+    `startup.find_libraries_quickly` has made finding libc cheap."""
     from tinygrad.runtime.autogen import libc
     from tinygrad.runtime.support.elf import elf_loader
 

@@ -5,7 +5,7 @@
         for layer in layers: ...       30 layers, 1 trace (per distinct structure: a sliding-window layer is another)
     apply_fixes()                      on tinygrad 0.14.0 only: `renumber_invalid_outputs` made linear
 
-Applied when imported (the model asks for its traces through tinyvllm/plugins.py). Chapter: docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
+Applied when imported (the model asks for its traces through tinyvllm/plugins.py); taught in docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tinygrad.uop.ops import Ops
 
 from tinyvllm.tinygrad_ext import INSTALLED_VERSION, TINYGRAD_VERSION
 
-# the module: `tinygrad.function` the attribute is the decorator, which shadows the module of the same name
+# `tinygrad.function` the module (the decorator of the same name shadows it)
 tinygrad_function = importlib.import_module("tinygrad.function")
 
 _reused_traces: dict | None = None  # inside `traces_reused()`: a call's structure -> its traced FUNCTION uop
@@ -32,9 +32,8 @@ _reused_traces: dict | None = None  # inside `traces_reused()`: a call's structu
 
 @contextlib.contextmanager
 def traces_reused():
-    """One forward pass: tinygrad's `function` runs its Python body at every call (30 layers, 30 traces). Here a
-    call whose arguments have an earlier call's structure (shapes, dtypes, devices, settings; other buffers) calls
-    that traced graph with its own buffers. A bound variable's value is the same throughout one pass."""
+    """Inside: a call whose arguments have an earlier call's structure (shapes, dtypes, devices, settings) calls that
+    traced graph with its own buffers. For one forward pass: a bound variable's value must not change."""
     global _reused_traces
     outer, _reused_traces = _reused_traces, {}
     try:
@@ -67,8 +66,7 @@ def _structure(obj, out: list, seen: dict) -> bool:
 
 
 class ReusableFunction(tinygrad_function._function):
-    """tinygrad's `function` (the class behind the decorator, `tinygrad.function._function`), its traces shared
-    inside `traces_reused()`."""
+    """tinygrad's `function` (`tinygrad.function._function`), its traces shared inside `traces_reused()`."""
 
     def __call__(self, *args, **kwargs):
         described: list = []
@@ -105,10 +103,8 @@ _fixes_applied = False
 
 
 def apply_fixes() -> None:
-    """Fixes to tinygrad 0.14.0 that change how fast it does something, never what it computes (once, on that
-    version only). 1. `tinygrad.function.renumber_invalid_outputs` recomputes `invalid_outputs(uret)` (a walk of
-    the function body) once per node of the body: quadratic in its size, paid by every traced decoder layer (the
-    matmul kernels' outputs are `Tensor.invalids`). The fix computes the set once."""
+    """On tinygrad 0.14.0 only, once: `renumber_invalid_outputs` recomputes `invalid_outputs(uret)` (a walk of the
+    body) per node of the body, quadratic in every traced decoder layer; the fix computes the set once."""
     global _fixes_applied
     if _fixes_applied or INSTALLED_VERSION != TINYGRAD_VERSION:
         return
