@@ -6,8 +6,8 @@ logit bias, min_tokens or logprobs take the host path. Taught in docs/phases/04-
     per-row params (S,): temperature (0: argmax), top_k, top_p, min_p  only S int32s come back to the host
     per-row keys   (S, 2) uint32: the race's Exp(1) clocks are hashed from them on the device (noise.py)
 
-Every filter keeps the logits >= a threshold, found by the sampler kernel (kernels/<device>/sampler.*) or, in the
-portable graph, by bisection on the value: top-k's t is the largest v with count(logits >= v) >= k, top-p's the
+Every filter keeps the logits >= a threshold, found by Phase 5's sampler kernel (sample/sampler_kernel.py) or, in
+the portable graph, by bisection on the value: top-k's t is the largest v with count(logits >= v) >= k, top-p's the
 smallest logit whose strictly-more-likely mass is < top_p; once [lo, hi] is narrower than float32's spacing, the
 smallest logit above lo is the exact threshold.
 """
@@ -21,14 +21,8 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.plugins import provided
 from tinyvllm.sample import noise
 
-<<<<<<< HEAD
 kernel_draw = provided("sampler_kernel")  # Phase 5: the sampler kernel (sample/sampler_kernel.py), else None
 BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for any logit range we see
-=======
-KERNEL = "sampler"  # kernels/<device>/sampler.*
-NUM_THREADS = 256  # threads per row (one thread block per row) on GPUs: TV_NUM_THREADS
-BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for the logit ranges seen
->>>>>>> prose2
 
 
 def _bisect(lo: Tensor, hi: Tensor, predicate) -> tuple[Tensor, Tensor]:
@@ -91,7 +85,6 @@ def greedy(logits: Tensor) -> Tensor:
     return logits.argmax(-1).cast(dtypes.int32)
 
 
-<<<<<<< HEAD
 def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
          use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
     """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32).
@@ -101,22 +94,6 @@ def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_
     if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
                                                          portable=portable)) is not None:
         return drawn  # Phase 5: the sampler kernel, where the device has it
-=======
-def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
-    """Does this device run the sampler kernel? (From the device name alone: graphs are being traced.)"""
-    device = logits.device
-    if portable or kernel_backend.PORTABLE or not isinstance(device, str):
-        return False
-    return launcher.has_kernel(KERNEL, device)
-
-
-def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
-         use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
-    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32); a row
-    keeps the logits >= its threshold (-inf: none filtered). `use_filters=False`: no row uses min-p, top-k, top-p."""
-    if uses_kernel(logits, portable):
-        return kernel_draw(logits, temperature, top_k, top_p, min_p, keys, thresholds=True)
->>>>>>> prose2
     rows = logits.shape[0]
     thresholds = (filter_thresholds(logits, temperature, top_k, top_p, min_p) if use_filters
                   else Tensor.full((rows, 1), -math.inf, device=logits.device))
@@ -134,25 +111,6 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
     return draw(logits, temperature, top_k, top_p, min_p, keys, use_filters, portable)[0]
 
 
-<<<<<<< HEAD
-=======
-def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
-                thresholds: bool = True) -> tuple[Tensor, Tensor]:
-    """`draw` on the device's sampler kernel, one GPU thread block per row. `thresholds=False`: only the tokens
-    are read (a row may leave NaN as its threshold)."""
-    rows, vocab = logits.shape
-    device = logits.device
-    outs = [Tensor.empty(rows, dtype=dtypes.int32, device=device), Tensor.empty(rows, device=device),
-            Tensor.empty(rows, 2 * vocab, dtype=dtypes.int32, device=device)]  # tokens, thresholds, scratch
-    ins = [logits.float().contiguous(), temperature.float().contiguous(), top_k.cast(dtypes.int32).contiguous(),
-           top_p.float().contiguous(), min_p.float().contiguous(), keys.cast(dtypes.uint32).contiguous()]
-    defines = {"TV_NUM_ROWS": rows, "TV_VOCAB": vocab, "TV_NUM_THREADS": NUM_THREADS,
-               "TV_THRESHOLDS": int(thresholds)}
-    tokens, found, _ = launcher.launch(KERNEL, outs, ins, defines, grid=(rows, 1, 1), local_size=(NUM_THREADS, 1, 1))
-    return tokens, found.reshape(rows, 1)
-
-
->>>>>>> prose2
 def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """The portable graph's thresholds (S,1): the smallest logit min-p, top-k and top-p keep on the logits divided
     by the temperature. Greedy rows: -inf."""
