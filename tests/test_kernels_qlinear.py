@@ -33,7 +33,7 @@ from tinyvllm.kernels.qlinear import (
 )
 from tinyvllm.model.quant import _k_scales_mins, dequantize
 
-FORMATS = list(QUANT_FORMATS)  # 2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K
+FORMATS = list(QUANT_FORMATS)  # ggml type ids: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K, ...
 needs_kernel = pytest.mark.skipif(not launcher.has_kernel("qmatmul", Device.DEFAULT), reason="no C kernel here")
 
 
@@ -51,7 +51,7 @@ def random_blocks(ggml_type: int, N: int, K: int, seed: int) -> np.ndarray:
     nb = K // fmt.block_size
     b = rng.integers(0, 256, (N, nb, fmt.type_size), dtype=np.uint8)  # quants, and the 6-bit / int8 sub-scales
     scale = lambda lo, hi: f16_bytes(rng.uniform(lo, hi, (N, nb)))  # noqa: E731
-    if ggml_type in (2, 3, 8):
+    if fmt.block_size == 32:
         b[..., 0:2] = scale(0.001, 0.02)  # d
     if ggml_type == 3:
         b[..., 2:4] = scale(-0.15, 0.0)  # m: the block's minimum, usually negative
@@ -83,6 +83,21 @@ def f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64)
 
 
+def block_integers(b: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 32-element format's blocks (N, nb, type_size) taken apart: w = d * q + m per block, q (N, nb, 32) int64,
+    d and m (N, nb) float64."""
+    dw = f16(b, 0)
+    if ggml_type == 8:
+        return b[..., 2:].view(np.int8).astype(np.int64), dw, np.zeros_like(dw)
+    qs = b[..., {2: 2, 3: 4, 6: 6}[ggml_type]:]
+    qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+    if ggml_type == 6:  # Q5: bit k of the u32 at byte 2 is element k's fifth bit
+        qh = b[..., 2:6].copy().view(np.uint32)  # (N, nb, 1)
+        qw |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
+    mw = f16(b, 2) if ggml_type == 3 else {2: -8, 6: -16}[ggml_type] * dw
+    return qw, dw, mw
+
+
 def reference(x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     """out (M, N) in float64 from x quantized as the kernel quantizes it, and w's blocks taken apart."""
     fmt = QUANT_FORMATS[ggml_type]
@@ -90,13 +105,7 @@ def reference(x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     b = blocks.reshape(N, K // fmt.block_size, fmt.type_size)
     if fmt.block_size == 32:
         qx, dx = quantize_x(x, 32)
-        dw = f16(b, 0)
-        if ggml_type == 8:
-            qw, mw = b[..., 2:].view(np.int8).astype(np.int64), np.zeros_like(dw)
-        else:
-            qs = b[..., 4:] if ggml_type == 3 else b[..., 2:]
-            qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
-            mw = f16(b, 2) if ggml_type == 3 else -8 * dw
+        qw, dw, mw = block_integers(b, ggml_type)
         sx = dx * qx.sum(-1).astype(np.float32)  # the kernel's s = d * sum(q), in float32
         dots = np.einsum("mbk,nbk->mnb", qx, qw)  # exact integers
         return np.einsum("nb,mb,mnb->mn", dw, dx.astype(np.float64), dots) + sx.astype(np.float64) @ mw.T
@@ -163,7 +172,7 @@ def test_float_path_is_off_unless_asked_for():
 
 
 @needs_kernel
-@pytest.mark.parametrize("ggml_type", [2, 3, 8, 12, 14])
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=[QUANT_FORMATS[t].name for t in FORMATS])
 def test_a_rows_result_does_not_depend_on_its_batch(ggml_type):
     """Batch invariance: row 0 of a 37-row product is bit-identical to the same row multiplied alone (M=1), and to
     it inside 2-, 5- and 11-row batches: the engine's batched requests equal the same requests run alone."""
@@ -207,8 +216,11 @@ def test_portable_c_path_matches_too(ggml_type: int):
         check_both_oracles(out.numpy(), x, blocks, ggml_type, float_path=float_min_m > 0 and fmt.kernel == "qmatmul")
 
 
+QMATMUL_FORMATS = [t for t in FORMATS if QUANT_FORMATS[t].kernel == "qmatmul"]
+
+
 @needs_kernel
-@pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", QMATMUL_FORMATS, ids=[QUANT_FORMATS[t].name for t in QMATMUL_FORMATS])
 def test_avx512_and_avx2_routes(ggml_type: int):
     # on a CPU with AVX-512 VNNI qmatmul.c takes two blocks per 512-bit register (_mm512_dpbusd_epi32) from 2 rows of x
     # to 7, and AVX2's per-block route with _mm256_dpbusd_epi32 at 1 row (two rows of w at a time); TV_NO_VNNI

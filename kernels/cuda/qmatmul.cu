@@ -1,5 +1,5 @@
 /* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the 32-element block
- * formats Q4_0, Q4_1 and Q8_0, in CUDA. The twin of kernels/cpu/qmatmul.c and kernels/metal/qmatmul.metal (same
+ * formats Q4_0, Q4_1, Q5_0 and Q8_0, in CUDA. The twin of kernels/cpu/qmatmul.c and kernels/metal/qmatmul.metal (same
  * arguments in the same order, launched by tinyvllm/kernels/qlinear.py); the K-quants are in qmatmul_k.cu.
  * Compiled by tinygrad's CUDA compiler (nvrtc) from this text.
  *
@@ -42,6 +42,7 @@
  *   w:       (N, K / 32 * TYPE_SIZE)    uint8, row n = the GGUF's blocks of output feature n, as they are in the file:
  *              Q4_0 (TV_QTYPE 2):  18 B = d (f16) | qs[16]            x = d * (q - 8)
  *              Q4_1 (TV_QTYPE 3):  20 B = d (f16) | m (f16) | qs[16]  x = d * q + m
+ *              Q5_0 (TV_QTYPE 6):  22 B = d (f16) | qh (u32) | qs[16] x = d * (q - 16), q = nibble | bit k of qh << 4
  *              Q8_0 (TV_QTYPE 8):  34 B = d (f16) | qs[32] int8       x = d * q
  *            (qs[16]: byte j holds element j in its low nibble, element j + 16 in its high nibble;
  *             byte layouts drawn in tinyvllm/model/quant.py)
@@ -58,10 +59,12 @@
 #define TYPE_SIZE 18
 #elif TV_QTYPE == 3
 #define TYPE_SIZE 20
+#elif TV_QTYPE == 6
+#define TYPE_SIZE 22
 #elif TV_QTYPE == 8
 #define TYPE_SIZE 34
 #else
-#error "qmatmul.cu takes TV_QTYPE 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0); Q4_K (12) and Q6_K (14) are in qmatmul_k.cu"
+#error "qmatmul.cu takes TV_QTYPE 2 (Q4_0), 3 (Q4_1), 6 (Q5_0) or 8 (Q8_0); Q4_K (12) and Q6_K (14) are in qmatmul_k.cu"
 #endif
 #if TV_K % QK != 0
 #error "qmatmul.cu: TV_K must be a multiple of 32 (a row is whole blocks)"
@@ -70,6 +73,13 @@
 
 #include "qdot.cuh"
 
+#if TV_QTYPE == 6
+/* Q5_0's fifth bits of 4 consecutive elements (bits 0-3 of v) as 4 bytes, each 16 or 0, to or into their nibbles */
+__device__ __forceinline__ unsigned fifth_bits4(unsigned v) {
+  return (v & 1u) << 4 | (v & 2u) << 11 | (v & 4u) << 18 | (v & 8u) << 25;
+}
+#endif
+
 /* one block of w (at b) dotted with its 32 floats of x (xb: 8 float4), dequantized in registers */
 __device__ __forceinline__ float block_dot(const unsigned char* b, const float4* xb) {
 #if TV_QTYPE == 2  /* Q4_0: d * sum (q - 8) x; word i = bytes 4i..4i+3: elements 4i.. (low nibbles), 4i+16.. (high) */
@@ -77,6 +87,15 @@ __device__ __forceinline__ float block_dot(const unsigned char* b, const float4*
   for (int i = 0; i < 4; i++) {
     const unsigned q = load_u32_2(b + 2 + 4 * i);
     s += ubytes_dot(q & 0x0F0F0F0Fu, 8, xb[i]) + ubytes_dot(q >> 4 & 0x0F0F0F0Fu, 8, xb[4 + i]);
+  }
+  return f16(b) * s;
+#elif TV_QTYPE == 6  /* Q5_0: d * sum (q - 16) x, q = nibble | fifth bit << 4 (bit k of qh: element k) */
+  const unsigned qh = load_u32_2(b + 2);
+  float s = 0.0f;
+  for (int i = 0; i < 4; i++) {
+    const unsigned q = load_u32_2(b + 6 + 4 * i);
+    s += ubytes_dot((q & 0x0F0F0F0Fu) | fifth_bits4(qh >> 4 * i), 16, xb[i]) +
+         ubytes_dot((q >> 4 & 0x0F0F0F0Fu) | fifth_bits4(qh >> (16 + 4 * i)), 16, xb[4 + i]);
   }
   return f16(b) * s;
 #elif TV_QTYPE == 3  /* Q4_1: d * sum q x + m * sum x */
@@ -111,6 +130,14 @@ __device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, uns
     q[4 + i] = v >> 4 & 0x0F0F0F0Fu;
   }
   *c = -8.0f * *d_lo;
+#elif TV_QTYPE == 6  /* Q5_0: q = nibble | fifth bit << 4, c = -16 d */
+  const unsigned qh = load_u32_2(b + 2);
+  for (int i = 0; i < 4; i++) {
+    const unsigned v = load_u32_2(b + 6 + 4 * i);
+    q[i] = (v & 0x0F0F0F0Fu) | fifth_bits4(qh >> 4 * i);
+    q[4 + i] = (v >> 4 & 0x0F0F0F0Fu) | fifth_bits4(qh >> (16 + 4 * i));
+  }
+  *c = -16.0f * *d_lo;
 #elif TV_QTYPE == 3  /* Q4_1: q = nibble, c = m */
   const unsigned* qs = (const unsigned*)(b + 4);
   for (int i = 0; i < 4; i++) {

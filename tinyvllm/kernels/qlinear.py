@@ -84,6 +84,7 @@ class QuantFormat:
 QUANT_FORMATS: dict[int, QuantFormat] = {
     2: QuantFormat("Q4_0", 32, 18, "qmatmul"),
     3: QuantFormat("Q4_1", 32, 20, "qmatmul"),
+    6: QuantFormat("Q5_0", 32, 22, "qmatmul"),
     8: QuantFormat("Q8_0", 32, 34, "qmatmul"),
     12: QuantFormat("Q4_K", 256, 144, "qmatmul_k"),
     14: QuantFormat("Q6_K", 256, 210, "qmatmul_k"),
@@ -261,6 +262,17 @@ def _q4_1(b: Tensor) -> Tensor:  # x = d * q + m
     return _f16(b, 0) * _nibbles(b[..., 4:]).cast(dtypes.float32) + _f16(b, 2)
 
 
+def _fifth_bits(qh: Tensor) -> Tensor:
+    """(..., 4) bytes of a little-endian u32 -> (..., 32): bit k of it, as 0 or 16 (element k's fifth bit)."""
+    shifts = Tensor(list(range(8)), dtype=dtypes.uint8, device=qh.device)
+    return (((qh.unsqueeze(-1) >> shifts) & 1) << 4).reshape(*qh.shape[:-1], 32)
+
+
+def _q5_0(b: Tensor) -> Tensor:  # x = d * (q - 16), q = nibble | fifth bit
+    q = _nibbles(b[..., 6:]) | _fifth_bits(b[..., 2:6])
+    return _f16(b, 0) * (q.cast(dtypes.float32) - 16)
+
+
 def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
     return _f16(b, 0) * b[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32)
 
@@ -289,7 +301,7 @@ def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 3
     return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 8: _q8_0, 12: _q4_k, 14: _q6_k}
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 14: _q6_k}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
