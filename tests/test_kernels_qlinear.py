@@ -55,7 +55,7 @@ def random_blocks(ggml_type: int, N: int, K: int, seed: int) -> np.ndarray:
         b[..., 0:2] = scale(0.001, 0.02)  # d
     if ggml_type == 3:
         b[..., 2:4] = scale(-0.15, 0.0)  # m: the block's minimum, usually negative
-    if ggml_type == 12:
+    if ggml_type in (12, 13):
         b[..., 0:2], b[..., 2:4] = scale(0.0005, 0.002), scale(0.0005, 0.002)  # d, dmin
     if ggml_type == 14:
         b[..., 208:210] = scale(0.0001, 0.0005)  # d
@@ -111,11 +111,14 @@ def reference(x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> np.ndarray:
         return np.einsum("nb,mb,mnb->mn", dw, dx.astype(np.float64), dots) + sx.astype(np.float64) @ mw.T
     qx, dx = quantize_x(x, 256)
     nb = b.shape[1]
-    if ggml_type == 12:  # w = d * sc * q - dmin * m per 32-element sub-block
-        sc, mn = _k_scales_mins(b.reshape(-1, 144)[:, 4:16])
+    if ggml_type in (12, 13):  # w = d * sc * q - dmin * m per 32-element sub-block
+        sc, mn = _k_scales_mins(b.reshape(-1, fmt.type_size)[:, 4:16])
         sc, mn = sc.reshape(N, nb, 8).astype(np.int64), mn.reshape(N, nb, 8).astype(np.int64)
-        qs = b[..., 16:].reshape(N, nb, 4, 32)
+        qs = b[..., 16 if ggml_type == 12 else 48:].reshape(N, nb, 4, 32)
         qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(N, nb, 8, 32).astype(np.int64)
+        if ggml_type == 13:  # Q5_K: bit s of qh[l] is element l of sub-block s's fifth bit
+            qh = b[..., 16:48].reshape(N, nb, 1, 32)
+            qw |= ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1).astype(np.int64) << 4
         qxs = qx.reshape(*qx.shape[:2], 8, 32)
         isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
         msum = np.einsum("nbj,mbj->mnb", mn, qxs.sum(-1))
@@ -366,8 +369,8 @@ def test_same_bits_with_and_without_threads(M: int):
 
 def test_bad_input_is_a_clear_error():
     data = Tensor(random_blocks(3, 4, 64, seed=1))
-    with pytest.raises(ValueError, match=r"Q5_K \(ggml type 13\).*supported: Q4_0"):
-        QuantizedWeight(data, 13, (4, 64))
+    with pytest.raises(ValueError, match=r"Q2_K \(ggml type 10\).*supported: Q4_0"):
+        QuantizedWeight(data, 10, (4, 64))
     with pytest.raises(ValueError, match=r"needs data of shape \(4, 60\) uint8"):
         QuantizedWeight(data, 3, (4, 96))
     with pytest.raises(ValueError, match="not a multiple"):

@@ -279,8 +279,8 @@ TV_INLINE __m256i fifth_bits(const unsigned char* blk) {
 #else
   /* byte k takes byte k / 8 of qh (a shuffle), then tests its bit k % 8: or-ing every other bit in makes the byte
    * all ones exactly where that bit is set */
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
-                                      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i byte_of = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), byte_of);
   bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
   return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-1)), _mm256_set1_epi8(16));
 #endif

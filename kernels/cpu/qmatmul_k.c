@@ -40,17 +40,33 @@
 #if !defined(TV_M) || !defined(TV_N) || !defined(TV_K) || !defined(TV_QTYPE)
 #error "qmatmul_k.c needs TV_M, TV_N, TV_K and TV_QTYPE (the launcher defines them)"
 #endif
+/* Each format's traits: BLOCK_BYTES; HAS_MINS: w = d sc q - dmin m per sub-block (the min term from x's bsums);
+ * Q_OFFSET_SHIFT: w = d sc (q - 2^Q_OFFSET_SHIFT) with q stored unsigned (the offset from x's bsums, in integers). */
 #if TV_QTYPE == 12
 #define BLOCK_BYTES 144
+#define HAS_MINS 1
+#elif TV_QTYPE == 13
+#define BLOCK_BYTES 176
+#define HAS_MINS 1
 #elif TV_QTYPE == 14
 #define BLOCK_BYTES 210
+#define Q_OFFSET_SHIFT 5  /* q - 32 */
 #else
-#error "qmatmul_k.c computes Q4_K (TV_QTYPE 12) and Q6_K (14); Q4_0, Q4_1 and Q8_0 are in qmatmul.c"
+#error "qmatmul_k.c computes Q4_K (TV_QTYPE 12), Q5_K (13) and Q6_K (14); the 32-element formats are in qmatmul.c"
+#endif
+#ifndef HAS_MINS
+#define HAS_MINS 0
+#endif
+#ifdef Q_OFFSET_SHIFT
+#define Q_OFFSET (1 << Q_OFFSET_SHIFT)
+#else
+#define Q_OFFSET 0
 #endif
 #if TV_K % 256 != 0
 #error "K must be a multiple of the 256-element super-block"
 #endif
 
+#define QS_AT (TV_QTYPE == 13 ? 48 : 16)   /* Q4_K, Q5_K: where the nibbles start */
 #define NB (TV_K / 256)                    /* super-blocks per row */
 #define ROW_BYTES (NB * BLOCK_BYTES)
 #if TV_M == 1
@@ -127,7 +143,7 @@ struct wscales {
 };
 
 TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* restrict blk) {
-#if TV_QTYPE == 12
+#if TV_QTYPE == 12 || TV_QTYPE == 13
   const unsigned char* p = blk + 4;  /* 12 bytes: see quant.py's _k_scales_mins */
   for (int j = 0; j < 8; j++) {
     int sc = j < 4 ? p[j] & 63 : (p[j + 4] & 0x0f) | (p[j - 4] >> 6) << 4;
@@ -147,12 +163,16 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
 #endif
 }
 
-/* weight k (0..255) of a super-block as its integer q (Q4_K: 0..15, Q6_K: 0..63) */
+/* weight k (0..255) of a super-block as its integer q (Q4_K: 0..15, Q5_K: 0..31, Q6_K: 0..63) */
 TV_INLINE int quant_at(const unsigned char* blk, int k) {
 #if TV_QTYPE == 12
   int c = k / 64, l = k % 32;  /* chunk c of 32 bytes: sub-block 2c in the lo nibbles, 2c + 1 in the hi */
   unsigned char byte = blk[16 + 32 * c + l];
   return (k % 64) < 32 ? byte & 0x0f : byte >> 4;
+#elif TV_QTYPE == 13
+  int c = k / 64, l = k % 32;  /* as Q4_K (its nibbles from byte 48), and the fifth bit: bit k / 32 of qh[l] */
+  unsigned char byte = blk[48 + 32 * c + l];
+  return ((k % 64) < 32 ? byte & 0x0f : byte >> 4) | (blk[16 + l] >> (k / 32) & 1) << 4;
 #else
   int h = k / 128, e = k % 128;
   int lo = e < 64 ? blk[64 * h + e] & 0x0f : blk[64 * h + e - 64] >> 4;
@@ -167,10 +187,18 @@ TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct
                                  const signed char* restrict xq) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   __m256i acc = _mm256_setzero_si256();
-#if TV_QTYPE == 12
+#if TV_QTYPE == 12 || TV_QTYPE == 13
+#if TV_QTYPE == 13
+  const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));  /* bit s of byte l: element l of sub-block s */
+  const __m256i one = _mm256_set1_epi8(1);
+#endif
   for (int c = 0; c < 4; c++) {  /* 32 bytes of nibbles: sub-blocks 2c (lo) and 2c + 1 (hi) */
-    __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
+    __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + QS_AT + 32 * c));
     __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+#if TV_QTYPE == 13  /* the fifth bits, 0 or 16: bits 2c and 2c + 1 of each qh byte (16-bit shifts, then masked) */
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+#endif
     __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(xq + 64 * c)));
     __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32)));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(s->sc16[4 * c])));
@@ -217,14 +245,14 @@ TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, cons
       __m256i bsums = _mm256_loadu_si256((const __m256i*)xb->bsums);
       for (int j = 0; j < nr; j++) {
         __m256i dot = superblock_dot(w + j * ROW_BYTES + b * BLOCK_BYTES, &s[j], xb->q);
-#if TV_QTYPE == 12
+#if HAS_MINS
         /* - dmin * sum_g m16[g] * bsums[g], its own float scale */
         __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, m16[j]));
         acc[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(-s[j].dmin * xb->d), acc[i][j]);
         (void)sc16;
 #else
-        /* - 32 * sum_g sc16[g] * bsums[g], in integers */
-        dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16[j]), 5));
+        /* - Q_OFFSET * sum_g sc16[g] * bsums[g], in integers */
+        dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16[j]), Q_OFFSET_SHIFT));
         (void)m16;
 #endif
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[j].d * xb->d), acc[i][j]);
@@ -251,14 +279,12 @@ TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, cons
         for (int g = 0; g < 16; g++) {  /* 16 weights share sc16[g] (and m16[g]) */
           int d16 = 0;
           for (int k = 16 * g; k < 16 * g + 16; k++) d16 += quant_at(blk, k) * xb->q[k];
-#if TV_QTYPE == 14
-          d16 -= 32 * xb->bsums[g];
-#endif
+          d16 -= Q_OFFSET * xb->bsums[g];
           dot += s.sc16[g] * d16;
           mins += s.m16[g] * xb->bsums[g];
         }
         acc += s.d * xb->d * (float)dot;
-#if TV_QTYPE == 12
+#if HAS_MINS
         acc -= s.dmin * xb->d * (float)mins;
 #endif
       }

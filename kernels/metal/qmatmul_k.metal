@@ -1,5 +1,6 @@
-/* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the K-quants Q4_K and
- * Q6_K (256-element super-blocks), in Metal. The twin of kernels/cuda/qmatmul_k.cu and kernels/cpu/qmatmul_k.c
+/* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the K-quants Q4_K,
+ * Q5_K and Q6_K (256-element super-blocks), in Metal. The twin of
+ * kernels/cuda/qmatmul_k.cu and kernels/cpu/qmatmul_k.c
  * (same arguments in the same order, the CUDA kernel line for line where the languages allow; launched by
  * tinyvllm/kernels/qlinear.py); the 32-element formats are in qmatmul.metal. Compiled by tinygrad's Metal compiler.
  *
@@ -44,6 +45,8 @@
  *         8 sub-blocks of 32, each with a 6-bit scale sc and min mn packed in scales[12];
  *         qs: 4 chunks of 32 bytes, chunk c holds sub-block 2c in its low nibbles, 2c + 1 in its high nibbles;
  *         x = d * sc * q - dmin * mn, q in 0..15
+ *     Q5_K (TV_QTYPE 13), 176 B:  d (f16) | dmin (f16) | scales[12] | qh[32] | qs[128]
+ *         Q4_K's scales and nibbles, and a fifth bit: bit s of qh[l] for weight l of sub-block s; q in 0..31
  *     Q6_K (TV_QTYPE 14), 210 B:  ql[128] | qh[64] | scales[16] int8 | d (f16)
  *         16 sub-blocks of 16, each with an int8 scale; two halves of 128 weights, half h uses ql[64h .. 64h + 63]
  *         and qh[32h .. 32h + 31]; weight e of a half: low 4 bits from ql[e % 64] (low nibble if e < 64, else
@@ -61,10 +64,12 @@ using namespace metal;
 
 #if TV_QTYPE == 12
 #define TYPE_SIZE 144
+#elif TV_QTYPE == 13
+#define TYPE_SIZE 176
 #elif TV_QTYPE == 14
 #define TYPE_SIZE 210
 #else
-#error "qmatmul_k.metal takes TV_QTYPE 12 (Q4_K) or 14 (Q6_K); Q4_0 (2), Q4_1 (3) and Q8_0 (8) are in qmatmul.metal"
+#error "qmatmul_k.metal takes TV_QTYPE 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K); Q4_0 (2), Q4_1 (3) and Q8_0 (8) are in qmatmul.metal"
 #endif
 #if TV_K % QK_K != 0
 #error "qmatmul_k.metal: TV_K must be a multiple of 256 (a row is whole super-blocks)"
@@ -73,8 +78,9 @@ using namespace metal;
 
 #include "qdot.h"
 
-#if TV_QTYPE == 12
-/* Q4_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's
+#if TV_QTYPE == 12 || TV_QTYPE == 13
+#define QS_AT (TV_QTYPE == 13 ? 48 : 16)  /* where the nibbles start (Q5_K: after its 32 bytes of fifth bits) */
+/* Q4_K, Q5_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's
  * _k_scales_mins draws the bit layout) */
 inline void q4k_scale_min(const device uchar* packed, int s, thread int& sc, thread int& mn) {
   if (s < 4) {
@@ -86,20 +92,27 @@ inline void q4k_scale_min(const device uchar* packed, int s, thread int& sc, thr
   }
 }
 
-/* Q4_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
+/* Q4_K, Q5_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
  * d * sc * sum q x - dmin * mn * sum x */
 inline float unit_dot(const device uchar* blk, int s, const device float4* xu) {
   const device uchar* packed = blk + 4;  /* scales[12]: see quant.py's _k_scales_mins for the bit layout */
   int sc, mn;
   q4k_scale_min(packed, s, sc, mn);
-  const device uint4* chunk = (const device uint4*)(blk + 16 + 32 * (s / 2));  /* 32 bytes; ours: nibbles at shift */
+  const device uint4* chunk = (const device uint4*)(blk + QS_AT + 32 * (s / 2));  /* 32 bytes: nibbles at shift */
   const int shift = 4 * (s % 2);
   float qx = 0.0f, sx = 0.0f;
   for (int h = 0; h < 2; h++) {
     const uint4 v = chunk[h];
     const uint words[4] = {v.x, v.y, v.z, v.w};  /* word i: weights 16h + 4i .. 16h + 4i + 3 */
+#if TV_QTYPE == 13
+    const uint4 b5 = ((const device uint4*)(blk + 16))[h];  /* Q5_K: bit s of byte l is weight l's fifth bit */
+    const uint fifth[4] = {b5.x >> s & 0x01010101u, b5.y >> s & 0x01010101u, b5.z >> s & 0x01010101u,
+                           b5.w >> s & 0x01010101u};
+#else
+    const uint fifth[4] = {0u, 0u, 0u, 0u};
+#endif
     for (int i = 0; i < 4; i++) {
-      qx += ubytes_dot(words[i] >> shift & 0x0F0F0F0Fu, 0, xu[4 * h + i]);
+      qx += ubytes_dot((words[i] >> shift & 0x0F0F0F0Fu) | fifth[i] << 4, 0, xu[4 * h + i]);
       sx += sum4(xu[4 * h + i]);
     }
   }
@@ -131,13 +144,13 @@ inline float unit_dot(const device uchar* blk, int p, const device float4* xu) {
 inline void load_unit(const device uchar* w_row, int u, thread uint* q, thread float& d_lo, thread float& d_hi,
                       thread float& c) {
   const device uchar* blk = w_row + u / 8 * TYPE_SIZE;
-#if TV_QTYPE == 12  /* Q4_K: sub-block s: q = nibble, d = d * sc, c = -dmin * mn */
+#if TV_QTYPE == 12 || TV_QTYPE == 13  /* Q4_K, Q5_K: sub-block s: q = nibble (Q5_K: | bit), d = d sc, c = -dmin mn */
 #define TWO_SCALES 0
   const int s = u % 8;
   const device uchar* packed = blk + 4;
   int sc, mn;
   q4k_scale_min(packed, s, sc, mn);
-  const device uint4* chunk = (const device uint4*)(blk + 16 + 32 * (s / 2));
+  const device uint4* chunk = (const device uint4*)(blk + QS_AT + 32 * (s / 2));
   const int shift = 4 * (s % 2);
   for (int h = 0; h < 2; h++) {
     const uint4 v = chunk[h];
@@ -145,6 +158,13 @@ inline void load_unit(const device uchar* w_row, int u, thread uint* q, thread f
     q[4 * h + 1] = v.y >> shift & 0x0F0F0F0Fu;
     q[4 * h + 2] = v.z >> shift & 0x0F0F0F0Fu;
     q[4 * h + 3] = v.w >> shift & 0x0F0F0F0Fu;
+#if TV_QTYPE == 13
+    const uint4 b5 = ((const device uint4*)(blk + 16))[h];
+    q[4 * h] |= (b5.x >> s & 0x01010101u) << 4;
+    q[4 * h + 1] |= (b5.y >> s & 0x01010101u) << 4;
+    q[4 * h + 2] |= (b5.z >> s & 0x01010101u) << 4;
+    q[4 * h + 3] |= (b5.w >> s & 0x01010101u) << 4;
+#endif
   }
   d_lo = d_hi = f16(blk) * float(sc);
   c = -(f16(blk + 2) * float(mn));

@@ -87,6 +87,7 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     6: QuantFormat("Q5_0", 32, 22, "qmatmul"),
     8: QuantFormat("Q8_0", 32, 34, "qmatmul"),
     12: QuantFormat("Q4_K", 256, 144, "qmatmul_k"),
+    13: QuantFormat("Q5_K", 256, 176, "qmatmul_k"),
     14: QuantFormat("Q6_K", 256, 210, "qmatmul_k"),
 }
 
@@ -277,15 +278,28 @@ def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
     return _f16(b, 0) * b[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32)
 
 
-def _q4_k(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * sc) * q - (dmin * m), 6-bit sc and m
+def _k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K/Q5_K: d * sc and dmin * m of the 8 sub-blocks, each (..., 8, 1) (6-bit sc and m in bytes 4-15)."""
     s = b[..., 4:16]
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = (lo & 63).cat((hi & 0x0F) | ((lo >> 6) << 4), dim=-1).cast(dtypes.float32)  # (..., 8)
     mn = (mid & 63).cat((hi >> 4) | ((mid >> 6) << 4), dim=-1).cast(dtypes.float32)
-    d, dm = (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).unsqueeze(-1)  # (..., 8, 1)
+    return (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).unsqueeze(-1)
+
+
+def _q4_k(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * sc) * q - (dmin * m), 6-bit sc and m
+    d, dm = _k_scales(b)
     qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)
     q = _nibbles(qs).reshape(*b.shape[:-1], 8, 32).cast(dtypes.float32)  # chunk c: sub-blocks 2c, 2c+1
     return (d * q - dm).reshape(*b.shape[:-1], 256)
+
+
+def _q5_k(b: Tensor) -> Tensor:  # Q4_K's scales and nibbles (from byte 48), a fifth bit: bit s of qh[l]
+    d, dm = _k_scales(b)
+    low = _nibbles(b[..., 48:].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 8, 32)
+    shifts = Tensor(list(range(8)), dtype=dtypes.uint8, device=b.device).reshape(8, 1)
+    high = ((b[..., 16:48].unsqueeze(-2) >> shifts) & 1) << 4  # (..., 8, 32)
+    return (d * (low | high).cast(dtypes.float32) - dm).reshape(*b.shape[:-1], 256)
 
 
 def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 32), q = 4 low bits | 2 high bits
@@ -301,7 +315,7 @@ def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 3
     return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 14: _q6_k}
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
