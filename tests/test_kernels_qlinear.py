@@ -31,7 +31,7 @@ from tinyvllm.kernels.qlinear import (
     scratch_bytes,
     uses_kernel,
 )
-from tinyvllm.model.quant import _k_scales_mins, dequantize
+from tinyvllm.model.quant import IQ4NL_VALUES, _k_scales_mins, dequantize
 
 FORMATS = list(QUANT_FORMATS)  # ggml type ids: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K, ...
 needs_kernel = pytest.mark.skipif(not launcher.has_kernel("qmatmul", Device.DEFAULT), reason="no C kernel here")
@@ -89,6 +89,9 @@ def block_integers(b: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarra
     dw = f16(b, 0)
     if ggml_type == 8:
         return b[..., 2:].view(np.int8).astype(np.int64), dw, np.zeros_like(dw)
+    if ggml_type == 20:  # IQ4_NL: the nibbles index 16 values
+        qs = b[..., 2:]
+        return IQ4NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int64), dw, np.zeros_like(dw)
     qs = b[..., {2: 2, 3: 4, 6: 6}[ggml_type]:]
     qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
     if ggml_type == 6:  # Q5: bit k of the u32 at byte 2 is element k's fifth bit

@@ -18,7 +18,7 @@ from tinyvllm.model.llama import LlamaForCausalLM  # noqa: E402
 from tinyvllm.model.quant import QuantizedArray  # noqa: E402
 from tinyvllm.model.weights import load_checkpoint  # noqa: E402
 
-Q4_0, Q4_1, Q5_0, Q8_0 = (int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
+Q4_0, Q4_1, Q5_1, Q8_0 = (int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_1", "Q8_0"))
 
 
 def test_auto_keeps_the_default_models_blocks_without_reading_them(default_gguf):
@@ -37,17 +37,17 @@ def test_auto_keeps_the_default_models_blocks_without_reading_them(default_gguf)
 
 
 def test_quantization_method_is_checked(default_gguf):
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, q4_1, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, q4_1, iq4_nl, got 'int4'"):
         load_checkpoint(default_gguf, quantization="int4")
 
 
 def test_a_format_without_kernel_is_dequantized_with_a_notice(tmp_path, capsys):
     sd = tiny_state_dict()
-    path = write_tiny_gguf(tmp_path / "q5.gguf", sd, quantize={"model.layers.0.mlp.up_proj.weight": Q5_0,
+    path = write_tiny_gguf(tmp_path / "q5.gguf", sd, quantize={"model.layers.0.mlp.up_proj.weight": Q5_1,
                                                                "model.layers.0.mlp.down_proj.weight": Q8_0})
     ck = load_checkpoint(path, quantization="auto")
     err = capsys.readouterr().err
-    assert "Q5_0 weights have no fused kernel" in err and "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K" in err
+    assert "Q5_1 weights have no fused kernel" in err and "Q4_0, Q4_1, Q5_0, Q8_0, Q4_K" in err
     assert isinstance(ck.state_dict["model.layers.0.mlp.up_proj.weight"], np.ndarray)
     assert ck.state_dict["model.layers.0.mlp.down_proj.weight"].type_name == "Q8_0"
 
@@ -93,6 +93,20 @@ def test_online_quantization_of_a_float_checkpoint(tiny_model_dir):
     assert (err <= d * (0.5 + 127 * 2.0**-11) + 1e-7).all()
     assert isinstance(load_checkpoint(tiny_model_dir, quantization="auto").state_dict[
         "model.layers.1.mlp.gate_proj.weight"], np.ndarray)  # auto: a float checkpoint stays float
+
+
+def test_online_iq4_nl(tiny_model_dir):
+    """--quantization iq4_nl: every 2-D weight to IQ4_NL blocks, ggml's search for each block's scale (bit-exact,
+    tests/test_quantize.py). The error is then bounded by the grid: each weight is at most half the widest gap
+    between neighbouring values (24, from 89 to 113) times |d| from its value, plus the float16 rounding of d."""
+    ck = load_checkpoint(tiny_model_dir, quantization="iq4_nl")
+    w = ck.state_dict["model.layers.1.mlp.gate_proj.weight"]
+    assert isinstance(w, QuantizedArray) and w.type_name == "IQ4_NL"
+    floats = load_checkpoint(tiny_model_dir, quantization="none").state_dict["model.layers.1.mlp.gate_proj.weight"]
+    d = np.abs(w.data.reshape(-1, 18)[:, 0:2].copy().view(np.float16).astype(np.float32))  # (blocks, 1)
+    err = np.abs(w.dequantize() - floats).reshape(-1, 32)
+    amax = np.abs(floats).reshape(-1, 32).max(axis=1, keepdims=True)
+    assert (err <= np.maximum(12 * d, amax - 113 * d) * (1 + 2.0**-10) + 1e-7).all()
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ from tinyvllm.model.weights_gguf import gguf_name, layer_names, permute_qk, read
 from tinyvllm.model.weights_hf import load_hf
 
 # ggml type -> llama.cpp's llama_ftype for a file "mostly" of that type (include/llama.h)
-FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7}
+FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7, 20: 25}  # (IQ4_NL: LLAMA_FTYPE_MOSTLY_IQ4_NL)
 OUTPUT_TYPES = {**QUANTIZE_TYPES, "f16": F16, "f32": F32}  # --type: the block formats, or float weights
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: bumped by ggml when a block layout changes
 

@@ -77,8 +77,12 @@
 #define BLOCK_BYTES 34
 #define QS_AT 2
 #define SIGNED_Q 1
+#elif TV_QTYPE == 20
+#define BLOCK_BYTES 18
+#define QS_AT 2
+#define SIGNED_Q 1  /* IQ4_NL: q = IQ4NL_VALUES[nibble], one of 16 int8 values (qdot.h) */
 #else
-#error "qmatmul.c computes Q4_0 (TV_QTYPE 2), Q4_1 (3), Q5_0 (6) and Q8_0 (8); the K-quants are in qmatmul_k.c"
+#error "qmatmul.c computes Q4_0 (TV_QTYPE 2), Q4_1 (3), Q5_0 (6), Q8_0 (8) and IQ4_NL (20); the K-quants: qmatmul_k.c"
 #endif
 #ifndef STORED_MIN
 #define STORED_MIN 0
@@ -128,10 +132,10 @@
 #define NR TV_TILE_NR
 #elif TV_WIDE_TILE
 #ifndef TV_TILE_MR
-#define TV_TILE_MR (TV_WIDE_PAIRS && TV_QTYPE == 8 ? 6 : 4)
+#define TV_TILE_MR (TV_WIDE_PAIRS && SIGNED_Q ? 6 : 4)
 #endif
 #ifndef TV_TILE_NR
-#define TV_TILE_NR (TV_WIDE_PAIRS ? 4 : TV_QTYPE == 8 ? 4 : 3)
+#define TV_TILE_NR (TV_WIDE_PAIRS ? 4 : SIGNED_Q ? 4 : 3)
 #endif
 #define MR TV_TILE_MR
 #define NR TV_TILE_NR
@@ -182,9 +186,12 @@ TV_KERNEL qmatmul(float* restrict out, unsigned char* restrict scratch, const fl
 }
 
 /* weight k (0..31) of a block as its integer q: Q4 0..15, Q5 0..31 (nibbles: byte j holds q[j] and q[j + 16]),
- * Q8_0 -128..127 */
+ * Q8_0 -128..127, IQ4_NL the value its nibble indexes */
 TV_INLINE int quant_at(const unsigned char* blk, int k) {
-#if SIGNED_Q
+#if TV_QTYPE == 20
+  static const signed char values[16] = {IQ4NL_VALUES};
+  return values[k < 16 ? blk[QS_AT + k] & 0x0f : blk[QS_AT + k - 16] >> 4];
+#elif SIGNED_Q
   return (signed char)blk[QS_AT + k];
 #else
   int q = k < 16 ? blk[QS_AT + k] & 0x0f : blk[QS_AT + k - 16] >> 4;
@@ -287,29 +294,40 @@ TV_INLINE __m256i fifth_bits(const unsigned char* blk) {
 }
 #endif
 
-/* 32 unsigned quants of one block (Q8_0: their absolute values) in one register */
-TV_INLINE __m256i unpack_block(const unsigned char* blk) {
-#if SIGNED_Q
-  return _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(blk + QS_AT)),
-                          _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));
-#else
+/* a block's 32 nibbles, one byte each, in element order */
+TV_INLINE __m256i nibbles_32(const unsigned char* blk) {
   /* the 16 bytes in both halves (a load, no shuffle), the high half shifted by 4: lo nibbles q[0..15], hi q[16..31] */
   __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT)));
-  __m256i q = _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                               _mm256_set1_epi8(0x0f));
-#ifdef QH_AT
-  q = _mm256_or_si256(q, fifth_bits(blk));  /* Q5: 0..31 */
-#endif
-  return q;
-#endif
+  return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
-/* 8 int32 partial sums of q_w * q_x over one block (u: unpack_block's register) */
-TV_INLINE __m256i block_dot(__m256i u, const unsigned char* blk, __m256i xq) {
 #if SIGNED_Q
-  xq = _mm256_sign_epi8(xq, _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));  /* x takes w's sign */
+/* 32 signed quants of one block: Q8_0's bytes as they are; IQ4_NL's values, one byte shuffle looks all 32 up */
+TV_INLINE __m256i signed_quants(const unsigned char* blk) {
+#if TV_QTYPE == 20
+  return _mm256_shuffle_epi8(_mm256_setr_epi8(IQ4NL_VALUES, IQ4NL_VALUES), nibbles_32(blk));
 #else
-  (void)blk;
+  return _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+#endif
+}
+#else
+/* 32 unsigned quants of one block in one register */
+TV_INLINE __m256i unpack_block(const unsigned char* blk) {
+#ifdef QH_AT
+  return _mm256_or_si256(nibbles_32(blk), fifth_bits(blk));  /* Q5: 0..31 */
+#else
+  return nibbles_32(blk);
+#endif
+}
+#endif
+
+/* 8 int32 partial sums of q_w * q_x over one block (u: unpack_block's register, or |q_w| for the signed formats,
+ * whose signed q_w are v) */
+TV_INLINE __m256i block_dot(__m256i u, __m256i v, __m256i xq) {
+#if SIGNED_Q
+  xq = _mm256_sign_epi8(xq, v);  /* x takes w's sign */
+#else
+  (void)v;
 #endif
 #if TV_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xq);  /* one instruction, the same int32 sums */
@@ -388,13 +406,17 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
     __m512i u[NR];
     __m128 ws[NR];
 #if SIGNED_Q
-    __mmask64 negative[NR];  /* Q8_0: where w < 0, x takes the sign (as the AVX2 route's _mm256_sign_epi8) */
+    __mmask64 negative[NR];  /* Q8_0, IQ4_NL: where w < 0, x takes the sign (as the AVX2 route's _mm256_sign_epi8) */
 #endif
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
 #if SIGNED_Q
+#if TV_QTYPE == 20  /* IQ4_NL: both blocks' nibbles looked up by one shuffle */
+      __m512i wq = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_setr_epi8(IQ4NL_VALUES)), unpack_pair(blk));
+#else
       __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
                                       _mm256_loadu_si256((const __m256i*)(blk + BLOCK_BYTES + QS_AT)), 1);
+#endif
       negative[j] = _mm512_movepi8_mask(wq);
       u[j] = _mm512_abs_epi8(wq);  /* -128 -> 0x80, 128 as an unsigned byte */
 #else
@@ -431,11 +453,16 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
   }
 #endif  /* TV_PAIRS: an odd NB's last block goes on below */
   for (; b < NB; b++) {
-    __m256i u[NR];
+    __m256i u[NR], v[NR];
     __m256 ws[NR];
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
-      u[j] = unpack_block(blk);
+#if SIGNED_Q
+      v[j] = signed_quants(blk);
+      u[j] = _mm256_sign_epi8(v[j], v[j]);  /* |q_w|: maddubs wants one operand unsigned, x takes the signs */
+#else
+      u[j] = v[j] = unpack_block(blk);
+#endif
       ws[j] = block_scales(blk);
 #if MR > 1
       /* the next tile's rows, same block; past the last row of w a harmless no-op (prefetches never fault) */
@@ -449,7 +476,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       __m256i xq = _mm256_loadu_si256((const __m256i*)xb->q);
       __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)&xb->d));  /* [d_x, s_x, d_x, s_x, ...] */
       for (int j = 0; j < nr; j++) {
-        __m256 dot = _mm256_cvtepi32_ps(block_dot(u[j], w + j * ROW_BYTES + b * BLOCK_BYTES, xq));
+        __m256 dot = _mm256_cvtepi32_ps(block_dot(u[j], v[j], xq));
         __m256 p = _mm256_mul_ps(ws[j], xs);
         acc[i][j] = _mm256_fmadd_ps(dot, _mm256_moveldup_ps(p), acc[i][j]);
 #if !SIGNED_Q
@@ -521,8 +548,7 @@ TV_INLINE struct pair_block pair_block_of(const unsigned char* restrict blk, con
   struct pair_block o;
 #if SIGNED_Q
   (void)mw;
-  o.q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                           _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
+  o.q = _mm512_inserti64x4(_mm512_castsi256_si512(signed_quants(blk)), signed_quants(blk + ROW_BYTES), 1);
   o.start = _mm512_inserti64x4(_mm512_castsi256_si512(w128[r * NB + b]), w128[(r + 1) * NB + b], 1);
 #else
   (void)w128;
@@ -664,7 +690,7 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
 #if SIGNED_Q
-      wv[j] = _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+      wv[j] = signed_quants(blk);
       start[j] = w128[j * NB + b];
 #else
       wv[j] = unpack_block(blk);
@@ -731,7 +757,7 @@ TV_INLINE void wide_chunk(float* restrict out, const void* restrict xq, const un
       dw[r * NB + b] = f16_to_f32(blk);
       mw[r * NB + b] = STORED_MIN ? f16_to_f32(blk + 2) : dw[r * NB + b];  /* Q4_0: d, times -8 at the end */
 #if SIGNED_Q
-      __m256i q = _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+      __m256i q = signed_quants(blk);
       w128[r * NB + b] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                           _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), q));
 #endif
@@ -856,11 +882,11 @@ TV_INLINE void dequantize_row(float* restrict dst, const unsigned char* restrict
   for (int b = 0; b < NB; b++) {
     const unsigned char* blk = row + b * BLOCK_BYTES;
     float d = f16_to_f32(blk);
-#if SIGNED_Q
+#if TV_QTYPE == 8
     float m = 0.0f;
     const signed char* q = (const signed char*)(blk + QS_AT);
 #else
-    float m = STORED_MIN ? f16_to_f32(blk + 2) : MIN_SCALE * d;
+    float m = SIGNED_Q ? 0.0f : STORED_MIN ? f16_to_f32(blk + 2) : MIN_SCALE * d;
     signed char q[32];
     for (int k = 0; k < 32; k++) q[k] = (signed char)quant_at(blk, k);
 #endif

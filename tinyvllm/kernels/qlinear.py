@@ -89,6 +89,7 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     12: QuantFormat("Q4_K", 256, 144, "qmatmul_k"),
     13: QuantFormat("Q5_K", 256, 176, "qmatmul_k"),
     14: QuantFormat("Q6_K", 256, 210, "qmatmul_k"),
+    20: QuantFormat("IQ4_NL", 32, 18, "qmatmul"),
 }
 
 # Bytes of one quantized block of x in the CPU kernels' scratch (the C structs; each file checks its size):
@@ -274,6 +275,17 @@ def _q5_0(b: Tensor) -> Tensor:  # x = d * (q - 16), q = nibble | fifth bit
     return _f16(b, 0) * (q.cast(dtypes.float32) - 16)
 
 
+def _iq4_values(nibbles: Tensor) -> Tensor:
+    """IQ4_NL's 16 values looked up by 4-bit indices, as float32 (a one-hot gather: exact)."""
+    table = Tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=dtypes.float32,
+                   device=nibbles.device)
+    return table[nibbles.cast(dtypes.int32)]
+
+
+def _iq4_nl(b: Tensor) -> Tensor:  # x = d * values[q]
+    return _f16(b, 0) * _iq4_values(_nibbles(b[..., 2:]))
+
+
 def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
     return _f16(b, 0) * b[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32)
 
@@ -315,7 +327,7 @@ def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 3
     return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k}
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:

@@ -29,8 +29,8 @@ from tinyvllm.model.gguf import GGUFFile
 from tinyvllm.ggml_types import KERNEL_TYPES, type_name
 from tinyvllm.model.quant import QuantizedArray
 
-METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1")
-ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # method -> ggml type id
+METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl")
+ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20}  # method -> ggml type id
 FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16: float weights, never "dequantized" with a notice
 
 

@@ -37,10 +37,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from tinyvllm.ggml_types import GGML_TYPES
+from tinyvllm.model.quantizer_search import quantize_iq4_nl
 
-BLOCK_SIZE = 32  # elements per block in all three formats
-TYPE_SIZES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per block: Q4_0, Q4_1, Q8_0
-QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # the names users type -> ggml type id
+BLOCK_SIZE = 32  # elements per block of the 32-element formats
+# ggml type id -> (elements, bytes) per block: Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL
+FORMATS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 20: (32, 18)}
+QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20}  # the names users type -> ggml type id
 
 CHUNK_BLOCKS = 2048  # blocks per unit of work: 256 KiB of float32 in, fits the L2 cache with its temporaries
 
@@ -135,30 +137,52 @@ def _quantize_q4_1(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
     out[:, 4:] = _pack_nibbles(v.astype(np.uint8))
 
 
-_QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 8: _quantize_q8_0}
+def _quantize_q5_0(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    """x (n, 32) float32 -> out (n, 22) uint8: f16 d, the 32 fifth bits (u32), 16 bytes of packed low 4 bits.
+    As Q4_0 with 5 bits: d = max / -16, q = trunc(x / d + 16.5), <= 31 (ggml's quantize_row_q5_0_ref)."""
+    v = work.v[: len(x)]
+    ax = np.abs(x, out=v)
+    d = _pick(x, ax.argmax(axis=1)) / np.float32(-16)  # (n, 1)
+    out[:, 0:2] = _float16(d, "scale")
+    np.multiply(x, _inverse(d), out=v)
+    v += np.float32(16.5)
+    np.trunc(v, out=v)
+    np.clip(v, 0, 31, out=v)
+    q = v.astype(np.uint8)
+    out[:, 2:6] = np.packbits(q >> 4, axis=1, bitorder="little")  # bit k of the u32: element k's fifth bit
+    out[:, 6:] = _pack_nibbles(q & np.uint8(15))
+
+
+def _quantize_iq4_nl(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    quantize_iq4_nl(x, out)
+    _float16(out[:, 0:2].copy().view(np.float16).astype(np.float32), "scale")  # a NaN or overflow: the clear error
+
+
+_QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 6: _quantize_q5_0, 8: _quantize_q8_0, 20: _quantize_iq4_nl}
 
 
 def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
     """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row.
 
-    ggml_type: 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1). K must be a multiple of 32. Any leading shape is allowed:
-    (..., K) -> (..., K // 32 * type_size). The bytes are those ggml's reference quantizers write."""
+    ggml_type: one of FORMATS. K must be a multiple of the block (32 elements, Q4_K 256). Any leading shape is
+    allowed: (..., K) -> (..., K // block * type_size). The bytes are those ggml's quantizers write (llama-quantize
+    without an importance matrix)."""
     if ggml_type not in _QUANTIZERS:
         supported = ", ".join(f"{GGML_TYPES[t]} ({t})" for t in sorted(_QUANTIZERS))
         name = GGML_TYPES.get(ggml_type, "unknown")
         raise ValueError(f"cannot quantize to ggml type {ggml_type} ({name}); supported: {supported}")
+    block_size, type_size = FORMATS[ggml_type]
     x = np.asarray(array)
-    if x.ndim == 0 or x.shape[-1] % BLOCK_SIZE != 0:
-        raise ValueError(f"quantizing needs rows of a multiple of {BLOCK_SIZE} elements, got shape {x.shape}")
+    if x.ndim == 0 or x.shape[-1] % block_size != 0:
+        raise ValueError(f"quantizing needs rows of a multiple of {block_size} elements, got shape {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"quantizing needs float weights, got dtype {x.dtype}")
     x = np.ascontiguousarray(x, dtype=np.float32)
-    type_size = TYPE_SIZES[ggml_type]
-    out = np.empty((*x.shape[:-1], x.shape[-1] // BLOCK_SIZE * type_size), dtype=np.uint8)
+    out = np.empty((*x.shape[:-1], x.shape[-1] // block_size * type_size), dtype=np.uint8)
     if x.size == 0:
         return out
 
-    blocks, out_blocks = x.reshape(-1, BLOCK_SIZE), out.reshape(-1, type_size)
+    blocks, out_blocks = x.reshape(-1, block_size), out.reshape(-1, type_size)
     fn = _QUANTIZERS[ggml_type]
     n_blocks = blocks.shape[0]
     n_threads = max(1, min(os.cpu_count() or 1, n_blocks // CHUNK_BLOCKS))
