@@ -59,6 +59,8 @@ def random_blocks(ggml_type: int, N: int, K: int, seed: int) -> np.ndarray:
         b[..., 0:2], b[..., 2:4] = scale(0.0005, 0.002), scale(0.0005, 0.002)  # d, dmin
     if ggml_type == 14:
         b[..., 208:210] = scale(0.0001, 0.0005)  # d
+    if ggml_type == 23:
+        b[..., 0:2] = scale(0.00002, 0.0001)  # d
     return b.reshape(N, -1)
 
 
@@ -126,6 +128,14 @@ def reference(x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> np.ndarray:
         isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
         msum = np.einsum("nbj,mbj->mnb", mn, qxs.sum(-1))
         return np.einsum("mb,mnb->mn", dx.astype(np.float64), f16(b, 0)[None] * isum - f16(b, 2)[None] * msum)
+    if ggml_type == 23:  # IQ4_XS: w = d * (sc - 32) * values[q] per 32-element sub-block
+        high = b[..., 2:4].copy().view(np.uint16)  # (N, nb, 1)
+        sc = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(N, nb, 8) & 15).astype(np.int64)
+        sc |= ((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.int64) << 4
+        qs = b[..., 8:].reshape(N, nb, 8, 16)
+        qw = IQ4NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int64)  # (N, nb, 8, 32)
+        isum = np.einsum("nbj,mbjk,nbjk->mnb", sc - 32, qx.reshape(*qx.shape[:2], 8, 32), qw)
+        return np.einsum("mb,nb,mnb->mn", dx.astype(np.float64), f16(b, 0), isum)
     # Q6_K: w = d * sc * (q - 32) per 16-element sub-block, q = 4 low bits (ql) | 2 high bits (qh) << 4
     ql, qh = b[..., 0:128].reshape(N, nb, 2, 64), b[..., 128:192].reshape(N, nb, 2, 1, 32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # (N, nb, 2, 128)

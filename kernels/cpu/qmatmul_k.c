@@ -51,8 +51,10 @@
 #elif TV_QTYPE == 14
 #define BLOCK_BYTES 210
 #define Q_OFFSET_SHIFT 5  /* q - 32 */
+#elif TV_QTYPE == 23
+#define BLOCK_BYTES 136   /* IQ4_XS: w = d (sc - 32) IQ4NL_VALUES[q], signed: x takes w's signs (qmatmul.c's Q8_0) */
 #else
-#error "qmatmul_k.c computes Q4_K (TV_QTYPE 12), Q5_K (13) and Q6_K (14); the 32-element formats are in qmatmul.c"
+#error "qmatmul_k.c computes Q4_K (12), Q5_K (13), Q6_K (14) and IQ4_XS (23); the 32-element formats: qmatmul.c"
 #endif
 #ifndef HAS_MINS
 #define HAS_MINS 0
@@ -153,6 +155,16 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
   }
   s->d = f16_to_f32(blk);
   s->dmin = f16_to_f32(blk + 2);
+#elif TV_QTYPE == 23
+  unsigned short high;  /* bits 2s, 2s + 1: bits 4-5 of sub-block s's scale; its bits 0-3: nibble s of bytes 4-7 */
+  __builtin_memcpy(&high, blk + 2, 2);
+  for (int j = 0; j < 8; j++) {
+    int sc = (blk[4 + j / 2] >> 4 * (j % 2) & 0x0f) | (high >> 2 * j & 3) << 4;
+    s->sc16[2 * j] = s->sc16[2 * j + 1] = (short)(sc - 32);
+    s->m16[2 * j] = s->m16[2 * j + 1] = 0;
+  }
+  s->d = f16_to_f32(blk);
+  s->dmin = 0.0f;
 #else
   for (int g = 0; g < 16; g++) {
     s->sc16[g] = (signed char)blk[192 + g];
@@ -163,9 +175,14 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
 #endif
 }
 
-/* weight k (0..255) of a super-block as its integer q (Q4_K: 0..15, Q5_K: 0..31, Q6_K: 0..63) */
+/* weight k (0..255) of a super-block as its integer q (Q4_K: 0..15, Q5_K: 0..31, Q6_K: 0..63, IQ4_XS: one of the
+ * 16 values) */
 TV_INLINE int quant_at(const unsigned char* blk, int k) {
-#if TV_QTYPE == 12
+#if TV_QTYPE == 23
+  static const signed char values[16] = {IQ4NL_VALUES};
+  unsigned char byte = blk[8 + 16 * (k / 32) + k % 16];  /* sub-block k / 32 packed as a Q4_0 block */
+  return values[(k % 32) < 16 ? byte & 0x0f : byte >> 4];
+#elif TV_QTYPE == 12
   int c = k / 64, l = k % 32;  /* chunk c of 32 bytes: sub-block 2c in the lo nibbles, 2c + 1 in the hi */
   unsigned char byte = blk[16 + 32 * c + l];
   return (k % 64) < 32 ? byte & 0x0f : byte >> 4;
@@ -187,7 +204,17 @@ TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct
                                  const signed char* restrict xq) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   __m256i acc = _mm256_setzero_si256();
-#if TV_QTYPE == 12 || TV_QTYPE == 13
+#if TV_QTYPE == 23
+  const __m256i values = _mm256_setr_epi8(IQ4NL_VALUES, IQ4NL_VALUES);
+  for (int j = 0; j < 8; j++) {  /* sub-block j: 16 bytes, lo nibbles its elements 0-15, hi nibbles 16-31 */
+    __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + 8 + 16 * j)));
+    __m256i q = _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low4);
+    __m256i v = _mm256_shuffle_epi8(values, q);  /* signed, -127..113 */
+    __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + 32 * j)), v);  /* x takes w's sign */
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), x);  /* |.| <= 2 * 127 * 127 < 2^15 */
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(s->sc16[2 * j])));
+  }
+#elif TV_QTYPE == 12 || TV_QTYPE == 13
 #if TV_QTYPE == 13
   const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));  /* bit s of byte l: element l of sub-block s */
   const __m256i one = _mm256_set1_epi8(1);
@@ -250,10 +277,12 @@ TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, cons
         __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, m16[j]));
         acc[i][j] = _mm256_fmadd_ps(mins, _mm256_set1_ps(-s[j].dmin * xb->d), acc[i][j]);
         (void)sc16;
-#else
+#elif Q_OFFSET
         /* - Q_OFFSET * sum_g sc16[g] * bsums[g], in integers */
         dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16[j]), Q_OFFSET_SHIFT));
         (void)m16;
+#else
+        (void)bsums, (void)sc16, (void)m16;
 #endif
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[j].d * xb->d), acc[i][j]);
       }

@@ -1,5 +1,5 @@
 /* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the K-quants Q4_K,
- * Q5_K and Q6_K (256-element super-blocks), in Metal. The twin of
+ * Q5_K, Q6_K and IQ4_XS (256-element super-blocks), in Metal. The twin of
  * kernels/cuda/qmatmul_k.cu and kernels/cpu/qmatmul_k.c
  * (same arguments in the same order, the CUDA kernel line for line where the languages allow; launched by
  * tinyvllm/kernels/qlinear.py); the 32-element formats are in qmatmul.metal. Compiled by tinygrad's Metal compiler.
@@ -47,6 +47,9 @@
  *         x = d * sc * q - dmin * mn, q in 0..15
  *     Q5_K (TV_QTYPE 13), 176 B:  d (f16) | dmin (f16) | scales[12] | qh[32] | qs[128]
  *         Q4_K's scales and nibbles, and a fifth bit: bit s of qh[l] for weight l of sub-block s; q in 0..31
+ *     IQ4_XS (TV_QTYPE 23), 136 B: d (f16) | scales_h (u16) | scales_l[4] | qs[128]
+ *         8 sub-blocks of 32, each with a 6-bit scale sc (bits 0-3 in scales_l's nibble s, bits 4-5 in scales_h's bits
+ *         2s, 2s + 1); sub-block s's 16 bytes of nibbles as Q4_0 packs a block; x = d * (sc - 32) * values[q]
  *     Q6_K (TV_QTYPE 14), 210 B:  ql[128] | qh[64] | scales[16] int8 | d (f16)
  *         16 sub-blocks of 16, each with an int8 scale; two halves of 128 weights, half h uses ql[64h .. 64h + 63]
  *         and qh[32h .. 32h + 31]; weight e of a half: low 4 bits from ql[e % 64] (low nibble if e < 64, else
@@ -68,8 +71,10 @@ using namespace metal;
 #define TYPE_SIZE 176
 #elif TV_QTYPE == 14
 #define TYPE_SIZE 210
+#elif TV_QTYPE == 23
+#define TYPE_SIZE 136
 #else
-#error "qmatmul_k.metal takes TV_QTYPE 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K); Q4_0 (2), Q4_1 (3) and Q8_0 (8) are in qmatmul.metal"
+#error "qmatmul_k.metal takes TV_QTYPE 12 (Q4_K), 13 (Q5_K), 14 (Q6_K) or 23 (IQ4_XS)"
 #endif
 #if TV_K % QK_K != 0
 #error "qmatmul_k.metal: TV_K must be a multiple of 256 (a row is whole super-blocks)"
@@ -117,6 +122,25 @@ inline float unit_dot(const device uchar* blk, int s, const device float4* xu) {
     }
   }
   return fma(f16(blk) * float(sc), qx, -(f16(blk + 2) * float(mn)) * sx);
+}
+#elif TV_QTYPE == 23
+/* IQ4_XS: the scale of sub-block s (0..7), sc - 32: bits 0-3 are nibble s of bytes 4-7, bits 4-5 bits 2s, 2s + 1 of
+ * the u16 at byte 2 (quant.py's dequantize_iq4_xs draws it) */
+inline int iq4xs_scale(const device uchar* blk, int s) {
+  const uint high = *(const device ushort*)(blk + 2);
+  return int((blk[4 + s / 2] >> 4 * (s % 2) & 0xFu) | (high >> 2 * s & 3u) << 4) - 32;
+}
+
+/* IQ4_XS: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu): d * (sc - 32) *
+ * sum values[q] x; its 16 bytes of nibbles (at 8 + 16 s: 4-byte aligned, the super-blocks being 136 = 8 x 17 bytes)
+ * pack it as Q4_0 packs a block */
+inline float unit_dot(const device uchar* blk, int s, const device float4* xu) {
+  const device uint* qs = (const device uint*)(blk + 8 + 16 * s);
+  float sum = 0.0f;
+  for (int i = 0; i < 4; i++)
+    sum += sbytes_dot(iq4nl_bytes(qs[i] & 0x0F0F0F0Fu), xu[i]) +
+           sbytes_dot(iq4nl_bytes(qs[i] >> 4 & 0x0F0F0F0Fu), xu[4 + i]);
+  return f16(blk) * float(iq4xs_scale(blk, s)) * sum;
 }
 #else
 /* Q6_K: part p (0..7: weights 32p .. 32p + 31) of the super-block at blk, dotted with its 32 floats of x (xu):
@@ -168,6 +192,16 @@ inline void load_unit(const device uchar* w_row, int u, thread uint* q, thread f
   }
   d_lo = d_hi = f16(blk) * float(sc);
   c = -(f16(blk + 2) * float(mn));
+#elif TV_QTYPE == 23  /* IQ4_XS: sub-block s: q = values[nibble] (signed bytes), d = d * (sc - 32), c = 0 */
+#define TWO_SCALES 0
+  const int s = u % 8;
+  const device uint* qs = (const device uint*)(blk + 8 + 16 * s);
+  for (int i = 0; i < 4; i++) {
+    q[i] = iq4nl_bytes(qs[i] & 0x0F0F0F0Fu);
+    q[4 + i] = iq4nl_bytes(qs[i] >> 4 & 0x0F0F0F0Fu);
+  }
+  d_lo = d_hi = f16(blk) * float(iq4xs_scale(blk, s));
+  c = 0.0f;
 #else  /* Q6_K: part p: q = q6 - 32 (a signed byte), a scale per 16, c = 0 */
 #define TWO_SCALES 1
   const int p = u % 8, h = p / 4, k = p % 4;

@@ -90,6 +90,7 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     13: QuantFormat("Q5_K", 256, 176, "qmatmul_k"),
     14: QuantFormat("Q6_K", 256, 210, "qmatmul_k"),
     20: QuantFormat("IQ4_NL", 32, 18, "qmatmul"),
+    23: QuantFormat("IQ4_XS", 256, 136, "qmatmul_k"),
 }
 
 # Bytes of one quantized block of x in the CPU kernels' scratch (the C structs; each file checks its size):
@@ -327,7 +328,18 @@ def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 3
     return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl}
+def _iq4_xs(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * (sc - 32)) * values[q], 6-bit sc
+    lead = b.shape[:-1]
+    low = (b[..., 4:8].unsqueeze(-1) >> Tensor([0, 4], dtype=dtypes.uint8, device=b.device)).reshape(*lead, 8) & 0x0F
+    high = b[..., 2:3].cast(dtypes.uint16) | (b[..., 3:4].cast(dtypes.uint16) << 8)  # (..., 1) scales_h
+    high = (high >> Tensor(list(range(0, 16, 2)), dtype=dtypes.uint16, device=b.device)) & 3  # (..., 8)
+    sc = (low.cast(dtypes.int32) | (high.cast(dtypes.int32) << 4)) - 32
+    dl = (_f16(b, 0) * sc.cast(dtypes.float32)).unsqueeze(-1)  # (..., 8, 1)
+    q = _iq4_values(_nibbles(b[..., 8:].reshape(*lead, 8, 16)))  # (..., 8, 32)
+    return (dl * q).reshape(*lead, 256)
+
+
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
