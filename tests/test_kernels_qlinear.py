@@ -53,7 +53,7 @@ def random_blocks(ggml_type: int, N: int, K: int, seed: int) -> np.ndarray:
     scale = lambda lo, hi: f16_bytes(rng.uniform(lo, hi, (N, nb)))  # noqa: E731
     if fmt.block_size == 32:
         b[..., 0:2] = scale(0.001, 0.02)  # d
-    if ggml_type == 3:
+    if ggml_type in (3, 7):
         b[..., 2:4] = scale(-0.15, 0.0)  # m: the block's minimum, usually negative
     if ggml_type in (12, 13):
         b[..., 0:2], b[..., 2:4] = scale(0.0005, 0.002), scale(0.0005, 0.002)  # d, dmin
@@ -94,12 +94,12 @@ def block_integers(b: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarra
     if ggml_type == 20:  # IQ4_NL: the nibbles index 16 values
         qs = b[..., 2:]
         return IQ4NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int64), dw, np.zeros_like(dw)
-    qs = b[..., {2: 2, 3: 4, 6: 6}[ggml_type]:]
+    qs = b[..., {2: 2, 3: 4, 6: 6, 7: 8}[ggml_type]:]
     qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
-    if ggml_type == 6:  # Q5: bit k of the u32 at byte 2 is element k's fifth bit
-        qh = b[..., 2:6].copy().view(np.uint32)  # (N, nb, 1)
+    if ggml_type in (6, 7):  # Q5: bit k of the u32 before the nibbles is element k's fifth bit
+        qh = b[..., {6: 2, 7: 4}[ggml_type]:][..., :4].copy().view(np.uint32)  # (N, nb, 1)
         qw |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
-    mw = f16(b, 2) if ggml_type == 3 else {2: -8, 6: -16}[ggml_type] * dw
+    mw = f16(b, 2) if ggml_type in (3, 7) else {2: -8, 6: -16}[ggml_type] * dw
     return qw, dw, mw
 
 

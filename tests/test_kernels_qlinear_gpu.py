@@ -66,7 +66,7 @@ def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np
         put_f16(208, d)
     else:
         put_f16(0, d)
-    if ggml_type == 3:
+    if ggml_type in (3, 7):
         put_f16(2, -d * rng.uniform(4, 11, n_blocks))  # m: the block's minimum, about -8 d
     if ggml_type in (12, 13):
         put_f16(2, d * rng.uniform(0.5, 2, n_blocks))  # dmin

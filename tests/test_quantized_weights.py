@@ -41,7 +41,18 @@ def test_quantization_method_is_checked(default_gguf):
         load_checkpoint(default_gguf, quantization="int4")
 
 
-def test_a_format_without_kernel_is_dequantized_with_a_notice(tmp_path, capsys):
+def test_every_readable_block_format_has_a_kernel():
+    from tinyvllm.ggml_types import KERNEL_TYPES
+    from tinyvllm.model.quant import SUPPORTED_TYPES
+    assert set(SUPPORTED_TYPES) - set(KERNEL_TYPES) == quantization.FLOAT_TYPES | {10, 11}  # F32, F16, BF16 stay float
+
+
+def test_a_format_without_kernel_is_dequantized_with_a_notice(tmp_path, capsys, monkeypatch):
+    # take Q5_1's kernel away to see what a format without one gets
+    from tinyvllm.model import weights_gguf
+    without = {t: n for t, n in quantization.KERNEL_TYPES.items() if t != Q5_1}
+    monkeypatch.setattr(quantization, "KERNEL_TYPES", without)
+    monkeypatch.setattr(weights_gguf, "KERNEL_TYPES", without)
     sd = tiny_state_dict()
     path = write_tiny_gguf(tmp_path / "q5.gguf", sd, quantize={"model.layers.0.mlp.up_proj.weight": Q5_1,
                                                                "model.layers.0.mlp.down_proj.weight": Q8_0})

@@ -73,6 +73,11 @@
 #define QH_AT 2
 #define QS_AT 6
 #define MIN_SCALE -16.0f
+#elif TV_QTYPE == 7
+#define BLOCK_BYTES 24
+#define QH_AT 4
+#define QS_AT 8
+#define STORED_MIN 1
 #elif TV_QTYPE == 8
 #define BLOCK_BYTES 34
 #define QS_AT 2
@@ -82,7 +87,7 @@
 #define QS_AT 2
 #define SIGNED_Q 1  /* IQ4_NL: q = IQ4NL_VALUES[nibble], one of 16 int8 values (qdot.h) */
 #else
-#error "qmatmul.c computes Q4_0 (TV_QTYPE 2), Q4_1 (3), Q5_0 (6), Q8_0 (8) and IQ4_NL (20); the K-quants: qmatmul_k.c"
+#error "qmatmul.c computes TV_QTYPE 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 20 (IQ4_NL)"
 #endif
 #ifndef STORED_MIN
 #define STORED_MIN 0

@@ -85,6 +85,7 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     2: QuantFormat("Q4_0", 32, 18, "qmatmul"),
     3: QuantFormat("Q4_1", 32, 20, "qmatmul"),
     6: QuantFormat("Q5_0", 32, 22, "qmatmul"),
+    7: QuantFormat("Q5_1", 32, 24, "qmatmul"),
     8: QuantFormat("Q8_0", 32, 34, "qmatmul"),
     12: QuantFormat("Q4_K", 256, 144, "qmatmul_k"),
     13: QuantFormat("Q5_K", 256, 176, "qmatmul_k"),
@@ -287,6 +288,11 @@ def _iq4_nl(b: Tensor) -> Tensor:  # x = d * values[q]
     return _f16(b, 0) * _iq4_values(_nibbles(b[..., 2:]))
 
 
+def _q5_1(b: Tensor) -> Tensor:  # x = d * q + m, q = nibble | fifth bit
+    q = _nibbles(b[..., 8:]) | _fifth_bits(b[..., 4:8])
+    return _f16(b, 0) * q.cast(dtypes.float32) + _f16(b, 2)
+
+
 def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
     return _f16(b, 0) * b[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32)
 
@@ -339,7 +345,7 @@ def _iq4_xs(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * (sc - 32)) * v
     return (dl * q).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
