@@ -31,7 +31,7 @@ from tinyvllm.kernels.qlinear import (
     scratch_bytes,
     uses_kernel,
 )
-from tinyvllm.model.quant import IQ4NL_VALUES, _k_scales_mins, dequantize
+from tinyvllm.model.quant import IQ4NL_VALUES, _k_scales_mins, _q3_k_scales, dequantize
 
 FORMATS = list(QUANT_FORMATS)  # ggml type ids: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K, ...
 needs_kernel = pytest.mark.skipif(not launcher.has_kernel("qmatmul", Device.DEFAULT), reason="no C kernel here")
@@ -61,6 +61,10 @@ def random_blocks(ggml_type: int, N: int, K: int, seed: int) -> np.ndarray:
         b[..., 208:210] = scale(0.0001, 0.0005)  # d
     if ggml_type == 23:
         b[..., 0:2] = scale(0.00002, 0.0001)  # d
+    if ggml_type == 10:
+        b[..., 80:82], b[..., 82:84] = scale(0.002, 0.01), scale(0.001, 0.005)  # d, dmin
+    if ggml_type == 11:
+        b[..., 108:110] = scale(0.0005, 0.002)  # d
     return b.reshape(N, -1)
 
 
@@ -128,6 +132,21 @@ def reference(x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> np.ndarray:
         isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
         msum = np.einsum("nbj,mbj->mnb", mn, qxs.sum(-1))
         return np.einsum("mb,mnb->mn", dx.astype(np.float64), f16(b, 0)[None] * isum - f16(b, 2)[None] * msum)
+    if ggml_type in (10, 11):  # per 16: Q2_K w = d * sc * q - dmin * m, Q3_K w = d * (sc - 32) * (q - 4)
+        qs = b[..., 16:80] if ggml_type == 10 else b[..., 32:96]
+        qw = ((qs.reshape(N, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3)
+        qw = qw.reshape(N, nb, 16, 16).astype(np.int64)
+        qxs = qx.reshape(*qx.shape[:2], 16, 16)
+        if ggml_type == 10:
+            sc, mn = (b[..., 0:16] & 15).astype(np.int64), (b[..., 0:16] >> 4).astype(np.int64)
+            isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
+            msum = np.einsum("nbj,mbj->mnb", mn, qxs.sum(-1))
+            return np.einsum("mb,mnb->mn", dx.astype(np.float64), f16(b, 80)[None] * isum - f16(b, 82)[None] * msum)
+        hbit = (b[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (N, nb, 8, 32)
+        qw = qw - 4 * (1 - hbit.reshape(N, nb, 16, 16).astype(np.int64))
+        sc = _q3_k_scales(b.reshape(-1, 110)[:, 96:108]).reshape(N, nb, 16).astype(np.int64)
+        isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
+        return np.einsum("mb,nb,mnb->mn", dx.astype(np.float64), f16(b, 108), isum)
     if ggml_type == 23:  # IQ4_XS: w = d * (sc - 32) * values[q] per 32-element sub-block
         high = b[..., 2:4].copy().view(np.uint16)  # (N, nb, 1)
         sc = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(N, nb, 8) & 15).astype(np.int64)
@@ -382,8 +401,8 @@ def test_same_bits_with_and_without_threads(M: int):
 
 def test_bad_input_is_a_clear_error():
     data = Tensor(random_blocks(3, 4, 64, seed=1))
-    with pytest.raises(ValueError, match=r"Q2_K \(ggml type 10\).*supported: Q4_0"):
-        QuantizedWeight(data, 10, (4, 64))
+    with pytest.raises(ValueError, match=r"IQ2_XXS \(ggml type 16\).*supported: Q4_0"):
+        QuantizedWeight(data, 16, (4, 64))
     with pytest.raises(ValueError, match=r"needs data of shape \(4, 60\) uint8"):
         QuantizedWeight(data, 3, (4, 96))
     with pytest.raises(ValueError, match="not a multiple"):

@@ -62,10 +62,9 @@ def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np
         blocks[:, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
 
     d = rng.uniform(1e-3, 2e-2, n_blocks)
-    if ggml_type == 14:
-        put_f16(208, d)
-    else:
-        put_f16(0, d)
+    put_f16({14: 208, 10: 80, 11: 108}.get(ggml_type, 0), d)
+    if ggml_type == 10:
+        put_f16(82, d * rng.uniform(0.5, 2, n_blocks))  # dmin
     if ggml_type in (3, 7):
         put_f16(2, -d * rng.uniform(4, 11, n_blocks))  # m: the block's minimum, about -8 d
     if ggml_type in (12, 13):

@@ -42,7 +42,13 @@
 #endif
 /* Each format's traits: BLOCK_BYTES; HAS_MINS: w = d sc q - dmin m per sub-block (the min term from x's bsums);
  * Q_OFFSET_SHIFT: w = d sc (q - 2^Q_OFFSET_SHIFT) with q stored unsigned (the offset from x's bsums, in integers). */
-#if TV_QTYPE == 12
+#if TV_QTYPE == 10
+#define BLOCK_BYTES 84    /* Q2_K: 16 sub-blocks of 16, 4-bit scales and mins */
+#define HAS_MINS 1
+#elif TV_QTYPE == 11
+#define BLOCK_BYTES 110   /* Q3_K: 16 sub-blocks of 16, 6-bit scales; q = low 2 bits | high bit << 2, minus 4 */
+#define Q_OFFSET_SHIFT 2
+#elif TV_QTYPE == 12
 #define BLOCK_BYTES 144
 #define HAS_MINS 1
 #elif TV_QTYPE == 13
@@ -54,7 +60,7 @@
 #elif TV_QTYPE == 23
 #define BLOCK_BYTES 136   /* IQ4_XS: w = d (sc - 32) IQ4NL_VALUES[q], signed: x takes w's signs (qmatmul.c's Q8_0) */
 #else
-#error "qmatmul_k.c computes Q4_K (12), Q5_K (13), Q6_K (14) and IQ4_XS (23); the 32-element formats: qmatmul.c"
+#error "qmatmul_k.c computes TV_QTYPE 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 23 (IQ4_XS)"
 #endif
 #ifndef HAS_MINS
 #define HAS_MINS 0
@@ -145,7 +151,23 @@ struct wscales {
 };
 
 TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* restrict blk) {
-#if TV_QTYPE == 12 || TV_QTYPE == 13
+#if TV_QTYPE == 10
+  for (int g = 0; g < 16; g++) {  /* byte g: the scale in its lo nibble, the min in its hi */
+    s->sc16[g] = (short)(blk[g] & 0x0f);
+    s->m16[g] = (short)(blk[g] >> 4);
+  }
+  s->d = f16_to_f32(blk + 80);
+  s->dmin = f16_to_f32(blk + 82);
+#elif TV_QTYPE == 11
+  const unsigned char* p = blk + 96;  /* 12 bytes: see quant.py's _q3_k_scales */
+  for (int g = 0; g < 16; g++) {
+    int sc = (p[g % 8] >> 4 * (g / 8) & 0x0f) | (p[8 + g % 4] >> 2 * (g / 4) & 3) << 4;
+    s->sc16[g] = (short)(sc - 32);
+    s->m16[g] = 0;
+  }
+  s->d = f16_to_f32(blk + 108);
+  s->dmin = 0.0f;
+#elif TV_QTYPE == 12 || TV_QTYPE == 13
   const unsigned char* p = blk + 4;  /* 12 bytes: see quant.py's _k_scales_mins */
   for (int j = 0; j < 8; j++) {
     int sc = j < 4 ? p[j] & 63 : (p[j + 4] & 0x0f) | (p[j - 4] >> 6) << 4;
@@ -178,7 +200,15 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
 /* weight k (0..255) of a super-block as its integer q (Q4_K: 0..15, Q5_K: 0..31, Q6_K: 0..63, IQ4_XS: one of the
  * 16 values) */
 TV_INLINE int quant_at(const unsigned char* blk, int k) {
-#if TV_QTYPE == 23
+#if TV_QTYPE == 10 || TV_QTYPE == 11
+  /* two halves of 128; element e of half h: bits 2 (e / 32) of byte e % 32 of the half's 32 bytes (as Q6_K's qh) */
+  int h = k / 128, e = k % 128;
+  int q = blk[(TV_QTYPE == 10 ? 16 : 32) + 32 * h + e % 32] >> 2 * (e / 32) & 3;
+#if TV_QTYPE == 11
+  q |= (blk[k % 32] >> (k / 32) & 1) << 2;  /* Q3_K's high bit: bit k / 32 of hmask[k % 32]; the -4 comes later */
+#endif
+  return q;
+#elif TV_QTYPE == 23
   static const signed char values[16] = {IQ4NL_VALUES};
   unsigned char byte = blk[8 + 16 * (k / 32) + k % 16];  /* sub-block k / 32 packed as a Q4_0 block */
   return values[(k % 32) < 16 ? byte & 0x0f : byte >> 4];
@@ -213,6 +243,25 @@ TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct
     __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + 32 * j)), v);  /* x takes w's sign */
     __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), x);  /* |.| <= 2 * 127 * 127 < 2^15 */
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(s->sc16[2 * j])));
+  }
+#elif TV_QTYPE == 10 || TV_QTYPE == 11
+  const __m256i low2 = _mm256_set1_epi8(0x03);
+#if TV_QTYPE == 11
+  const __m256i hmask = _mm256_loadu_si256((const __m256i*)blk);  /* bit 4h + k of byte l: element 32k + l of half h */
+#endif
+  for (int h = 0; h < 2; h++) {  /* two halves of 128 elements, 32 bytes of 2-bit quants each */
+    __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + (TV_QTYPE == 10 ? 16 : 32) + 32 * h));
+    for (int k = 0; k < 4; k++) {  /* elements 32k .. 32k + 31 of the half: sub-blocks 8h + 2k, 8h + 2k + 1 */
+      __m256i q = _mm256_and_si256(_mm256_srli_epi16(raw, 2 * k), low2);
+#if TV_QTYPE == 11  /* 0..7: the -4 comes later, from bsums */
+      q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hmask, 4 * h + k),
+                                                                _mm256_set1_epi8(1)), 2));
+#endif
+      __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(xq + 128 * h + 32 * k)));
+      int g = 8 * h + 2 * k;  /* int16 lanes 0-7 are elements 0-15 (scale g), lanes 8-15 elements 16-31 (g + 1) */
+      __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s->sc16[g + 1]), _mm_set1_epi16(s->sc16[g]));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+    }
   }
 #elif TV_QTYPE == 12 || TV_QTYPE == 13
 #if TV_QTYPE == 13

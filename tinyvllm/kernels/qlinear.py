@@ -87,6 +87,8 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     6: QuantFormat("Q5_0", 32, 22, "qmatmul"),
     7: QuantFormat("Q5_1", 32, 24, "qmatmul"),
     8: QuantFormat("Q8_0", 32, 34, "qmatmul"),
+    10: QuantFormat("Q2_K", 256, 84, "qmatmul_k"),
+    11: QuantFormat("Q3_K", 256, 110, "qmatmul_k"),
     12: QuantFormat("Q4_K", 256, 144, "qmatmul_k"),
     13: QuantFormat("Q5_K", 256, 176, "qmatmul_k"),
     14: QuantFormat("Q6_K", 256, 210, "qmatmul_k"),
@@ -297,6 +299,34 @@ def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
     return _f16(b, 0) * b[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32)
 
 
+def _two_bits(qs: Tensor) -> Tensor:
+    """Q2_K/Q3_K: (..., 64) bytes -> (..., 16, 16) values 0..3, element e of half h = bits 2 (e // 32) of byte
+    32h + e % 32."""
+    shifts = Tensor([0, 2, 4, 6], dtype=dtypes.uint8, device=qs.device).reshape(4, 1)
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*qs.shape[:-1], 16, 16)
+
+
+def _q2_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * sc) * q - (dmin * m), 4-bit sc and m
+    scales = b[..., 0:16]
+    dl = (_f16(b, 80) * (scales & 0x0F).cast(dtypes.float32)).unsqueeze(-1)  # (..., 16, 1)
+    ml = (_f16(b, 82) * (scales >> 4).cast(dtypes.float32)).unsqueeze(-1)
+    return (dl * _two_bits(b[..., 16:80]).cast(dtypes.float32) - ml).reshape(*b.shape[:-1], 256)
+
+
+def _q3_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * (sc - 32)) * q, q = 2 low bits - 4 (high bit 0)
+    lead = b.shape[:-1]
+    packed = b[..., 96:108]
+    low = (packed[..., 0:8] & 0x0F).cat(packed[..., 0:8] >> 4, dim=-1)  # (..., 16)
+    shifts = Tensor([0, 2, 4, 6], dtype=dtypes.uint8, device=b.device).reshape(4, 1)
+    high = ((packed[..., 8:12].unsqueeze(-2) >> shifts) & 3).reshape(*lead, 16)
+    sc = (low | (high << 4)).cast(dtypes.int32) - 32
+    dl = (_f16(b, 108) * sc.cast(dtypes.float32)).unsqueeze(-1)  # (..., 16, 1)
+    bits = Tensor(list(range(8)), dtype=dtypes.uint8, device=b.device).reshape(8, 1)
+    hbit = ((b[..., 0:32].unsqueeze(-2) >> bits) & 1).reshape(*lead, 16, 16)  # element 32k + l: bit k of byte l
+    q = _two_bits(b[..., 32:96]).cast(dtypes.int32) - ((hbit ^ 1) << 2).cast(dtypes.int32)
+    return (dl * q.cast(dtypes.float32)).reshape(*lead, 256)
+
+
 def _k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
     """Q4_K/Q5_K: d * sc and dmin * m of the 8 sub-blocks, each (..., 8, 1) (6-bit sc and m in bytes 4-15)."""
     s = b[..., 4:16]
@@ -345,7 +375,7 @@ def _iq4_xs(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * (sc - 32)) * v
     return (dl * q).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
