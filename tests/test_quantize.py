@@ -26,7 +26,7 @@ from conftest import TINY_CONFIG, write_tiny_model  # noqa: E402
 from tinyvllm.model import gguf_writer as gw  # noqa: E402
 from tinyvllm.model.gguf import GGUFFile  # noqa: E402
 from tinyvllm.model.quant import dequantize, tensor_nbytes  # noqa: E402
-from tinyvllm.model.quantizer import quantize  # noqa: E402
+from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize  # noqa: E402
 from tinyvllm.model.tokenizer import load_tokenizer  # noqa: E402
 from tinyvllm.model.weights import default_model_path, load_checkpoint  # noqa: E402
 from tinyvllm.model.weights_gguf import permute_qk, unpermute_qk  # noqa: E402
@@ -124,12 +124,13 @@ def searching_test_data(rows: int = 48, cols: int = 1024) -> np.ndarray:
 # zeros keep whatever ggml's stack held)
 GGML_DIGESTS = {
     6: "be31bb16485c3362b271bc744dad22ab77c75d12d7bf52b76adb12e9b1838417",  # Q5_0
+    12: "c9b2bbf4df67d672958ea5c962ae1ed9ab9c4ae4d8ed7f07c2a5c8163a8fd9f7",  # Q4_K
     20: "adbeda489b939af2bd1ee0b442ea32925de12fdfa939005d8b2c88ef87d86e9c",  # IQ4_NL
     "iq4_nl_ref": "7c60e8f644a8eca610118b189517805da8767af7b1d5f2633f4ddfbd082d6b48",
 }
 
 
-@pytest.mark.parametrize("ggml_type", [6, 20], ids=["Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("ggml_type", [6, 12, 20], ids=["Q5_0", "Q4_K", "IQ4_NL"])
 def test_quantize_is_bit_exact_with_ggml(ggml_type):
     import hashlib
     x = searching_test_data()
@@ -321,10 +322,10 @@ def tiny_float_logits(tiny_dirs):
 # of sigma RMS) and its range / 15 for Q4 (~4.2 sigma / 15: 8%), so Q4's error is ~16x Q8_0's, as measured; the
 # random 2-layer network (embedding, 7 linears a layer, lm_head in series) amplifies either about 4x. The bounds
 # are twice the measurements; the logits of another random model (seed 3) are off by 1.39.
-LOGIT_BOUNDS = {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.6}
+LOGIT_BOUNDS = {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.6, "iq4_nl": 0.6}
 
 
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name", [*TYPES, "iq4_nl"])
 def test_hf_round_trip(tiny_dirs, tiny_float_logits, tmp_path, name, capsys):
     out = quantize_model(tiny_dirs["untied"], tmp_path / f"tiny-{name}.gguf", name)
     printed = capsys.readouterr().out
@@ -333,9 +334,9 @@ def test_hf_round_trip(tiny_dirs, tiny_float_logits, tmp_path, name, capsys):
     f = GGUFFile(out)
     types = {n: i.ggml_type for n, i in f.tensors.items()}
     assert types["output.weight"] == 8  # llama.cpp spends more bits on the output matrix
-    assert types["token_embd.weight"] == types["blk.1.ffn_down.weight"] == TYPES[name]  # untied: the --type
+    assert types["token_embd.weight"] == types["blk.1.ffn_down.weight"] == QUANTIZE_TYPES[name]  # untied: --type
     assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == 0  # norms stay F32
-    assert f.metadata["general.file_type"] == {"q8_0": 7, "q4_0": 2, "q4_1": 3}[name]
+    assert f.metadata["general.file_type"] == {"q8_0": 7, "q4_0": 2, "q4_1": 3, "iq4_nl": 25}[name]
 
     float_ck, quant_ck = load_checkpoint(tiny_dirs["untied"]), load_checkpoint(out)
     # GGUF keeps the epsilon as float32 (llama.attention.layer_norm_rms_epsilon), config.json as a decimal
@@ -343,7 +344,7 @@ def test_hf_round_trip(tiny_dirs, tiny_float_logits, tmp_path, name, capsys):
     assert quant_ck.config == dataclasses.replace(float_ck.config, rms_norm_eps=eps32)
     heads = {"q_proj": TINY_CONFIG.num_attention_heads, "k_proj": TINY_CONFIG.num_key_value_heads}
     for hf, w in float_ck.state_dict.items():  # exactly the blocks' values, q/k rows back in HF order
-        ggml_type = 0 if w.ndim == 1 else 8 if hf == "lm_head.weight" else TYPES[name]
+        ggml_type = 0 if w.ndim == 1 else 8 if hf == "lm_head.weight" else QUANTIZE_TYPES[name]
         head = heads.get(hf.split(".")[-2])
         expected = permute_qk(w, head) if head else w
         if ggml_type:
@@ -535,12 +536,12 @@ def test_unsupported_inputs(tmp_path, tiny_dirs):
 
 @pytest.mark.skipif(not os.environ.get("TINYVLLM_PEERS"), reason="set TINYVLLM_PEERS to a --peers directory "
                     "(benchmarks/peers/build_llama_cpp.py) to compare with llama.cpp's llama-quantize")
-@pytest.mark.parametrize("name", [*TYPES, "iq4_nl"])
+@pytest.mark.parametrize("name", [*TYPES, "iq4_nl", "q4_k"])
 def test_same_bytes_as_llama_quantize(tmp_path, name, capsys):
     """llama.cpp itself as the oracle: from the same F32 GGUF, llama-quantize and tinyvllm write the same file,
-    byte for byte (metadata, tensor types, blocks, padding). IQ4_NL: llama-quantize's IQ4_NL mixture puts the first
-    eighth of the ffn_down weights in Q5_K, which tinyvllm cannot write, so against its --pure file (every matrix
-    IQ4_NL) with the embedding in Q8_0, as tinyvllm writes it."""
+    byte for byte (metadata, tensor types, blocks, padding). IQ4_NL and Q4_K: llama-quantize's mixtures for them
+    put some tensors in Q5_K or Q6_K, which tinyvllm cannot write, so against its --pure file (every matrix in the
+    type, Q4_K's rows of 576 in Q5_0) with the embedding in Q8_0, as tinyvllm writes it."""
     peers = Path(os.environ["TINYVLLM_PEERS"])
     source = peers / "models" / "SmolLM2-135M-Instruct.F32.gguf"
     theirs, ours = tmp_path / "llama.cpp.gguf", tmp_path / "tinyvllm.gguf"

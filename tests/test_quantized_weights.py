@@ -37,7 +37,7 @@ def test_auto_keeps_the_default_models_blocks_without_reading_them(default_gguf)
 
 
 def test_quantization_method_is_checked(default_gguf):
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, q4_1, iq4_nl, got 'int4'"):
+    with pytest.raises(ValueError, match="must be one of auto, none, q8_0, q4_0, q4_1, iq4_nl, q4_k, got 'int4'"):
         load_checkpoint(default_gguf, quantization="int4")
 
 
@@ -118,6 +118,21 @@ def test_online_iq4_nl(tiny_model_dir):
     err = np.abs(w.dequantize() - floats).reshape(-1, 32)
     amax = np.abs(floats).reshape(-1, 32).max(axis=1, keepdims=True)
     assert (err <= np.maximum(12 * d, amax - 113 * d) * (1 + 2.0**-10) + 1e-7).all()
+
+
+def test_online_q4_k(tiny_model_dir):
+    """--quantization q4_k: Q4_K where a row is whole 256-element super-blocks, else Q5_0 (llama-quantize's fallback;
+    the tiny model's rows, as SmolLM2's 576, are not). Q4_K's error per weight: at most half a step of its sub-block
+    (d * sc / 2) plus the rounding of the 6-bit scale and min to their float16 super-block scales."""
+    from tinyvllm.model.quantizer import quantize
+    from tinyvllm.model.quant import dequantize
+    ck = load_checkpoint(tiny_model_dir, quantization="q4_k")
+    assert {w.type_name for w in ck.state_dict.values() if isinstance(w, QuantizedArray)} == {"Q5_0"}
+    w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
+    blocks = quantize(w, 12)
+    back = dequantize(blocks.reshape(-1), 12, w.shape)
+    step = (w.reshape(-1, 32).max(1) - np.minimum(w.reshape(-1, 32).min(1), 0)) / 15  # a sub-block's first grid
+    assert (np.abs(back - w).reshape(-1, 32).max(1) <= step).all()
 
 
 @pytest.mark.slow

@@ -57,13 +57,13 @@ from tinyvllm.model.gguf_writer import (
 )
 from tinyvllm.ggml_types import F16, F32, Q8_0, type_name
 from tinyvllm.model.quant import tensor_nbytes
-from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize
+from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize, storage_type
 from tinyvllm.model.tokenizer import load_tokenizer, token_id_of
 from tinyvllm.model.weights_gguf import gguf_name, layer_names, permute_qk, read_tensor
 from tinyvllm.model.weights_hf import load_hf
 
 # ggml type -> llama.cpp's llama_ftype for a file "mostly" of that type (include/llama.h)
-FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7, 20: 25}  # (IQ4_NL: LLAMA_FTYPE_MOSTLY_IQ4_NL)
+FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7, 12: 15, 20: 25}  # Q4_K: MOSTLY_Q4_K_M, IQ4_NL: MOSTLY_IQ4_NL
 OUTPUT_TYPES = {**QUANTIZE_TYPES, "f16": F16, "f32": F32}  # --type: the block formats, or float weights
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: bumped by ggml when a block layout changes
 
@@ -97,7 +97,8 @@ def target_type(name: str, shape: tuple[int, ...], current: int, ggml_type: int,
     if ggml_type in (F32, F16):  # a float file: every matrix in that type
         return ggml_type
     new = Q8_0 if name == "output.weight" or (tied and name == "token_embd.weight") else ggml_type
-    return new if shape[-1] % 32 == 0 else F16
+    fits = storage_type(new, shape[-1])  # Q4_K: Q5_0 where a row is not whole super-blocks
+    return F16 if fits is None else fits
 
 
 def convert_tensor(name: str, array: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -280,7 +281,7 @@ def _from_hf(model_dir: Path, ggml_type: int) -> tuple[dict[str, MetadataValue],
 # ---- the command ----
 
 def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, out: TextIO | None = None) -> Path:
-    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (q8_0, q4_0 or q4_1).
+    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (a QUANTIZE_TYPES name, f16, f32).
 
     Prints a line per tensor (its type and size before and after), the totals and the time to `out` (stdout)."""
     start = time.perf_counter()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 KV_CACHE_DTYPES = ["auto", "float32", "float16", "int8", "fp8"]
-QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl"]
+QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -29,8 +29,8 @@ from tinyvllm.model.gguf import GGUFFile
 from tinyvllm.ggml_types import KERNEL_TYPES, type_name
 from tinyvllm.model.quant import QuantizedArray
 
-METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl")
-ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20}  # method -> ggml type id
+METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k")
+ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q4_k": 12}  # method -> ggml type id
 FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16: float weights, never "dequantized" with a notice
 
 
@@ -54,15 +54,16 @@ def fallback_notice(gguf: GGUFFile) -> str | None:
 
 def quantize_state_dict(state_dict: dict[str, np.ndarray | QuantizedArray], method: str,
                         ) -> dict[str, np.ndarray | QuantizedArray]:
-    """Online quantization: every 2-D float weight whose rows are whole 32-element blocks -> that format's blocks.
+    """Online quantization: every 2-D float weight whose rows are whole blocks -> that format's blocks (q4_k: rows
+    not a multiple of its 256-element super-block in Q5_0, llama-quantize's fallback).
 
     1-D tensors (the RMSNorm weights: 0.05% of the model) stay float, as llama.cpp keeps them."""
-    from tinyvllm.model.quantizer import quantize  # numpy quantizers, bit-exact with ggml's reference ones
+    from tinyvllm.model.quantizer import quantize, storage_type  # numpy quantizers, bit-exact with ggml's own
 
-    ggml_type = ONLINE_TYPES[method]
     out: dict[str, np.ndarray | QuantizedArray] = {}
     for name, w in state_dict.items():
-        if isinstance(w, np.ndarray) and w.ndim == 2 and w.shape[1] % 32 == 0:
+        ggml_type = storage_type(ONLINE_TYPES[method], w.shape[-1]) if isinstance(w, np.ndarray) else None
+        if isinstance(w, np.ndarray) and w.ndim == 2 and ggml_type is not None:
             data = quantize(np.ascontiguousarray(w, dtype=np.float32), ggml_type)
             out[name] = QuantizedArray(data, ggml_type, (int(w.shape[0]), int(w.shape[1])))
         else:

@@ -37,12 +37,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from tinyvllm.ggml_types import GGML_TYPES
-from tinyvllm.model.quantizer_search import quantize_iq4_nl
+from tinyvllm.model.quantizer_search import quantize_iq4_nl, quantize_q4_k
 
 BLOCK_SIZE = 32  # elements per block of the 32-element formats
-# ggml type id -> (elements, bytes) per block: Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL
-FORMATS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 20: (32, 18)}
-QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20}  # the names users type -> ggml type id
+# ggml type id -> (elements, bytes) per block: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL
+FORMATS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 20: (32, 18)}
+QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q4_k": 12}  # the names users type -> ggml type id
+# where a row is not whole blocks of a type, llama-quantize stores the tensor in another (src/llama-quant.cpp's
+# fallback table): Q4_K's 256-element super-blocks give way to Q5_0's 32-element blocks (SmolLM2's rows are 576 wide)
+FALLBACK = {12: 6}
 
 CHUNK_BLOCKS = 2048  # blocks per unit of work: 256 KiB of float32 in, fits the L2 cache with its temporaries
 
@@ -158,7 +161,22 @@ def _quantize_iq4_nl(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
     _float16(out[:, 0:2].copy().view(np.float16).astype(np.float32), "scale")  # a NaN or overflow: the clear error
 
 
-_QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 6: _quantize_q5_0, 8: _quantize_q8_0, 20: _quantize_iq4_nl}
+def _quantize_q4_k(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    quantize_q4_k(x, out)
+    _float16(out[:, 0:4].copy().view(np.float16).astype(np.float32), "scale")
+
+
+_QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 6: _quantize_q5_0, 8: _quantize_q8_0, 12: _quantize_q4_k,
+               20: _quantize_iq4_nl}
+
+
+def storage_type(ggml_type: int, row_length: int) -> int | None:
+    """The type a row of `row_length` weights is stored in when `ggml_type` is asked for: that type, or its fallback
+    (FALLBACK) where the row is not whole blocks of it; None where neither fits (the tensor stays float)."""
+    for t in (ggml_type, FALLBACK.get(ggml_type)):
+        if t is not None and row_length % FORMATS[t][0] == 0:
+            return t
+    return None
 
 
 def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -185,14 +203,15 @@ def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
     blocks, out_blocks = x.reshape(-1, block_size), out.reshape(-1, type_size)
     fn = _QUANTIZERS[ggml_type]
     n_blocks = blocks.shape[0]
-    n_threads = max(1, min(os.cpu_count() or 1, n_blocks // CHUNK_BLOCKS))
+    chunk = CHUNK_BLOCKS * BLOCK_SIZE // block_size  # the same 256 KiB of float32 whatever the block
+    n_threads = max(1, min(os.cpu_count() or 1, n_blocks // chunk))
 
     def run(thread: int) -> None:
         """This thread's share of the blocks, a contiguous range, one chunk at a time."""
         begin, end = n_blocks * thread // n_threads, n_blocks * (thread + 1) // n_threads
-        work = _Work(min(CHUNK_BLOCKS, end - begin))
-        for start in range(begin, end, CHUNK_BLOCKS):
-            stop = min(start + CHUNK_BLOCKS, end)
+        work = _Work(min(CHUNK_BLOCKS, (end - begin) * block_size // BLOCK_SIZE))
+        for start in range(begin, end, chunk):
+            stop = min(start + chunk, end)
             fn(blocks[start:stop], out_blocks[start:stop], work)
 
     if n_threads == 1:

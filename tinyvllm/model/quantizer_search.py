@@ -94,3 +94,91 @@ def quantize_iq4_nl(x: np.ndarray, out: np.ndarray, ntry: int = 7) -> None:
     out[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(n, 2)
     idx = idx.astype(np.uint8)
     out[:, 2:] = (idx[:16] | (idx[16:] << 4)).T
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int: v rounded half to even (its float trick, v + 1.5 * 2^23, is numpy's rint below 2^22)."""
+    return np.rint(v)
+
+
+def _make_qkx2_quants(xt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's make_qkx2_quants(32, 15, x, weights, ..., rmin -1, rdelta 0.1, nstep 20, use_mad false) on every
+    sub-block at once: xt, weights (32, n). Returns L (32, n) float32 in 0..15, scale (n,) and the_min (n,), so that
+    x ~ scale * L - the_min.
+
+    The affine fit x ~ scale * L + min (min <= 0) is tried at 21 grids, iscale = (14 + 0.1 is) / (max - min) for
+    is = 0..20 (the first guess, 15 / (max - min), sets the error to beat): each assignment L gets its weighted
+    least-squares scale and min, kept if its weighted squared error is less; the min kept moves the next grids."""
+    n = xt.shape[1]
+    mn, mx = xt.min(axis=0), xt.max(axis=0)  # (exact, in any order)
+    sum_w = sequential_sum(weights)
+    sum_x = sequential_sum(weights * xt)
+    mn = np.minimum(mn, np.float32(0))
+    flat = mx == mn
+    span = np.where(flat, np.float32(1), mx - mn)
+    iscale = np.float32(15) / span
+    scale = np.float32(1) / iscale
+    L = np.clip(_nearest_int(iscale * (xt - mn)), 0, 15)
+    diff = (scale * L + mn) - xt
+    best_error = sequential_sum(weights * (diff * diff))
+    for step in range(21):  # NOTE: as in ggml, a better fit's min moves the next steps' grid (max - min, x - min)
+        span = np.where(flat, np.float32(1), mx - mn)
+        iscale = ((np.float32(-1) + np.float32(0.1) * np.float32(step)) + np.float32(15)) / span
+        laux = np.clip(_nearest_int(iscale * (xt - mn)), 0, 15)
+        wl = weights * laux
+        sum_l, sum_l2, sum_xl = sequential_sum(wl), sequential_sum(wl * laux), sequential_sum(wl * xt)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        ok = D > 0
+        safe_d = np.where(ok, D, np.float32(1))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe_d
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe_d
+        positive = this_min > 0
+        this_min = np.where(positive, np.float32(0), this_min)
+        this_scale = np.where(positive, sum_xl / np.where(sum_l2 != 0, sum_l2, np.float32(1)), this_scale)
+        diff = (this_scale * laux + this_min) - xt
+        cur_error = sequential_sum(weights * (diff * diff))
+        better = ok & (cur_error < best_error)
+        L = np.where(better, laux, L)
+        best_error = np.where(better, cur_error, best_error)
+        scale = np.where(better, this_scale, scale)
+        mn = np.where(better, this_min, mn)
+    L = np.where(flat, np.float32(0), L)
+    scale = np.where(flat, np.float32(0), scale)
+    return L, scale, -mn
+
+
+def quantize_q4_k(x: np.ndarray, out: np.ndarray) -> None:
+    """x (n, 256) float32 -> out (n, 144) uint8: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+    nibbles (tinyvllm/model/quant.py draws the layout). ggml's quantize_row_q4_K_ref:
+      1. per sub-block of 32, weights av_x + |x| (av_x: the sub-block's RMS) and make_qkx2_quants' scale and min;
+      2. the super-block's d = max scale / 63 and dmin = max min / 63 (float16), each sub-block's scale and min
+         rounded to 6 bits of those;
+      3. every x assigned again, nearest_int((x + dmin * m) / (d * sc)) clamped to 0..15, with the stored numbers
+         (a sub-block whose d * sc is 0 keeps step 1's assignment)."""
+    n = x.shape[0]
+    xt = np.ascontiguousarray(x.reshape(n * 8, 32).T)  # (32, 8n): sub-block b = column b
+    with np.errstate(all="ignore"):  # (a NaN or an overflow shows in d: the caller checks it)
+        av_x = np.sqrt(sequential_sum(xt * xt) / np.float32(32))
+        L, scales, mins = _make_qkx2_quants(xt, av_x + np.abs(xt))
+        scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+        max_scale = np.maximum(scales.max(axis=1), np.float32(0))  # ggml's running max, from 0
+        max_min = np.maximum(mins.max(axis=1), np.float32(0))
+        inv_scale = np.where(max_scale > 0, np.float32(63) / np.where(max_scale > 0, max_scale, 1), np.float32(0))
+        inv_min = np.where(max_min > 0, np.float32(63) / np.where(max_min > 0, max_min, 1), np.float32(0))
+        # (uint8_t)nearest_int(...): a negative value wraps past 63, and MIN(63, .) makes it 63
+        ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+        lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+        d16 = (max_scale / np.float32(63)).astype(np.float16)
+        dmin16 = (max_min / np.float32(63)).astype(np.float16)
+        d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)  # (n, 8): each sub-block's stored scale
+        dm = dmin16.astype(np.float32)[:, None] * lm.astype(np.float32)
+        again = _nearest_int((xt + dm.reshape(1, -1)) / np.where(d != 0, d, np.float32(1)).reshape(1, -1))
+        L = np.where(d.reshape(1, -1) != 0, np.clip(again, 0, 15), L)
+    out[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
+    out[:, 2:4] = dmin16.view(np.uint8).reshape(n, 2)
+    # 6-bit scales and mins: quant.py's _k_scales_mins draws the packing
+    out[:, 4:8] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    out[:, 8:12] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
+    q = L.T.reshape(n, 4, 2, 32).astype(np.uint8)  # (n, chunk c, sub-block 2c / 2c + 1, element)
+    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
