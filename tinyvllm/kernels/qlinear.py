@@ -1,55 +1,11 @@
-"""`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (Phase 6).
+"""`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (docs/phases/06-quantized-weights.md).
 
     x (..., K) float32 @ w(N, K).T -> (..., N) float32      w: a QuantizedWeight, the GGUF's blocks as they are
 
-Why: decoding one token reads every weight once, so a decode step costs the bytes of the weights divided by
-the read bandwidth. SmolLM2-135M has 134.5 M weights in its linear layers (30 x 3,538,944 + lm_head 28,311,552):
-
-    format   bytes per block / weights per block    bits per weight   bytes read per token
-    float32               4 / 1                           32.0              538 MB
-    Q8_0                 34 / 32                           8.5              143 MB
-    Q6_K                210 / 256                          6.56             110 MB
-    Q4_1                 20 / 32                           5.0               84 MB
-    Q4_0                 18 / 32                           4.5               76 MB
-    Q4_K                144 / 256                          4.5               76 MB
-    the shipped file: 30 layers Q4_1 (66 MB) + lm_head, tied to token_embd, Q8_0 (30 MB) = 96 MB
-
-Decode reads every weight once per token, so its time is these bytes over the memory bandwidth: Q4_1 reads
-6.4x fewer than float32. So the blocks stay as they are on the
-device (no repacking: the loader uploads the file's bytes) and the kernels read them directly.
-
-How the CPU kernels (kernels/cpu/qmatmul.c for the 32-element formats, qmatmul_k.c for the 256-element
-K-quants) compute a dot product, the route llama.cpp's ggml-cpu takes:
-
-    x row (K float32) --quantize once per row--> 8-bit blocks in `scratch`: int8 q[32] + float scale (+ sums)
-                                                     |
-    w row (N rows of GGUF blocks) ----------------> integer dot per block: sum q_w * q_x   (AVX2 maddubs/madd:
-                                                     |                                      32 products at once)
-                                                     v
-                          out[m, n] = sum over blocks of  (d_w * d_x) * int_dot  (+ min_w * d_x * sum q_x)
-                                                          float scale, once per block of 32 (or 256) weights
-
-Multiplying 8-bit integers is exact, so the only new error is rounding x to 8 bits (half a step, d_x / 2,
-per element); tests/test_kernels_qlinear.py derives the bound and checks it. Each row's result is computed by
-the same operations whatever the other rows are, so a request's tokens never depend on its batch (batch
-invariance: test_api_real_engine and the reliability soak compare batched requests with each run alone).
-With many rows of x (prefill chunks, large decode batches) the arithmetic, not the reading, is what costs,
-and for Q4_0/Q4_1/Q8_0 float32 FMAs do more products per instruction than the integer route: qmatmul.c has a
-float path (dequantize a few rows of w at a time into L1, multiply in float32, x not rounded) that a user may
-turn on from FLOAT_PATH_MIN_M rows (`TINYVLLM_QMATMUL_FLOAT_MIN_M=12`: ~1.3x at M=32) at the price of batch
-invariance, as vLLM makes the opposite trade (batch invariance is its opt-in mode).
-
-Everywhere else (`TINYVLLM_PORTABLE=1` / `tinyvllm.kernels.linear.PORTABLE`, symbolic shapes, a device without
-a kernel) the portable path runs: dequantize the blocks in tinygrad ops, then `x @ w.T` in float32. A GPU
-device with kernels (kernels/cuda/qmatmul*.cu, kernels/metal/qmatmul*.metal) launches one of two routes, chosen
-by the number of rows M, as llama.cpp's CUDA backend chooses between MMVQ and MMQ (`gpu_launches`):
-
-    M <= 8 (GEMV)   qmatmul             one warp per output (m, n), four warps per block: grid ((N + 3) // 4, M),
-                                        128 threads; w dequantized in registers, float32 FMAs, x as it is
-    M > 8 (tiled)   quantize_x          x -> 8-bit blocks in `scratch` (the CPU's rounding), one thread per block
-                    qmatmul_tiled       64 x 64 output tiles, x and w staged through shared memory, dp4a integer
-                                        products: grid (ceil(N / 64), ceil(M / 64)), 256 threads; every weight is
-                                        read ceil(M / 64) times instead of M times (kernels/cuda/qmatmul_tiled.cuh)
+Every block format tinyvllm reads has a kernel (QUANT_FORMATS): kernels/cpu/qmatmul.c (32-element blocks) and
+qmatmul_k.c (256-element super-blocks) on the CPU, their CUDA and Metal twins on a GPU (GEMV up to 8 rows of x,
+64 x 64 integer tiles beyond: `gpu_launches`); elsewhere the blocks are dequantized in tinygrad ops (the portable
+path). Chapter 6 explains the route (x rounded to 8-bit blocks once, integer dot products) and what it costs.
 """
 
 from __future__ import annotations
@@ -375,7 +331,8 @@ def _iq4_xs(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * (sc - 32)) * v
     return (dl * q).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k,
+               14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:

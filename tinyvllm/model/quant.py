@@ -1,24 +1,8 @@
-"""Dequantizing GGML tensors to float32 with numpy.
+"""GGML's block formats drawn byte by byte, their numpy dequantizers, and `QuantizedArray` (Phase 6).
 
-A quantized GGUF tensor is a run of fixed-size *blocks*. Each block covers `block_size` consecutive
-elements of one row (rows never share a block) and stores small integers `q` plus one or two float16
-numbers that map them back to real values:
-
-    symmetric  ("_0" types):  x = d * (q - offset)         one scale d per block
-    affine     ("_1" types):  x = d * q + m                a scale d and a minimum m per block
-    k-quants   ("_K" types):  a 256-element super-block of 16 or 32-element sub-blocks, each with its
-                              own 6- or 8-bit scale (and min), themselves scaled by the f16 d (and dmin)
-
-Every function below takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size)
-float32`; `dequantize` cuts a tensor's bytes into blocks and reshapes the result to the tensor's
-shape. The layouts follow ggml's C structs (ggml-common.h) and its reference dequantizers
-(ggml-quants.c, `dequantize_row_*`), and the float operations run in the same order, so results are
-bit-identical to the `gguf` Python package's (tests/test_weights.py checks every type).
-
-Why numpy, once, at load time: it is the simplest correct reference. Serving the weights still
-quantized (4-5 bits read per weight instead of 32) is a later optimization with fused dequant kernels.
-
-All integers are little-endian. "lo"/"hi" nibble = bits 0-3 / bits 4-7 of a byte.
+Each `dequantize_*` takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size) float32`, with
+ggml's float operations in ggml's order: bit-exact with the `gguf` package (tests/test_weights.py). They are the
+reference every kernel is tested against (docs/phases/06-quantized-weights.md, section 2).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""`--quantization`: the format the weights are served in (vLLM's flag; llama.cpp's block formats).
+"""`--quantization`: the format the weights are served in (vLLM's flag; llama.cpp's block formats; Phase 6).
 
-    auto (default)        the checkpoint's own format. GGUF linear weights and the embedding in Q4_0, Q4_1, Q8_0,
-                          Q4_K or Q6_K stay in their blocks and run on the fused dequant-matmul kernels
-                          (tinyvllm/kernels/qlinear.py); other GGUF block types are dequantized at load, with a
-                          one-line notice; float checkpoints (HF safetensors, F32/F16 GGUF) stay float.
-    none                  every weight dequantized to the compute dtype at load (Phases 1-5).
-    q8_0 | q4_0 | q4_1    online quantization: every 2-D weight (the linears and the embedding) quantized to
-                          that format at load, whatever the checkpoint holds (a float one, or another GGUF type).
-
-Why it matters (SmolLM2-135M, 134.5 M weights, all of them read once per decoded token):
-
-    float32   4 bytes/weight        538 MB per token
-    Q8_0      34 bytes/32 weights   143 MB per token      (8.5 bits per weight)
-    Q4_1      20 bytes/32 weights    84 MB per token      (5 bits per weight)
-    Q4_0      18 bytes/32 weights    76 MB per token      (4.5 bits per weight)
-
-Decode is bound by those bytes, so a Q4 model can decode up to ~6x faster than its float32 twin, and it loads
-in a fraction of the time: the blocks are copied from the memory-mapped file as they are, nothing dequantized.
+    auto (default)   the checkpoint's own: a GGUF's block weights stay in their blocks (every format tinyvllm reads
+                     has a kernel), float checkpoints stay float
+    none             every weight dequantized to the compute dtype at load (Phases 1-5)
+    q8_0 | q4_0 | q4_1 | iq4_nl | q4_k
+                     online quantization: every 2-D weight quantized to that format at load (q4_k: rows that are
+                     not whole 256-element super-blocks in Q5_0, as llama-quantize falls back)
 """
 
 from __future__ import annotations

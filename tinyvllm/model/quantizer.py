@@ -1,32 +1,9 @@
-"""Quantizing float32 weights into GGML blocks with numpy: Q8_0, Q4_0 and Q4_1.
+"""Quantizing float32 weights into GGML blocks with numpy: Q8_0, Q4_0, Q4_1, Q5_0, and (quantizer_search.py)
+IQ4_NL and Q4_K (Phase 6, docs/phases/06-quantized-weights.md section 3).
 
-The inverse of tinyvllm/model/quant.py (whose docstrings draw the three block layouts byte by
-byte). Each 32-element block of a row gets its own scale, chosen from that block alone:
-
-    Q8_0  d = amax / 127            q = roundf(x / d)               in -127..127    x ~ d * q
-    Q4_0  d = max / -8              q = trunc(x / d + 8.5), <= 15   in 0..15        x ~ d * (q - 8)
-          (max: the element of largest |x|, sign kept, so it lands exactly on q = 0)
-    Q4_1  d = (max - min) / 15      q = trunc((x - min) / d + 0.5)  in 0..15        x ~ d * q + min
-
-These are ggml's reference quantizers (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`,
-`quantize_row_q4_1_ref` in ggml/src/ggml-quants.c), the ones llama-quantize runs when no importance
-matrix is given, written with the same float32 operations in the same order: the bytes are
-identical to the `gguf` Python package's `gguf.quants.quantize` (tests/test_quantize.py checks it).
-Three details decide the last bit:
-  - the scale is stored as float16, but x is divided by the float32 scale (`id = 1/d`, then x * id);
-  - Q8_0 rounds half away from zero (C's roundf), not half to even as numpy's `np.rint` does;
-  - Q4_0/Q4_1 add 0.5 (8.5) in float32, then truncate, as C's `(int8_t)` cast does.
-
-Rounding error: |x - dequantized(x)| <= d / 2 for Q8_0 and Q4_1 (q is x/d rounded to nearest), and
-for Q4_0 too except the block's far end, which is clamped to q = 15 where round-to-nearest wanted 16
-(the element of largest |x| maps to q = 0 exactly; an opposite-signed one of the same size needs +8).
-The float16 scale adds a relative error of at most 2**-11 to every value.
-
-Speed. The whole of SmolLM2-135M (134.5 M weights, 538 MB of float32) quantizes at load time for
-`--quantization q8_0|q4_0`, so this must take well under a second. Working on a whole tensor at once
-would stream every temporary through memory (~10 passes of 538 MB); instead each tensor is cut into
-chunks of 2048 blocks (256 KiB of float32, they stay in the core's L2 cache while the ~10 numpy
-operations run over them), and the chunks are shared among threads (numpy releases the GIL).
+The bytes are those llama-quantize writes without an importance matrix: ggml's quantizers' float32 operations in
+their order (tests/test_quantize.py: the `gguf` package and digests of ggml's own output). Each tensor is cut into
+chunks of 2048 blocks' worth of floats (256 KiB: they stay in L2 through the ~10 numpy passes) shared among threads.
 """
 
 from __future__ import annotations

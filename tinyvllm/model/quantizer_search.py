@@ -1,14 +1,9 @@
-"""The quantizers that search for their scales: IQ4_NL and Q4_K, with numpy (Phase 6).
+"""The quantizers that search for their scales, IQ4_NL and Q4_K, with numpy (docs/phases/06-appendix-formats.md).
 
-Q8_0, Q4_0 and Q4_1 take their scale from the block's extremes (quantizer.py). IQ4_NL and Q4_K try several
-scales per block and keep the one whose weighted squared error is least; these are ggml's own searches
-(ggml/src/ggml-quants.c: `quantize_iq4_nl` with its 15 tries, which llama-quantize runs, and `quantize_row_q4_K_ref`
-with `make_qkx2_quants`' 21 steps), written with the same float32 operations in the same order, so the bytes equal
-llama-quantize's (tests/test_quantize.py holds digests of ggml's output).
-
-ggml loops over a block's elements, summing as it goes; here every block of a chunk is worked on at once with the
-chunk transposed, (elements, blocks): each of ggml's sequential sums becomes a loop over the rows, one vector add per
-element, which adds in ggml's order (numpy's own reductions add pairwise, another order, other last bits).
+ggml's own searches (`quantize_iq4_nl`, `quantize_row_q4_K_ref`) with its float32 operations in its order, so the
+bytes equal llama-quantize's. Every block of a chunk is worked on at once with the chunk transposed, (elements,
+blocks): each of ggml's running sums becomes one vector add per element, in ggml's order (numpy's own reductions
+add pairwise: other last bits).
 """
 
 from __future__ import annotations
