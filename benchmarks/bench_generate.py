@@ -24,7 +24,7 @@ Five measurements, in the order a user meets them (the fifth with --peers):
      The read bandwidth is measured in this run, on its device (benchmarks/bandwidth.py); with --peers, also the
      rate llama.cpp streams the float32 weights at (its tg tok/s x those bytes). KV cache and embedding left out.
   5. with --peers DIR: llama.cpp's llama-bench (tgN, ppN for the same lengths) on F32, Q8_0 and the shipped
-     Q4_1 weights (and, with --model FILE.gguf, on that very file: "file"), and llama-server's process start to
+     Q4_1 weights (with --model FILE.gguf, on that very file instead: "file"), and llama-server's process start to
      first token, run after tinyvllm's measurements, printed beside them with the ratio.
 
 Results go to benchmarks/results/bench_generate[_<method>][_<the --model file's type>].json (and to --json PATH).
@@ -221,7 +221,7 @@ def measure_peers(llama, prompt_lens: list[int], n_gen: int) -> dict:
     from peers.llama_cpp import result_key  # benchmarks/peers/
 
     out = {}
-    for fmt in llama.models:  # F32, Q8_0, Q4_1 (and with --model, "file": the same file tinyvllm ran)
+    for fmt in llama.models:  # F32, Q8_0, Q4_1 (with --model, "file": the same file tinyvllm ran)
         log(f"llama.cpp {fmt}: llama-bench -p {','.join(map(str, prompt_lens))} -n {n_gen}, then llama-server ...")
         figures = llama.bench(fmt, prompt_lens, n_gen)
         cold = llama.cold_start(fmt)
@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TINYVLLM_CPU_GRAPH"] = "0"
     cache_state = kernel_cache_state()
     llama = find_peers(args)  # fails here, not after minutes of measuring, if llama.cpp is not built
-    if llama is not None and args.model and args.model.endswith(".gguf"):  # llama.cpp on the very file as well
-        llama.models["file"] = Path(args.model).resolve()
+    if llama is not None and args.model and args.model.endswith(".gguf"):  # llama.cpp on the very file instead
+        llama.models = {"file": Path(args.model).resolve()}
 
     # ---- 1. cold start: process start -> first token ----
     t_setup_end = t = time.perf_counter()

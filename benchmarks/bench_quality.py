@@ -19,7 +19,7 @@ after tinyvllm's in the same process, and the ratio tinyvllm / llama.cpp (the ta
     q4_k_m, q5_k_m, q3_k_m, q2_k, iq4_xs, iq4_nl
                   llama-quantize F32 -> that mixture      auto             the same file            (--peers only)
     iq4_nl_online, q4_k_online
-                  the F32 GGUF                            iq4_nl, q4_k     llama-quantize --pure, Q8_0 embedding
+                  the F32 GGUF                            iq4_nl, q4_k     llama-quantize --pure F32 -> that type
 
 The peers' F32 and Q8_0 files were requantized from the shipped Q4_1 (benchmarks/peers/build_llama_cpp.py), so
 every row starts from the same numbers: the F32 file holds exactly the Q4_1 weights dequantized. The files made
@@ -85,9 +85,9 @@ def plan(peers, peers_dir: Path | None) -> list[Row]:
     # 32-element formats: Q4_K_M is mostly Q5_0, Q5_K_M Q5_1, Q2_K and Q3_K_M Q4_0, IQ4_XS IQ4_NL)
     mixes = {name: peers.quantize("F32", models / f"{stem}.{name}.gguf", name)
              for name in ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")}
-    # what `--quantization iq4_nl|q4_k` makes of the F32 weights: llama-quantize --pure's files, embedding in Q8_0
-    online = {name: peers.quantize("F32", models / f"{stem}.{name}-pure-q8emb.gguf", name, pure=True,
-                                   extra=("--token-embedding-type", "q8_0")) for name in ("IQ4_NL", "Q4_K")}
+    # what `--quantization iq4_nl|q4_k` makes of the F32 weights, the tied embedding included: llama-quantize --pure
+    online = {name: peers.quantize("F32", models / f"{stem}.{name}-pure.gguf", name, pure=True)
+              for name in ("IQ4_NL", "Q4_K")}
     return [Row("f32", "F32", f32, "auto", f32),
             Row("q4_1", "Q4_1 (shipped)", shipped, "auto", shipped),
             Row("q8_0", "Q8_0", q8_0, "auto", q8_0),

@@ -253,14 +253,14 @@ class LlamaCpp:
                 out["tokens"] = read_logits_file_tokens(logits_file)
         return out
 
-    def quantize(self, source: str | Path, out: Path, qtype: str, pure: bool = False, extra: tuple = ()) -> Path:
+    def quantize(self, source: str | Path, out: Path, qtype: str, pure: bool = False) -> Path:
         """`out`, made once by llama-quantize from a format of `models` or a .gguf path (cached: an existing
         file is kept). qtype as llama-quantize spells it ("Q4_K_M", "Q4_0"); pure: every tensor in that type,
-        no k-quant mixture and no Q6_K output tensor; extra: more llama-quantize options."""
+        no k-quant mixture and no Q6_K output tensor."""
         if out.is_file():
             return out
         tmp = out.with_suffix(".partial")
-        cmd = [str(self.bin_dir / "llama-quantize"), "--allow-requantize", *(["--pure"] if pure else []), *extra,
+        cmd = [str(self.bin_dir / "llama-quantize"), "--allow-requantize", *(["--pure"] if pure else []),
                str(self.models.get(source, source)), str(tmp), qtype, str(self.threads)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

@@ -1,4 +1,5 @@
-/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a 32-element GGUF block format: Q4_0, Q4_1 or Q8_0 (TV_QTYPE 2, 3, 8).
+/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a 32-element GGUF block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL
+ * (TV_QTYPE 2, 3, 6, 7, 8, 20).
  *
  * Why: decoding reads every weight once per token. SmolLM2-135M's 134.5 M linear weights are 538 MB in float32
  * (matmul.c) but 84 MB in Q4_1 (5 bits per weight) and 143 MB in Q8_0 (8.5): at M=1 this kernel has 6.4x (Q4_1)
@@ -7,7 +8,10 @@
  * The blocks (tinyvllm/model/quant.py draws them byte by byte), 32 weights each, one float16 scale d:
  *     Q4_0  18 bytes  d, 16 bytes of nibbles q in 0..15      w = d * (q - 8)  = d * q + m   with m = -8 d
  *     Q4_1  20 bytes  d, m, 16 bytes of nibbles q in 0..15   w = d * q + m
+ *     Q5_0  22 bytes  d, u32 qh, 16 bytes of nibbles          w = d * (q - 16), q = nibble | (bit j of qh) << 4
+ *     Q5_1  24 bytes  d, m, u32 qh, 16 bytes of nibbles       w = d * q + m,    q in 0..31 as Q5_0's
  *     Q8_0  34 bytes  d, 32 int8 q                           w = d * q
+ *     IQ4_NL 18 bytes d, 16 bytes of nibbles                 w = d * IQ4NL_VALUES[nibble] (qdot.h: 16 int8 values)
  *   (nibbles: byte j holds q[j] in its low 4 bits and q[j + 16] in its high 4 bits)
  *
  * The route llama.cpp's ggml-cpu takes (ggml-cpu/arch/x86/quants.c, vec_dot_q4_1_q8_1), our own code:
@@ -18,8 +22,9 @@
  *      The sum of integer products is exact. AVX2 does 32 of them in two instructions:
  *          _mm256_maddubs_epi16(u8 a[32], i8 b[32]) -> 16 int16  a[2i] b[2i] + a[2i+1] b[2i+1]   (|.| <= 2*15*127)
  *          _mm256_madd_epi16(that, 1)              ->  8 int32   (pairs again)
- *      maddubs wants its first operand unsigned: the nibbles are; a Q8_0 q_w is made so by taking |q_w| and moving
- *      its sign onto q_x (_mm256_sign_epi8; |.| <= 2*128*127 = 32512 still fits an int16). Then one float FMA per
+ *      maddubs wants its first operand unsigned: the nibbles are (Q5: 0..31, |.| <= 2*31*127); a signed q_w (Q8_0,
+ *      IQ4_NL, whose nibbles become their values by one byte shuffle) is made so by taking |q_w| and moving its
+ *      sign onto q_x (_mm256_sign_epi8; |.| <= 2*128*127 = 32512 still fits an int16). Then one float FMA per
  *      block applies d_w d_x, and the min term m s_x is summed beside it (see `tile`). The only rounding beyond
  *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *      On a CPU with AVX-512 VNNI (clang -march=native defines __AVX512VNNI__: the kernels are built on the machine

@@ -1,16 +1,24 @@
-/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a GGUF K-quant format: Q4_K or Q6_K (TV_QTYPE 12, 14).
+/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a 256-element GGUF super-block format: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or
+ * IQ4_XS (TV_QTYPE 10, 11, 12, 13, 14, 23).
  *
  * Why: the K-quants are what most downloaded GGUFs hold (a Q4_K_M file is Q4_K with some tensors in Q6_K).
  * They pack 256 weights into a super-block with ONE float16 scale, and give each 16 or 32 of them a small
- * integer scale of their own: 4.5 bits per weight (Q4_K) or 6.56 (Q6_K), against float32's 32. The integer
- * sub-block scales let the whole super-block stay in integers: one float multiply per 256 weights.
+ * integer scale of their own: 2.6 to 6.6 bits per weight against float32's 32. The integer sub-block scales
+ * let the whole super-block stay in integers: one float multiply per 256 weights.
  *
  * The super-blocks (tinyvllm/model/quant.py draws them byte by byte):
+ *   Q2_K  84 bytes: sc/m[16] (4 bits each), 64 bytes of 2-bit q, d, dmin (f16)
+ *        16 sub-blocks of 16: w = d * sc[s] * q - dmin * m[s], q in 0..3
+ *   Q3_K 110 bytes: hmask[32] (the high bit), 64 bytes of 2 low bits, 12 bytes of 6-bit sc[16], d (f16)
+ *        16 sub-blocks of 16: w = d * (sc[s] - 32) * (q - 4), q in 0..7
  *   Q4_K 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales sc[8] and mins m[8], 128 bytes of nibbles q in 0..15
  *        8 sub-blocks of 32:  w = d * sc[s] * q - dmin * m[s]
  *        (qs byte 32c + l: lo nibble = element l of sub-block 2c, hi nibble = element l of sub-block 2c + 1)
+ *   Q5_K 176 bytes: Q4_K's, and qh[32]: bit s of qh[l] is the fifth bit of element l of sub-block s; q in 0..31
  *   Q6_K 210 bytes: ql[128] (4 low bits), qh[64] (2 high bits), int8 sc[16], d (f16)
  *        16 sub-blocks of 16: w = d * sc[s] * (q - 32), q in 0..63
+ *   IQ4_XS 136 bytes: d (f16), 6-bit sc[8] (u16 of high bits, 4 bytes of low nibbles), 8 x 16 bytes of nibbles
+ *        8 sub-blocks of 32: w = d * (sc[s] - 32) * IQ4NL_VALUES[q] (qdot.h), each packed as a Q4_0 block
  *
  * Route (llama.cpp's ggml-cpu: x as block_q8_K, vec_dot_q4_K_q8_K / vec_dot_q6_K_q8_K; our own code):
  *   1. each row of x, once, into `scratch`: per 256 floats d_x = max|x| / 127, q_x = rint(x / d_x) (int8), and
@@ -18,7 +26,8 @@
  *   2. per super-block of one row of x and one row of w, all in int32:
  *        Q4_K:  dot ~= d_x * (d * sum_s sc[s] * sum_{k in s} q q_x  -  dmin * sum_s m[s] * sum_{k in s} q_x)
  *        Q6_K:  dot ~= d_x * d * sum_s sc[s] * (sum_{k in s} q q_x  -  32 * sum_{k in s} q_x)
- *      sum_{k in s} q_x is two bsums, so the min and the -32 cost one madd per super-block, not one per weight.
+ *      sum_{k in s} q_x is two bsums, so the min and the -32 cost one madd per super-block, not one per weight
+ *      (Q2_K, Q5_K: as Q4_K; Q3_K: as Q6_K with -4; IQ4_XS: its values signed, x takes their signs as qmatmul.c's).
  *      AVX2: _mm256_maddubs_epi16 (32 u8 x i8 products, pairs added: |.| <= 2*63*127 < 2^15), then
  *      _mm256_madd_epi16 against the sub-block scales instead of ones: the scale is applied in integers.
  *
