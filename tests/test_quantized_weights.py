@@ -92,6 +92,56 @@ def test_quantized_model_matches_its_dequantized_twin(tmp_path, qkv):
     assert np.abs(a - b).max() < 0.05 * np.abs(b).max()
 
 
+def test_every_format_end_to_end(tmp_path):
+    """Each block format kernels compute, in one tiny model (rows of 256 and 512, so the 256-element super-blocks
+    fit), one linear per format: loaded from a GGUF, kept in its blocks, and the logits those of the same weights
+    dequantized, up to the kernels' 8-bit rounding of the activations. The 32-element formats are quantized from
+    the float weights (gguf's quantizers, ours for IQ4_NL); the others are random blocks with valid scales, shaped
+    as a weight is: this tests the kernels and the model's plumbing, not a quantizer."""
+    import dataclasses
+
+    from tests.test_kernels_qlinear import random_blocks
+    from tests.test_weights import F16_FIELDS
+    from tinyvllm.ggml_types import KERNEL_TYPES
+    from tinyvllm.kernels.qlinear import QUANT_FORMATS
+    from tinyvllm.model.quant import dequantize
+    from tinyvllm.model.quantizer import quantize as our_quantize
+    from tinyvllm.model.weights_gguf import gguf_name
+
+    config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64)
+    sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32)
+          for k, v in tiny_state_dict(config).items()}
+    linears = [f"model.layers.{i}.{part}.weight" for i in range(2) for part in
+               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")]
+    formats = sorted(KERNEL_TYPES)
+    quantize, raw = {}, {}
+    for i, name in enumerate(linears):
+        t = formats[i % len(formats)]
+        if t in (2, 3, 6, 7, 8):
+            quantize[name] = t
+        elif t == 20:
+            raw[gguf_name(name)] = (our_quantize(sd.pop(name), 20), t)
+        else:  # random blocks, their float16 scales rescaled so that the weights' RMS is a trained layer's
+            N, K = sd.pop(name).shape
+            blocks = random_blocks(t, N, K, seed=i)
+            rms = np.sqrt(np.mean(dequantize(blocks.reshape(-1), t, (N, K)).astype(np.float64) ** 2))
+            per_block = blocks.reshape(-1, QUANT_FORMATS[t].type_size)
+            for at in F16_FIELDS[t]:
+                scaled = per_block[:, at:at + 2].copy().view(np.float16).astype(np.float32) / (rms * np.sqrt(K))
+                per_block[:, at:at + 2] = scaled.astype(np.float16).view(np.uint8)
+            raw[gguf_name(name)] = (blocks, t)
+    assert {t for _, t in raw.values()} | set(quantize.values()) == set(formats)
+    path = write_tiny_gguf(tmp_path / "every.gguf", sd, config, quantize=quantize, raw=raw)
+    auto, none = load_checkpoint(path, quantization="auto"), load_checkpoint(path, quantization="none")
+    kept = {w.type_name for w in auto.state_dict.values() if isinstance(w, QuantizedArray)}
+    assert kept == {KERNEL_TYPES[t] for t in formats}
+    ids = [1, 5, 9, 33, 2]
+    a, b = tiny_logits(auto, ids), tiny_logits(none, ids)
+    assert np.abs(a - b).max() < 0.05 * np.abs(b).max(), np.abs(a - b).max() / np.abs(b).max()
+
+
 def test_online_quantization_of_a_float_checkpoint(tiny_model_dir):
     ck = load_checkpoint(tiny_model_dir, quantization="q8_0")
     w = ck.state_dict["model.layers.1.mlp.gate_proj.weight"]
