@@ -176,9 +176,13 @@ def test_quantize_errors():
     for bad in (np.nan, np.inf, 1e9):
         y = x.copy()
         y[1, 40] = bad
-        for ggml_type in TYPES.values():
+        for ggml_type in (*TYPES.values(), 6, 20):
             with pytest.raises(ValueError, match="float16 cannot hold"):
                 quantize(y, ggml_type)
+        y256 = np.ones((2, 256), np.float32)
+        y256[1, 40] = bad
+        with pytest.raises(ValueError, match="float16 cannot hold"):
+            quantize(y256, 12)
     assert quantize(np.zeros((0, 64), np.float32), 3).shape == (0, 40)
     np.testing.assert_array_equal(quantize(x.astype(np.float16), 8), quantize(x, 8))  # float16 in: widened first
 

@@ -134,11 +134,15 @@ def _quantize_q5_0(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
 
 
 def _quantize_iq4_nl(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    if not np.isfinite(x).all():  # NaN or infinity: the clear error before the search
+        _float16(np.abs(x).max(axis=1, keepdims=True), "scale")
     quantize_iq4_nl(x, out)
-    _float16(out[:, 0:2].copy().view(np.float16).astype(np.float32), "scale")  # a NaN or overflow: the clear error
+    _float16(out[:, 0:2].copy().view(np.float16).astype(np.float32), "scale")  # overflow: the clear error
 
 
 def _quantize_q4_k(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    if not np.isfinite(x).all():
+        _float16(np.abs(x).max(axis=1, keepdims=True), "scale")
     quantize_q4_k(x, out)
     _float16(out[:, 0:4].copy().view(np.float16).astype(np.float32), "scale")
 

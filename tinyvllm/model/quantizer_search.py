@@ -23,25 +23,24 @@ def sequential_sum(a: np.ndarray) -> np.ndarray:
     return s
 
 
-# The values are whole numbers, so which of them lie at or below x depends only on floor(x): per floor(x) in
-# -128..114 (x clipped there first), mu = the index of the first value above x (clipped to 1..15), and the two
-# candidates values[mu - 1], values[mu]. One table lookup replaces ggml's bisection.
-_FLOORS = np.arange(-128, 115, dtype=np.float32)
-_MU = np.clip(np.searchsorted(_VALUES, _FLOORS, side="right"), 1, 15).astype(np.int8)
-_BELOW, _ABOVE = _VALUES[_MU - 1], _VALUES[_MU]
+# Which value is nearest x depends only on where x lies among the 15 midpoints between neighbouring values, and
+# those are half-integers: so only on floor(2 x) (2 x is exact in float32). One table lookup per element, indexed by
+# floor(2 x) clipped to -256..228, replaces ggml's bisection.
+_TWICE_MIDPOINTS = _VALUES[:-1] + _VALUES[1:]  # (15,) whole numbers
+_LOWEST, _HIGHEST = -256, 228
+_NEAREST = np.searchsorted(_TWICE_MIDPOINTS, np.arange(_LOWEST, _HIGHEST + 1, dtype=np.float32), side="right")
 
 
 def nearest_value(x: np.ndarray) -> np.ndarray:
     """ggml's best_index_int8 on IQ4NL_VALUES: the index of the value nearest x (float32, any shape), ties upward.
 
-    ggml bisects to mu, the first value above x, then keeps mu - 1 if x - values[mu-1] < values[mu] - x, both
-    differences rounded to float32 (so near a midpoint the rounding decides, as it does in C); below values[0] or
-    above values[15] that gives 0 or 15, as ggml's early returns."""
-    at = np.floor(x)
-    np.clip(at, -128, 114, out=at)
-    at += 128
-    i = at.astype(np.intp)  # (numpy would convert any other index type on each of the three lookups)
-    return _MU[i] - ((x - _BELOW[i]) < (_ABOVE[i] - x))
+    ggml bisects to mu, the first value above x, and keeps mu - 1 if x - values[mu-1] < values[mu] - x. Near a
+    midpoint both differences are below 16 and exact in float32, so that is the exact comparison of x with the
+    midpoint (a tie goes up), and the table gives the same index (tests/test_quantize.py: ggml's bytes)."""
+    at = np.floor(x * np.float32(2))
+    np.clip(at, _LOWEST, _HIGHEST, out=at)
+    at -= _LOWEST
+    return _NEAREST[at.astype(np.intp)]
 
 
 def _weighted_sums(xt: np.ndarray, weight: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,7 +85,7 @@ def quantize_iq4_nl(x: np.ndarray, out: np.ndarray, ntry: int = 7) -> None:
             idx = nearest_value(np.where(d != 0, np.float32(1) / d, np.float32(0)) * xt)
         else:
             idx = np.where(live, idx, 8)
-    out[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(n, 2)
+        out[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(n, 2)
     idx = idx.astype(np.uint8)
     out[:, 2:] = (idx[:16] | (idx[16:] << 4)).T
 
@@ -169,11 +168,11 @@ def quantize_q4_k(x: np.ndarray, out: np.ndarray) -> None:
         dm = dmin16.astype(np.float32)[:, None] * lm.astype(np.float32)
         again = _nearest_int((xt + dm.reshape(1, -1)) / np.where(d != 0, d, np.float32(1)).reshape(1, -1))
         L = np.where(d.reshape(1, -1) != 0, np.clip(again, 0, 15), L)
+        q = L.T.reshape(n, 4, 2, 32).astype(np.uint8)  # (n, chunk c, sub-block 2c / 2c + 1, element)
     out[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
     out[:, 2:4] = dmin16.view(np.uint8).reshape(n, 2)
     # 6-bit scales and mins: quant.py's _k_scales_mins draws the packing
     out[:, 4:8] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
     out[:, 8:12] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
     out[:, 12:16] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
-    q = L.T.reshape(n, 4, 2, 32).astype(np.uint8)  # (n, chunk c, sub-block 2c / 2c + 1, element)
     out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
