@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         report_peers(results, peers, label, list(llama.models))
         results["peers"] = peers
     name = ("bench_generate" if args.quantization == "none" else f"bench_generate_{args.quantization}") + (
-        "" if args.model is None else f"_{Path(args.model).stem.split('.')[-1].lower()}")  # the --model file's type
+        "" if args.model is None else "_" + Path(args.model).stem.split(".")[-1].lower().replace("-", "_"))
     write_results(name, file_figures(results), args, also=args.json_path)
     return 0
 
