@@ -224,10 +224,17 @@ def _q4_1(b: Tensor) -> Tensor:  # x = d * q + m
     return _f16(b, 0) * _nibbles(b[..., 4:]).cast(dtypes.float32) + _f16(b, 2)
 
 
+def _shifted(x: Tensor, shifts: range | tuple[int, ...], dim: int) -> Tensor:
+    """x >> s for each s, stacked along a new dimension `dim`.
+
+    NOTE: the shifts are Python constants, not a Tensor: a Tensor made from a list inside a captured step is a
+    buffer of its own, which kept the whole decode step of a model with a Q5_0 embedding out of the CPU graph."""
+    return Tensor.stack(*[x >> sh for sh in shifts], dim=dim)
+
+
 def _fifth_bits(qh: Tensor) -> Tensor:
     """(..., 4) bytes of a little-endian u32 -> (..., 32): bit k of it, as 0 or 16 (element k's fifth bit)."""
-    shifts = Tensor(list(range(8)), dtype=dtypes.uint8, device=qh.device)
-    return (((qh.unsqueeze(-1) >> shifts) & 1) << 4).reshape(*qh.shape[:-1], 32)
+    return ((_shifted(qh, range(8), -1) & 1) << 4).reshape(*qh.shape[:-1], 32)
 
 
 def _q5_0(b: Tensor) -> Tensor:  # x = d * (q - 16), q = nibble | fifth bit
@@ -236,10 +243,11 @@ def _q5_0(b: Tensor) -> Tensor:  # x = d * (q - 16), q = nibble | fifth bit
 
 
 def _iq4_values(nibbles: Tensor) -> Tensor:
-    """IQ4_NL's 16 values looked up by 4-bit indices, as float32 (a one-hot gather: exact)."""
-    table = Tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=dtypes.float32,
-                   device=nibbles.device)
-    return table[nibbles.cast(dtypes.int32)]
+    """IQ4_NL's 16 values looked up by 4-bit indices, as float32: a chain of selects on constants (exact)."""
+    out = nibbles.cast(dtypes.float32) * 0
+    for index, value in enumerate((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)):
+        out = (nibbles == index).where(float(value), out)
+    return out
 
 
 def _iq4_nl(b: Tensor) -> Tensor:  # x = d * values[q]
@@ -258,8 +266,8 @@ def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
 def _two_bits(qs: Tensor) -> Tensor:
     """Q2_K/Q3_K: (..., 64) bytes -> (..., 16, 16) values 0..3, element e of half h = bits 2 (e // 32) of byte
     32h + e % 32."""
-    shifts = Tensor([0, 2, 4, 6], dtype=dtypes.uint8, device=qs.device).reshape(4, 1)
-    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*qs.shape[:-1], 16, 16)
+    halves = qs.reshape(*qs.shape[:-1], 2, 32)
+    return (_shifted(halves, range(0, 8, 2), -2) & 3).reshape(*qs.shape[:-1], 16, 16)
 
 
 def _q2_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * sc) * q - (dmin * m), 4-bit sc and m
@@ -273,12 +281,10 @@ def _q3_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * (sc - 32)) * q,
     lead = b.shape[:-1]
     packed = b[..., 96:108]
     low = (packed[..., 0:8] & 0x0F).cat(packed[..., 0:8] >> 4, dim=-1)  # (..., 16)
-    shifts = Tensor([0, 2, 4, 6], dtype=dtypes.uint8, device=b.device).reshape(4, 1)
-    high = ((packed[..., 8:12].unsqueeze(-2) >> shifts) & 3).reshape(*lead, 16)
+    high = (_shifted(packed[..., 8:12], range(0, 8, 2), -2) & 3).reshape(*lead, 16)
     sc = (low | (high << 4)).cast(dtypes.int32) - 32
     dl = (_f16(b, 108) * sc.cast(dtypes.float32)).unsqueeze(-1)  # (..., 16, 1)
-    bits = Tensor(list(range(8)), dtype=dtypes.uint8, device=b.device).reshape(8, 1)
-    hbit = ((b[..., 0:32].unsqueeze(-2) >> bits) & 1).reshape(*lead, 16, 16)  # element 32k + l: bit k of byte l
+    hbit = (_shifted(b[..., 0:32], range(8), -2) & 1).reshape(*lead, 16, 16)  # element 32k + l: bit k of byte l
     q = _two_bits(b[..., 32:96]).cast(dtypes.int32) - ((hbit ^ 1) << 2).cast(dtypes.int32)
     return (dl * q.cast(dtypes.float32)).reshape(*lead, 256)
 
@@ -302,8 +308,7 @@ def _q4_k(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * sc) * q - (dmin 
 def _q5_k(b: Tensor) -> Tensor:  # Q4_K's scales and nibbles (from byte 48), a fifth bit: bit s of qh[l]
     d, dm = _k_scales(b)
     low = _nibbles(b[..., 48:].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 8, 32)
-    shifts = Tensor(list(range(8)), dtype=dtypes.uint8, device=b.device).reshape(8, 1)
-    high = ((b[..., 16:48].unsqueeze(-2) >> shifts) & 1) << 4  # (..., 8, 32)
+    high = (_shifted(b[..., 16:48], range(8), -2) & 1) << 4  # (..., 8, 32)
     return (d * (low | high).cast(dtypes.float32) - dm).reshape(*b.shape[:-1], 256)
 
 
@@ -314,17 +319,16 @@ def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 3
     scales = b[..., 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (..., 16)
     d = (_f16(b, 208) * scales).unsqueeze(-1)  # (..., 16, 1)
     low = _nibbles(ql)  # (..., 2, 128)
-    shifts = Tensor([0, 2, 4, 6], dtype=dtypes.uint8, device=b.device).reshape(4, 1)
-    high = ((qh >> shifts) & 3).reshape(*lead, 2, 128)  # element e of a half: bits 2(e // 32) of qh[e % 32]
+    high = (_shifted(qh[..., 0, :], range(0, 8, 2), -2) & 3).reshape(*lead, 2, 128)  # bits 2(e // 32) of qh[e % 32]
     q = (low | (high << 4)).cast(dtypes.float32) - 32
     return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
 
 
 def _iq4_xs(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * (sc - 32)) * values[q], 6-bit sc
     lead = b.shape[:-1]
-    low = (b[..., 4:8].unsqueeze(-1) >> Tensor([0, 4], dtype=dtypes.uint8, device=b.device)).reshape(*lead, 8) & 0x0F
+    low = _shifted(b[..., 4:8], (0, 4), -1).reshape(*lead, 8) & 0x0F
     high = b[..., 2:3].cast(dtypes.uint16) | (b[..., 3:4].cast(dtypes.uint16) << 8)  # (..., 1) scales_h
-    high = (high >> Tensor(list(range(0, 16, 2)), dtype=dtypes.uint16, device=b.device)) & 3  # (..., 8)
+    high = _shifted(high[..., 0], range(0, 16, 2), -1) & 3  # (..., 8)
     sc = (low.cast(dtypes.int32) | (high.cast(dtypes.int32) << 4)) - 32
     dl = (_f16(b, 0) * sc.cast(dtypes.float32)).unsqueeze(-1)  # (..., 8, 1)
     q = _iq4_values(_nibbles(b[..., 8:].reshape(*lead, 8, 16)))  # (..., 8, 32)
