@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_state = kernel_cache_state()
     llama = find_peers(args)  # fails here, not after minutes of measuring, if llama.cpp is not built
     if llama is not None and args.model and args.model.endswith(".gguf"):  # llama.cpp on the very file instead
-        llama.models = {"file": Path(args.model).resolve()}
+        llama = type(llama)(llama.bin_dir, {"file": Path(args.model).resolve()}, llama.threads)
 
     # ---- 1. cold start: process start -> first token ----
     t_setup_end = t = time.perf_counter()

@@ -311,6 +311,22 @@ def test_real_model_tensors(name: str, M: int):
 
 
 @needs_kernel
+@pytest.mark.parametrize("ggml_type", [6, 12, 20], ids=["Q5_0", "Q4_K", "IQ4_NL"])
+def test_real_weights_requantized(ggml_type: int):
+    # the shipped model's down_proj (576 x 1536) dequantized and quantized again by tinyvllm's own quantizers, as
+    # --quantization q4_k (its Q5_0 fallback) and iq4_nl make them: real blocks, against both oracles, at one row
+    # (the stream), at 9 (AVX-512's wide tile for the 32-element formats) and at 37
+    from tinyvllm.model.quantizer import quantize
+    blocks, src_type, K = model_tensor("blk.0.ffn_down.weight")
+    floats = dequantize(blocks.reshape(-1), src_type, (blocks.shape[0], K))
+    requantized = quantize(floats[:64], ggml_type)
+    for M in (1, 9, 37):
+        x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
+        out = qlinear(Tensor(x).realize(), weight(requantized, ggml_type, K)).numpy()
+        check_both_oracles(out, x, requantized, ggml_type)
+
+
+@needs_kernel
 @pytest.mark.parametrize("ggml_type", FORMATS, ids=[QUANT_FORMATS[t].name for t in FORMATS])
 def test_portable_path_matches_kernel(ggml_type: int, monkeypatch: pytest.MonkeyPatch):
     N, K = SHAPES[QUANT_FORMATS[ggml_type].block_size][0]
