@@ -21,17 +21,13 @@ Five measurements, in the order a user meets them (the fifth with --peers):
          bytes per token = (all linear weights + lm_head) x bytes of the compute dtype
          best decode tok/s = read bandwidth / bytes per token
 
-     The read bandwidth is measured in this run, on the device the run uses (benchmarks/bandwidth.py: on the
-     CPU every core reads a buffer several times the last-level cache with AVX2 loads, best of several; on a
-     GPU a tinygrad reduction reads 1 GiB of its memory). With --peers, a second ceiling: the rate at
-     which llama.cpp streams the same float32 weights (its tg tok/s x the same bytes per token). The KV cache
-     read and the embedding row are left out: both are small next to the weights at these lengths (the KV
-     figure is printed).
+     The read bandwidth is measured in this run, on its device (benchmarks/bandwidth.py); with --peers, also the
+     rate llama.cpp streams the float32 weights at (its tg tok/s x those bytes). KV cache and embedding left out.
   5. with --peers DIR: llama.cpp's llama-bench (tgN, ppN for the same lengths) on F32, Q8_0 and the shipped
-     Q4_1 weights, and llama-server's process start to first token, run after tinyvllm's measurements,
-     printed beside them with the ratio. Without --peers no peer figure is printed.
+     Q4_1 weights (with --model FILE.gguf, on that very file instead: "file"), and llama-server's process start to
+     first token, run after tinyvllm's measurements, printed beside them with the ratio.
 
-Results go to benchmarks/results/bench_generate.json (and to --json PATH).
+Results go to benchmarks/results/bench_generate[_<method>][_<the --model file's type>].json (and to --json PATH).
 """
 
 from __future__ import annotations
@@ -86,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
-    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "q8_0", "q4_0", "q4_1"],
+    p.add_argument("--quantization", "-q", default="auto",
+                   choices=["auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k"],
                    help="how the weights are stored (the engine's flag, default auto: the GGUF's own blocks). "
                         "Results go to results/bench_generate.json for none (float32 weights), "
                         "results/bench_generate_<method>.json otherwise")
@@ -220,10 +217,10 @@ def finish_cold_start_only(args, results: dict, llama) -> int:
 def measure_peers(llama, prompt_lens: list[int], n_gen: int) -> dict:
     """llama.cpp on each weight format: llama-bench (ppN for each prompt length, tg n_gen) and the cold start of
     llama-server. Keys as in the results file: {"llama_cpp_f32": {"tg128_tok_s": .., "cold_start_s": ..}, ..}."""
-    from peers.llama_cpp import FORMATS, result_key  # benchmarks/peers/
+    from peers.llama_cpp import result_key  # benchmarks/peers/
 
     out = {}
-    for fmt in FORMATS:
+    for fmt in llama.models:  # F32, Q8_0, Q4_1 (with --model, "file": the same file tinyvllm ran)
         log(f"llama.cpp {fmt}: llama-bench -p {','.join(map(str, prompt_lens))} -n {n_gen}, then llama-server ...")
         figures = llama.bench(fmt, prompt_lens, n_gen)
         cold = llama.cold_start(fmt)
@@ -270,9 +267,9 @@ def report_ceiling(read: dict, weight_bytes: int, f32_weight_bytes: int, kv_byte
     return out
 
 
-def report_peers(results: dict, peers: dict, dtype: str) -> None:
+def report_peers(results: dict, peers: dict, dtype: str, formats: list[str]) -> None:
     """tinyvllm and llama.cpp side by side, same workloads; each peer gets its tinyvllm / llama.cpp ratios."""
-    from peers.llama_cpp import FORMATS, SOURCE, result_key  # benchmarks/peers/
+    from peers.llama_cpp import SOURCE, result_key  # benchmarks/peers/
 
     n_gen = results["decode"]["tokens_per_run"]
     ours = {f"tg{n_gen}": results["decode"]["tok_per_s"]}
@@ -281,7 +278,7 @@ def report_peers(results: dict, peers: dict, dtype: str) -> None:
     for name, value in ours.items():
         kind = "decode" if name.startswith("tg") else "prefill"
         row = [f"{kind} {name} tok/s", f"{value:.1f}"]
-        for fmt in FORMATS:
+        for fmt in formats:
             peer = peers[result_key(fmt)]
             theirs = peer.get(f"{name}_tok_s")
             peer.setdefault("tinyvllm_ratio", {})[name] = None if theirs is None else value / theirs
@@ -289,17 +286,17 @@ def report_peers(results: dict, peers: dict, dtype: str) -> None:
         rows.append(row)
     cold = results["cold_start"]["process_start_to_first_token_s"]
     row = ["cold start: process start -> first token, s", f"{cold:.2f}"]
-    for fmt in FORMATS:
+    for fmt in formats:
         peer = peers[result_key(fmt)]
         peer.setdefault("tinyvllm_ratio", {})["cold_start"] = cold / peer["cold_start_s"]
         row += [f"{peer['cold_start_s']:.2f}", f"{cold / peer['cold_start_s']:.2f}"]
     rows.append(row)
-    headers = side_by_side_headers("workload", f"tinyvllm {dtype}", FORMATS)
+    headers = side_by_side_headers("workload", f"tinyvllm {dtype}", formats)
     print(f"\n== tinyvllm and llama.cpp ({SOURCE}), same model and workloads, this run; "
           f"ratio = tinyvllm / llama.cpp ==")
     print(table(rows, headers))
     print(f"llama.cpp: llama-bench (median of 5 repetitions, decode from an empty context), llama-server -np 1 from "
-          f"Popen to the reply of one /completion (median of 3); {peers[result_key(FORMATS[0])]['threads']} threads.")
+          f"Popen to the reply of one /completion (median of 3); {peers[result_key(formats[0])]['threads']} threads.")
     print("For the cold start the ratio is of seconds: above 1, tinyvllm takes longer.")
 
 
@@ -341,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TINYVLLM_CPU_GRAPH"] = "0"
     cache_state = kernel_cache_state()
     llama = find_peers(args)  # fails here, not after minutes of measuring, if llama.cpp is not built
+    if llama is not None and args.model and args.model.endswith(".gguf"):  # llama.cpp on the very file instead
+        llama = type(llama)(llama.bin_dir, {"file": Path(args.model).resolve()}, llama.threads)
 
     # ---- 1. cold start: process start -> first token ----
     t_setup_end = t = time.perf_counter()
@@ -488,9 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     results["ceiling"] = report_ceiling(read, weight_bytes, weight_bytes_per_token(config, 4), kv_bytes,
                                         engine_tok_s, peers, label)
     if peers:
-        report_peers(results, peers, label)
+        report_peers(results, peers, label, list(llama.models))
         results["peers"] = peers
-    name = "bench_generate" if args.quantization == "none" else f"bench_generate_{args.quantization}"
+    name = ("bench_generate" if args.quantization == "none" else f"bench_generate_{args.quantization}") + (
+        "" if args.model is None else "_" + Path(args.model).stem.split(".")[-1].lower().replace("-", "_"))
     write_results(name, file_figures(results), args, also=args.json_path)
     return 0
 

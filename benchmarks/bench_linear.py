@@ -42,7 +42,7 @@ SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 5
           "lm_head": (49152, 576)}
 
 
-FORMATS = {f.name.lower(): t for t, f in QUANT_FORMATS.items()}  # q4_0, q4_1, q8_0, q4_k, q6_k -> ggml type
+FORMATS = {f.name.lower(): t for t, f in QUANT_FORMATS.items()}  # q4_0, q4_1, ..., iq4_xs -> ggml type
 
 
 def random_blocks(rng: np.random.Generator, ggml_type: int, N: int, K: int) -> np.ndarray:
@@ -50,7 +50,8 @@ def random_blocks(rng: np.random.Generator, ggml_type: int, N: int, K: int) -> n
     fmt = QUANT_FORMATS[ggml_type]
     nb = K // fmt.block_size
     b = rng.integers(0, 256, (N, nb, fmt.type_size), dtype=np.uint8)
-    scales = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 14: [208]}[ggml_type]  # byte offsets of the float16 scales
+    scales = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 10: [80, 82], 11: [108], 12: [0, 2], 13: [0, 2],
+              14: [208], 20: [0], 23: [0]}[ggml_type]  # byte offsets of the float16 scales
     for at in scales:
         b[..., at:at + 2] = rng.uniform(0.001, 0.01, (N, nb)).astype(np.float16).view(np.uint8).reshape(N, nb, 2)
     return b.reshape(N, -1)

@@ -16,7 +16,10 @@ after tinyvllm's in the same process, and the ratio tinyvllm / llama.cpp (the ta
     q8_0          the peers' Q8_0 GGUF                    auto             the same file            (--peers only)
     q8_0_online   the F32 GGUF (or the shipped Q4_1)      q8_0             the Q8_0 GGUF
     q4_0_online   the F32 GGUF (or the shipped Q4_1)      q4_0             llama-quantize --pure F32 -> Q4_0
-    q4_k_m        llama-quantize F32 -> Q4_K_M            auto             the same file            (--peers only)
+    q4_k_m, q5_k_m, q3_k_m, q2_k, iq4_xs, iq4_nl
+                  llama-quantize F32 -> that mixture      auto             the same file            (--peers only)
+    iq4_nl_online, q4_k_online
+                  the F32 GGUF                            iq4_nl, q4_k     llama-quantize --pure F32 -> that type
 
 The peers' F32 and Q8_0 files were requantized from the shipped Q4_1 (benchmarks/peers/build_llama_cpp.py), so
 every row starts from the same numbers: the F32 file holds exactly the Q4_1 weights dequantized. The files made
@@ -32,7 +35,7 @@ With --peers, the token ids llama-perplexity cut its chunks from are read back o
 tinyvllm's: the two figures score the same tokens only if they are equal. --hf adds HF transformers' perplexity
 of the float row (the same chunks, the same token ids), the oracle of tests/test_perplexity.py.
 
-Results go to benchmarks/results/bench_quality.json.
+Results go to benchmarks/results/bench_quality.json (with --file, bench_quality_<the file's stem>.json).
 """
 
 from __future__ import annotations
@@ -78,13 +81,21 @@ def plan(peers, peers_dir: Path | None) -> list[Row]:
     models = peers_dir / "models"
     log("making the Q4_0 and Q4_K_M files with llama-quantize (cached in the peers' models folder)")
     q4_0 = peers.quantize("F32", models / f"{stem}.Q4_0-pure.gguf", "Q4_0", pure=True)
-    q4_k_m = peers.quantize("F32", models / f"{stem}.Q4_K_M.gguf", "Q4_K_M")
+    # llama-quantize's mixtures, each as llama.cpp users download them (SmolLM2's 576-wide rows fall back to
+    # 32-element formats: Q4_K_M is mostly Q5_0, Q5_K_M Q5_1, Q2_K and Q3_K_M Q4_0, IQ4_XS IQ4_NL)
+    mixes = {name: peers.quantize("F32", models / f"{stem}.{name}.gguf", name)
+             for name in ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")}
+    # what `--quantization iq4_nl|q4_k` makes of the F32 weights, the tied embedding included: llama-quantize --pure
+    online = {name: peers.quantize("F32", models / f"{stem}.{name}-pure.gguf", name, pure=True)
+              for name in ("IQ4_NL", "Q4_K")}
     return [Row("f32", "F32", f32, "auto", f32),
             Row("q4_1", "Q4_1 (shipped)", shipped, "auto", shipped),
             Row("q8_0", "Q8_0", q8_0, "auto", q8_0),
             Row("q8_0_online", "Q8_0 online, from F32", f32, "q8_0", q8_0),
             Row("q4_0_online", "Q4_0 online, from F32", f32, "q4_0", q4_0),
-            Row("q4_k_m", "Q4_K_M", q4_k_m, "auto", q4_k_m)]
+            *[Row(name.lower(), name, path, "auto", path) for name, path in mixes.items()],
+            Row("iq4_nl_online", "IQ4_NL online, from F32", f32, "iq4_nl", online["IQ4_NL"]),
+            Row("q4_k_online", "Q4_K online, from F32", f32, "q4_k", online["Q4_K"])]
 
 
 def stored_as(weight_bytes: dict[str, int]) -> str:
@@ -182,7 +193,8 @@ def main() -> None:
     if "hf_ppl" in results["f32"]:
         print(f"HF transformers, float row: ppl {results['f32']['hf_ppl']:.4f} "
               f"(tinyvllm / HF = {results['f32']['hf_ratio']:.6f})")
-    write_results("bench_quality", {
+    name = "bench_quality" if args.file is None else f"bench_quality_{Path(args.file).stem}"  # a text of its own
+    write_results(name, {
         "text": {"file": text_path.name, "python": platform.python_version(), "characters": len(text),
                  "tokens": len(token_ids), "sha256": text_digest(text)},
         "n_ctx": args.n_ctx, "chunks": chunks, "tokens_scored": r.tokens_scored,

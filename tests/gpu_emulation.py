@@ -6,6 +6,7 @@ The emulation compiles a `.cu` or `.metal` file as C++ after a page of shims (EM
     grid (gx, gy) of thread blocks, one block after another; every GPU thread of a block a real pthread
     __syncthreads / threadgroup_barrier           a real barrier of the block's threads
     __dp4a                                         4 products of signed bytes, summed in int
+    __byte_perm                                    4 bytes picked from 8 (the low 3 bits of each selector nibble)
     __shfl_xor_sync / simd_sum / __syncwarp        through memory, between two barriers of the warp's 32 threads
     __shared__ / threadgroup arrays                statics, shared by the block's threads
     __half (CUDA) / half (Metal)                   IEEE float16: clang's __fp16 storage type, converted by F16C
@@ -84,6 +85,12 @@ inline int __dp4a(int a, int b, int c) {  /* 4 signed bytes of a times those of 
   for (int i = 0; i < 32; i += 8) c += (signed char)(a >> i) * (signed char)(b >> i);
   return c;
 }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  /* byte i: byte (s >> 4i) & 7 of y:x */
+  const unsigned long long v = x | (unsigned long long)y << 32;
+  unsigned r = 0;
+  for (int i = 0; i < 4; i++) r |= (unsigned)(v >> 8 * (s >> 4 * i & 7) & 0xFF) << 8 * i;
+  return r;
+}
 inline void __syncthreads() { pthread_barrier_wait(&block_barrier); }
 inline void __syncwarp() { warp_wait(); }
 inline float __shfl_xor_sync(unsigned, float x, int offset) {
@@ -96,6 +103,7 @@ inline float __shfl_xor_sync(unsigned, float x, int offset) {
 /* Metal */
 #define kernel
 #define device
+#define constant static const  /* program-scope tables */
 #define threadgroup static
 #define thread  /* the address space of a thread's own variables */
 typedef unsigned char uchar;

@@ -31,9 +31,9 @@ from tinyvllm.kernels.qlinear import (
     scratch_bytes,
     uses_kernel,
 )
-from tinyvllm.model.quant import _k_scales_mins, dequantize
+from tinyvllm.model.quant import IQ4NL_VALUES, _k_scales_mins, _q3_k_scales, dequantize
 
-FORMATS = list(QUANT_FORMATS)  # 2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K
+FORMATS = list(QUANT_FORMATS)  # ggml type ids: 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 14 Q6_K, ...
 needs_kernel = pytest.mark.skipif(not launcher.has_kernel("qmatmul", Device.DEFAULT), reason="no C kernel here")
 
 
@@ -51,14 +51,20 @@ def random_blocks(ggml_type: int, N: int, K: int, seed: int) -> np.ndarray:
     nb = K // fmt.block_size
     b = rng.integers(0, 256, (N, nb, fmt.type_size), dtype=np.uint8)  # quants, and the 6-bit / int8 sub-scales
     scale = lambda lo, hi: f16_bytes(rng.uniform(lo, hi, (N, nb)))  # noqa: E731
-    if ggml_type in (2, 3, 8):
+    if fmt.block_size == 32:
         b[..., 0:2] = scale(0.001, 0.02)  # d
-    if ggml_type == 3:
+    if ggml_type in (3, 7):
         b[..., 2:4] = scale(-0.15, 0.0)  # m: the block's minimum, usually negative
-    if ggml_type == 12:
+    if ggml_type in (12, 13):
         b[..., 0:2], b[..., 2:4] = scale(0.0005, 0.002), scale(0.0005, 0.002)  # d, dmin
     if ggml_type == 14:
         b[..., 208:210] = scale(0.0001, 0.0005)  # d
+    if ggml_type == 23:
+        b[..., 0:2] = scale(0.00002, 0.0001)  # d
+    if ggml_type == 10:
+        b[..., 80:82], b[..., 82:84] = scale(0.002, 0.01), scale(0.001, 0.005)  # d, dmin
+    if ggml_type == 11:
+        b[..., 108:110] = scale(0.0005, 0.002)  # d
     return b.reshape(N, -1)
 
 
@@ -83,6 +89,24 @@ def f16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64)
 
 
+def block_integers(b: np.ndarray, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 32-element format's blocks (N, nb, type_size) taken apart: w = d * q + m per block, q (N, nb, 32) int64,
+    d and m (N, nb) float64."""
+    dw = f16(b, 0)
+    if ggml_type == 8:
+        return b[..., 2:].view(np.int8).astype(np.int64), dw, np.zeros_like(dw)
+    if ggml_type == 20:  # IQ4_NL: the nibbles index 16 values
+        qs = b[..., 2:]
+        return IQ4NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int64), dw, np.zeros_like(dw)
+    qs = b[..., {2: 2, 3: 4, 6: 6, 7: 8}[ggml_type]:]
+    qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+    if ggml_type in (6, 7):  # Q5: bit k of the u32 before the nibbles is element k's fifth bit
+        qh = b[..., {6: 2, 7: 4}[ggml_type]:][..., :4].copy().view(np.uint32)  # (N, nb, 1)
+        qw |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
+    mw = f16(b, 2) if ggml_type in (3, 7) else {2: -8, 6: -16}[ggml_type] * dw
+    return qw, dw, mw
+
+
 def reference(x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     """out (M, N) in float64 from x quantized as the kernel quantizes it, and w's blocks taken apart."""
     fmt = QUANT_FORMATS[ggml_type]
@@ -90,27 +114,47 @@ def reference(x: np.ndarray, blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     b = blocks.reshape(N, K // fmt.block_size, fmt.type_size)
     if fmt.block_size == 32:
         qx, dx = quantize_x(x, 32)
-        dw = f16(b, 0)
-        if ggml_type == 8:
-            qw, mw = b[..., 2:].view(np.int8).astype(np.int64), np.zeros_like(dw)
-        else:
-            qs = b[..., 4:] if ggml_type == 3 else b[..., 2:]
-            qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
-            mw = f16(b, 2) if ggml_type == 3 else -8 * dw
+        qw, dw, mw = block_integers(b, ggml_type)
         sx = dx * qx.sum(-1).astype(np.float32)  # the kernel's s = d * sum(q), in float32
         dots = np.einsum("mbk,nbk->mnb", qx, qw)  # exact integers
         return np.einsum("nb,mb,mnb->mn", dw, dx.astype(np.float64), dots) + sx.astype(np.float64) @ mw.T
     qx, dx = quantize_x(x, 256)
     nb = b.shape[1]
-    if ggml_type == 12:  # w = d * sc * q - dmin * m per 32-element sub-block
-        sc, mn = _k_scales_mins(b.reshape(-1, 144)[:, 4:16])
+    if ggml_type in (12, 13):  # w = d * sc * q - dmin * m per 32-element sub-block
+        sc, mn = _k_scales_mins(b.reshape(-1, fmt.type_size)[:, 4:16])
         sc, mn = sc.reshape(N, nb, 8).astype(np.int64), mn.reshape(N, nb, 8).astype(np.int64)
-        qs = b[..., 16:].reshape(N, nb, 4, 32)
+        qs = b[..., 16 if ggml_type == 12 else 48:].reshape(N, nb, 4, 32)
         qw = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(N, nb, 8, 32).astype(np.int64)
+        if ggml_type == 13:  # Q5_K: bit s of qh[l] is element l of sub-block s's fifth bit
+            qh = b[..., 16:48].reshape(N, nb, 1, 32)
+            qw |= ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1).astype(np.int64) << 4
         qxs = qx.reshape(*qx.shape[:2], 8, 32)
         isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
         msum = np.einsum("nbj,mbj->mnb", mn, qxs.sum(-1))
         return np.einsum("mb,mnb->mn", dx.astype(np.float64), f16(b, 0)[None] * isum - f16(b, 2)[None] * msum)
+    if ggml_type in (10, 11):  # per 16: Q2_K w = d * sc * q - dmin * m, Q3_K w = d * (sc - 32) * (q - 4)
+        qs = b[..., 16:80] if ggml_type == 10 else b[..., 32:96]
+        qw = ((qs.reshape(N, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3)
+        qw = qw.reshape(N, nb, 16, 16).astype(np.int64)
+        qxs = qx.reshape(*qx.shape[:2], 16, 16)
+        if ggml_type == 10:
+            sc, mn = (b[..., 0:16] & 15).astype(np.int64), (b[..., 0:16] >> 4).astype(np.int64)
+            isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
+            msum = np.einsum("nbj,mbj->mnb", mn, qxs.sum(-1))
+            return np.einsum("mb,mnb->mn", dx.astype(np.float64), f16(b, 80)[None] * isum - f16(b, 82)[None] * msum)
+        hbit = (b[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (N, nb, 8, 32)
+        qw = qw - 4 * (1 - hbit.reshape(N, nb, 16, 16).astype(np.int64))
+        sc = _q3_k_scales(b.reshape(-1, 110)[:, 96:108]).reshape(N, nb, 16).astype(np.int64)
+        isum = np.einsum("nbj,mbjk,nbjk->mnb", sc, qxs, qw)
+        return np.einsum("mb,nb,mnb->mn", dx.astype(np.float64), f16(b, 108), isum)
+    if ggml_type == 23:  # IQ4_XS: w = d * (sc - 32) * values[q] per 32-element sub-block
+        high = b[..., 2:4].copy().view(np.uint16)  # (N, nb, 1)
+        sc = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(N, nb, 8) & 15).astype(np.int64)
+        sc |= ((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.int64) << 4
+        qs = b[..., 8:].reshape(N, nb, 8, 16)
+        qw = IQ4NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)].astype(np.int64)  # (N, nb, 8, 32)
+        isum = np.einsum("nbj,mbjk,nbjk->mnb", sc - 32, qx.reshape(*qx.shape[:2], 8, 32), qw)
+        return np.einsum("mb,nb,mnb->mn", dx.astype(np.float64), f16(b, 0), isum)
     # Q6_K: w = d * sc * (q - 32) per 16-element sub-block, q = 4 low bits (ql) | 2 high bits (qh) << 4
     ql, qh = b[..., 0:128].reshape(N, nb, 2, 64), b[..., 128:192].reshape(N, nb, 2, 1, 32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # (N, nb, 2, 128)
@@ -163,7 +207,7 @@ def test_float_path_is_off_unless_asked_for():
 
 
 @needs_kernel
-@pytest.mark.parametrize("ggml_type", [2, 3, 8, 12, 14])
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=[QUANT_FORMATS[t].name for t in FORMATS])
 def test_a_rows_result_does_not_depend_on_its_batch(ggml_type):
     """Batch invariance: row 0 of a 37-row product is bit-identical to the same row multiplied alone (M=1), and to
     it inside 2-, 5- and 11-row batches: the engine's batched requests equal the same requests run alone."""
@@ -207,8 +251,11 @@ def test_portable_c_path_matches_too(ggml_type: int):
         check_both_oracles(out.numpy(), x, blocks, ggml_type, float_path=float_min_m > 0 and fmt.kernel == "qmatmul")
 
 
+QMATMUL_FORMATS = [t for t in FORMATS if QUANT_FORMATS[t].kernel == "qmatmul"]
+
+
 @needs_kernel
-@pytest.mark.parametrize("ggml_type", [2, 3, 8], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", QMATMUL_FORMATS, ids=[QUANT_FORMATS[t].name for t in QMATMUL_FORMATS])
 def test_avx512_and_avx2_routes(ggml_type: int):
     # on a CPU with AVX-512 VNNI qmatmul.c takes two blocks per 512-bit register (_mm512_dpbusd_epi32) from 2 rows of x
     # to 7, and AVX2's per-block route with _mm256_dpbusd_epi32 at 1 row (two rows of w at a time); TV_NO_VNNI
@@ -261,6 +308,22 @@ def test_real_model_tensors(name: str, M: int):
     assert QUANT_FORMATS[ggml_type].name == ("Q8_0" if name == "token_embd.weight" else "Q4_1")
     x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
     check_both_oracles(qlinear(Tensor(x).realize(), weight(blocks, ggml_type, K)).numpy(), x, blocks, ggml_type)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ggml_type", [6, 12, 20], ids=["Q5_0", "Q4_K", "IQ4_NL"])
+def test_real_weights_requantized(ggml_type: int):
+    # the shipped model's down_proj (576 x 1536) dequantized and quantized again by tinyvllm's own quantizers, as
+    # --quantization q4_k (its Q5_0 fallback) and iq4_nl make them: real blocks, against both oracles, at one row
+    # (the stream), at 9 (AVX-512's wide tile for the 32-element formats) and at 37
+    from tinyvllm.model.quantizer import quantize
+    blocks, src_type, K = model_tensor("blk.0.ffn_down.weight")
+    floats = dequantize(blocks.reshape(-1), src_type, (blocks.shape[0], K))
+    requantized = quantize(floats[:64], ggml_type)
+    for M in (1, 9, 37):
+        x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
+        out = qlinear(Tensor(x).realize(), weight(requantized, ggml_type, K)).numpy()
+        check_both_oracles(out, x, requantized, ggml_type)
 
 
 @needs_kernel
@@ -354,8 +417,8 @@ def test_same_bits_with_and_without_threads(M: int):
 
 def test_bad_input_is_a_clear_error():
     data = Tensor(random_blocks(3, 4, 64, seed=1))
-    with pytest.raises(ValueError, match=r"Q5_K \(ggml type 13\).*supported: Q4_0"):
-        QuantizedWeight(data, 13, (4, 64))
+    with pytest.raises(ValueError, match=r"IQ2_XXS \(ggml type 16\).*supported: Q4_0"):
+        QuantizedWeight(data, 16, (4, 64))
     with pytest.raises(ValueError, match=r"needs data of shape \(4, 60\) uint8"):
         QuantizedWeight(data, 3, (4, 96))
     with pytest.raises(ValueError, match="not a multiple"):

@@ -26,7 +26,7 @@ from conftest import TINY_CONFIG, write_tiny_model  # noqa: E402
 from tinyvllm.model import gguf_writer as gw  # noqa: E402
 from tinyvllm.model.gguf import GGUFFile  # noqa: E402
 from tinyvllm.model.quant import dequantize, tensor_nbytes  # noqa: E402
-from tinyvllm.model.quantizer import quantize  # noqa: E402
+from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize  # noqa: E402
 from tinyvllm.model.tokenizer import load_tokenizer  # noqa: E402
 from tinyvllm.model.weights import default_model_path, load_checkpoint  # noqa: E402
 from tinyvllm.model.weights_gguf import permute_qk, unpermute_qk  # noqa: E402
@@ -100,10 +100,75 @@ def test_dequantize_quantize_within_half_a_step(name):
         assert (err > 0.4 * d).any()
 
 
+def searching_test_data(rows: int = 48, cols: int = 1024) -> np.ndarray:
+    """(rows, cols) float32 made by integer arithmetic alone (the same bits on every machine and numpy version): sums
+    of four 16-bit uniforms of a 64-bit hash, roughly Gaussian, each row scaled by a power of two from 2^-31 to 2^-14;
+    then edge blocks: zeros, one spike, all equal, values near float32's smallest."""
+    n = rows * cols * 4
+    state = np.uint64(0x9E3779B97F4A7C15) * (np.arange(n, dtype=np.uint64) + np.uint64(1))
+    state ^= state >> np.uint64(29)
+    state *= np.uint64(0xBF58476D1CE4E5B9)
+    state ^= state >> np.uint64(32)
+    u = (state & np.uint64(0xFFFF)).astype(np.int64).reshape(rows, cols, 4).sum(-1) - 2 * 65535
+    x = (u * np.exp2(np.arange(rows) % 18 - 31.0)[:, None]).astype(np.float32)
+    x[0, :256] = 0
+    x[1, :256] = 0
+    x[1, 7] = 1.0
+    x[2, :256] = -0.25
+    x[3, :256] *= np.float32(2.0 ** -100)
+    return x
+
+
+# sha256 of what ggml's own quantizers (libggml-base, ggml_quantize_chunk: what llama-quantize runs without an
+# importance matrix) write for searching_test_data(); IQ4_NL's reference variant (ntry -1) on rows 4.. (its blocks of
+# zeros keep whatever ggml's stack held)
+GGML_DIGESTS = {
+    6: "be31bb16485c3362b271bc744dad22ab77c75d12d7bf52b76adb12e9b1838417",  # Q5_0
+    12: "c9b2bbf4df67d672958ea5c962ae1ed9ab9c4ae4d8ed7f07c2a5c8163a8fd9f7",  # Q4_K
+    20: "adbeda489b939af2bd1ee0b442ea32925de12fdfa939005d8b2c88ef87d86e9c",  # IQ4_NL
+    "iq4_nl_ref": "7c60e8f644a8eca610118b189517805da8767af7b1d5f2633f4ddfbd082d6b48",
+}
+
+
+@pytest.mark.parametrize("ggml_type", [6, 12, 20], ids=["Q5_0", "Q4_K", "IQ4_NL"])
+def test_quantize_is_bit_exact_with_ggml(ggml_type):
+    import hashlib
+    x = searching_test_data()
+    got = quantize(x, ggml_type)
+    assert hashlib.sha256(got.tobytes()).hexdigest() == GGML_DIGESTS[ggml_type]
+    if ggml_type == 6:  # and with the gguf package, on the other test data
+        y = block_test_data(np.random.default_rng(6))
+        np.testing.assert_array_equal(quantize(y, 6), gguf_quantize(y, GGMLQuantizationType.Q5_0))
+
+
+def test_iq4_nl_reference_variant():
+    import hashlib
+    from tinyvllm.model.quantizer_search import quantize_iq4_nl
+    x = np.ascontiguousarray(searching_test_data()[4:])
+    out = np.empty((x.size // 32, 18), np.uint8)
+    quantize_iq4_nl(x.reshape(-1, 32), out, ntry=-1)
+    assert hashlib.sha256(out.tobytes()).hexdigest() == GGML_DIGESTS["iq4_nl_ref"]
+
+
+def test_iq4_nl_search_beats_the_plain_scale():
+    """Each block's scale and assignment fit x at least as well (weighted by x^2, ggml's measure) as the plain
+    scale max / 127 with every x rounded to its nearest value: the search only keeps better fits (to within the
+    float16 rounding of the scale: blocks whose scale float16 holds to 11 bits)."""
+    x = block_test_data(np.random.default_rng(20))[5:].reshape(-1, 32).astype(np.float64)
+    x = x[np.abs(x).max(axis=1) / 127 > 2.0 ** -10]
+    back = dequantize(quantize(x.astype(np.float32), 20).reshape(-1), 20, x.shape).astype(np.float64)
+    values = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float64)
+    big = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    d = big / -127
+    plain = values[np.abs(x[..., None] / d[..., None] - values).argmin(-1)] * d
+    weighted = lambda y: (x * x * (y - x) ** 2).sum(1)  # noqa: E731
+    assert (weighted(back) <= weighted(plain) * (1 + 1e-2) + 1e-30).all()
+
+
 def test_quantize_errors():
     x = np.ones((2, 64), np.float32)
-    with pytest.raises(ValueError, match=r"ggml type 12 \(Q4_K\); supported: Q4_0 \(2\), Q4_1 \(3\), Q8_0 \(8\)"):
-        quantize(x, 12)
+    with pytest.raises(ValueError, match=r"ggml type 14 \(Q6_K\); supported: Q4_0 \(2\), Q4_1 \(3\)"):
+        quantize(x, 14)
     with pytest.raises(ValueError, match=r"multiple of 32 elements, got shape \(2, 48\)"):
         quantize(np.ones((2, 48), np.float32), 8)
     with pytest.raises(ValueError, match="float weights, got dtype int32"):
@@ -111,9 +176,13 @@ def test_quantize_errors():
     for bad in (np.nan, np.inf, 1e9):
         y = x.copy()
         y[1, 40] = bad
-        for ggml_type in TYPES.values():
+        for ggml_type in (*TYPES.values(), 6, 20):
             with pytest.raises(ValueError, match="float16 cannot hold"):
                 quantize(y, ggml_type)
+        y256 = np.ones((2, 256), np.float32)
+        y256[1, 40] = bad
+        with pytest.raises(ValueError, match="float16 cannot hold"):
+            quantize(y256, 12)
     assert quantize(np.zeros((0, 64), np.float32), 3).shape == (0, 40)
     np.testing.assert_array_equal(quantize(x.astype(np.float16), 8), quantize(x, 8))  # float16 in: widened first
 
@@ -257,10 +326,10 @@ def tiny_float_logits(tiny_dirs):
 # of sigma RMS) and its range / 15 for Q4 (~4.2 sigma / 15: 8%), so Q4's error is ~16x Q8_0's, as measured; the
 # random 2-layer network (embedding, 7 linears a layer, lm_head in series) amplifies either about 4x. The bounds
 # are twice the measurements; the logits of another random model (seed 3) are off by 1.39.
-LOGIT_BOUNDS = {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.6}
+LOGIT_BOUNDS = {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.6, "iq4_nl": 0.6}
 
 
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name", [*TYPES, "iq4_nl"])
 def test_hf_round_trip(tiny_dirs, tiny_float_logits, tmp_path, name, capsys):
     out = quantize_model(tiny_dirs["untied"], tmp_path / f"tiny-{name}.gguf", name)
     printed = capsys.readouterr().out
@@ -269,9 +338,9 @@ def test_hf_round_trip(tiny_dirs, tiny_float_logits, tmp_path, name, capsys):
     f = GGUFFile(out)
     types = {n: i.ggml_type for n, i in f.tensors.items()}
     assert types["output.weight"] == 8  # llama.cpp spends more bits on the output matrix
-    assert types["token_embd.weight"] == types["blk.1.ffn_down.weight"] == TYPES[name]  # untied: the --type
+    assert types["token_embd.weight"] == types["blk.1.ffn_down.weight"] == QUANTIZE_TYPES[name]  # untied: --type
     assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == 0  # norms stay F32
-    assert f.metadata["general.file_type"] == {"q8_0": 7, "q4_0": 2, "q4_1": 3}[name]
+    assert f.metadata["general.file_type"] == {"q8_0": 7, "q4_0": 2, "q4_1": 3, "iq4_nl": 25}[name]
 
     float_ck, quant_ck = load_checkpoint(tiny_dirs["untied"]), load_checkpoint(out)
     # GGUF keeps the epsilon as float32 (llama.attention.layer_norm_rms_epsilon), config.json as a decimal
@@ -279,7 +348,7 @@ def test_hf_round_trip(tiny_dirs, tiny_float_logits, tmp_path, name, capsys):
     assert quant_ck.config == dataclasses.replace(float_ck.config, rms_norm_eps=eps32)
     heads = {"q_proj": TINY_CONFIG.num_attention_heads, "k_proj": TINY_CONFIG.num_key_value_heads}
     for hf, w in float_ck.state_dict.items():  # exactly the blocks' values, q/k rows back in HF order
-        ggml_type = 0 if w.ndim == 1 else 8 if hf == "lm_head.weight" else TYPES[name]
+        ggml_type = 0 if w.ndim == 1 else 8 if hf == "lm_head.weight" else QUANTIZE_TYPES[name]
         head = heads.get(hf.split(".")[-2])
         expected = permute_qk(w, head) if head else w
         if ggml_type:
@@ -471,14 +540,18 @@ def test_unsupported_inputs(tmp_path, tiny_dirs):
 
 @pytest.mark.skipif(not os.environ.get("TINYVLLM_PEERS"), reason="set TINYVLLM_PEERS to a --peers directory "
                     "(benchmarks/peers/build_llama_cpp.py) to compare with llama.cpp's llama-quantize")
-@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize("name", [*TYPES, "iq4_nl", "q4_k"])
 def test_same_bytes_as_llama_quantize(tmp_path, name, capsys):
     """llama.cpp itself as the oracle: from the same F32 GGUF, llama-quantize and tinyvllm write the same file,
-    byte for byte (metadata, tensor types, blocks, padding)."""
+    byte for byte (metadata, tensor types, blocks, padding). IQ4_NL and Q4_K: llama-quantize's mixtures for them
+    put some tensors in Q5_K or Q6_K, which tinyvllm cannot write, so against its --pure file (every matrix in the
+    type, Q4_K's rows of 576 in Q5_0) with the embedding in Q8_0, as tinyvllm writes it."""
     peers = Path(os.environ["TINYVLLM_PEERS"])
     source = peers / "models" / "SmolLM2-135M-Instruct.F32.gguf"
     theirs, ours = tmp_path / "llama.cpp.gguf", tmp_path / "tinyvllm.gguf"
-    cmd = [str(peers / "llama.cpp" / "build" / "bin" / "llama-quantize"), str(source), str(theirs), name.upper(), "2"]
+    pure = ["--pure", "--token-embedding-type", "q8_0"] if name not in TYPES else []
+    cmd = [str(peers / "llama.cpp" / "build" / "bin" / "llama-quantize"), *pure, str(source), str(theirs),
+           name.upper(), "2"]
     subprocess.run(cmd, check=True, capture_output=True)
     quantize_model(source, ours, name)
     assert theirs.read_bytes() == ours.read_bytes()

@@ -18,7 +18,7 @@ from tinyvllm.model.llama import LlamaForCausalLM  # noqa: E402
 from tinyvllm.model.quant import QuantizedArray  # noqa: E402
 from tinyvllm.model.weights import load_checkpoint  # noqa: E402
 
-Q4_0, Q4_1, Q5_0, Q8_0 = (int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
+Q4_0, Q4_1, Q5_1, Q8_0 = (int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q5_1", "Q8_0"))
 
 
 def test_auto_keeps_the_default_models_blocks_without_reading_them(default_gguf):
@@ -37,17 +37,28 @@ def test_auto_keeps_the_default_models_blocks_without_reading_them(default_gguf)
 
 
 def test_quantization_method_is_checked(default_gguf):
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, q4_1, got 'int4'"):
+    with pytest.raises(ValueError, match="must be one of auto, none, q8_0, q4_0, q4_1, iq4_nl, q4_k, got 'int4'"):
         load_checkpoint(default_gguf, quantization="int4")
 
 
-def test_a_format_without_kernel_is_dequantized_with_a_notice(tmp_path, capsys):
+def test_every_readable_block_format_has_a_kernel():
+    from tinyvllm.ggml_types import KERNEL_TYPES
+    from tinyvllm.model.quant import SUPPORTED_TYPES
+    assert set(SUPPORTED_TYPES) - set(KERNEL_TYPES) == quantization.FLOAT_TYPES  # F32, F16, BF16 stay float
+
+
+def test_a_format_without_kernel_is_dequantized_with_a_notice(tmp_path, capsys, monkeypatch):
+    # take Q5_1's kernel away to see what a format without one gets
+    from tinyvllm.model import weights_gguf
+    without = {t: n for t, n in quantization.KERNEL_TYPES.items() if t != Q5_1}
+    monkeypatch.setattr(quantization, "KERNEL_TYPES", without)
+    monkeypatch.setattr(weights_gguf, "KERNEL_TYPES", without)
     sd = tiny_state_dict()
-    path = write_tiny_gguf(tmp_path / "q5.gguf", sd, quantize={"model.layers.0.mlp.up_proj.weight": Q5_0,
+    path = write_tiny_gguf(tmp_path / "q5.gguf", sd, quantize={"model.layers.0.mlp.up_proj.weight": Q5_1,
                                                                "model.layers.0.mlp.down_proj.weight": Q8_0})
     ck = load_checkpoint(path, quantization="auto")
     err = capsys.readouterr().err
-    assert "Q5_0 weights have no fused kernel" in err and "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K" in err
+    assert "Q5_1 weights have no fused kernel" in err and "Q4_0, Q4_1, Q5_0, Q8_0, Q2_K" in err
     assert isinstance(ck.state_dict["model.layers.0.mlp.up_proj.weight"], np.ndarray)
     assert ck.state_dict["model.layers.0.mlp.down_proj.weight"].type_name == "Q8_0"
 
@@ -81,6 +92,56 @@ def test_quantized_model_matches_its_dequantized_twin(tmp_path, qkv):
     assert np.abs(a - b).max() < 0.05 * np.abs(b).max()
 
 
+def test_every_format_end_to_end(tmp_path):
+    """Each block format kernels compute, in one tiny model (rows of 256 and 512, so the 256-element super-blocks
+    fit), one linear per format: loaded from a GGUF, kept in its blocks, and the logits those of the same weights
+    dequantized, up to the kernels' 8-bit rounding of the activations. The 32-element formats are quantized from
+    the float weights (gguf's quantizers, ours for IQ4_NL); the others are random blocks with valid scales, shaped
+    as a weight is: this tests the kernels and the model's plumbing, not a quantizer."""
+    import dataclasses
+
+    from tests.test_kernels_qlinear import random_blocks
+    from tests.test_weights import F16_FIELDS
+    from tinyvllm.ggml_types import KERNEL_TYPES
+    from tinyvllm.kernels.qlinear import QUANT_FORMATS
+    from tinyvllm.model.quant import dequantize
+    from tinyvllm.model.quantizer import quantize as our_quantize
+    from tinyvllm.model.weights_gguf import gguf_name
+
+    config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64)
+    sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32)
+          for k, v in tiny_state_dict(config).items()}
+    linears = [f"model.layers.{i}.{part}.weight" for i in range(2) for part in
+               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")]
+    formats = sorted(KERNEL_TYPES)
+    quantize, raw = {}, {}
+    for i, name in enumerate(linears):
+        t = formats[i % len(formats)]
+        if t in (2, 3, 6, 7, 8):
+            quantize[name] = t
+        elif t == 20:
+            raw[gguf_name(name)] = (our_quantize(sd.pop(name), 20), t)
+        else:  # random blocks, their float16 scales rescaled so that the weights' RMS is a trained layer's
+            N, K = sd.pop(name).shape
+            blocks = random_blocks(t, N, K, seed=i)
+            rms = np.sqrt(np.mean(dequantize(blocks.reshape(-1), t, (N, K)).astype(np.float64) ** 2))
+            per_block = blocks.reshape(-1, QUANT_FORMATS[t].type_size)
+            for at in F16_FIELDS[t]:
+                scaled = per_block[:, at:at + 2].copy().view(np.float16).astype(np.float32) / (rms * np.sqrt(K))
+                per_block[:, at:at + 2] = scaled.astype(np.float16).view(np.uint8)
+            raw[gguf_name(name)] = (blocks, t)
+    assert {t for _, t in raw.values()} | set(quantize.values()) == set(formats)
+    path = write_tiny_gguf(tmp_path / "every.gguf", sd, config, quantize=quantize, raw=raw)
+    auto, none = load_checkpoint(path, quantization="auto"), load_checkpoint(path, quantization="none")
+    kept = {w.type_name for w in auto.state_dict.values() if isinstance(w, QuantizedArray)}
+    assert kept == {KERNEL_TYPES[t] for t in formats}
+    ids = [1, 5, 9, 33, 2]
+    a, b = tiny_logits(auto, ids), tiny_logits(none, ids)
+    assert np.abs(a - b).max() < 0.05 * np.abs(b).max(), np.abs(a - b).max() / np.abs(b).max()
+
+
 def test_online_quantization_of_a_float_checkpoint(tiny_model_dir):
     ck = load_checkpoint(tiny_model_dir, quantization="q8_0")
     w = ck.state_dict["model.layers.1.mlp.gate_proj.weight"]
@@ -93,6 +154,35 @@ def test_online_quantization_of_a_float_checkpoint(tiny_model_dir):
     assert (err <= d * (0.5 + 127 * 2.0**-11) + 1e-7).all()
     assert isinstance(load_checkpoint(tiny_model_dir, quantization="auto").state_dict[
         "model.layers.1.mlp.gate_proj.weight"], np.ndarray)  # auto: a float checkpoint stays float
+
+
+def test_online_iq4_nl(tiny_model_dir):
+    """--quantization iq4_nl: every 2-D weight to IQ4_NL blocks, ggml's search for each block's scale (bit-exact,
+    tests/test_quantize.py). The error is then bounded by the grid: each weight is at most half the widest gap
+    between neighbouring values (24, from 89 to 113) times |d| from its value, plus the float16 rounding of d."""
+    ck = load_checkpoint(tiny_model_dir, quantization="iq4_nl")
+    w = ck.state_dict["model.layers.1.mlp.gate_proj.weight"]
+    assert isinstance(w, QuantizedArray) and w.type_name == "IQ4_NL"
+    floats = load_checkpoint(tiny_model_dir, quantization="none").state_dict["model.layers.1.mlp.gate_proj.weight"]
+    d = np.abs(w.data.reshape(-1, 18)[:, 0:2].copy().view(np.float16).astype(np.float32))  # (blocks, 1)
+    err = np.abs(w.dequantize() - floats).reshape(-1, 32)
+    amax = np.abs(floats).reshape(-1, 32).max(axis=1, keepdims=True)
+    assert (err <= np.maximum(12 * d, amax - 113 * d) * (1 + 2.0**-10) + 1e-7).all()
+
+
+def test_online_q4_k(tiny_model_dir):
+    """--quantization q4_k: Q4_K where a row is whole 256-element super-blocks, else Q5_0 (llama-quantize's fallback;
+    the tiny model's rows, as SmolLM2's 576, are not). Q4_K's error per weight: at most half a step of its sub-block
+    (d * sc / 2) plus the rounding of the 6-bit scale and min to their float16 super-block scales."""
+    from tinyvllm.model.quantizer import quantize
+    from tinyvllm.model.quant import dequantize
+    ck = load_checkpoint(tiny_model_dir, quantization="q4_k")
+    assert {w.type_name for w in ck.state_dict.values() if isinstance(w, QuantizedArray)} == {"Q5_0"}
+    w = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
+    blocks = quantize(w, 12)
+    back = dequantize(blocks.reshape(-1), 12, w.shape)
+    step = (w.reshape(-1, 32).max(1) - np.minimum(w.reshape(-1, 32).min(1), 0)) / 15  # a sub-block's first grid
+    assert (np.abs(back - w).reshape(-1, 32).max(1) <= step).all()
 
 
 @pytest.mark.slow

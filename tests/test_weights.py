@@ -27,7 +27,8 @@ from tinyvllm.model.weights_hf import save_hf_weights, to_bfloat16_bits  # noqa:
 # ---------------------------------------------------------------- dequantization
 
 # byte offsets of the float16 scale fields in each format's block: random bytes there could be inf/nan
-F16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+F16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 10: [80, 82], 11: [108], 12: [0, 2], 13: [0, 2],
+              14: [208], 20: [0], 23: [0]}
 
 
 def random_blocks(ggml_type: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -187,7 +187,7 @@ VERBS = {
     "chat": (lambda argv: generate_main(_model_first(argv), prog="tinyvllm chat", chat=True),
              "chat in the model's template: one --prompt, or a conversation read from stdin"),
     "bench": (bench_main, "benchmarks: latency, throughput, serve (from a source checkout)"),
-    "quantize": (quantize_main, "write a GGUF file quantized to q8_0, q4_0 or q4_1 (or float f16, f32)"),
+    "quantize": (quantize_main, "write a GGUF file quantized to q8_0, q4_0, q4_1, iq4_nl or q4_k (or f16, f32)"),
     "perplexity": (perplexity_main, "perplexity of a model on a text, llama-perplexity's figure"),
 }
 

@@ -20,8 +20,10 @@ F32, F16, Q8_0 = 0, 1, 8  # the ids the loader and the GGUF writer name
 
 QK_K = 256  # elements in a k-quant super-block
 
-# the formats with fused dequant-matmul kernels (tinyvllm/kernels/qlinear.py): these stay quantized on the device
-KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+# the formats with fused dequant-matmul kernels (tinyvllm/kernels/qlinear.py): these stay quantized on the device;
+# every block format tinyvllm/model/quant.py reads
+KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
+                                12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
 
 
 def type_name(ggml_type: int) -> str:

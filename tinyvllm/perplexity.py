@@ -1,6 +1,6 @@
 """Perplexity: how surprised the model is by a fixed text, the quality meter of quantized weights.
 
-    python -m tinyvllm.perplexity [--model PATH] [--quantization auto|none|q8_0|q4_0|q4_1]
+    python -m tinyvllm.perplexity [--model PATH] [--quantization auto|none|q8_0|q4_0|q4_1|iq4_nl|q4_k]
                                   [--n-ctx 512] [--chunks N] [--tokens-per-step N] [--file PATH]
 
 llama.cpp's `llama-perplexity` method, followed exactly: chunks of n_ctx tokens, each from scratch, the second
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinyvllm.perplexi
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", default="auto", choices=METHODS,
                    help="how the weights are served (default auto: the checkpoint's own format; "
-                   "none: dequantized to float32; q8_0/q4_0/q4_1: quantized at load)")
+                   "none: dequantized to float32; q8_0/q4_0/q4_1/iq4_nl/q4_k: quantized at load)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
     p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA (default: tinygrad's choice)")

@@ -1,37 +1,11 @@
-"""Quantize a model into a GGUF file: the blocks tinyvllm (and llama.cpp) serve without dequantizing.
+"""Quantize a model into a GGUF file: the blocks tinyvllm (and llama.cpp) serve without dequantizing (Phase 6).
 
-    python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1|f16|f32
+    python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1|iq4_nl|q4_k|f16|f32
 
-(f16 and f32 write float weights: llama.cpp's convert_hf_to_gguf.py --outtype f16/f32, every tensor in that type.)
-
-IN is a GGUF file (any tensor types tinyvllm reads) or an HF model directory (config.json, safetensors,
-tokenizer.json; `python -m tinyvllm.convert` writes one). What OUT holds:
-
-    metadata   a GGUF's keys all kept (tokenizer included), general.file_type set to llama.cpp's ftype
-               for the new type (MOSTLY_Q4_0 = 2, MOSTLY_Q4_1 = 3, MOSTLY_Q8_0 = 7); from an HF
-               directory, llama.* keys from config.json and tokenizer.ggml.* keys from tokenizer.json and
-               tokenizer_config.json (the inverse of convert.py's tokenizer rebuild)
-    tensors    GGUF names, q/k rows in GGUF order (weights_gguf.permute_qk), each typed as llama-quantize
-               types it for these targets (src/llama-quant.cpp, `tensor_allows_quantization` and
-               `llama_tensor_get_type_impl`):
-                 1-D tensors (the RMSNorm weights)             kept as they are (F32)
-                 output.weight, and token_embd.weight when     Q8_0 (below)
-                   the embeddings are tied (no output.weight)
-                 every other 2-D weight                        the --type
-                 rows not a multiple of 32 elements            F16 (no 32-element block fits)
-               A tensor already in its target type is copied byte for byte; any other is dequantized to
-               float32 and quantized again (llama-quantize's --allow-requantize).
-
-Why Q8_0 for the output matrix: it maps every hidden state to every token's logit, and its errors go
-straight into the sampled distribution, so llama.cpp spends more bits on it. For a Q4_0/Q4_1 target it
-picks Q6_K, and falls back to Q8_0 when a row is not a multiple of Q6_K's 256-element super-block;
-SmolLM2's rows are 576 = 2.25 x 256, which is why its shipped Q4_1 file has a Q8_0 token_embd. tinyvllm
-has no Q6_K quantizer, so it writes Q8_0 in every case: identical to llama-quantize for rows like
-SmolLM2's, one step more bits for rows that are multiples of 256.
-
-From the same float weights (SmolLM2's F32 GGUF), the files this writes are byte for byte the ones
-llama-quantize writes for Q8_0, Q4_0 and Q4_1: metadata, tensor types, blocks and padding
-(tests/test_quantize.py, run with TINYVLLM_PEERS set to a benchmarks `--peers` directory).
+IN is a GGUF (any type tinyvllm reads) or an HF model directory. OUT keeps the metadata and tokenizer and types
+tensors as llama-quantize does (`target_type`): norms F32, the output matrix (the embedding, when tied) Q8_0,
+every other matrix the --type (q4_k: Q5_0 where a row is not whole super-blocks). From SmolLM2's F32 GGUF the
+files equal llama-quantize's byte for byte (docs/phases/06-appendix-formats.md says which of its files).
 """
 
 from __future__ import annotations
@@ -57,13 +31,13 @@ from tinyvllm.model.gguf_writer import (
 )
 from tinyvllm.ggml_types import F16, F32, Q8_0, type_name
 from tinyvllm.model.quant import tensor_nbytes
-from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize
+from tinyvllm.model.quantizer import QUANTIZE_TYPES, quantize, storage_type
 from tinyvllm.model.tokenizer import load_tokenizer, token_id_of
 from tinyvllm.model.weights_gguf import gguf_name, layer_names, permute_qk, read_tensor
 from tinyvllm.model.weights_hf import load_hf
 
 # ggml type -> llama.cpp's llama_ftype for a file "mostly" of that type (include/llama.h)
-FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7}
+FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7, 12: 15, 20: 25}  # Q4_K: MOSTLY_Q4_K_M, IQ4_NL: MOSTLY_IQ4_NL
 OUTPUT_TYPES = {**QUANTIZE_TYPES, "f16": F16, "f32": F32}  # --type: the block formats, or float weights
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: bumped by ggml when a block layout changes
 
@@ -97,7 +71,8 @@ def target_type(name: str, shape: tuple[int, ...], current: int, ggml_type: int,
     if ggml_type in (F32, F16):  # a float file: every matrix in that type
         return ggml_type
     new = Q8_0 if name == "output.weight" or (tied and name == "token_embd.weight") else ggml_type
-    return new if shape[-1] % 32 == 0 else F16
+    fits = storage_type(new, shape[-1])  # Q4_K: Q5_0 where a row is not whole super-blocks
+    return F16 if fits is None else fits
 
 
 def convert_tensor(name: str, array: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -280,7 +255,7 @@ def _from_hf(model_dir: Path, ggml_type: int) -> tuple[dict[str, MetadataValue],
 # ---- the command ----
 
 def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, out: TextIO | None = None) -> Path:
-    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (q8_0, q4_0 or q4_1).
+    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (a QUANTIZE_TYPES name, f16, f32).
 
     Prints a line per tensor (its type and size before and after), the totals and the time to `out` (stdout)."""
     start = time.perf_counter()

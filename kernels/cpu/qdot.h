@@ -33,6 +33,10 @@
 #define TV_AVX512 0
 #endif
 
+/* IQ4_NL's (and IQ4_XS's) 16 values, indexed by a nibble: a non-linear grid, denser near zero where most weights
+ * are (ggml's kvalues_iq4nl). Written out where a table is needed: a static array, or the 16 bytes of a shuffle. */
+#define IQ4NL_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+
 /* The little-endian float16 at p, as a float (exact: every float16 is a float). */
 TV_INLINE float f16_to_f32(const unsigned char* p) {
   unsigned int h = p[0] | (unsigned int)p[1] << 8;

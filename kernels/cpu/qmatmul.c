@@ -1,4 +1,5 @@
-/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a 32-element GGUF block format: Q4_0, Q4_1 or Q8_0 (TV_QTYPE 2, 3, 8).
+/* out(M,N) = x(M,K) @ w(N,K)^T, w kept in a 32-element GGUF block format: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or IQ4_NL
+ * (TV_QTYPE 2, 3, 6, 7, 8, 20).
  *
  * Why: decoding reads every weight once per token. SmolLM2-135M's 134.5 M linear weights are 538 MB in float32
  * (matmul.c) but 84 MB in Q4_1 (5 bits per weight) and 143 MB in Q8_0 (8.5): at M=1 this kernel has 6.4x (Q4_1)
@@ -7,7 +8,10 @@
  * The blocks (tinyvllm/model/quant.py draws them byte by byte), 32 weights each, one float16 scale d:
  *     Q4_0  18 bytes  d, 16 bytes of nibbles q in 0..15      w = d * (q - 8)  = d * q + m   with m = -8 d
  *     Q4_1  20 bytes  d, m, 16 bytes of nibbles q in 0..15   w = d * q + m
+ *     Q5_0  22 bytes  d, u32 qh, 16 bytes of nibbles          w = d * (q - 16), q = nibble | (bit j of qh) << 4
+ *     Q5_1  24 bytes  d, m, u32 qh, 16 bytes of nibbles       w = d * q + m,    q in 0..31 as Q5_0's
  *     Q8_0  34 bytes  d, 32 int8 q                           w = d * q
+ *     IQ4_NL 18 bytes d, 16 bytes of nibbles                 w = d * IQ4NL_VALUES[nibble] (qdot.h: 16 int8 values)
  *   (nibbles: byte j holds q[j] in its low 4 bits and q[j + 16] in its high 4 bits)
  *
  * The route llama.cpp's ggml-cpu takes (ggml-cpu/arch/x86/quants.c, vec_dot_q4_1_q8_1), our own code:
@@ -18,8 +22,9 @@
  *      The sum of integer products is exact. AVX2 does 32 of them in two instructions:
  *          _mm256_maddubs_epi16(u8 a[32], i8 b[32]) -> 16 int16  a[2i] b[2i] + a[2i+1] b[2i+1]   (|.| <= 2*15*127)
  *          _mm256_madd_epi16(that, 1)              ->  8 int32   (pairs again)
- *      maddubs wants its first operand unsigned: the nibbles are; a Q8_0 q_w is made so by taking |q_w| and moving
- *      its sign onto q_x (_mm256_sign_epi8; |.| <= 2*128*127 = 32512 still fits an int16). Then one float FMA per
+ *      maddubs wants its first operand unsigned: the nibbles are (Q5: 0..31, |.| <= 2*31*127); a signed q_w (Q8_0,
+ *      IQ4_NL, whose nibbles become their values by one byte shuffle) is made so by taking |q_w| and moving its
+ *      sign onto q_x (_mm256_sign_epi8; |.| <= 2*128*127 = 32512 still fits an int16). Then one float FMA per
  *      block applies d_w d_x, and the min term m s_x is summed beside it (see `tile`). The only rounding beyond
  *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *      On a CPU with AVX-512 VNNI (clang -march=native defines __AVX512VNNI__: the kernels are built on the machine
@@ -57,17 +62,46 @@
 #if !defined(TV_M) || !defined(TV_N) || !defined(TV_K) || !defined(TV_QTYPE)
 #error "qmatmul.c needs TV_M, TV_N, TV_K and TV_QTYPE (the launcher defines them)"
 #endif
+/* Each format's traits: BLOCK_BYTES; QS_AT, where its quants start; QH_AT, where a Q5's 32 fifth bits are (a u32);
+ * STORED_MIN: w = d q + m with m stored after d; MIN_SCALE: w = d (q + MIN_SCALE), so the min term is MIN_SCALE d s_x
+ * (d times a power of two: exact); SIGNED_Q: w = d q with q signed (no min term: x takes w's sign, see below). */
 #if TV_QTYPE == 2
 #define BLOCK_BYTES 18
-#define QS_AT 2  /* where the quants start in a block */
+#define QS_AT 2
+#define MIN_SCALE -8.0f
 #elif TV_QTYPE == 3
 #define BLOCK_BYTES 20
 #define QS_AT 4
+#define STORED_MIN 1
+#elif TV_QTYPE == 6
+#define BLOCK_BYTES 22
+#define QH_AT 2
+#define QS_AT 6
+#define MIN_SCALE -16.0f
+#elif TV_QTYPE == 7
+#define BLOCK_BYTES 24
+#define QH_AT 4
+#define QS_AT 8
+#define STORED_MIN 1
 #elif TV_QTYPE == 8
 #define BLOCK_BYTES 34
 #define QS_AT 2
+#define SIGNED_Q 1
+#elif TV_QTYPE == 20
+#define BLOCK_BYTES 18
+#define QS_AT 2
+#define SIGNED_Q 1  /* IQ4_NL: q = IQ4NL_VALUES[nibble], one of 16 int8 values (qdot.h) */
 #else
-#error "qmatmul.c computes Q4_0 (TV_QTYPE 2), Q4_1 (3) and Q8_0 (8); the K-quants are in qmatmul_k.c"
+#error "qmatmul.c computes TV_QTYPE 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 20 (IQ4_NL)"
+#endif
+#ifndef STORED_MIN
+#define STORED_MIN 0
+#endif
+#ifndef SIGNED_Q
+#define SIGNED_Q 0
+#endif
+#ifndef MIN_SCALE
+#define MIN_SCALE 1.0f  /* (unused: Q4_1's min is stored, Q8_0 has none) */
 #endif
 #if TV_K % 32 != 0
 #error "K must be a multiple of the 32-element block"
@@ -108,10 +142,10 @@
 #define NR TV_TILE_NR
 #elif TV_WIDE_TILE
 #ifndef TV_TILE_MR
-#define TV_TILE_MR (TV_WIDE_PAIRS && TV_QTYPE == 8 ? 6 : 4)
+#define TV_TILE_MR (TV_WIDE_PAIRS && SIGNED_Q ? 6 : 4)
 #endif
 #ifndef TV_TILE_NR
-#define TV_TILE_NR (TV_WIDE_PAIRS ? 4 : TV_QTYPE == 8 ? 4 : 3)
+#define TV_TILE_NR (TV_WIDE_PAIRS ? 4 : SIGNED_Q ? 4 : 3)
 #endif
 #define MR TV_TILE_MR
 #define NR TV_TILE_NR
@@ -161,6 +195,23 @@ TV_KERNEL qmatmul(float* restrict out, unsigned char* restrict scratch, const fl
   tv_parallel_for(qmatmul_chunk, &args, NUM_CHUNKS);
 }
 
+/* weight k (0..31) of a block as its integer q: Q4 0..15, Q5 0..31 (nibbles: byte j holds q[j] and q[j + 16]),
+ * Q8_0 -128..127, IQ4_NL the value its nibble indexes */
+TV_INLINE int quant_at(const unsigned char* blk, int k) {
+#if TV_QTYPE == 20
+  static const signed char values[16] = {IQ4NL_VALUES};
+  return values[k < 16 ? blk[QS_AT + k] & 0x0f : blk[QS_AT + k - 16] >> 4];
+#elif SIGNED_Q
+  return (signed char)blk[QS_AT + k];
+#else
+  int q = k < 16 ? blk[QS_AT + k] & 0x0f : blk[QS_AT + k - 16] >> 4;
+#ifdef QH_AT
+  q |= (blk[QH_AT + k / 8] >> (k % 8) & 1) << 4;
+#endif
+  return q;
+#endif
+}
+
 #if !TV_FLOAT_PATH
 /* ---- step 1: x -> 8-bit blocks ---- */
 
@@ -187,7 +238,7 @@ static void quantize_chunk(const void* ctx, int chunk) {
       struct xblock blk;
       quantize_block(&blk, a->x + m * TV_K + 32 * b);
       __m256i v = _mm256_loadu_si256((const __m256i*)blk.q);
-#if TV_QTYPE == 8
+#if SIGNED_Q
       v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));  /* q + 128: 1..255 */
 #endif
       _mm256_storeu_si256((__m256i*)(q + 32 * b), v);
@@ -235,24 +286,58 @@ static void quantize_chunk(const void* ctx, int chunk) {
 /* ---- step 2: integer dot products, scaled per block ---- */
 
 #if TV_AVX2
-/* 32 unsigned quants of one block (Q8_0: their absolute values) in one register */
-TV_INLINE __m256i unpack_block(const unsigned char* blk) {
-#if TV_QTYPE == 8
-  return _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(blk + QS_AT)),
-                          _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));
+#ifdef QH_AT
+/* Q5's fifth bits: byte k = 16 where bit k of the block's u32 qh is set, else 0 (element order, as the nibbles) */
+TV_INLINE __m256i fifth_bits(const unsigned char* blk) {
+  unsigned int qh;
+  __builtin_memcpy(&qh, blk + QH_AT, 4);
+#if TV_AVX512
+  return _mm256_maskz_mov_epi8(_cvtu32_mask32(qh), _mm256_set1_epi8(16));  /* one mask move */
 #else
+  /* byte k takes byte k / 8 of qh (a shuffle), then tests its bit k % 8: or-ing every other bit in makes the byte
+   * all ones exactly where that bit is set */
+  const __m256i byte_of = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), byte_of);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-1)), _mm256_set1_epi8(16));
+#endif
+}
+#endif
+
+/* a block's 32 nibbles, one byte each, in element order */
+TV_INLINE __m256i nibbles_32(const unsigned char* blk) {
   /* the 16 bytes in both halves (a load, no shuffle), the high half shifted by 4: lo nibbles q[0..15], hi q[16..31] */
   __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT)));
   return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
-#endif
 }
 
-/* 8 int32 partial sums of q_w * q_x over one block (u: unpack_block's register) */
-TV_INLINE __m256i block_dot(__m256i u, const unsigned char* blk, __m256i xq) {
-#if TV_QTYPE == 8
-  xq = _mm256_sign_epi8(xq, _mm256_loadu_si256((const __m256i*)(blk + QS_AT)));  /* x takes w's sign */
+#if SIGNED_Q
+/* 32 signed quants of one block: Q8_0's bytes as they are; IQ4_NL's values, one byte shuffle looks all 32 up */
+TV_INLINE __m256i signed_quants(const unsigned char* blk) {
+#if TV_QTYPE == 20
+  return _mm256_shuffle_epi8(_mm256_setr_epi8(IQ4NL_VALUES, IQ4NL_VALUES), nibbles_32(blk));
 #else
-  (void)blk;
+  return _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+#endif
+}
+#else
+/* 32 unsigned quants of one block in one register */
+TV_INLINE __m256i unpack_block(const unsigned char* blk) {
+#ifdef QH_AT
+  return _mm256_or_si256(nibbles_32(blk), fifth_bits(blk));  /* Q5: 0..31 */
+#else
+  return nibbles_32(blk);
+#endif
+}
+#endif
+
+/* 8 int32 partial sums of q_w * q_x over one block (u: unpack_block's register, or |q_w| for the signed formats,
+ * whose signed q_w are v) */
+TV_INLINE __m256i block_dot(__m256i u, __m256i v, __m256i xq) {
+#if SIGNED_Q
+  xq = _mm256_sign_epi8(xq, v);  /* x takes w's sign */
+#else
+  (void)v;
 #endif
 #if TV_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xq);  /* one instruction, the same int32 sums */
@@ -263,7 +348,7 @@ TV_INLINE __m256i block_dot(__m256i u, const unsigned char* blk, __m256i xq) {
 
 /* The block's float16 scale(s) as 8 floats: Q4_1 [d, m, d, m, ...] (d and m are adjacent), else [d, d, ...] */
 TV_INLINE __m256 block_scales(const unsigned char* blk) {
-#if TV_QTYPE == 3
+#if STORED_MIN
   return _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss((const float*)blk)));  /* d, m: 4 bytes broadcast */
 #else
   unsigned short d;
@@ -284,23 +369,31 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
  * by up to 0.7% with float32 rounding alone, see qlinear.py). What it saves is instructions: one dpbusd for 64
  * products against 2 x (maddubs, madd), one weight unpack and one scale product per pair. */
 
-/* blocks b, b+1 of one row of w (blk: block b) in one register, Q4_0 and Q4_1: block b's 32 nibbles in the low 256
+/* blocks b, b+1 of one row of w (blk: block b) in one register, Q4 and Q5: block b's 32 quants in the low 256
  * bits in unpack_block's order, block b+1's in the high ones (Q8_0's are loaded in `tile`, beside their signs) */
 TV_INLINE __m512i unpack_pair(const unsigned char* blk) {
   __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT))),
                                         _mm_loadu_si128((const __m128i*)(blk + BLOCK_BYTES + QS_AT)), 1);
   __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
   r = _mm512_shuffle_i64x2(r, r, _MM_SHUFFLE(3, 1, 2, 0));  /* [lo b, hi b, lo b+1, hi b+1] nibbles */
-  return _mm512_and_si512(r, _mm512_set1_epi8(0x0f));
+  r = _mm512_and_si512(r, _mm512_set1_epi8(0x0f));
+#ifdef QH_AT
+  unsigned int qh_lo, qh_hi;  /* Q5: the two blocks' fifth bits, elements in the register's order */
+  __builtin_memcpy(&qh_lo, blk + QH_AT, 4);
+  __builtin_memcpy(&qh_hi, blk + BLOCK_BYTES + QH_AT, 4);
+  r = _mm512_or_si512(r, _mm512_maskz_mov_epi8(_cvtu64_mask64(qh_lo | (unsigned long long)qh_hi << 32),
+                                               _mm512_set1_epi8(16)));
+#endif
+  return r;
 }
 
-/* [d_b, m_b, d_b+1, m_b+1] of w's blocks b, b+1 (Q4_0: [d_b, d_b, d_b+1, d_b+1], as block_scales' lanes) */
+/* [d_b, m_b, d_b+1, m_b+1] of w's blocks b, b+1 (Q4_0, Q5_0: [d_b, d_b, d_b+1, d_b+1], as block_scales' lanes) */
 TV_INLINE __m128 pair_scales(const unsigned char* blk) {
   unsigned int lo, hi;
   __builtin_memcpy(&lo, blk, 4);
   __builtin_memcpy(&hi, blk + BLOCK_BYTES, 4);
   __m128 s = _mm_cvtph_ps(_mm_setr_epi32((int)lo, (int)hi, 0, 0));
-#if TV_QTYPE == 2
+#if !STORED_MIN && !SIGNED_Q
   s = _mm_moveldup_ps(s);
 #endif
   return s;  /* Q8_0: lanes 1 and 3 hold quants, not used (no min term) */
@@ -322,14 +415,18 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
   for (; b + 1 < NB; b += 2) {
     __m512i u[NR];
     __m128 ws[NR];
-#if TV_QTYPE == 8
-    __mmask64 negative[NR];  /* Q8_0: where w < 0, x takes the sign (as the AVX2 route's _mm256_sign_epi8) */
+#if SIGNED_Q
+    __mmask64 negative[NR];  /* Q8_0, IQ4_NL: where w < 0, x takes the sign (as the AVX2 route's _mm256_sign_epi8) */
 #endif
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
-#if TV_QTYPE == 8
+#if SIGNED_Q
+#if TV_QTYPE == 20  /* IQ4_NL: both blocks' nibbles looked up by one shuffle */
+      __m512i wq = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_setr_epi8(IQ4NL_VALUES)), unpack_pair(blk));
+#else
       __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
                                       _mm256_loadu_si256((const __m256i*)(blk + BLOCK_BYTES + QS_AT)), 1);
+#endif
       negative[j] = _mm512_movepi8_mask(wq);
       u[j] = _mm512_abs_epi8(wq);  /* -128 -> 0x80, 128 as an unsigned byte */
 #else
@@ -346,7 +443,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       __m512i xq = _mm512_loadu_si512((const void*)xp->q);
       __m128 xs = _mm_loadu_ps(xp->ds);  /* [d_x,b, s_x,b, d_x,b+1, s_x,b+1] */
       for (int j = 0; j < nr; j++) {
-#if TV_QTYPE == 8  /* x takes w's sign, w its absolute value (as the AVX2 route) */
+#if SIGNED_Q  /* x takes w's sign, w its absolute value (as the AVX2 route) */
         __m512i xqs = _mm512_mask_sub_epi8(xq, negative[j], _mm512_setzero_si512(), xq);
 #else
         __m512i xqs = xq;
@@ -357,7 +454,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
         acc[i][j] = _mm256_fmadd_ps(_mm512_castps512_ps256(dot), _mm256_broadcastss_ps(p), acc[i][j]);
         acc[i][j] = _mm256_fmadd_ps(dot_hi, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), _mm256_set1_epi32(2)),
                                     acc[i][j]);
-#if TV_QTYPE != 8
+#if !SIGNED_Q
         mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(p));
         mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(_mm_movehl_ps(p, p)));
 #endif
@@ -366,11 +463,16 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
   }
 #endif  /* TV_PAIRS: an odd NB's last block goes on below */
   for (; b < NB; b++) {
-    __m256i u[NR];
+    __m256i u[NR], v[NR];
     __m256 ws[NR];
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
-      u[j] = unpack_block(blk);
+#if SIGNED_Q
+      v[j] = signed_quants(blk);
+      u[j] = _mm256_sign_epi8(v[j], v[j]);  /* |q_w|: maddubs wants one operand unsigned, x takes the signs */
+#else
+      u[j] = v[j] = unpack_block(blk);
+#endif
       ws[j] = block_scales(blk);
 #if MR > 1
       /* the next tile's rows, same block; past the last row of w a harmless no-op (prefetches never fault) */
@@ -384,10 +486,10 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       __m256i xq = _mm256_loadu_si256((const __m256i*)xb->q);
       __m256 xs = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)&xb->d));  /* [d_x, s_x, d_x, s_x, ...] */
       for (int j = 0; j < nr; j++) {
-        __m256 dot = _mm256_cvtepi32_ps(block_dot(u[j], w + j * ROW_BYTES + b * BLOCK_BYTES, xq));
+        __m256 dot = _mm256_cvtepi32_ps(block_dot(u[j], v[j], xq));
         __m256 p = _mm256_mul_ps(ws[j], xs);
         acc[i][j] = _mm256_fmadd_ps(dot, _mm256_moveldup_ps(p), acc[i][j]);
-#if TV_QTYPE != 8
+#if !SIGNED_Q
         mins[i][j] = _mm256_add_ps(mins[i][j], p);
 #endif
       }
@@ -396,8 +498,8 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) {
       float m = mins[i][j][1];
-#if TV_QTYPE == 2
-      m *= -8.0f;  /* Q4_0: w = d (q - 8), so the min term is -8 d_w s_x */
+#if !STORED_MIN && !SIGNED_Q
+      m *= MIN_SCALE;  /* Q4_0: w = d (q - 8), so the min term is -8 d_w s_x (Q5_0: -16) */
 #endif
       out[i * TV_N + j] = hsum8(acc[i][j]) + m;
     }
@@ -454,10 +556,9 @@ struct pair_block {
 TV_INLINE struct pair_block pair_block_of(const unsigned char* restrict blk, const float* restrict dw,
                                           const float* restrict mw, const __m256i* restrict w128, int r, int b) {
   struct pair_block o;
-#if TV_QTYPE == 8
+#if SIGNED_Q
   (void)mw;
-  o.q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                           _mm256_loadu_si256((const __m256i*)(blk + ROW_BYTES + QS_AT)), 1);
+  o.q = _mm512_inserti64x4(_mm512_castsi256_si512(signed_quants(blk)), signed_quants(blk + ROW_BYTES), 1);
   o.start = _mm512_inserti64x4(_mm512_castsi256_si512(w128[r * NB + b]), w128[(r + 1) * NB + b], 1);
 #else
   (void)w128;
@@ -487,13 +588,13 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
                               const float* restrict dw, const float* restrict mw, const __m256i* restrict w128,
                               const struct pair_block* restrict pb, int mr) {
   __m512 acc[MR][NR / 2];
-#if TV_QTYPE != 8
+#if !SIGNED_Q
   __m512 mins[MR][NR / 2];
 #endif
   for (int i = 0; i < mr; i++)
     for (int p = 0; p < NR / 2; p++) {
       acc[i][p] = _mm512_setzero_ps();
-#if TV_QTYPE != 8
+#if !SIGNED_Q
       mins[i][p] = _mm512_setzero_ps();
 #endif
     }
@@ -501,7 +602,7 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
   for (int b = 0; b < NB; b++) {
     __m512i wv[NR / 2];
     __m512 ds[NR / 2];  /* [d_w,2p (x8) | d_w,2p+1 (x8)] */
-#if TV_QTYPE == 8
+#if SIGNED_Q
     __m512i start[NR / 2];
 #else
     __m512 ms[NR / 2];  /* [m_w,2p (x8) | m_w,2p+1 (x8)] */
@@ -518,7 +619,7 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
       __builtin_prefetch(blk + (NR + 1) * ROW_BYTES, 0, 3);
 #endif
       wv[p] = o.q;
-#if TV_QTYPE == 8
+#if SIGNED_Q
       start[p] = o.start;
 #else
       ms[p] = _mm512_castsi512_ps(o.start);
@@ -528,11 +629,11 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
     for (int i = 0; i < mr; i++) {
       __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(XQ_ROW(xq, m + i) + 32 * b)));
       __m512 xd = _mm512_set1_ps(XD_ROW(xq, m + i)[b]);
-#if TV_QTYPE != 8
+#if !SIGNED_Q
       __m512 xs = _mm512_set1_ps(XS_ROW(xq, m + i)[b]);
 #endif
       for (int p = 0; p < NR / 2; p++) {
-#if TV_QTYPE == 8
+#if SIGNED_Q
         __m512i dot = _mm512_dpbusd_epi32(start[p], xv, wv[p]);
 #else
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[p], xv);
@@ -544,13 +645,13 @@ TV_INLINE void wide_pair_tile(float* restrict out, const void* restrict xq, int 
   }
   for (int i = 0; i < mr; i++)
     for (int p = 0; p < NR / 2; p++) {
-#if TV_QTYPE == 8
+#if SIGNED_Q
       float lo = 0.0f, hi = 0.0f;  /* wide_tile's (zero) min term */
 #else
       float lo = _mm512_cvtss_f32(mins[i][p]), hi = _mm512_cvtss_f32(_mm512_shuffle_f32x4(mins[i][p], mins[i][p], 2));
 #endif
-#if TV_QTYPE == 2
-      lo *= -8.0f, hi *= -8.0f;  /* Q4_0: w = d (q - 8), so the min term is -8 d_w s_x */
+#if !STORED_MIN && !SIGNED_Q
+      lo *= MIN_SCALE, hi *= MIN_SCALE;  /* Q4_0: w = d (q - 8), so the min term is -8 d_w s_x (Q5_0: -16) */
 #endif
       out[i * TV_N + 2 * p] = hsum8(_mm512_castps512_ps256(acc[i][p])) + lo;
       out[i * TV_N + 2 * p + 1] = hsum8(_mm512_extractf32x8_ps(acc[i][p], 1)) + hi;
@@ -574,13 +675,13 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
   (void)pb;
 #endif
   float p[MR][NR][NB];  /* d_w d_x of block b */
-#if TV_QTYPE != 8
+#if !SIGNED_Q
   float pm[MR][NR][NB];  /* the min term: m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
 #endif
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) {
       mul_blocks(p[i][j], dw + j * NB, XD_ROW(xq, m + i));
-#if TV_QTYPE != 8
+#if !SIGNED_Q
       mul_blocks(pm[i][j], mw + j * NB, XS_ROW(xq, m + i));
 #endif
     }
@@ -591,15 +692,15 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
 #pragma clang loop unroll(disable)  /* unrolled whole (a short K), the tile's registers spill */
   for (int b = 0; b < NB; b++) {
     __m256i wv[NR];
-#if TV_QTYPE == 8
+#if SIGNED_Q
     __m256i start[NR];  /* -128 sum q_w per lane: what sum (q_x + 128) q_w has too much */
 #else
     (void)w128;
 #endif
     for (int j = 0; j < nr; j++) {
       const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
-#if TV_QTYPE == 8
-      wv[j] = _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+#if SIGNED_Q
+      wv[j] = signed_quants(blk);
       start[j] = w128[j * NB + b];
 #else
       wv[j] = unpack_block(blk);
@@ -609,7 +710,7 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
     for (int i = 0; i < mr; i++) {
       __m256i xv = _mm256_loadu_si256((const __m256i*)(XQ_ROW(xq, m + i) + 32 * b));
       for (int j = 0; j < nr; j++) {
-#if TV_QTYPE == 8
+#if SIGNED_Q
         __m256i dot = _mm256_dpbusd_epi32(start[j], xv, wv[j]);
 #else
         __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv[j], xv);
@@ -622,8 +723,8 @@ TV_INLINE void wide_tile(float* restrict out, const void* restrict xq, int m, co
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) {
       float mn = mins[i][j];
-#if TV_QTYPE == 2
-      mn *= -8.0f;
+#if !STORED_MIN && !SIGNED_Q
+      mn *= MIN_SCALE;
 #endif
       out[i * TV_N + j] = hsum8(acc[i][j]) + mn;
     }
@@ -655,7 +756,7 @@ TV_INLINE void wide_column(float* restrict out, const void* restrict xq, const u
 TV_INLINE void wide_chunk(float* restrict out, const void* restrict xq, const unsigned char* restrict w,
                           int n0, int n1) {
   float dw[CHUNK_ROWS * NB], mw[CHUNK_ROWS * NB];
-#if TV_QTYPE == 8
+#if SIGNED_Q
   __m256i w128[CHUNK_ROWS * NB];  /* per row and block: -128 sum q_w per lane, where each dot product starts */
 #else
   __m256i* w128 = 0;
@@ -664,9 +765,9 @@ TV_INLINE void wide_chunk(float* restrict out, const void* restrict xq, const un
     for (int b = 0; b < NB; b++) {
       const unsigned char* blk = w + (long)(n0 + r) * ROW_BYTES + b * BLOCK_BYTES;
       dw[r * NB + b] = f16_to_f32(blk);
-      mw[r * NB + b] = TV_QTYPE == 3 ? f16_to_f32(blk + 2) : dw[r * NB + b];  /* Q4_0: d, times -8 at the end */
-#if TV_QTYPE == 8
-      __m256i q = _mm256_loadu_si256((const __m256i*)(blk + QS_AT));
+      mw[r * NB + b] = STORED_MIN ? f16_to_f32(blk + 2) : dw[r * NB + b];  /* Q4_0: d, times -8 at the end */
+#if SIGNED_Q
+      __m256i q = signed_quants(blk);
       w128[r * NB + b] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                           _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), q));
 #endif
@@ -694,26 +795,21 @@ TV_INLINE void wide_chunk(float* restrict out, const void* restrict xq, const un
 
 #else  /* portable C */
 
-/* The min term's m of a block: Q4_1 stores it, Q4_0's is -8 d (exact: a power of two), Q8_0 has none. */
+/* The min term's m of a block: Q4_1 stores it, Q4_0's is -8 d and Q5_0's -16 d (exact: powers of two), Q8_0 has
+ * none. */
 TV_INLINE float block_min(const unsigned char* blk, float d) {
-#if TV_QTYPE == 3
+#if STORED_MIN
   (void)d;
   return f16_to_f32(blk + 2);
 #else
-  return -8.0f * d;
+  (void)blk;
+  return MIN_SCALE * d;
 #endif
 }
 
 TV_INLINE int block_dot_scalar(const unsigned char* blk, const signed char* xq) {
   int sum = 0;
-  for (int k = 0; k < 32; k++) {
-#if TV_QTYPE == 8
-    int q = (signed char)blk[QS_AT + k];
-#else
-    int q = k < 16 ? blk[QS_AT + k] & 0x0f : blk[QS_AT + k - 16] >> 4;
-#endif
-    sum += q * xq[k];
-  }
+  for (int k = 0; k < 32; k++) sum += quant_at(blk, k) * xq[k];
   return sum;
 }
 
@@ -727,7 +823,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
         const struct xblock* xb = x + i * NB + b;
         float dw = f16_to_f32(blk);
         acc += dw * xb->d * (float)block_dot_scalar(blk, xb->q);
-#if TV_QTYPE != 8
+#if !SIGNED_Q
         acc += block_min(blk, dw) * xb->s;
 #endif
       }
@@ -800,12 +896,9 @@ TV_INLINE void dequantize_row(float* restrict dst, const unsigned char* restrict
     float m = 0.0f;
     const signed char* q = (const signed char*)(blk + QS_AT);
 #else
-    float m = TV_QTYPE == 3 ? f16_to_f32(blk + 2) : -8.0f * d;
+    float m = SIGNED_Q ? 0.0f : STORED_MIN ? f16_to_f32(blk + 2) : MIN_SCALE * d;
     signed char q[32];
-    for (int k = 0; k < 16; k++) {
-      q[k] = (signed char)(blk[QS_AT + k] & 0x0f);
-      q[k + 16] = (signed char)(blk[QS_AT + k] >> 4);
-    }
+    for (int k = 0; k < 32; k++) q[k] = (signed char)quant_at(blk, k);
 #endif
     affine_to_float(dst + 32 * b, q, 32, 32, &d, &m);
   }

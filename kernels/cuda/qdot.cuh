@@ -35,4 +35,20 @@ __device__ __forceinline__ unsigned load_u32_2(const unsigned char* p) {
 
 __device__ __forceinline__ float f16(const unsigned char* p) { return __half2float(*(const __half*)p); }
 
+/* IQ4_NL's (and IQ4_XS's) 16 int8 values (ggml's kvalues_iq4nl: -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89
+ * 113), 4 per word, value 4i + b in byte b of word i */
+#define IQ4NL_WORD0 0xBFAD9881u
+#define IQ4NL_WORD1 0xF6EADDCFu
+#define IQ4NL_WORD2 0x26190D01u
+#define IQ4NL_WORD3 0x71594535u
+
+/* 4 bytes of indices (each 0..15) -> their 4 values as signed bytes: two byte permutes pick each index's value from
+ * the table's low and high halves by its low 3 bits, its bit 3 chooses between the two */
+__device__ __forceinline__ unsigned iq4nl_bytes(unsigned q) {
+  const unsigned sel = (q & 0x07u) | (q >> 4 & 0x70u) | (q >> 8 & 0x700u) | (q >> 12 & 0x7000u);
+  const unsigned lo = __byte_perm(IQ4NL_WORD0, IQ4NL_WORD1, sel), hi = __byte_perm(IQ4NL_WORD2, IQ4NL_WORD3, sel);
+  const unsigned high = (q >> 3 & 0x01010101u) * 0xFFu;  /* 0xFF in the bytes whose index is 8..15 */
+  return (lo & ~high) | (hi & high);
+}
+
 #endif  /* TV_QDOT_CUH */

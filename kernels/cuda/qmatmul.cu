@@ -1,5 +1,6 @@
 /* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the 32-element block
- * formats Q4_0, Q4_1 and Q8_0, in CUDA. The twin of kernels/cpu/qmatmul.c and kernels/metal/qmatmul.metal (same
+ * formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+ * and IQ4_NL, in CUDA. The twin of kernels/cpu/qmatmul.c and kernels/metal/qmatmul.metal (same
  * arguments in the same order, launched by tinyvllm/kernels/qlinear.py); the K-quants are in qmatmul_k.cu.
  * Compiled by tinygrad's CUDA compiler (nvrtc) from this text.
  *
@@ -42,7 +43,10 @@
  *   w:       (N, K / 32 * TYPE_SIZE)    uint8, row n = the GGUF's blocks of output feature n, as they are in the file:
  *              Q4_0 (TV_QTYPE 2):  18 B = d (f16) | qs[16]            x = d * (q - 8)
  *              Q4_1 (TV_QTYPE 3):  20 B = d (f16) | m (f16) | qs[16]  x = d * q + m
+ *              Q5_0 (TV_QTYPE 6):  22 B = d (f16) | qh (u32) | qs[16] x = d * (q - 16), q = nibble | bit k of qh << 4
+ *              Q5_1 (TV_QTYPE 7):  24 B = d (f16) | m (f16) | qh (u32) | qs[16]  x = d * q + m, q as Q5_0's
  *              Q8_0 (TV_QTYPE 8):  34 B = d (f16) | qs[32] int8       x = d * q
+ *              IQ4_NL (TV_QTYPE 20): 18 B = d (f16) | qs[16]          x = d * values[q], 16 int8 values (qdot)
  *            (qs[16]: byte j holds element j in its low nibble, element j + 16 in its high nibble;
  *             byte layouts drawn in tinyvllm/model/quant.py)
  * Compile-time constants: TV_M, TV_N, TV_K (a multiple of 32), TV_QTYPE (ggml's type id);
@@ -58,10 +62,16 @@
 #define TYPE_SIZE 18
 #elif TV_QTYPE == 3
 #define TYPE_SIZE 20
+#elif TV_QTYPE == 6
+#define TYPE_SIZE 22
+#elif TV_QTYPE == 7
+#define TYPE_SIZE 24
 #elif TV_QTYPE == 8
 #define TYPE_SIZE 34
+#elif TV_QTYPE == 20
+#define TYPE_SIZE 18
 #else
-#error "qmatmul.cu takes TV_QTYPE 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0); Q4_K (12) and Q6_K (14) are in qmatmul_k.cu"
+#error "qmatmul.cu takes TV_QTYPE 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0) or 20 (IQ4_NL)"
 #endif
 #if TV_K % QK != 0
 #error "qmatmul.cu: TV_K must be a multiple of 32 (a row is whole blocks)"
@@ -69,6 +79,13 @@
 #define ROW_BYTES (TV_K / QK * TYPE_SIZE)
 
 #include "qdot.cuh"
+
+#if TV_QTYPE == 6 || TV_QTYPE == 7
+/* Q5's fifth bits of 4 consecutive elements (bits 0-3 of v) as 4 bytes, each 16 or 0, to or into their nibbles */
+__device__ __forceinline__ unsigned fifth_bits4(unsigned v) {
+  return (v & 1u) << 4 | (v & 2u) << 11 | (v & 4u) << 18 | (v & 8u) << 25;
+}
+#endif
 
 /* one block of w (at b) dotted with its 32 floats of x (xb: 8 float4), dequantized in registers */
 __device__ __forceinline__ float block_dot(const unsigned char* b, const float4* xb) {
@@ -79,6 +96,25 @@ __device__ __forceinline__ float block_dot(const unsigned char* b, const float4*
     s += ubytes_dot(q & 0x0F0F0F0Fu, 8, xb[i]) + ubytes_dot(q >> 4 & 0x0F0F0F0Fu, 8, xb[4 + i]);
   }
   return f16(b) * s;
+#elif TV_QTYPE == 6  /* Q5_0: d * sum (q - 16) x, q = nibble | fifth bit << 4 (bit k of qh: element k) */
+  const unsigned qh = load_u32_2(b + 2);
+  float s = 0.0f;
+  for (int i = 0; i < 4; i++) {
+    const unsigned q = load_u32_2(b + 6 + 4 * i);
+    s += ubytes_dot((q & 0x0F0F0F0Fu) | fifth_bits4(qh >> 4 * i), 16, xb[i]) +
+         ubytes_dot((q >> 4 & 0x0F0F0F0Fu) | fifth_bits4(qh >> (16 + 4 * i)), 16, xb[4 + i]);
+  }
+  return f16(b) * s;
+#elif TV_QTYPE == 7  /* Q5_1: d * sum q x + m * sum x, q = nibble | fifth bit << 4 (24-byte blocks: words) */
+  const unsigned qh = *(const unsigned*)(b + 4);
+  const unsigned* qs = (const unsigned*)(b + 8);
+  float qx = 0.0f, sx = 0.0f;
+  for (int i = 0; i < 4; i++) {
+    qx += ubytes_dot((qs[i] & 0x0F0F0F0Fu) | fifth_bits4(qh >> 4 * i), 0, xb[i]) +
+          ubytes_dot((qs[i] >> 4 & 0x0F0F0F0Fu) | fifth_bits4(qh >> (16 + 4 * i)), 0, xb[4 + i]);
+    sx += sum4(xb[i]) + sum4(xb[4 + i]);
+  }
+  return fmaf(f16(b), qx, f16(b + 2) * sx);
 #elif TV_QTYPE == 3  /* Q4_1: d * sum q x + m * sum x */
   const unsigned* qs = (const unsigned*)(b + 4);
   float qx = 0.0f, sx = 0.0f;
@@ -88,6 +124,13 @@ __device__ __forceinline__ float block_dot(const unsigned char* b, const float4*
     sx += sum4(xb[i]) + sum4(xb[4 + i]);
   }
   return fmaf(f16(b), qx, f16(b + 2) * sx);
+#elif TV_QTYPE == 20  /* IQ4_NL: d * sum values[q] x, the nibbles as Q4_0's */
+  float s = 0.0f;
+  for (int i = 0; i < 4; i++) {
+    const unsigned q = load_u32_2(b + 2 + 4 * i);
+    s += sbytes_dot(iq4nl_bytes(q & 0x0F0F0F0Fu), xb[i]) + sbytes_dot(iq4nl_bytes(q >> 4 & 0x0F0F0F0Fu), xb[4 + i]);
+  }
+  return f16(b) * s;
 #else  /* Q8_0: d * sum q x; word i = elements 4i..4i+3 */
   float s = 0.0f;
   for (int i = 0; i < 8; i++) s += sbytes_dot(load_u32_2(b + 2 + 4 * i), xb[i]);
@@ -111,6 +154,22 @@ __device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, uns
     q[4 + i] = v >> 4 & 0x0F0F0F0Fu;
   }
   *c = -8.0f * *d_lo;
+#elif TV_QTYPE == 6  /* Q5_0: q = nibble | fifth bit << 4, c = -16 d */
+  const unsigned qh = load_u32_2(b + 2);
+  for (int i = 0; i < 4; i++) {
+    const unsigned v = load_u32_2(b + 6 + 4 * i);
+    q[i] = (v & 0x0F0F0F0Fu) | fifth_bits4(qh >> 4 * i);
+    q[4 + i] = (v >> 4 & 0x0F0F0F0Fu) | fifth_bits4(qh >> (16 + 4 * i));
+  }
+  *c = -16.0f * *d_lo;
+#elif TV_QTYPE == 7  /* Q5_1: q = nibble | fifth bit << 4, c = m */
+  const unsigned qh = *(const unsigned*)(b + 4);
+  const unsigned* qs = (const unsigned*)(b + 8);
+  for (int i = 0; i < 4; i++) {
+    q[i] = (qs[i] & 0x0F0F0F0Fu) | fifth_bits4(qh >> 4 * i);
+    q[4 + i] = (qs[i] >> 4 & 0x0F0F0F0Fu) | fifth_bits4(qh >> (16 + 4 * i));
+  }
+  *c = f16(b + 2);
 #elif TV_QTYPE == 3  /* Q4_1: q = nibble, c = m */
   const unsigned* qs = (const unsigned*)(b + 4);
   for (int i = 0; i < 4; i++) {
@@ -118,6 +177,13 @@ __device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, uns
     q[4 + i] = qs[i] >> 4 & 0x0F0F0F0Fu;
   }
   *c = f16(b + 2);
+#elif TV_QTYPE == 20  /* IQ4_NL: q = values[nibble] (signed bytes), c = 0 */
+  for (int i = 0; i < 4; i++) {
+    const unsigned v = load_u32_2(b + 2 + 4 * i);
+    q[i] = iq4nl_bytes(v & 0x0F0F0F0Fu);
+    q[4 + i] = iq4nl_bytes(v >> 4 & 0x0F0F0F0Fu);
+  }
+  *c = 0.0f;
 #else  /* Q8_0: q = the int8s as they are, c = 0 */
   for (int i = 0; i < 8; i++) q[i] = load_u32_2(b + 2 + 4 * i);
   *c = 0.0f;

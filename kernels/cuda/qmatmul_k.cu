@@ -1,5 +1,6 @@
-/* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the K-quants Q4_K and
- * Q6_K (256-element super-blocks), in CUDA. The twin of kernels/cpu/qmatmul_k.c and kernels/metal/qmatmul_k.metal
+/* out = x @ dequantize(w).T with w kept in its GGUF blocks: the fused dequantize-matmul for the 256-element
+ * super-block formats Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, in CUDA. The twin of
+ * kernels/cpu/qmatmul_k.c and kernels/metal/qmatmul_k.metal
  * (same arguments in the same order, launched by tinyvllm/kernels/qlinear.py); the 32-element formats are in
  * qmatmul.cu. Compiled by tinygrad's CUDA compiler (nvrtc) from this text.
  *
@@ -43,6 +44,17 @@
  *         8 sub-blocks of 32, each with a 6-bit scale sc and min mn packed in scales[12];
  *         qs: 4 chunks of 32 bytes, chunk c holds sub-block 2c in its low nibbles, 2c + 1 in its high nibbles;
  *         x = d * sc * q - dmin * mn, q in 0..15
+ *     Q5_K (TV_QTYPE 13), 176 B:  d (f16) | dmin (f16) | scales[12] | qh[32] | qs[128]
+ *         Q4_K's scales and nibbles, and a fifth bit: bit s of qh[l] for weight l of sub-block s; q in 0..31
+ *     Q2_K (TV_QTYPE 10), 84 B:   scales[16] | qs[64] | d (f16) | dmin (f16)
+ *         16 sub-blocks of 16, byte g of scales: sub-block g's scale (lo nibble) and min (hi nibble); two halves of
+ *         128 weights, weight e of half h = bits 2 (e / 32) of qs[32h + e % 32]; x = d * sc * q - dmin * m, q 0..3
+ *     Q3_K (TV_QTYPE 11), 110 B:  hmask[32] | qs[64] | scales[12] | d (f16)
+ *         16 sub-blocks of 16, 6-bit scales (quant.py's _q3_k_scales); the 2 low bits as Q2_K's, the high bit of
+ *         weight 32j + l in bit j of hmask[l]; x = d * (sc - 32) * (q - 4), q in 0..7
+ *     IQ4_XS (TV_QTYPE 23), 136 B: d (f16) | scales_h (u16) | scales_l[4] | qs[128]
+ *         8 sub-blocks of 32, each with a 6-bit scale sc (bits 0-3 in scales_l's nibble s, bits 4-5 in scales_h's bits
+ *         2s, 2s + 1); sub-block s's 16 bytes of nibbles as Q4_0 packs a block; x = d * (sc - 32) * values[q]
  *     Q6_K (TV_QTYPE 14), 210 B:  ql[128] | qh[64] | scales[16] int8 | d (f16)
  *         16 sub-blocks of 16, each with an int8 scale; two halves of 128 weights, half h uses ql[64h .. 64h + 63]
  *         and qh[32h .. 32h + 31]; weight e of a half: low 4 bits from ql[e % 64] (low nibble if e < 64, else
@@ -58,12 +70,20 @@
 #define QK_K 256          /* elements per super-block */
 #define UNIT 32           /* elements per unit of a lane's work: a sub-block of Q4_K, two of Q6_K */
 
-#if TV_QTYPE == 12
+#if TV_QTYPE == 10
+#define TYPE_SIZE 84
+#elif TV_QTYPE == 11
+#define TYPE_SIZE 110
+#elif TV_QTYPE == 12
 #define TYPE_SIZE 144
+#elif TV_QTYPE == 13
+#define TYPE_SIZE 176
 #elif TV_QTYPE == 14
 #define TYPE_SIZE 210
+#elif TV_QTYPE == 23
+#define TYPE_SIZE 136
 #else
-#error "qmatmul_k.cu takes TV_QTYPE 12 (Q4_K) or 14 (Q6_K); Q4_0 (2), Q4_1 (3) and Q8_0 (8) are in qmatmul.cu"
+#error "qmatmul_k.cu takes TV_QTYPE 10 (Q2_K), 11 (Q3_K), 12 (Q4_K), 13 (Q5_K), 14 (Q6_K), 23 (IQ4_XS)"
 #endif
 #if TV_K % QK_K != 0
 #error "qmatmul_k.cu: TV_K must be a multiple of 256 (a row is whole super-blocks)"
@@ -72,8 +92,9 @@
 
 #include "qdot.cuh"
 
-#if TV_QTYPE == 12
-/* Q4_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's
+#if TV_QTYPE == 12 || TV_QTYPE == 13
+#define QS_AT (TV_QTYPE == 13 ? 48 : 16)  /* where the nibbles start (Q5_K: after its 32 bytes of fifth bits) */
+/* Q4_K, Q5_K: the 6-bit scale and min of sub-block s (0..7) from the super-block's 12 packed bytes (quant.py's
  * _k_scales_mins draws the bit layout) */
 __device__ __forceinline__ void q4k_scale_min(const unsigned char* packed, int s, int* sc, int* mn) {
   if (s < 4) {
@@ -85,24 +106,87 @@ __device__ __forceinline__ void q4k_scale_min(const unsigned char* packed, int s
   }
 }
 
-/* Q4_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
+/* Q4_K, Q5_K: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu: 8 float4):
  * d * sc * sum q x - dmin * mn * sum x */
 __device__ __forceinline__ float unit_dot(const unsigned char* blk, int s, const float4* xu) {
   const unsigned char* packed = blk + 4;  /* scales[12]: see quant.py's _k_scales_mins for the bit layout */
   int sc, mn;
   q4k_scale_min(packed, s, &sc, &mn);
-  const uint4* chunk = (const uint4*)(blk + 16 + 32 * (s / 2));  /* 32 bytes; ours are the nibbles at `shift` */
+  const uint4* chunk = (const uint4*)(blk + QS_AT + 32 * (s / 2));  /* 32 bytes; ours are the nibbles at `shift` */
   const int shift = 4 * (s % 2);
   float qx = 0.0f, sx = 0.0f;
   for (int h = 0; h < 2; h++) {
     const uint4 v = chunk[h];
     const unsigned words[4] = {v.x, v.y, v.z, v.w};  /* word i: weights 16h + 4i .. 16h + 4i + 3 */
+#if TV_QTYPE == 13
+    const uint4 b5 = ((const uint4*)(blk + 16))[h];  /* Q5_K: bit s of byte l is weight l's fifth bit */
+    const unsigned fifth[4] = {b5.x >> s & 0x01010101u, b5.y >> s & 0x01010101u, b5.z >> s & 0x01010101u,
+                               b5.w >> s & 0x01010101u};
+#else
+    const unsigned fifth[4] = {0u, 0u, 0u, 0u};
+#endif
     for (int i = 0; i < 4; i++) {
-      qx += ubytes_dot(words[i] >> shift & 0x0F0F0F0Fu, 0, xu[4 * h + i]);
+      qx += ubytes_dot((words[i] >> shift & 0x0F0F0F0Fu) | fifth[i] << 4, 0, xu[4 * h + i]);
       sx += sum4(xu[4 * h + i]);
     }
   }
   return fmaf(f16(blk) * (float)sc, qx, -(f16(blk + 2) * (float)mn) * sx);
+}
+#elif TV_QTYPE == 10 || TV_QTYPE == 11
+#if TV_QTYPE == 11
+/* Q3_K: the scale of sub-block g (0..15), sc - 32: bits 0-3 in nibble g / 8 of byte 96 + g % 8, bits 4-5 at bits
+ * 2 (g / 4) of byte 104 + g % 4 (quant.py's _q3_k_scales) */
+__device__ __forceinline__ int q3k_scale(const unsigned char* blk, int g) {
+  return (int)((blk[96 + g % 8] >> 4 * (g / 8) & 0xFu) | (blk[104 + g % 4] >> 2 * (g / 4) & 3u) << 4) - 32;
+}
+#endif
+
+/* Q2_K, Q3_K: part p (0..7: weights 32p .. 32p + 31) of the super-block at blk, dotted with its 32 floats of x (xu),
+ * as Q6_K's parts: half h = p / 4 of 128 weights, weights 32k .. 32k + 31 of it (k = p % 4) are bits 2k, 2k + 1 of
+ * the half's 32 bytes of 2-bit quants; two sub-blocks of 16, each its own scale (Q2_K: and min).
+ *   Q2_K: d * (sc_a sum q x + sc_b ...) - dmin * (m_a sum x + m_b ...), q in 0..3
+ *   Q3_K: d * ((sc_a - 32) sum (q - 4) x + ...), q = 2 bits | hmask bit << 2, hmask bit 4h + k of byte l */
+__device__ __forceinline__ float unit_dot(const unsigned char* blk, int p, const float4* xu) {
+  const int h = p / 4, k = p % 4, g = 2 * p;
+  const unsigned char* qs = blk + (TV_QTYPE == 10 ? 16 : 32) + 32 * h;
+  float s[2] = {0.0f, 0.0f}, sx[2] = {0.0f, 0.0f};
+  for (int i = 0; i < 8; i++) {  /* word i: weights 4i .. 4i + 3 of the part */
+    unsigned q = load_u32_2(qs + 4 * i) >> 2 * k & 0x03030303u;
+#if TV_QTYPE == 10
+    s[i / 4] += ubytes_dot(q, 0, xu[i]);
+    sx[i / 4] += sum4(xu[i]);
+#else
+    q |= (load_u32_2(blk + 4 * i) >> (4 * h + k) & 0x01010101u) << 2;
+    s[i / 4] += ubytes_dot(q, 4, xu[i]);
+#endif
+  }
+#if TV_QTYPE == 10
+  const float d = f16(blk + 80), dmin = f16(blk + 82);
+  const float dot = fmaf((float)(blk[g] & 0xF), s[0], (float)(blk[g + 1] & 0xF) * s[1]);
+  return fmaf(d, dot, -dmin * fmaf((float)(blk[g] >> 4), sx[0], (float)(blk[g + 1] >> 4) * sx[1]));
+#else
+  (void)sx;
+  return f16(blk + 108) * fmaf((float)q3k_scale(blk, g), s[0], (float)q3k_scale(blk, g + 1) * s[1]);
+#endif
+}
+#elif TV_QTYPE == 23
+/* IQ4_XS: the scale of sub-block s (0..7), sc - 32: bits 0-3 are nibble s of bytes 4-7, bits 4-5 bits 2s, 2s + 1 of
+ * the u16 at byte 2 (quant.py's dequantize_iq4_xs draws it) */
+__device__ __forceinline__ int iq4xs_scale(const unsigned char* blk, int s) {
+  const unsigned high = *(const unsigned short*)(blk + 2);
+  return (int)((blk[4 + s / 2] >> 4 * (s % 2) & 0xFu) | (high >> 2 * s & 3u) << 4) - 32;
+}
+
+/* IQ4_XS: sub-block s (0..7) of the super-block at blk, dotted with its 32 floats of x (xu): d * (sc - 32) *
+ * sum values[q] x; its 16 bytes of nibbles (at 8 + 16 s: 4-byte aligned, the super-blocks being 136 = 8 x 17 bytes)
+ * pack it as Q4_0 packs a block */
+__device__ __forceinline__ float unit_dot(const unsigned char* blk, int s, const float4* xu) {
+  const unsigned* qs = (const unsigned*)(blk + 8 + 16 * s);
+  float sum = 0.0f;
+  for (int i = 0; i < 4; i++)
+    sum += sbytes_dot(iq4nl_bytes(qs[i] & 0x0F0F0F0Fu), xu[i]) +
+           sbytes_dot(iq4nl_bytes(qs[i] >> 4 & 0x0F0F0F0Fu), xu[4 + i]);
+  return f16(blk) * (float)iq4xs_scale(blk, s) * sum;
 }
 #else
 /* Q6_K: part p (0..7: weights 32p .. 32p + 31) of the super-block at blk, dotted with its 32 floats of x (xu):
@@ -127,16 +211,22 @@ __device__ __forceinline__ float unit_dot(const unsigned char* blk, int p, const
 
 /* unit u of a row of w as 8 words of 4 signed bytes q (word i: elements 4i .. 4i + 3 of the unit), and its scales:
  * w = d_lo * q + c for elements 0-15, d_hi * q + c for 16-31 */
+#if TV_QTYPE == 10
+#define TWO_MINS 1  /* Q2_K: a min per 16 weights, so a constant term for each half of a unit (c, c_hi) */
+__device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, unsigned* q, float* d_lo, float* d_hi,
+                                          float* c, float* c_hi) {
+#else
 __device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, unsigned* q, float* d_lo, float* d_hi,
                                           float* c) {
+#endif
   const unsigned char* blk = w_row + u / 8 * TYPE_SIZE;
-#if TV_QTYPE == 12  /* Q4_K: sub-block s: q = nibble, d = d * sc, c = -dmin * mn */
+#if TV_QTYPE == 12 || TV_QTYPE == 13  /* Q4_K, Q5_K: sub-block s: q = nibble (Q5_K: | bit), d = d sc, c = -dmin mn */
 #define TWO_SCALES 0
   const int s = u % 8;
   const unsigned char* packed = blk + 4;
   int sc, mn;
   q4k_scale_min(packed, s, &sc, &mn);
-  const uint4* chunk = (const uint4*)(blk + 16 + 32 * (s / 2));
+  const uint4* chunk = (const uint4*)(blk + QS_AT + 32 * (s / 2));
   const int shift = 4 * (s % 2);
   for (int h = 0; h < 2; h++) {
     const uint4 v = chunk[h];
@@ -144,9 +234,51 @@ __device__ __forceinline__ void load_unit(const unsigned char* w_row, int u, uns
     q[4 * h + 1] = v.y >> shift & 0x0F0F0F0Fu;
     q[4 * h + 2] = v.z >> shift & 0x0F0F0F0Fu;
     q[4 * h + 3] = v.w >> shift & 0x0F0F0F0Fu;
+#if TV_QTYPE == 13
+    const uint4 b5 = ((const uint4*)(blk + 16))[h];
+    q[4 * h] |= (b5.x >> s & 0x01010101u) << 4;
+    q[4 * h + 1] |= (b5.y >> s & 0x01010101u) << 4;
+    q[4 * h + 2] |= (b5.z >> s & 0x01010101u) << 4;
+    q[4 * h + 3] |= (b5.w >> s & 0x01010101u) << 4;
+#endif
   }
   *d_lo = *d_hi = f16(blk) * (float)sc;
   *c = -(f16(blk + 2) * (float)mn);
+#elif TV_QTYPE == 10 || TV_QTYPE == 11  /* part p: two sub-blocks of 16, a scale (Q2_K: and a min) each */
+#define TWO_SCALES 1
+  const int p = u % 8, h = p / 4, k = p % 4, g = 2 * p;
+  const unsigned char* qs = blk + (TV_QTYPE == 10 ? 16 : 32) + 32 * h;
+  for (int i = 0; i < 8; i++) {
+    const unsigned v = load_u32_2(qs + 4 * i) >> 2 * k & 0x03030303u;
+#if TV_QTYPE == 10
+    q[i] = v;  /* 0..3 */
+#else  /* q - 4 as signed bytes, as Q6_K's q - 32 (load_unit below) */
+    const unsigned hbit = load_u32_2(blk + 4 * i) >> (4 * h + k) & 0x01010101u;
+    q[i] = (((v | hbit << 2) | 0x80808080u) - 0x04040404u) ^ 0x80808080u;
+#endif
+  }
+#if TV_QTYPE == 10
+  const float d = f16(blk + 80), dmin = f16(blk + 82);
+  *d_lo = d * (float)(blk[g] & 0xF);
+  *d_hi = d * (float)(blk[g + 1] & 0xF);
+  *c = -dmin * (float)(blk[g] >> 4);
+  *c_hi = -dmin * (float)(blk[g + 1] >> 4);
+#else
+  const float d = f16(blk + 108);
+  *d_lo = d * (float)q3k_scale(blk, g);
+  *d_hi = d * (float)q3k_scale(blk, g + 1);
+  *c = 0.0f;
+#endif
+#elif TV_QTYPE == 23  /* IQ4_XS: sub-block s: q = values[nibble] (signed bytes), d = d * (sc - 32), c = 0 */
+#define TWO_SCALES 0
+  const int s = u % 8;
+  const unsigned* qs = (const unsigned*)(blk + 8 + 16 * s);
+  for (int i = 0; i < 4; i++) {
+    q[i] = iq4nl_bytes(qs[i] & 0x0F0F0F0Fu);
+    q[4 + i] = iq4nl_bytes(qs[i] >> 4 & 0x0F0F0F0Fu);
+  }
+  *d_lo = *d_hi = f16(blk) * (float)iq4xs_scale(blk, s);
+  *c = 0.0f;
 #else  /* Q6_K: part p: q = q6 - 32 (a signed byte), a scale per 16, c = 0 */
 #define TWO_SCALES 1
   const int p = u % 8, h = p / 4, k = p % 4;

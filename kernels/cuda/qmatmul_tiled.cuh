@@ -37,13 +37,15 @@
  *   per unit:  acc += d_x * (d_lo * dot(q_w[0..15], q_x[0..15]) + d_hi * dot(q_w[16..31], q_x[16..31])) + c * s_x
  *
  * Every format is a unit of 32 weights w = d_lo/hi * q_w + c / 32-element constant: Q4_0 q = nibble, c = -8 d;
- * Q4_1 c = m; Q8_0 c = 0; Q4_K d = d * sc, c = -dmin * mn; Q6_K q = q6 - 32, a scale per half (TWO_SCALES).
+ * Q4_1 c = m; Q5_0/Q5_1 the same with a fifth bit; Q8_0 c = 0; IQ4_NL/IQ4_XS q = the nibble's value, c = 0;
+ * Q4_K/Q5_K d = d * sc, c = -dmin * mn; Q6_K q = q6 - 32, Q3_K q = q3 - 4, a scale per half (TWO_SCALES); Q2_K a
+ * scale and a min per half (TWO_SCALES, TWO_MINS: x's q summed per half when staged, xs and xs2).
  * The integer sums are exact, so the result differs from float math only by x's rounding to 8 bits (half a step
  * per element), as on the CPU; the GEMV route (M <= 8) multiplies in float, so a row's result depends on which
  * side of the threshold its step's row count falls (llama.cpp's MMQ/MMVQ split, MMVQ_MAX_BATCH_SIZE 8, does the
  * same). Rows and columns past M and N are computed on zeros and not written.
  *
- * Needs from the including file: TV_M, TV_N, TV_K, WARP, ROW_BYTES, TWO_SCALES, and
+ * Needs from the including file: TV_M, TV_N, TV_K, WARP, ROW_BYTES, TWO_SCALES (TWO_MINS), and
  *   load_unit(w_row, u, q[8], d_lo, d_hi, c): unit u (elements 32u .. 32u + 31) of a row of w, as 8 words of
  *   4 signed bytes (word i: elements 4i .. 4i + 3) and its scales.
  * Arguments (row-major; qmatmul_tiled takes the GEMV route's four, quantize_x the middle two, scratch first):
@@ -97,6 +99,9 @@ qmatmul_tiled(float* __restrict__ out, unsigned char* __restrict__ scratch, cons
   __shared__ float xd[TILE_UNITS][TILE_M], xs[TILE_UNITS][TILE_M];
   __shared__ int wq[TILE_UNITS][8][TILE_N];
   __shared__ float wd[TILE_UNITS][TILE_N], wd2[TILE_UNITS][TILE_N], wc[TILE_UNITS][TILE_N];
+#if TWO_MINS  /* a constant term per half unit: wc (elements 0-15) and wc2 (16-31), x's xs and xs2 the halves' sums */
+  __shared__ float xs2[TILE_UNITS][TILE_M], wc2[TILE_UNITS][TILE_N];
+#endif
   const int t = threadIdx.x, tx = t % 16, ty = t / 16;
   const int m0 = blockIdx.y * TILE_M, n0 = blockIdx.x * TILE_N;
   float acc[PER_THREAD][PER_THREAD];
@@ -118,12 +123,29 @@ qmatmul_tiled(float* __restrict__ out, unsigned char* __restrict__ scratch, cons
       }
       for (int i = 0; i < 8; i++) xq[k][i][r] = (int)q[i];
       xd[k][r] = d;
+#if TWO_MINS  /* d * the sum of q over elements 0-15, and over 16-31 */
+      int lo = 0, hi = 0;
+      for (int i = 0; i < 4; i++) {
+        lo = __dp4a((int)q[i], 0x01010101, lo);
+        hi = __dp4a((int)q[4 + i], 0x01010101, hi);
+      }
+      xs[k][r] = d * (float)lo;
+      xs2[k][r] = d * (float)hi;
+      (void)s;
+#else
       xs[k][r] = s;
+#endif
     } else {
       const int n = n0 + r;
-      float d_lo = 0.0f, d_hi = 0.0f, c = 0.0f;
+      float d_lo = 0.0f, d_hi = 0.0f, c = 0.0f, c_hi = 0.0f;
       unsigned q[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#if TWO_MINS
+      if (n < TV_N && u < NB) load_unit(w + (long)n * ROW_BYTES, u, q, &d_lo, &d_hi, &c, &c_hi);
+      wc2[k][r] = c_hi;
+#else
       if (n < TV_N && u < NB) load_unit(w + (long)n * ROW_BYTES, u, q, &d_lo, &d_hi, &c);
+      (void)c_hi;
+#endif
       for (int i = 0; i < 8; i++) wq[k][i][r] = (int)q[i];
       wd[k][r] = d_lo;
       wd2[k][r] = d_hi;
@@ -147,6 +169,9 @@ qmatmul_tiled(float* __restrict__ out, unsigned char* __restrict__ scratch, cons
       }
       for (int i = 0; i < PER_THREAD; i++) {
         const float dx = xd[k2][ty + 16 * i], sx = xs[k2][ty + 16 * i];
+#if TWO_MINS
+        const float sx2 = xs2[k2][ty + 16 * i];
+#endif
         for (int j = 0; j < PER_THREAD; j++) {
           const int n = tx + 16 * j;
 #if TWO_SCALES
@@ -154,7 +179,11 @@ qmatmul_tiled(float* __restrict__ out, unsigned char* __restrict__ scratch, cons
 #else
           const float dot = wd[k2][n] * (float)(lo[i][j] + hi[i][j]);
 #endif
+#if TWO_MINS
+          acc[i][j] = fmaf(dx, dot, fmaf(wc[k2][n], sx, fmaf(wc2[k2][n], sx2, acc[i][j])));
+#else
           acc[i][j] = fmaf(dx, dot, fmaf(wc[k2][n], sx, acc[i][j]));
+#endif
         }
       }
     }

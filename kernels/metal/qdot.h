@@ -29,4 +29,13 @@ inline uint load_u32_2(const device uchar* p) {
 
 inline float f16(const device uchar* p) { return float(*(const device half*)p); }
 
+/* IQ4_NL's (and IQ4_XS's) 16 int8 values (ggml's kvalues_iq4nl), indexed by a nibble */
+constant char IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* 4 bytes of indices (each 0..15) -> their 4 values as signed bytes (CUDA's twin permutes bytes: Metal looks up) */
+inline uint iq4nl_bytes(uint q) {
+  return uint(uchar(IQ4NL_VALUES[q & 15])) | uint(uchar(IQ4NL_VALUES[q >> 8 & 15])) << 8 |
+         uint(uchar(IQ4NL_VALUES[q >> 16 & 15])) << 16 | uint(uchar(IQ4NL_VALUES[q >> 24 & 15])) << 24;
+}
+
 #endif  /* TV_QDOT_H */

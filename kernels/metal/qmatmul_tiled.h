@@ -9,7 +9,7 @@
  *   qmatmul_tiled:  grid (ceil(N / 64), ceil(M / 64)), 256 threads; thread (ty, tx) = (t / 16, t % 16) owns
  *                   out[m0 + ty + 16 i, n0 + tx + 16 j], i, j in 0..3
  *
- * Needs from the including file: TV_M, TV_N, TV_K, ROW_BYTES, TWO_SCALES, and
+ * Needs from the including file: TV_M, TV_N, TV_K, ROW_BYTES, TWO_SCALES (TWO_MINS), and
  *   load_unit(w_row, u, q[8], d_lo, d_hi, c): unit u (elements 32u .. 32u + 31) of a row of w, as 8 words of
  *   4 signed bytes (word i: elements 4i .. 4i + 3), w = d_lo * q + c (elements 0-15), d_hi * q + c (16-31).
  * Arguments (row-major; qmatmul_tiled takes the GEMV route's four, quantize_x the middle two, scratch first):
@@ -72,6 +72,9 @@ TV_KERNEL qmatmul_tiled(device float* out [[buffer(0)]], device uchar* scratch [
   threadgroup float xd[TILE_UNITS][TILE_M], xs[TILE_UNITS][TILE_M];
   threadgroup int wq[TILE_UNITS][8][TILE_N];
   threadgroup float wd[TILE_UNITS][TILE_N], wd2[TILE_UNITS][TILE_N], wc[TILE_UNITS][TILE_N];
+#if TWO_MINS  /* a constant term per half unit: wc (elements 0-15) and wc2 (16-31), x's xs and xs2 the halves' sums */
+  threadgroup float xs2[TILE_UNITS][TILE_M], wc2[TILE_UNITS][TILE_N];
+#endif
   const int t = lid.x, tx = t % 16, ty = t / 16;
   const int m0 = gid.y * TILE_M, n0 = gid.x * TILE_N;
   float acc[PER_THREAD][PER_THREAD];
@@ -93,12 +96,28 @@ TV_KERNEL qmatmul_tiled(device float* out [[buffer(0)]], device uchar* scratch [
       }
       for (int i = 0; i < 8; i++) xq[k][i][r] = int(q[i]);
       xd[k][r] = d;
+#if TWO_MINS  /* d * the sum of q over elements 0-15, and over 16-31 */
+      int lo = 0, hi = 0;
+      for (int i = 0; i < 4; i++) {
+        lo = dot4(int(q[i]), 0x01010101, lo);
+        hi = dot4(int(q[4 + i]), 0x01010101, hi);
+      }
+      xs[k][r] = d * float(lo);
+      xs2[k][r] = d * float(hi);
+      (void)s;
+#else
       xs[k][r] = s;
+#endif
     } else {
       const int n = n0 + r;
-      float d_lo = 0.0f, d_hi = 0.0f, c = 0.0f;
+      float d_lo = 0.0f, d_hi = 0.0f, c = 0.0f, c_hi = 0.0f;
       uint q[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#if TWO_MINS
+      if (n < TV_N && u < NB) load_unit(w + (long)n * ROW_BYTES, u, q, d_lo, d_hi, c, c_hi);
+      wc2[k][r] = c_hi;
+#else
       if (n < TV_N && u < NB) load_unit(w + (long)n * ROW_BYTES, u, q, d_lo, d_hi, c);
+#endif
       for (int i = 0; i < 8; i++) wq[k][i][r] = int(q[i]);
       wd[k][r] = d_lo;
       wd2[k][r] = d_hi;
@@ -122,6 +141,9 @@ TV_KERNEL qmatmul_tiled(device float* out [[buffer(0)]], device uchar* scratch [
       }
       for (int i = 0; i < PER_THREAD; i++) {
         const float dx = xd[k2][ty + 16 * i], sx = xs[k2][ty + 16 * i];
+#if TWO_MINS
+        const float sx2 = xs2[k2][ty + 16 * i];
+#endif
         for (int j = 0; j < PER_THREAD; j++) {
           const int n = tx + 16 * j;
 #if TWO_SCALES
@@ -129,7 +151,11 @@ TV_KERNEL qmatmul_tiled(device float* out [[buffer(0)]], device uchar* scratch [
 #else
           const float dot = wd[k2][n] * float(lo[i][j] + hi[i][j]);
 #endif
+#if TWO_MINS
+          acc[i][j] = fma(dx, dot, fma(wc[k2][n], sx, fma(wc2[k2][n], sx2, acc[i][j])));
+#else
           acc[i][j] = fma(dx, dot, fma(wc[k2][n], sx, acc[i][j]));
+#endif
         }
       }
     }

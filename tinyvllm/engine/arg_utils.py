@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ["auto", "float32", "float16", "int8", "fp8"]
-QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1"]
+QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k"]
 
 
 @dataclass

@@ -1,55 +1,11 @@
-"""`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (Phase 6).
+"""`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (docs/phases/06-quantized-weights.md).
 
     x (..., K) float32 @ w(N, K).T -> (..., N) float32      w: a QuantizedWeight, the GGUF's blocks as they are
 
-Why: decoding one token reads every weight once, so a decode step costs the bytes of the weights divided by
-the read bandwidth. SmolLM2-135M has 134.5 M weights in its linear layers (30 x 3,538,944 + lm_head 28,311,552):
-
-    format   bytes per block / weights per block    bits per weight   bytes read per token
-    float32               4 / 1                           32.0              538 MB
-    Q8_0                 34 / 32                           8.5              143 MB
-    Q6_K                210 / 256                          6.56             110 MB
-    Q4_1                 20 / 32                           5.0               84 MB
-    Q4_0                 18 / 32                           4.5               76 MB
-    Q4_K                144 / 256                          4.5               76 MB
-    the shipped file: 30 layers Q4_1 (66 MB) + lm_head, tied to token_embd, Q8_0 (30 MB) = 96 MB
-
-Decode reads every weight once per token, so its time is these bytes over the memory bandwidth: Q4_1 reads
-6.4x fewer than float32. So the blocks stay as they are on the
-device (no repacking: the loader uploads the file's bytes) and the kernels read them directly.
-
-How the CPU kernels (kernels/cpu/qmatmul.c for the 32-element formats, qmatmul_k.c for the 256-element
-K-quants) compute a dot product, the route llama.cpp's ggml-cpu takes:
-
-    x row (K float32) --quantize once per row--> 8-bit blocks in `scratch`: int8 q[32] + float scale (+ sums)
-                                                     |
-    w row (N rows of GGUF blocks) ----------------> integer dot per block: sum q_w * q_x   (AVX2 maddubs/madd:
-                                                     |                                      32 products at once)
-                                                     v
-                          out[m, n] = sum over blocks of  (d_w * d_x) * int_dot  (+ min_w * d_x * sum q_x)
-                                                          float scale, once per block of 32 (or 256) weights
-
-Multiplying 8-bit integers is exact, so the only new error is rounding x to 8 bits (half a step, d_x / 2,
-per element); tests/test_kernels_qlinear.py derives the bound and checks it. Each row's result is computed by
-the same operations whatever the other rows are, so a request's tokens never depend on its batch (batch
-invariance: test_api_real_engine and the reliability soak compare batched requests with each run alone).
-With many rows of x (prefill chunks, large decode batches) the arithmetic, not the reading, is what costs,
-and for Q4_0/Q4_1/Q8_0 float32 FMAs do more products per instruction than the integer route: qmatmul.c has a
-float path (dequantize a few rows of w at a time into L1, multiply in float32, x not rounded) that a user may
-turn on from FLOAT_PATH_MIN_M rows (`TINYVLLM_QMATMUL_FLOAT_MIN_M=12`: ~1.3x at M=32) at the price of batch
-invariance, as vLLM makes the opposite trade (batch invariance is its opt-in mode).
-
-Everywhere else (`TINYVLLM_PORTABLE=1` / `tinyvllm.kernels.linear.PORTABLE`, symbolic shapes, a device without
-a kernel) the portable path runs: dequantize the blocks in tinygrad ops, then `x @ w.T` in float32. A GPU
-device with kernels (kernels/cuda/qmatmul*.cu, kernels/metal/qmatmul*.metal) launches one of two routes, chosen
-by the number of rows M, as llama.cpp's CUDA backend chooses between MMVQ and MMQ (`gpu_launches`):
-
-    M <= 8 (GEMV)   qmatmul             one warp per output (m, n), four warps per block: grid ((N + 3) // 4, M),
-                                        128 threads; w dequantized in registers, float32 FMAs, x as it is
-    M > 8 (tiled)   quantize_x          x -> 8-bit blocks in `scratch` (the CPU's rounding), one thread per block
-                    qmatmul_tiled       64 x 64 output tiles, x and w staged through shared memory, dp4a integer
-                                        products: grid (ceil(N / 64), ceil(M / 64)), 256 threads; every weight is
-                                        read ceil(M / 64) times instead of M times (kernels/cuda/qmatmul_tiled.cuh)
+Every block format tinyvllm reads has a kernel (QUANT_FORMATS): kernels/cpu/qmatmul.c (32-element blocks) and
+qmatmul_k.c (256-element super-blocks) on the CPU, their CUDA and Metal twins on a GPU (GEMV up to 8 rows of x,
+64 x 64 integer tiles beyond: `gpu_launches`); elsewhere the blocks are dequantized in tinygrad ops (the portable
+path). Chapter 6 explains the route (x rounded to 8-bit blocks once, integer dot products) and what it costs.
 """
 
 from __future__ import annotations
@@ -84,9 +40,16 @@ class QuantFormat:
 QUANT_FORMATS: dict[int, QuantFormat] = {
     2: QuantFormat("Q4_0", 32, 18, "qmatmul"),
     3: QuantFormat("Q4_1", 32, 20, "qmatmul"),
+    6: QuantFormat("Q5_0", 32, 22, "qmatmul"),
+    7: QuantFormat("Q5_1", 32, 24, "qmatmul"),
     8: QuantFormat("Q8_0", 32, 34, "qmatmul"),
+    10: QuantFormat("Q2_K", 256, 84, "qmatmul_k"),
+    11: QuantFormat("Q3_K", 256, 110, "qmatmul_k"),
     12: QuantFormat("Q4_K", 256, 144, "qmatmul_k"),
+    13: QuantFormat("Q5_K", 256, 176, "qmatmul_k"),
     14: QuantFormat("Q6_K", 256, 210, "qmatmul_k"),
+    20: QuantFormat("IQ4_NL", 32, 18, "qmatmul"),
+    23: QuantFormat("IQ4_XS", 256, 136, "qmatmul_k"),
 }
 
 # Bytes of one quantized block of x in the CPU kernels' scratch (the C structs; each file checks its size):
@@ -261,19 +224,92 @@ def _q4_1(b: Tensor) -> Tensor:  # x = d * q + m
     return _f16(b, 0) * _nibbles(b[..., 4:]).cast(dtypes.float32) + _f16(b, 2)
 
 
+def _shifted(x: Tensor, shifts: range | tuple[int, ...], dim: int) -> Tensor:
+    """x >> s for each s, stacked along a new dimension `dim`.
+
+    NOTE: the shifts are Python constants, not a Tensor: a Tensor made from a list inside a captured step is a
+    buffer of its own, which kept the whole decode step of a model with a Q5_0 embedding out of the CPU graph."""
+    return Tensor.stack(*[x >> sh for sh in shifts], dim=dim)
+
+
+def _fifth_bits(qh: Tensor) -> Tensor:
+    """(..., 4) bytes of a little-endian u32 -> (..., 32): bit k of it, as 0 or 16 (element k's fifth bit)."""
+    return ((_shifted(qh, range(8), -1) & 1) << 4).reshape(*qh.shape[:-1], 32)
+
+
+def _q5_0(b: Tensor) -> Tensor:  # x = d * (q - 16), q = nibble | fifth bit
+    q = _nibbles(b[..., 6:]) | _fifth_bits(b[..., 2:6])
+    return _f16(b, 0) * (q.cast(dtypes.float32) - 16)
+
+
+def _iq4_values(nibbles: Tensor) -> Tensor:
+    """IQ4_NL's 16 values looked up by 4-bit indices, as float32: a chain of selects on constants (exact)."""
+    out = nibbles.cast(dtypes.float32) * 0
+    for index, value in enumerate((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)):
+        out = (nibbles == index).where(float(value), out)
+    return out
+
+
+def _iq4_nl(b: Tensor) -> Tensor:  # x = d * values[q]
+    return _f16(b, 0) * _iq4_values(_nibbles(b[..., 2:]))
+
+
+def _q5_1(b: Tensor) -> Tensor:  # x = d * q + m, q = nibble | fifth bit
+    q = _nibbles(b[..., 8:]) | _fifth_bits(b[..., 4:8])
+    return _f16(b, 0) * q.cast(dtypes.float32) + _f16(b, 2)
+
+
 def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
     return _f16(b, 0) * b[..., 2:].bitcast(dtypes.int8).cast(dtypes.float32)
 
 
-def _q4_k(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * sc) * q - (dmin * m), 6-bit sc and m
+def _two_bits(qs: Tensor) -> Tensor:
+    """Q2_K/Q3_K: (..., 64) bytes -> (..., 16, 16) values 0..3, element e of half h = bits 2 (e // 32) of byte
+    32h + e % 32."""
+    halves = qs.reshape(*qs.shape[:-1], 2, 32)
+    return (_shifted(halves, range(0, 8, 2), -2) & 3).reshape(*qs.shape[:-1], 16, 16)
+
+
+def _q2_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * sc) * q - (dmin * m), 4-bit sc and m
+    scales = b[..., 0:16]
+    dl = (_f16(b, 80) * (scales & 0x0F).cast(dtypes.float32)).unsqueeze(-1)  # (..., 16, 1)
+    ml = (_f16(b, 82) * (scales >> 4).cast(dtypes.float32)).unsqueeze(-1)
+    return (dl * _two_bits(b[..., 16:80]).cast(dtypes.float32) - ml).reshape(*b.shape[:-1], 256)
+
+
+def _q3_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * (sc - 32)) * q, q = 2 low bits - 4 (high bit 0)
+    lead = b.shape[:-1]
+    packed = b[..., 96:108]
+    low = (packed[..., 0:8] & 0x0F).cat(packed[..., 0:8] >> 4, dim=-1)  # (..., 16)
+    high = (_shifted(packed[..., 8:12], range(0, 8, 2), -2) & 3).reshape(*lead, 16)
+    sc = (low | (high << 4)).cast(dtypes.int32) - 32
+    dl = (_f16(b, 108) * sc.cast(dtypes.float32)).unsqueeze(-1)  # (..., 16, 1)
+    hbit = (_shifted(b[..., 0:32], range(8), -2) & 1).reshape(*lead, 16, 16)  # element 32k + l: bit k of byte l
+    q = _two_bits(b[..., 32:96]).cast(dtypes.int32) - ((hbit ^ 1) << 2).cast(dtypes.int32)
+    return (dl * q.cast(dtypes.float32)).reshape(*lead, 256)
+
+
+def _k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K/Q5_K: d * sc and dmin * m of the 8 sub-blocks, each (..., 8, 1) (6-bit sc and m in bytes 4-15)."""
     s = b[..., 4:16]
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = (lo & 63).cat((hi & 0x0F) | ((lo >> 6) << 4), dim=-1).cast(dtypes.float32)  # (..., 8)
     mn = (mid & 63).cat((hi >> 4) | ((mid >> 6) << 4), dim=-1).cast(dtypes.float32)
-    d, dm = (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).unsqueeze(-1)  # (..., 8, 1)
+    return (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).unsqueeze(-1)
+
+
+def _q4_k(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * sc) * q - (dmin * m), 6-bit sc and m
+    d, dm = _k_scales(b)
     qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)
     q = _nibbles(qs).reshape(*b.shape[:-1], 8, 32).cast(dtypes.float32)  # chunk c: sub-blocks 2c, 2c+1
     return (d * q - dm).reshape(*b.shape[:-1], 256)
+
+
+def _q5_k(b: Tensor) -> Tensor:  # Q4_K's scales and nibbles (from byte 48), a fifth bit: bit s of qh[l]
+    d, dm = _k_scales(b)
+    low = _nibbles(b[..., 48:].reshape(*b.shape[:-1], 4, 32)).reshape(*b.shape[:-1], 8, 32)
+    high = (_shifted(b[..., 16:48], range(8), -2) & 1) << 4  # (..., 8, 32)
+    return (d * (low | high).cast(dtypes.float32) - dm).reshape(*b.shape[:-1], 256)
 
 
 def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 32), q = 4 low bits | 2 high bits
@@ -283,13 +319,24 @@ def _q6_k(b: Tensor) -> Tensor:  # 16 sub-blocks of 16: x = (d * scale) * (q - 3
     scales = b[..., 192:208].bitcast(dtypes.int8).cast(dtypes.float32)  # (..., 16)
     d = (_f16(b, 208) * scales).unsqueeze(-1)  # (..., 16, 1)
     low = _nibbles(ql)  # (..., 2, 128)
-    shifts = Tensor([0, 2, 4, 6], dtype=dtypes.uint8, device=b.device).reshape(4, 1)
-    high = ((qh >> shifts) & 3).reshape(*lead, 2, 128)  # element e of a half: bits 2(e // 32) of qh[e % 32]
+    high = (_shifted(qh[..., 0, :], range(0, 8, 2), -2) & 3).reshape(*lead, 2, 128)  # bits 2(e // 32) of qh[e % 32]
     q = (low | (high << 4)).cast(dtypes.float32) - 32
     return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
 
 
-_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 8: _q8_0, 12: _q4_k, 14: _q6_k}
+def _iq4_xs(b: Tensor) -> Tensor:  # 8 sub-blocks of 32: x = (d * (sc - 32)) * values[q], 6-bit sc
+    lead = b.shape[:-1]
+    low = _shifted(b[..., 4:8], (0, 4), -1).reshape(*lead, 8) & 0x0F
+    high = b[..., 2:3].cast(dtypes.uint16) | (b[..., 3:4].cast(dtypes.uint16) << 8)  # (..., 1) scales_h
+    high = _shifted(high[..., 0], range(0, 16, 2), -1) & 3  # (..., 8)
+    sc = (low.cast(dtypes.int32) | (high.cast(dtypes.int32) << 4)) - 32
+    dl = (_f16(b, 0) * sc.cast(dtypes.float32)).unsqueeze(-1)  # (..., 8, 1)
+    q = _iq4_values(_nibbles(b[..., 8:].reshape(*lead, 8, 16)))  # (..., 8, 32)
+    return (dl * q).reshape(*lead, 256)
+
+
+_DEQUANTIZE = {2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k,
+               14: _q6_k, 20: _iq4_nl, 23: _iq4_xs}
 
 
 def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:

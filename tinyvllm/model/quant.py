@@ -1,24 +1,8 @@
-"""Dequantizing GGML tensors to float32 with numpy.
+"""GGML's block formats drawn byte by byte, their numpy dequantizers, and `QuantizedArray` (Phase 6).
 
-A quantized GGUF tensor is a run of fixed-size *blocks*. Each block covers `block_size` consecutive
-elements of one row (rows never share a block) and stores small integers `q` plus one or two float16
-numbers that map them back to real values:
-
-    symmetric  ("_0" types):  x = d * (q - offset)         one scale d per block
-    affine     ("_1" types):  x = d * q + m                a scale d and a minimum m per block
-    k-quants   ("_K" types):  a 256-element super-block of 16 or 32-element sub-blocks, each with its
-                              own 6- or 8-bit scale (and min), themselves scaled by the f16 d (and dmin)
-
-Every function below takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size)
-float32`; `dequantize` cuts a tensor's bytes into blocks and reshapes the result to the tensor's
-shape. The layouts follow ggml's C structs (ggml-common.h) and its reference dequantizers
-(ggml-quants.c, `dequantize_row_*`), and the float operations run in the same order, so results are
-bit-identical to the `gguf` Python package's (tests/test_weights.py checks every type).
-
-Why numpy, once, at load time: it is the simplest correct reference. Serving the weights still
-quantized (4-5 bits read per weight instead of 32) is a later optimization with fused dequant kernels.
-
-All integers are little-endian. "lo"/"hi" nibble = bits 0-3 / bits 4-7 of a byte.
+Each `dequantize_*` takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size) float32`, with
+ggml's float operations in ggml's order: bit-exact with the `gguf` package (tests/test_weights.py). They are the
+reference every kernel is tested against (docs/phases/06-quantized-weights.md, section 2).
 """
 
 from __future__ import annotations
@@ -141,7 +125,78 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return d * blocks[:, 2:].view(np.int8).astype(np.float32)
 
 
+# IQ4_NL and IQ4_XS: a 4-bit index into 16 fixed values, denser near zero (ggml's kvalues_iq4nl): NF4's idea
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_NL: 32 elements in 18 bytes (4.5 bits per weight), x = d * IQ4NL_VALUES[q], q in 0..15.
+
+        byte  0      2                            18
+              +------+----------------------------+
+              | d    | qs[0..15]  (as in Q4_0)    |
+              +------+----------------------------+
+    """
+    d = _f16(blocks, 0)
+    return d * IQ4NL_VALUES[_nibbles(blocks[:, 2:])].astype(np.float32)
+
+
 # ---- k-quants: 256-element super-blocks ----
+
+def dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
+    """Q2_K: 256 elements in 84 bytes (2.625 bits per weight): 16 sub-blocks of 16, each with a 4-bit scale sc and
+    min m, x = (d * sc) * q - (dmin * m), q in 0..3.
+
+        byte  0                  16                         80     82     84
+              +------------------+--------------------------+------+------+
+              | scales[0..15]    | qs[0..63]                | d    | dmin |
+              | lo nibble: sc    | 2 bits per element       | f16  | f16  |
+              | hi nibble: m     |                          |      |      |
+              +------------------+--------------------------+------+------+
+
+    Two halves of 128 elements; half h uses qs[32h : 32h+32]; element e (0..127) of a half is bits 2k..2k+1 of
+    qs[32h + e % 32], k = e // 32 (Q6_K's high bits, the same walk).
+    """
+    n = blocks.shape[0]
+    scales = blocks[:, 0:16]
+    dl = (_f16(blocks, 80) * (scales & 0x0F).astype(np.float32))[..., None]  # (n, 16, 1)
+    ml = (_f16(blocks, 82) * (scales >> 4).astype(np.float32))[..., None]
+    qs = blocks[:, 16:80].reshape(n, 2, 1, 32)
+    q = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(n, 16, 16).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes -> 16 six-bit scales minus 32, (n, 16) float32.
+
+        bytes 0-7   (j = 0..7):  lo nibble: scale[j] bits 0-3       hi nibble: scale[j+8] bits 0-3
+        bytes 8-11  (j = 0..3):  bits 2k..2k+1: scale[4k + j] bits 4-5   (k = 0..3)
+    """
+    n = packed.shape[0]
+    low = np.concatenate([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], axis=-1)  # (n, 16)
+    high = ((packed[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(n, 16)
+    return ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+
+
+def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
+    """Q3_K: 256 elements in 110 bytes (3.4375 bits per weight): 16 sub-blocks of 16, each with a 6-bit scale,
+    x = (d * (sc - 32)) * q, q in -4..3: 2 low bits from qs, minus 4 where the element's hmask bit is 0.
+
+        byte  0              32                     96                 108    110
+              +--------------+----------------------+------------------+------+
+              | hmask[0..31] | qs[0..63]            | scales (12 B)    | d    |
+              | bit k of     | 2 bits per element,  | 16 x 6 bits      | f16  |
+              | hmask[l]:    | as in Q2_K           | (_q3_k_scales)   |      |
+              | element 32k+l|                      |                  |      |
+              +--------------+----------------------+------------------+------+
+    """
+    n = blocks.shape[0]
+    dl = (_f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))[..., None]  # (n, 16, 1)
+    qs = blocks[:, 32:96].reshape(n, 2, 1, 32)
+    low = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(n, 16, 16)
+    hbit = ((blocks[:, None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(n, 16, 16)
+    q = (low.astype(np.int8) - ((hbit ^ 1) << 2).astype(np.int8)).astype(np.float32)
+    return (dl * q).reshape(n, QK_K)
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack Q4_K/Q5_K's 12 bytes into 8 six-bit scales and 8 six-bit mins, each (n, 8) float32.
@@ -224,6 +279,27 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     return (d * q.reshape(n, 16, 16)).reshape(n, QK_K)
 
 
+def dequantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS: 256 elements in 136 bytes (4.25 bits per weight): 8 sub-blocks of 32, each with a 6-bit scale,
+    x = (d * (sc - 32)) * IQ4NL_VALUES[q], q in 0..15.
+
+        byte  0      2          4                8                                      136
+              +------+----------+----------------+---------------------------------------+
+              | d    | scales_h | scales_l[0..3] | qs: 8 runs of 16 bytes, run s is       |
+              | f16  | u16: bits| nibble s:      | sub-block s as Q4_0 packs a block      |
+              |      | 2s..2s+1 | sc[s] bits 0-3 | (lo nibbles q[0..15], hi q[16..31])    |
+              |      | sc bits 4-5                |                                       |
+              +------+----------+----------------+---------------------------------------+
+    """
+    n = blocks.shape[0]
+    scales_l = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(n, 8) & 0x0F
+    scales_h = blocks[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)  # (n, 8)
+    sc = (scales_l | ((scales_h.astype(np.uint8) & 3) << 4)).astype(np.int8) - np.int8(32)
+    dl = (_f16(blocks, 0) * sc.astype(np.float32))[..., None]  # (n, 8, 1)
+    q = IQ4NL_VALUES[_nibbles(blocks[:, 8:].reshape(n, 8, 16))].astype(np.float32)  # (n, 8, 32)
+    return (dl * q).reshape(n, QK_K)
+
+
 # ggml type id -> (elements per block, bytes per block, dequantizer)
 _FORMATS: dict[int, tuple[int, int, Callable[[np.ndarray], np.ndarray]]] = {
     0: (1, 4, dequantize_f32),
@@ -233,9 +309,13 @@ _FORMATS: dict[int, tuple[int, int, Callable[[np.ndarray], np.ndarray]]] = {
     6: (32, 22, dequantize_q5_0),
     7: (32, 24, dequantize_q5_1),
     8: (32, 34, dequantize_q8_0),
+    10: (QK_K, 84, dequantize_q2_k),
+    11: (QK_K, 110, dequantize_q3_k),
     12: (QK_K, 144, dequantize_q4_k),
     13: (QK_K, 176, dequantize_q5_k),
     14: (QK_K, 210, dequantize_q6_k),
+    20: (32, 18, dequantize_iq4_nl),
+    23: (QK_K, 136, dequantize_iq4_xs),
     30: (1, 2, dequantize_bf16),
 }
 SUPPORTED_TYPES: tuple[int, ...] = tuple(_FORMATS)

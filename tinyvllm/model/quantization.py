@@ -1,22 +1,11 @@
-"""`--quantization`: the format the weights are served in (vLLM's flag; llama.cpp's block formats).
+"""`--quantization`: the format the weights are served in (vLLM's flag; llama.cpp's block formats; Phase 6).
 
-    auto (default)        the checkpoint's own format. GGUF linear weights and the embedding in Q4_0, Q4_1, Q8_0,
-                          Q4_K or Q6_K stay in their blocks and run on the fused dequant-matmul kernels
-                          (tinyvllm/kernels/qlinear.py); other GGUF block types are dequantized at load, with a
-                          one-line notice; float checkpoints (HF safetensors, F32/F16 GGUF) stay float.
-    none                  every weight dequantized to the compute dtype at load (Phases 1-5).
-    q8_0 | q4_0 | q4_1    online quantization: every 2-D weight (the linears and the embedding) quantized to
-                          that format at load, whatever the checkpoint holds (a float one, or another GGUF type).
-
-Why it matters (SmolLM2-135M, 134.5 M weights, all of them read once per decoded token):
-
-    float32   4 bytes/weight        538 MB per token
-    Q8_0      34 bytes/32 weights   143 MB per token      (8.5 bits per weight)
-    Q4_1      20 bytes/32 weights    84 MB per token      (5 bits per weight)
-    Q4_0      18 bytes/32 weights    76 MB per token      (4.5 bits per weight)
-
-Decode is bound by those bytes, so a Q4 model can decode up to ~6x faster than its float32 twin, and it loads
-in a fraction of the time: the blocks are copied from the memory-mapped file as they are, nothing dequantized.
+    auto (default)   the checkpoint's own: a GGUF's block weights stay in their blocks (every format tinyvllm reads
+                     has a kernel), float checkpoints stay float
+    none             every weight dequantized to the compute dtype at load (Phases 1-5)
+    q8_0 | q4_0 | q4_1 | iq4_nl | q4_k
+                     online quantization: every 2-D weight quantized to that format at load (q4_k: rows that are
+                     not whole 256-element super-blocks in Q5_0, as llama-quantize falls back)
 """
 
 from __future__ import annotations
@@ -29,8 +18,8 @@ from tinyvllm.model.gguf import GGUFFile
 from tinyvllm.ggml_types import KERNEL_TYPES, type_name
 from tinyvllm.model.quant import QuantizedArray
 
-METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1")
-ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # method -> ggml type id
+METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k")
+ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q4_k": 12}  # method -> ggml type id
 FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16: float weights, never "dequantized" with a notice
 
 
@@ -54,15 +43,16 @@ def fallback_notice(gguf: GGUFFile) -> str | None:
 
 def quantize_state_dict(state_dict: dict[str, np.ndarray | QuantizedArray], method: str,
                         ) -> dict[str, np.ndarray | QuantizedArray]:
-    """Online quantization: every 2-D float weight whose rows are whole 32-element blocks -> that format's blocks.
+    """Online quantization: every 2-D float weight whose rows are whole blocks -> that format's blocks (q4_k: rows
+    not a multiple of its 256-element super-block in Q5_0, llama-quantize's fallback).
 
     1-D tensors (the RMSNorm weights: 0.05% of the model) stay float, as llama.cpp keeps them."""
-    from tinyvllm.model.quantizer import quantize  # numpy quantizers, bit-exact with ggml's reference ones
+    from tinyvllm.model.quantizer import quantize, storage_type  # numpy quantizers, bit-exact with ggml's own
 
-    ggml_type = ONLINE_TYPES[method]
     out: dict[str, np.ndarray | QuantizedArray] = {}
     for name, w in state_dict.items():
-        if isinstance(w, np.ndarray) and w.ndim == 2 and w.shape[1] % 32 == 0:
+        ggml_type = storage_type(ONLINE_TYPES[method], w.shape[-1]) if isinstance(w, np.ndarray) else None
+        if isinstance(w, np.ndarray) and w.ndim == 2 and ggml_type is not None:
             data = quantize(np.ascontiguousarray(w, dtype=np.float32), ggml_type)
             out[name] = QuantizedArray(data, ggml_type, (int(w.shape[0]), int(w.shape[1])))
         else:

@@ -1,32 +1,9 @@
-"""Quantizing float32 weights into GGML blocks with numpy: Q8_0, Q4_0 and Q4_1.
+"""Quantizing float32 weights into GGML blocks with numpy: Q8_0, Q4_0, Q4_1, Q5_0, and (quantizer_search.py)
+IQ4_NL and Q4_K (Phase 6, docs/phases/06-quantized-weights.md section 3).
 
-The inverse of tinyvllm/model/quant.py (whose docstrings draw the three block layouts byte by
-byte). Each 32-element block of a row gets its own scale, chosen from that block alone:
-
-    Q8_0  d = amax / 127            q = roundf(x / d)               in -127..127    x ~ d * q
-    Q4_0  d = max / -8              q = trunc(x / d + 8.5), <= 15   in 0..15        x ~ d * (q - 8)
-          (max: the element of largest |x|, sign kept, so it lands exactly on q = 0)
-    Q4_1  d = (max - min) / 15      q = trunc((x - min) / d + 0.5)  in 0..15        x ~ d * q + min
-
-These are ggml's reference quantizers (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`,
-`quantize_row_q4_1_ref` in ggml/src/ggml-quants.c), the ones llama-quantize runs when no importance
-matrix is given, written with the same float32 operations in the same order: the bytes are
-identical to the `gguf` Python package's `gguf.quants.quantize` (tests/test_quantize.py checks it).
-Three details decide the last bit:
-  - the scale is stored as float16, but x is divided by the float32 scale (`id = 1/d`, then x * id);
-  - Q8_0 rounds half away from zero (C's roundf), not half to even as numpy's `np.rint` does;
-  - Q4_0/Q4_1 add 0.5 (8.5) in float32, then truncate, as C's `(int8_t)` cast does.
-
-Rounding error: |x - dequantized(x)| <= d / 2 for Q8_0 and Q4_1 (q is x/d rounded to nearest), and
-for Q4_0 too except the block's far end, which is clamped to q = 15 where round-to-nearest wanted 16
-(the element of largest |x| maps to q = 0 exactly; an opposite-signed one of the same size needs +8).
-The float16 scale adds a relative error of at most 2**-11 to every value.
-
-Speed. The whole of SmolLM2-135M (134.5 M weights, 538 MB of float32) quantizes at load time for
-`--quantization q8_0|q4_0`, so this must take well under a second. Working on a whole tensor at once
-would stream every temporary through memory (~10 passes of 538 MB); instead each tensor is cut into
-chunks of 2048 blocks (256 KiB of float32, they stay in the core's L2 cache while the ~10 numpy
-operations run over them), and the chunks are shared among threads (numpy releases the GIL).
+The bytes are those llama-quantize writes without an importance matrix: ggml's quantizers' float32 operations in
+their order (tests/test_quantize.py: the `gguf` package and digests of ggml's own output). Each tensor is cut into
+chunks of 2048 blocks' worth of floats (256 KiB: they stay in L2 through the ~10 numpy passes) shared among threads.
 """
 
 from __future__ import annotations
@@ -37,10 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from tinyvllm.ggml_types import GGML_TYPES
+from tinyvllm.model.quantizer_search import quantize_iq4_nl, quantize_q4_k
 
-BLOCK_SIZE = 32  # elements per block in all three formats
-TYPE_SIZES = {2: 18, 3: 20, 8: 34}  # ggml type id -> bytes per block: Q4_0, Q4_1, Q8_0
-QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # the names users type -> ggml type id
+BLOCK_SIZE = 32  # elements per block of the 32-element formats
+# ggml type id -> (elements, bytes) per block: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL
+FORMATS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 20: (32, 18)}
+QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q4_k": 12}  # the names users type -> ggml type id
+# where a row is not whole blocks of a type, llama-quantize stores the tensor in another (src/llama-quant.cpp's
+# fallback table): Q4_K's 256-element super-blocks give way to Q5_0's 32-element blocks (SmolLM2's rows are 576 wide)
+FALLBACK = {12: 6}
 
 CHUNK_BLOCKS = 2048  # blocks per unit of work: 256 KiB of float32 in, fits the L2 cache with its temporaries
 
@@ -135,40 +117,82 @@ def _quantize_q4_1(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
     out[:, 4:] = _pack_nibbles(v.astype(np.uint8))
 
 
-_QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 8: _quantize_q8_0}
+def _quantize_q5_0(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    """x (n, 32) float32 -> out (n, 22) uint8: f16 d, the 32 fifth bits (u32), 16 bytes of packed low 4 bits.
+    As Q4_0 with 5 bits: d = max / -16, q = trunc(x / d + 16.5), <= 31 (ggml's quantize_row_q5_0_ref)."""
+    v = work.v[: len(x)]
+    ax = np.abs(x, out=v)
+    d = _pick(x, ax.argmax(axis=1)) / np.float32(-16)  # (n, 1)
+    out[:, 0:2] = _float16(d, "scale")
+    np.multiply(x, _inverse(d), out=v)
+    v += np.float32(16.5)
+    np.trunc(v, out=v)
+    np.clip(v, 0, 31, out=v)
+    q = v.astype(np.uint8)
+    out[:, 2:6] = np.packbits(q >> 4, axis=1, bitorder="little")  # bit k of the u32: element k's fifth bit
+    out[:, 6:] = _pack_nibbles(q & np.uint8(15))
+
+
+def _quantize_iq4_nl(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    if not np.isfinite(x).all():  # NaN or infinity: the clear error before the search
+        _float16(np.abs(x).max(axis=1, keepdims=True), "scale")
+    quantize_iq4_nl(x, out)
+    _float16(out[:, 0:2].copy().view(np.float16).astype(np.float32), "scale")  # overflow: the clear error
+
+
+def _quantize_q4_k(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
+    if not np.isfinite(x).all():
+        _float16(np.abs(x).max(axis=1, keepdims=True), "scale")
+    quantize_q4_k(x, out)
+    _float16(out[:, 0:4].copy().view(np.float16).astype(np.float32), "scale")
+
+
+_QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 6: _quantize_q5_0, 8: _quantize_q8_0, 12: _quantize_q4_k,
+               20: _quantize_iq4_nl}
+
+
+def storage_type(ggml_type: int, row_length: int) -> int | None:
+    """The type a row of `row_length` weights is stored in when `ggml_type` is asked for: that type, or its fallback
+    (FALLBACK) where the row is not whole blocks of it; None where neither fits (the tensor stays float)."""
+    for t in (ggml_type, FALLBACK.get(ggml_type)):
+        if t is not None and row_length % FORMATS[t][0] == 0:
+            return t
+    return None
 
 
 def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
     """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row.
 
-    ggml_type: 8 (Q8_0), 2 (Q4_0) or 3 (Q4_1). K must be a multiple of 32. Any leading shape is allowed:
-    (..., K) -> (..., K // 32 * type_size). The bytes are those ggml's reference quantizers write."""
+    ggml_type: one of FORMATS. K must be a multiple of the block (32 elements, Q4_K 256). Any leading shape is
+    allowed: (..., K) -> (..., K // block * type_size). The bytes are those ggml's quantizers write (llama-quantize
+    without an importance matrix)."""
     if ggml_type not in _QUANTIZERS:
         supported = ", ".join(f"{GGML_TYPES[t]} ({t})" for t in sorted(_QUANTIZERS))
         name = GGML_TYPES.get(ggml_type, "unknown")
         raise ValueError(f"cannot quantize to ggml type {ggml_type} ({name}); supported: {supported}")
+    block_size, type_size = FORMATS[ggml_type]
     x = np.asarray(array)
-    if x.ndim == 0 or x.shape[-1] % BLOCK_SIZE != 0:
-        raise ValueError(f"quantizing needs rows of a multiple of {BLOCK_SIZE} elements, got shape {x.shape}")
+    if x.ndim == 0 or x.shape[-1] % block_size != 0:
+        raise ValueError(f"quantizing needs rows of a multiple of {block_size} elements, got shape {x.shape}")
     if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"quantizing needs float weights, got dtype {x.dtype}")
     x = np.ascontiguousarray(x, dtype=np.float32)
-    type_size = TYPE_SIZES[ggml_type]
-    out = np.empty((*x.shape[:-1], x.shape[-1] // BLOCK_SIZE * type_size), dtype=np.uint8)
+    out = np.empty((*x.shape[:-1], x.shape[-1] // block_size * type_size), dtype=np.uint8)
     if x.size == 0:
         return out
 
-    blocks, out_blocks = x.reshape(-1, BLOCK_SIZE), out.reshape(-1, type_size)
+    blocks, out_blocks = x.reshape(-1, block_size), out.reshape(-1, type_size)
     fn = _QUANTIZERS[ggml_type]
     n_blocks = blocks.shape[0]
-    n_threads = max(1, min(os.cpu_count() or 1, n_blocks // CHUNK_BLOCKS))
+    chunk = CHUNK_BLOCKS * BLOCK_SIZE // block_size  # the same 256 KiB of float32 whatever the block
+    n_threads = max(1, min(os.cpu_count() or 1, n_blocks // chunk))
 
     def run(thread: int) -> None:
         """This thread's share of the blocks, a contiguous range, one chunk at a time."""
         begin, end = n_blocks * thread // n_threads, n_blocks * (thread + 1) // n_threads
-        work = _Work(min(CHUNK_BLOCKS, end - begin))
-        for start in range(begin, end, CHUNK_BLOCKS):
-            stop = min(start + CHUNK_BLOCKS, end)
+        work = _Work(min(CHUNK_BLOCKS, (end - begin) * block_size // BLOCK_SIZE))
+        for start in range(begin, end, chunk):
+            stop = min(start + chunk, end)
             fn(blocks[start:stop], out_blocks[start:stop], work)
 
     if n_threads == 1:
