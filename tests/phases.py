@@ -21,7 +21,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1,
      "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
-    "test_prose_share": 1,
+    "test_prose_share": 1, "test_phase_lines": 1,
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
