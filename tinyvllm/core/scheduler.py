@@ -177,26 +177,38 @@ class Scheduler:
             i += 1
 
         # 2. waiting sequences, first come first served; none while this step had to preempt
-        now = time.monotonic()
-        while self.waiting and not preempted and token_budget > 0 and len(self.running) < self.max_num_seqs:
+        if not preempted:
+            token_budget = self._admit_waiting(token_budget, scheduled, num_scheduled_tokens)
+
+        assert len(scheduled) <= self.max_num_seqs, f"{len(scheduled)} sequences in a step of {self.max_num_seqs}"
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, spec_tokens, finished)
+
+    def _admit_waiting(self, token_budget: int, scheduled: list[Sequence],
+                       num_scheduled_tokens: dict[int | str, int]) -> int:
+        """Admit sequences from the head of the waiting queue while budget is left, fewer than `max_num_seqs` run
+        and the block manager gives the head its blocks; each is scheduled for the rest of its tokens, or as many as
+        the budget has left (chunked prefill). Returns the budget left."""
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.block_manager.allocate(seq) is None:
                 break  # the head waits for blocks; no skipping ahead, or a long prompt could wait forever
             self.waiting.popleft()
-            if seq.num_cached_tokens < 0:  # first admission: how much of the prompt the prefix cache had
-                seq.num_cached_tokens = seq.num_computed_tokens
-                seq.first_scheduled_time = now
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
             # the rest of its tokens after any cached prefix, or as much as the budget allows (chunked prefill)
             num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
             token_budget -= num_new_tokens
+        return token_budget
 
-        assert len(scheduled) <= self.max_num_seqs, f"{len(scheduled)} sequences in a step of {self.max_num_seqs}"
-        finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, spec_tokens, finished)
+    def _start_running(self, seq: Sequence) -> None:
+        """An admitted sequence joins the running queue (its first admission recorded: time, cached prefix)."""
+        if seq.num_cached_tokens < 0:  # first admission: how much of the prompt the prefix cache had
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.first_scheduled_time = time.monotonic()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     @staticmethod
     def _num_tokens_with_spec(seq: Sequence) -> int:
