@@ -2,6 +2,7 @@
 #   make run    set up (clang, .venv, the package, the default model) and generate text
 #   make test   set up (plus the test and oracle extras) and run the whole test suite
 #   make test-phase P=3   the same, Phases 1-3's tests only (a learner at Phase 3)
+#   make course P=3       grade the functions a learner wrote for Phase 3 (course/README.md); SOLUTION=1: the project's
 # Re-running is fast: each step leaves a stamp and is redone only when its inputs change.
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ PY     := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 ARGS   ?= --max-tokens 64
 
-.PHONY: run test test-phase setup setup-test clang chromium bytecode bench clean
+.PHONY: run test test-phase course setup setup-test clang chromium bytecode bench clean
 
 run: setup
 	$(PY) main.py --prompt "$(PROMPT)" $(ARGS)
@@ -26,6 +27,12 @@ test-phase: setup-test
 	TINYVLLM_HIDE_AFTER_PHASE=$(P) $(PY) -m pytest -q -n auto --dist loadfile tests \
 	  -m "($$(seq -s ' or ' 1 $(P) | sed 's/[0-9]/phase&/g'))$$( \
 	  [ $(P) -lt 9 ] && echo " and not ($$(seq -s ' or ' $$(($(P) + 1)) 9 | sed 's/[0-9]/phase&/g'))")"
+
+# the build-it track: Phase P's graders (course/graders/test_phaseP.py) on the learner's course/phaseP/*.py, each task
+# passed or its first failing assertion, the later phases' modules hidden; SOLUTION=1 grades the project's own code
+SOLUTION ?=
+course: setup-test
+	TINYVLLM_HIDE_AFTER_PHASE=$(P) $(PY) -m tinyvllm.course check $(P) $(if $(filter 1,$(SOLUTION)),--solution)
 
 bench: setup-test
 	$(PY) benchmarks/bench_generate.py

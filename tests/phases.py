@@ -22,6 +22,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
      "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
     "test_prose_share": 1, "test_phase_lines": 1,
+    "test_course": 1,  # the build-it track's graders fail on its stubs and pass on the project (each phase's tasks)
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching

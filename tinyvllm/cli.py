@@ -1,4 +1,5 @@
-"""The `tinyvllm` command, with vLLM's verbs (`VERBS`: serve, generate, chat, bench, quantize, perplexity), each
+"""The `tinyvllm` command, with vLLM's verbs (`VERBS`: serve, generate, chat, bench, quantize, perplexity; and
+`course`, the build-it track's grader), each
 with the flags of the module it runs; nothing heavy is imported before a verb runs, so --help is instant.
 """
 
@@ -41,6 +42,9 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--course", default=os.environ.get("TINYVLLM_COURSE"), metavar="DIR",
+                   help="run the engine on the functions written in this build-it folder (course/README.md); "
+                        "default: TINYVLLM_COURSE")
     EngineArgs.add_cli_args(p)  # the engine's flags, shared with the server (engine/arg_utils.py)
     return p
 
@@ -57,6 +61,12 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
             from tinyvllm.engine.generator import GenerationResult, Generator
             from tinyvllm.sampling_params import SamplingParams
 
+            if args.course:  # the learner's functions in place of the project's, before the engine is built
+                from tinyvllm.course import install_written
+
+                mine = install_written(args.course)
+                print(f"[course] {len(mine)} of your functions run in the engine: "
+                      f"{', '.join(t.name for t in mine) or 'none written yet'}", file=sys.stderr)
             # every flag checked before the model loads: a typo in the JSON is said at once
             config = EngineArgs.from_cli_args(args).create_engine_config()
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -141,6 +151,12 @@ def perplexity_main(argv: list[str]) -> int:
     return main(_model_first(argv), prog="tinyvllm perplexity")
 
 
+def course_main(argv: list[str]) -> int:
+    from tinyvllm.course import main
+
+    return main(argv, prog="tinyvllm course")
+
+
 def benchmarks_dir() -> Path | None:
     """benchmarks/ of the source checkout tinyvllm runs from, or of the current directory."""
     for root in (Path(__file__).resolve().parents[1], Path.cwd()):
@@ -189,6 +205,7 @@ VERBS = {
     "bench": (bench_main, "benchmarks: latency, throughput, serve (from a source checkout)"),
     "quantize": (quantize_main, "write a GGUF file quantized to q8_0, q4_0, q4_1, iq4_nl or q4_k (or f16, f32)"),
     "perplexity": (perplexity_main, "perplexity of a model on a text, llama-perplexity's figure"),
+    "course": (course_main, "the build-it track: course check K grades your Phase K functions (course/)"),
 }
 
 
