@@ -19,6 +19,7 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -242,7 +243,7 @@ def report(phase: int, results: dict[str, dict], solution: bool) -> str:
         if not result["passed"] and result["message"]:
             message = result["message"].strip().splitlines()
             if len(message) > 1:  # pytest's rewritten `assert ...` after the grader's own message: noise here
-                message = [line for line in message if not line.startswith("assert ")] or message
+                message = list(itertools.takewhile(lambda line: not line.startswith("assert "), message)) or message
             lines += [f"            {line}" for line in message[:4]]
     num_passed = sum(r["passed"] for r in results.values())
     lines.append(f"{num_passed} of {len(results)} tasks passed")
