@@ -2,10 +2,8 @@
 
     python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1|iq4_nl|q4_k|f16|f32
 
-IN is a GGUF (any type tinyvllm reads) or an HF model directory. OUT keeps the metadata and tokenizer and types
-tensors as llama-quantize does (`target_type`): norms F32, the output matrix (the embedding, when tied) Q8_0,
-every other matrix the --type (q4_k: Q5_0 where a row is not whole super-blocks). From SmolLM2's F32 GGUF the
-files equal llama-quantize's byte for byte (docs/phases/06-appendix-formats.md says which of its files).
+From SmolLM2's F32 GGUF the files equal llama-quantize's byte for byte (docs/phases/06-appendix-formats.md says
+which of its files).
 """
 
 from __future__ import annotations
@@ -255,9 +253,7 @@ def _from_hf(model_dir: Path, ggml_type: int) -> tuple[dict[str, MetadataValue],
 # ---- the command ----
 
 def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, out: TextIO | None = None) -> Path:
-    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (a QUANTIZE_TYPES name, f16, f32).
-
-    Prints a line per tensor (its type and size before and after), the totals and the time to `out` (stdout)."""
+    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (a QUANTIZE_TYPES name, f16, f32)."""
     start = time.perf_counter()
     out = out if out is not None else sys.stdout
     if qtype not in OUTPUT_TYPES:

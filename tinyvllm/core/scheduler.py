@@ -1,5 +1,4 @@
-"""Continuous batching: each step, decide which sequences compute how many of their tokens. Taught in
-docs/phases/03-continuous-batching.md.
+"""Continuous batching: each step, decide which sequences compute how many of their tokens.
 
     NOTE(woosuk) on the scheduling algorithm, from vLLM v1's `scheduler.py`:
     "There's no 'decoding phase' nor 'prefill phase' in the scheduler. Each request just has the
@@ -8,20 +7,7 @@ docs/phases/03-continuous-batching.md.
     num_tokens_with_spec. This is general enough to cover chunked prefills, prefix caching,
     speculative decoding, and the 'jump decoding' optimization in the future."
 
-A step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
-
-    running (oldest first)   each gets its next chunk: 1 token for a decode, the rest of a prompt
-                             otherwise, as far as the budget goes. Out of blocks? preempt the newest
-                             running sequence (free its blocks, recompute it later) and retry.
-    waiting (head first)     admitted while the budget, the cap and free blocks allow; a prompt
-                             longer than what is left of the budget is split (chunked prefill).
-
-    add_seq -> WAITING --schedule--> RUNNING --update_from_output--> FINISHED_* (blocks freed)
-                  ^                     |
-                  +-----PREEMPTED-------+   (back at the head of the waiting queue)
-
-The scheduler owns the BlockManager; the model runner never sees the queues. Stop strings need text: the engine's
-output processor finds them.
+Taught in docs/phases/03-continuous-batching.md.
 """
 
 from __future__ import annotations
@@ -73,16 +59,14 @@ class SchedulerOutput:
 
     def samples(self, seq: Sequence) -> bool:
         """Whether the step computes `seq`'s newest token (any drafts come after it), so a token is sampled from
-        its logits; a chunk that ends mid-prompt samples nothing. Asked before the step's tokens count as computed."""
+        its logits; a chunk that ends mid-prompt samples nothing."""
         num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, ()))
         return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] - num_drafts == seq.num_tokens
 
 
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()` once per
-    step. `num_blocks` is computed once elsewhere and passed in; `max_model_len` must fit in the pool;
-    `max_num_batched_tokens` >= `max_num_seqs`, so every decode gets its token; `policy`: "fcfs" (arrival order) or
-    "priority" (lower first; preempts the lowest); `eos_token_ids`: the model's stop tokens.
+    step.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
@@ -215,8 +199,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled sequence by the tokens it computed; those that caught up get their sampled
-        token(s) and may finish. Returns an EngineCoreOutput per sequence that got a token, finished, or got
-        prompt logprobs."""
+        token(s) and may finish."""
         outputs = []
         for seq in scheduler_output.scheduled_seqs:
             seq_id = seq.seq_id
@@ -316,7 +299,7 @@ class Scheduler:
 
     def finish_requests(self, seq_ids: Iterable[int | str], status: SequenceStatus) -> None:
         """Finish these sequences now and free their blocks: an abort, or a stop string the output processor found
-        (vLLM v1's name). Ids no longer here are skipped."""
+        (vLLM v1's name)."""
         for seq_id in seq_ids:
             self.finish_seq(seq_id, status)
 

@@ -4,8 +4,7 @@
                                                                         |--as_memoryview()--> the bytes (CPU)
                                                                         +--allocator._copyin(_buf, bytes)
 
-On the CPU device a buffer is host memory, read and written in place (tinyvllm/device_memory.py). Taught in
-docs/phases/01-appendix-tinygrad-speed.md.
+Taught in docs/phases/01-appendix-tinygrad-speed.md.
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ def copy_in(t: Tensor, data: memoryview) -> None:
 
 def memory_info(device: str) -> tuple[int, int] | None:
     """(free, total) bytes of a GPU's memory as its driver reports them (CUDA: `cuMemGetInfo_v2`; METAL: the
-    recommended working set less what is allocated); None where tinygrad has no way to ask. Opens the device."""
+    recommended working set less what is allocated); None where tinygrad has no way to ask."""
     kind = device.split(":")[0].upper()
     dev = Device[device]
     if kind == "CUDA":

@@ -33,7 +33,7 @@ _reused_traces: dict | None = None  # inside `traces_reused()`: a call's structu
 @contextlib.contextmanager
 def traces_reused():
     """Inside: a call whose arguments have an earlier call's structure (shapes, dtypes, devices, settings) calls that
-    traced graph with its own buffers. For one forward pass: a bound variable's value must not change."""
+    traced graph with its own buffers."""
     global _reused_traces
     outer, _reused_traces = _reused_traces, {}
     try:

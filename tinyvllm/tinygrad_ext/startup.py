@@ -89,7 +89,7 @@ DEFERRED_CPU_RENDERERS = {"tinygrad.renderer.nir": "LVPRenderer", "tinygrad.rend
 def defer_unused_cpu_renderers() -> None:
     """Until ops_cpu is imported, stand in for the modules of renderers only DEV=CPU:LVP or CPU:X86 choose (LVP's
     defines ctypes classes for all of Mesa's NIR, x86's builds instruction tables): instantiating the renderer or
-    reading any other name imports the real module. Pinned tinygrad only."""
+    reading any other name imports the real module."""
     if "tinygrad.runtime.ops_cpu" in sys.modules or INSTALLED_VERSION != TINYGRAD_VERSION:
         return
     sys.modules.update({name: _stand_in(name, cls) for name, cls in DEFERRED_CPU_RENDERERS.items()
@@ -125,8 +125,7 @@ TINYGRAD_FINDLIB = None  # tinygrad's own `DLL.findlib`, kept here once `find_li
 
 def find_libraries_quickly() -> None:
     """Replace tinygrad's `DLL.findlib` with `_findlib`: the same search in the same order, but an entry's name is
-    tested before it is stat'ed (the library directory holds over a thousand entries). Linux and pinned tinygrad
-    only; call it before the CPU device's module is imported."""
+    tested before it is stat'ed (the library directory holds over a thousand entries)."""
     global TINYGRAD_FINDLIB
     if sys.platform != "linux" or INSTALLED_VERSION != TINYGRAD_VERSION or TINYGRAD_FINDLIB is not None:
         return
