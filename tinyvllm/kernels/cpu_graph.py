@@ -223,7 +223,8 @@ def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
 
 class GraphedJit(JitBase):
     """TinyJit that captures on the first call and replays through a `CPUGraph` where the device table says the
-    device uses one and the graph fits (see module doc); elsewhere tinygrad's own replay (CUDA graphs on CUDA)."""
+    device uses one and the graph fits (docs/phases/01-appendix-tinygrad-speed.md); elsewhere tinygrad's own
+    replay (CUDA graphs on CUDA)."""
 
     def __init__(self, fxn, capture_first: bool = True, persist=None):
         super().__init__(fxn)

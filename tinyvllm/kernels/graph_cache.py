@@ -153,7 +153,7 @@ def input_signature(names: list, input_info: list) -> str:
 
 
 class PersistedGraph:
-    """Where one GraphedJit's graph lives on disk (see the module doc)."""
+    """Where one GraphedJit's graph lives on disk (`TINYVLLM_CACHE_DIR`)."""
 
     def __init__(self, settings: tuple, state: Callable[[], dict[str, Tensor]], device: str,
                  directory: Path | None = None):
