@@ -5,7 +5,8 @@
         for layer in layers: ...       30 layers, 1 trace (per distinct structure: a sliding-window layer is another)
     apply_fixes()                      on tinygrad 0.14.0 only: `renumber_invalid_outputs` made linear
 
-Applied when imported (the model asks for its traces through tinyvllm/plugins.py); taught in docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
+Applied when imported (the model asks for its traces through tinyvllm/plugins.py); taught in
+docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
 """
 
 from __future__ import annotations
