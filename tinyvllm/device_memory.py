@@ -16,14 +16,15 @@ from tinyvllm.tinygrad_ext.buffers import (
 
 def host_view(t: Tensor) -> np.ndarray | None:
     """A numpy array that is `t`'s device memory (allocated here if it is not yet), shaped like `t`;
-    None where the host cannot see that memory."""
+    None where the host cannot see that memory. `t` must be a plain buffer (e.g. from `Tensor.empty`)."""
     if not platform_for(t.device).host_views or (memory := host_memory(t)) is None:
         return None
     return np.frombuffer(memory, dtype=numpy_dtype(t.dtype)).reshape(t.shape)
 
 
 class ReadBack:
-    """Reads what a graph returns back to the host, step after step (a step's sampled token ids)."""
+    """Reads what a graph returns back to the host, step after step (a step's sampled token ids): the host view is
+    made once, each read copies the few bytes out, after waiting for the device unless `wait=False`."""
 
     def __init__(self):
         self._tensor: Tensor | None = None  # the tensor last read, kept alive with its view
@@ -40,7 +41,8 @@ class ReadBack:
 
 
 def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | None, axis: int = 2) -> Tensor:
-    """A realized tensor of zeros, for a cache."""
+    """A realized tensor of zeros, for a cache (not garbage: attention multiplies masked values by 0, and 0 * NaN
+    is NaN). A tuple of devices splits it along `axis`, each slice zeroed where it lives."""
     if isinstance(device, tuple):
         return sharded_zeros(shape, dtype, device, axis)
     out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_ext.buffers.empty)

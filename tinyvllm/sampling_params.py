@@ -44,7 +44,8 @@ def _require(ok: bool, field: str, value: object, valid: str) -> None:
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Constrain the output to a grammar (vLLM's class of the same name; exactly one field is set):"""
+    """Constrain the output to a grammar (vLLM's class of the same name; exactly one field is set): `json` a schema,
+    `json_object` any JSON object, `regex`, `choice` one of these strings, `grammar` a Lark grammar (llguidance's)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -158,7 +159,8 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def all_stop_token_ids(self, eos_token_ids: Iterable[int] = ()) -> set[int]:
-        """The token ids that finish this request: `stop_token_ids`, plus the model's eos unless `ignore_eos`."""
+        """The token ids that finish this request: `stop_token_ids`, plus the model's eos unless `ignore_eos` (the
+        set `min_tokens` bans)."""
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:
             ids.update(eos_token_ids)

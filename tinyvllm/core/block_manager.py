@@ -24,7 +24,8 @@ from tinyvllm.core.sequence import Sequence
 
 @dataclass(eq=False)
 class Block:
-    """One block of the pool (vLLM's `KVCacheBlock`)."""
+    """One block of the pool (vLLM's `KVCacheBlock`). `ref_cnt`: the block tables holding it (0: free; > 1: a shared
+    cached prefix, never written); `block_hash`: set once full and cached, kept while free until reused."""
 
     block_id: int
     ref_cnt: int = 0
@@ -56,7 +57,8 @@ class FreeBlockQueue:
 
 class BlockManager:
     """Hands out the blocks of a fixed pool of `num_blocks` (computed once by whoever builds the KV cache) and takes
-    them back."""
+    them back. Invariant: `num_free_blocks + blocks in use == num_blocks`; running out answers False or None and
+    changes nothing (the scheduler decides whom to preempt)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
@@ -113,7 +115,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> list[int] | None:
         """Give a sequence holding no blocks enough for all its tokens, its cached prefix first (shared, ref_cnt + 1,
-        `num_computed_tokens` set past it)."""
+        `num_computed_tokens` set past it). Returns its block table, or None if too few blocks are free."""
         assert not seq.block_table, f"allocate: {seq} already holds blocks"
         hits = self.cached_prefix(seq)  # one lookup serves the check and the allocation
         if not self.can_allocate(seq, hits):
@@ -154,7 +156,8 @@ class BlockManager:
         return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[int] | None:
-        """Make room for positions num_computed_tokens .. + num_new_tokens - 1 (vLLM's `allocate_slots`)."""
+        """Make room for positions num_computed_tokens .. + num_new_tokens - 1 (vLLM's `allocate_slots`). Returns
+        the ids of the blocks taken (usually none), or None if too few are free, changing nothing."""
         num_missing = self._num_missing_blocks(seq, num_new_tokens)
         if num_missing > self.num_free_blocks:
             return None

@@ -59,14 +59,15 @@ class SchedulerOutput:
 
     def samples(self, seq: Sequence) -> bool:
         """Whether the step computes `seq`'s newest token (any drafts come after it), so a token is sampled from
-        its logits; a chunk that ends mid-prompt samples nothing."""
+        its logits; a chunk that ends mid-prompt samples nothing. Asked before the step's tokens count as computed."""
         num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, ()))
         return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] - num_drafts == seq.num_tokens
 
 
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()` once per
-    step.
+    step. `num_blocks` is computed elsewhere and passed in; `max_num_batched_tokens` >= `max_num_seqs`, so every
+    decode gets its token; `policy`: "fcfs" (arrival order) or "priority" (lower first; preempts the lowest).
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
@@ -199,7 +200,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled sequence by the tokens it computed; those that caught up get their sampled
-        token(s) and may finish."""
+        token(s) and may finish. Returns an EngineCoreOutput per sequence that got a token, finished, or got
+        prompt logprobs."""
         outputs = []
         for seq in scheduler_output.scheduled_seqs:
             seq_id = seq.seq_id
@@ -299,7 +301,7 @@ class Scheduler:
 
     def finish_requests(self, seq_ids: Iterable[int | str], status: SequenceStatus) -> None:
         """Finish these sequences now and free their blocks: an abort, or a stop string the output processor found
-        (vLLM v1's name)."""
+        (vLLM v1's name). Ids no longer here are skipped."""
         for seq_id in seq_ids:
             self.finish_seq(seq_id, status)
 

@@ -48,7 +48,8 @@ _FINISH_REASONS = {
 
 
 class Sequence:
-    """A prompt, the tokens sampled after it, and how much of it is in the KV cache."""
+    """A prompt, the tokens sampled after it, and how much of it is in the KV cache. `seq_id` is vLLM's
+    `request_id`; position pos lives in block `block_table[pos // block_size]`."""
 
     def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                  arrival_time: float | None = None, prompt: str | None = None, priority: int = 0, *,
@@ -112,7 +113,7 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def append_token_id(self, token_id: int) -> None:
-        """Record a sampled token."""
+        """Record a sampled token; the next step that schedules it computes its K/V."""
         self.output_token_ids.append(token_id)
 
     # ---- progress ----

@@ -231,7 +231,7 @@ class AsyncLLMEngine:
             self._call_event_loop(self._fail_all_streams, EngineDeadError("the engine loop has stopped"))
 
     def _run_once(self) -> bool:
-        """One turn: take the commands, then step if there is work."""
+        """One turn: take the commands, then step if there is work. False once told to shut down."""
         idle = not self.engine.has_unfinished_requests()
         commands = [self._input.get()] if idle else []  # sleep until there is something to do
         while not self._input.empty():

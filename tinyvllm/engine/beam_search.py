@@ -22,7 +22,8 @@ from tinyvllm.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """vLLM's `BeamSearchParams`, plus HF's `early_stopping` (True, False or "never"; False as in HF)."""
+    """vLLM's `BeamSearchParams`, plus HF's `early_stopping` (True, False or "never"; False as in HF). `temperature`
+    > 0 divides the logits before the log-softmax; 0 leaves them."""
 
     beam_width: int
     max_tokens: int
@@ -86,7 +87,8 @@ class BeamSearch:
         self.done = False
 
     def step(self, logprobs: list[np.ndarray]) -> list[tuple[int, int]]:
-        """logprobs[b]: (vocab,) log-probabilities of running beam b's next token."""
+        """logprobs[b]: (vocab,) log-probabilities of running beam b's next token. Returns the new running beams as
+        (parent beam index, token), best first; none once `done`."""
         k, lp, p = self.params.beam_width, self.params.length_penalty, self.params
         assert not self.done and len(logprobs) == len(self.running)
         scores = np.stack([cum + row.astype(np.float64) for (_, cum), row in zip(self.running, logprobs)])
@@ -226,7 +228,7 @@ class BeamSearchRequests:
                              error=error)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a beam search and abort its beams' requests."""
+        """Drop a beam search and abort its beams' requests. False if there is no such search."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False

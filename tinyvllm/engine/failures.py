@@ -18,7 +18,7 @@ logger = logging.getLogger("tinyvllm.engine")
 def retry_in_parts(scheduler_output: SchedulerOutput, error: Exception,
                    execute_model: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
     """Run a failed step again one sequence at a time; a sequence that fails again alone is `failed` with its
-    error."""
+    error. Returns what the step would have returned, merged from its parts."""
     logger.error("the engine step failed (%s: %s); retrying its %d sequences one at a time",
                  type(error).__name__, error, len(scheduler_output.scheduled_seqs))
     merged = ModelRunnerOutput()

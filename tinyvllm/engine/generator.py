@@ -75,7 +75,7 @@ class Generator:
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
                chat: bool = False, result: GenerationResult | None = None) -> Iterator[StreamChunk]:
-        """Yield the output as it is generated."""
+        """Yield the output as it is generated. Pass `result` to have it filled in along the way."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"Generator streams one completion, got n={params.n}: use LLM.generate for n > 1")

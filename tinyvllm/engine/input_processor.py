@@ -55,7 +55,7 @@ class InputProcessor:
         return ProcessedRequest(text, prompt_ids, SamplingParams(), 0, arrival_time, beam_search=params)
 
     def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(the prompt's text, or None when it came as token ids; its token ids)."""
+        """(the prompt's text, or None when it came as token ids; its token ids). It must leave room for output."""
         if isinstance(prompt, str):
             text, prompt_ids = prompt, self.tokenizer.encode(prompt)
         else:

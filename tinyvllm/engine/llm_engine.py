@@ -26,7 +26,8 @@ from tinyvllm.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    """Requests in (`add_request`), one step at a time (`step`), outputs out."""
+    """Requests in (`add_request`), one step at a time (`step`), outputs out. `model`: a .gguf, an HF directory, None
+    (the default model) or a loaded `LlamaForCausalLM` with its `tokenizer`; other keywords are `EngineArgs`'."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *,
                  tokenizer: Tokenizer | None = None, config: EngineConfig | None = None, **engine_args):
@@ -74,7 +75,8 @@ class LLMEngine:
     # ---- requests in ----
 
     def add_request(self, request_id: str, prompt: str | list[int], params=None, priority: int = 0) -> None:
-        """Queue a prompt (text, or token ids)."""
+        """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing; `priority`: lower is
+        served first; `params`: SamplingParams, BeamSearchParams or PoolingParams."""
         params = params or SamplingParams()
         request = self.input_processor.process(request_id, prompt, params, priority, self._in_use)
         if request.beam_search is not None:

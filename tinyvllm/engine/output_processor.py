@@ -42,7 +42,8 @@ class RequestState:
     num_cached_tokens: int = 0
 
     def add_tokens(self, out: EngineCoreOutput, stop_token_ids: list[int]) -> bool:
-        """Take a step's new tokens: their text (a stop token's is not shown) and stop strings, their logprobs."""
+        """Take a step's new tokens: their text (a stop token's is not shown) and stop strings, their logprobs.
+        Returns True when a stop string ended the request here (the core must abort it)."""
         for j, token in enumerate(out.new_token_ids):
             self.output_token_ids.append(token)
             if out.new_logprobs is not None:

@@ -54,7 +54,8 @@ class ParentRequests:
 
     def add(self, request_id: str, params: SamplingParams, add_child: Callable[[str, SamplingParams], None],
             in_use: Callable[[str], bool], share_prompt: bool = False) -> None:
-        """Add a request through `add_child(request_id, params)`: itself when n == 1, else its n children."""
+        """Add a request through `add_child(request_id, params)`: itself when n == 1, else its n children.
+        `share_prompt`: the children after the first wait for its first output, then read the prompt from the cache."""
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.parents or any(in_use(rid) for rid in {request_id, *child_ids}):
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -224,7 +224,8 @@ def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
 class GraphedJit(JitBase):
     """TinyJit that captures on the first call and replays through a `CPUGraph` where the device table says the
     device uses one and the graph fits (docs/phases/01-appendix-tinygrad-speed.md); elsewhere tinygrad's own
-    replay (CUDA graphs on CUDA)."""
+    replay (CUDA graphs on CUDA). `persist` (a `PersistedGraph`): written to disk once built, replayed at once by a
+    later process that finds it."""
 
     def __init__(self, fxn, capture_first: bool = True, persist=None):
         super().__init__(fxn)
@@ -285,7 +286,8 @@ class GraphedJit(JitBase):
         return self.captured_return()
 
     def _check(self, inputs: JitCallInputs) -> None:
-        """The inputs must be those the graph was captured with (tinygrad's JitError otherwise)."""
+        """The inputs must be those the graph was captured with (tinygrad's JitError otherwise). An input the graph
+        writes makes tinygrad copy it first: then only tinygrad's own replay is right."""
         self.check_inputs(inputs.names, inputs.input_info)
         if self.writes_inputs(inputs.uops):
             self.graph = False

@@ -7,7 +7,8 @@
      &scratch + 81920,                       region 2, offset 81920             ->    a fresh buffer of its size
      num_blocks]                             variable "num_blocks"              ->    patched at every call
 
-Chapter: docs/phases/06-appendix-measurements.md (what a new process reuses).
+A stale, truncated or corrupt file is a miss; `TINYVLLM_GRAPH_CACHE=0` turns it off. Chapter:
+docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def input_signature(names: list, input_info: list) -> str:
 
 
 class PersistedGraph:
-    """Where one GraphedJit's graph lives on disk (`TINYVLLM_CACHE_DIR`)."""
+    """Where one GraphedJit's graph lives on disk (`TINYVLLM_CACHE_DIR`). `settings`: what besides the inputs names
+    it; `state`: the tensors outside the graph it may use."""
 
     def __init__(self, settings: tuple, state: Callable[[], dict[str, Tensor]], device: str,
                  directory: Path | None = None):

@@ -76,7 +76,8 @@ def kernel_path(name: str, device: str) -> Path | None:
 
 
 def has_kernel(name: str, device: str) -> bool:
-    """Is there a source for kernel `name` on `device`, in a language that device's compiler takes?"""
+    """Is there a source for kernel `name` on `device`, in a language that device's compiler takes? Opens no device
+    (it runs while a graph is traced)."""
     kind = device_kind(device)
     if (backend := BACKENDS.get(kind)) is None or (path := kernel_path(name, device)) is None:
         return False
@@ -130,7 +131,8 @@ def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, 
            estimates=None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
            local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
     """Run function `entry` (default: `name`) of kernels/<device>/<name>.* on `outs` (written) and `ins` (read),
-    all on one device."""
+    all on one device. On a GPU it runs on `grid` blocks of `local_size` threads, on the CPU once. Every tensor must
+    be contiguous; returns the outs. Split tensors run once per device, so `defines` give one part's shapes."""
     device = outs[0].device
     assert all(t.device == device for t in outs + ins), "one device (or one tuple of devices) for all buffers"
     device = device if isinstance(device, str) else device[0]  # the kind is all a program's source depends on
@@ -147,14 +149,15 @@ def local_shape(t: Tensor) -> tuple[int, ...]:
 
 def output(shape: tuple[int, ...], dtype, like: Tensor, axis: int | None = None) -> Tensor:
     """An output buffer of local shape `shape` (what the kernel writes on each device) on `like`'s device(s): split
-    along `axis`, or (None) one whole output per device."""
+    along `axis`, or (None) one whole output per device. The kernel must write every element."""
     if isinstance(like.device, str):
         return Tensor.invalids(*shape, dtype=dtype, device=like.device)
     return empty_shards(shape, dtype, like.device, axis)
 
 
 def check_entry_is_first(lib: bytes, entry: str) -> None:
-    """Raise unless function `entry` starts at offset 0 of the first section of compiled object `lib`."""
+    """Raise unless function `entry` starts at offset 0 of the first section of compiled object `lib` (tinygrad's
+    CPU runtime calls the first byte)."""
     at_start = elf_symbol_at_start(lib, entry)
     if at_start is None:
         raise RuntimeError(f"no function {entry} in the compiled object")
@@ -164,7 +167,7 @@ def check_entry_is_first(lib: bytes, entry: str) -> None:
 
 def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None) -> HostProgram:
     """Compile kernels/cpu/<name>.c and load it as a callable on the host (not as a graph node): the CPU thread
-    pool's helper loop, the CPU graph's runner."""
+    pool's helper loop, the CPU graph's runner. `.fxn(*args)` takes ctypes.c_uint64 arguments."""
     # NOTE: this may run while a graph is being traced (the first `linear`), where tinygrad forbids device use
     # so that no tensor is realized by accident. Compiling and loading code realizes nothing.
     with Context(ALLOW_DEVICE_USAGE=1):

@@ -52,12 +52,14 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
 #   qmatmul_k.c  struct xblock_k  { float d; int16 bsums[16]; int8 q[256]; } bsums: sums of each 16 q
 X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 
-# 0 (the default): the integer route at every M, batch-invariant.
+# 0 (the default): the integer route at every M, batch-invariant. N > 0: from N rows of x on, the CPU kernel for the
+# 32-element formats multiplies dequantized w in float32, so a row's result depends on how many rows share its step.
 FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 
 
 # 1 (the default): on a CPU with AVX-512 VNNI, kernels/cpu/qmatmul.c's integer dot products take _mm512_dpbusd_epi32
-# (two blocks per register, fewer instructions). 0: AVX2's route everywhere (TV_NO_VNNI).
+# (two blocks per register, fewer instructions). 0: AVX2's route everywhere (TV_NO_VNNI). Both give the same bits:
+# the same float operations in llama.cpp's order (vec_dot_q4_1_q8_1), so neither is a different rounding sample.
 VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "1") == "1"
 
 
@@ -209,7 +211,8 @@ def _q4_1(b: Tensor) -> Tensor:  # x = d * q + m
 
 
 def _shifted(x: Tensor, shifts: range | tuple[int, ...], dim: int) -> Tensor:
-    """x >> s for each s, stacked along a new dimension `dim`."""
+    """x >> s for each s, stacked along a new dimension `dim`. The shifts are Python constants: a Tensor made from a
+    list inside a captured step is a buffer of its own, which would keep the step out of the CPU graph."""
     return Tensor.stack(*[x >> sh for sh in shifts], dim=dim)
 
 

@@ -150,7 +150,8 @@ def storage_type(ggml_type: int, row_length: int) -> int | None:
 
 
 def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
-    """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row."""
+    """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row (the bytes
+    llama-quantize writes without an importance matrix). K: a multiple of the block (32 elements, K-quants 256)."""
     if ggml_type not in _QUANTIZERS:
         supported = ", ".join(f"{GGML_TYPES[t]} ({t})" for t in sorted(_QUANTIZERS))
         name = GGML_TYPES.get(ggml_type, "unknown")

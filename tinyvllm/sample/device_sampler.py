@@ -35,7 +35,7 @@ def _finite_min(logits: Tensor) -> Tensor:
 
 
 def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
-    """top_k: (S,) int; >= the number of candidates means "off"."""
+    """top_k: (S,) int; >= the number of candidates means "off". Keeps logits >= the k-th largest."""
     k = top_k.reshape(-1, 1).float()
     num_finite = logits.isinf().logical_not().sum(axis=-1, keepdim=True).float()
     # "fewer than k logits are >= v" is false at v <= kth and true above it
@@ -82,7 +82,8 @@ def greedy(logits: Tensor) -> Tensor:
 
 def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
          use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
-    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32)."""
+    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32): a row
+    keeps the logits >= its threshold. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
     if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
                                                          portable=portable)) is not None:
         return drawn  # Phase 5: the sampler kernel, where the device has it

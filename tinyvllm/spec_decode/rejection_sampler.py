@@ -24,7 +24,9 @@ NO_DRAFT = -1  # draft_token_ids on a bonus row (and on padding rows): q is 0 th
 def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                      draft_token_ids: Tensor, uniforms: Tensor, keys: Tensor, draft_probs: Tensor | None = None,
                      use_filters: bool = True) -> tuple[Tensor, Tensor]:
-    """One row per position a sampled request verifies: each draft's row, then its bonus row."""
+    """One row per position a sampled request verifies: each draft's row, then its bonus row. draft_token_ids (R,)
+    int32, NO_DRAFT on bonus rows; draft_probs (R,V) q, or None: q one-hot at the draft (a deterministic proposer).
+    """
     vocab = logits.shape[1]
     # (R,V): the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
     thresholds = draw(logits, temperature, top_k, top_p, min_p, keys)[1] if use_filters else None  # (R,1)

@@ -94,7 +94,8 @@ def buckets_up_to(limit: int) -> list[int]:
 
 class ModelRunner:
     """Runs a step (`execute_model`): the model over its scheduled tokens, one captured graph per shape bucket
-    (`compute_logits`), and the sampling on the device (`sample`, `rejection_sample`).
+    (`compute_logits`), and the sampling on the device (`sample`, `rejection_sample`). `max_model_len` sets the
+    block tables' width, `max_num_batched_tokens` the largest token bucket; `portable_attention`: no kernels.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
@@ -146,7 +147,8 @@ class ModelRunner:
     # ---- one step ----
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The step's device side: the tokens each request emits (and what it asked for beside them)."""
+        """The step's device side: the tokens each request emits (and what it asked for beside them). A request
+        whose sampling fails is in `failed`; if the whole step fails, every generator is put back as it was."""
         self.input_batch.update(scheduler_output)
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled_seqs:
@@ -183,7 +185,8 @@ class ModelRunner:
 
     def _take_hidden_states(self, forward: ForwardOutput, out: ModelRunnerOutput) -> None:
         """Each request that needs every position takes its part of the step's final hidden states (count, D)
-        (worker/hidden_states.py; one that fails there ends alone)."""
+        (worker/hidden_states.py; one that fails there ends alone); a pooling request whose prompt is all computed
+        gets its pooled vector and no token."""
         from tinyvllm.worker.hidden_states import pooled, record_hidden_states  # only such a step
 
         for seq_id, hidden in forward.hidden_states.items():
@@ -256,7 +259,10 @@ class ModelRunner:
 
     def compute_logits(self, scheduler_output: SchedulerOutput,
                        hidden_for: frozenset = frozenset()) -> ForwardOutput:
-        """The forward pass of the step."""
+        """The forward pass of the step. Returns the sequences that sample and their logits on the device (rows,
+        vocab), row i for sequence i, padding after; `spec_logits_rows`: each verifying sequence's rows at its
+        drafts' positions; `hidden_states`: the final hidden states of the tokens computed by each seq_id in
+        `hidden_for` (those that need every position: pooling, prompt logprobs)."""
         seqs = scheduler_output.scheduled_seqs
         n = self.bucket_for(scheduler_output.total_num_scheduled_tokens)
         bs = self.block_size
@@ -348,7 +354,8 @@ class ModelRunner:
                top_p: np.ndarray | None, min_p: np.ndarray | None, keys: np.ndarray | None, use_filters: bool,
                bitmask: np.ndarray | None = None) -> np.ndarray:
         """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
-        the token ids (rows,)."""
+        the token ids (rows,). keys (rows, 2) uint32: each row's draw key, None: all greedy; bitmask
+        (rows, ceil(vocab/32)) int32: structured outputs' allowed tokens (None: no mask in the graph)."""
         rows = logits.shape[0]
         masked = bitmask is not None
         inputs = [] if keys is None else [temperature, top_k, top_p, min_p, keys]
@@ -382,7 +389,7 @@ class ModelRunner:
     def rejection_sample(self, logits: Tensor, row_index: np.ndarray, batch) -> tuple[np.ndarray, np.ndarray]:
         """Speculative decoding's exact rejection sampling (spec_decode/rejection_sampler.py) on the device, one
         graph per (logits rows, filters used, q given). row_index (R,) int32: the row of `logits` (R, V) each verify
-        row reads; batch: a VerifyBatch of R rows."""
+        row reads; batch: a VerifyBatch of R rows. Returns accepted (R,) bool and tokens (R,) int32."""
         has_q = batch.draft_probs is not None
         key = ("rejection", logits.shape[0], batch.use_filters, has_q)
         if key not in self._sampler_jits:
