@@ -201,5 +201,5 @@ class BlockManager:
 
 def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
     """The cache slot of each position in [start, end): block_table[pos // block_size] * block_size
-    + pos % block_size. (Plain Python: a decode asks for one slot per sequence, cheaper than a numpy call.)"""
+    + pos % block_size."""
     return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

@@ -57,9 +57,8 @@ X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 
 
-# 1 (the default): on a CPU with AVX-512 VNNI, kernels/cpu/qmatmul.c's integer dot products take _mm512_dpbusd_epi32
-# (two blocks per register, fewer instructions). 0: AVX2's route everywhere (TV_NO_VNNI). Both give the same bits:
-# the same float operations in llama.cpp's order (vec_dot_q4_1_q8_1), so neither is a different rounding sample.
+# 1 (the default): kernels/cpu/qmatmul.c takes AVX-512 VNNI's _mm512_dpbusd_epi32 where the CPU has it; 0: AVX2's
+# route (TV_NO_VNNI). Same bits either way: the same float operations in llama.cpp's order (vec_dot_q4_1_q8_1).
 VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "1") == "1"
 
 
@@ -167,7 +166,7 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
         wd = w.data.contiguous()  # (N, row bytes)
         if device_kind(x.device) == "CPU":
             scratch = output((max(1, scratch_bytes(w.ggml_type, M, K)),), dtypes.uint8, x2)
-            if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
+            if uses_float_path(w.ggml_type, M):
                 defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
             if not VNNI:
                 defines["TV_NO_VNNI"] = 1
@@ -179,7 +178,7 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
             (scratch,) = launch(fmt.kernel, outs=[scratch], ins=[x2], defines=defines, entry=q.entry, grid=q.grid,
                                 local_size=(q.threads, 1, 1),
                                 estimates=Estimates(ops=4 * M * K, lds=4 * M * K, mem=4 * M * K + scratch.nbytes()))
-        # the same arguments either way, (out, scratch, x, w): the GEMV route leaves the scratch alone, the tiled reads it
+        # (out, scratch, x, w) either way: only the tiled route reads the scratch
         outs, ins = ([out], [scratch, x2, wd]) if quantize else ([out, scratch], [x2, wd])
         return launch(fmt.kernel, outs=outs, ins=ins, defines=defines, estimates=estimates, entry=matmul.entry,
                       grid=matmul.grid, local_size=(matmul.threads, 1, 1))[0]

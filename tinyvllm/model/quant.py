@@ -1,4 +1,4 @@
-"""GGML's block formats drawn byte by byte, their numpy dequantizers, and `QuantizedArray` (Phase 6).
+"""GGML's block formats, their numpy dequantizers, and `QuantizedArray` (Phase 6).
 
 They are the reference every kernel is tested against (docs/phases/06-quantized-weights.md, section 2).
 """
@@ -75,26 +75,14 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
-    """Q5_1: 32 elements in 24 bytes (6 bits per weight), x = d * q + m, q in 0..31.
-
-        byte  0      2      4            8                            24
-              +------+------+------------+----------------------------+
-              | d    | m    | qh (u32)   | qs[0..15]  (as in Q5_0)    |
-              +------+------+------------+----------------------------+
-    """
+    """Q5_1: 32 elements in 24 bytes (6 bits per weight), x = d * q + m, q in 0..31: d, m, qh (u32), qs as in Q5_0."""
     d, m = _f16(blocks, 0), _f16(blocks, 2)
     q = (_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])).astype(np.float32)
     return d * q + m
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """Q8_0: 32 elements in 34 bytes (8.5 bits per weight), x = d * q, q an int8.
-
-        byte  0      2                            34
-              +------+----------------------------+
-              | d    | qs[0..31]  int8            |
-              +------+----------------------------+
-    """
+    """Q8_0: 32 elements in 34 bytes (8.5 bits per weight), x = d * q: d (f16), then 32 int8 q."""
     d = _f16(blocks, 0)
     return d * blocks[:, 2:].view(np.int8).astype(np.float32)
 
@@ -104,13 +92,7 @@ IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38
 
 
 def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
-    """IQ4_NL: 32 elements in 18 bytes (4.5 bits per weight), x = d * IQ4NL_VALUES[q], q in 0..15.
-
-        byte  0      2                            18
-              +------+----------------------------+
-              | d    | qs[0..15]  (as in Q4_0)    |
-              +------+----------------------------+
-    """
+    """IQ4_NL: 32 elements in 18 bytes (4.5 bits per weight), x = d * IQ4NL_VALUES[q], q in 0..15 (laid out as Q4_0)."""
     d = _f16(blocks, 0)
     return d * IQ4NL_VALUES[_nibbles(blocks[:, 2:])].astype(np.float32)
 

@@ -66,9 +66,8 @@ class ForwardOutput:
 
 
 def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM) -> tuple[int, int]:
-    """(number of KV blocks, max_model_len): the blocks a budget holds (given, or what a GPU's memory leaves once
-    the weights and a step's activations are in), and the context length: the one asked for, else the model's, at
-    most what the blocks hold."""
+    """(number of KV blocks, max_model_len): the blocks a budget holds (given, or what a GPU's memory leaves after
+    the weights and activations), and the context length asked for, else the model's, at most what the blocks hold."""
     cc, sc, arch = config.cache_config, config.scheduler_config, model.kv_cache_config
     num_blocks = cc.num_gpu_blocks_override
     if not num_blocks:
@@ -296,9 +295,7 @@ class ModelRunner:
         input_ids.np[0, :i], positions.np[0, :i], slot_mapping.np[:i] = token_ids, token_positions, slots
         if i < n:  # padding: token 0 at position 0, its K/V written to the null slot, reading only the null block
             input_ids.np[0, i:], positions.np[0, i:], slot_mapping.np[i:] = 0, 0, self.kv_cache.null_slot
-        # lm_head (49,152 x 576 on SmolLM2, the largest matmul) runs on the rows sampled and the drafts' rows only,
-        # padded to a bucket: a one-sequence prefill of 512 tokens computes one row, not one per sequence the engine
-        # could hold. (Each (token bucket, rows bucket) is a graph of its own, captured once.)
+        # lm_head, the largest matmul, runs on the sampled and drafts' rows only, padded to a bucket of rows
         num_spec_rows = sum(len(where) for where in spec_positions.values())
         num_rows = min(n, self.bucket_for(max(1, len(sampled_seqs) + num_spec_rows)))
         logits_indices = self._rows_input(num_rows)
@@ -335,8 +332,8 @@ class ModelRunner:
         return persisted_graph(self.model, self.kv_cache, settings, *name)
 
     def _bind_num_blocks(self, num_blocks: int) -> UOp:
-        """The graph's `num_blocks` variable bound to a value: made once per value (a bound variable is a new uop,
-        built through tinygrad's uop cache; the value changes once every block_size tokens)."""
+        """The graph's `num_blocks` variable bound to a value, made once per value (it changes every block_size
+        tokens)."""
         if num_blocks not in self._bound_num_blocks:
             self._bound_num_blocks[num_blocks] = self.v_num_blocks.bind(num_blocks)
         return self._bound_num_blocks[num_blocks]
