@@ -18,7 +18,7 @@ from tinyvllm.plugins import provided
 from tinyvllm.sample import noise
 
 kernel_draw = provided("sampler_kernel")  # Phase 5: the sampler kernel (sample/sampler_kernel.py), else None
-BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for any logit range we see
+BISECTION_STEPS = 32  # halvings of the value range: finer than float32 spacing for any logit range seen
 
 
 def _bisect(lo: Tensor, hi: Tensor, predicate) -> tuple[Tensor, Tensor]:

@@ -122,7 +122,7 @@ TINYGRAD_FINDLIB = None  # tinygrad's own `DLL.findlib`, kept here once `find_li
 
 
 def find_libraries_quickly() -> None:
-    """Replace tinygrad's `DLL.findlib` with `_findlib`: the same search, an entry's name tested before it is stat'ed."""
+    """Replace tinygrad's `DLL.findlib` with `_findlib`: the same search, each name tested before it is stat'ed."""
     global TINYGRAD_FINDLIB
     if sys.platform != "linux" or INSTALLED_VERSION != TINYGRAD_VERSION or TINYGRAD_FINDLIB is not None:
         return
