@@ -7,10 +7,6 @@
       parallel_config   ParallelConfig    how many devices a layer, or the stack of layers, is split over
       device_config     DeviceConfig      which device, which attention kernels
       speculative_config                  SpeculativeConfig or None (Phase 7b, spec_decode/config.py)
-
-Each part checks its own values when it is made, so a bad flag fails before any weights load. What only the loaded
-model and the device can tell (how many KV blocks fit, and so the default context length) is worked out by the model
-runner and recorded in a new tree (`EngineConfig.with_kv_cache`), never written into this one.
 """
 
 from __future__ import annotations

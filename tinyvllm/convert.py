@@ -1,9 +1,6 @@
 """Convert a GGUF checkpoint into an HF model directory.
 
     python -m tinyvllm.convert SRC.gguf OUT_DIR [--dtype float32|float16|bfloat16] [--max-shard-size 2GB]
-
-config.json, generation_config.json, safetensors in HF names and layout (dequantized), tokenizer.json rebuilt from
-the GGUF's tokenizer.ggml.* metadata, tokenizer_config.json: it loads in tinyvllm, HF transformers and vLLM alike.
 """
 
 from __future__ import annotations

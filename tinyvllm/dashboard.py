@@ -2,8 +2,6 @@
 
     browser --> http://127.0.0.1:8001/dashboard              the page's files, from this package
             --> http://127.0.0.1:8001/v1/engine/state/stream  --httpx, streamed--> URL/v1/engine/state/stream
-
-One origin for the browser, so no CORS to open on the server; the API key goes to the server only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The host's view of tinygrad device memory, where it has one, and how much of it there is.
 
-On the CPU device a buffer is host memory: the weights, each step's inputs (tinyvllm/input_buffer.py), the sampled
-tokens (`ReadBack`) and the zeroed KV caches (`zeros`) are written or read in place through a numpy view. Where the
-host cannot see the memory (a GPU, or the CPU on that path: tinyvllm/platforms.py), bytes go in by a copy, zeros by
-a kernel. Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs, starting fast).
+Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs, starting fast).
 """
 
 from __future__ import annotations
@@ -26,12 +23,8 @@ def host_view(t: Tensor) -> np.ndarray | None:
 
 
 class ReadBack:
-    """Reads what a graph returns back to the host, step after step (a step's sampled token ids). A captured graph
-    returns the same tensor at every replay, so the host's view of its memory (where there is one) is made once;
-    each read then copies the few bytes out, after waiting for the device unless the caller knows its kernels
-    are done (`wait=False`: a replay of the CPU graph's C table, which returns when they have run). `t.numpy()`
-    would schedule and run a copy through tinygrad every time: a large share of a decode step's Python, for a
-    few bytes. Where the host cannot see the memory, it is what runs."""
+    """Reads what a graph returns back to the host, step after step (a step's sampled token ids): the host view is
+    made once, each read copies the few bytes out, after waiting for the device unless `wait=False`."""
 
     def __init__(self):
         self._tensor: Tensor | None = None  # the tensor last read, kept alive with its view
@@ -48,15 +41,8 @@ class ReadBack:
 
 
 def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | None, axis: int = 2) -> Tensor:
-    """A realized tensor of zeros, for a cache.
-
-    Zeros, not garbage: attention multiplies the values of masked slots by a probability of 0, and
-    0 * NaN would be NaN. With host views (the CPU device) no kernel writes them: tinygrad's CPU allocator
-    maps fresh anonymous memory, which the OS hands out zeroed and only backs with real pages when first
-    written (so a 512 MiB cache costs nothing until used), and `BufferSpec(zero=True)` keeps the buffer out
-    of tinygrad's reuse cache (`LRUAllocator`), where a freed buffer's old contents could come back.
-    Elsewhere a kernel writes the zeros. A tuple of devices splits the tensor along `axis` over them (tensor
-    parallel: a KV cache by head), each device's slice zeroed where it lives."""
+    """A realized tensor of zeros, for a cache (not garbage: attention multiplies masked values by 0, and 0 * NaN
+    is NaN). A tuple of devices splits it along `axis`, each slice zeroed where it lives."""
     if isinstance(device, tuple):
         return sharded_zeros(shape, dtype, device, axis)
     out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_ext.buffers.empty)

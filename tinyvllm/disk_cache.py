@@ -2,8 +2,6 @@
 its file), and a checksummed record of one pickled value per file:
 
     MAGIC | sha256(payload) | payload = pickle((key, value))
-
-A missing, truncated, corrupt or other-key file is a miss: the caller builds the value again and writes it over.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ def read_record(file: Path, magic: bytes, key: str) -> object:
 
 def write_record(file: Path, magic: bytes, key: str, value: object, max_bytes: int) -> bool:
     """Keep `value` under `key` in `file` (written to a temporary file, renamed into place), then evict the
-    directory's files of that suffix down to `max_bytes`. False where it cannot (read-only, full, unpicklable)."""
+    directory's files of that suffix down to `max_bytes`."""
     tmp = None
     try:
         payload = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,9 +1,4 @@
-"""GGML's tensor types by id: their names, their block layouts, and which ones the fused kernels compute.
-
-A leaf module (it imports nothing of tinyvllm): the GGUF reader and writer, the numpy dequantizers
-(`tinyvllm/model/quant.py`, where the byte layouts are drawn) and the quantized matmul
-(`tinyvllm/kernels/qlinear.py`) all read these tables, so the model and the kernels need not import each other.
-"""
+"""GGML's tensor types by id: their names, their block layouts, and which ones the fused kernels compute."""
 
 from __future__ import annotations
 

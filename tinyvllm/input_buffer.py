@@ -4,8 +4,7 @@
     buf.np[0, :n] = token_ids          # host writes, in place (on the CPU: the device memory itself)
     jit(buf.copy_to_device(), ...)     # the same device buffer every step: nothing to schedule
 
-Elsewhere `np` is a host staging copy that `copy_to_device` sends over. A buffer must not be refilled while a step
-that reads it may still run. Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs).
+Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs).
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ from tinyvllm.plugins import provided
 
 
 def tiny_jit(fxn, persist=None):
-    """tinygrad's TinyJit: runs `fxn` eagerly once, captures the second call, replays from the third. `persist` (a
-    graph kept on disk, Phase 6) is the CPU graph's alone."""
+    """tinygrad's TinyJit: runs `fxn` eagerly once, captures the second call, replays from the third."""
     jit = TinyJit(fxn)
     jit.ran_in_c = False  # the CPU graph's flag: its kernels are done when a call returns
     return jit

@@ -5,10 +5,6 @@
     outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
     for out in outputs:
         print(out.prompt, "->", out.outputs[0].text)
-
-All prompts go into the engine at once; continuous batching runs them together, and the outputs
-come back in the order of the prompts. `LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens))`
-returns the best beams of each prompt (tinyvllm/engine/beam_search.py).
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); returns one RequestOutput per prompt, in order.
-        `priority`: one per prompt, lower first, under `LLM(..., scheduling_policy="priority")` (vLLM's)."""
+        """Generate for every prompt (text, or a list of token ids); returns one RequestOutput per prompt, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -56,8 +51,7 @@ class LLM:
 
     def _run_to_completion(self, requests: list[tuple], desc: str, show_progress: bool) -> list[RequestOutput]:
         """Add every (request_id, prompt, params, priority), step the engine until all finish, and return their
-        final outputs in order. On any error (Ctrl-C included) every request is aborted: none is left holding
-        KV blocks."""
+        final outputs in order."""
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         try:

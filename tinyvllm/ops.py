@@ -1,5 +1,4 @@
-"""The model's two ops that have kernels, in portable tinygrad (Phase 1): what runs on any device. Phase 5's kernels
-(kernels/linear.py, kernels/activation.py) compute the same where the device has them, and fall back to these."""
+"""The model's two ops that have kernels, in portable tinygrad (Phase 1): what runs on any device."""
 
 from __future__ import annotations
 

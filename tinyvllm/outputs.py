@@ -1,8 +1,4 @@
-"""What the engine returns per request, shaped like vLLM's `vllm.outputs` so vLLM users feel at home.
-
-Outputs are cumulative (vLLM's default): each `RequestOutput` carries everything generated so far,
-and a streaming consumer takes the difference from the previous one.
-"""
+"""What the engine returns per request, shaped like vLLM's `vllm.outputs` so vLLM users feel at home."""
 
 from __future__ import annotations
 

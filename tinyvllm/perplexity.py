@@ -3,8 +3,7 @@
     python -m tinyvllm.perplexity [--model PATH] [--quantization auto|none|q8_0|q4_0|q4_1|iq4_nl|q4_k]
                                   [--n-ctx 512] [--chunks N] [--tokens-per-step N] [--file PATH]
 
-llama.cpp's `llama-perplexity` method, followed exactly: chunks of n_ctx tokens, each from scratch, the second
-half scored. Taught in docs/phases/06-quantized-weights.md, section 5.
+Taught in docs/phases/06-quantized-weights.md, section 5.
 """
 
 from __future__ import annotations
@@ -94,10 +93,7 @@ def scored_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 class ChunkScorer:
-    """One chunk of n_ctx tokens -> the float32 logits of its scored positions, (n_ctx - n_ctx/2 - 1, vocab).
-
-    One sequence on a paged KV cache of its own, token i in slot i: each chunk overwrites every slot the next one
-    reads ("evaluated from scratch"). tokens_per_step: tokens per forward (a divisor of n_ctx)."""
+    """One chunk of n_ctx tokens -> the float32 logits of its scored positions, (n_ctx - n_ctx/2 - 1, vocab)."""
 
     BLOCK_SIZE = 16
 
@@ -121,7 +117,7 @@ class ChunkScorer:
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor) -> Tensor:
         metadata = attention_metadata(slot_mapping, self.block_table, positions, self.block_table.shape[1])
         hidden = self.model(input_ids, positions, self.cache.kv_caches, metadata)  # (1,step,D)
-        if self.step == self.n_ctx:  # only the scored rows through the lm_head: first .. T-2 predict first+1 .. T-1
+        if self.step == self.n_ctx:  # only the scored rows through the lm_head: first ..
             hidden = hidden[:, self.first:self.n_ctx - 1]
         return self.model.compute_logits(hidden).realize()  # (1,rows,V)
 
@@ -163,7 +159,7 @@ def perplexity(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, n_ctx: 
 
 
 def describe_formats(model: LlamaForCausalLM) -> str:
-    """The weights' storage formats by bytes on the device, e.g. 'Q4_1 62.4 MB, Q8_0 28.3 MB, float32 0.1 MB'."""
+    """The weights' storage formats by bytes on the device, e.g."""
     formats = sorted(model.weight_formats().items(), key=lambda kv: -kv[1])
     return ", ".join(f"{name} {size / 1e6:.1f} MB" for name, size in formats)
 

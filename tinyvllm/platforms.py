@@ -1,7 +1,7 @@
 """What differs between devices, decided once per device kind in one table, `PLATFORMS` (vLLM's
 `vllm/platforms/`): every module asks `platform_for(device)` instead of testing a device's name.
-`TINYVLLM_DEVICE_PATH=discrete` (read once, at import) puts the CPU device on a GPU's path, so that path is tested
-without a GPU. The table is drawn in docs/phases/05b-gpu.md, section 1.
+
+The table is drawn in docs/phases/05b-gpu.md, section 1.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Where a later phase plugs into the earlier ones: each hook, the module that provides it, and its phase.
 
-An earlier phase's module asks for a hook by name, with what it does without it; it never imports the later module
-itself (vLLM's plugins and custom-op registry do the same):
-
     linear = provided("linear", portable_linear)     # Phase 1's x @ w.T, until Phase 5 provides its kernel
-
-A hook whose module is not there yet (`make test-phase P=k` hides the phases after k, tests/phases.py) gives the
-default; any other failure to import a provider is an error, never a silent fall back to the slow path.
 """
 
 from __future__ import annotations

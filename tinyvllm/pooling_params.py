@@ -39,7 +39,7 @@ class PoolingParams:
 
     @classmethod
     def from_json(cls, text: str | None) -> PoolingParams:
-        """vLLM's --pooler-config JSON, e.g. '{"pooling_type": "MEAN", "normalize": false}'; None: the defaults."""
+        """vLLM's --pooler-config JSON, e.g."""
         if text is None:
             return cls()
         try:

@@ -2,10 +2,8 @@
 
     python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1|iq4_nl|q4_k|f16|f32
 
-IN is a GGUF (any type tinyvllm reads) or an HF model directory. OUT keeps the metadata and tokenizer and types
-tensors as llama-quantize does (`target_type`): norms F32, the output matrix (the embedding, when tied) Q8_0,
-every other matrix the --type (q4_k: Q5_0 where a row is not whole super-blocks). From SmolLM2's F32 GGUF the
-files equal llama-quantize's byte for byte (docs/phases/06-appendix-formats.md says which of its files).
+From SmolLM2's F32 GGUF the files equal llama-quantize's byte for byte (docs/phases/06-appendix-formats.md says
+which of its files).
 """
 
 from __future__ import annotations
@@ -65,7 +63,8 @@ class PlannedTensor:
 
 
 def target_type(name: str, shape: tuple[int, ...], current: int, ggml_type: int, tied: bool) -> int:
-    """The type llama-quantize gives tensor `name` for a Q8_0/Q4_0/Q4_1 file (see the module docstring)."""
+    """The type llama-quantize gives tensor `name` for a Q8_0/Q4_0/Q4_1 file: norms F32, the output matrix (the
+    embedding, when tied) Q8_0, every other matrix the --type (q4_k: Q5_0 where a row is not whole super-blocks)."""
     if len(shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight"):
         return current
     if ggml_type in (F32, F16):  # a float file: every matrix in that type
@@ -255,9 +254,7 @@ def _from_hf(model_dir: Path, ggml_type: int) -> tuple[dict[str, MetadataValue],
 # ---- the command ----
 
 def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, out: TextIO | None = None) -> Path:
-    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (a QUANTIZE_TYPES name, f16, f32).
-
-    Prints a line per tensor (its type and size before and after), the totals and the time to `out` (stdout)."""
+    """Write the GGUF file `dst` holding the model at `src` quantized to `qtype` (a QUANTIZE_TYPES name, f16, f32)."""
     start = time.perf_counter()
     out = out if out is not None else sys.stdout
     if qtype not in OUTPUT_TYPES:

@@ -1,11 +1,5 @@
 """How one request wants its tokens chosen and when it wants them to stop.
 
-`SamplingParams` mirrors vLLM's class of the same name: same field names, same defaults, same
-meaning, so a learner can move between the two. It is validated once, here, at construction:
-every bad value is the caller's mistake and becomes a `ValueError` that names the field, the value
-and the valid range. The sampler and the scheduler then read it and never write it back (it is
-frozen; make a changed copy with `dataclasses.replace`).
-
     what to sample          temperature, top_p, top_k, min_p, seed        -> tinyvllm.sample.sampler
     what to discourage      presence/frequency/repetition_penalty, logit_bias
     how much                max_tokens, min_tokens, n
@@ -50,14 +44,8 @@ def _require(ok: bool, field: str, value: object, valid: str) -> None:
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Constrain the output to a grammar (vLLM's class of the same name; exactly one field is set):
-
-    json         a JSON schema (dict or string): the output is one JSON value that validates against it
-    json_object  True: the output is some JSON object (OpenAI's response_format {"type": "json_object"})
-    regex        the output matches this regular expression
-    choice       the output is exactly one of these strings
-    grammar      a Lark grammar (llguidance's dialect, which also takes GBNF-like rules)
-    """
+    """Constrain the output to a grammar (vLLM's class of the same name; exactly one field is set): `json` a schema,
+    `json_object` any JSON object, `regex`, `choice` one of these strings, `grammar` a Lark grammar (llguidance's)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -171,12 +159,8 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def all_stop_token_ids(self, eos_token_ids: Iterable[int] = ()) -> set[int]:
-        """The token ids that finish this request: `stop_token_ids`, plus the model's eos unless `ignore_eos`.
-
-        vLLM stores this set on the params after reading the model's generation config; here the eos
-        ids are the model's, so the caller passes them in and the params stay as the user wrote them.
-        The same set is what `min_tokens` bans until enough tokens are out.
-        """
+        """The token ids that finish this request: `stop_token_ids`, plus the model's eos unless `ignore_eos` (the
+        set `min_tokens` bans)."""
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:
             ids.update(eos_token_ids)

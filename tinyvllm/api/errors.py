@@ -58,7 +58,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 def lone_surrogate_error(body: bytes) -> OpenAIError | None:
     """A 400 naming the field if the JSON body holds a string with a lone surrogate (`"\ud800"`: valid JSON, not
-    Unicode text, so a later 500); None otherwise. Bodies without such an escape are not parsed."""
+    Unicode text, so a later 500); None otherwise."""
     if _SURROGATE_ESCAPE.search(body) is None:
         return None
     try:

@@ -189,7 +189,7 @@ class ApiKeys:
 
     def reserve_tokens(self, key: ApiKey, num_prompt_tokens: int, max_completion_tokens: int) -> int:
         """Take the request's reservation, prompt plus the most it may generate: 429 if the bucket does not hold it
-        now, 400 if it never can. Returns what was taken (0 without a tokens limit), for `settle_tokens`."""
+        now, 400 if it never can."""
         bucket = self.tokens.get(key.id)
         if bucket is None:
             return 0

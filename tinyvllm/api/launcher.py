@@ -19,8 +19,7 @@ from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 
 class BackgroundServer:
-    """A real uvicorn server on a thread, on a free port of 127.0.0.1 by default. Entering returns once `/health`
-    says the model is loaded; leaving stops the server."""
+    """A real uvicorn server on a thread, on a free port of 127.0.0.1 by default."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
                  wait_until_ready: bool = True, header_read_timeout: float = 10.0):

@@ -1,5 +1,5 @@
 """`GET /metrics`: what the engine is doing, in Prometheus' text format, with vLLM's names under `tinyvllm:`.
-Written on the engine thread (`ServerMetrics` is the async engine's stat logger), read on the event loop: one lock.
+
 Taught in docs/phases/09-api-server.md; the format and the request-level histograms in 09-appendix-endpoints.md.
 """
 
@@ -57,7 +57,7 @@ class Info(Metric):
 
 
 class Counter(Metric):
-    """Only goes up. Optionally split by one label: `request_success_total{finished_reason="stop"}`."""
+    """Only goes up."""
 
     kind = "counter"
 
@@ -252,7 +252,7 @@ class ServerMetrics:
             self.request_tpot.observe(max(now - first_token, 0.0) / (num_tokens - 1))
 
     def render(self, num_waiting: int | None = None) -> str:
-        """The text for a scrape. `num_waiting`: the live count, requests not yet drained by the engine included."""
+        """The text for a scrape."""
         if num_waiting is not None:
             self.waiting.value = num_waiting
         metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage, self.cache_config,

@@ -1,6 +1,7 @@
 """The checks every request passes before any route sees it, as ASGI middleware: `RequestGuard` checks the Host
 (421), the API key (401), the key's rate (429), then reads the body (413, 408, 400 for a lone surrogate).
-`build_app` stacks them. Taught in docs/phases/09-appendix-limits-and-keys.md, which lists them in order.
+
+Taught in docs/phases/09-appendix-limits-and-keys.md, which lists them in order.
 """
 
 from __future__ import annotations

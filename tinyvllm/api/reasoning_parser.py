@@ -14,11 +14,7 @@ def partial_tag_length(text: str, tag: str) -> int:
 
 
 class ThinkReasoningParser:
-    """Split an output into (reasoning, content) pieces as it arrives.
-
-    Reasoning is what follows a `<think>` at the very start of the output, up to `</think>` (or the end);
-    `prompt_opened`: the chat template opened the block in the prompt. Any other start is all content.
-    """
+    """Split an output into (reasoning, content) pieces as it arrives."""
 
     START, END = "<think>", "</think>"
 

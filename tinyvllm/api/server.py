@@ -1,5 +1,5 @@
-"""`python -m tinyvllm.api.server`: the OpenAI API over the continuous-batching engine. `build_app` puts the
-engine, the serving classes, the middleware and the routes together; `main` does it from the command line.
+"""`python -m tinyvllm.api.server`: the OpenAI API over the continuous-batching engine.
+
 Taught in docs/phases/09-api-server.md (the request path: section 2); the endpoints in 09-appendix-endpoints.md.
 """
 
@@ -45,7 +45,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               reasoning_parser: str | None = None, cors: CorsConfig | None = None,
               tool_call_parser: str = "hermes", pooler: PoolingParams | None = None) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
-    `cli_args.build_parser`. `api_key` (one key, no limits) or `api_keys` (several, with limits), not both."""
+    `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
         raise ValueError("give api_key or api_keys, not both (ApiKeys.build(api_key, keys_file) merges them)")
     keys = api_keys if api_key is None else ApiKeys.build(api_key)

@@ -1,5 +1,6 @@
 """`POST /v1/chat/completions`: a conversation through the model's chat template, the assistant's next message
-out. Each choice's text goes through one `ChoiceParser` (reasoning, then tool calls), streamed or not.
+out.
+
 Taught in docs/phases/09-api-server.md; tools and reasoning in 09-appendix-tools-and-reasoning.md.
 """
 

@@ -1,5 +1,5 @@
 """`POST /v1/completions`: a prompt in, its continuation out (OpenAI's legacy text API), streamed or joined.
-A list of prompts is a batch: prompt i runs as request `{id}-{i}`, its k-th completion choice `i * n + k`.
+
 Taught in docs/phases/09-api-server.md; the fields in 09-appendix-endpoints.md.
 """
 
@@ -190,7 +190,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int, text_offset: int,
                  result: CompletionLogProbs | None = None) -> tuple[CompletionLogProbs, int]:
         """OpenAI's legacy logprobs, appended to `result`: parallel lists, one entry per token; top_logprobs maps
-        token text to logprob, the sampled token first. An entry of None (a prompt's first token) is null."""
+        token text to logprob, the sampled token first."""
         result = CompletionLogProbs() if result is None else result
         for token_id, entry in zip(token_ids, logprobs or []):
             token = self.token_text(token_id)
@@ -226,7 +226,7 @@ def best_of_choices(final: RequestOutput, best_of: int, n: int) -> RequestOutput
 async def merged_outputs(request_id: str, streams: list[AsyncIterator[RequestOutput]],
                          n: int) -> AsyncIterator[RequestOutput]:
     """Several prompts' requests (n choices each) as one stream of cumulative outputs: completion k of prompt i
-    becomes choice i * n + k, the prompts' ids one after another. Leaving early aborts every request."""
+    becomes choice i * n + k, the prompts' ids one after another."""
     latest: list[RequestOutput | None] = [None] * len(streams)
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -1,5 +1,6 @@
 """`POST /v1/embeddings`: one vector per input, each a pooling request (a prefill that samples nothing) pooled by
-the server's `--pooler-config`. `base64` is the float32 bytes, little-endian; `dimensions` is refused.
+the server's `--pooler-config`.
+
 Taught in docs/phases/09-appendix-endpoints.md.
 """
 

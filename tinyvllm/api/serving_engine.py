@@ -1,8 +1,6 @@
 """What every endpoint shares: the model check, the limits, the context check, request -> SamplingParams, SSE.
 
-Everything is checked here, before the request reaches the engine, so a bad request gets its 400 at once and
-never holds a KV block; an output constraint is compiled once to be checked (a 400 naming its field, never a
-broken stream after the 200). Taught in docs/phases/09-api-server.md, sections 2, 3 and 6.
+Taught in docs/phases/09-api-server.md, sections 2, 3 and 6.
 """
 
 from __future__ import annotations
@@ -172,7 +170,7 @@ class OpenAIServing:
     def structured_outputs(self, request: SamplingFields,
                            forced: tuple[str, StructuredOutputsParams] | None = None) -> StructuredOutputsParams | None:
         """The request's one output constraint, checked to compile, or None; `forced`: the server's own (a forced
-        tool call), with its field's name. A 400 naming the fields when there are more than one."""
+        tool call), with its field's name."""
         given = []  # (field, params)
         for field, kwargs in self._constraints(request):
             try:
@@ -309,7 +307,7 @@ def usage(output: RequestOutput) -> UsageInfo:
 
 
 def sse(chunk: BaseModel | dict | str) -> str:
-    """One server-sent event. Stream chunks carry `usage` only when it has a value."""
+    """One server-sent event."""
     if isinstance(chunk, BaseModel):
         exclude = {"usage"} if getattr(chunk, "usage", 0) is None else None
         chunk = chunk.model_dump_json(exclude=exclude)

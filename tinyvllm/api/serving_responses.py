@@ -1,6 +1,7 @@
 """`POST /v1/responses`: OpenAI's Responses API, translated into a chat request for `OpenAIServingChat` and back
-into output items and events. Nothing is stored, so `previous_response_id` is refused. The translation is drawn in
-docs/phases/09-appendix-endpoints.md, section 5.
+into output items and events.
+
+The translation is drawn in docs/phases/09-appendix-endpoints.md, section 5.
 """
 
 from __future__ import annotations

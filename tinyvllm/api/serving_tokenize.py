@@ -1,6 +1,5 @@
 """`POST /tokenize` and `POST /detokenize` (vLLM's endpoints and shapes); `messages` go through the chat route's
-`render_text`, so the count is that chat request's. `token_strs` are the tokens' bytes as text (" world"), not
-vLLM's vocabulary strings ("Ġworld").
+`render_text`, so the count is that chat request's.
 """
 
 from __future__ import annotations

@@ -171,11 +171,7 @@ class ToolParser:
 
 
 class HermesToolParser(ToolParser):
-    """Split an output into content and tool calls as it arrives.
-
-    Text outside the tags is content, sent at once but for a possible partial `<tool_call>` and trailing
-    whitespace (dropped around calls). A block that does not parse stays in the content as written.
-    """
+    """Split an output into content and tool calls as it arrives."""
 
     def __init__(self, policy: ToolCallPolicy | None = None):
         super().__init__(policy)
@@ -238,8 +234,7 @@ class HermesToolParser(ToolParser):
 
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.1+'s JSON tool calls (vLLM's `llama3_json`): `{"name": ..., "parameters": {...}}`, several separated
-    by `;`, optionally after `<|python_tag|>`. An output that starts like a call is held to its end and parsed
-    then; any other is content, streamed."""
+    by `;`, optionally after `<|python_tag|>`."""
 
     PYTHON_TAG = "<|python_tag|>"
 

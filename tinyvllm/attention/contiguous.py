@@ -22,10 +22,7 @@ def allocate_contiguous_kv_cache(config: ModelConfig, max_model_len: int, batch_
 
 
 def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Scaled dot-product attention, each of the KvH K/V heads serving G = H / KvH query heads (not copied G times).
-
-    q: (B, T, H, Hd)   k, v: (B, S, KvH, Hd)   mask: broadcastable to (B, KvH, G, T, S), 0 or -inf -> (B, T, H, Hd)
-    """
+    """Scaled dot-product attention, each of the KvH K/V heads serving G = H / KvH query heads (not copied G times)."""
     B, T, H, Hd = q.shape
     KvH = k.shape[2]
     G = H // KvH

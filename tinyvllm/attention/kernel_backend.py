@@ -1,10 +1,6 @@
 """Paged attention on the hand-written kernels (kernels/<device>/paged_attention.*): the blocks read in place.
 
-`kernel_reshape_and_cache` writes K and V in one launch; `kernel_paged_attention` reads them, one query per row
-(a flattened batch's token is a row whose context is `position + 1` keys). `KernelPagedAttentionMetadata.attend`
-takes the kernels where the device has them, else the portable path (`attention/paged.py`; forced by
-TINYVLLM_PORTABLE=1). This module picks the dtypes and the grid: one thread block per (row, KV head), or
-flash-decoding's split and reduce on a GPU with few rows. Taught in docs/phases/05-custom-kernels.md and 05b-gpu.md.
+Taught in docs/phases/05-custom-kernels.md and 05b-gpu.md.
 """
 
 from __future__ import annotations
@@ -57,7 +53,7 @@ class GpuLaunch:
 def gpu_attention_launches(rows: int, heads: int, kv_heads: int, max_keys: int,
                            partition_size: int = PARTITION_SIZE) -> list[GpuLaunch]:
     """What a GPU runs for `rows` query rows whose tables hold up to `max_keys` keys: one block per (row, KV head),
-    or, for a small grid and a long table, the split route. The table's width decides (a captured grid is fixed)."""
+    or, for a small grid and a long table, the split route."""
     parts = -(-max_keys // partition_size)
     if parts <= 1 or rows * kv_heads > SPLIT_MAX_BLOCKS:
         return [GpuLaunch("paged_attention", (kv_heads, rows, 1))]
@@ -74,7 +70,7 @@ def gpu_shared_bytes(group: int, head_dim: int) -> int:
 
 
 def has_kernel(device: str) -> bool:
-    """Is there a paged-attention source for `device` in a language its compiler takes? (opens no device)"""
+    """Is there a paged-attention source for `device` in a language its compiler takes?"""
     return launcher.has_kernel(KERNEL, device)
 
 

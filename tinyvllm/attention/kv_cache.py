@@ -4,12 +4,6 @@
                      block 0 | block 1 | ... | block num_blocks-1 | null block
     k_scale[layer]: (num_blocks + 1, block_size, n_kv_heads) float32        v_scale[layer]: the same (int8, fp8)
 
-A token's K/V go to slot `block_id * block_size + offset` (`slot_mapping`); padding tokens write into the null
-block, which no block table points at. The BlockManager decides who owns which block; this module holds the
-tensors, and sizes the pool once from a memory budget (config flows one way):
-
-    num_blocks = budget // (block_size * kv_cache_bytes_per_token) - 1 (the null block)
-
 Taught in docs/phases/02-paged-attention.md; the GPU budget in 05b-gpu.md; the 8-bit dtypes in
 07c-kv-cache-quantization.md.
 """
@@ -42,11 +36,8 @@ def parse_memory(text: str | int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheDtype:
-    """How the cache stores one element of K or V.
-
-    storage: the element dtype of k_cache / v_cache (fp8 e4m3 codes as uint8)
-    qmax:    the largest code a scale maps amax onto (int8 127, fp8 448); None: stored as is, no scale
-    rotated: K and V stored rotated by a Hadamard matrix (`kv_quant.rotate`)
+    """How the cache stores one element of K or V. storage: k_cache/v_cache's dtype (fp8 e4m3 codes as uint8);
+    qmax: the code amax maps to (int8 127, fp8 448), None: stored as is; rotated: Hadamard-rotated (`kv_quant.rotate`).
     """
 
     name: str
@@ -123,7 +114,7 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_logits_rows: int) -> int:
     """A bound on the bytes of the captured graphs' intermediates (allocated after the KV cache): per float32
     token, the residual stream, norms, q/k/v, attention's output and the MLP's; per logits row, the logits and the
-    sampler's copies. Doubled: the smaller buckets' graphs (1, 2, 4, ...) add up to less than the largest's."""
+    sampler's copies; doubled for the smaller buckets' graphs."""
     per_token = 4 * (4 * config.hidden_size + (config.num_attention_heads + 2 * config.num_key_value_heads)
                      * config.head_dim + 3 * config.intermediate_size)
     per_row = 4 * 4 * config.vocab_size
@@ -134,7 +125,7 @@ def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: f
                     activations: int = 0) -> int:
     """Bytes for the KV cache: `kv_cache_memory` if given; else, on a GPU, `gpu_memory_utilization` of its memory
     (the device's default if None) less what is in use now and less `activations`; else DEFAULT_KV_CACHE_MEMORY.
-    Raises ValueError when that leaves nothing, or a utilization is given for a device that cannot report memory."""
+    Raises ValueError when that leaves nothing, or for a utilization on a device that cannot report memory."""
     if kv_cache_memory is not None:
         return parse_memory(kv_cache_memory)
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -161,9 +152,7 @@ def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: f
 class PagedKVCache:
     """The block tensors of every layer: `kv_caches[layer] = (k_cache, v_cache)`, or
     `(k_cache, v_cache, k_scale, v_scale)` for an int8 or fp8 cache; the block is every tensor's first dimension.
-
-    device: one device; a tuple (tensor parallel): every tensor split by KV head (axis 2), every device holding
-    every block; a list (pipeline parallel): one device per layer."""
+    device: one; a tuple (tensor parallel): split by KV head (axis 2); a list (pipeline parallel): one per layer."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: DType | KVCacheDtype = dtypes.float32, device: str | tuple[str, ...] | list | None = None):

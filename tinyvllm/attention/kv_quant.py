@@ -1,6 +1,7 @@
 """K and V quantized into the cache (one scale per token per KV head: s = amax / qmax; int8 codes round(x / s),
 fp8 the nearest e4m3 of x / s) and dequantized out of it, in portable tinygrad: the reference every kernel must match
-bit for bit. An int8 cache is rotated by a Hadamard matrix first (`rotate`, QuaRot: arXiv 2404.00456).
+bit for bit.
+
 Taught in docs/phases/07c-kv-cache-quantization.md, section 3, with the e4m3 bit layout and the operation order.
 """
 
@@ -16,7 +17,7 @@ FP8_MIN_NORMAL = 2.0**-6
 
 def hadamard(n: int, dtype=dtypes.float32, device: str | None = None) -> Tensor:
     """Sylvester's normalized Hadamard matrix of order n (a power of 2): H[i, j] = (-1)^popcount(i & j) / sqrt(n),
-    H @ H = I. Built in the graph (no host buffer to capture)."""
+    H @ H = I."""
     assert n > 0 and n & (n - 1) == 0, f"a Hadamard matrix of order {n}: the order must be a power of 2"
     index = Tensor.arange(n).to(device)
     both = index.reshape(n, 1) & index.reshape(1, n)
@@ -28,8 +29,7 @@ def hadamard(n: int, dtype=dtypes.float32, device: str | None = None) -> Tensor:
 
 def rotate(x: Tensor) -> Tensor:
     """x: (..., head_dim) -> x @ H in groups of g channels, g the largest power of 2 dividing head_dim; its own
-    inverse. The fast Walsh-Hadamard transform (log2(g) rounds of a + b, a - b): elementwise, so tinygrad fuses it
-    into the kernel around it, where a matmul by H would be a kernel of its own."""
+    inverse."""
     head_dim = x.shape[-1]
     group = head_dim & -head_dim
     lead = x.shape[:-1]

@@ -75,13 +75,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 
 @dataclass
 class PagedAttentionMetadata:
-    """Everything a step's attention needs to find its tokens' K/V, as tensors (JIT inputs) and variables.
-
-    slot_mapping: (B*T,) int32     where each new token's K/V are written
-    block_tables: (B, max_blocks)  int32, rows padded; or (B*T, max_blocks), one row per token of a flattened batch
-    positions:    (B, T) int32     each token's position in its sequence
-    num_blocks:   blocks to gather per sequence (>= ceil(context_len / block_size) for every row)
-    """
+    """Everything a step's attention needs to find its tokens' K/V, as tensors (JIT inputs) and variables."""
 
     slot_mapping: Tensor
     block_tables: Tensor

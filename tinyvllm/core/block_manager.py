@@ -1,6 +1,5 @@
 """The KV cache's bookkeeping: which block of the pool holds which sequence's tokens (vLLM v1's `block_pool.py` and
-`kv_cache_manager.py`). A sequence's `block_table` is its page table: logical block i lives in physical block
-`block_table[i]`. Taught in docs/phases/02-paged-attention.md; sharing in 07a-prefix-caching.md.
+`kv_cache_manager.py`).
 
     pool: num_blocks = 8, block_size = 4                     ref_cnt  holders
         block 0  [ a0 a1 a2 a3 ]  <- seq A, logical block 0      1     A
@@ -11,14 +10,7 @@
         ...                                                      0     free
         block 7  [ .. .. .. .. ]                                 0     free
 
-    seq A: 6 tokens, block_table = [0, 2]   (2 of its 8 slots unused: waste < one block)
-    seq B: 7 tokens, block_table = [1, 3]
-    free block queue: [4, 5, 6, 7]          (taken from the left, returned on the right)
-
-    slot of token 5 of A = block_table[5 // 4] * 4 + 5 % 4 = 2 * 4 + 1 = 9
-
-Running out of blocks is not an error: `can_*` answer False, `allocate` / `append_slots` answer None and change
-nothing; the scheduler decides whom to preempt.
+Taught in docs/phases/02-paged-attention.md; sharing in 07a-prefix-caching.md.
 """
 
 from __future__ import annotations
@@ -32,9 +24,8 @@ from tinyvllm.core.sequence import Sequence
 
 @dataclass(eq=False)
 class Block:
-    """One block of the pool (vLLM's `KVCacheBlock`). `ref_cnt`: the block tables holding it (0: free; > 1: a
-    shared cached prefix, never written). `block_hash`: set once full and cached; a free block keeps it until reused.
-    """
+    """One block of the pool (vLLM's `KVCacheBlock`). `ref_cnt`: the block tables holding it (0: free; > 1: a shared
+    cached prefix, never written); `block_hash`: set once full and cached, kept while free until reused."""
 
     block_id: int
     ref_cnt: int = 0
@@ -66,7 +57,8 @@ class FreeBlockQueue:
 
 class BlockManager:
     """Hands out the blocks of a fixed pool of `num_blocks` (computed once by whoever builds the KV cache) and takes
-    them back. Invariant: `num_free_blocks + blocks in use == num_blocks`."""
+    them back. Invariant: `num_free_blocks + blocks in use == num_blocks`; running out answers False or None and
+    changes nothing (the scheduler decides whom to preempt)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
@@ -209,5 +201,5 @@ class BlockManager:
 
 def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
     """The cache slot of each position in [start, end): block_table[pos // block_size] * block_size
-    + pos % block_size. (Plain Python: a decode asks for one slot per sequence, cheaper than a numpy call.)"""
+    + pos % block_size."""
     return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

@@ -15,8 +15,7 @@ Logprob = tuple[float, list[tuple[int, float]]]
 
 @dataclass
 class ModelRunnerOutput:
-    """What the model runner computed in one step, by request id. Only token ids (and what a request asked for
-    beside them) come back: the logits stay on the device."""
+    """What the model runner computed in one step, by request id."""
 
     # the tokens each request emits: one sampled token, or (speculative decoding) its accepted drafts and one more
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)

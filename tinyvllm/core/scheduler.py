@@ -1,5 +1,4 @@
-"""Continuous batching: each step, decide which sequences compute how many of their tokens. Taught in
-docs/phases/03-continuous-batching.md.
+"""Continuous batching: each step, decide which sequences compute how many of their tokens.
 
     NOTE(woosuk) on the scheduling algorithm, from vLLM v1's `scheduler.py`:
     "There's no 'decoding phase' nor 'prefill phase' in the scheduler. Each request just has the
@@ -8,20 +7,7 @@ docs/phases/03-continuous-batching.md.
     num_tokens_with_spec. This is general enough to cover chunked prefills, prefix caching,
     speculative decoding, and the 'jump decoding' optimization in the future."
 
-A step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
-
-    running (oldest first)   each gets its next chunk: 1 token for a decode, the rest of a prompt
-                             otherwise, as far as the budget goes. Out of blocks? preempt the newest
-                             running sequence (free its blocks, recompute it later) and retry.
-    waiting (head first)     admitted while the budget, the cap and free blocks allow; a prompt
-                             longer than what is left of the budget is split (chunked prefill).
-
-    add_seq -> WAITING --schedule--> RUNNING --update_from_output--> FINISHED_* (blocks freed)
-                  ^                     |
-                  +-----PREEMPTED-------+   (back at the head of the waiting queue)
-
-The scheduler owns the BlockManager; the model runner never sees the queues. Stop strings need text: the engine's
-output processor finds them.
+Taught in docs/phases/03-continuous-batching.md.
 """
 
 from __future__ import annotations
@@ -80,9 +66,8 @@ class SchedulerOutput:
 
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()` once per
-    step. `num_blocks` is computed once elsewhere and passed in; `max_model_len` must fit in the pool;
-    `max_num_batched_tokens` >= `max_num_seqs`, so every decode gets its token; `policy`: "fcfs" (arrival order) or
-    "priority" (lower first; preempts the lowest); `eos_token_ids`: the model's stop tokens.
+    step. `num_blocks` is computed elsewhere and passed in; `max_num_batched_tokens` >= `max_num_seqs`, so every
+    decode gets its token; `policy`: "fcfs" (arrival order) or "priority" (lower first; preempts the lowest).
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,

@@ -1,6 +1,4 @@
-"""One request's tokens and where it stands (vLLM v1's `Request`, nano-vllm's `Sequence`). It stores what cannot be
-derived: the token ids, `num_computed_tokens`, the block table, the status; the rest are properties. There is no
-prefill or decode phase: each step lets num_computed_tokens catch up with num_tokens (03-continuous-batching.md, 3).
+"""One request's tokens and where it stands (vLLM v1's `Request`, nano-vllm's `Sequence`).
 
     tokens:    p0 p1 p2 p3 p4 | o0 o1            prompt (5) + output (2), num_tokens = 7
     computed:  ============== | ==               num_computed_tokens = 6
@@ -21,8 +19,6 @@ class SequenceStatus(enum.IntEnum):
         WAITING --admitted--> RUNNING --stop/length--> FINISHED_*
            ^                     |
            +------PREEMPTED------+        (out of blocks: its cache is freed, recomputed later)
-
-    The finished statuses come last, so "finished" is a comparison, as in vLLM.
     """
 
     WAITING = enum.auto()
@@ -53,7 +49,7 @@ _FINISH_REASONS = {
 
 class Sequence:
     """A prompt, the tokens sampled after it, and how much of it is in the KV cache. `seq_id` is vLLM's
-    `request_id`; `block_table` is filled in by the `BlockManager` (position pos: block_table[pos // block_size])."""
+    `request_id`; position pos lives in block `block_table[pos // block_size]`."""
 
     def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                  arrival_time: float | None = None, prompt: str | None = None, priority: int = 0, *,
@@ -117,7 +113,7 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def append_token_id(self, token_id: int) -> None:
-        """Record a sampled token. Its K/V is computed by the next step that schedules it."""
+        """Record a sampled token; the next step that schedules it computes its K/V."""
         self.output_token_ids.append(token_id)
 
     # ---- progress ----

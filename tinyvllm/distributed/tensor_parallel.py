@@ -1,7 +1,7 @@
 """Tensor parallel: every layer split over N devices, Megatron-LM's way: column-parallel qkv_proj and gate_up,
 row-parallel o_proj and down_proj, so a block costs two all-reduces; the embedding and lm_head split by vocabulary.
-A split is tinygrad's `Tensor.shard(devices, axis)`, so one captured graph holds every device's kernels and the
-all-reduces. Taught in docs/phases/08-multi-device.md.
+
+Taught in docs/phases/08-multi-device.md.
 """
 
 from __future__ import annotations

@@ -5,9 +5,6 @@ config tree the engine reads (vLLM's vllm/engine/arg_utils.py).
     EngineArgs.add_cli_args(parser)                 # --dtype, --max-model-len, --kv-cache-memory, ...
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(parser.parse_args()))
     LLMEngine(model, max_num_seqs=8)                # or its keyword arguments: the same EngineArgs
-
-`tinyvllm generate` / `chat` / `python main.py` (tinyvllm/cli.py), the server (tinyvllm/api/cli_args.py) and
-`LLM(...)` all go through it. Only argparse and dataclasses are imported here, so a command's --help stays instant.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """From the flags `add_cli_args` added (and --model, where the command has one). The JSON of
-        --speculative-config is checked here, before any model loads: a ValueError says what is wrong."""
+        """From the flags `add_cli_args` added (and --model, where the command has one)."""
         from tinyvllm.spec_decode.config import parse_speculative_config  # here: --help never imports it
 
         try:

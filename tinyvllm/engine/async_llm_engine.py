@@ -1,7 +1,8 @@
 """The async engine (vLLM v0's `AsyncLLMEngine`): one thread builds and owns the engine and steps it, the event loop
 owns the clients, and the two meet only at queues: a thread-safe input queue drained before every step, and an
-asyncio.Queue per request filled through `call_soon_threadsafe`. Outputs are cumulative, so a stream that fell
-behind takes the newest. Taught in docs/phases/09-api-server.md, sections 1 and 2.
+asyncio.Queue per request filled through `call_soon_threadsafe`.
+
+Taught in docs/phases/09-api-server.md, sections 1 and 2.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step failed for this request: its own sampling or stop handling, or a forward pass that failed again with
-    it alone (engine/failures.py). A failure outside them (the scheduler's bookkeeping) ends every request in the
-    engine. Either way the engine keeps serving new requests."""
+    it alone (engine/failures.py)."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -107,7 +107,7 @@ class AsyncLLMEngine:
 
     def drain(self, timeout: float) -> None:
         """Graceful shutdown (SIGTERM): refuse new requests (503), give the ones in flight `timeout` seconds, then end
-        those left with an error their clients can read. Safe from any thread or a signal handler."""
+        those left with an error their clients can read."""
         if self._loop is not None and not self.draining:
             self._loop.call_soon_threadsafe(self._start_draining, timeout)
 

@@ -1,8 +1,9 @@
 """Beam search above the engine core, as in vLLM v1: each step of a search adds one ordinary request per running
 beam (its prompt: the prompt and the beam's tokens; one token; every token's logprobs), and the beams share their
-common blocks through the prefix cache. The scoring and stopping rules are HF transformers' (`_beam_search`), so
-`generate(num_beams=k)` is the oracle. Taught in docs/phases/07a-prefix-caching.md, section 6; the rules and
-vLLM's differences in 07a-appendix-beam-search.md.
+common blocks through the prefix cache.
+
+Taught in docs/phases/07a-prefix-caching.md, section 6; the rules and vLLM's differences in
+07a-appendix-beam-search.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tinyvllm.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class BeamSearchParams:
     """vLLM's `BeamSearchParams`, plus HF's `early_stopping` (True, False or "never"; False as in HF). `temperature`
-    > 0 divides the logits before the log-softmax (vLLM's); 0 leaves them as they are."""
+    > 0 divides the logits before the log-softmax; 0 leaves them."""
 
     beam_width: int
     max_tokens: int
@@ -75,7 +76,7 @@ class Hypothesis:
 
 class BeamSearch:
     """The beams of one prompt, as plain lists: `step` takes each running beam's log-probabilities and answers
-    which (parent beam, token) pairs run on. No model, no device: tests drive it with any numbers."""
+    which (parent beam, token) pairs run on."""
 
     def __init__(self, params: BeamSearchParams, eos_token_ids: set[int], max_new_tokens: int):
         self.params, self.eos_token_ids = params, set() if params.ignore_eos else set(eos_token_ids)
@@ -86,8 +87,8 @@ class BeamSearch:
         self.done = False
 
     def step(self, logprobs: list[np.ndarray]) -> list[tuple[int, int]]:
-        """logprobs[b]: (vocab,) log-probabilities of running beam b's next token. Returns the new running beams
-        as (index of the parent beam, token), best first; none once `done`."""
+        """logprobs[b]: (vocab,) log-probabilities of running beam b's next token. Returns the new running beams as
+        (parent beam index, token), best first; none once `done`."""
         k, lp, p = self.params.beam_width, self.params.length_penalty, self.params
         assert not self.done and len(logprobs) == len(self.running)
         scores = np.stack([cum + row.astype(np.float64) for (_, cum), row in zip(self.running, logprobs)])

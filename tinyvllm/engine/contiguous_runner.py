@@ -1,10 +1,4 @@
-"""Running the model for one sequence on a contiguous KV cache: prefill, then decode (Phase 1).
-
-    prompt [t0 t1 t2 ... t(n-1)]        --prefill (chunks of up to `prefill_chunk_size`)--> logits of t(n-1)
-    token t(n) at position n            --decode-->  logits of t(n)     (repeat, one token per step)
-Two graphs: the prompt in full chunks of `prefill_chunk_size` and the rest one token at a time through the decode
-graph, each taking its position as a bound symbolic variable (docs/phases/01-appendix-tinygrad-speed.md).
-"""
+"""Running the model for one sequence on a contiguous KV cache: prefill, then decode (Phase 1)."""
 
 from __future__ import annotations
 

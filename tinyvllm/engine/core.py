@@ -5,9 +5,6 @@
           who runs, how many   the step's device side:   append the tokens, stop tokens and lengths,
           tokens (budget)      forward, sample, verify    free finished sequences' blocks
                                -> ModelRunnerOutput       -> EngineCoreOutputs
-
-It knows requests as token ids and parameters only: text, stop strings and the outputs a user sees are the output
-processor's (engine/output_processor.py), above it.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from tinyvllm.worker.model_runner import ModelRunner
 
 
 class EngineCore:
-    """Built once from the config and a loaded model: the runner sizes the KV cache, the scheduler gets its blocks.
-    `config` is the engine's config with the KV cache's size and the context length filled in."""
+    """Built once from the config and a loaded model: the runner sizes the KV cache, the scheduler gets its blocks."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
                  model_name: str = "(the target)"):

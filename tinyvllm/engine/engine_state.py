@@ -1,19 +1,10 @@
 """What the engine is doing right now, as plain data: the KV block pool, the queues, the last steps.
 
-`LLMEngine.get_state()` returns this snapshot; the server's dashboard (tinyvllm/api/dashboard.py) draws it.
-`LLMEngine.get_stats()` returns the engine's counters (`engine_stats`), which the server's /metrics reads.
-It must be taken on the thread that steps the engine (the scheduler changes its queues and block tables
-during a step), so the async engine asks for it through its command queue, between two steps.
-
     {"config":   model, quantization, dtypes, device, block_size, num_blocks, limits of a step, policy,
      "kv_cache": {"ref_cnt": [r0, r1, ...], "cached": [0/1, ...], "num_free_blocks", ...}   one entry per block
      "running":  [{request_id, status, priority, num_computed_tokens, num_tokens, block_table, ...}, ...]
      "waiting":  [... the same, in the order they will be admitted ...]
      "steps":    [{time, step_ms, batch_size, num_prefill_tokens, num_decode_tokens, num_preempted}, ...]}
-
-A block's owners are the requests whose `block_table` holds it; `ref_cnt` > 1 means several do (a prefix
-shared through the prefix cache, or n > 1 choices); a free block (`ref_cnt` 0) that is `cached` still holds
-a prefix's K/V that a new prompt may hit, until it is handed out again (evicted, least recently used first).
 """
 
 from __future__ import annotations
@@ -42,8 +33,7 @@ class StepRecord:
 
 
 class StepLog:
-    """The last NUM_STEP_RECORDS steps. `begin` reads the scheduler output before the step changes the
-    sequences (a decode is told from a prefill by `Sequence.is_prefill`), `end` closes the record."""
+    """The last NUM_STEP_RECORDS steps."""
 
     def __init__(self, maxlen: int = NUM_STEP_RECORDS):
         self.records: deque[StepRecord] = deque(maxlen=maxlen)

@@ -1,15 +1,6 @@
 """A failure ends the request that caused it, not the batch (vLLM aborts the offending request, not its step).
 
-Most failures belong to one request and are caught where they happen (its sampling parameters and grammar in the
-model runner, its text in the output processor): that request alone ends, with finish_reason "error". What is left
-fails the whole step: the forward pass (an index past a buffer, a kernel refusing a shape) or the batch's sampling
-graph. Then the step runs again one sequence at a time (`retry_in_parts`):
-
     step [a b c d] fails  ->  [a] ok   [b] ok   [c] fails again: c ends with the error   [d] ok
-
-The parts that fail again caused it; the others get their tokens as if nothing had happened: a part recomputes the
-same K/V, and the runner puts every random generator back as it was before the step, so a seeded request draws the
-same numbers. Retrying costs one forward pass per sequence, once.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Faults on command, to check that the server survives them (tests/test_reliability.py, bench_reliability.py).
 
-A server is only as reliable as what happens when something inside it breaks. `FaultInjector` wraps a
-running `LLMEngine` and, when armed, breaks it in one of three ways, each at the start of the next step on
-the engine's own thread (so it never races the step):
-
-    fail_next_step()            the next step() raises: every request in the engine ends with an error
-                                (AsyncLLMEngine aborts them), the next request is served as usual
-    fail_detokenization(text)   requests whose prompt contains `text` raise while their tokens become
-                                text: those alone end with an error (FINISHED_ERROR), the batch goes on
-    drain_kv_pool() ...         every free KV block is taken out of the pool, step after step, until
-    restore_kv_pool()           restore_kv_pool(): running requests are preempted, and a request that can
-                                never be admitted ends with "out of KV cache blocks" instead of waiting forever
-
-    engine = LLMEngine(...)
-    faults = FaultInjector(engine)     # engine.step is now faults.step
-    faults.fail_next_step()
-
-Nothing here is used unless a test installs it; the engine has no flag for it.
+`FaultInjector(engine)` replaces `engine.step`; each fault fires at the start of the next step, on the engine's thread:
+`fail_next_step()` (every request ends with an error), `fail_detokenization(text)` (prompts containing `text` end
+alone), `drain_kv_pool()` until `restore_kv_pool()` (no free KV blocks). The engine has no flag for it.
 """
 
 from __future__ import annotations

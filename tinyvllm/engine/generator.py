@@ -3,20 +3,6 @@
     prompt --tokenize--> ids --LLMEngine.add_request--> step() --> step() --> ... --> finished
                                                           |          |
                                                           +----------+--> text deltas (StreamChunk)
-
-There is one engine: `Generator` runs on `LLMEngine` (tinyvllm/engine/llm_engine.py), as `LLM.generate`
-and the server do, so a prompt gives the same tokens whichever entry point it comes through. A single
-request is just a batch of one: each `step()` computes its next chunk of prompt (chunked prefill) or
-its last sampled token, and samples one more token once the prompt is in the cache.
-
-Stop conditions are the engine's, checked after every sampled token in vLLM's order:
-  1. a stop token (the model's eos unless `ignore_eos`, plus `stop_token_ids`)   -> finish_reason "stop"
-  2. a stop string in the text (the string itself is not emitted)               -> "stop"
-  3. `max_tokens` reached, or the context (max_model_len) full                   -> "length"
-
-`stream()` is the one generator; `generate()` just joins it, so streaming and blocking calls can
-never disagree. Phase 1's contiguous KV cache is `ContiguousModelRunner`, kept as the teaching baseline
-and the oracle the paged engine is tested against.
 """
 
 from __future__ import annotations
@@ -54,8 +40,7 @@ class GenerationResult:
 
 
 class Generator:
-    """One request at a time on an `LLMEngine`. Takes the engine's arguments (`max_model_len`, `block_size`,
-    `kv_cache_memory`, `dtype`, `device`, ...); see `LLMEngine`."""
+    """One request at a time on an `LLMEngine`."""
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_args):
         from tinyvllm.engine.llm_engine import LLMEngine  # Phase 3's engine: imported when a Generator is built

@@ -1,6 +1,6 @@
 """From what a caller gives `add_request` to what the engine core takes: the prompt's token ids and the request's
 parameters, checked against the model (vLLM v1's `InputProcessor`, vllm/v1/engine/input_processor.py, does the same
-before a request reaches its engine core). Bad input raises ValueError here, before anything is added."""
+before a request reaches its engine core)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class InputProcessor:
 
     def grammar(self, params: SamplingParams):
         """A fresh compiled grammar for one request's output (structured outputs), or None; ValueError if the
-        grammar does not compile. Each completion of a request has its own: its state follows its tokens."""
+        grammar does not compile."""
         if params.structured_outputs is None:
             return None
         if self._structured_outputs is None:

@@ -3,10 +3,6 @@
     add_request --InputProcessor--> token ids, checked --> EngineCore (scheduler + model runner)
     step():  EngineCore.step() --EngineCoreOutputs--> OutputProcessor --RequestOutputs--> the caller
                                                       (text, stop strings: those requests are aborted in the core)
-
-Above the core, one request can become several: `n > 1` completions (parent_request.py) and the beams of a beam
-search (beam_search.py) are ordinary requests to the core. `main.py` and `Generator` (one request, streamed),
-`LLM.generate` (a batch) and the server (`AsyncLLMEngine`, on its own thread) all run on this class.
 """
 
 from __future__ import annotations
@@ -30,12 +26,8 @@ from tinyvllm.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    """Requests in (`add_request`), one step at a time (`step`), outputs out.
-
-    `model`: a .gguf file, an HF checkpoint directory, None for the default model (SmolLM2-135M-Instruct), or a
-    `LlamaForCausalLM` already loaded, with its `tokenizer` (tests and tutorials share one model). The other keyword
-    arguments are `EngineArgs`' (engine/arg_utils.py: vLLM's names), or pass `config`, an `EngineConfig`.
-    """
+    """Requests in (`add_request`), one step at a time (`step`), outputs out. `model`: a .gguf, an HF directory, None
+    (the default model) or a loaded `LlamaForCausalLM` with its `tokenizer`; other keywords are `EngineArgs`'."""
 
     def __init__(self, model: str | os.PathLike | LlamaForCausalLM | None = None, *,
                  tokenizer: Tokenizer | None = None, config: EngineConfig | None = None, **engine_args):
@@ -83,10 +75,8 @@ class LLMEngine:
     # ---- requests in ----
 
     def add_request(self, request_id: str, prompt: str | list[int], params=None, priority: int = 0) -> None:
-        """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing. `priority` counts
-        under the "priority" scheduling policy: lower is served first (vLLM's convention). `params`: SamplingParams
-        (default), BeamSearchParams (a beam search: one output, when it ends) or PoolingParams (the prompt is
-        computed and nothing sampled; its one output carries the pooled final hidden states)."""
+        """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing; `priority`: lower is
+        served first; `params`: SamplingParams, BeamSearchParams or PoolingParams."""
         params = params or SamplingParams()
         request = self.input_processor.process(request_id, prompt, params, priority, self._in_use)
         if request.beam_search is not None:

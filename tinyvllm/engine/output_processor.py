@@ -2,9 +2,6 @@
 
     EngineCoreOutput("r", new_token_ids=[42])  --RequestState: detokenize, stop strings, logprobs, timings-->
         RequestOutput("r", outputs=[CompletionOutput(text="... Paris", token_ids=[..., 42])])
-
-Stop strings need text, which the core never sees: a request whose text reaches one ends here, and its id goes
-back to the core to be aborted (`reqs_to_abort`). Outputs are cumulative, as vLLM's default.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class RequestState:
 
     def add_tokens(self, out: EngineCoreOutput, stop_token_ids: list[int]) -> bool:
         """Take a step's new tokens: their text (a stop token's is not shown) and stop strings, their logprobs.
-        Returns True when a stop string ended the request here (the core must abort it): the tokens after it are
-        dropped, as if never produced."""
+        Returns True when a stop string ended the request here (the core must abort it)."""
         for j, token in enumerate(out.new_token_ids):
             self.output_token_ids.append(token)
             if out.new_logprobs is not None:
@@ -110,8 +106,7 @@ class OutputProcessor:
             self.request_states.pop(request_id, None)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """(the RequestOutputs of this step, the requests the core must abort: a stop string or a failure here).
-        A request whose text fails (detokenizing, a stop string) ends alone with an error."""
+        """(the RequestOutputs of this step, the requests the core must abort: a stop string or a failure here)."""
         now, request_outputs, reqs_to_abort = time.monotonic(), [], []
         for out in outputs:
             state = self.request_states.get(out.request_id)

@@ -1,20 +1,7 @@
 """`n > 1`: one prompt, n completions, fanned out above the engine core (vLLM v1's `ParentRequest`).
 
-The scheduler only ever sees requests with one completion. A request asking for n completions becomes
-n child requests, each with `n=1` and, when a seed is given, its own seed `seed + i` (so the n
-completions differ but reproduce). Their outputs are merged back into one `RequestOutput` under the
-parent's id, completion i at `outputs[i]`:
-
     add_request("r", prompt, n=3)  -->  children "r-0", "r-1", "r-2"  (n=1 each)  -->  scheduler
     step() outputs of the children  -->  merge: RequestOutput("r", outputs=[c0, c1, c2])
-
-The children share one prompt, and with prefix caching they share its K/V too, through the cache: "r-0" is added
-first, and "r-1", "r-2" once "r-0" has its first output (its prompt's full blocks are cached by then), so they
-compute only the prompt's last, partly filled block. The scheduler never sees a fork. A completion's tokens are
-the same as if it ran alone with its seed.
-
-`ParentRequests` is the one place that does this; `LLMEngine` (and the test suite's fake engine) call it
-from `add_request`, `abort_request` and `step`.
 """
 
 from __future__ import annotations
@@ -27,10 +14,7 @@ from tinyvllm.sampling_params import SamplingParams
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion `index`'s own parameters: n=1, and seed + index when the request is seeded.
-
-    The child seed wraps within the 64-bit range `SamplingParams` takes: seed 2**64 - 1 with n=2
-    gives children 2**64 - 1 and 0, both valid and both reproducible."""
+    """Completion `index`'s own parameters: n=1, and seed + index when the request is seeded."""
     seed = params.seed
     if seed is not None:
         seed += index
@@ -71,8 +55,7 @@ class ParentRequests:
     def add(self, request_id: str, params: SamplingParams, add_child: Callable[[str, SamplingParams], None],
             in_use: Callable[[str], bool], share_prompt: bool = False) -> None:
         """Add a request through `add_child(request_id, params)`: itself when n == 1, else its n children.
-        `in_use(id)` says whether the engine already has a request with that id. `share_prompt` (prefix caching
-        on): the children after the first wait for its first output, then read the prompt's K/V from the cache."""
+        `share_prompt`: the children after the first wait for its first output, then read the prompt from the cache."""
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.parents or any(in_use(rid) for rid in {request_id, *child_ids}):
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -1,23 +1,8 @@
 """Where the host's time goes in one engine step: an optional profiling hook (seed roadmap 6.8 / 6.10).
 
-A decode step on a small model is short (milliseconds), so the Python around the forward pass (scheduling,
-filling the input buffers, sampling bookkeeping, detokenizing) can be a large share of it: the "host stall"
-that vLLM's async output processing and multi-step scheduling hide. To see it, set a StepTimer on the engine:
-
     engine.step_timer = StepTimer()       # LLMEngine.step and ModelRunner.execute_model call lap() only if set
     ... engine.step() ...
     engine.step_timer.per_step_ms()       # {"schedule": 0.4, "prepare_inputs": 0.3, "forward": 9.1, ...}
-
-Each `lap(phase)` adds the time since the previous lap (or since `start()`) to that phase, so the phases of
-one step add up to the step's wall time. With no timer set (the default) the engine only tests `is not None`.
-
-On a GPU a kernel launch returns before the kernel has run: without waiting, "forward" would hold the launch and
-the next phase that reads a result (the sampled tokens) the device's time. So a timer given a device waits for it
-(`Device[device].synchronize()`) before each reading of the clock: every phase is charged what it made the device
-do. The engine gives its timer the model's device when the timer is set; on the CPU the wait returns at once.
-
-    start  schedule  prepare_inputs  forward (graph + device sampler)  bookkeeping  detokenize
-      |------|------------|-------------------------|-------------------|-----------|
 """
 
 from __future__ import annotations

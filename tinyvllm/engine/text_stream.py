@@ -3,9 +3,6 @@
     token ids --IncrementalDetokenizer--> text pieces --StopStringChecker--> text safe to show
     (UTF-8 safe: a character split across tokens     (a stop string split across pieces is found;
      is emitted only once it is whole)                text that may start one is held back)
-
-vLLM's `IncrementalDetokenizer` (v1/engine/detokenizer.py) does both jobs in one object; here they
-are two small pieces, joined by this one.
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 
     gate_up (..., 2F) float32, each row [gate | up]  ->  (..., F) = act(gate) * up        act: "silu" or "gelu_tanh"
 
-kernels/cpu/act_and_mul.c (8 lanes, rows over the thread pool), kernels/cuda/act_and_mul.cu and
-kernels/metal/act_and_mul.metal (a thread per output); elsewhere tinygrad's ops (`tinyvllm.ops.act_and_mul`). The kernel
-and tinygrad's ops agree to float32 rounding. Chapter: docs/phases/04-batched-forward.md, section 5.
+Chapter: docs/phases/04-batched-forward.md, section 5.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ NUM_THREADS = 256  # GPU threads per block (one per output element)
 
 
 def uses_kernel(gate_up: Tensor) -> bool:
-    """Would `act_and_mul` run the hand-written kernel on this tensor? On one device, or split over devices (tensor
-    parallel, Phase 8) along the axis before the last with one part each: (B, T, S, 2F), device s holding
-    [gate_s | up_s] (model/llama.py's MLP)."""
+    """Would `act_and_mul` run the hand-written kernel on this tensor?"""
     if linear_module.PORTABLE or gate_up.dtype != dtypes.float32 or gate_up.ndim < 1:
         return False
     if not all(isinstance(s, int) for s in gate_up.shape) or 0 in gate_up.shape or gate_up.shape[-1] % 2:

@@ -1,9 +1,5 @@
 """Replaying a captured TinyJit on the CPU with one C call: the CPU's answer to CUDA graphs.
 
-`GraphedJit` is a TinyJit that captures on its first call and, once it has, writes what it captured as a
-`CPUGraph`: a table of [function address, argument count, arguments...] per kernel, run by the C loop in
-kernels/cpu/graph_runner.c. Per step, Python patches only what changed (input addresses, variables):
-
     captured call (tinygrad)              CPUGraph.table (int64)                       per step
     CALL matmul(out, x=PARAM 0, w)   ->   [&matmul, 3, &out, &x, &w]                   &x <- new input 0
     CALL attn(..., num_blocks)       ->   [&attn, 6, ..., num_blocks]                  num_blocks <- its value
@@ -11,9 +7,7 @@ kernels/cpu/graph_runner.c. Per step, Python patches only what changed (input ad
                                                    |
                                           graph_runner(table, num_calls): one ctypes call for the step
 
-Where the table does not apply (a device the table in tinyvllm/platforms.py gives no CPU graph, a call it cannot
-express), tinygrad's own replay runs. `TINYVLLM_CPU_GRAPH=0` turns it off. Chapter:
-docs/phases/01-appendix-tinygrad-speed.md (a CPU graph).
+Chapter: docs/phases/01-appendix-tinygrad-speed.md (a CPU graph).
 """
 
 from __future__ import annotations
@@ -60,12 +54,7 @@ def _graph_runner():
 
 
 class CPUGraph:
-    """One captured linear as a table that kernels/cpu/graph_runner.c calls through.
-
-    A captured step of a model split over several CPU devices (tensor or pipeline parallel: CPU, CPU:1, ...) fits
-    the same table: a call on N devices is N entries, one per device with that device's buffers (tinygrad launches
-    them one after another too), and a COPY between devices (an input copied to each device, the all-reduce's
-    partial sums, the logits gathered onto the first) is a memmove entry; every CPU device's memory is the host's."""
+    """One captured linear as a table that kernels/cpu/graph_runner.c calls through."""
 
     def __init__(self, jit: JitBase, input_uops: list[UOp], var_vals: dict[str, int], describe: bool = False):
         table: list[int] = []
@@ -168,9 +157,7 @@ class CPUGraph:
         return graph
 
     def __call__(self, input_uops: list[UOp], var_vals: dict[str, int]) -> None:
-        """Patch what changed since the last call, then run the table. A step passes the same input list as the
-        step before (`JitInputs` hands out the same one for the same tensors, whose buffers never move): the
-        addresses are then already in the table; a variable (`num_blocks`) changes once per block of tokens."""
+        """Patch what changed since the last call, then run the table."""
         if input_uops is not self._patched_for:
             addrs = np.array([input_shard_address(input_uops[slot], shard) for slot, shard in self.input_keys],
                              dtype=np.int64)
@@ -195,10 +182,7 @@ class JitCallInputs:
 
 class JitInputs:
     """One JIT's call inputs, prepared as `_TinyJit.__call__` does (`jit_inputs`: its checks, unrealized inputs
-    realized) and remembered. A step passes the same tensors every time (persistent input buffers, the forward graph's
-    returned logits); only a bound variable changes (`num_blocks`). tinygrad prepares each call anew, two graph
-    rewrites per tensor: most of a replay's Python. A call whose tensors have the very uops of the last (uops are
-    hash-consed) reuses its `JitCallInputs`; only the variables passed beside the tensors are read again."""
+    realized) and remembered."""
 
     def __init__(self):
         self._key: tuple | None = None  # per argument: its tensor's uop, or its bound variable's variable
@@ -230,8 +214,7 @@ class JitInputs:
 
 
 def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
-    """Does the device table let the inputs' devices replay through a CPUGraph? (No inputs: the default device.)
-    Inputs on several devices (a split tensor, or inputs on different devices) qualify when every one of them does."""
+    """Does the device table let the inputs' devices replay through a CPUGraph?"""
     devices = {d for u in input_uops for d in (u.device if isinstance(u.device, tuple) else (u.device,))}
     if any(not isinstance(d, str) for d in devices):
         return False
@@ -240,10 +223,9 @@ def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
 
 class GraphedJit(JitBase):
     """TinyJit that captures on the first call and replays through a `CPUGraph` where the device table says the
-    device uses one and the graph fits (see module doc); elsewhere tinygrad's own replay (CUDA graphs on CUDA).
-
-    `persist` (a `kernels.graph_cache.PersistedGraph`): the graph is also written to disk once built, and a later
-    process whose first call finds it there replays it at once, without tracing, scheduling or capturing."""
+    device uses one and the graph fits (docs/phases/01-appendix-tinygrad-speed.md); elsewhere tinygrad's own
+    replay (CUDA graphs on CUDA). `persist` (a `PersistedGraph`): written to disk once built, replayed at once by a
+    later process that finds it."""
 
     def __init__(self, fxn, capture_first: bool = True, persist=None):
         super().__init__(fxn)
@@ -253,7 +235,7 @@ class GraphedJit(JitBase):
         self.loaded = None  # a graph_cache.LoadedGraph: replayed until this JIT captures one of its own
         self.inputs = JitInputs()  # each call's inputs, prepared once for as long as they are the same tensors
         self._checked: JitCallInputs | None = None  # the inputs last found to match the graph replayed
-        self.ran_in_c = False  # did the last call run its kernels in the C table? (then they are done when it returns)
+        self.ran_in_c = False  # did the last call run its kernels in the C table?
         if capture_first:
             self.capture_on_next_call()
 

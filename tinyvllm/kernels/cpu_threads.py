@@ -1,9 +1,6 @@
 """The CPU kernels' thread pool: helper threads started once, used by every kernel launch.
 
-tinygrad runs each CPU program on one thread, so the C kernels bring their own helpers: `NUM_THREADS - 1`
-daemon threads running `tv_pool_worker_loop` (kernels/cpu/threadpool.h), given each launch's chunks of work
-through a control block (`TvPool`) whose address is compiled into every CPU kernel (TV_POOL_ADDR).
-`TINYVLLM_CPU_THREADS=1` turns it off. Chapter: docs/phases/05-custom-kernels.md, section 5.
+Chapter: docs/phases/05-custom-kernels.md, section 5.
 """
 
 from __future__ import annotations
@@ -125,8 +122,7 @@ def pool_address() -> int:
 
 @contextlib.contextmanager
 def threads_enabled(enabled: bool) -> Iterator[None]:
-    """Temporarily run CPU kernels with (True) or without (False) the helper threads. Takes effect at once,
-    also for kernels already captured by a TinyJit (they read the flag at every launch)."""
+    """Temporarily run CPU kernels with (True) or without (False) the helper threads."""
     pool = _state.pool
     old = None if pool is None else pool.enabled
     if pool is not None:

@@ -7,8 +7,7 @@
      &scratch + 81920,                       region 2, offset 81920             ->    a fresh buffer of its size
      num_blocks]                             variable "num_blocks"              ->    patched at every call
 
-A file is keyed by everything the traced graph depends on; one that is stale, truncated or corrupt is a miss.
-`TINYVLLM_GRAPH_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` (or `TINYVLLM_GRAPH_CACHE_DIR`) moves it. Chapter:
+A stale, truncated or corrupt file is a miss; `TINYVLLM_GRAPH_CACHE=0` turns it off. Chapter:
 docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
 
@@ -58,8 +57,7 @@ def cache_dir() -> Path:
 
 @functools.cache
 def code_identity() -> str:
-    """sha256 of tinyvllm's Python source and its CPU kernels' C source: a graph is the code that traced it. Each
-    file counts with its folder's and its own name, in sorted order."""
+    """sha256 of tinyvllm's Python source and its CPU kernels' C source: a graph is the code that traced it."""
     package = Path(__file__).resolve().parents[1]
     roots = [(str(package), ".py")] + ([(str(KERNELS_DIR / "cpu"), "")] if KERNELS_DIR is not None else [])
     h = hashlib.sha256()
@@ -156,8 +154,8 @@ def input_signature(names: list, input_info: list) -> str:
 
 
 class PersistedGraph:
-    """Where one GraphedJit's graph lives on disk (see the module doc). `settings`: what, besides the inputs,
-    names this graph (its name, the model's config, ...); `state`: the tensors outside the graph it may use."""
+    """Where one GraphedJit's graph lives on disk (`TINYVLLM_CACHE_DIR`). `settings`: what besides the inputs names
+    it; `state`: the tensors outside the graph it may use."""
 
     def __init__(self, settings: tuple, state: Callable[[], dict[str, Tensor]], device: str,
                  directory: Path | None = None):

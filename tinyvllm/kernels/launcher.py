@@ -3,9 +3,7 @@
     kernels/<device>/<name>.<ext> --#defines, includes pasted--> source --programs.source_program--> PROGRAM
         --Tensor.custom_kernel--> CALL(PROGRAM, outs..., ins...) in the graph: compiled, cached, captured, replayed
 
-On the CPU a program is called at its first byte, so an entry function comes first in its compilation
-(`check_entry_is_first`); a GPU program is launched by name on a grid. Chapter: docs/phases/05-custom-kernels.md,
-section 5.
+Chapter: docs/phases/05-custom-kernels.md, section 5.
 """
 
 from __future__ import annotations
@@ -34,10 +32,7 @@ REPO_KERNELS = Path(__file__).resolve().parents[2] / "kernels"  # a checkout or 
 
 
 def find_kernels_dir(candidates: list[Path]) -> Path | None:
-    """The first of `candidates` that holds kernel sources; None, with a warning, if none does.
-
-    Without sources every kernel takes tinygrad's portable path: correct, but several times slower, so
-    an install that lost them has to say so."""
+    """The first of `candidates` that holds kernel sources; None, with a warning, if none does."""
     for folder in candidates:
         if (folder / "cpu").is_dir():
             return folder
@@ -81,10 +76,8 @@ def kernel_path(name: str, device: str) -> Path | None:
 
 
 def has_kernel(name: str, device: str) -> bool:
-    """Is there a source for kernel `name` on `device`, in a language that device's compiler takes?
-
-    Decided from the device name and the DEV setting alone (no device is opened): this runs while a graph is
-    being traced, where tinygrad forbids touching devices."""
+    """Is there a source for kernel `name` on `device`, in a language that device's compiler takes? Opens no device
+    (it runs while a graph is traced)."""
     kind = device_kind(device)
     if (backend := BACKENDS.get(kind)) is None or (path := kernel_path(name, device)) is None:
         return False
@@ -114,11 +107,7 @@ def kernel_source(name: str, device: str, defines: dict[str, int | str]) -> str:
 
 
 def program_name(entry: str, device: str, defines: dict[str, int | str]) -> str:
-    """The name a program is launched under.
-
-    On a GPU the entry function's own name: the runtime looks the function up by it. On the CPU (which calls
-    the first byte) a readable name per shape, e.g. matmul_1_960_576, what DEBUG=2 prints per launch: the
-    integer defines only (a scale, a type name or the pool address do not name a variant)."""
+    """The name a program is launched under."""
     if device_kind(device) != "CPU":
         return entry
     return "_".join([entry] + [str(v) for v in defines.values() if isinstance(v, int)])
@@ -142,17 +131,8 @@ def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, 
            estimates=None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
            local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
     """Run function `entry` (default: `name`) of kernels/<device>/<name>.* on `outs` (written) and `ins` (read),
-    all on one device.
-
-    On a GPU it runs on `grid` thread blocks (threadgroups) of `local_size` threads; on the CPU once (its
-    chunks go to the thread pool), whatever the grid. Every tensor must be contiguous (the kernel sees raw
-    row-major buffers); `outs` are usually `Tensor.empty(...)`. Returns the outs, valid after the kernel ran.
-    Works inside `function` and TinyJit.
-
-    Tensors split over several devices (tensor parallel, Phase 8: tinygrad multi-device tensors, all on the same
-    devices) run the kernel once per device, on that device's parts: tinygrad 0.14 strips the split from a custom
-    kernel's call (tinygrad/schedule/multi.py), so `defines` must give the shapes of one device's part
-    (`local_shape`), and split outs come from `output`."""
+    all on one device. On a GPU it runs on `grid` blocks of `local_size` threads, on the CPU once. Every tensor must
+    be contiguous; returns the outs. Split tensors run once per device, so `defines` give one part's shapes."""
     device = outs[0].device
     assert all(t.device == device for t in outs + ins), "one device (or one tuple of devices) for all buffers"
     device = device if isinstance(device, str) else device[0]  # the kind is all a program's source depends on
@@ -169,17 +149,15 @@ def local_shape(t: Tensor) -> tuple[int, ...]:
 
 def output(shape: tuple[int, ...], dtype, like: Tensor, axis: int | None = None) -> Tensor:
     """An output buffer of local shape `shape` (what the kernel writes on each device) on `like`'s device(s): split
-    along `axis`, or (None) one whole output per device. Every element must be written by the kernel."""
+    along `axis`, or (None) one whole output per device. The kernel must write every element."""
     if isinstance(like.device, str):
         return Tensor.invalids(*shape, dtype=dtype, device=like.device)
     return empty_shards(shape, dtype, like.device, axis)
 
 
 def check_entry_is_first(lib: bytes, entry: str) -> None:
-    """Raise unless function `entry` starts at offset 0 of the first section of compiled object `lib`.
-
-    tinygrad's CPU runtime loads the object's sections back to back and calls the first byte, so a helper
-    function compiled before the entry would be called in its place."""
+    """Raise unless function `entry` starts at offset 0 of the first section of compiled object `lib` (tinygrad's
+    CPU runtime calls the first byte)."""
     at_start = elf_symbol_at_start(lib, entry)
     if at_start is None:
         raise RuntimeError(f"no function {entry} in the compiled object")
@@ -189,7 +167,7 @@ def check_entry_is_first(lib: bytes, entry: str) -> None:
 
 def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None) -> HostProgram:
     """Compile kernels/cpu/<name>.c and load it as a callable on the host (not as a graph node): the CPU thread
-    pool's helper loop, the CPU graph's runner. `.fxn(*args)` calls it with ctypes.c_uint64 arguments."""
+    pool's helper loop, the CPU graph's runner. `.fxn(*args)` takes ctypes.c_uint64 arguments."""
     # NOTE: this may run while a graph is being traced (the first `linear`), where tinygrad forbids device use
     # so that no tensor is realized by accident. Compiling and loading code realizes nothing.
     with Context(ALLOW_DEVICE_USAGE=1):

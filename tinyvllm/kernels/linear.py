@@ -2,9 +2,7 @@
 
     x (..., K) @ w(N, K).T -> (..., N)        w as the model stores it: (out_features, in_features)
 
-On the CPU in float32, kernels/cpu/matmul.c, compiled per shape (x's leading dimensions concrete); elsewhere, with a
-symbolic shape, or with `TINYVLLM_PORTABLE=1`, tinygrad's `x @ w.T`. Chapter: docs/phases/04-batched-forward.md,
-section 5.
+Chapter: docs/phases/04-batched-forward.md, section 5.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ def uses_kernel(x: Tensor, w: Tensor) -> bool:
 
 
 def split_fits(x: Tensor, w: Tensor) -> bool:
-    """Can a kernel run per device on these operands (tensor parallel, Phase 8)? On one device, yes. Split: w by
-    rows (column-parallel) with x whole on each device, or w by columns (row-parallel) with x split the same way."""
+    """Can a kernel run per device on these operands (tensor parallel, Phase 8)?"""
     if isinstance(x.device, str):
         return True
     w_axis, x_axis = shard_axis(w), shard_axis(x)

@@ -3,10 +3,7 @@
     process 1:  lower kernel K -> to_program_cache[key] = program -> <cache dir>/<sha256 of key>.pkl
     process 2:  key in to_program_cache? not in memory -> read <sha256 of key>.pkl -> yes, no lowering
 
-`install()` swaps tinygrad's in-memory dict for a `DiskProgramCache`, lowers the CPU device's own helper programs
-through it, and settles the default device from `default_device.json` when the machine still looks the same.
-`TINYVLLM_PROGRAM_CACHE=0` turns it off; `TINYVLLM_CACHE_DIR` moves it. Chapter:
-docs/phases/06-appendix-measurements.md (what a new process reuses).
+Chapter: docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (docs/phases/06-quantized-weights.md).
 
     x (..., K) float32 @ w(N, K).T -> (..., N) float32      w: a QuantizedWeight, the GGUF's blocks as they are
-
-Every block format tinyvllm reads has a kernel (QUANT_FORMATS): kernels/cpu/qmatmul.c (32-element blocks) and
-qmatmul_k.c (256-element super-blocks) on the CPU, their CUDA and Metal twins on a GPU (GEMV up to 8 rows of x,
-64 x 64 integer tiles beyond: `gpu_launches`); elsewhere the blocks are dequantized in tinygrad ops (the portable
-path). Chapter 6 explains the route (x rounded to 8-bit blocks once, integer dot products) and what it costs.
 """
 
 from __future__ import annotations
@@ -58,22 +53,12 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
 X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 
 # 0 (the default): the integer route at every M, batch-invariant. N > 0: from N rows of x on, the CPU kernel for the
-# 32-element formats (kernels/cpu/qmatmul.c, TV_FLOAT_MIN_M) stops rounding x to 8 bits: it dequantizes a few rows of
-# w at a time and multiplies in float32 (more products per instruction once many rows share each weight), so those
-# rows get the float product of the dequantized weights and a row's result depends on how many rows share its step.
-# The K-quants' kernel keeps its integer sums at every M (their sub-block scales make them cheaper).
+# 32-element formats multiplies dequantized w in float32, so a row's result depends on how many rows share its step.
 FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 
 
-# 1 (the default): on a CPU with AVX-512 VNNI, kernels/cpu/qmatmul.c's integer dot products take _mm512_dpbusd_epi32
-# (two blocks per register, fewer instructions). 0: AVX2's route everywhere (TV_NO_VNNI). The two give the same bits:
-# the same integer sums, then the same float operations in the same order. (An earlier 512-bit route summed the even
-# and odd blocks apart, which agreed with AVX2 to float32 rounding only, every down_proj within 3e-6 of its largest
-# output in the model; yet test_perplexity's two chunks scored 16.49 on it against AVX2's 16.35. Float32 rounding
-# alone moves that figure by as much: the AVX2 route itself scores 16.45 with the decoder layer's elementwise ops
-# fused differently (the layer traced outside its tinygrad `function`). A route that rounds otherwise than llama.cpp's
-# own order is a different sample of that spread, so the AVX-512 route now rounds exactly as AVX2's, whose order is
-# llama.cpp's vec_dot_q4_1_q8_1.)
+# 1 (the default): kernels/cpu/qmatmul.c takes AVX-512 VNNI's _mm512_dpbusd_epi32 where the CPU has it; 0: AVX2's
+# route (TV_NO_VNNI). Same bits either way: the same float operations in llama.cpp's order (vec_dot_q4_1_q8_1).
 VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "1") == "1"
 
 
@@ -181,7 +166,7 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
         wd = w.data.contiguous()  # (N, row bytes)
         if device_kind(x.device) == "CPU":
             scratch = output((max(1, scratch_bytes(w.ggml_type, M, K)),), dtypes.uint8, x2)
-            if uses_float_path(w.ggml_type, M):  # only where a user turned it on: the kernel's default is 0, never
+            if uses_float_path(w.ggml_type, M):
                 defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
             if not VNNI:
                 defines["TV_NO_VNNI"] = 1
@@ -193,7 +178,7 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
             (scratch,) = launch(fmt.kernel, outs=[scratch], ins=[x2], defines=defines, entry=q.entry, grid=q.grid,
                                 local_size=(q.threads, 1, 1),
                                 estimates=Estimates(ops=4 * M * K, lds=4 * M * K, mem=4 * M * K + scratch.nbytes()))
-        # the same arguments either way, (out, scratch, x, w): the GEMV route leaves the scratch alone, the tiled reads it
+        # (out, scratch, x, w) either way: only the tiled route reads the scratch
         outs, ins = ([out], [scratch, x2, wd]) if quantize else ([out, scratch], [x2, wd])
         return launch(fmt.kernel, outs=outs, ins=ins, defines=defines, estimates=estimates, entry=matmul.entry,
                       grid=matmul.grid, local_size=(matmul.threads, 1, 1))[0]
@@ -225,10 +210,8 @@ def _q4_1(b: Tensor) -> Tensor:  # x = d * q + m
 
 
 def _shifted(x: Tensor, shifts: range | tuple[int, ...], dim: int) -> Tensor:
-    """x >> s for each s, stacked along a new dimension `dim`.
-
-    NOTE: the shifts are Python constants, not a Tensor: a Tensor made from a list inside a captured step is a
-    buffer of its own, which kept the whole decode step of a model with a Q5_0 embedding out of the CPU graph."""
+    """x >> s for each s, stacked along a new dimension `dim`. The shifts are Python constants: a Tensor made from a
+    list inside a captured step is a buffer of its own, which would keep the step out of the CPU graph."""
     return Tensor.stack(*[x >> sh for sh in shifts], dim=dim)
 
 

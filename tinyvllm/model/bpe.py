@@ -1,8 +1,6 @@
 """Byte-level BPE (GPT-2, Llama 3, SmolLM2, Qwen2), run by tiktoken.
 
-A pre-tokenizer regex splits the text (`PRETOKENIZER_PATTERNS`); tiktoken merges each piece's bytes by rank,
-rank = 256 + the index of the merge that makes the token (single bytes rank 0..255), and `_rank_to_id` maps
-ranks back to token ids. Taught in docs/phases/01-appendix-tokens-and-sampling.md.
+Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ def _unspell_table() -> dict[int, str]:
 
 
 def unspell(token: str) -> bytes | None:
-    """The raw bytes of a token written in GPT-2's byte alphabet ("Ġthe" -> b" the"), None if it is not.
-    One `translate` and one `encode` in C, not a Python loop per character (every token, at load)."""
+    """The raw bytes of a token written in GPT-2's byte alphabet ("Ġthe" -> b" the"), None if it is not."""
     try:
         return token.translate(_unspell_table()).encode("latin-1")
     except UnicodeEncodeError:  # a character outside the alphabet
@@ -190,7 +187,7 @@ class ByteLevelBPETokenizer(Tokenizer):
         ids = {**model["vocab"], **added}
         bos = token_id_of(config.get("bos_token"), ids)
         add_bos = config.get("add_bos_token")
-        if add_bos is None:  # not stated: does the post-processor put BOS in front? (Llama-3's does)
+        if add_bos is None:  # not stated: does the post-processor put BOS in front?
             add_bos = bos is not None and bos in _post_processor_prefix_ids(tokenizer_json.get("post_processor"))
         return cls(
             vocab,

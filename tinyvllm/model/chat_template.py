@@ -68,7 +68,7 @@ def validate_messages(messages: object) -> None:
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
-    """The prompt text for `messages`. `variables` (bos_token, eos_token, tools, ...) reach the template."""
+    """The prompt text for `messages`."""
     validate_messages(messages)
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)

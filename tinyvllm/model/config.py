@@ -2,9 +2,7 @@
 
     GGUF metadata  --from_gguf_metadata-->  ModelConfig  <--from_hf_config--  config.json
 
-Every module reads it, none writes it back. The other architectures (`ARCHITECTURES`: Mistral, Qwen2, Qwen3,
-Gemma 3) are LLaMA's block with switches, each a field. Taught in docs/phases/01-foundation.md; the switches in
-01-appendix-architectures.md.
+Taught in docs/phases/01-foundation.md; the switches in 01-appendix-architectures.md.
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ class ModelConfig:
 
     @property
     def rope_interleaved(self) -> bool:
-        """Are a GGUF's q/k rows permuted for llama.cpp's adjacent-pair RoPE? 'llama' files only (Qwen, Gemma: NEOX)."""
+        """Are a GGUF's q/k rows permuted for llama.cpp's adjacent-pair RoPE?"""
         return self.gguf_architecture == "llama"
 
     def layer_window(self, layer: int) -> int | None:

@@ -1,8 +1,6 @@
 r"""Streaming detokenization: one token id in, the text it completes out, never half a UTF-8 character.
 
-Everything `add` returns, concatenated, is what `tokenizer.decode(prompt + generated)` has beyond the prompt's
-(a character unfinished when the stream stops is never emitted). Taught in
-docs/phases/01-appendix-tokens-and-sampling.md.
+Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations

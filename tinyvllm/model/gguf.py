@@ -3,9 +3,7 @@
     | "GGUF" | u32 version | u64 n_tensors | u64 n_kv | metadata: key, type, value ... |
     | tensor infos: name, dims, type, offset ... | padding to the alignment | tensor data |
 
-Dims are stored fastest-varying first; `GGUFTensorInfo.shape` is numpy's order. Tensor data is memory-mapped,
-string arrays decoded on first use, the parsed header kept on disk from Phase 6 (gguf_header_cache.py). Taught in
-docs/phases/01-foundation.md; the cold start in 06-appendix-measurements.md.
+Taught in docs/phases/01-foundation.md; the cold start in 06-appendix-measurements.md.
 """
 
 from __future__ import annotations
@@ -161,7 +159,7 @@ class GGUFFile:
 @functools.lru_cache(maxsize=8)
 def _read_header(path: str, mtime_ns: int, size: int) -> tuple[dict, dict[str, GGUFTensorInfo]]:
     """The metadata and tensor infos of a GGUF file, parsed once per (path, mtime, size) in a process and across
-    processes (model/gguf_header_cache.py). Do not modify the result."""
+    processes (model/gguf_header_cache.py)."""
     with open(path, "rb") as f:
         buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
     # Phase 6: the parse kept on disk (model/gguf_header_cache.py); asked here, that module imports this one

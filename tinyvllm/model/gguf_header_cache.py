@@ -33,10 +33,7 @@ def _code_identity() -> str:
 
 
 class HeaderCache:
-    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header` (a `disk_cache` record).
-
-    The key: the file's resolved path, size and modification time, this module's source, Python's version (a GGUF
-    is never hashed whole: that would cost more than parsing it). A missing, corrupt or other-key file is a miss."""
+    """A GGUF's parsed header in `<cache>/gguf-headers/<sha256 of key>.header` (a `disk_cache` record)."""
 
     def __init__(self, path: str, mtime_ns: int, size: int):
         self.key = repr((path, mtime_ns, size, _code_identity(), sys.version_info[:2]))

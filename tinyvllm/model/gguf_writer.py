@@ -1,10 +1,4 @@
-"""Writing a GGUF v3 file: the inverse of tinyvllm/model/gguf.py (whose docstring has the layout).
-
-Little-endian; a string is a u64 byte count and its UTF-8 bytes; a metadata value is a u32 type id (ggml's
-gguf_type: the constants below) and the value; an array, a u32 item type, a u64 count and the items. Every tensor
-starts at a multiple of `general.alignment`. A bare Python value gets the type llama.cpp writes most often (int ->
-u32, float -> f32, list of ints -> i32 array); `MetadataValue` states another.
-"""
+"""Writing a GGUF v3 file: the inverse of tinyvllm/model/gguf.py (whose docstring has the layout)."""
 
 from __future__ import annotations
 
@@ -147,7 +141,7 @@ def _padding(n: int, alignment: int) -> int:
 
 
 def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: list[TensorData]) -> int:
-    """Write a GGUF v3 file; return its size in bytes. Tensors are written in list order."""
+    """Write a GGUF v3 file; return its size in bytes."""
     alignment = typed(metadata.get("general.alignment", DEFAULT_ALIGNMENT)).value
     if not isinstance(alignment, int) or alignment <= 0 or alignment % 8 != 0:
         raise ValueError(f"general.alignment must be a positive multiple of 8, got {alignment!r}")

@@ -1,8 +1,7 @@
 """LLaMA in tinygrad: embedding -> N x (attention + SwiGLU MLP) -> norm -> lm_head (the diagram: chapter 01,
-section 5). Attention is the backend's (`attn_metadata.attend`: contiguous or paged), unseen by the model; q/k/v and
-gate/up are fused as in vLLM (two matmuls per layer instead of five). Mistral, Qwen2, Qwen3 and Gemma 3 are this
-block with `ModelConfig`'s switches, each an `if` where its step happens. Taught in docs/phases/01-foundation.md;
-the switches in 01-appendix-architectures.md.
+section 5).
+
+Taught in docs/phases/01-foundation.md; the switches in 01-appendix-architectures.md.
 """
 
 from __future__ import annotations
@@ -188,8 +187,7 @@ def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
 def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor | None = None,
            copies: list[Future] | None = None) -> Tensor:
     """`parts` concatenated along dim 0 into a device tensor of their dtype (float32, or uint8 GGUF blocks): the
-    parts' own memory where it can be (`in_place`), else one copy into tinygrad's buffer. With `pool` the copy runs
-    on one of its threads, its future appended to `copies`: wait for it before using the tensor."""
+    parts' own memory where it can be (`in_place`), else one copy into tinygrad's buffer."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
     if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
@@ -208,8 +206,7 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
 
 def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype, device: str | None) -> Tensor | None:
     """The parts as one tensor over their own memory (a GGUF's mapped pages), or None unless the device's memory is
-    the host's and the parts are C-contiguous, of the dtype, back to back and 32-byte aligned. The tensor keeps
-    the parts alive; nothing writes into a weight."""
+    the host's and the parts are C-contiguous, of the dtype, back to back and 32-byte aligned."""
     if not platform_for(device).host_views or any(p.dtype != np_dtype or not p.flags.c_contiguous for p in parts):
         return None
     start = parts[0].ctypes.data

@@ -40,8 +40,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
                device: str | None = None, quantization: str = "auto",
                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
     """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct -> (model, tokenizer,
-    the resolved path). `quantization`: vLLM's flag (tinyvllm/model/quantization.py); `dtype`: see `parse_dtype`;
-    `tensor_parallel_size` / `pipeline_parallel_size`: split over that many devices of `device`'s kind.
+    the resolved path).
     """
     install_program_cache(device=device)  # what earlier processes lowered and chose
     dt = parse_dtype(dtype, device)

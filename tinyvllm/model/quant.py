@@ -1,8 +1,6 @@
-"""GGML's block formats drawn byte by byte, their numpy dequantizers, and `QuantizedArray` (Phase 6).
+"""GGML's block formats, their numpy dequantizers, and `QuantizedArray` (Phase 6).
 
-Each `dequantize_*` takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size) float32`, with
-ggml's float operations in ggml's order: bit-exact with the `gguf` package (tests/test_weights.py). They are the
-reference every kernel is tested against (docs/phases/06-quantized-weights.md, section 2).
+They are the reference every kernel is tested against (docs/phases/06-quantized-weights.md, section 2).
 """
 
 from __future__ import annotations
@@ -50,30 +48,14 @@ def dequantize_bf16(blocks: np.ndarray) -> np.ndarray:
 # ---- 32-element blocks ----
 
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
-    """Q4_0: 32 elements in 18 bytes (4.5 bits per weight), x = d * (q - 8), q in 0..15.
-
-        byte  0      2                            18
-              +------+----------------------------+
-              | d    | qs[0..15]                  |
-              | f16  | lo nibble: q[j]            |
-              |      | hi nibble: q[j + 16]       |
-              +------+----------------------------+
-    """
+    """Q4_0: 32 elements in 18 bytes (4.5 bits per weight), x = d * (q - 8), q in 0..15."""
     d = _f16(blocks, 0)
     q = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
     return d * q.astype(np.float32)
 
 
 def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
-    """Q4_1: 32 elements in 20 bytes (5 bits per weight), x = d * q + m, q in 0..15.
-
-        byte  0      2      4                            20
-              +------+------+----------------------------+
-              | d    | m    | qs[0..15]                  |
-              | f16  | f16  | lo nibble: q[j]            |
-              |      |      | hi nibble: q[j + 16]       |
-              +------+------+----------------------------+
-    """
+    """Q4_1: 32 elements in 20 bytes (5 bits per weight), x = d * q + m, q in 0..15."""
     d, m = _f16(blocks, 0), _f16(blocks, 2)
     q = _nibbles(blocks[:, 4:]).astype(np.float32)
     return d * q + m
@@ -86,41 +68,21 @@ def _fifth_bits(qh_bytes: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
-    """Q5_0: 32 elements in 22 bytes (5.5 bits per weight), x = d * (q - 16), q in 0..31.
-
-        byte  0      2            6                            22
-              +------+------------+----------------------------+
-              | d    | qh (u32)   | qs[0..15]                  |
-              | f16  | bit j:     | lo nibble: q[j] low 4 bits |
-              |      | q[j] bit 4 | hi nibble: q[j+16] low 4   |
-              +------+------------+----------------------------+
-    """
+    """Q5_0: 32 elements in 22 bytes (5.5 bits per weight), x = d * (q - 16), q in 0..31."""
     d = _f16(blocks, 0)
     q = (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).astype(np.int8) - np.int8(16)
     return d * q.astype(np.float32)
 
 
 def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
-    """Q5_1: 32 elements in 24 bytes (6 bits per weight), x = d * q + m, q in 0..31.
-
-        byte  0      2      4            8                            24
-              +------+------+------------+----------------------------+
-              | d    | m    | qh (u32)   | qs[0..15]  (as in Q5_0)    |
-              +------+------+------------+----------------------------+
-    """
+    """Q5_1: 32 elements in 24 bytes (6 bits per weight), x = d * q + m, q in 0..31: d, m, qh (u32), qs as in Q5_0."""
     d, m = _f16(blocks, 0), _f16(blocks, 2)
     q = (_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])).astype(np.float32)
     return d * q + m
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """Q8_0: 32 elements in 34 bytes (8.5 bits per weight), x = d * q, q an int8.
-
-        byte  0      2                            34
-              +------+----------------------------+
-              | d    | qs[0..31]  int8            |
-              +------+----------------------------+
-    """
+    """Q8_0: 32 elements in 34 bytes (8.5 bits per weight), x = d * q: d (f16), then 32 int8 q."""
     d = _f16(blocks, 0)
     return d * blocks[:, 2:].view(np.int8).astype(np.float32)
 
@@ -130,13 +92,7 @@ IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38
 
 
 def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
-    """IQ4_NL: 32 elements in 18 bytes (4.5 bits per weight), x = d * IQ4NL_VALUES[q], q in 0..15.
-
-        byte  0      2                            18
-              +------+----------------------------+
-              | d    | qs[0..15]  (as in Q4_0)    |
-              +------+----------------------------+
-    """
+    """IQ4_NL: 32 elements in 18 bytes (4.5 bits per weight), x = d * IQ4NL_VALUES[q], q in 0..15 (laid out as Q4_0)."""
     d = _f16(blocks, 0)
     return d * IQ4NL_VALUES[_nibbles(blocks[:, 2:])].astype(np.float32)
 
@@ -146,16 +102,6 @@ def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
 def dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
     """Q2_K: 256 elements in 84 bytes (2.625 bits per weight): 16 sub-blocks of 16, each with a 4-bit scale sc and
     min m, x = (d * sc) * q - (dmin * m), q in 0..3.
-
-        byte  0                  16                         80     82     84
-              +------------------+--------------------------+------+------+
-              | scales[0..15]    | qs[0..63]                | d    | dmin |
-              | lo nibble: sc    | 2 bits per element       | f16  | f16  |
-              | hi nibble: m     |                          |      |      |
-              +------------------+--------------------------+------+------+
-
-    Two halves of 128 elements; half h uses qs[32h : 32h+32]; element e (0..127) of a half is bits 2k..2k+1 of
-    qs[32h + e % 32], k = e // 32 (Q6_K's high bits, the same walk).
     """
     n = blocks.shape[0]
     scales = blocks[:, 0:16]
@@ -181,14 +127,6 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
 def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     """Q3_K: 256 elements in 110 bytes (3.4375 bits per weight): 16 sub-blocks of 16, each with a 6-bit scale,
     x = (d * (sc - 32)) * q, q in -4..3: 2 low bits from qs, minus 4 where the element's hmask bit is 0.
-
-        byte  0              32                     96                 108    110
-              +--------------+----------------------+------------------+------+
-              | hmask[0..31] | qs[0..63]            | scales (12 B)    | d    |
-              | bit k of     | 2 bits per element,  | 16 x 6 bits      | f16  |
-              | hmask[l]:    | as in Q2_K           | (_q3_k_scales)   |      |
-              | element 32k+l|                      |                  |      |
-              +--------------+----------------------+------------------+------+
     """
     n = blocks.shape[0]
     dl = (_f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))[..., None]  # (n, 16, 1)
@@ -214,13 +152,6 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     """Q4_K: 256 elements in 144 bytes (4.5 bits per weight): 8 sub-blocks of 32, each with a 6-bit
     scale sc and min m, x = (d * sc) * q - (dmin * m), q in 0..15.
-
-        byte  0      2      4              16                                      144
-              +------+------+--------------+---------------------------------------+
-              | d    | dmin | scales, mins | qs: 4 chunks of 32 bytes              |
-              | f16  | f16  | 8 + 8 values | chunk c: lo nibbles -> sub-block 2c   |
-              |      |      | of 6 bits    |          hi nibbles -> sub-block 2c+1 |
-              +------+------+--------------+---------------------------------------+
     """
     n = blocks.shape[0]
     sc, m = _k_scales_mins(blocks[:, 4:16])
@@ -233,14 +164,6 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
 def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     """Q5_K: 256 elements in 176 bytes (5.5 bits per weight): Q4_K plus a 5th bit per element,
     x = (d * sc) * q - (dmin * m), q in 0..31.
-
-        byte  0      2      4              16                 48                   176
-              +------+------+--------------+------------------+--------------------+
-              | d    | dmin | scales, mins | qh[0..31]        | qs: as in Q4_K     |
-              | f16  | f16  | as in Q4_K   | bit s of qh[l]:  | (the 4 low bits)   |
-              |      |      |              | bit 4 of element |                    |
-              |      |      |              | l of sub-block s |                    |
-              +------+------+--------------+------------------+--------------------+
     """
     n = blocks.shape[0]
     sc, m = _k_scales_mins(blocks[:, 4:16])
@@ -256,17 +179,6 @@ def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     """Q6_K: 256 elements in 210 bytes (6.5625 bits per weight): 16 sub-blocks of 16, each with an
     int8 scale, x = (d * scale) * (q - 32), q in 0..63 (4 low bits in ql, 2 high bits in qh).
-
-        byte  0                  128              192              208    210
-              +------------------+----------------+----------------+------+
-              | ql[0..127]       | qh[0..63]      | scales[0..15]  | d    |
-              | lo 4 bits of q   | hi 2 bits of q | int8           | f16  |
-              +------------------+----------------+----------------+------+
-
-    The super-block is two halves of 128 elements; half h uses ql[64h : 64h+64], qh[32h : 32h+32].
-    Within a half, element e (0..127) takes:
-        lo 4 bits: lo nibble of ql[e] for e < 64, hi nibble of ql[e - 64] for e >= 64
-        hi 2 bits: bits 2k..2k+1 of qh[e % 32], k = e // 32
     """
     n = blocks.shape[0]
     ql = blocks[:, 0:128].reshape(n, 2, 64)
@@ -282,14 +194,6 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 def dequantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
     """IQ4_XS: 256 elements in 136 bytes (4.25 bits per weight): 8 sub-blocks of 32, each with a 6-bit scale,
     x = (d * (sc - 32)) * IQ4NL_VALUES[q], q in 0..15.
-
-        byte  0      2          4                8                                      136
-              +------+----------+----------------+---------------------------------------+
-              | d    | scales_h | scales_l[0..3] | qs: 8 runs of 16 bytes, run s is       |
-              | f16  | u16: bits| nibble s:      | sub-block s as Q4_0 packs a block      |
-              |      | 2s..2s+1 | sc[s] bits 0-3 | (lo nibbles q[0..15], hi q[16..31])    |
-              |      | sc bits 4-5                |                                       |
-              +------+----------+----------------+---------------------------------------+
     """
     n = blocks.shape[0]
     scales_l = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(n, 8) & 0x0F
@@ -355,10 +259,7 @@ class QuantizedArray:
     """A 2-D weight still in its GGUF blocks, on the host: what the loader hands the model instead of floats.
 
         data: (N, K // block_size * type_size) uint8   row n's blocks, in order (a block never spans two rows)
-        shape: (N, K)                                   the float weight it stands for: (out_features, in_features)
-
-    `data` is usually a read-only view of the memory-mapped file: nothing is copied or dequantized until the
-    model uploads the bytes to the device."""
+        shape: (N, K)                                   the float weight it stands for: (out_features, in_features)"""
 
     data: np.ndarray
     ggml_type: int

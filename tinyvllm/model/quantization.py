@@ -44,9 +44,7 @@ def fallback_notice(gguf: GGUFFile) -> str | None:
 def quantize_state_dict(state_dict: dict[str, np.ndarray | QuantizedArray], method: str,
                         ) -> dict[str, np.ndarray | QuantizedArray]:
     """Online quantization: every 2-D float weight whose rows are whole blocks -> that format's blocks (q4_k: rows
-    not a multiple of its 256-element super-block in Q5_0, llama-quantize's fallback).
-
-    1-D tensors (the RMSNorm weights: 0.05% of the model) stay float, as llama.cpp keeps them."""
+    not a multiple of its 256-element super-block in Q5_0, llama-quantize's fallback)."""
     from tinyvllm.model.quantizer import quantize, storage_type  # numpy quantizers, bit-exact with ggml's own
 
     out: dict[str, np.ndarray | QuantizedArray] = {}
@@ -61,7 +59,7 @@ def quantize_state_dict(state_dict: dict[str, np.ndarray | QuantizedArray], meth
 
 
 def describe(state_dict: dict[str, np.ndarray | QuantizedArray]) -> str:
-    """What the weights are stored as, by share of weights: e.g. 'Q4_1 79%, Q8_0 21%, F32 0%'."""
+    """What the weights are stored as, by share of weights: e.g."""
     counts: dict[str, int] = {}
     for w in state_dict.values():
         name = w.type_name if isinstance(w, QuantizedArray) else str(w.dtype).upper().replace("FLOAT", "F")

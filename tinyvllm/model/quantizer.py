@@ -1,9 +1,5 @@
 """Quantizing float32 weights into GGML blocks with numpy: Q8_0, Q4_0, Q4_1, Q5_0, and (quantizer_search.py)
 IQ4_NL and Q4_K (Phase 6, docs/phases/06-quantized-weights.md section 3).
-
-The bytes are those llama-quantize writes without an importance matrix: ggml's quantizers' float32 operations in
-their order (tests/test_quantize.py: the `gguf` package and digests of ggml's own output). Each tensor is cut into
-chunks of 2048 blocks' worth of floats (256 KiB: they stay in L2 through the ~10 numpy passes) shared among threads.
 """
 
 from __future__ import annotations
@@ -33,10 +29,7 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _pick(x: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """x[i, index[i]] for every block i, as (n, 1).
-
-    NOTE: numpy reduces a 32-wide row slowly (a loop call per row): x.max(axis=1) costs ~2.5x
-    x.argmax(axis=1) followed by this gather, so the quantizers find their extremes by index."""
+    """x[i, index[i]] for every block i, as (n, 1)."""
     n, width = x.shape
     return np.take(x.reshape(-1), index + np.arange(0, n * width, width))[:, None]
 
@@ -61,10 +54,7 @@ def _float16(values: np.ndarray, what: str) -> np.ndarray:
 
 
 class _Work:
-    """Float32 work arrays for one thread, reused chunk after chunk.
-
-    NOTE: a fresh 256 KiB temporary per numpy operation costs more than the operation itself: glibc
-    serves allocations that large with mmap, and the first touch of each of its 64 pages faults."""
+    """Float32 work arrays for one thread, reused chunk after chunk."""
 
     def __init__(self, n_blocks: int):
         self.v = np.empty((n_blocks, BLOCK_SIZE), dtype=np.float32)
@@ -118,8 +108,7 @@ def _quantize_q4_1(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
 
 
 def _quantize_q5_0(x: np.ndarray, out: np.ndarray, work: _Work) -> None:
-    """x (n, 32) float32 -> out (n, 22) uint8: f16 d, the 32 fifth bits (u32), 16 bytes of packed low 4 bits.
-    As Q4_0 with 5 bits: d = max / -16, q = trunc(x / d + 16.5), <= 31 (ggml's quantize_row_q5_0_ref)."""
+    """x (n, 32) float32 -> out (n, 22) uint8: f16 d, the 32 fifth bits (u32), 16 bytes of packed low 4 bits."""
     v = work.v[: len(x)]
     ax = np.abs(x, out=v)
     d = _pick(x, ax.argmax(axis=1)) / np.float32(-16)  # (n, 1)
@@ -161,11 +150,8 @@ def storage_type(ggml_type: int, row_length: int) -> int | None:
 
 
 def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
-    """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row.
-
-    ggml_type: one of FORMATS. K must be a multiple of the block (32 elements, Q4_K 256). Any leading shape is
-    allowed: (..., K) -> (..., K // block * type_size). The bytes are those ggml's quantizers write (llama-quantize
-    without an importance matrix)."""
+    """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row (the bytes
+    llama-quantize writes without an importance matrix). K: a multiple of the block (32 elements, K-quants 256)."""
     if ggml_type not in _QUANTIZERS:
         supported = ", ".join(f"{GGML_TYPES[t]} ({t})" for t in sorted(_QUANTIZERS))
         name = GGML_TYPES.get(ggml_type, "unknown")

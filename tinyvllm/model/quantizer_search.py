@@ -1,10 +1,4 @@
-"""The quantizers that search for their scales, IQ4_NL and Q4_K, with numpy (docs/phases/06-appendix-formats.md).
-
-ggml's own searches (`quantize_iq4_nl`, `quantize_row_q4_K_ref`) with its float32 operations in its order, so the
-bytes equal llama-quantize's. Every block of a chunk is worked on at once with the chunk transposed, (elements,
-blocks): each of ggml's running sums becomes one vector add per element, in ggml's order (numpy's own reductions
-add pairwise: other last bits).
-"""
+"""The quantizers that search for their scales, IQ4_NL and Q4_K, with numpy (docs/phases/06-appendix-formats.md)."""
 
 from __future__ import annotations
 
@@ -24,19 +18,14 @@ def sequential_sum(a: np.ndarray) -> np.ndarray:
 
 
 # Which value is nearest x depends only on where x lies among the 15 midpoints between neighbouring values, and
-# those are half-integers: so only on floor(2 x) (2 x is exact in float32). One table lookup per element, indexed by
-# floor(2 x) clipped to -256..228, replaces ggml's bisection.
+# those are half-integers: so only on floor(2 x) (2 x is exact in float32).
 _TWICE_MIDPOINTS = _VALUES[:-1] + _VALUES[1:]  # (15,) whole numbers
 _LOWEST, _HIGHEST = -256, 228
 _NEAREST = np.searchsorted(_TWICE_MIDPOINTS, np.arange(_LOWEST, _HIGHEST + 1, dtype=np.float32), side="right")
 
 
 def nearest_value(x: np.ndarray) -> np.ndarray:
-    """ggml's best_index_int8 on IQ4NL_VALUES: the index of the value nearest x (float32, any shape), ties upward.
-
-    ggml bisects to mu, the first value above x, and keeps mu - 1 if x - values[mu-1] < values[mu] - x. Near a
-    midpoint both differences are below 16 and exact in float32, so that is the exact comparison of x with the
-    midpoint (a tie goes up), and the table gives the same index (tests/test_quantize.py: ggml's bytes)."""
+    """ggml's best_index_int8 on IQ4NL_VALUES: the index of the value nearest x (float32, any shape), ties upward."""
     at = np.floor(x * np.float32(2))
     np.clip(at, _LOWEST, _HIGHEST, out=at)
     at -= _LOWEST
@@ -51,16 +40,7 @@ def _weighted_sums(xt: np.ndarray, weight: np.ndarray, idx: np.ndarray) -> tuple
 
 
 def quantize_iq4_nl(x: np.ndarray, out: np.ndarray, ntry: int = 7) -> None:
-    """x (n, 32) float32 -> out (n, 18) uint8: f16 d, then 16 bytes of nibbles indexing IQ4NL_VALUES.
-
-    ggml's quantize_row_iq4_nl_impl for one block of 32 without an importance matrix (weights x^2):
-      1. d = max / 127 (max: the element of largest |x|, sign kept), each x to its nearest value of x / d, and the
-         least-squares scale of that assignment, d = sum w q x / sum w q^2;
-      2. ntry > 0: 2 ntry + 1 more assignments from the scales max / (itry - 127), itry = -ntry..ntry, each kept if
-         its least-squares fit is better (sumqx^2 / sumq2 larger), then every x assigned once more with the scale
-         found. ntry = 7 is what llama-quantize runs (`quantize_iq4_nl`); ggml's quantize_row_iq4_nl_ref passes -1,
-         which skips step 2 and keeps step 1's assignment (a block of zeros then gets whatever ggml's stack held: here
-         nibble 8, value 1, times d = 0)."""
+    """x (n, 32) float32 -> out (n, 18) uint8: f16 d, then 16 bytes of nibbles indexing IQ4NL_VALUES."""
     xt = np.ascontiguousarray(x.T)  # (32, n)
     n = xt.shape[1]
     weight = xt * xt
@@ -97,12 +77,7 @@ def _nearest_int(v: np.ndarray) -> np.ndarray:
 
 def _make_qkx2_quants(xt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ggml's make_qkx2_quants(32, 15, x, weights, ..., rmin -1, rdelta 0.1, nstep 20, use_mad false) on every
-    sub-block at once: xt, weights (32, n). Returns L (32, n) float32 in 0..15, scale (n,) and the_min (n,), so that
-    x ~ scale * L - the_min.
-
-    The affine fit x ~ scale * L + min (min <= 0) is tried at 21 grids, iscale = (14 + 0.1 is) / (max - min) for
-    is = 0..20 (the first guess, 15 / (max - min), sets the error to beat): each assignment L gets its weighted
-    least-squares scale and min, kept if its weighted squared error is less; the min kept moves the next grids."""
+    sub-block at once: xt, weights (32, n)."""
     n = xt.shape[1]
     mn, mx = xt.min(axis=0), xt.max(axis=0)  # (exact, in any order)
     sum_w = sequential_sum(weights)

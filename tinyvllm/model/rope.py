@@ -14,7 +14,7 @@ from tinyvllm.model.config import ModelConfig
 
 
 def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
-    """inv_freq: (head_dim/2,) float32, scaled as the config asks. `local`: Gemma 3's sliding layers' own base."""
+    """inv_freq: (head_dim/2,) float32, scaled as the config asks."""
     hd = config.head_dim
     theta = config.rope_local_theta if local else config.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))

@@ -6,8 +6,6 @@
       3 normalizer_spec   NormalizerSpec {1 name: "identity", 3 add_dummy_prefix: true,
                                           4 remove_extra_whitespaces: false, 5 escape_whitespaces: true}
 
-Each field: a varint key (field_number << 3 | wire_type), then a varint (wire type 0), 8 bytes (1), a
-length-prefixed blob (2) or 4 bytes (5). Used to switch `add_dummy_prefix` off and to build a model from a GGUF.
 Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 

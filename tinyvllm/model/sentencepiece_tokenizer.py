@@ -2,7 +2,6 @@
 
     "Hello world"  ->  "▁Hello▁world"  ->  ["▁Hello", "▁world"]  ->  [15043, 3186]
 
-The dummy prefix ("▁" before the text) is placed as HF's `Metaspace` places it, not by sentencepiece.
 Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 

@@ -1,6 +1,6 @@
-"""The tokenizer: text <-> token ids, the only part of the engine that sees strings. A family (`bpe.py`,
-`sentencepiece_tokenizer.py`) encodes ordinary text and gives every token's bytes; added tokens, BOS, decoding, stop
-tokens and chat templates are shared here. Taught in docs/phases/01-foundation.md, section 6.
+"""The tokenizer: text <-> token ids, the only part of the engine that sees strings.
+
+Taught in docs/phases/01-foundation.md, section 6.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Tokenizer:
     # --- what a subclass provides ----
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
-        """Ids for `text`, which holds no added token. `at_start`: it begins the input."""
+        """Ids for `text`, which holds no added token."""
         raise NotImplementedError
 
     # --- encode ----

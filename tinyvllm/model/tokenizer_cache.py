@@ -1,6 +1,7 @@
 """The finished tokenizer kept on disk (a `disk_cache` record), keyed by the files it reads (a GGUF's path, size
 and mtime; an HF directory's tokenizer files' contents), the tokenizer's code, Python and tiktoken: a changed file
-or code is another key, a stale or corrupt file a rebuild. `TINYVLLM_TOKENIZER_CACHE=0` turns it off.
+or code is another key, a stale or corrupt file a rebuild.
+
 Taught in docs/phases/06-appendix-measurements.md.
 """
 

@@ -4,8 +4,7 @@
                                                                                           +--> Checkpoint(config,
     HF dir     --- weights_hf.load_hf: read safetensors (one file or shards) as they are --+      state_dict, path)
 
-The names and shapes are `expected_shapes`'; linear weights are (out_features, in_features), q/k rows in HF's
-rotate_half order. Drawn in docs/phases/01-appendix-weights-and-layers.md.
+Drawn in docs/phases/01-appendix-weights-and-layers.md.
 """
 
 from __future__ import annotations
@@ -115,9 +114,7 @@ def check_quantization(method: str) -> str:
 
 
 def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, quantization: str = "none") -> Checkpoint:
-    """Load a .gguf file, an HF directory, or (None) the default model. Float weights come as `dtype`;
-    `quantization` (tinyvllm/model/quantization.py) decides which stay in, or go to, GGUF blocks (`QuantizedArray`):
-    "none" here dequantizes everything (the engine's default is "auto")."""
+    """Load a .gguf file, an HF directory, or (None) the default model."""
     # imported here: both loaders import `check_state_dict` from this module
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights_gguf import load_gguf

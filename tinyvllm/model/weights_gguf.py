@@ -112,10 +112,7 @@ def read_tensor(gguf: GGUFFile, name: str, keep_quantized: bool = False) -> np.n
 
 def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32, keep_quantized: bool = False,
               ) -> tuple[ModelConfig, dict[str, np.ndarray | QuantizedArray]]:
-    """Read a LLaMA GGUF file (a path, or one already opened) into (config, state dict in HF names and layout).
-
-    `keep_quantized`: 2-D tensors in a kernel format stay in their blocks (`QuantizedArray`, views of the mapped
-    file); everything else is dequantized to `dtype`."""
+    """Read a LLaMA GGUF file (a path, or one already opened) into (config, state dict in HF names and layout)."""
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
     state_dict: dict[str, np.ndarray | QuantizedArray] = {}
@@ -131,8 +128,7 @@ def load_gguf(path: str | os.PathLike | GGUFFile, dtype=np.float32, keep_quantiz
         info = gguf.tensors[name]
         return info.ggml_type == F32 or (keep_quantized and info.ggml_type in KERNEL_TYPES and len(info.shape) == 2)
 
-    # dequantizing is numpy work that releases the GIL: one thread per core cuts the load time by that factor. What
-    # needs none (the blocks the kernels read, the norms) is read here: a thread per tensor would cost more than it
+    # dequantizing is numpy work that releases the GIL: one thread per core cuts the load time by that factor.
     arrays = {name: read(name) for name in names if kept_or_copied(name)}
     if dequantized := [name for name in names if name not in arrays]:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -1,5 +1,5 @@
 """HF checkpoint directories: config.json + safetensors (one file, or shards with an index), read as they are.
-Read by hand because numpy has no bfloat16 (the top 16 bits of a float32: one shift); written with safetensors.
+
 The layout is drawn in docs/phases/01-appendix-weights-and-layers.md.
 """
 

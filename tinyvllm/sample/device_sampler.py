@@ -1,15 +1,11 @@
 """Batched sampling on the device: a batch's next tokens from its logits in one graph, each row with its own
-parameters, drawing what the host reference (`sample/sampler.py`) draws for the same key. Rows with penalties,
-logit bias, min_tokens or logprobs take the host path. Taught in docs/phases/04-batched-forward.md, section 6.
+parameters, drawing what the host reference (`sample/sampler.py`) draws for the same key.
 
     logits (S, V) on the device ----> [ /temperature, min-p, top-k, top-p, exponential race ] ----> tokens (S,)
     per-row params (S,): temperature (0: argmax), top_k, top_p, min_p  only S int32s come back to the host
     per-row keys   (S, 2) uint32: the race's Exp(1) clocks are hashed from them on the device (noise.py)
 
-Every filter keeps the logits >= a threshold, found by Phase 5's sampler kernel (sample/sampler_kernel.py) or, in
-the portable graph, by bisection on the value: top-k's t is the largest v with count(logits >= v) >= k, top-p's the
-smallest logit whose strictly-more-likely mass is < top_p; once [lo, hi] is narrower than float32's spacing, the
-smallest logit above lo is the exact threshold.
+Taught in docs/phases/04-batched-forward.md, section 6.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from tinyvllm.plugins import provided
 from tinyvllm.sample import noise
 
 kernel_draw = provided("sampler_kernel")  # Phase 5: the sampler kernel (sample/sampler_kernel.py), else None
-BISECTION_STEPS = 32  # halves the value range 32 times: finer than float32 spacing for any logit range we see
+BISECTION_STEPS = 32  # halvings of the value range: finer than float32 spacing for any logit range seen
 
 
 def _bisect(lo: Tensor, hi: Tensor, predicate) -> tuple[Tensor, Tensor]:
@@ -70,8 +66,7 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     """Structured outputs: bitmask (S, ceil(V/32)) int32, bit t % 32 of word t // 32 set when token t is allowed
-    (llguidance's layout) -> logits with every other token at -inf. Unpacked on the device: 4 bytes per 32 tokens
-    go up instead of a (S, V) mask."""
+    (llguidance's layout) -> logits with every other token at -inf."""
     rows, vocab = logits.shape
     words = bitmask.shape[1]
     shifts = Tensor.arange(32, dtype=dtypes.int32).reshape(1, 1, 32)
@@ -87,10 +82,8 @@ def greedy(logits: Tensor) -> Tensor:
 
 def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
          use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
-    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32).
-
-    A row keeps the tokens whose logit is >= its threshold (-inf: nothing filtered); `processed_logits` rebuilds
-    its distribution from it. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
+    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32): a row
+    keeps the logits >= its threshold. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
     if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
                                                          portable=portable)) is not None:
         return drawn  # Phase 5: the sampler kernel, where the device has it
@@ -113,7 +106,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
 
 def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """The portable graph's thresholds (S,1): the smallest logit min-p, top-k and top-p keep on the logits divided
-    by the temperature. Greedy rows: -inf."""
+    by the temperature."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
     kept = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
     survives = kept > -math.inf  # (S,V)
@@ -124,7 +117,7 @@ def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
 
 def processed_logits(logits: Tensor, temperature: Tensor, thresholds: Tensor | None = None) -> Tensor:
     """logits (S,V) -> what each row draws from: divided by its temperature (greedy: by 1), the logits below its
-    threshold (S,1) at -inf. Its softmax is the request's distribution (sampler, rejection sampler, draft q)."""
+    threshold (S,1) at -inf."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
     return scaled if thresholds is None else (logits >= thresholds).where(scaled, -math.inf)
 

@@ -1,13 +1,10 @@
 """The exponential race's clocks, made where they are used: a counter-based hash of (key, token id) (the idea behind
 Philox; Salmon et al. 2011), the same bits in numpy, the tinygrad graph and the C, CUDA and Metal sampler kernels.
-Each request's generator draws the keys, so a seeded request reproduces. docs/phases/04-batched-forward.md, 6.
 
     request's generator --integers--> key (2,) uint32 --(host: 8 bytes)--> device:
         h = mix(mix(i ^ key[0]) + key[1])        for token i: two rounds of a 32-bit integer hash
         u = ((h >> 8) + 0.5) / 2**24             a float32 in (0, 1), never 0 or 1
         clock = -log(u)                          Exp(1)
-
-`mix` is Chris Wellons' "lowbias32" (github.com/skeeto/hash-prospector), a bijection of uint32 with good avalanche.
 """
 
 from __future__ import annotations

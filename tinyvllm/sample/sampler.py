@@ -112,8 +112,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def random_sample(probs: np.ndarray, generator: np.random.Generator) -> int:
     """Draw one token id from `probs` (V,) with vLLM's exponential race: argmax(p_i / q_i), q_i ~ Exp(1), is token
-    i with probability p_i / sum(p). The clocks q_i are hashed from one key the generator draws (sample/noise.py),
-    so host and device draw the same token; q > 0, so a masked token (p = 0) never wins."""
+    i with probability p_i / sum(p)."""
     q = exponential_clocks_numpy(draw_keys(generator, 1), probs.shape[0])[0]  # (V,)
     return int(np.argmax(probs / q))
 
@@ -125,8 +124,7 @@ def make_generator(seed: int | None) -> np.random.Generator:
 
 
 def logprobs_of(logits: np.ndarray, token_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """Log-probability of `token_id` and the `k` most likely (token id, logprob), best first, ties by id. Pass the
-    raw logits (vLLM v1's default `raw_logprobs`): a token the filters removed keeps its true logprob."""
+    """Log-probability of `token_id` and the `k` most likely (token id, logprob), best first, ties by id."""
     logprobs = log_softmax(np.asarray(logits, dtype=np.float64))  # (V,)
     top = np.argsort(-logprobs, kind="stable")[:k]
     return float(logprobs[token_id]), [(int(t), float(logprobs[t])) for t in top]
@@ -140,7 +138,7 @@ def full_logprobs(logits: np.ndarray) -> np.ndarray:
 
 
 class Sampler:
-    """Runs the pipeline above for one request at one position. Stateless: the generator is the request's."""
+    """Runs the pipeline above for one request at one position."""
 
     def __call__(self, logits: np.ndarray, params: SamplingParams, prompt_token_ids: Sequence[int],
                  output_token_ids: Sequence[int], generator: np.random.Generator | None,

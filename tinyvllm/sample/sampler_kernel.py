@@ -1,7 +1,5 @@
 """The sampler kernel (kernels/<device>/sampler.*, Phase 5): a batch's draws in one launch, one thread block per
-row, where the device has the kernel; device_sampler.py's portable graph draws the same tokens. It reads each row
-once or twice and then works on its few candidates only: top-k keeps a small buffer above a rising cut, top-p
-orders only the nucleus (a heap popped most likely first), the race runs over the survivors."""
+row, where the device has the kernel; device_sampler.py's portable graph draws the same tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ NUM_THREADS = 256  # threads per row (one thread block per row) on GPUs: TV_NUM_
 
 
 def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
-    """Does this device run the sampler kernel? (Decided from the device name alone: graphs are being traced.)"""
+    """Does this device run the sampler kernel?"""
     device = logits.device
     if portable or kernel_backend.PORTABLE or not isinstance(device, str):
         return False
@@ -25,8 +23,7 @@ def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
 def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
                 thresholds: bool = True, portable: bool = False) -> tuple[Tensor, Tensor] | None:
     """device_sampler's `draw` on the sampler kernel of the logits' device: one launch, one GPU thread block per
-    row; None where the device has no kernel (or `portable`). `thresholds=False`: only the tokens are read (a row
-    may leave NaN as its threshold)."""
+    row; None where the device has no kernel (or `portable`)."""
     if not uses_kernel(logits, portable):
         return None
     rows, vocab = logits.shape

@@ -29,9 +29,7 @@ logger = logging.getLogger("tinyvllm.engine")
 
 
 class SamplingRows:
-    """The device sampler's per-row inputs, "off" until `fill`. `temperature`: the value of unfilled rows, 0
-    (greedy) or 1 (padding a formula divides by: the verifier's). The arrays are made by the first `fill`: until
-    then every row is greedy and they stay None, for the greedy graph takes none."""
+    """The device sampler's per-row inputs, "off" until `fill`."""
 
     def __init__(self, rows: int, vocab: int, temperature: float = 0.0):
         self.rows, self.vocab, self.off_temperature = rows, vocab, temperature
@@ -95,8 +93,7 @@ def failure_message(error: BaseException) -> str:
 
 class StepSampler:
     """The model runner's sampling of a step's rows: `prepare` assembles the batch before the device samples,
-    `finish` takes the device's tokens, samples the host's rows and moves the grammars on. A request whose
-    sampling fails ends alone: its id and message go into `failed`."""
+    `finish` takes the device's tokens, samples the host's rows and moves the grammars on."""
 
     def __init__(self, input_batch, stop_token_ids: Iterable[int], on_device: bool = True):
         self.input_batch = input_batch
@@ -107,8 +104,7 @@ class StepSampler:
     def prepare(self, seqs: list[Sequence], rows: int, vocab: int, verifying: dict | tuple,
                 failed: dict) -> SamplingBatch:
         """Each row's parameters, draw key and grammar mask; a request whose parameters fail ends alone (its row
-        stays greedy). A request verifying drafts (`verifying`: seq_id -> its drafts' rows) stays greedy here:
-        rejection sampling draws its tokens."""
+        stays greedy)."""
         batch = SamplingBatch(rows, vocab)
         device_rows, batch_rows = [], []  # the rows the device samples, and their rows of the input batch
         for row, seq in enumerate(seqs):
@@ -140,7 +136,7 @@ class StepSampler:
     def finish(self, seqs: list[Sequence], batch: SamplingBatch, tokens: np.ndarray, logits,
                failed: dict, logprobs: dict) -> dict[int | str, int]:
         """seq_id -> its token: the device's `tokens` (rows,), or for the host's rows the reference sampler's on
-        their row of `logits` (rows, V) copied back (recording `logprobs`). Then each grammar accepts its token."""
+        their row of `logits` (rows, V) copied back (recording `logprobs`)."""
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)
                    if row not in batch.on_host and seq.seq_id not in failed}  # (tokens None: every row the host's)
         host_logits = logits.numpy() if batch.on_host else None

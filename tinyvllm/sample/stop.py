@@ -10,13 +10,7 @@ from __future__ import annotations
 
 
 class StopStringChecker:
-    """Feed it each new piece of detokenized text; it says what may be shown and whether to stop.
-
-        checker = StopStringChecker(["</answer>"], include_in_output=False)
-        checker.feed("42</")     -> ("42", False)
-        checker.feed("answer>")  -> ("", True);   checker.stop_str == "</answer>"
-        checker.flush()          -> ""            (a stream that never stopped: the held-back text)
-    """
+    """Feed it each new piece of detokenized text; it says what may be shown and whether to stop."""
 
     def __init__(self, stop: list[str], include_in_output: bool = False):
         assert all(stop), "stop strings must be non-empty (SamplingParams validates this)"

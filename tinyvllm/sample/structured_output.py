@@ -20,8 +20,7 @@ from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.sampling_params import StructuredOutputsParams
 
 
-# JSON as json.dumps writes it: ", " and ": " between items, no other whitespace. Flexible whitespace would let
-# a model pad forever (nothing bounds a run of spaces or newlines); a schema's own "x-guidance" options win.
+# JSON as json.dumps writes it: ", " and ": " between items, no other whitespace.
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
@@ -147,8 +146,7 @@ _byte_tokenizer = None
 
 def schema_validator(schema: dict):
     """A function value -> "" if `value` fits the JSON `schema`, else why not: the schema's grammar run over the
-    bytes of the value as this grammar writes JSON (keys in the schema's order). A schema that does not compile is
-    a ValueError."""
+    bytes of the value as this grammar writes JSON (keys in the schema's order)."""
     global _byte_tokenizer
     from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 

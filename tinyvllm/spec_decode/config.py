@@ -12,8 +12,8 @@ from tinyvllm.model.quantization import METHODS as QUANTIZATION_METHODS
 
 METHODS = ("ngram", "draft_model")  # vLLM also has "eagle", "medusa", ...: not built here
 
-# the default where the dict leaves it out (vLLM's is None: never off): where bench_speculative's batch sweep finds
-# speculation losing (docs/phases/07b-speculative-decoding.md, section 6); an explicit None keeps it on
+# where the dict leaves it out (vLLM's: None, never off): where speculation stops paying at larger batches
+# (docs/phases/07b-speculative-decoding.md, section 6); an explicit None keeps it on
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 

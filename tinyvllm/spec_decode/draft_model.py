@@ -26,7 +26,7 @@ from tinyvllm.spec_decode.proposer import Draft, DraftRequest, DraftRunner
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
     """The draft's token ids must mean what the target's mean: the same bytes for every id, the same added, special,
-    BOS/EOS and stop tokens. A ValueError names both models and the first difference."""
+    BOS/EOS and stop tokens."""
     def fail(what: str, a, b) -> None:
         raise ValueError(f"the draft model {draft_name} does not share the tokenizer of the target {target_name}: "
                          f"{what} differ ({a!r} against {b!r}); speculative decoding needs a draft with the "
@@ -45,9 +45,7 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, 
 
 class DraftModelProposer:
     """The `Proposer` of the draft_model method, built once by the engine with the target's model, tokenizer
-    (checked against the draft's), KV pool size (the draft's is as large), max_model_len and step limits.
-    `runner_class`: the target's model runner's class, handed in so that speculative decoding does not import the
-    engine package."""
+    (checked against the draft's), KV pool size (the draft's is as large), max_model_len and step limits."""
 
     def __init__(self, config: SpeculativeConfig, target_model: LlamaForCausalLM, target_tokenizer: Tokenizer, *,
                  runner_class: type[DraftRunner], num_blocks: int, block_size: int, max_model_len: int,

@@ -41,8 +41,7 @@ class Draft:
 
 
 class DraftRunner(Protocol):
-    """What the draft model asks of a model runner. The engine hands in its runner's class
-    (worker/model_runner.py), so that speculative decoding never imports the engine package back."""
+    """What the draft model asks of a model runner."""
 
     def compute_logits(self, scheduler_output: SchedulerOutput):
         """One forward pass over the scheduled tokens: the sequences that sample, and their rows of logits."""

@@ -1,14 +1,11 @@
 """Exact rejection sampling (Leviathan et al. 2023, arxiv.org/abs/2211.17192; Chen et al. 2023): speculative
-decoding for requests that sample (temperature > 0), emitting what the target's p would. Proof and worked numbers:
-docs/phases/07b-speculative-decoding.md, section 3. Left to right over a request's rows:
+decoding for requests that sample (temperature > 0), emitting what the target's p would.
 
     accept d_j with probability min(1, p_j(d_j) / q_j(d_j))      (u_j ~ U[0,1): accept when u_j q_j(d_j) < p_j(d_j))
     at the first rejection: emit a token drawn from norm(max(0, p_j - q_j)), the run ends
     all k accepted: emit a bonus token drawn from p_k              (q = 0 on the bonus row: the same formula)
 
-p is filtered as the device sampler filters (its `draw` gives the thresholds). Every row of a step runs in one
-graph, and only two numbers per row come back; u_j and the keys come from the request's own generator, so a
-seeded request reproduces.
+Proof and worked numbers: docs/phases/07b-speculative-decoding.md, section 3.
 """
 
 from __future__ import annotations
@@ -27,13 +24,8 @@ NO_DRAFT = -1  # draft_token_ids on a bonus row (and on padding rows): q is 0 th
 def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                      draft_token_ids: Tensor, uniforms: Tensor, keys: Tensor, draft_probs: Tensor | None = None,
                      use_filters: bool = True) -> tuple[Tensor, Tensor]:
-    """One row per position a sampled request verifies: each draft's row, then its bonus row.
-
-    logits (R,V) the target's; temperature (R,) > 0, top_k (R,) int (V = off), top_p (R,), min_p (R,);
-    draft_token_ids (R,) int32, NO_DRAFT on bonus rows; uniforms (R,) U[0,1); keys (R,2) uint32 (noise.py);
-    draft_probs (R,V) q, zero on bonus rows, or None: q one-hot at the draft (a deterministic proposer).
-    Returns accepted (R,) bool (is the row's draft kept) and tokens (R,) int32 (what the row emits if the run ends
-    there: the resampled token, or the bonus token).
+    """One row per position a sampled request verifies: each draft's row, then its bonus row. draft_token_ids (R,)
+    int32, NO_DRAFT on bonus rows; draft_probs (R,V) q, or None: q one-hot at the draft (a deterministic proposer).
     """
     vocab = logits.shape[1]
     # (R,V): the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
@@ -67,8 +59,7 @@ class VerifyBatch(SamplingRows):
 
     def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator,
             draft_probs: np.ndarray | None = None) -> None:
-        """One request's k drafts: k + 1 rows (its drafts', then the bonus row). Draws k uniforms, then k + 1 keys,
-        always in that order. draft_probs (k, V): each draft's q, None for a deterministic proposer."""
+        """One request's k drafts: k + 1 rows (its drafts', then the bonus row)."""
         k, first = len(draft_token_ids), self.num_rows_used
         assert first + k + 1 <= self.rows, f"{first + k + 1} verify rows do not fit in {self.rows}"
         self.draft_token_ids[first:first + k] = draft_token_ids

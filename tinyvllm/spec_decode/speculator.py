@@ -31,10 +31,7 @@ def speculates(seq: Sequence, params: SamplingParams, has_grammar: bool) -> bool
 
 
 class Speculator:
-    """Built by the model runner from the engine's checked `speculative_config`. `runner`: the target's ModelRunner
-    (its rejection sampling graphs); `model`, `tokenizer`, `max_model_len`, the KV pool and the step limits: the
-    target's, which a draft model shares (its own pool as large); `model_name`: for the error a draft with another
-    tokenizer gets."""
+    """Built by the model runner from the engine's checked `speculative_config`."""
 
     def __init__(self, config: SpeculativeConfig, runner, model, tokenizer, *, max_model_len: int, num_blocks: int,
                  block_size: int, max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
@@ -59,7 +56,7 @@ class Speculator:
 
     def propose(self, running: list[Sequence], input_batch) -> dict[int | str, list[int]]:
         """The drafts each running sequence verifies next step (counted in the scheduler's num_tokens_with_spec),
-        never more than max_tokens and max_model_len let it keep. `input_batch`: the runner's."""
+        never more than max_tokens and max_model_len let it keep."""
         self.free_stale(running)
         self._drafts.clear()
         asks = []

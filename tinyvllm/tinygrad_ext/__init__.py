@@ -1,7 +1,6 @@
-"""Every use of tinygrad's internals, in one package: what to read when tinygrad is upgraded. `internals.py` lists
-each name with the one function that uses it; the version is pinned in pyproject.toml and checked once, on import
-(another one warns, and the speed fixes and start-up shortcuts leave it alone). Taught in
-docs/phases/01-appendix-tinygrad-internals.md.
+"""Every use of tinygrad's internals, in one package: what to read when tinygrad is upgraded.
+
+Taught in docs/phases/01-appendix-tinygrad-internals.md.
 """
 
 from __future__ import annotations

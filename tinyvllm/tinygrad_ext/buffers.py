@@ -4,8 +4,7 @@
                                                                         |--as_memoryview()--> the bytes (CPU)
                                                                         +--allocator._copyin(_buf, bytes)
 
-On the CPU device a buffer is host memory, read and written in place (tinyvllm/device_memory.py). Taught in
-docs/phases/01-appendix-tinygrad-speed.md.
+Taught in docs/phases/01-appendix-tinygrad-speed.md.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from tinygrad.uop.ops import Ops, shape_to_shape_arg
 
 
 def empty(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
-    """`Tensor.empty(*shape, dtype=dtype, device=device)` for a shape of ints on one device, without the no-op shrink
-    tinygrad adds (as much work again, and a load makes a few hundred), and with the reshape's symbolic
-    simplification done once per shape (`_reshape_sources`): a shape of ints always simplifies to the same uops."""
+    """`Tensor.empty(*shape, dtype=dtype, device=device)` for a shape of ints on one device, without tinygrad's no-op
+    shrink, the reshape simplified once per shape."""
     buffer = UOp.new_buffer(canonicalize_device(device), math.prod(shape), dtype)
     reshaped = UOp(Ops.RESHAPE, src=(buffer, *_reshape_sources(tuple(shape))))
     return Tensor(buffer if reshaped.shape == buffer.shape else reshaped)  # as `reshape`: the same shape is a no-op
@@ -94,9 +92,8 @@ def allocate_zeroed_host_memory(t: Tensor) -> None:
 
 
 def copy_in(t: Tensor, data: memoryview) -> None:
-    """Copy the bytes `data` into `t`'s device buffer (allocated here if it is not yet), now, with no graph, through
-    the allocator's `_copyin` as tinygrad's own copies do (0.14's `Buffer` has none public); `data` may be reused
-    at once."""
+    """Copy the bytes `data` into `t`'s device buffer (allocated here if it is not yet), now, through the allocator's
+    `_copyin`; `data` may be reused at once."""
     buf = t.uop.buffer.ensure_allocated()
     assert len(data) == buf.nbytes, f"copy_in: {len(data)} bytes into a buffer of {buf.nbytes}"
     buf.allocator._copyin(buf._buf, data)
@@ -104,7 +101,7 @@ def copy_in(t: Tensor, data: memoryview) -> None:
 
 def memory_info(device: str) -> tuple[int, int] | None:
     """(free, total) bytes of a GPU's memory as its driver reports them (CUDA: `cuMemGetInfo_v2`; METAL: the
-    recommended working set less what is allocated); None where tinygrad has no way to ask. Opens the device."""
+    recommended working set less what is allocated); None where tinygrad has no way to ask."""
     kind = device.split(":")[0].upper()
     dev = Device[device]
     if kind == "CUDA":

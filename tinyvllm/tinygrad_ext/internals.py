@@ -1,11 +1,9 @@
 """The table of tinygrad's internals that tinyvllm uses, and the check that the installed tinygrad has them all.
 
-NAMES: every name tinyvllm takes from tinygrad beyond what `import tinygrad` exports, with its module and the one
-function of this package that uses it; ATTRIBUTES: the attributes of tinygrad's unexported objects it reads or
-writes. Nothing of tinygrad is imported at the top, so a missing name is reported by name
-(docs/phases/01-appendix-tinygrad-internals.md).
-
     python -m tinyvllm.tinygrad_ext.internals       # after an upgrade: what the installed tinygrad lacks
+
+Nothing of tinygrad is imported at the top, so a missing name is reported by name
+(docs/phases/01-appendix-tinygrad-internals.md).
 """
 
 from __future__ import annotations

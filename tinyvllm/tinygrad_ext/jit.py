@@ -28,7 +28,7 @@ class JitBase(_TinyJit):
         self.cnt = 1
 
     def is_replaying(self) -> bool:
-        """Has this JIT captured, so that its next call replays? (JIT=0 never captures)"""
+        """Has this JIT captured, so that its next call replays?"""
         return self.cnt >= 2 and self.captured is not None
 
     def count_replay(self) -> None:
@@ -115,7 +115,7 @@ class Call:
 
 def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
     """The calls `jit` captured, in order, each with the buffers tinygrad's replay would launch it on for these
-    inputs (one launch per device, in device order). Raises UnsupportedCall at a call it cannot describe."""
+    inputs (one launch per device, in device order)."""
     for call in jit.captured.linear.src:
         ast = call.src[0]
         if ast.op is not Ops.PROGRAM and ast.op is not Ops.COPY:

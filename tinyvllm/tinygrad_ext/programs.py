@@ -46,9 +46,7 @@ def kernel_info(name: str, estimates: Estimates | None = None, opts_to_apply: tu
 def source_program(name: str, source: str, num_outs: int, num_ins: int, estimates: Estimates | None = None,
                    global_size: tuple[int, int, int] = (1, 1, 1), local_size: tuple[int, int, int] | None = None):
     """The `fxn` for `Tensor.custom_kernel`: given the params of (outs..., ins...), PROGRAM(SINK, LINEAR, SOURCE) of
-    raw source, as tinygrad's codegen builds its own short of `pm_to_program`. Its `ProgramInfo` says every argument
-    is a buffer, the first num_outs written and the rest read (the scheduler orders kernels by it, TinyJit knows what
-    to copy). global_size / local_size: a GPU kernel's launch grid; a CPU program runs once."""
+    raw source, as tinygrad's codegen builds its own short of `pm_to_program`."""
     num = num_outs + num_ins
     info = ProgramInfo(name=name, global_size=global_size, local_size=local_size, globals=tuple(range(num)),
                        outs=tuple(range(num_outs)), ins=tuple(range(num_outs, num)))
@@ -97,8 +95,7 @@ def load_cpu_program(lib: bytes, name: str) -> HostProgram:
 
 def elf_symbol_at_start(lib: bytes, symbol: str) -> bool | None:
     """Does function `symbol` start at offset 0 of the first code section of ELF object `lib`, where tinygrad's CPU
-    runtime calls? (None: no such symbol.) tinygrad's ELF reader and libc structs are imported here, only after
-    `startup.find_libraries_quickly` has made finding libc cheap."""
+    runtime calls?"""
     from tinygrad.runtime.autogen import libc
     from tinygrad.runtime.support.elf import elf_loader
 

@@ -5,7 +5,8 @@
         for layer in layers: ...       30 layers, 1 trace (per distinct structure: a sliding-window layer is another)
     apply_fixes()                      on tinygrad 0.14.0 only: `renumber_invalid_outputs` made linear
 
-Applied when imported (the model asks for its traces through tinyvllm/plugins.py); taught in docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
+Applied when imported (the model asks for its traces through tinyvllm/plugins.py); taught in
+docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _reused_traces: dict | None = None  # inside `traces_reused()`: a call's structu
 @contextlib.contextmanager
 def traces_reused():
     """Inside: a call whose arguments have an earlier call's structure (shapes, dtypes, devices, settings) calls that
-    traced graph with its own buffers. For one forward pass: a bound variable's value must not change."""
+    traced graph with its own buffers."""
     global _reused_traces
     outer, _reused_traces = _reused_traces, {}
     try:

@@ -40,9 +40,8 @@ def lowered_program_cache(replacement: dict | None = None) -> dict:
 
 
 def lower_cpu_device_programs_through(cache: dict) -> None:
-    """Build the CPU device's four helper programs (`ops_cpu.CPUDevice.__init__`, which calls `do_to_program` past
-    `to_program_cache`) through `cache`, keyed by tinygrad's `to_program_key` plus the ast's tag ("do not
-    optimize"), which tinygrad's key leaves out."""
+    """Build the CPU device's four helper programs (`ops_cpu.CPUDevice.__init__`) through `cache`, keyed by
+    `to_program_key` plus the ast's tag, which tinygrad's key leaves out."""
     import tinygrad.runtime.ops_cpu as ops_cpu
 
     lower = codegen.do_to_program
@@ -87,9 +86,8 @@ DEFERRED_CPU_RENDERERS = {"tinygrad.renderer.nir": "LVPRenderer", "tinygrad.rend
 
 
 def defer_unused_cpu_renderers() -> None:
-    """Until ops_cpu is imported, stand in for the modules of renderers only DEV=CPU:LVP or CPU:X86 choose (LVP's
-    defines ctypes classes for all of Mesa's NIR, x86's builds instruction tables): instantiating the renderer or
-    reading any other name imports the real module. Pinned tinygrad only."""
+    """Until ops_cpu is imported, stand in for the renderer modules only DEV=CPU:LVP or CPU:X86 choose (costly to
+    import): using the renderer or any other name imports the real module."""
     if "tinygrad.runtime.ops_cpu" in sys.modules or INSTALLED_VERSION != TINYGRAD_VERSION:
         return
     sys.modules.update({name: _stand_in(name, cls) for name, cls in DEFERRED_CPU_RENDERERS.items()
@@ -124,9 +122,7 @@ TINYGRAD_FINDLIB = None  # tinygrad's own `DLL.findlib`, kept here once `find_li
 
 
 def find_libraries_quickly() -> None:
-    """Replace tinygrad's `DLL.findlib` with `_findlib`: the same search in the same order, but an entry's name is
-    tested before it is stat'ed (the library directory holds over a thousand entries). Linux and pinned tinygrad
-    only; call it before the CPU device's module is imported."""
+    """Replace tinygrad's `DLL.findlib` with `_findlib`: the same search, each name tested before it is stat'ed."""
     global TINYGRAD_FINDLIB
     if sys.platform != "linux" or INSTALLED_VERSION != TINYGRAD_VERSION or TINYGRAD_FINDLIB is not None:
         return
@@ -175,9 +171,8 @@ _kernel_cache_shared = False
 
 
 def share_kernel_cache_across_threads() -> None:
-    """Reopen tinygrad's sqlite connection to its kernel cache (`helpers._db_connection`) with
-    check_same_thread=False, so the engine thread may use it after another thread opened it (sqlite serializes
-    the calls; tinygrad's writes are IMMEDIATE transactions)."""
+    """Reopen tinygrad's sqlite connection to its kernel cache with check_same_thread=False, so the engine thread
+    may use it (sqlite serializes the calls)."""
     global _kernel_cache_shared
     if _kernel_cache_shared:
         return

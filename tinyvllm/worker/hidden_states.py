@@ -1,9 +1,5 @@
 """What a request takes from every position of its prompt, not only the last one: a pooling request's pooled
 hidden state (vLLM's pooler), and the prompt's logprobs (`SamplingParams.prompt_logprobs`). docs/phases/09.
-
-The runner computes such a step's final hidden states for all its tokens, (N, D); each request records its part,
-chunk by chunk. A request preempted and computed again from its start begins again (pooling), or skips the
-positions it has already recorded (prompt logprobs).
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ from tinyvllm.worker.input_batch import CachedRequestState
 def record_hidden_states(state: CachedRequestState, hidden: np.ndarray,
                          position_logits: Callable[[], np.ndarray]) -> list | None:
     """Take this step's final hidden states of the request's tokens, hidden (count, D), before the scheduler counts
-    them as computed. A pooling request adds them to its pool; a request with prompt_logprobs returns the logprobs
-    of the prompt positions these rows predict (from `position_logits()`, (count, V)), or None."""
+    them as computed."""
     seq = state.seq
     start = seq.num_computed_tokens  # the step's first position
     if seq.pooling_params is not None:

@@ -8,9 +8,6 @@
     0    "a"    0.0          V       1.0    0.0           gives it back when a step leaves it out (preempted,
     1    "c"    0.8          50      0.9    0.0           waiting for blocks) or it finishes; its parameters are
     2    -      (free)                                    written once, when it takes the row
-
-What the runner keeps across steps lives here, never in the engine: each request's random generator (seeded
-requests reproduce), its grammar, and what it gathers from the hidden states (pooling, prompt logprobs).
 """
 
 from __future__ import annotations

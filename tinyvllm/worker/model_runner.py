@@ -1,26 +1,12 @@
 """One forward pass over everything a step scheduled: decode tokens and prefill chunks, flattened (Phase 4).
 
-The scheduler says "sequence a computes 1 token, b computes 1, c computes a 5-token chunk of its
-prompt". The runner lays those tokens out as one row, pads it to a bucket size, and runs the model once:
-
     input_ids     [ a5 | b9 | c0 c1 c2 c3 c4 | pad pad pad ]        (1, N)  N = 8, the bucket
     positions     [ 5  | 9  | 0  1  2  3  4  | 0   0   0   ]        (1, N)
     slot_mapping  [ sa5| sb9| sc0 ...    sc4 | null null null ]     (N,)   padding writes the null block
     block_tables  one row per token: its sequence's blocks           (N, max_blocks_per_seq)
     logits_indices[ 0, 1, 6, 0 ]  the last token of each sequence    (S,)   only these rows reach lm_head
 
-Why buckets: TinyJit replays a captured graph only for the shapes it captured, so batch sizes are
-rounded up to 1, 2, 4, 8, ... and each bucket has its own graph (compiled once, replayed ever after).
-The number of blocks to gather is a bound symbolic variable, so context length never recompiles.
-Attention runs on the hand-written paged-attention kernels where the device has them (Phase 5): every
-token row above is one query with its own block table row and context length `position + 1`, which is
-exactly what a decode kernel takes. `portable_attention=True` keeps the portable gather.
-
-`execute_model` is the step's whole device side, as vLLM v1's runner does it: it keeps its persistent batch
-(worker/input_batch.py) up to date, computes the logits of the rows that sample, samples them (on the device, or
-the host reference sampler for what the device does not do), verifies speculative drafts, and returns a
-`ModelRunnerOutput` of token ids. A request that needs every position (pooling, prompt logprobs) gets a graph
-that returns the final hidden states of all N tokens (worker/hidden_states.py).
+Taught in docs/phases/04-batched-forward.md.
 """
 
 from __future__ import annotations
@@ -80,9 +66,8 @@ class ForwardOutput:
 
 
 def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM) -> tuple[int, int]:
-    """(number of KV blocks, max_model_len): the blocks a budget holds (given, or what a GPU's memory leaves once
-    the weights and a step's activations are in), and the context length: the one asked for, else the model's, at
-    most what the blocks hold."""
+    """(number of KV blocks, max_model_len): the blocks a budget holds (given, or what a GPU's memory leaves after
+    the weights and activations), and the context length asked for, else the model's, at most what the blocks hold."""
     cc, sc, arch = config.cache_config, config.scheduler_config, model.kv_cache_config
     num_blocks = cc.num_gpu_blocks_override
     if not num_blocks:
@@ -108,17 +93,8 @@ def buckets_up_to(limit: int) -> list[int]:
 
 class ModelRunner:
     """Runs a step (`execute_model`): the model over its scheduled tokens, one captured graph per shape bucket
-    (`compute_logits`), and the sampling on the device (`sample`, `rejection_sample`).
-
-    Args:
-        model: the model (its device, dtype and tensor-parallel layout are the runner's).
-        kv_cache: the paged KV cache the model reads and writes (its block_size, null block and tensors).
-        max_model_len: the longest sequence: the width of the block tables.
-        max_num_batched_tokens: the token budget of one step: the largest token bucket.
-        max_num_seqs: the most sequences in one step.
-        portable_attention: the portable paged attention instead of the kernels.
-        eos_token_ids: the model's stop tokens (min_tokens bans them while sampling).
-    The rows of logits a step computes are those it samples (`SchedulerOutput.samples`), padded to a bucket.
+    (`compute_logits`), and the sampling on the device (`sample`, `rejection_sample`). `max_model_len` sets the
+    block tables' width, `max_num_batched_tokens` the largest token bucket; `portable_attention`: no kernels.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
@@ -171,8 +147,7 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The step's device side: the tokens each request emits (and what it asked for beside them). A request
-        whose own sampling fails is in `failed`; if the step fails as a whole, every generator is put back as it
-        was, so that the step can be retried in parts with the same draws (engine/failures.py)."""
+        whose sampling fails is in `failed`; if the whole step fails, every generator is put back as it was."""
         self.input_batch.update(scheduler_output)
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled_seqs:
@@ -209,8 +184,8 @@ class ModelRunner:
 
     def _take_hidden_states(self, forward: ForwardOutput, out: ModelRunnerOutput) -> None:
         """Each request that needs every position takes its part of the step's final hidden states (count, D)
-        (worker/hidden_states.py; one that fails there ends alone). A pooling request whose prompt is all computed
-        gets its pooled vector, and no token."""
+        (worker/hidden_states.py; one that fails there ends alone); a pooling request whose prompt is all computed
+        gets its pooled vector and no token."""
         from tinyvllm.worker.hidden_states import pooled, record_hidden_states  # only such a step
 
         for seq_id, hidden in forward.hidden_states.items():
@@ -283,13 +258,10 @@ class ModelRunner:
 
     def compute_logits(self, scheduler_output: SchedulerOutput,
                        hidden_for: frozenset = frozenset()) -> ForwardOutput:
-        """The forward pass of the step. Returns the sequences whose tokens are now all computed (they sample a token) and their
-        logits on the device: (rows, vocab), row i for sequence i, padding rows after them. Speculative decoding:
-        `spec_logits_rows` maps each sequence that verified draft tokens to the rows of the logits at its drafts'
-        positions (after the sequences' rows): row i is the target's prediction after its last sampled token, these
-        rows its predictions after each draft. `hidden_for`: the seq_ids that need every position (see the module
-        doc); `hidden_states` maps each of those scheduled this step to the final hidden states of the tokens it
-        computed, and `position_logits` gives their logits until the next step."""
+        """The forward pass of the step. Returns the sequences that sample and their logits on the device (rows,
+        vocab), row i for sequence i, padding after; `spec_logits_rows`: each verifying sequence's rows at its
+        drafts' positions; `hidden_states`: the final hidden states of the tokens computed by each seq_id in
+        `hidden_for` (those that need every position: pooling, prompt logprobs)."""
         seqs = scheduler_output.scheduled_seqs
         n = self.bucket_for(scheduler_output.total_num_scheduled_tokens)
         bs = self.block_size
@@ -323,9 +295,7 @@ class ModelRunner:
         input_ids.np[0, :i], positions.np[0, :i], slot_mapping.np[:i] = token_ids, token_positions, slots
         if i < n:  # padding: token 0 at position 0, its K/V written to the null slot, reading only the null block
             input_ids.np[0, i:], positions.np[0, i:], slot_mapping.np[i:] = 0, 0, self.kv_cache.null_slot
-        # lm_head (49,152 x 576 on SmolLM2, the largest matmul) runs on the rows sampled and the drafts' rows only,
-        # padded to a bucket: a one-sequence prefill of 512 tokens computes one row, not one per sequence the engine
-        # could hold. (Each (token bucket, rows bucket) is a graph of its own, captured once.)
+        # lm_head, the largest matmul, runs on the sampled and drafts' rows only, padded to a bucket of rows
         num_spec_rows = sum(len(where) for where in spec_positions.values())
         num_rows = min(n, self.bucket_for(max(1, len(sampled_seqs) + num_spec_rows)))
         logits_indices = self._rows_input(num_rows)
@@ -362,8 +332,8 @@ class ModelRunner:
         return persisted_graph(self.model, self.kv_cache, settings, *name)
 
     def _bind_num_blocks(self, num_blocks: int) -> UOp:
-        """The graph's `num_blocks` variable bound to a value: made once per value (a bound variable is a new uop,
-        built through tinygrad's uop cache; the value changes once every block_size tokens)."""
+        """The graph's `num_blocks` variable bound to a value, made once per value (it changes every block_size
+        tokens)."""
         if num_blocks not in self._bound_num_blocks:
             self._bound_num_blocks[num_blocks] = self.v_num_blocks.bind(num_blocks)
         return self._bound_num_blocks[num_blocks]
@@ -381,11 +351,8 @@ class ModelRunner:
                top_p: np.ndarray | None, min_p: np.ndarray | None, keys: np.ndarray | None, use_filters: bool,
                bitmask: np.ndarray | None = None) -> np.ndarray:
         """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
-        the token ids (rows,). Only these come back to the host. keys (rows, 2) uint32: each row's draw key
-        (sample/noise.py; its random numbers are made on the device). `keys=None`: every row is greedy, and a
-        graph that only takes the argmax runs. `bitmask`
-        (rows, ceil(vocab/32)) int32: structured outputs' allowed tokens, applied first (None: no row is
-        constrained, and the graph has no mask at all)."""
+        the token ids (rows,). keys (rows, 2) uint32: each row's draw key, None: all greedy; bitmask
+        (rows, ceil(vocab/32)) int32: structured outputs' allowed tokens (None: no mask in the graph)."""
         rows = logits.shape[0]
         masked = bitmask is not None
         inputs = [] if keys is None else [temperature, top_k, top_p, min_p, keys]
@@ -419,8 +386,7 @@ class ModelRunner:
     def rejection_sample(self, logits: Tensor, row_index: np.ndarray, batch) -> tuple[np.ndarray, np.ndarray]:
         """Speculative decoding's exact rejection sampling (spec_decode/rejection_sampler.py) on the device, one
         graph per (logits rows, filters used, q given). row_index (R,) int32: the row of `logits` (R, V) each verify
-        row reads; batch: a VerifyBatch of R rows. Returns accepted (R,) bool and tokens (R,) int32: two numbers per
-        row come back."""
+        row reads; batch: a VerifyBatch of R rows. Returns accepted (R,) bool and tokens (R,) int32."""
         has_q = batch.draft_probs is not None
         key = ("rejection", logits.shape[0], batch.use_filters, has_q)
         if key not in self._sampler_jits:
