@@ -1,10 +1,12 @@
 """Which phase each test file belongs to: `pytest -m phase3` runs Phase 3's tests, `make test-phase P=3` Phases 1-3.
 
 The roadmap promises each phase tests of its own that pass without the later phases; this table is where a test
-file says which phase it tests. `conftest.py` turns it into the markers `phase1` ... `phase9` (sub-phases such as
-7b and 7c count as 7), and `tests/test_phases.py` checks that every test file is listed here. A tutorial's own test
-(`test_docs.py::test_phase_doc_code_runs[03-...]`) takes the phase of its chapter. A test of a later phase's
-feature inside an earlier file carries that phase's marker too (`pytest.param("int8", marks=pytest.mark.phase7)`),
+file says which phase it tests, by the file's name: the test files live in folders that mirror the package
+(tests/core/ holds the tests of tinyvllm/core/, tests/ itself those of the top-level modules and the checks that
+span the repository), and a name is unique across the folders (`paths_of_test_files`). `conftest.py` turns the
+table into the markers `phase1` ... `phase9` (sub-phases such as 7b and 7c count as 7), and `tests/test_phases.py`
+checks that every test file is listed here. A tutorial's own test (`test_docs.py::test_phase_doc_code_runs[03-...]`)
+takes the phase of its chapter. A test of a later phase's feature inside an earlier file carries that phase's marker too (`pytest.param("int8", marks=pytest.mark.phase7)`),
 and `make test-phase P=k` leaves out every test marked with a phase after k.
 """
 
@@ -14,6 +16,27 @@ import importlib.abc
 import re
 import sys
 from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def folders_of_tests() -> list[Path]:
+    """tests/ and its folders of tests (tests/core/, tests/engine/, ...): the helpers here and the test files that
+    other tests import (`from test_engine import engine`) are imported by plain name from any of them."""
+    return [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))]
+
+
+def paths_of_test_files() -> dict[str, Path]:
+    """Every test file by its name: `test_scheduler` -> tests/core/test_scheduler.py. A name used twice raises."""
+    files: dict[str, Path] = {}
+    for folder in folders_of_tests():
+        for path in sorted(folder.glob("test_*.py")):
+            if path.stem in files:
+                raise ValueError(f"two test files named {path.name}: {files[path.stem]} and {path} (the phase table, "
+                                 f"the markers and the imports between test files go by the name alone)")
+            files[path.stem] = path
+    return files
+
 
 PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 1: foundation (model, weights, tokenizers, chat templates, sampling, contiguous cache, main.py)
@@ -31,13 +54,13 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 4: batched forward, device sampling
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 5,
     # Phase 5: custom kernels
-    "test_kernels_linear": 5, "test_kernels_activation": 5, "test_wheel": 5, "test_tinygrad_ext": 5,
+    "test_linear": 5, "test_activation": 5, "test_wheel": 5, "test_tinygrad_ext": 5,
     "test_trace_reuse": 5,  # the layers share one trace inside a graph captured on its first call (the CPU graph)
     "test_kernels_paged_attention": 5, "test_sliding_window": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,
     # Phase 6: quantized weights, perplexity, cold start
-    "test_kernels_qlinear": 6, "test_kernels_qlinear_gpu": 6, "test_quantize": 6, "test_quantized_weights": 6,
+    "test_qlinear": 6, "test_qlinear_gpu": 6, "test_quantize": 6, "test_quantized_weights": 6,
     "test_perplexity": 6, "test_cold_start": 6, "test_cpu_graph": 6, "test_bench_peers": 6,
     # Phase 7: prefix caching, copy-on-write, beam search (7a), speculative decoding (7b), KV-cache quantization (7c)
     "test_block_manager_caching": 7, "test_prefix_cache_sharing": 7,

@@ -29,7 +29,7 @@ from gpu_emulation import (
     run_emulated_source,
 )
 
-from test_kernels_qlinear import quantize_x
+from test_qlinear import quantize_x
 
 from tinygrad import Tensor
 

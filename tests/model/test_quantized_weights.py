@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from tests.test_weights import TINY, tiny_state_dict, write_tiny_gguf  # noqa: E402
+from test_weights import TINY, tiny_state_dict, write_tiny_gguf  # noqa: E402
 from tinyvllm.model import quantization  # noqa: E402
 from tinyvllm.model.llama import LlamaForCausalLM  # noqa: E402
 from tinyvllm.model.quant import QuantizedArray  # noqa: E402
@@ -100,8 +100,8 @@ def test_every_format_end_to_end(tmp_path):
     as a weight is: this tests the kernels and the model's plumbing, not a quantizer."""
     import dataclasses
 
-    from tests.test_kernels_qlinear import random_blocks
-    from tests.test_weights import F16_FIELDS
+    from test_qlinear import random_blocks
+    from test_weights import F16_FIELDS
     from tinyvllm.ggml_types import KERNEL_TYPES
     from tinyvllm.kernels.qlinear import QUANT_FORMATS
     from tinyvllm.model.quant import dequantize
@@ -193,8 +193,8 @@ def test_engine_reports_weight_formats_and_agrees_with_dequantized(generator):
     token's logprob by a few hundredths of a nat, so greedy decoding agrees until the reference itself is within
     NEAR_TIE of a tie, where either token may win and the texts then go their own ways. Required: the same tokens
     up to that step on every prompt, and enough steps so compared."""
-    from tests.test_generate import PROMPTS, prompt_ids
-    from tests.test_quantize import NEAR_TIE, greedy_with_margins
+    from test_generate import PROMPTS, prompt_ids
+    from test_quantize import NEAR_TIE, greedy_with_margins
     from tinyvllm.engine.generator import Generator
 
     quantized = Generator(None, max_model_len=512, kv_cache_memory="64MiB", quantization="auto")

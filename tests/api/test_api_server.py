@@ -227,7 +227,7 @@ def test_metrics_counts_and_histograms(server):
 
 
 def test_bench_serving_runs(server):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from bench_serving import report, run_benchmark
 
     results, wall = asyncio.run(run_benchmark(server.url, concurrency=4, num_requests=8, max_tokens=6))
