@@ -43,7 +43,8 @@ if os.environ.get("TINYVLLM_HIDE_AFTER_PHASE"):
 
     _hidden = hide_after_phase(int(os.environ["TINYVLLM_HIDE_AFTER_PHASE"]))
     collect_ignore = [str(path.relative_to(Path(__file__).resolve().parent))  # `core/test_scheduler.py`
-                      for name, path in paths_of_test_files().items() if PHASE_OF_TEST_FILE.get(name, 0) > _hidden.phase]
+                      for name, path in paths_of_test_files().items()
+                      if PHASE_OF_TEST_FILE.get(name, 0) > _hidden.phase]
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile
@@ -91,7 +92,7 @@ def generator():
     """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once.
 
     Its weights are dequantized (quantization="none"): the float32 weights HF transformers runs as the oracle.
-    The quantized path (the default, "auto") is checked against this one in tests/test_quantized_weights.py,
+    The quantized path (the default, "auto") is checked against this one in tests/model/test_quantized_weights.py,
     and serves every test that starts its own engine or server."""
     from tinyvllm.engine.generator import Generator
 

@@ -2,8 +2,8 @@
 
 These tests run the server around `FakeLLMEngine` (tests/fake_engine.py): the engine's contract with
 deterministic tokens and no model, so they take seconds. Each answer is checked against the same
-engine run offline, the way `tests/test_api_real_engine.py` checks the real one. Errors, backpressure
-and disconnects are in `tests/test_api_errors.py`.
+engine run offline, the way `tests/api/test_api_real_engine.py` checks the real one. Errors, backpressure
+and disconnects are in `tests/api/test_api_errors.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Phase 6: weights kept in their GGUF blocks, end to end (loader -> model -> engine), and `--quantization`.
 
-The kernels themselves are tested in test_kernels_qlinear.py (CPU) and test_kernels_qlinear_gpu.py (CUDA/Metal
+The kernels themselves are tested in test_qlinear.py (CPU) and test_qlinear_gpu.py (CUDA/Metal
 sources under emulation); here: what the loader keeps, that nothing is dequantized at load, and that the engine's
 tokens with quantized weights agree with the same weights dequantized."""
 
@@ -76,7 +76,7 @@ def test_quantized_model_matches_its_dequantized_twin(tmp_path, qkv):
     """q, k, v in one format fuse into one quantized qkv_proj; in several (as Q4_K_M files keep v in Q6_K) the
     model keeps one weight per part. Either way the logits are those of the dequantized weights, up to the
     kernels' 8-bit rounding of the activations: each quantized matmul's output moves by up to ~0.6% of its
-    largest |value| (test_kernels_qlinear.py), and two layers of three such matmuls add up to a few percent."""
+    largest |value| (test_qlinear.py), and two layers of three such matmuls add up to a few percent."""
     # weights scaled as a trained model's are (std 1/sqrt(in_features)): activations stay O(1) through the layers,
     # instead of growing ~8x per matmul and amplifying every rounding with them
     sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32) for k, v in tiny_state_dict().items()}

@@ -2,7 +2,7 @@
 
 Added here: every error status a route can answer (a validation error is a 400, never FastAPI's 422),
 `Retry-After` and the `x-ratelimit-*` headers, the SSE events, the bearer key, and two fields described as
-served, so that `tests/test_api_fuzz.py` (schemathesis) can check every answer against the schema.
+served, so that `tests/api/test_api_fuzz.py` (schemathesis) can check every answer against the schema.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Faults on command, to check that the server survives them (tests/test_reliability.py, bench_reliability.py).
+"""Faults on command, to check that the server survives them (tests/api/test_reliability.py, bench_reliability.py).
 
 A server is only as reliable as what happens when something inside it breaks. `FaultInjector` wraps a
 running `LLMEngine` and, when armed, breaks it in one of three ways, each at the start of the next step on

@@ -1,7 +1,7 @@
 """GGML's block formats drawn byte by byte, their numpy dequantizers, and `QuantizedArray` (Phase 6).
 
 Each `dequantize_*` takes `blocks: (n_blocks, type_size) uint8` and returns `(n_blocks, block_size) float32`, with
-ggml's float operations in ggml's order: bit-exact with the `gguf` package (tests/test_weights.py). They are the
+ggml's float operations in ggml's order: bit-exact with the `gguf` package (tests/model/test_weights.py). They are the
 reference every kernel is tested against (docs/phases/06-quantized-weights.md, section 2).
 """
 
