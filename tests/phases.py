@@ -44,11 +44,12 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1,
      "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
-    "test_prose_share": 1,
+    "test_prose_share": 1, "test_module_coverage": 1,
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
     "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3, "test_engine_size": 3, "test_paged_engine": 3,
+    "test_engine_parts": 3, "test_config_and_runtime": 3,
 
     "test_generate": 3,  # Generator and main.py (Phase 1's entry points) run on the Phase 3 engine
     # Phase 4: batched forward, device sampling
