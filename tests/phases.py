@@ -40,7 +40,7 @@ def paths_of_test_files() -> dict[str, Path]:
 
 PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 1: foundation (model, weights, tokenizers, chat templates, sampling, contiguous cache, main.py)
-    "test_model_tiny": 1, "test_weights": 1, "test_convert": 1, "test_tokenizer": 1,
+    "test_model_tiny": 1, "test_weights": 1, "test_rope": 1, "test_contiguous": 1, "test_convert": 1, "test_tokenizer": 1,
     "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1,
      "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
