@@ -41,7 +41,7 @@ def paths_of_test_files() -> dict[str, Path]:
 PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 1: foundation (model, weights, tokenizers, chat templates, sampling, contiguous cache, main.py)
     "test_model_tiny": 1, "test_weights": 1, "test_rope": 1, "test_contiguous": 1, "test_convert": 1, "test_tokenizer": 1,
-    "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1,
+    "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1, "test_stop": 1,
      "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
     "test_prose_share": 1, "test_module_coverage": 1,
@@ -49,7 +49,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
     "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3, "test_engine_size": 3, "test_paged_engine": 3,
-    "test_engine_parts": 3, "test_config_and_runtime": 3,
+    "test_engine_parts": 3, "test_config_and_runtime": 3, "test_sampling_batch": 3,
 
     "test_generate": 3,  # Generator and main.py (Phase 1's entry points) run on the Phase 3 engine
     # Phase 4: batched forward, device sampling
@@ -75,7 +75,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_async_llm_engine": 9, "test_api_server": 9, "test_api_errors": 9, "test_api_fuzz": 9,
     "test_api_isolation": 9, "test_api_keys": 9, "test_api_limits": 9, "test_api_real_engine": 9,
     "test_api_structured": 9, "test_api_tools": 9, "test_structured_outputs": 9, "test_dashboard": 9,
-    "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_api_responses": 9, "test_api_device_path": 9,
+    "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_hidden_states": 9, "test_api_responses": 9, "test_api_device_path": 9,
 }
 
 
