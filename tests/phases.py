@@ -56,7 +56,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 5,
     # Phase 5: custom kernels
     "test_linear": 5, "test_activation": 5, "test_wheel": 5, "test_tinygrad_ext": 5,
-    "test_trace_reuse": 5,  # the layers share one trace inside a graph captured on its first call (the CPU graph)
+    "test_trace_reuse": 5, "test_programs_and_jit": 5,  # the layers share one trace inside a graph captured on its first call (the CPU graph)
     "test_kernels_paged_attention": 5, "test_sliding_window": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,
@@ -65,7 +65,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_perplexity": 6, "test_cold_start": 6, "test_cpu_graph": 6, "test_bench_peers": 6,
     # Phase 7: prefix caching, copy-on-write, beam search (7a), speculative decoding (7b), KV-cache quantization (7c)
     "test_block_manager_caching": 7, "test_prefix_cache_sharing": 7,
-    "test_beam_search": 7, "test_spec_decode": 7, "test_spec_decode_draft": 7, "test_rejection_sampler": 7,
+    "test_beam_search": 7, "test_spec_decode": 7, "test_spec_decode_draft": 7, "test_rejection_sampler": 7, "test_speculator": 7,
     "test_kv_cache_quantization": 7,
     "test_admission_width": 7, "test_architectures": 7,
     # Phase 8: several devices, replicas
