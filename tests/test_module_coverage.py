@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def package_modules() -> list[str]:
     """`tinyvllm.core.scheduler`, ...: every module of the package but its packages' `__init__.py`."""
-    return sorted(str(p.relative_to(ROOT).with_suffix("")).replace("/", ".")
-                  for p in (ROOT / "tinyvllm").rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts)
+    return sorted(str(p.relative_to(ROOT).with_suffix("")).replace("/", ".") for p in (ROOT / "tinyvllm").rglob("*.py")
+                  if p.name != "__init__.py" and "__pycache__" not in p.parts)
 
 
 def imported_names(source: str) -> set[str]:

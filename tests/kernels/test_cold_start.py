@@ -71,8 +71,7 @@ def test_the_packages_empty_is_tinygrads():
     t = buffers.tensor_over_memory(host.ctypes.data, (3, 4), dtypes.float32, None, owner=host)
     np.testing.assert_array_equal((t * 2).numpy(), host * 2)
 
-RENDERERS_TEST_PATH = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-CHILD = """
+RENDERERS_CHILD = """
 import sys
 from tinyvllm.kernels import program_cache
 program_cache.install(device="CPU")
