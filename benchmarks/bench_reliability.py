@@ -19,7 +19,7 @@
     restart      SIGTERM while streams run: each finishes or gets an error event within the grace period
                  (--shutdown-timeout), and a new server on the same port serves at once
 
-Every figure lands in benchmarks/results/bench_reliability.json. tests/test_reliability.py runs the same
+Every figure lands in benchmarks/results/bench_reliability.json. tests/api/test_reliability.py runs the same
 scenario functions, smaller, on the fake engine and a tiny random model.
 """
 

@@ -10,7 +10,7 @@ Run through `benchmarks/bench_memory.py` (all parts, or `--kv-only`), which writ
 Run on its own, this script measures one more thing, with llama.cpp's q8_0 cache beside ours under --peers, and
 writes benchmarks/results/kv_dtypes.json:
 
-    greedy_agreement         the 6 oracle prompts of tests/test_generate.py (as token ids, chat-templated as the
+    greedy_agreement         the 6 oracle prompts of tests/engine/test_generate.py (as token ids, chat-templated as the
                              tests do), 16 greedy tokens each on the float32 weights: how many continuations with an
                              8-bit cache equal the same engine's with a float32 cache, and how close float32's own
                              top two tokens were where they part (a near tie, which any rounding can flip)
@@ -179,13 +179,13 @@ LLAMA_CACHES = {"f32": ("-ctk", "f32", "-ctv", "f32"), "f16": ("-ctk", "f16", "-
 
 
 def oracle_prompts(tokenizer) -> dict[str, list[int]]:
-    """tests/test_generate.py's PROMPTS as token ids, by its own prompt_ids (the "chat" one chat-templated) on a
+    """tests/engine/test_generate.py's PROMPTS as token ids, by its own prompt_ids (the "chat" one chat-templated) on a
     stand-in for the tests' Generator that encodes as Generator.encode_prompt does."""
     from types import SimpleNamespace
 
     from tinyvllm.engine.generator import Generator
 
-    spec = importlib.util.spec_from_file_location("test_generate", ROOT / "tests" / "test_generate.py")
+    spec = importlib.util.spec_from_file_location("test_generate", ROOT / "tests" / "engine" / "test_generate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     generator = SimpleNamespace(tokenizer=tokenizer)

@@ -6,7 +6,7 @@ the server's /metrics, and a server in a process of its own (for the restart).
     metrics(url), blocks_all_free(url)   /metrics as numbers; whether every KV block is free and nothing runs
     start_server(command, port)          a server process, once its /health says 200
 
-tests/test_reliability.py reaches these through the benchmark's scenarios.
+tests/api/test_reliability.py reaches these through the benchmark's scenarios.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Pearson's chi-square goodness-of-fit test, for the samplers' distribution tests (tests/test_device_sampler.py,
-tests/test_rejection_sampler.py): a test fails when its p-value is below SIGNIFICANCE (a correct sampler fails one
-such test in 1,000 runs; the draws are seeded, so a run is reproducible)."""
+"""Pearson's chi-square goodness-of-fit test, for the samplers' distribution tests
+(tests/sample/test_device_sampler.py, tests/spec_decode/test_rejection_sampler.py): a test fails when its p-value is
+below SIGNIFICANCE (a correct sampler fails one such test in 1,000 runs; the draws are seeded, so a run is
+reproducible)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,24 @@ if os.environ.get("TINYVLLM_GRAPH_CACHE") != "0" and not os.environ.get("TINYVLL
 os.environ.setdefault("TINYVLLM_TOKENIZER_CACHE", "0")  # tokenizers built as before (test_cold_start turns it on)
 os.environ.setdefault("TINYVLLM_GGUF_HEADER_CACHE", "0")  # GGUF headers parsed as before (test_cold_start turns it on)
 
+# the test files live in folders that mirror the package (tests/core/, tests/engine/, ...); the helpers beside this file
+# (api_helpers, fake_engine, phases, ...) and the test files that other tests import (`from test_engine import engine`)
+# are imported by plain name from any folder: tests/ and each of its folders go on sys.path (names are unique across
+# the folders: tests/phases.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phases import folders_of_tests, paths_of_test_files  # noqa: E402
+
+sys.path[:0] = [str(folder) for folder in folders_of_tests() if str(folder) not in sys.path]
+
 # TINYVLLM_HIDE_AFTER_PHASE=k (`make test-phase P=k`): the modules of Phases k+1.. cannot be imported, as if not built
 # yet, and their test files are not collected (tests/phases.py)
 if os.environ.get("TINYVLLM_HIDE_AFTER_PHASE"):
     from phases import PHASE_OF_TEST_FILE, hide_after_phase
 
     _hidden = hide_after_phase(int(os.environ["TINYVLLM_HIDE_AFTER_PHASE"]))
-    collect_ignore = [f"{name}.py" for name, phase in PHASE_OF_TEST_FILE.items() if phase > _hidden.phase]
+    collect_ignore = [str(path.relative_to(Path(__file__).resolve().parent))  # `core/test_scheduler.py`
+                      for name, path in paths_of_test_files().items()
+                      if PHASE_OF_TEST_FILE.get(name, 0) > _hidden.phase]
 
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.model.gguf import GGUFFile
@@ -80,7 +92,7 @@ def generator():
     """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once.
 
     Its weights are dequantized (quantization="none"): the float32 weights HF transformers runs as the oracle.
-    The quantized path (the default, "auto") is checked against this one in tests/test_quantized_weights.py,
+    The quantized path (the default, "auto") is checked against this one in tests/model/test_quantized_weights.py,
     and serves every test that starts its own engine or server."""
     from tinyvllm.engine.generator import Generator
 

@@ -1,11 +1,14 @@
 """Which phase each test file belongs to: `pytest -m phase3` runs Phase 3's tests, `make test-phase P=3` Phases 1-3.
 
 The roadmap promises each phase tests of its own that pass without the later phases; this table is where a test
-file says which phase it tests. `conftest.py` turns it into the markers `phase1` ... `phase9` (sub-phases such as
-7b and 7c count as 7), and `tests/test_phases.py` checks that every test file is listed here. A tutorial's own test
-(`test_docs.py::test_phase_doc_code_runs[03-...]`) takes the phase of its chapter. A test of a later phase's
-feature inside an earlier file carries that phase's marker too (`pytest.param("int8", marks=pytest.mark.phase7)`),
-and `make test-phase P=k` leaves out every test marked with a phase after k.
+file says which phase it tests, by the file's name: the test files live in folders that mirror the package
+(tests/core/ holds the tests of tinyvllm/core/, tests/ itself those of the top-level modules and the checks that
+span the repository), and a name is unique across the folders (`paths_of_test_files`). `conftest.py` turns the
+table into the markers `phase1` ... `phase9` (sub-phases such as 7b and 7c count as 7), and `tests/test_phases.py`
+checks that every test file is listed here. A tutorial's own test (`test_docs.py::test_phase_doc_code_runs[03-...]`)
+takes the phase of its chapter. A test of a later phase's feature inside an earlier file carries that phase's marker
+too (`pytest.param("int8", marks=pytest.mark.phase7)`), and `make test-phase P=k` leaves out every test marked with
+a phase after k.
 """
 
 from __future__ import annotations
@@ -15,34 +18,58 @@ import re
 import sys
 from pathlib import Path
 
+TESTS = Path(__file__).resolve().parent
+
+
+def folders_of_tests() -> list[Path]:
+    """tests/ and its folders of tests (tests/core/, tests/engine/, ...): the helpers here and the test files that
+    other tests import (`from test_engine import engine`) are imported by plain name from any of them."""
+    return [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))]
+
+
+def paths_of_test_files() -> dict[str, Path]:
+    """Every test file by its name: `test_scheduler` -> tests/core/test_scheduler.py. A name used twice raises."""
+    files: dict[str, Path] = {}
+    for folder in folders_of_tests():
+        for path in sorted(folder.glob("test_*.py")):
+            if path.stem in files:
+                raise ValueError(f"two test files named {path.name}: {files[path.stem]} and {path} (the phase table, "
+                                 f"the markers and the imports between test files go by the name alone)")
+            files[path.stem] = path
+    return files
+
+
 PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 1: foundation (model, weights, tokenizers, chat templates, sampling, contiguous cache, main.py)
-    "test_model_tiny": 1, "test_weights": 1, "test_convert": 1, "test_tokenizer": 1,
-    "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1,
-     "test_docs": 1, "test_phases": 1,
+    "test_model_tiny": 1, "test_weights": 1, "test_rope": 1, "test_contiguous": 1, "test_convert": 1,
+    "test_tokenizer": 1, "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1, "test_stop": 1,
+    "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
-    "test_prose_share": 1, "test_phase_lines": 1,
+    "test_prose_share": 1, "test_phase_lines": 1, "test_module_coverage": 1,
     "test_course": 1,  # the build-it track's graders fail on its stubs and pass on the project (each phase's tasks)
     # Phase 2: paged attention
     "test_sequence": 2, "test_block_manager": 2, "test_paged_attention": 2,
     # Phase 3: continuous batching
     "test_scheduler": 3, "test_engine": 3, "test_engine_isolation": 3, "test_engine_size": 3, "test_paged_engine": 3,
+    "test_engine_parts": 3, "test_config_and_runtime": 3, "test_sampling_batch": 3,
 
     "test_generate": 3,  # Generator and main.py (Phase 1's entry points) run on the Phase 3 engine
     # Phase 4: batched forward, device sampling
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 5,
     # Phase 5: custom kernels
-    "test_kernels_linear": 5, "test_kernels_activation": 5, "test_wheel": 5, "test_tinygrad_ext": 5,
+    "test_linear": 5, "test_activation": 5, "test_wheel": 5, "test_tinygrad_ext": 5,
     "test_trace_reuse": 5,  # the layers share one trace inside a graph captured on its first call (the CPU graph)
+    "test_programs_and_jit": 5,
     "test_kernels_paged_attention": 5, "test_sliding_window": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,
     # Phase 6: quantized weights, perplexity, cold start
-    "test_kernels_qlinear": 6, "test_kernels_qlinear_gpu": 6, "test_quantize": 6, "test_quantized_weights": 6,
+    "test_qlinear": 6, "test_qlinear_gpu": 6, "test_quantize": 6, "test_quantized_weights": 6,
     "test_perplexity": 6, "test_cold_start": 6, "test_cpu_graph": 6, "test_bench_peers": 6,
     # Phase 7: prefix caching, copy-on-write, beam search (7a), speculative decoding (7b), KV-cache quantization (7c)
     "test_block_manager_caching": 7, "test_prefix_cache_sharing": 7,
     "test_beam_search": 7, "test_spec_decode": 7, "test_spec_decode_draft": 7, "test_rejection_sampler": 7,
+    "test_speculator": 7,
     "test_kv_cache_quantization": 7,
     "test_admission_width": 7, "test_architectures": 7,
     # Phase 8: several devices, replicas
@@ -52,7 +79,8 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_async_llm_engine": 9, "test_api_server": 9, "test_api_errors": 9, "test_api_fuzz": 9,
     "test_api_isolation": 9, "test_api_keys": 9, "test_api_limits": 9, "test_api_real_engine": 9,
     "test_api_structured": 9, "test_api_tools": 9, "test_structured_outputs": 9, "test_dashboard": 9,
-    "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_api_responses": 9, "test_api_device_path": 9,
+    "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_api_responses": 9,
+    "test_api_device_path": 9, "test_api_parts": 9, "test_hidden_states": 9,
 }
 
 

@@ -1,5 +1,5 @@
 """The `tinyvllm` command (tinyvllm/cli.py): its verbs, their --help, and the errors it gives. The server verb
-answering a real client is in tests/test_architectures.py; the installed command in tests/test_wheel.py."""
+answering a real client is in tests/model/test_architectures.py; the installed command in tests/test_wheel.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 A GPU's memory is not the host's: no numpy views of device buffers, bytes go in by a copy, and captured steps
 replay through tinygrad's own TinyJit (CUDA graphs), not the CPU graph runner. `TINYVLLM_DEVICE_PATH=discrete`
 puts the CPU device on that path; here it is switched per test (`platforms.DEVICE_PATH`), and the engine must
-give the CPU path's greedy tokens on it: the tiny model and the real one (the server: tests/test_api_device_path.py).
+give the CPU path's greedy tokens on it: the tiny model and the real one (the server:
+tests/api/test_api_device_path.py).
 
 Two crashes of the first GPU run are pinned on tinygrad's PYTHON device (its emulator of a GPU, which has no
 `va_addr` to hand a CPU graph) and on the CPU: bytes copied into device memory (`copy_in` called

@@ -26,7 +26,8 @@ LAST_PHASE = max(PHASE_OF_TEST_FILE.values())
 IMPORT_EVERY_PHASE = """
 import importlib, json, sys
 sys.path[:0] = [{tests!r}, {root!r}]
-from phases import PHASE_OF_TEST_FILE, hide_after_phase
+from phases import PHASE_OF_TEST_FILE, folders_of_tests, hide_after_phase
+sys.path[:0] = [str(folder) for folder in folders_of_tests()]  # tests/core/, tests/engine/, ...
 hook, failures = hide_after_phase(1), {{}}
 for phase in range(1, {last} + 1):
     hook.hide_after(phase)

@@ -31,7 +31,7 @@
  *     w side by side, 6 x 8 outputs: twice the floats per FMA instruction (benchmarks/bench_linear.py times both;
  *     below ~24 rows, copying w into its packed order costs more than it saves: the weights stream from memory).
  *     Every output is the same 8-lane sum over K and the same horizontal sum whatever the tile, so the tile never
- *     changes a bit (batch invariance: tests/test_kernels_linear.py).
+ *     changes a bit (batch invariance: tests/kernels/test_linear.py).
  *   - while a tile works on w rows n..n+NR, it prefetches rows n+NR..n+2NR (the next tile) into cache, so reading
  *     w from memory overlaps the arithmetic instead of stalling the first pass over each tile (M=8: +20-40%).
  *   - the N rows of w are cut into chunks of ~48 KB of w; chunks are spread over the thread pool (threadpool.h).
@@ -113,7 +113,7 @@ TV_TILE_COLUMN_FN(tile_column, MATMUL_TILE, float, TV_K, float, TV_K)
  *     acc[i][p] = fma(x_i[k..k+8] in both halves, [w_2p[k..k+8] | w_2p+1[k..k+8]], acc[i][p])
  * Lane l of each half sums x[k+l] w[k+l] over k in order, as float_tile's 8-lane accumulator does, and the halves
  * are summed by the same hsum_f8 and K % 8 leftover: every output has the same bits as on the 6 x 4 tile, at
- * M = 1 and on AVX2 (tests/test_kernels_linear.py). The pairs of rows need w reordered: each chunk's rows are
+ * M = 1 and on AVX2 (tests/kernels/test_linear.py). The pairs of rows need w reordered: each chunk's rows are
  * copied once into `panel`, PNR rows at a time, step of K by step, [w_n[k..k+8] | w_n+1[k..k+8]] ...
  * [w_n+6 | w_n+7] (PNR x K floats per tile column, read from L1/L2 by every tile of the column), so that each
  * register of w is one aligned 64-byte load. A tile of PMR x PNR = 6 x 8 outputs: 24 accumulators + 4 w + 1 x =

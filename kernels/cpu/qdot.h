@@ -2,7 +2,7 @@
  *
  * x is quantized the same way in both files, per block of 32 (qmatmul.c) or 256 (qmatmul_k.c) floats:
  *     d = max|x| / 127        q = rint(x * (127 / max|x|))   (round half to even; q in -127..127; all zero if x is)
- * tests/test_kernels_qlinear.py repeats these float32 operations in numpy and gets the same q and d.
+ * tests/kernels/test_qlinear.py repeats these float32 operations in numpy and gets the same q and d.
  *
  * Everything is TV_INLINE (always inlined): a kernel's entry must stay the first function of its object.
  */

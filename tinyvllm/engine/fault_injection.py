@@ -1,4 +1,4 @@
-"""Faults on command, to check that the server survives them (tests/test_reliability.py, bench_reliability.py).
+"""Faults on command, to check that the server survives them (tests/api/test_reliability.py, bench_reliability.py).
 
 `FaultInjector(engine)` replaces `engine.step`; each fault fires at the start of the next step, on the engine's thread:
 `fail_next_step()` (every request ends with an error), `fail_detokenization(text)` (prompts containing `text` end

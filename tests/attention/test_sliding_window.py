@@ -1,6 +1,6 @@
 """Sliding-window attention (Mistral, Gemma 3) in the paged-attention kernels: the C kernel and the CUDA / Metal
 twins (under the CPU emulation) against the portable paged attention's mask, for rows shorter and longer than
-the window. The whole models with a window are checked against HF in tests/test_architectures.py."""
+the window. The whole models with a window are checked against HF in tests/model/test_architectures.py."""
 
 from __future__ import annotations
 

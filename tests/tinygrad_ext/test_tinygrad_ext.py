@@ -14,7 +14,7 @@ import tinygrad
 from tinyvllm.tinygrad_ext import internals
 from tinyvllm.tinygrad_ext.internals import ATTRIBUTES, NAMES, Internal, missing
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tinyvllm" / "tinygrad_ext"
 TINYGRAD = Path(tinygrad.__file__).resolve().parent
 # what `import tinygrad` exports (tinygrad/__init__.py), and the dtype class type hints name

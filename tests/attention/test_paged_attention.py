@@ -1,5 +1,5 @@
 """Phase 2: paged attention equals the contiguous cache, on random tensors (the engine on the paged cache, on the real
-model: tests/test_paged_engine.py, Phase 3)."""
+model: tests/engine/test_paged_engine.py, Phase 3)."""
 
 from __future__ import annotations
 

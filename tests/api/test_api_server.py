@@ -2,8 +2,8 @@
 
 These tests run the server around `FakeLLMEngine` (tests/fake_engine.py): the engine's contract with
 deterministic tokens and no model, so they take seconds. Each answer is checked against the same
-engine run offline, the way `tests/test_api_real_engine.py` checks the real one. Errors, backpressure
-and disconnects are in `tests/test_api_errors.py`.
+engine run offline, the way `tests/api/test_api_real_engine.py` checks the real one. Errors, backpressure
+and disconnects are in `tests/api/test_api_errors.py`.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def test_metrics_counts_and_histograms(server):
 
 
 def test_bench_serving_runs(server):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from bench_serving import report, run_benchmark
 
     results, wall = asyncio.run(run_benchmark(server.url, concurrency=4, num_requests=8, max_tokens=6))

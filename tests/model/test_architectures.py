@@ -266,7 +266,7 @@ def test_tinyvllm_serve_answers_the_openai_client(checkpoints):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.Popen([sys.executable, "-m", "tinyvllm.cli", "serve", str(model_dir), "--port", str(port),
                              "--max-model-len", "128", "--kv-cache-memory", "4MiB", "--quantization", "none",

@@ -264,7 +264,7 @@ MARGIN_CHANGE = 0.04  # nats, on average: how far int8 may move the margins betw
 
 @on_cpu
 def test_int8_greedy_agrees_with_float32_on_the_oracle_prompts(generator):
-    """The 6 oracle prompts of tests/test_generate.py, 16 greedy tokens each, int8 cache against float32 cache.
+    """The 6 oracle prompts of tests/engine/test_generate.py, 16 greedy tokens each, int8 cache against float32 cache.
 
     Every continuation must agree up to the first near tie of float32's own choice (top two within NEAR_TIE nats),
     with the chosen tokens' logprobs within 0.1 nats, and the margins between the top two tokens moved by under

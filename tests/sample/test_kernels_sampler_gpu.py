@@ -1,6 +1,6 @@
 """The sampler kernel's GPU twins (kernels/cuda/sampler.cu, kernels/metal/sampler.metal) under the CPU emulation of
 the GPU thread model (tests/gpu_emulation.py): the same tokens and thresholds as the CPU kernel (which
-tests/test_device_sampler.py checks against the host reference), for greedy rows, the race alone, and every
+tests/sample/test_device_sampler.py checks against the host reference), for greedy rows, the race alone, and every
 filter; the CUDA source is also compiled with nvrtc at the model's shapes."""
 
 from __future__ import annotations

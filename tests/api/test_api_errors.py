@@ -175,7 +175,7 @@ def test_disconnect_mid_stream_frees_the_blocks():
                 assert next(lines).startswith("data: ") and next(lines) == ""
             assert metrics(server)["tinyvllm:num_kv_blocks_used"] > 0
         # leaving the block closed the connection; the request had 40 s of tokens left
-        # (that the abort comes within one step is tests/test_async_llm_engine.py's business)
+        # (that the abort comes within one step is tests/engine/test_async_llm_engine.py's business)
         wait_for(lambda: fake.aborted, timeout=10, what="the abort")
         wait_for(lambda: metrics(server)["tinyvllm:num_kv_blocks_used"] == 0, what="the metrics to show it")
         assert fake.num_free_blocks == fake.num_total_blocks and not fake.has_unfinished_requests()

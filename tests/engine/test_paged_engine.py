@@ -31,13 +31,13 @@ def contiguous_greedy(runner: ContiguousModelRunner, prompt: list[int], n: int) 
 
 
 # the smallest block (every token its own block) and the default one; the prompt lengths below put a prompt's end
-# on either side of a block's edge for each (tests/test_kernels_paged_attention.py sweeps more block sizes)
+# on either side of a block's edge for each (tests/attention/test_kernels_paged_attention.py sweeps more block sizes)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_paged_tokens_equal_contiguous(model_and_contiguous, block_size):
     loaded, contiguous = model_and_contiguous
     # Phase 2's portable path: bit-near the contiguous cache (the kernels of Phase 5 agree to ~3e-5 in logits,
-    # float32 summation order; tests/test_kernels_paged_attention.py checks them against this path). A budget of
-    # 4 tokens a step keeps the graphs to three (1, 2, 4 tokens) and chunks every prompt.
+    # float32 summation order; tests/attention/test_kernels_paged_attention.py checks them against this path). A
+    # budget of 4 tokens a step keeps the graphs to three (1, 2, 4 tokens) and chunks every prompt.
     # before Phase 5 the matmuls are tinygrad's portable ones, whose float32 summation order follows the shape of
     # the batch (a 4-token step here, a 32-token chunk there); the matmul kernel's rows do not depend on it
     tolerance = 1e-5 if provided("linear", ops.linear) is not ops.linear else 1e-4

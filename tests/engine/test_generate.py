@@ -11,7 +11,7 @@ import pytest
 
 from tinyvllm.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPTS = {
     "prose": "The capital of France is",

@@ -7,7 +7,7 @@ CUDA sources are also compiled with nvrtc at every shape the engine launches. Th
 registers and multiplies in float32 (no 8-bit rounding of x), so it agrees with the reference to float32 rounding:
 the bound below is 1e-5 of sum_k |x_k w_k| (the errors measured are ~1e-3 of the bound; a swapped nibble order is far
 outside it). The tiled route (M > 8) quantizes x to 8 bits as the CPU kernels do (`quantize_x`, compared byte for
-byte with test_kernels_qlinear's numpy quantizer), then sums integer products: it agrees to the same bound with
+byte with test_qlinear's numpy quantizer), then sums integer products: it agrees to the same bound with
 x_hat @ w.T, x_hat the dequantized 8-bit x, and with the CPU kernel (kernels/cpu/qmatmul.c) itself.
 """
 
@@ -29,7 +29,7 @@ from gpu_emulation import (
     run_emulated_source,
 )
 
-from test_kernels_qlinear import quantize_x
+from test_qlinear import quantize_x
 
 from tinygrad import Tensor
 

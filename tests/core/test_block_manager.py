@@ -3,7 +3,7 @@
 Pure Python, no device. The state machine keeps a shadow of what each sequence should hold and checks
 after every step that no block leaks, none is freed twice, ref counts match the block tables, no two
 sequences hold the same block (only prefix-cache hits share a block, and caching is off here: see
-tests/test_block_manager_caching.py), and running out of blocks answers False / None and changes nothing.
+tests/core/test_block_manager_caching.py), and running out of blocks answers False / None and changes nothing.
 """
 
 import pytest

@@ -1,7 +1,7 @@
 """Speculative decoding from the outside (Phase 7b): `main.py --speculative-config`, the server's flag, /metrics.
 
-The engine side (proposers, verification, rollback) is tested in tests/test_spec_decode.py; here the tiny random
-model is enough: what matters is that the flags reach the engine, that a bad flag is one clear line before any
+The engine side (proposers, verification, rollback) is tested in tests/spec_decode/test_spec_decode.py; here the tiny
+random model is enough: what matters is that the flags reach the engine, that a bad flag is one clear line before any
 model loads, and that /metrics shows the engine's counters.
 """
 

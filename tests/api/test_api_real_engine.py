@@ -137,7 +137,7 @@ def test_main_llm_and_server_give_the_same_greedy_text(server, engine):
     offline = [out.outputs[0].text for out in llm.generate(prompts, GREEDY)]
     served = [client(server).completions.create(model=engine.model_name, prompt=prompt, max_tokens=8,
                                                 temperature=0).choices[0].text for prompt in prompts]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     printed = []
     for prompt in prompts:
         proc = subprocess.run([sys.executable, str(root / "main.py"), "--prompt", prompt, "--max-tokens", "8",

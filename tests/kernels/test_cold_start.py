@@ -194,9 +194,10 @@ def test_the_state_a_graph_finds_must_fit_it(tiny_model_dir, graph_dir):
         forward._bind(plan, state)
 
 
+TEST_PATH = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 CHILD = """
 import json, os, sys
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[2:]  # tests/kernels/ and tests/ (conftest)
 import test_cold_start
 tokens, persisted = test_cold_start.greedy_tokens(sys.argv[1])
 print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted), "writes": sum(p.writes for p in persisted)}))
@@ -208,7 +209,7 @@ def test_a_new_process_reads_the_graphs_back(tiny_model_dir, tmp_path):
     the first one wrote, and gives the same tokens."""
     env = {**os.environ, "TINYVLLM_CACHE_DIR": str(tmp_path), "TINYVLLM_GRAPH_CACHE_DIR": str(tmp_path / "graphs"),
            "TINYVLLM_GRAPH_CACHE": "1"}  # both processes, this test's own directory
-    runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), str(Path(__file__).parent)],
+    runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), *TEST_PATH],
                                       env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
             for _ in range(2)]
     assert runs[0]["writes"] >= 4 and runs[0]["hits"] == 0

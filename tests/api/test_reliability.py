@@ -28,7 +28,7 @@ from tinyvllm.api.launcher import BackgroundServer
 from tinyvllm.api.server import build_app
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_reliability as rel  # noqa: E402
 

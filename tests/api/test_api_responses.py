@@ -2,7 +2,7 @@
 
 The route is the chat route in other shapes (tinyvllm/api/serving_responses.py), so each answer is checked
 against the chat answer `FakeLLMEngine` gives the equivalent messages, run offline; tool calls need an output we
-choose (`FakeLLMEngine(reply=...)`). Structured outputs on a real model are in tests/test_api_embeddings.py.
+choose (`FakeLLMEngine(reply=...)`). Structured outputs on a real model are in tests/api/test_api_embeddings.py.
 """
 
 from __future__ import annotations

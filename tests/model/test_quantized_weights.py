@@ -1,6 +1,6 @@
 """Phase 6: weights kept in their GGUF blocks, end to end (loader -> model -> engine), and `--quantization`.
 
-The kernels themselves are tested in test_kernels_qlinear.py (CPU) and test_kernels_qlinear_gpu.py (CUDA/Metal
+The kernels themselves are tested in test_qlinear.py (CPU) and test_qlinear_gpu.py (CUDA/Metal
 sources under emulation); here: what the loader keeps, that nothing is dequantized at load, and that the engine's
 tokens with quantized weights agree with the same weights dequantized."""
 
@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from tests.test_weights import TINY, tiny_state_dict, write_tiny_gguf  # noqa: E402
+from test_weights import TINY, tiny_state_dict, write_tiny_gguf  # noqa: E402
 from tinyvllm.model import quantization  # noqa: E402
 from tinyvllm.model.llama import LlamaForCausalLM  # noqa: E402
 from tinyvllm.model.quant import QuantizedArray  # noqa: E402
@@ -76,7 +76,7 @@ def test_quantized_model_matches_its_dequantized_twin(tmp_path, qkv):
     """q, k, v in one format fuse into one quantized qkv_proj; in several (as Q4_K_M files keep v in Q6_K) the
     model keeps one weight per part. Either way the logits are those of the dequantized weights, up to the
     kernels' 8-bit rounding of the activations: each quantized matmul's output moves by up to ~0.6% of its
-    largest |value| (test_kernels_qlinear.py), and two layers of three such matmuls add up to a few percent."""
+    largest |value| (test_qlinear.py), and two layers of three such matmuls add up to a few percent."""
     # weights scaled as a trained model's are (std 1/sqrt(in_features)): activations stay O(1) through the layers,
     # instead of growing ~8x per matmul and amplifying every rounding with them
     sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32) for k, v in tiny_state_dict().items()}
@@ -100,8 +100,8 @@ def test_every_format_end_to_end(tmp_path):
     as a weight is: this tests the kernels and the model's plumbing, not a quantizer."""
     import dataclasses
 
-    from tests.test_kernels_qlinear import random_blocks
-    from tests.test_weights import F16_FIELDS
+    from test_qlinear import random_blocks
+    from test_weights import F16_FIELDS
     from tinyvllm.ggml_types import KERNEL_TYPES
     from tinyvllm.kernels.qlinear import QUANT_FORMATS
     from tinyvllm.model.quant import dequantize
@@ -193,8 +193,8 @@ def test_engine_reports_weight_formats_and_agrees_with_dequantized(generator):
     token's logprob by a few hundredths of a nat, so greedy decoding agrees until the reference itself is within
     NEAR_TIE of a tie, where either token may win and the texts then go their own ways. Required: the same tokens
     up to that step on every prompt, and enough steps so compared."""
-    from tests.test_generate import PROMPTS, prompt_ids
-    from tests.test_quantize import NEAR_TIE, greedy_with_margins
+    from test_generate import PROMPTS, prompt_ids
+    from test_quantize import NEAR_TIE, greedy_with_margins
     from tinyvllm.engine.generator import Generator
 
     quantized = Generator(None, max_model_len=512, kv_cache_memory="64MiB", quantization="auto")

@@ -325,3 +325,14 @@ def test_gguf_matches_hf(gguf_file):
         assert ours.encode(text) == hf.encode(text), repr(text)
         ids = hf.encode(text)
         assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), repr(text)
+
+
+def test_a_directory_with_tokenizer_model_loads_as_sentencepiece(tok):
+    """tinyvllm/model/sentencepiece_tokenizer.py is what load_tokenizer gives for a `tokenizer.model`: its text
+    comes back whole through encode and decode."""
+    from tinyvllm.model.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    assert isinstance(tok, SentencePieceTokenizer)
+    text = "def f(x):\n    return x"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == text
