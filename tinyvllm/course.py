@@ -67,6 +67,12 @@ TASKS: tuple[Task, ...] = (
          "preemption by recompute"),
     Task(3, "check_stop", "tinyvllm.core.scheduler:Scheduler._check_stop", "phase3/scheduler.py", "check_stop", 11,
          "EOS, stop_token_ids, min_tokens, max_tokens, max_model_len"),
+    Task(4, "buckets_up_to", "tinyvllm.worker.model_runner:buckets_up_to", "phase4/buckets.py", "buckets_up_to", 5,
+         "the token buckets a step is padded to, one captured graph each"),
+    Task(4, "apply_top_k", "tinyvllm.sample.device_sampler:apply_top_k", "phase4/filters.py", "apply_top_k", 7,
+         "top-k on the device, each row its own k, by bisection"),
+    Task(4, "apply_top_p", "tinyvllm.sample.device_sampler:apply_top_p", "phase4/filters.py", "apply_top_p", 7,
+         "top-p on the device, each row its own p, by bisection"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
@@ -123,7 +129,7 @@ def is_written(task: Task, folder: Path) -> bool:
 class Installed:
     """What `install` replaced, so that `uninstall` puts the project's functions back."""
 
-    replaced: list[tuple[object, str, object]]  # (module or class, attribute, the project's value)
+    replaced: list[tuple[object, object, object]]  # (module, class or table, attribute or key, the project's value)
 
 
 def _resolve(target: str) -> tuple[object, str]:
@@ -139,7 +145,7 @@ def _resolve(target: str) -> tuple[object, str]:
 def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
     """Put the learner's function of each task in place of the project's wherever the engine calls it."""
     folder = course_dir(folder)
-    replaced: list[tuple[object, str, object]] = []
+    replaced: list[tuple[object, object, object]] = []
     if tasks:  # NOTE: a graph kept on disk is keyed by the package's source, not the learner's: it would replay the
         # project's code (tinyvllm/kernels/graph_cache.py), so none is read or written while a learner's code runs
         os.environ["TINYVLLM_GRAPH_CACHE"] = "0"
@@ -154,19 +160,39 @@ def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
             replaced.append((owner, attr, original))
             setattr(owner, attr, learner)
             continue
-        # a function: its module, and every module of the package that bound it by `from ... import`
+        # a function: its module, every module of the package that bound it by `from ... import`, and a module's
+        # table that holds it (a dict of functions, or of tuples with one: quant.py's block formats)
         for module in list(sys.modules.values()):
             if isinstance(module, ModuleType) and module.__name__.split(".")[0] == "tinyvllm":
                 for name, value in list(vars(module).items()):
                     if value is original:
                         replaced.append((module, name, original))
                         setattr(module, name, learner)
+                    elif type(value) is dict:
+                        for key, entry in list(value.items()):
+                            swapped = _swapped(entry, original, learner)
+                            if swapped is not None:
+                                replaced.append((value, key, entry))
+                                value[key] = swapped
     return Installed(replaced)
+
+
+def _swapped(entry: object, original: object, learner: object) -> object | None:
+    """A table's entry with `learner` in place of `original` (the entry itself, or an element of a tuple entry);
+    None when the entry does not hold `original`."""
+    if entry is original:
+        return learner
+    if type(entry) is tuple and any(item is original for item in entry):
+        return tuple(learner if item is original else item for item in entry)
+    return None
 
 
 def uninstall(installed: Installed) -> None:
     for owner, attr, original in reversed(installed.replaced):
-        setattr(owner, attr, original)
+        if type(owner) is dict:
+            owner[attr] = original
+        else:
+            setattr(owner, attr, original)
     installed.replaced.clear()
 
 
