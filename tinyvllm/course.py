@@ -73,6 +73,10 @@ TASKS: tuple[Task, ...] = (
          "top-k on the device, each row its own k, by bisection"),
     Task(4, "apply_top_p", "tinyvllm.sample.device_sampler:apply_top_p", "phase4/filters.py", "apply_top_p", 7,
          "top-p on the device, each row its own p, by bisection"),
+    Task(5, "gpu_attention_launches", "tinyvllm.attention.kernel_backend:gpu_attention_launches",
+         "phase5/launches.py", "gpu_attention_launches", 6, "one attention launch, or flash-decoding's split + reduce"),
+    Task(5, "inline_includes", "tinyvllm.kernels.launcher:_inline_includes", "phase5/kernel_source.py",
+         "inline_includes", 6, "a kernel's own headers pasted into its source, each once"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
