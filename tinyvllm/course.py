@@ -77,6 +77,12 @@ TASKS: tuple[Task, ...] = (
          "phase5/launches.py", "gpu_attention_launches", 6, "one attention launch, or flash-decoding's split + reduce"),
     Task(5, "inline_includes", "tinyvllm.kernels.launcher:_inline_includes", "phase5/kernel_source.py",
          "inline_includes", 6, "a kernel's own headers pasted into its source, each once"),
+    Task(6, "dequantize_q8_0", "tinyvllm.model.quant:dequantize_q8_0", "phase6/dequantize.py", "dequantize_q8_0", 2,
+         "Q8_0 blocks to float32: x = d * q"),
+    Task(6, "dequantize_q4_1", "tinyvllm.model.quant:dequantize_q4_1", "phase6/dequantize.py", "dequantize_q4_1", 3,
+         "Q4_1 blocks to float32: nibbles, x = d * q + m"),
+    Task(6, "dequantize_q5_0", "tinyvllm.model.quant:dequantize_q5_0", "phase6/dequantize.py", "dequantize_q5_0", 4,
+         "Q5_0 blocks to float32: nibbles and fifth bits, x = d * (q - 16)"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
