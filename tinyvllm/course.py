@@ -83,6 +83,14 @@ TASKS: tuple[Task, ...] = (
          "Q4_1 blocks to float32: nibbles, x = d * q + m"),
     Task(6, "dequantize_q5_0", "tinyvllm.model.quant:dequantize_q5_0", "phase6/dequantize.py", "dequantize_q5_0", 4,
          "Q5_0 blocks to float32: nibbles and fifth bits, x = d * (q - 16)"),
+    Task(7, "block_hashes", "tinyvllm.core.prefix_cache:block_hashes", "phase7/prefix_cache.py", "block_hashes", 4,
+         "7a: each full block's hash, chained through its parent"),
+    Task(7, "accept_greedy", "tinyvllm.spec_decode.verify:accept_greedy", "phase7/speculative.py", "accept_greedy", 5,
+         "7b: drafts accepted while they equal the target's argmax, plus one"),
+    Task(7, "find_ngram_drafts", "tinyvllm.spec_decode.ngram_proposer:find_ngram_drafts", "phase7/speculative.py",
+         "find_ngram_drafts", 11, "7b: prompt lookup, the longest recurring suffix's continuation"),
+    Task(7, "quantize_kv", "tinyvllm.attention.kv_quant:quantize", "phase7/kv_quant.py", "quantize", 8,
+         "7c: int8 / fp8 codes and a scale per token and head"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
