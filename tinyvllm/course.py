@@ -91,6 +91,12 @@ TASKS: tuple[Task, ...] = (
          "find_ngram_drafts", 11, "7b: prompt lookup, the longest recurring suffix's continuation"),
     Task(7, "quantize_kv", "tinyvllm.attention.kv_quant:quantize", "phase7/kv_quant.py", "quantize", 8,
          "7c: int8 / fp8 codes and a scale per token and head"),
+    Task(8, "split_layers", "tinyvllm.distributed.pipeline_parallel:split_layers", "phase8/parallel.py",
+         "split_layers", 6, "pipeline parallel: consecutive layers per stage"),
+    Task(8, "fused_rows", "tinyvllm.distributed.tensor_parallel:TensorParallel.fused_rows", "phase8/parallel.py",
+         "fused_rows", 6, "tensor parallel: a fused weight's rows, each device's [q_i k_i v_i]"),
+    Task(8, "route", "tinyvllm.serve.router:PrefixAffinityRouter.choose", "phase8/router.py", "choose", 14,
+         "the replica holding the prompt's prefix, the least loaded on a tie"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
