@@ -97,6 +97,10 @@ TASKS: tuple[Task, ...] = (
          "fused_rows", 6, "tensor parallel: a fused weight's rows, each device's [q_i k_i v_i]"),
     Task(8, "route", "tinyvllm.serve.router:PrefixAffinityRouter.choose", "phase8/router.py", "choose", 14,
          "the replica holding the prompt's prefix, the least loaded on a tie"),
+    Task(9, "sse", "tinyvllm.api.serving_engine:sse", "phase9/serving.py", "sse", 6,
+         "one server-sent event: data: JSON, usage left out when None"),
+    Task(9, "last_output", "tinyvllm.api.serving_engine:last_output", "phase9/serving.py", "last_output", 14,
+         "the stream joined, raced against the client's disconnect (abort)"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
