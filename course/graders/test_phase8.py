@@ -46,18 +46,18 @@ def tensor_parallel(size: int, kv_heads: int = 2) -> TensorParallel:
 def test_qkv_rows_device_by_device():
     got = tensor_parallel(2).fused_rows([8, 4, 4], ["q", "k", "v"])
     expected = [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
-    assert got is not None and list(got) == expected, (
+    assert got is not None and np.asarray(got).tolist() == expected, (
         f"2 devices, 4 query heads and 2 KV heads of 2 dims: q rows 0-7, k 8-11, v 12-15; device 0 takes q 0-3, "
-        f"k 8-9, v 12-13, device 1 the rest:\nexpected {expected}\ngot      {None if got is None else list(got)}")
+        f"k 8-9, v 12-13, device 1 the rest:\nexpected {expected}\ngot      {None if got is None else np.asarray(got).tolist()}")
 
 
 @pytest.mark.task("fused_rows")
 def test_gate_up_rows_and_one_device():
     got = tensor_parallel(2).fused_rows([12, 12], ["gate", "up"])
     expected = [*range(0, 6), *range(12, 18), *range(6, 12), *range(18, 24)]
-    assert got is not None and list(got) == expected, (
+    assert got is not None and np.asarray(got).tolist() == expected, (
         f"gate_up (12 + 12 rows) over 2 devices: device 0 takes gate 0-5 and up 12-17:\nexpected {expected}\n"
-        f"got      {None if got is None else list(got)}")
+        f"got      {None if got is None else np.asarray(got).tolist()}")
     assert tensor_parallel(1).fused_rows([8, 4, 4], ["q", "k", "v"]) is None, "one device: None (rows as they are)"
 
 
@@ -65,9 +65,9 @@ def test_gate_up_rows_and_one_device():
 def test_kv_heads_replicated_over_more_devices():
     got = tensor_parallel(4).fused_rows([8, 4, 4], ["q", "k", "v"])
     expected = [0, 1, 8, 9, 12, 13, 2, 3, 8, 9, 12, 13, 4, 5, 10, 11, 14, 15, 6, 7, 10, 11, 14, 15]
-    assert got is not None and list(got) == expected, (
+    assert got is not None and np.asarray(got).tolist() == expected, (
         f"4 devices, 2 KV heads: devices 0 and 1 both hold KV head 0 (part_rows('k') repeats it), 2 and 3 head 1:"
-        f"\nexpected {expected}\ngot      {None if got is None else list(got)}")
+        f"\nexpected {expected}\ngot      {None if got is None else np.asarray(got).tolist()}")
 
 
 # ---- route ----
