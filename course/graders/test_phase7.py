@@ -121,11 +121,16 @@ def test_int8_codes_and_scales_by_hand():
 
 @pytest.mark.task("quantize_kv")
 def test_int8_and_fp8_match_the_reference(learner_code):
-    x = Tensor(np.random.default_rng(7).standard_normal((3, 2, 8)).astype(np.float32))
+    x = np.random.default_rng(7).standard_normal((3, 2, 8)).astype(np.float32)
+    x[1, 1] = 0.0  # one token's head all zeros: scale 0, codes 0, no 0 / 0 anywhere
+    x = Tensor(x)
     for spec in (INT8, FP8):
         codes, scales = (t.numpy() for t in kv_quant.quantize(x, spec))
         with learner_code():
             want_codes, want_scales = (t.numpy() for t in kv_quant.quantize(x, spec))
+        assert np.isfinite(scales).all() and (codes[1, 1] == 0).all(), (
+            f"{spec.name}: a vector of zeros should get scale 0 and codes 0, got scale {scales[1, 1]} and codes "
+            f"{codes[1, 1].tolist()} (a division by amax = 0?)")
         assert np.allclose(scales, want_scales, rtol=1e-6), f"{spec.name}: the scales differ from amax / {spec.qmax}"
         assert (codes == want_codes).all(), (f"{spec.name}: {int((codes != want_codes).sum())} of {codes.size} codes "
                                              f"differ from the reference")
