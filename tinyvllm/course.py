@@ -67,6 +67,40 @@ TASKS: tuple[Task, ...] = (
          "preemption by recompute"),
     Task(3, "check_stop", "tinyvllm.core.scheduler:Scheduler._check_stop", "phase3/scheduler.py", "check_stop", 11,
          "EOS, stop_token_ids, min_tokens, max_tokens, max_model_len"),
+    Task(4, "buckets_up_to", "tinyvllm.worker.model_runner:buckets_up_to", "phase4/buckets.py", "buckets_up_to", 5,
+         "the token buckets a step is padded to, one captured graph each"),
+    Task(4, "apply_top_k", "tinyvllm.sample.device_sampler:apply_top_k", "phase4/filters.py", "apply_top_k", 7,
+         "top-k on the device, each row its own k, by bisection"),
+    Task(4, "apply_top_p", "tinyvllm.sample.device_sampler:apply_top_p", "phase4/filters.py", "apply_top_p", 7,
+         "top-p on the device, each row its own p, by bisection"),
+    Task(5, "gpu_attention_launches", "tinyvllm.attention.kernel_backend:gpu_attention_launches",
+         "phase5/launches.py", "gpu_attention_launches", 6, "one attention launch, or flash-decoding's split + reduce"),
+    Task(5, "inline_includes", "tinyvllm.kernels.launcher:_inline_includes", "phase5/kernel_source.py",
+         "inline_includes", 6, "a kernel's own headers pasted into its source, each once"),
+    Task(6, "dequantize_q8_0", "tinyvllm.model.quant:dequantize_q8_0", "phase6/dequantize.py", "dequantize_q8_0", 2,
+         "Q8_0 blocks to float32: x = d * q"),
+    Task(6, "dequantize_q4_1", "tinyvllm.model.quant:dequantize_q4_1", "phase6/dequantize.py", "dequantize_q4_1", 3,
+         "Q4_1 blocks to float32: nibbles, x = d * q + m"),
+    Task(6, "dequantize_q5_0", "tinyvllm.model.quant:dequantize_q5_0", "phase6/dequantize.py", "dequantize_q5_0", 4,
+         "Q5_0 blocks to float32: nibbles and fifth bits, x = d * (q - 16)"),
+    Task(7, "block_hashes", "tinyvllm.core.prefix_cache:block_hashes", "phase7/prefix_cache.py", "block_hashes", 4,
+         "7a: each full block's hash, chained through its parent"),
+    Task(7, "accept_greedy", "tinyvllm.spec_decode.verify:accept_greedy", "phase7/speculative.py", "accept_greedy", 5,
+         "7b: drafts accepted while they equal the target's argmax, plus one"),
+    Task(7, "find_ngram_drafts", "tinyvllm.spec_decode.ngram_proposer:find_ngram_drafts", "phase7/speculative.py",
+         "find_ngram_drafts", 11, "7b: prompt lookup, the longest recurring suffix's continuation"),
+    Task(7, "quantize_kv", "tinyvllm.attention.kv_quant:quantize", "phase7/kv_quant.py", "quantize", 8,
+         "7c: int8 / fp8 codes and a scale per token and head"),
+    Task(8, "split_layers", "tinyvllm.distributed.pipeline_parallel:split_layers", "phase8/parallel.py",
+         "split_layers", 6, "pipeline parallel: consecutive layers per stage"),
+    Task(8, "fused_rows", "tinyvllm.distributed.tensor_parallel:TensorParallel.fused_rows", "phase8/parallel.py",
+         "fused_rows", 6, "tensor parallel: a fused weight's rows, each device's [q_i k_i v_i]"),
+    Task(8, "route", "tinyvllm.serve.router:PrefixAffinityRouter.choose", "phase8/router.py", "choose", 14,
+         "the replica holding the prompt's prefix, the least loaded on a tie"),
+    Task(9, "sse", "tinyvllm.api.serving_engine:sse", "phase9/serving.py", "sse", 6,
+         "one server-sent event: data: JSON, usage left out when None"),
+    Task(9, "last_output", "tinyvllm.api.serving_engine:last_output", "phase9/serving.py", "last_output", 14,
+         "the stream joined, raced against the client's disconnect (abort)"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
@@ -123,7 +157,7 @@ def is_written(task: Task, folder: Path) -> bool:
 class Installed:
     """What `install` replaced, so that `uninstall` puts the project's functions back."""
 
-    replaced: list[tuple[object, str, object]]  # (module or class, attribute, the project's value)
+    replaced: list[tuple[object, object, object]]  # (module, class or table, attribute or key, the project's value)
 
 
 def _resolve(target: str) -> tuple[object, str]:
@@ -139,7 +173,7 @@ def _resolve(target: str) -> tuple[object, str]:
 def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
     """Put the learner's function of each task in place of the project's wherever the engine calls it."""
     folder = course_dir(folder)
-    replaced: list[tuple[object, str, object]] = []
+    replaced: list[tuple[object, object, object]] = []
     if tasks:  # NOTE: a graph kept on disk is keyed by the package's source, not the learner's: it would replay the
         # project's code (tinyvllm/kernels/graph_cache.py), so none is read or written while a learner's code runs
         os.environ["TINYVLLM_GRAPH_CACHE"] = "0"
@@ -154,19 +188,39 @@ def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
             replaced.append((owner, attr, original))
             setattr(owner, attr, learner)
             continue
-        # a function: its module, and every module of the package that bound it by `from ... import`
+        # a function: its module, every module of the package that bound it by `from ... import`, and a module's
+        # table that holds it (a dict of functions, or of tuples with one: quant.py's block formats)
         for module in list(sys.modules.values()):
             if isinstance(module, ModuleType) and module.__name__.split(".")[0] == "tinyvllm":
                 for name, value in list(vars(module).items()):
                     if value is original:
                         replaced.append((module, name, original))
                         setattr(module, name, learner)
+                    elif type(value) is dict:
+                        for key, entry in list(value.items()):
+                            swapped = _swapped(entry, original, learner)
+                            if swapped is not None:
+                                replaced.append((value, key, entry))
+                                value[key] = swapped
     return Installed(replaced)
+
+
+def _swapped(entry: object, original: object, learner: object) -> object | None:
+    """A table's entry with `learner` in place of `original` (the entry itself, or an element of a tuple entry);
+    None when the entry does not hold `original`."""
+    if entry is original:
+        return learner
+    if type(entry) is tuple and any(item is original for item in entry):
+        return tuple(learner if item is original else item for item in entry)
+    return None
 
 
 def uninstall(installed: Installed) -> None:
     for owner, attr, original in reversed(installed.replaced):
-        setattr(owner, attr, original)
+        if type(owner) is dict:
+            owner[attr] = original
+        else:
+            setattr(owner, attr, original)
     installed.replaced.clear()
 
 
