@@ -257,7 +257,7 @@ def read_plan(data: bytes) -> dict:
 
 
 def describe(graph: CPUGraph, ret: Any, state: dict[str, Tensor]) -> dict:
-    """The plan of a graph: its table with every address said by what it points at (see the module doc)."""
+    """The plan of a graph: its table with every address said by what it points at."""
     if not isinstance(ret, Tensor):
         raise NotPersistable(f"the graph returns a {type(ret).__name__}, not one Tensor")
     if not graph.calls:
