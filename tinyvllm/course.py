@@ -1,16 +1,10 @@
 """The build-it track (course/README.md): a learner writes a function of the engine, and the engine runs it.
 
-Each `Task` names a function the engine calls (`target`) and the file of the course folder where the learner writes
-its twin. `install` puts the learner's functions in place of the project's, in the module that defines each one and
-in every loaded module of the package that imported it by name (a method: on its class), so the engine calls the
-learner's code wherever it called the project's; `uninstall` puts the project's back.
+`install` puts the learner's functions in place of the project's wherever they are bound; `uninstall` puts them back.
 
     python -m tinyvllm.course check 2              Phase 2's graders against course/phase2/*.py
     python -m tinyvllm.course check 2 --solution   ... against the project's own code, the reference
     python main.py --course course --prompt ...    the engine on the functions you have written
-
-The graders are `course/graders/test_phaseK.py`, one or more tests per task (`@pytest.mark.task(NAME)`); each test
-runs with its own task's function installed and the project's everywhere else.
 """
 
 from __future__ import annotations
@@ -33,9 +27,7 @@ COURSE_DIR = ROOT / "course"  # the learner's folder unless TINYVLLM_COURSE or -
 
 @dataclass(frozen=True)
 class Task:
-    """One function to write. `target`: "module:function" or "module:Class.method" of the engine; `file`: where the
-    learner writes `function` (a method is written as a function of `self`); `lines`: about what the reference
-    takes."""
+    """One function to write: `target` ("module:function" or "module:Class.method") written as `file`'s `function`."""
 
     phase: int
     name: str
