@@ -1,6 +1,6 @@
-"""Python's garbage collector at a process's start: paused while the engine is built, then the heap frozen
-(vLLM's `freeze_gc_heap`), so neither the start nor the exit walks what the start built. Taught in
-docs/phases/06-appendix-measurements.md.
+"""Python's garbage collector paused while the engine is built, then the heap frozen (vLLM's `freeze_gc_heap`).
+
+Taught in docs/phases/06-appendix-measurements.md.
 """
 
 from __future__ import annotations

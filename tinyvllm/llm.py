@@ -1,11 +1,4 @@
-"""The offline batch API, shaped like vLLM's `LLM` so vLLM users feel at home.
-
-    from tinyvllm import LLM, SamplingParams
-    llm = LLM()                                   # the default model
-    outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
-    for out in outputs:
-        print(out.prompt, "->", out.outputs[0].text)
-"""
+"""The offline batch API, shaped like vLLM's `LLM`."""
 
 from __future__ import annotations
 

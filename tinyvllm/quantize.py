@@ -2,8 +2,7 @@
 
     python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1|iq4_nl|q4_k|f16|f32
 
-From SmolLM2's F32 GGUF the files equal llama-quantize's byte for byte (docs/phases/06-appendix-formats.md says
-which of its files).
+Byte for byte llama-quantize's files (docs/phases/06-appendix-formats.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """tinygrad's lowered kernels kept on disk, and its default device remembered, so a new process redoes neither.
 
-    process 1:  lower kernel K -> to_program_cache[key] = program -> <cache dir>/<sha256 of key>.pkl
-    process 2:  key in to_program_cache? not in memory -> read <sha256 of key>.pkl -> yes, no lowering
-
 Chapter: docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
 

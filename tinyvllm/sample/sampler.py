@@ -1,6 +1,6 @@
-"""The host (numpy) reference sampler: one position's logits to one token id, in the order of vLLM v1's
-`Sampler.forward`; the device sampler is tested against it. Taught, with the pipeline and worked numbers, in
-docs/phases/01-foundation.md, section 7, and 01-appendix-tokens-and-sampling.md.
+"""The host (numpy) reference sampler, in the order of vLLM v1's `Sampler.forward`.
+
+Taught in docs/phases/01-foundation.md, section 7, and 01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
