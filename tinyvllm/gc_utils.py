@@ -27,9 +27,7 @@ def freeze_heap(enable: bool = True, freeze: bool = True) -> None:
 
 @contextlib.contextmanager
 def engine_start(freeze: bool = True) -> Iterator[None]:
-    """Around a process's imports and engine build: no collection inside, the heap frozen on the way out (even
-    when the build raised). freeze=False for a caller that lives on after this engine: a freeze would keep its
-    cyclic garbage (an earlier engine) for good."""
+    """No collection inside; the heap frozen on the way out unless freeze=False (a caller that outlives the engine)."""
     enabled = pause_collection()
     try:
         yield

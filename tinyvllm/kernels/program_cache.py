@@ -96,8 +96,7 @@ class DiskProgramCache(dict):
 
 
 def install(directory: Path | None = None, device: str | None = None) -> DiskProgramCache | None:
-    """Make tinygrad's lowered-program cache a `DiskProgramCache` (once per process; None when turned off), and,
-    unless `device` names one, settle tinygrad's default device from what an earlier process found."""
+    """Make tinygrad's lowered-program cache a `DiskProgramCache` (None when turned off); idempotent."""
     with _lock:
         current = lowered_program_cache()
         if isinstance(current, DiskProgramCache):
