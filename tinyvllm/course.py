@@ -123,8 +123,7 @@ def load_learner_function(task: Task, folder: Path):
 
 
 def is_written(task: Task, folder: Path) -> bool:
-    """False while the learner's function is still the stub (its body, after the docstring, only raises
-    NotImplementedError) or the file does not define it; a function bound otherwise (imported, assigned) counts."""
+    """False while the learner's function is missing or still the stub that raises NotImplementedError."""
     path = folder / task.file
     if not path.is_file():
         return False
@@ -198,8 +197,7 @@ def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
 
 
 def _swapped(entry: object, original: object, learner: object) -> object | None:
-    """A table's entry with `learner` in place of `original` (the entry itself, or an element of a tuple entry);
-    None when the entry does not hold `original`."""
+    """A table's entry with `learner` in place of `original`; None when it does not hold `original`."""
     if entry is original:
         return learner
     if type(entry) is tuple and any(item is original for item in entry):
@@ -217,8 +215,7 @@ def uninstall(installed: Installed) -> None:
 
 
 def install_written(folder: str | Path | None = None, up_to_phase: int = 9) -> list[Task]:
-    """`python main.py --course DIR`: install every task of Phases 1..`up_to_phase` the learner has written (a stub
-    still raising NotImplementedError stays the project's). Returns the tasks installed."""
+    """Install every written task of Phases 1..`up_to_phase`; returns the tasks installed."""
     folder = course_dir(folder)
     tasks = [task for task in TASKS if task.phase <= up_to_phase and is_written(task, folder)]
     install(tasks, folder)
