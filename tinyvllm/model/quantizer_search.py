@@ -117,7 +117,7 @@ def _make_qkx2_quants(xt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, 
 
 
 def quantize_q4_k(x: np.ndarray, out: np.ndarray) -> None:
-    """x (n, 256) float32 -> out (n, 144) uint8 Q4_K blocks (layout: model/quant.py), as ggml's quantize_row_q4_K_ref."""
+    """x (n, 256) float32 -> out (n, 144) uint8 Q4_K blocks (model/quant.py), as ggml's quantize_row_q4_K_ref."""
     n = x.shape[0]
     xt = np.ascontiguousarray(x.reshape(n * 8, 32).T)  # (32, 8n): sub-block b = column b
     with np.errstate(all="ignore"):  # (a NaN or an overflow shows in d: the caller checks it)
