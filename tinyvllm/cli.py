@@ -1,7 +1,4 @@
-"""The `tinyvllm` command, with vLLM's verbs (`VERBS`: serve, generate, chat, bench, quantize, perplexity; and
-`course`, the build-it track's grader), each
-with the flags of the module it runs; nothing heavy is imported before a verb runs, so --help is instant.
-"""
+"""The `tinyvllm` command with vLLM's verbs (`VERBS`); nothing heavy is imported before a verb runs."""
 
 from __future__ import annotations
 

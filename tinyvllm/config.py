@@ -1,6 +1,6 @@
 """The engine's configuration: one frozen tree, built once from `EngineArgs` (engine/arg_utils.py), read everywhere.
 
-    EngineConfig                       (vLLM's VllmConfig; nano-vllm's Config)
+    EngineConfig                       (vLLM's VllmConfig)
       model_config      ModelConfig       which checkpoint, its dtype and weight format, the context length
       cache_config      CacheConfig       KV blocks: size, budget, dtype, prefix caching
       scheduler_config  SchedulerConfig   the limits of one step and the queue's order

@@ -1,16 +1,10 @@
 """The build-it track (course/README.md): a learner writes a function of the engine, and the engine runs it.
 
-Each `Task` names a function the engine calls (`target`) and the file of the course folder where the learner writes
-its twin. `install` puts the learner's functions in place of the project's, in the module that defines each one and
-in every loaded module of the package that imported it by name (a method: on its class), so the engine calls the
-learner's code wherever it called the project's; `uninstall` puts the project's back.
+`install` puts the learner's functions in place of the project's wherever they are bound; `uninstall` puts them back.
 
     python -m tinyvllm.course check 2              Phase 2's graders against course/phase2/*.py
     python -m tinyvllm.course check 2 --solution   ... against the project's own code, the reference
     python main.py --course course --prompt ...    the engine on the functions you have written
-
-The graders are `course/graders/test_phaseK.py`, one or more tests per task (`@pytest.mark.task(NAME)`); each test
-runs with its own task's function installed and the project's everywhere else.
 """
 
 from __future__ import annotations
@@ -33,9 +27,7 @@ COURSE_DIR = ROOT / "course"  # the learner's folder unless TINYVLLM_COURSE or -
 
 @dataclass(frozen=True)
 class Task:
-    """One function to write. `target`: "module:function" or "module:Class.method" of the engine; `file`: where the
-    learner writes `function` (a method is written as a function of `self`); `lines`: about what the reference
-    takes."""
+    """One function to write: `target` ("module:function" or "module:Class.method") written as `file`'s `function`."""
 
     phase: int
     name: str
@@ -131,8 +123,7 @@ def load_learner_function(task: Task, folder: Path):
 
 
 def is_written(task: Task, folder: Path) -> bool:
-    """False while the learner's function is still the stub (its body, after the docstring, only raises
-    NotImplementedError) or the file does not define it; a function bound otherwise (imported, assigned) counts."""
+    """False while the learner's function is missing or still the stub that raises NotImplementedError."""
     path = folder / task.file
     if not path.is_file():
         return False
@@ -206,8 +197,7 @@ def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
 
 
 def _swapped(entry: object, original: object, learner: object) -> object | None:
-    """A table's entry with `learner` in place of `original` (the entry itself, or an element of a tuple entry);
-    None when the entry does not hold `original`."""
+    """A table's entry with `learner` in place of `original`; None when it does not hold `original`."""
     if entry is original:
         return learner
     if type(entry) is tuple and any(item is original for item in entry):
@@ -225,8 +215,7 @@ def uninstall(installed: Installed) -> None:
 
 
 def install_written(folder: str | Path | None = None, up_to_phase: int = 9) -> list[Task]:
-    """`python main.py --course DIR`: install every task of Phases 1..`up_to_phase` the learner has written (a stub
-    still raising NotImplementedError stays the project's). Returns the tasks installed."""
+    """Install every written task of Phases 1..`up_to_phase`; returns the tasks installed."""
     folder = course_dir(folder)
     tasks = [task for task in TASKS if task.phase <= up_to_phase and is_written(task, folder)]
     install(tasks, folder)

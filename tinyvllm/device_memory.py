@@ -23,8 +23,7 @@ def host_view(t: Tensor) -> np.ndarray | None:
 
 
 class ReadBack:
-    """Reads what a graph returns back to the host, step after step (a step's sampled token ids): the host view is
-    made once, each read copies the few bytes out, after waiting for the device unless `wait=False`."""
+    """Reads what a graph returns back to the host, step after step, through a host view made once."""
 
     def __init__(self):
         self._tensor: Tensor | None = None  # the tensor last read, kept alive with its view
@@ -41,8 +40,7 @@ class ReadBack:
 
 
 def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | None, axis: int = 2) -> Tensor:
-    """A realized tensor of zeros, for a cache (not garbage: attention multiplies masked values by 0, and 0 * NaN
-    is NaN). A tuple of devices splits it along `axis`, each slice zeroed where it lives."""
+    """A realized tensor of zeros (not garbage: masked values times 0 must not be NaN); a tuple splits on `axis`."""
     if isinstance(device, tuple):
         return sharded_zeros(shape, dtype, device, axis)
     out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_ext.buffers.empty)
@@ -53,8 +51,7 @@ def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | 
 
 
 def free_device_memory(device: str | None) -> tuple[int, int] | None:
-    """(free, total) bytes of a GPU's own memory now; None on the CPU device (its memory is the machine's, shared
-    with every other process: the KV cache gets a fixed budget there) or where the driver cannot be asked."""
+    """(free, total) bytes of a GPU's own memory now; None on the CPU or where the driver cannot be asked."""
     platform = platform_for(device)
     if not platform.is_gpu:
         return None

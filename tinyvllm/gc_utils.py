@@ -1,6 +1,6 @@
-"""Python's garbage collector at a process's start: paused while the engine is built, then the heap frozen
-(vLLM's `freeze_gc_heap`), so neither the start nor the exit walks what the start built. Taught in
-docs/phases/06-appendix-measurements.md.
+"""Python's garbage collector paused while the engine is built, then the heap frozen (vLLM's `freeze_gc_heap`).
+
+Taught in docs/phases/06-appendix-measurements.md.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ def freeze_heap(enable: bool = True, freeze: bool = True) -> None:
 
 @contextlib.contextmanager
 def engine_start(freeze: bool = True) -> Iterator[None]:
-    """Around a process's imports and engine build: no collection inside, the heap frozen on the way out (even
-    when the build raised). freeze=False for a caller that lives on after this engine: a freeze would keep its
-    cyclic garbage (an earlier engine) for good."""
+    """No collection inside; the heap frozen on the way out unless freeze=False (a caller that outlives the engine)."""
     enabled = pause_collection()
     try:
         yield

@@ -1,9 +1,5 @@
 """Step inputs that live on the device for good and are refilled in place (vLLM's persistent input buffers).
 
-    buf = InputBuffer((1, 32), np.int32, device)
-    buf.np[0, :n] = token_ids          # host writes, in place (on the CPU: the device memory itself)
-    jit(buf.copy_to_device(), ...)     # the same device buffer every step: nothing to schedule
-
 Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs).
 """
 

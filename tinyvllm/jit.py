@@ -1,5 +1,4 @@
-"""The captured graph a runner replays every step (vLLM: CUDA graphs): tinygrad's TinyJit, or the CPU graph Phase 5
-plugs in (kernels/cpu_graph.py: a captured step replayed by one C call). Chapter: docs/phases/01-foundation.md."""
+"""The captured graph a runner replays every step: TinyJit, or Phase 5's CPU graph. Chapter: 01-foundation.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The offline batch API, shaped like vLLM's `LLM` so vLLM users feel at home.
-
-    from tinyvllm import LLM, SamplingParams
-    llm = LLM()                                   # the default model
-    outputs = llm.generate(["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0))
-    for out in outputs:
-        print(out.prompt, "->", out.outputs[0].text)
-"""
+"""The offline batch API, shaped like vLLM's `LLM`."""
 
 from __future__ import annotations
 
@@ -71,9 +64,7 @@ class LLM:
 
     def beam_search(self, prompts: Sequence[str | list[int] | dict], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search for every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...});
-        returns one BeamSearchOutput per prompt, its `beam_width` sequences best first (vLLM's `LLM.beam_search`;
-        the scoring and stopping rules are HF transformers', see tinyvllm/engine/beam_search.py)."""
+        """One BeamSearchOutput per prompt, its `beam_width` sequences best first (vLLM's `LLM.beam_search`)."""
         from tinyvllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # Phase 7a
 
         if not isinstance(params, BeamSearchParams):

@@ -1,5 +1,4 @@
-"""What differs between devices, decided once per device kind in one table, `PLATFORMS` (vLLM's
-`vllm/platforms/`): every module asks `platform_for(device)` instead of testing a device's name.
+"""What differs between devices, in one table, `PLATFORMS`, read through `platform_for(device)`.
 
 The table is drawn in docs/phases/05b-gpu.md, section 1.
 """

@@ -1,9 +1,5 @@
 """What a pooling request asks for: one vector for a whole prompt from the final hidden states (vLLM's
-`PoolingParams` and `--pooler-config`; the server's `/v1/embeddings`).
-
-    LAST   the last token's: in a causal model the only one that has seen the whole prompt (vLLM's decoder default)
-    MEAN   the mean over the prompt's tokens
-    then, with `normalize` (the default), scaled to unit length, so a dot product is a cosine
+`PoolingParams`).
 
 Taught in docs/phases/09-appendix-endpoints.md.
 """

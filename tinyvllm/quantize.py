@@ -2,8 +2,7 @@
 
     python -m tinyvllm.quantize IN OUT.gguf --type q8_0|q4_0|q4_1|iq4_nl|q4_k|f16|f32
 
-From SmolLM2's F32 GGUF the files equal llama-quantize's byte for byte (docs/phases/06-appendix-formats.md says
-which of its files).
+Byte for byte llama-quantize's files (docs/phases/06-appendix-formats.md).
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ class PlannedTensor:
 
 
 def target_type(name: str, shape: tuple[int, ...], current: int, ggml_type: int, tied: bool) -> int:
-    """The type llama-quantize gives tensor `name` for a Q8_0/Q4_0/Q4_1 file: norms F32, the output matrix (the
-    embedding, when tied) Q8_0, every other matrix the --type (q4_k: Q5_0 where a row is not whole super-blocks)."""
+    """The type llama-quantize gives tensor `name` for a file of `ggml_type` (norms F32, the output matrix Q8_0)."""
     if len(shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight"):
         return current
     if ggml_type in (F32, F16):  # a float file: every matrix in that type

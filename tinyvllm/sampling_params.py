@@ -15,8 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
-# Below this temperature sampling is greedy, as in vLLM (`_SAMPLING_EPS`): dividing logits by a
-# temperature this small would overflow float32 on a device anyway.
+# below this temperature sampling is greedy (vLLM's `_SAMPLING_EPS`): a smaller divisor overflows float32
 SAMPLING_EPS = 1e-5
 # vLLM's default `max_logprobs`: how many alternatives a request may ask for at each position.
 MAX_LOGPROBS = 20
@@ -44,8 +43,7 @@ def _require(ok: bool, field: str, value: object, valid: str) -> None:
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Constrain the output to a grammar (vLLM's class of the same name; exactly one field is set): `json` a schema,
-    `json_object` any JSON object, `regex`, `choice` one of these strings, `grammar` a Lark grammar (llguidance's)."""
+    """Constrain the output to a grammar; exactly one field is set (`grammar`: Lark)."""
 
     json: str | dict | None = None
     regex: str | None = None

@@ -1,5 +1,6 @@
-"""The contiguous KV cache, `k_cache[layer]: (B, max_model_len, n_kv_heads, head_dim)`: position p is row p,
-every row allocated up front (the waste Phase 2's blocks remove). Taught in docs/phases/01-foundation.md.
+"""The contiguous KV cache, `k_cache[layer]: (B, max_model_len, n_kv_heads, head_dim)`; position p is row p.
+
+Taught in docs/phases/01-foundation.md.
 """
 
 from __future__ import annotations

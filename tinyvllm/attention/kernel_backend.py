@@ -52,8 +52,7 @@ class GpuLaunch:
 
 def gpu_attention_launches(rows: int, heads: int, kv_heads: int, max_keys: int,
                            partition_size: int = PARTITION_SIZE) -> list[GpuLaunch]:
-    """What a GPU runs for `rows` query rows whose tables hold up to `max_keys` keys: one block per (row, KV head),
-    or, for a small grid and a long table, the split route."""
+    """The launches for `rows` query rows of up to `max_keys` keys: one, or the split route's two."""
     parts = -(-max_keys // partition_size)
     if parts <= 1 or rows * kv_heads > SPLIT_MAX_BLOCKS:
         return [GpuLaunch("paged_attention", (kv_heads, rows, 1))]
@@ -133,8 +132,7 @@ def _check_scales(cache: Tensor, scales: tuple[Tensor | None, Tensor | None]) ->
 
 def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                              k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> tuple[Tensor, ...]:
-    """key, value: (N, KvH, Hd) -> the caches (and scales) after writing row i at slot_mapping[i] (negative:
-    skipped), in place: read them through the returned tensors, so the read is ordered after the write."""
+    """key, value: (N, KvH, Hd) -> the caches (and scales) after the write; read through these, after it."""
     num_tokens, kv_heads, head_dim = launcher.local_shape(key)  # one device's heads (tensor parallel)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     caches = [k_cache, v_cache] + _check_scales(k_cache, (k_scale, v_scale))
@@ -152,9 +150,7 @@ def kernel_reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cach
 def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float | None = None, k_scale: Tensor | None = None,
                            v_scale: Tensor | None = None, sliding_window: int | None = None) -> Tensor:
-    """q: (R, H, Hd), one query per row -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1 through
-    block_tables[r] (R, max_blocks); caches (num_blocks, block_size, KvH, Hd), scales (num_blocks, block_size, KvH).
-    sliding_window W: only the last W keys are read."""
+    """q: (R, H, Hd) -> (R, H, Hd): row r over its keys 0 .. context_lens[r]-1 through block_tables[r]."""
     rows, heads, head_dim = launcher.local_shape(q)  # one device's heads (tensor parallel)
     _, block_size, kv_heads, _ = launcher.local_shape(k_cache)
     assert heads % kv_heads == 0, f"{heads} query heads do not group over {kv_heads} KV heads"
@@ -183,8 +179,7 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 
 @dataclass
 class KernelPagedAttentionMetadata(PagedAttentionMetadata):
-    """`PagedAttentionMetadata` plus context_lens: (R,) int32 per query row, R = B*T (default: position + 1), and
-    `portable` to take the portable path whatever the device."""
+    """`PagedAttentionMetadata` plus context_lens (R,) int32, R = B*T (default: position + 1)."""
 
     context_lens: Tensor | None = None
     portable: bool = False
@@ -202,7 +197,6 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
                 sliding_window: int | None = None) -> Tensor:
-        """The kernels' `PagedAttentionMetadata._attend`: writes k/v, then attends over the blocks in place."""
         if not uses_kernels(q, kv_cache[0], self.portable):
             return super()._attend(q, k, v, kv_cache, sliding_window)
         B, T, H, Hd = q.shape

@@ -36,9 +36,7 @@ def parse_memory(text: str | int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheDtype:
-    """How the cache stores one element of K or V. storage: k_cache/v_cache's dtype (fp8 e4m3 codes as uint8);
-    qmax: the code amax maps to (int8 127, fp8 448), None: stored as is; rotated: Hadamard-rotated (`kv_quant.rotate`).
-    """
+    """How the cache stores one element of K or V; qmax: the code amax maps to (None: stored as is)."""
 
     name: str
     storage: DType
@@ -112,9 +110,7 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, memory: str | in
 
 
 def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_logits_rows: int) -> int:
-    """A bound on the bytes of the captured graphs' intermediates (allocated after the KV cache): per float32
-    token, the residual stream, norms, q/k/v, attention's output and the MLP's; per logits row, the logits and the
-    sampler's copies; doubled for the smaller buckets' graphs."""
+    """A bound on the bytes of the captured graphs' intermediates (doubled for the smaller buckets' graphs)."""
     per_token = 4 * (4 * config.hidden_size + (config.num_attention_heads + 2 * config.num_key_value_heads)
                      * config.head_dim + 3 * config.intermediate_size)
     per_row = 4 * 4 * config.vocab_size
@@ -123,9 +119,8 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_logit
 
 def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: float | None, device: str | None,
                     activations: int = 0) -> int:
-    """Bytes for the KV cache: `kv_cache_memory` if given; else, on a GPU, `gpu_memory_utilization` of its memory
-    (the device's default if None) less what is in use now and less `activations`; else DEFAULT_KV_CACHE_MEMORY.
-    Raises ValueError when that leaves nothing, or for a utilization on a device that cannot report memory."""
+    """Bytes for the KV cache: `kv_cache_memory`, else a GPU's free share less `activations`, else the default.
+    ValueError when that leaves nothing."""
     if kv_cache_memory is not None:
         return parse_memory(kv_cache_memory)
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -150,9 +145,8 @@ def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: f
 
 
 class PagedKVCache:
-    """The block tensors of every layer: `kv_caches[layer] = (k_cache, v_cache)`, or
-    `(k_cache, v_cache, k_scale, v_scale)` for an int8 or fp8 cache; the block is every tensor's first dimension.
-    device: one; a tuple (tensor parallel): split by KV head (axis 2); a list (pipeline parallel): one per layer."""
+    """`kv_caches[layer] = (k_cache, v_cache[, k_scale, v_scale])`; device: a tuple splits by KV head, a list is
+    one per layer."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: DType | KVCacheDtype = dtypes.float32, device: str | tuple[str, ...] | list | None = None):

@@ -1,6 +1,4 @@
-"""K and V quantized into the cache (one scale per token per KV head: s = amax / qmax; int8 codes round(x / s),
-fp8 the nearest e4m3 of x / s) and dequantized out of it, in portable tinygrad: the reference every kernel must match
-bit for bit.
+"""K and V quantized into the cache (a scale per token per KV head) and out of it: the kernels' bitwise reference.
 
 Taught in docs/phases/07c-kv-cache-quantization.md, section 3, with the e4m3 bit layout and the operation order.
 """

@@ -1,7 +1,6 @@
-"""Paged attention in portable tinygrad, the reference the custom kernels are checked against: `reshape_and_cache`
-scatters this step's K/V into their slots (a UOp kernel: O(tokens written), not O(cache)); `paged_attention` gathers
-each sequence's blocks through its block table, where key index s is the token at position s, so one causal mask
-also hides the last block's unfilled slots. Taught in docs/phases/02-paged-attention.md, sections 6 and 7.
+"""Paged attention in portable tinygrad, the reference the custom kernels are checked against.
+
+Taught in docs/phases/02-paged-attention.md, sections 6 and 7.
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         from tinyvllm.attention.kv_quant import dequantize
         keys = dequantize(keys, k_scale[table].reshape(B, -1, kv_heads), spec)
         values = dequantize(values, v_scale[table].reshape(B, -1, kv_heads), spec)
-    # a fixed-length arange cut to the symbolic length: tinygrad 0.14 computes an arange whose own length is
-    # symbolic as a running sum, an S x S kernel: O(context^2) work per layer (benchmarks/README.md, bench_memory)
+    # a fixed-length arange cut: tinygrad 0.14 makes a symbolic-length arange an O(context^2) running sum
     key_pos = Tensor.arange(block_tables.shape[1] * block_size)[: num_blocks * block_size].reshape(1, 1, 1, 1, -1)
     query_pos = positions.reshape(B, 1, 1, T, 1)  # (B,1,1,T,1), broadcast over (B,KvH,G,T,S)
     hidden = key_pos > query_pos  # the future
@@ -90,8 +88,7 @@ class PagedAttentionMetadata:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, ...],
                sliding_window: int | None = None) -> Tensor:
-        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd): writes k/v, then reads them back with the rest.
-        kv_cache: (k_cache, v_cache[, k_scale, v_scale]); a rotated cache gets q, k, v rotated, the output back."""
+        """q: (B,T,H,Hd), k/v: (B,T,KvH,Hd) -> (B,T,H,Hd); kv_cache: (k_cache, v_cache[, k_scale, v_scale])."""
         if kv_cache_dtype_of(kv_cache[0]).rotated:
             from tinyvllm.attention.kv_quant import rotate
             return rotate(self._attend(rotate(q), rotate(k), rotate(v), kv_cache, sliding_window))

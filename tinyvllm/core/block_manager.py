@@ -1,14 +1,8 @@
-"""The KV cache's bookkeeping: which block of the pool holds which sequence's tokens (vLLM v1's `block_pool.py` and
-`kv_cache_manager.py`).
+"""The KV cache's bookkeeping: which block of the pool holds which sequence's tokens.
 
-    pool: num_blocks = 8, block_size = 4                     ref_cnt  holders
-        block 0  [ a0 a1 a2 a3 ]  <- seq A, logical block 0      1     A
-        block 1  [ b0 b1 b2 b3 ]  <- seq B, logical block 0      1     B
-        block 2  [ a4 a5 .. .. ]  <- seq A, logical block 1      1     A
-        block 3  [ b4 b5 b6 .. ]  <- seq B, logical block 1      1     B
-        block 4  [ .. .. .. .. ]                                 0     free
-        ...                                                      0     free
-        block 7  [ .. .. .. .. ]                                 0     free
+    block 0 [ a0 a1 a2 a3 ] seq A, logical 0   ref_cnt 1
+    block 1 [ b0 b1 b2 .. ] seq B, logical 0   ref_cnt 1
+    block 2 [ .. .. .. .. ] free               ref_cnt 0
 
 Taught in docs/phases/02-paged-attention.md; sharing in 07a-prefix-caching.md.
 """
@@ -24,8 +18,8 @@ from tinyvllm.core.sequence import Sequence
 
 @dataclass(eq=False)
 class Block:
-    """One block of the pool (vLLM's `KVCacheBlock`). `ref_cnt`: the block tables holding it (0: free; > 1: a shared
-    cached prefix, never written); `block_hash`: set once full and cached, kept while free until reused."""
+    """One block of the pool. `ref_cnt`: the block tables holding it (> 1: a shared cached prefix, never written);
+    `block_hash`: set once full and cached, kept while free until reused."""
 
     block_id: int
     ref_cnt: int = 0
@@ -33,11 +27,10 @@ class Block:
 
 
 class FreeBlockQueue:
-    """The free blocks, least recently freed first (vLLM's `FreeKVCacheBlockQueue`): taken from the left, returned
-    on the right; a cached block a prompt hits leaves from the middle in O(1) (an ordered dict, not a deque)."""
+    """The free blocks, least recently freed first; a cached block a prompt hits leaves from the middle in O(1)."""
 
     def __init__(self, blocks: list[Block]):
-        self._blocks = {block.block_id: block for block in blocks}  # dicts keep insertion order
+        self._blocks = {block.block_id: block for block in blocks}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -56,9 +49,8 @@ class FreeBlockQueue:
 
 
 class BlockManager:
-    """Hands out the blocks of a fixed pool of `num_blocks` (computed once by whoever builds the KV cache) and takes
-    them back. Invariant: `num_free_blocks + blocks in use == num_blocks`; running out answers False or None and
-    changes nothing (the scheduler decides whom to preempt)."""
+    """Hands out the blocks of a fixed pool and takes them back. Invariant: `num_free_blocks + blocks in use ==
+    num_blocks`; running out answers False or None and changes nothing."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
@@ -71,7 +63,7 @@ class BlockManager:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.cached_blocks: dict[bytes, Block] = {}  # block hash -> the block holding that prefix's K/V
-        self.prefix_cache_queries = 0  # prompt tokens looked up at admission (vLLM's prefix_cache_queries)
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
 
     @property
@@ -96,7 +88,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[Block]:
         """The longest run of cached blocks at the start of `seq`'s tokens, short of its last token (always computed,
-        for its logits; vLLM's `get_computed_blocks`). [] when `seq.skip_reading_prefix_cache`."""
+        for its logits)."""
         if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return []
         hits = []
@@ -114,10 +106,10 @@ class BlockManager:
         return seq.num_blocks(self.block_size) - len(hits) + num_free_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> list[int] | None:
-        """Give a sequence holding no blocks enough for all its tokens, its cached prefix first (shared, ref_cnt + 1,
-        `num_computed_tokens` set past it). Returns its block table, or None if too few blocks are free."""
+        """Give a new sequence blocks for all its tokens, its cached prefix shared first. Returns its block table, or
+        None if too few blocks are free."""
         assert not seq.block_table, f"allocate: {seq} already holds blocks"
-        hits = self.cached_prefix(seq)  # one lookup serves the check and the allocation
+        hits = self.cached_prefix(seq)
         if not self.can_allocate(seq, hits):
             return None
         for block in hits:
@@ -133,8 +125,7 @@ class BlockManager:
         return seq.block_table
 
     def cache_full_blocks(self, seq: Sequence, num_new_computed: int) -> None:
-        """Offer the blocks that the last `num_new_computed` computed tokens of `seq` filled to the prefix cache; the
-        first block cached for a prefix keeps its hash."""
+        """Offer the blocks `seq`'s last `num_new_computed` tokens filled to the prefix cache."""
         if not self.enable_prefix_caching:
             return
         first, end = (seq.num_computed_tokens - num_new_computed) // self.block_size, seq.num_computed_tokens // self.block_size
@@ -156,8 +147,8 @@ class BlockManager:
         return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[int] | None:
-        """Make room for positions num_computed_tokens .. + num_new_tokens - 1 (vLLM's `allocate_slots`). Returns
-        the ids of the blocks taken (usually none), or None if too few are free, changing nothing."""
+        """Make room for `num_new_tokens` more positions. Returns the ids of the blocks taken, or None if too few are
+        free."""
         num_missing = self._num_missing_blocks(seq, num_new_tokens)
         if num_missing > self.num_free_blocks:
             return None
@@ -168,8 +159,8 @@ class BlockManager:
     # ---- giving blocks back ----
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s reference to each of its blocks, last block first: the queue's left end is evicted first,
-        and a sequence's last blocks are the least likely to be shared."""
+        """Drop `seq`'s reference to each of its blocks, last block first: a sequence's last blocks are the least
+        likely to be shared, so they are evicted first."""
         assert seq.block_table, f"free: {seq} holds no blocks (freed twice?)"
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -180,8 +171,7 @@ class BlockManager:
         seq.block_table = []
 
     def free_slots_after(self, seq: Sequence, num_slots: int) -> None:
-        """Keep the blocks holding `seq`'s first `num_slots` slots, free the rest (rejected draft tokens); the
-        slots after `num_slots` are written again later, and attention never reads past a token's position."""
+        """Keep the blocks holding `seq`'s first `num_slots` slots, free the rest (rejected draft tokens)."""
         num_kept = -(-num_slots // self.block_size)
         for block_id in reversed(seq.block_table[num_kept:]):
             block = self.blocks[block_id]
@@ -193,7 +183,6 @@ class BlockManager:
     # ---- where each token's K/V goes ----
 
     def get_slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """The cache slot of each of `seq`'s token positions in [start, end) (see `slot_mapping`)."""
         assert 0 <= start <= end <= len(seq.block_table) * self.block_size, (
             f"positions [{start}, {end}) are outside the {len(seq.block_table)} blocks of {seq}")
         return slot_mapping(seq.block_table, self.block_size, start, end)

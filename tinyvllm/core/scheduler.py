@@ -1,11 +1,5 @@
-"""Continuous batching: each step, decide which sequences compute how many of their tokens.
-
-    NOTE(woosuk) on the scheduling algorithm, from vLLM v1's `scheduler.py`:
-    "There's no 'decoding phase' nor 'prefill phase' in the scheduler. Each request just has the
-    num_computed_tokens and num_tokens_with_spec. [...] At each step, the scheduler tries to assign
-    tokens to the requests so that each request's num_computed_tokens can catch up its
-    num_tokens_with_spec. This is general enough to cover chunked prefills, prefix caching,
-    speculative decoding, and the 'jump decoding' optimization in the future."
+"""Continuous batching: each step, decide which sequences compute how many of their tokens: no prefill or decode
+phase, each sequence's num_computed_tokens catches up with its num_tokens_with_spec.
 
 Taught in docs/phases/03-continuous-batching.md.
 """
@@ -25,7 +19,7 @@ POLICIES = ("fcfs", "priority")  # vLLM's scheduling_policy values
 
 
 def check_scheduler_limits(max_num_seqs: int, max_num_batched_tokens: int, policy: str) -> None:
-    """The limits of a step, checked once (SchedulerConfig and Scheduler both ask); ValueError says what is wrong."""
+    """ValueError unless the step limits are valid."""
     if policy not in POLICIES:
         raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
     if max_num_seqs < 1:
@@ -36,21 +30,20 @@ def check_scheduler_limits(max_num_seqs: int, max_num_batched_tokens: int, polic
 
 
 def _rank(seq: Sequence) -> tuple[int, float]:
-    """Lower is served first: priority (vLLM: lower value, earlier), then arrival."""
+    """Lower is served first."""
     return seq.priority, seq.arrival_time
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes: for each scheduled sequence, its tokens at positions
-    num_computed_tokens .. num_computed_tokens + num_scheduled_tokens[seq_id] - 1."""
+    """What one step computes: each scheduled sequence's next num_scheduled_tokens[seq_id] tokens."""
 
     scheduled_seqs: list[Sequence]  # batch order: running ones first, then newly admitted
     num_scheduled_tokens: dict[int | str, int]  # seq_id -> tokens computed this step (1 for a decode)
-    preempted_seqs: list[Sequence] = field(default_factory=list)  # sent back to the waiting queue by this step
-    # speculative decoding (vLLM v1's name): seq_id -> the drafts it verifies, after its last sampled token
+    preempted_seqs: list[Sequence] = field(default_factory=list)
+    # seq_id -> the drafts it verifies, after its last sampled token
     scheduled_spec_decode_tokens: dict[int | str, list[int]] = field(default_factory=dict)
-    # finished since the last step: the model runner drops what it keeps for them
+    # finished since the last step
     finished_req_ids: set[int | str] = field(default_factory=set)
 
     @property
@@ -58,17 +51,15 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens.values())
 
     def samples(self, seq: Sequence) -> bool:
-        """Whether the step computes `seq`'s newest token (any drafts come after it), so a token is sampled from
-        its logits; a chunk that ends mid-prompt samples nothing. Asked before the step's tokens count as computed."""
+        """Whether the step computes `seq`'s newest token, so samples the next. Asked before the step's tokens count
+        as computed."""
         num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, ()))
         return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] - num_drafts == seq.num_tokens
 
 
 class Scheduler:
     """Owns the waiting and running queues and the BlockManager; `schedule()` then `update_from_output()` once per
-    step. `num_blocks` is computed elsewhere and passed in; `max_num_batched_tokens` >= `max_num_seqs`, so every
-    decode gets its token; `policy`: "fcfs" (arrival order) or "priority" (lower first; preempts the lowest).
-    """
+    step. `policy`: "fcfs" or "priority" (lower first; preempts the lowest)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = (), policy: str = "fcfs",
@@ -84,17 +75,15 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = tuple(eos_token_ids)
         self.policy = policy
-        self.requests: dict[int | str, Sequence] = {}  # every unfinished sequence, by id (vLLM v1's `requests`)
+        self.requests: dict[int | str, Sequence] = {}  # every unfinished sequence
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
-        self.finished_req_ids: set[int | str] = set()  # since the last schedule(): told to the model runner
-        self.num_preemptions = 0  # since the start (vLLM's num_preemptions_total)
-        # speculative decoding (vLLM's spec_decode_* counters)
+        self.finished_req_ids: set[int | str] = set()  # since the last schedule()
+        self.num_preemptions = 0
         self.spec_decoding_stats = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_emitted_tokens": 0,
                                     "num_verify_steps": 0}
 
     def add_seq(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
         if seq.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"the prompt has {seq.num_prompt_tokens} tokens: max_model_len ({self.max_model_len}) "
                              "leaves no room for output")
@@ -104,7 +93,6 @@ class Scheduler:
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
-        """fcfs: at the back (a preempted sequence: at the front). priority: in (priority, arrival) order."""
         if self.policy == "priority":
             index = next((i for i, other in enumerate(self.waiting) if _rank(seq) < _rank(other)), len(self.waiting))
             self.waiting.insert(index, seq)
@@ -114,8 +102,7 @@ class Scheduler:
             self.waiting.append(seq)
 
     def _choose_victim(self) -> Sequence:
-        """Whom to preempt when blocks run out. fcfs: the newest running sequence (least work to lose); priority:
-        the lowest priority, the newest among equals (vLLM v1's rule)."""
+        """fcfs: the newest running sequence (least work to lose); priority: the lowest, the newest among equals."""
         if self.policy == "priority":
             return max(self.running, key=_rank)
         return self.running[-1]
@@ -132,17 +119,17 @@ class Scheduler:
         preempted: list[Sequence] = []
         spec_tokens: dict[int | str, list[int]] = {}
 
-        # 1. running sequences, oldest first: each one's next chunk (plus its drafts: num_tokens_with_spec)
+        # 1. running sequences, oldest first
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
             num_new_tokens = min(self._num_tokens_with_spec(seq) - seq.num_computed_tokens, token_budget)
-            if num_new_tokens == 0:  # all computed, no token to sample yet
+            if num_new_tokens == 0:
                 i += 1
                 continue
             while self.block_manager.append_slots(seq, num_new_tokens) is None:
                 victim = self._choose_victim()
-                if victim in scheduled:  # priority order may pick one scheduled already: take its tokens back
+                if victim in scheduled:  # priority order may pick one scheduled already
                     scheduled.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.seq_id)
                     spec_tokens.pop(victim.seq_id, None)
@@ -156,12 +143,12 @@ class Scheduler:
                 continue  # it preempted itself: the next one now stands at index i
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
-            if num_new_tokens > seq.num_uncomputed_tokens:  # the budget may cut the drafts short
+            if num_new_tokens > seq.num_uncomputed_tokens:
                 spec_tokens[seq.seq_id] = seq.spec_token_ids[:num_new_tokens - seq.num_uncomputed_tokens]
             token_budget -= num_new_tokens
             i += 1
 
-        # 2. waiting sequences, first come first served; none while this step had to preempt
+        # 2. waiting sequences; none while this step had to preempt
         if not preempted:
             token_budget = self._admit_waiting(token_budget, scheduled, num_scheduled_tokens)
 
@@ -171,16 +158,14 @@ class Scheduler:
 
     def _admit_waiting(self, token_budget: int, scheduled: list[Sequence],
                        num_scheduled_tokens: dict[int | str, int]) -> int:
-        """Admit sequences from the head of the waiting queue while budget is left, fewer than `max_num_seqs` run
-        and the block manager gives the head its blocks; each is scheduled for the rest of its tokens, or as many as
-        the budget has left (chunked prefill). Returns the budget left."""
+        """Admit sequences from the head of the waiting queue while budget, seats and blocks last; returns the budget
+        left."""
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.block_manager.allocate(seq) is None:
                 break  # the head waits for blocks; no skipping ahead, or a long prompt could wait forever
             self.waiting.popleft()
             self._start_running(seq)
-            # the rest of its tokens after any cached prefix, or as much as the budget allows (chunked prefill)
             num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
@@ -188,8 +173,7 @@ class Scheduler:
         return token_budget
 
     def _start_running(self, seq: Sequence) -> None:
-        """An admitted sequence joins the running queue (its first admission recorded: time, cached prefix)."""
-        if seq.num_cached_tokens < 0:  # first admission: how much of the prompt the prefix cache had
+        if seq.num_cached_tokens < 0:  # first admission
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.first_scheduled_time = time.monotonic()
         seq.status = SequenceStatus.RUNNING
@@ -211,15 +195,14 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance each scheduled sequence by the tokens it computed; those that caught up get their sampled
-        token(s) and may finish. Returns an EngineCoreOutput per sequence that got a token, finished, or got
-        prompt logprobs."""
+        """Advance each scheduled sequence by the tokens it computed; returns an EngineCoreOutput per sequence that
+        got a token, finished, or got prompt logprobs."""
         outputs = []
         for seq in scheduler_output.scheduled_seqs:
             seq_id = seq.seq_id
             if seq.is_finished:
                 continue  # aborted while the step ran
-            if seq_id in model_output.failed:  # its own parameters or grammar failed: it alone ends
+            if seq_id in model_output.failed:  # it alone ends
                 outputs.append(self._fail(seq, model_output.failed[seq_id]))
                 continue
             num_tokens_before = seq.num_tokens
@@ -229,7 +212,7 @@ class Scheduler:
                 samples = scheduler_output.samples(seq)
                 seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq_id]
                 self.block_manager.cache_full_blocks(seq, scheduler_output.num_scheduled_tokens[seq_id])
-                if seq_id in model_output.pooler_output:  # a pooling request: its prompt is computed, it is done
+                if seq_id in model_output.pooler_output:
                     self._finish(seq, SequenceStatus.FINISHED_STOPPED)
                 elif samples and seq_id in model_output.sampled_token_ids:
                     (token,) = model_output.sampled_token_ids[seq_id]
@@ -249,9 +232,8 @@ class Scheduler:
         return outputs
 
     def _accept_spec_tokens(self, seq: Sequence, scheduler_output: SchedulerOutput, emitted: list[int]) -> None:
-        """Append the `emitted` tokens (accepted drafts d0..d(a-1), then the target's own) with plain decoding's
-        stop checks, then roll back: num_computed_tokens covers only the kept tokens, and blocks holding only
-        rejected slots are freed (docs/phases/07b-speculative-decoding.md, 4)."""
+        """Append the `emitted` tokens with decoding's stop checks, then roll back: num_computed_tokens covers only
+        the kept tokens; blocks holding only rejected slots are freed."""
         num_drafts = len(scheduler_output.scheduled_spec_decode_tokens[seq.seq_id])
         assert 1 <= len(emitted) <= num_drafts + 1, f"{len(emitted)} tokens emitted from {num_drafts} drafts"
         stats = self.spec_decoding_stats
@@ -276,7 +258,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens - num_computed_before)
 
     def update_draft_token_ids(self, draft_token_ids: dict[int | str, list[int]]) -> None:
-        """Speculative decoding: the drafts each running sequence verifies next step (vLLM v1's name)."""
+        """The drafts each running sequence verifies next step."""
         for seq in self.running:
             seq.spec_token_ids = list(draft_token_ids.get(seq.seq_id, ()))
 
@@ -299,8 +281,8 @@ class Scheduler:
                                 num_cached_tokens=max(seq.num_cached_tokens, 0))
 
     def _fail_stuck_head(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
-        """Nothing scheduled, running or preempted: no block will come free, so the head of the waiting queue ends
-        with an error instead of waiting forever (only when blocks leaked, or engine/fault_injection.py took them)."""
+        """Nothing scheduled, running or preempted: no block will come free, so the waiting head ends with an
+        error."""
         if scheduler_output.preempted_seqs or self.running or not self.waiting:
             return []
         seq, bm = self.waiting[0], self.block_manager
@@ -312,8 +294,7 @@ class Scheduler:
     # ---- finishing from outside a step ----
 
     def finish_requests(self, seq_ids: Iterable[int | str], status: SequenceStatus) -> None:
-        """Finish these sequences now and free their blocks: an abort, or a stop string the output processor found
-        (vLLM v1's name). Ids no longer here are skipped."""
+        """Finish these sequences now and free their blocks; ids no longer here are skipped."""
         for seq_id in seq_ids:
             self.finish_seq(seq_id, status)
 

@@ -14,12 +14,7 @@ from tinyvllm.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
-    """Where a sequence is in its life (vLLM's `RequestStatus`); any status can become FINISHED_ABORTED.
-
-        WAITING --admitted--> RUNNING --stop/length--> FINISHED_*
-           ^                     |
-           +------PREEMPTED------+        (out of blocks: its cache is freed, recomputed later)
-    """
+    """WAITING -> RUNNING -> FINISHED_*, RUNNING -> PREEMPTED -> RUNNING; any status can become FINISHED_ABORTED."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -27,7 +22,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()  # sampled eos or one of stop_token_ids (stop strings: the engine)
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens, or the model's max length
     FINISHED_ABORTED = enum.auto()
-    FINISHED_ERROR = enum.auto()  # this request's sampling or stop handling failed; the others went on
+    FINISHED_ERROR = enum.auto()  # this request alone failed
 
     @property
     def is_finished(self) -> bool:
@@ -48,8 +43,8 @@ _FINISH_REASONS = {
 
 
 class Sequence:
-    """A prompt, the tokens sampled after it, and how much of it is in the KV cache. `seq_id` is vLLM's
-    `request_id`; position pos lives in block `block_table[pos // block_size]`."""
+    """A prompt, the tokens sampled after it, and how much of it is in the KV cache; position pos lives in block
+    `block_table[pos // block_size]`."""
 
     def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                  arrival_time: float | None = None, prompt: str | None = None, priority: int = 0, *,
@@ -57,22 +52,22 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must have at least one token")
         self.seq_id = seq_id
-        self.prompt = prompt  # the text, when the request came as text (kept for the output)
+        self.prompt = prompt  # the text, when the request came as text
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time  # monotonic: differences only
-        self.priority = priority  # vLLM's: lower is served first under the "priority" scheduling policy
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # lower is served first
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = -1  # of the prompt, found in the prefix cache at first admission (-1: not yet)
         self.block_table: list[int] = []
-        self.spec_token_ids: list[int] = []  # draft tokens to verify next step (speculative decoding; vLLM's name)
-        self.pooling_params = pooling_params  # a pooling request (PoolingParams): its prompt is computed, not sampled
-        self.grammar = grammar  # structured outputs: the compiled grammar its tokens follow (the model runner's)
+        self.spec_token_ids: list[int] = []  # draft tokens to verify next step
+        self.pooling_params = pooling_params
+        self.grammar = grammar  # structured outputs' compiled grammar
         self.first_scheduled_time: float | None = None  # when a step first ran it: its queue time ends
         self.stop_reason: int | None = None  # the stop token id that ended it, when it is one of stop_token_ids
-        self._block_hashes: list[bytes] = []  # of its full blocks, for prefix caching (see block_hashes)
+        self._block_hashes: list[bytes] = []
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
@@ -80,7 +75,7 @@ class Sequence:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """vLLM's name: it computes its whole prompt, needing every position's output (pooling, prompt logprobs)."""
+        """It computes its whole prompt, needing every position's output."""
         return self.pooling_params is not None or self.sampling_params.prompt_logprobs is not None
 
     # ---- tokens ----
@@ -90,7 +85,7 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
-        """The token ids at positions start .. end - 1, without copying all of them as `all_token_ids` would."""
+        """The token ids at positions start .. end - 1."""
         num_prompt = self.num_prompt_tokens
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
@@ -113,7 +108,6 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def append_token_id(self, token_id: int) -> None:
-        """Record a sampled token; the next step that schedules it computes its K/V."""
         self.output_token_ids.append(token_id)
 
     # ---- progress ----
@@ -135,13 +129,12 @@ class Sequence:
     # ---- blocks ----
 
     def block_hashes(self, block_size: int) -> list[bytes]:
-        """The prefix-cache hash of each of its full blocks (core/prefix_cache.py), each computed once."""
+        """The prefix-cache hash of each of its full blocks, each computed once."""
         if len(self._block_hashes) < self.num_tokens // block_size:
-            from tinyvllm.core.prefix_cache import block_hashes  # Phase 7: only prefix caching asks
+            from tinyvllm.core.prefix_cache import block_hashes
 
             block_hashes(self.all_token_ids, block_size, self._block_hashes)
         return self._block_hashes
 
     def num_blocks(self, block_size: int) -> int:
-        """Blocks needed to hold all of this sequence's tokens: ceil(num_tokens / block_size)."""
         return -(-self.num_tokens // block_size)

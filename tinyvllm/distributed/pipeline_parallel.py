@@ -1,5 +1,6 @@
-"""Pipeline parallel: the layers split into consecutive stages, one device each; the hidden state moves to the
-next stage inside the step's one captured graph (`Tensor.to`). Taught in docs/phases/08-multi-device.md, section 6.
+"""Pipeline parallel: the layers split into consecutive stages, one device each.
+
+Taught in docs/phases/08-multi-device.md, section 6.
 """
 
 from __future__ import annotations

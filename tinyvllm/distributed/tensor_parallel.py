@@ -1,5 +1,4 @@
-"""Tensor parallel: every layer split over N devices, Megatron-LM's way: column-parallel qkv_proj and gate_up,
-row-parallel o_proj and down_proj, so a block costs two all-reduces; the embedding and lm_head split by vocabulary.
+"""Tensor parallel: every layer split over N devices, Megatron-LM's way (two all-reduces a block).
 
 Taught in docs/phases/08-multi-device.md.
 """

@@ -33,8 +33,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step failed for this request: its own sampling or stop handling, or a forward pass that failed again with
-    it alone (engine/failures.py)."""
+    """A step failed for this request alone."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -71,9 +70,8 @@ _SHUTDOWN = object()
 
 
 class AsyncLLMEngine:
-    """`generate()` streams one request's outputs; everything device-side happens on `engine-loop`. stat_logger
-    (optional), called on the engine thread: `record_added(request_id, arrival_time, params)`,
-    `record_removed(request_id)`, and `record(now, stats, outputs, stepped)` after each loop turn."""
+    """`generate()` streams one request's outputs; everything device-side happens on `engine-loop`. stat_logger is
+    called on the engine thread."""
 
     def __init__(self, engine_factory: Callable[[], object], *, max_waiting: int | None = None,
                  stat_logger: object | None = None, retry_after: int = 1):
@@ -81,16 +79,16 @@ class AsyncLLMEngine:
         self.max_waiting = max_waiting  # more requests than this waiting -> EngineOverloadedError
         self.retry_after = retry_after
         self.stat_logger = stat_logger
-        self.engine = None  # set by the engine thread once built
+        self.engine = None
         self.load_error: BaseException | None = None
-        self.stats: dict = {"num_running": 0, "num_waiting": 0}  # snapshot, republished every loop turn
+        self.stats: dict = {"num_running": 0, "num_waiting": 0}  # republished every loop turn
         self._input: queue.Queue = queue.Queue()  # event loop -> engine thread
         self._routes: dict[str, asyncio.Queue] = {}  # request id -> its stream; event loop only
         self._in_engine: set[str] = set()  # engine thread only
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.draining = False  # set by drain(): new requests are refused, the ones in flight finish
+        self.draining = False
 
     # ---- lifecycle (event loop side) ----
 
@@ -106,8 +104,8 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
 
     def drain(self, timeout: float) -> None:
-        """Graceful shutdown (SIGTERM): refuse new requests (503), give the ones in flight `timeout` seconds, then end
-        those left with an error their clients can read."""
+        """Graceful shutdown: refuse new requests, give the ones in flight `timeout` seconds, then end those left with
+        an error."""
         if self._loop is not None and not self.draining:
             self._loop.call_soon_threadsafe(self._start_draining, timeout)
 
@@ -121,14 +119,13 @@ class AsyncLLMEngine:
         self._loop.call_later(timeout, self._input.put, _AbortAll(error))
 
     async def get_state(self, timeout: float = 30.0) -> dict:
-        """The engine's snapshot (`LLMEngine.get_state`) with its `get_stats()`, taken on the engine thread between two
-        steps (its stats alone for an engine without `get_state`)."""
+        """The engine's snapshot and stats, taken on the engine thread between two steps."""
         self.check_ready()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._input.put(_GetState(future))
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
 
-    # ---- what the server reads of the engine (vLLM's EngineClient: get_tokenizer, the model's limits) ----
+    # ---- what the server reads of the engine ----
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -159,8 +156,8 @@ class AsyncLLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
                     priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Check there is room, queue the request for the engine thread, and return its stream of outputs; leaving
-        the stream early aborts the request (its blocks are freed before the next step)."""
+        """Queue the request for the engine thread and return its stream of outputs; leaving the stream early aborts
+        the request."""
         self.check_can_accept(sampling_params.n)
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -193,7 +190,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine has stopped")
 
     def check_can_accept(self, n: int = 1) -> None:
-        """Raise if `n` more requests can't be taken: not loaded (yet), stopped, or too many waiting."""
+        """Raise if `n` more requests can't be taken."""
         self.check_ready()
         if self.draining:
             raise EngineDeadError("the server is shutting down and takes no new requests; retry on another server")
@@ -202,11 +199,11 @@ class AsyncLLMEngine:
                                         f"waiting (max {self.max_waiting}); retry later", self.retry_after)
 
     def _dispatch(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """On the event loop: hand each output to its request's queue (gone if the client left)."""
+        """On the event loop: hand each output to its request's queue."""
         for request_id, item in batch:
             last = isinstance(item, BaseException) or item.finished
             route = self._routes.pop(request_id, None) if last else self._routes.get(request_id)
-            if route is not None:  # None: the client left (or never started reading)
+            if route is not None:  # None: the client left
                 route.put_nowait(item)
 
     def _fail_all_streams(self, error: BaseException) -> None:
@@ -231,7 +228,7 @@ class AsyncLLMEngine:
             self._call_event_loop(self._fail_all_streams, EngineDeadError("the engine loop has stopped"))
 
     def _run_once(self) -> bool:
-        """One turn: take the commands, then step if there is work. False once told to shut down."""
+        """One turn: take the commands, then step if there is work; False once told to shut down."""
         idle = not self.engine.has_unfinished_requests()
         commands = [self._input.get()] if idle else []  # sleep until there is something to do
         while not self._input.empty():
@@ -271,7 +268,7 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # the engine isolates failures of its forward pass and sampling: this is worse
+        except Exception as e:  # worse than the failures the engine isolates
             logger.exception("engine step failed; aborting the %d requests in the engine", len(self._in_engine))
             self._abort_all(EngineStepError(f"the engine failed while running this request: {type(e).__name__}"))
             return
@@ -280,7 +277,7 @@ class AsyncLLMEngine:
             if output.request_id not in self._in_engine:
                 continue
             if output.error is not None:  # this request alone failed inside the step; the others go on
-                self._abort(output.request_id)  # the rest of it (n > 1: its other completions)
+                self._abort(output.request_id)  # n > 1: its other completions
                 batch.append((output.request_id, EngineStepError(output.error)))
                 continue
             if output.finished:
@@ -303,14 +300,13 @@ class AsyncLLMEngine:
         self._publish(batch)
 
     def _publish(self, batch: list, outputs: list[RequestOutput] = (), stepped: bool = False) -> None:
-        """Refresh the stats snapshot and send this turn's outputs to the event loop in one call."""
         self.stats = self.engine.get_stats()
         self._record("record", time.monotonic(), self.stats, outputs, stepped)
         if batch:
             self._call_event_loop(self._dispatch, batch)
 
     def _call_event_loop(self, function: Callable, *args) -> None:
-        """The one door from this thread into the event loop (asyncio queues are not thread-safe)."""
+        """The one door from this thread into the event loop."""
         try:
             self._loop.call_soon_threadsafe(function, *args)
         except RuntimeError:  # the event loop has closed: nobody is left to read

@@ -1,6 +1,4 @@
-"""Beam search above the engine core, as in vLLM v1: each step of a search adds one ordinary request per running
-beam (its prompt: the prompt and the beam's tokens; one token; every token's logprobs), and the beams share their
-common blocks through the prefix cache.
+"""Beam search above the engine core, as in vLLM v1: one ordinary one-token request per running beam per step.
 
 Taught in docs/phases/07a-prefix-caching.md, section 6; the rules and vLLM's differences in
 07a-appendix-beam-search.md.
@@ -140,9 +138,7 @@ class BeamSearchRequest:
 
 
 class BeamSearchRequests:
-    """The engine's beam searches, over the engine core's `add_request(id, prompt_token_ids, params)` and
-    `abort_requests(ids)`; `take` reads each step's outputs of the beams' requests and moves on every search whose
-    beams all have their row."""
+    """The engine's beam searches over the engine core's `add_request` and `abort_requests`."""
 
     def __init__(self, add_request: Callable[[str, list[int], SamplingParams], None],
                  abort_requests: Callable[[list[str]], None], tokenizer, max_model_len: int):

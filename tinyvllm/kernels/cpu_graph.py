@@ -1,12 +1,5 @@
 """Replaying a captured TinyJit on the CPU with one C call: the CPU's answer to CUDA graphs.
 
-    captured call (tinygrad)              CPUGraph.table (int64)                       per step
-    CALL matmul(out, x=PARAM 0, w)   ->   [&matmul, 3, &out, &x, &w]                   &x <- new input 0
-    CALL attn(..., num_blocks)       ->   [&attn, 6, ..., num_blocks]                  num_blocks <- its value
-    COPY CPU:1 <- CPU                ->   [&memmove, 3, &dest, &src, bytes]            (a model over CPU devices)
-                                                   |
-                                          graph_runner(table, num_calls): one ctypes call for the step
-
 Chapter: docs/phases/01-appendix-tinygrad-speed.md (a CPU graph).
 """
 
@@ -34,12 +27,11 @@ class NotGraphable(Exception):
 
 
 def _is_host_device(device: Any) -> bool:
-    """A CPU device (CPU, CPU:1, ...): its buffers are host memory, its programs plain C functions."""
+    """A CPU device (CPU, CPU:1, ...)."""
     return isinstance(device, str) and device.split(":")[0] == "CPU"
 
 
-# The copies between devices are entries of the table like the kernels': C's memmove(dest, src, bytes) from the C
-# library Python itself uses (ctypes.memmove is a ctypes function object pointing at it), entered with 3 arguments.
+# A copy between devices is a table entry calling C's memmove(dest, src, bytes).
 MEMMOVE = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
 
 _runner = None
@@ -58,17 +50,15 @@ class CPUGraph:
 
     def __init__(self, jit: JitBase, input_uops: list[UOp], var_vals: dict[str, int], describe: bool = False):
         table: list[int] = []
-        input_patches: list[tuple[int, int, int, int]] = []  # (table index, input slot, shard, byte offset into it)
+        input_patches: list[tuple[int, int, int, int]] = []  # (table index, input slot, shard, byte offset)
         var_patches: list[tuple[int, str]] = []  # (table index, variable name)
-        self._programs: list[Any] = []  # keep the compiled kernels (their code) alive as long as the table
-        self.num_calls = 0  # entries in the table
+        self._programs: list[Any] = []  # keeps the compiled kernels alive as long as the table
+        self.num_calls = 0
         self.num_copies = 0  # of which copies between devices
         input_addrs: dict[tuple[int, int], int] = {}  # (slot, shard) -> address at capture
-        # describe=True: what each table entry is, for kernels/graph_cache.py to write the graph to disk (graphs on
-        # one device only: the cache does not keep multi-device graphs):
-        #   self.objects  [(compiled object, entry name)], one per distinct program
-        #   self.calls    [(table index of the function address, index into objects,
-        #                   [(table index, address, bytes, read, written)] for each buffer that is not an input)]
+        # describe=True (one device only), for graph_cache.py: self.objects [(compiled object, entry name)];
+        # self.calls [(table index of the function, index into objects, [(table index, address, bytes, read, written)]
+        # per non-input buffer)]
         self.objects: list[tuple[bytes, str]] = []
         self.calls: list[tuple[int, int, list[tuple[int, int, int, bool, bool]]]] = []
         object_index: dict[int, int] = {}
@@ -121,7 +111,7 @@ class CPUGraph:
                     for name in call.variables:
                         if name == "core_id":
                             table.append(core_id)
-                        elif name in launch.device_vars:  # `_device_num`: which device this launch is, fixed per entry
+                        elif name in launch.device_vars:  # `_device_num`, fixed per entry
                             table.append(launch.device_vars[name])
                         else:
                             var_patches.append((len(table), name))
@@ -141,7 +131,7 @@ class CPUGraph:
         self.var_index = np.array([p[0] for p in var_patches], dtype=np.int64)
         self.var_which = np.array([self.var_names.index(name) for _, name in var_patches], dtype=np.int64)
         self._runner = _graph_runner()
-        # the C call's arguments: the table is patched in place, so its address never changes
+        # the table is patched in place, so its address never changes
         self._args = (ctypes.c_uint64(self.table.ctypes.data), ctypes.c_uint64(self.num_calls))
         self._patched_for: list[UOp] | None = None  # the input uops whose addresses the table holds now
         self._var_values: tuple[int, ...] | None = None  # the variables' values the table holds now
@@ -149,8 +139,7 @@ class CPUGraph:
     @classmethod
     def from_table(cls, table: list[int], num_calls: int, programs: list[Any],
                    input_patches: list[tuple[int, int, int]], var_patches: list[tuple[int, str]]) -> CPUGraph:
-        """A graph from a table filled elsewhere (kernels/graph_cache.py: read back from disk; one device, so every
-        input patch is (table index, input slot, byte offset) into a whole input)."""
+        """A graph from a table read back from disk (one device: input patches are (table index, slot, offset))."""
         graph = cls.__new__(cls)
         graph._programs, graph.num_calls, graph.num_copies, graph.objects, graph.calls = programs, num_calls, 0, [], []
         graph._set_table(table, [(index, slot, -1, offset) for index, slot, offset in input_patches], var_patches)
@@ -172,8 +161,8 @@ class CPUGraph:
 
 @dataclass(eq=False)
 class JitCallInputs:
-    """A JIT call's input buffer uops, names and input info, as `_TinyJit.__call__` finds them: one object for as long
-    as the tensors are the same (`JitInputs`), so a check made once on it holds for every such call."""
+    """A JIT call's input buffer uops, names and input info: one object for as long as the tensors are the same, so a
+    check made once on it holds for every such call."""
 
     uops: list[UOp]
     names: list
@@ -181,8 +170,7 @@ class JitCallInputs:
 
 
 class JitInputs:
-    """One JIT's call inputs, prepared as `_TinyJit.__call__` does (`jit_inputs`: its checks, unrealized inputs
-    realized) and remembered."""
+    """One JIT's call inputs, prepared as `_TinyJit.__call__` does, and remembered."""
 
     def __init__(self):
         self._key: tuple | None = None  # per argument: its tensor's uop, or its bound variable's variable
@@ -200,7 +188,7 @@ class JitInputs:
                 key.append(var)
                 arg_var_vals[var.expr] = value
             else:
-                key = None  # another kind of argument (a container of tensors): prepared in full every time
+                key = None  # another kind of argument: prepared in full every time
                 break
         if key is None or kwargs or tuple(key) != self._key:
             uops, var_vals, names, input_info = jit_inputs(args, kwargs)
@@ -222,10 +210,8 @@ def _uses_cpu_graph(input_uops: list[UOp]) -> bool:
 
 
 class GraphedJit(JitBase):
-    """TinyJit that captures on the first call and replays through a `CPUGraph` where the device table says the
-    device uses one and the graph fits (docs/phases/01-appendix-tinygrad-speed.md); elsewhere tinygrad's own
-    replay (CUDA graphs on CUDA). `persist` (a `PersistedGraph`): written to disk once built, replayed at once by a
-    later process that finds it."""
+    """TinyJit that replays through a `CPUGraph` where the device uses one and the graph fits; elsewhere tinygrad's own
+    replay. `persist` (a `PersistedGraph`): written to disk once built, replayed by a later process."""
 
     def __init__(self, fxn, capture_first: bool = True, persist=None):
         super().__init__(fxn)
@@ -233,7 +219,7 @@ class GraphedJit(JitBase):
         self.graph: CPUGraph | None | bool = None  # None: not built yet; False: not graphable (or not this device)
         self.persist = persist if ENABLED else None
         self.loaded = None  # a graph_cache.LoadedGraph: replayed until this JIT captures one of its own
-        self.inputs = JitInputs()  # each call's inputs, prepared once for as long as they are the same tensors
+        self.inputs = JitInputs()
         self._checked: JitCallInputs | None = None  # the inputs last found to match the graph replayed
         self.ran_in_c = False  # did the last call run its kernels in the C table?
         if capture_first:
@@ -249,7 +235,7 @@ class GraphedJit(JitBase):
         self.ran_in_c = False
         inputs, var_vals = self.inputs(args, kwargs)
         if self.graph is None and not self.is_replaying() and self.loaded is None and not _uses_cpu_graph(inputs.uops):
-            self.graph, self.persist = False, None  # decided once, at the first call: tinygrad's TinyJit from here on
+            self.graph, self.persist = False, None  # tinygrad's TinyJit from here on
         if self.persist is not None and not self.is_replaying():
             if self.loaded is None:
                 self.loaded = self.persist.load(inputs.names, inputs.input_info) or False  # False: nothing usable
@@ -286,8 +272,8 @@ class GraphedJit(JitBase):
         return self.captured_return()
 
     def _check(self, inputs: JitCallInputs) -> None:
-        """The inputs must be those the graph was captured with (tinygrad's JitError otherwise). An input the graph
-        writes makes tinygrad copy it first: then only tinygrad's own replay is right."""
+        """JitError unless the inputs are those the graph was captured with. An input the graph writes makes
+        tinygrad copy it first: then only tinygrad's own replay is right."""
         self.check_inputs(inputs.names, inputs.input_info)
         if self.writes_inputs(inputs.uops):
             self.graph = False

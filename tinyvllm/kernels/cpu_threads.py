@@ -93,9 +93,7 @@ def _start() -> None:
 
 
 def _stop() -> None:
-    """Let the helpers return before the interpreter tears down: their loop runs in the compiled program's memory,
-    which is unmapped when that object is freed at exit (a helper still spinning there would crash the process).
-    """
+    """Let the helpers return before exit unmaps the program their loop runs in (a spinning one would crash)."""
     pool, libc = _state.pool, _state.libc
     if pool is None or libc is None or not _state.threads:
         return

@@ -1,12 +1,5 @@
 """Captured CPU graphs kept on disk, so that a new process replays its first step instead of building it.
 
-    one entry of the table                   on disk                                  in a new process
-    [&qmatmul, 4,                            program 17 (its compiled object)   ->    loaded: its new address
-     &layer3.gate_up_proj.data,              state "layers.3.gate_up_proj.data" ->    that weight's address
-     &x (input 0) + 0,                       input 0, offset 0                  ->    patched at every call
-     &scratch + 81920,                       region 2, offset 81920             ->    a fresh buffer of its size
-     num_blocks]                             variable "num_blocks"              ->    patched at every call
-
 A stale, truncated or corrupt file is a miss; `TINYVLLM_GRAPH_CACHE=0` turns it off. Chapter:
 docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
@@ -50,7 +43,7 @@ class NotPersistable(Exception):
 
 
 def cache_dir() -> Path:
-    if os.getenv("TINYVLLM_GRAPH_CACHE_DIR"):  # the graphs alone elsewhere (the test suite keeps one per run)
+    if os.getenv("TINYVLLM_GRAPH_CACHE_DIR"):
         return Path(os.environ["TINYVLLM_GRAPH_CACHE_DIR"])
     return program_cache.cache_dir().parent / program_cache.cache_dir().name.replace("programs-", "graphs-", 1)
 
@@ -70,8 +63,7 @@ def code_identity() -> str:
 
 
 def _files_below(root: str, suffix: str) -> list[tuple[str, ...]]:
-    """The files under `root` whose names end with `suffix`, each as its path's parts below `root`, sorted (the
-    order of sorted `Path`s); read with os.scandir, not pathlib's rglob, whose objects per file cost more than
+    """The files under `root` ending with `suffix`, as their path parts, sorted; os.scandir as rglob costs more than
     reading the files."""
     found, folders = [], [()]
     while folders:
@@ -97,15 +89,13 @@ def cpu_identity() -> str:
 
 
 def simple_settings(obj: Any) -> dict[str, str]:
-    """An object's attributes that are plain values (ints, strings, dtypes, ...): the settings a traced graph
-    may have baked in."""
+    """An object's plain-value attributes: the settings a traced graph may have baked in."""
     return {k: repr(v) for k, v in sorted(vars(obj).items())
             if isinstance(v, (bool, int, float, str)) or type(v).__name__ == "DType"}
 
 
 def named_tensors(*objects: Any) -> dict[str, Tensor]:
-    """Every Tensor reachable from `objects` through attributes, lists, tuples and dicts, by its path
-    ("0.layers.3.qkv_proj.data"): the same names in every process that builds the same objects."""
+    """Every Tensor reachable from `objects`, by its path ("0.layers.3.qkv_proj.data"), the same in every process."""
     found: dict[str, Tensor] = {}
     seen: set[int] = set()
 
@@ -154,15 +144,15 @@ def input_signature(names: list, input_info: list) -> str:
 
 
 class PersistedGraph:
-    """Where one GraphedJit's graph lives on disk (`TINYVLLM_CACHE_DIR`). `settings`: what besides the inputs names
-    it; `state`: the tensors outside the graph it may use."""
+    """Where one GraphedJit's graph lives on disk. `settings`: what besides the inputs names it; `state`: the tensors
+    outside the graph it may use."""
 
     def __init__(self, settings: tuple, state: Callable[[], dict[str, Tensor]], device: str,
                  directory: Path | None = None):
         self.settings, self.state, self.device = settings, state, device
         self.directory = directory or cache_dir()
         self.hits = self.writes = 0
-        self.skipped: str | None = None  # why the graph was not written (NotPersistable), if it was not
+        self.skipped: str | None = None  # why the graph was not written
 
     def key(self, names: list, input_info: list, state: dict[str, Tensor]) -> str:
         layout = [(name, tuple(t.shape), repr(t.dtype)) for name, t in sorted(state.items())]
@@ -188,7 +178,7 @@ class PersistedGraph:
             if plan["key"] != key:
                 return None
             loaded = self._bind(plan, state)
-        except Exception:  # corrupt, truncated, or not fitting this state: build the graph again
+        except Exception:  # build the graph again
             return None
         loaded.signature = input_signature(names, input_info)
         self.hits += 1
@@ -232,7 +222,7 @@ class PersistedGraph:
     # ---- writing ----
 
     def save(self, graph: CPUGraph, ret: Any, names: list, input_info: list) -> None:
-        """Write `graph` (built with describe=True) for a later process; quietly not where it cannot be."""
+        """Write `graph` (built with describe=True); quietly not where it cannot be."""
         state = self.state()
         try:
             plan = describe(graph, ret, state)
@@ -267,7 +257,7 @@ def read_plan(data: bytes) -> dict:
 
 
 def describe(graph: CPUGraph, ret: Any, state: dict[str, Tensor]) -> dict:
-    """The plan of a graph: its table with every address said by what it points at (see the module doc)."""
+    """The plan of a graph: its table with every address said by what it points at."""
     if not isinstance(ret, Tensor):
         raise NotPersistable(f"the graph returns a {type(ret).__name__}, not one Tensor")
     if not graph.calls:
@@ -353,10 +343,8 @@ def _covered(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
 
 
 def persisted_graph(model: Any, kv_cache: Any, runner_settings: dict, *name: Any) -> PersistedGraph | None:
-    """The PersistedGraph of one of a model runner's graphs (`name`: which, e.g. ("forward", 8);
-    `runner_settings`: what else the runner bakes into its graphs); None where graphs are not kept (turned off, a
-    device the table in tinyvllm/platforms.py gives no CPU graph, or several devices: a split model's step replays
-    through a CPUGraph too, but this cache keeps graphs of one device only)."""
+    """The PersistedGraph of a model runner's graph `name`, e.g. ("forward", 8); None where graphs are not kept
+    (turned off, no CPU graph, or several devices)."""
     if not ENABLED or not platform_for(model.device).cpu_graph or not isinstance(model.devices, str):
         return None
     settings = (name, repr(model.config), simple_settings(model), {k: repr(v) for k, v in sorted(

@@ -1,8 +1,5 @@
 """Running a hand-written kernel inside tinygrad's graph, so that TinyJit captures and replays it.
 
-    kernels/<device>/<name>.<ext> --#defines, includes pasted--> source --programs.source_program--> PROGRAM
-        --Tensor.custom_kernel--> CALL(PROGRAM, outs..., ins...) in the graph: compiled, cached, captured, replayed
-
 Chapter: docs/phases/05-custom-kernels.md, section 5.
 """
 
@@ -27,7 +24,7 @@ from tinyvllm.tinygrad_ext.programs import (
     source_program,
 )
 
-PACKAGE_KERNELS = Path(__file__).resolve().parents[1] / "kernel_sources"  # an installed wheel: tinyvllm/kernel_sources
+PACKAGE_KERNELS = Path(__file__).resolve().parents[1] / "kernel_sources"  # an installed wheel
 REPO_KERNELS = Path(__file__).resolve().parents[2] / "kernels"  # a checkout or an editable install
 
 
@@ -50,17 +47,16 @@ class KernelBackend:
     """Where a device's kernel sources live and which tinygrad renderer compiles them."""
 
     folder: str  # kernels/<folder>/
-    suffix: str  # file extension of its sources
-    renderers: tuple[str, ...]  # tinygrad renderer names whose compiler takes this language ("" = device default)
-    kernel_prefix: str  # what goes before an entry function's name (tinygrad's kernel_typedef), as TV_KERNEL
+    suffix: str
+    renderers: tuple[str, ...]  # ("" = device default)
+    kernel_prefix: str  # TV_KERNEL: tinygrad's kernel_typedef
 
 
 CUDA = KernelBackend("cuda", ".cu", ("", "CUDA", "NVCC"), 'extern "C" __global__ void')
 BACKENDS: dict[str, KernelBackend] = {
-    # the CPU device's default renderer is clang (tinygrad/runtime/ops_cpu.py); DEV=CPU:LLVM would compile LLVM IR
     "CPU": KernelBackend("cpu", ".c", ("", "CLANG"), CLANG_KERNEL_PREFIX),
-    "CUDA": CUDA,  # nvrtc (or nvcc) compiles it
-    "NV": CUDA,  # tinygrad's own NVIDIA driver, same language
+    "CUDA": CUDA,
+    "NV": CUDA,
     "METAL": KernelBackend("metal", ".metal", ("",), "kernel void"),
 }
 
@@ -76,8 +72,7 @@ def kernel_path(name: str, device: str) -> Path | None:
 
 
 def has_kernel(name: str, device: str) -> bool:
-    """Is there a source for kernel `name` on `device`, in a language that device's compiler takes? Opens no device
-    (it runs while a graph is traced)."""
+    """Is there a source for kernel `name` on `device`? Opens no device (it runs while a graph is traced)."""
     kind = device_kind(device)
     if (backend := BACKENDS.get(kind)) is None or (path := kernel_path(name, device)) is None:
         return False
@@ -99,7 +94,7 @@ def _read_source(path: Path) -> str:
 
 
 def kernel_source(name: str, device: str, defines: dict[str, int | str]) -> str:
-    """The full source tinygrad compiles: `#define`s (shapes, ...), TV_KERNEL, then the file with its includes."""
+    """The full source tinygrad compiles: `#define`s, TV_KERNEL, then the file with its includes."""
     backend, path = BACKENDS[device_kind(device)], kernel_path(name, device)
     assert path is not None and path.is_file(), f"no kernel {name!r} for {device}"
     header = [f"#define {k} {v}" for k, v in defines.items()] + [f"#define TV_KERNEL {backend.kernel_prefix}"]
@@ -114,9 +109,8 @@ def program_name(entry: str, device: str, defines: dict[str, int | str]) -> str:
 
 
 def program_source(name: str, device: str, defines: dict[str, int | str], entry: str | None = None) -> tuple[str, str]:
-    """(program name, full source) of function `entry` (default: `name`) of kernels/<device>/<name>.*, as
-    `launch` compiles it: plus TV_<ENTRY> when the file holds several entries, plus the thread pool's address
-    on the CPU (the kernel hands chunks of its work to the helper threads there, see cpu_threads.py)."""
+    """(program name, full source) of function `entry` (default: `name`) of kernels/<device>/<name>.*, as `launch`
+    compiles it."""
     entry = entry or name
     pname = program_name(entry, device, defines)
     if entry != name:  # one entry per compilation: on the CPU it must be the object's first function
@@ -130,9 +124,8 @@ def program_source(name: str, device: str, defines: dict[str, int | str], entry:
 def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, int | str],
            estimates=None, entry: str | None = None, grid: tuple[int, int, int] = (1, 1, 1),
            local_size: tuple[int, int, int] | None = None) -> list[Tensor]:
-    """Run function `entry` (default: `name`) of kernels/<device>/<name>.* on `outs` (written) and `ins` (read),
-    all on one device. On a GPU it runs on `grid` blocks of `local_size` threads, on the CPU once. Every tensor must
-    be contiguous; returns the outs. Split tensors run once per device, so `defines` give one part's shapes."""
+    """Run function `entry` of kernels/<device>/<name>.* on `outs` (written) and `ins` (read), contiguous, on one
+    device (split tensors: once per device, `defines` giving one part's shapes); returns the outs."""
     device = outs[0].device
     assert all(t.device == device for t in outs + ins), "one device (or one tuple of devices) for all buffers"
     device = device if isinstance(device, str) else device[0]  # the kind is all a program's source depends on
@@ -148,8 +141,8 @@ def local_shape(t: Tensor) -> tuple[int, ...]:
 
 
 def output(shape: tuple[int, ...], dtype, like: Tensor, axis: int | None = None) -> Tensor:
-    """An output buffer of local shape `shape` (what the kernel writes on each device) on `like`'s device(s): split
-    along `axis`, or (None) one whole output per device. The kernel must write every element."""
+    """An output of local shape `shape` on `like`'s device(s), split along `axis` (None: whole on each). The kernel
+    must write every element."""
     if isinstance(like.device, str):
         return Tensor.invalids(*shape, dtype=dtype, device=like.device)
     return empty_shards(shape, dtype, like.device, axis)
@@ -166,10 +159,8 @@ def check_entry_is_first(lib: bytes, entry: str) -> None:
 
 
 def compile_host_program(name: str, defines: dict[str, int | str], entry: str | None = None) -> HostProgram:
-    """Compile kernels/cpu/<name>.c and load it as a callable on the host (not as a graph node): the CPU thread
-    pool's helper loop, the CPU graph's runner. `.fxn(*args)` takes ctypes.c_uint64 arguments."""
-    # NOTE: this may run while a graph is being traced (the first `linear`), where tinygrad forbids device use
-    # so that no tensor is realized by accident. Compiling and loading code realizes nothing.
+    """Compile kernels/cpu/<name>.c and load it as a host callable; `.fxn(*args)` takes ctypes.c_uint64 arguments."""
+    # this may run while a graph is traced, where tinygrad forbids device use; compiling realizes nothing.
     with Context(ALLOW_DEVICE_USAGE=1):
         lib = compile_cpu(kernel_source(name, "CPU", defines))
         check_entry_is_first(lib, entry or name)

@@ -1,8 +1,5 @@
 """tinygrad's lowered kernels kept on disk, and its default device remembered, so a new process redoes neither.
 
-    process 1:  lower kernel K -> to_program_cache[key] = program -> <cache dir>/<sha256 of key>.pkl
-    process 2:  key in to_program_cache? not in memory -> read <sha256 of key>.pkl -> yes, no lowering
-
 Chapter: docs/phases/06-appendix-measurements.md (what a new process reuses).
 """
 
@@ -99,8 +96,7 @@ class DiskProgramCache(dict):
 
 
 def install(directory: Path | None = None, device: str | None = None) -> DiskProgramCache | None:
-    """Make tinygrad's lowered-program cache a `DiskProgramCache` (once per process; None when turned off), and,
-    unless `device` names one, settle tinygrad's default device from what an earlier process found."""
+    """Make tinygrad's lowered-program cache a `DiskProgramCache` (None when turned off); idempotent."""
     with _lock:
         current = lowered_program_cache()
         if isinstance(current, DiskProgramCache):

@@ -1,7 +1,4 @@
-"""`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (docs/phases/06-quantized-weights.md).
-
-    x (..., K) float32 @ w(N, K).T -> (..., N) float32      w: a QuantizedWeight, the GGUF's blocks as they are
-"""
+"""`qlinear(x, w)`: matmuls on weights kept in their GGUF block formats (docs/phases/06-quantized-weights.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ from tinyvllm.tinygrad_ext.programs import kernel_cost as Estimates  # noqa: N81
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """One GGUF block format: `block_size` weights stored in `type_size` bytes; `kernel` is the file computing it."""
+    """One GGUF block format: `block_size` weights stored in `type_size` bytes."""
 
     name: str
     block_size: int
@@ -31,7 +28,7 @@ class QuantFormat:
         return 8 * self.type_size / self.block_size
 
 
-# ggml type id -> format (byte layouts drawn in tinyvllm/model/quant.py)
+# ggml type id -> format (byte layouts in model/quant.py)
 QUANT_FORMATS: dict[int, QuantFormat] = {
     2: QuantFormat("Q4_0", 32, 18, "qmatmul"),
     3: QuantFormat("Q4_1", 32, 20, "qmatmul"),
@@ -47,23 +44,19 @@ QUANT_FORMATS: dict[int, QuantFormat] = {
     23: QuantFormat("IQ4_XS", 256, 136, "qmatmul_k"),
 }
 
-# Bytes of one quantized block of x in the CPU kernels' scratch (the C structs; each file checks its size):
-#   qmatmul.c    struct xblock    { float d; float s; int8 q[32]; }          s = d * sum(q), for the min term
-#   qmatmul_k.c  struct xblock_k  { float d; int16 bsums[16]; int8 q[256]; } bsums: sums of each 16 q
+# Bytes of one quantized block of x in the CPU kernels' scratch: sizeof struct xblock / xblock_k in the C files.
 X_BLOCK_BYTES = {"qmatmul": 40, "qmatmul_k": 292}
 
-# 0 (the default): the integer route at every M, batch-invariant. N > 0: from N rows of x on, the CPU kernel for the
-# 32-element formats multiplies dequantized w in float32, so a row's result depends on how many rows share its step.
+# 0: the integer route at every M, batch-invariant. N > 0: from N rows of x on, a float32 path whose result depends
+# on how many rows share the step.
 FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 
 
-# 1 (the default): kernels/cpu/qmatmul.c takes AVX-512 VNNI's _mm512_dpbusd_epi32 where the CPU has it; 0: AVX2's
-# route (TV_NO_VNNI). Same bits either way: the same float operations in llama.cpp's order (vec_dot_q4_1_q8_1).
+# 1: qmatmul.c uses AVX-512 VNNI where the CPU has it; 0: AVX2's route. Same bits either way.
 VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "1") == "1"
 
 
 def uses_float_path(ggml_type: int, M: int) -> bool:
-    """Does qmatmul.c take its float path for M rows of x (only where a user turned it on)?"""
     return QUANT_FORMATS[ggml_type].kernel == "qmatmul" and 0 < FLOAT_PATH_MIN_M <= M
 
 
@@ -77,11 +70,7 @@ def quant_format(ggml_type: int) -> QuantFormat:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A (N, K) weight kept in its GGUF blocks on the device.
-
-        data: (N, K // block_size * type_size) uint8    row n = the blocks of weight row n, in order
-        shape: (N, K)                                    (out_features, in_features), as a float weight would be
-    """
+    """A (N, K) weight kept in its GGUF blocks on the device: data (N, K // block_size * type_size) uint8."""
 
     data: Tensor
     ggml_type: int
@@ -103,19 +92,19 @@ class QuantizedWeight:
 
 
 def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
-    """Bytes of the CPU kernel's scratch: M rows of x, each quantized to K // block_size 8-bit blocks."""
+    """Bytes of the CPU kernel's scratch: M rows of x quantized to 8-bit blocks."""
     fmt = quant_format(ggml_type)
     return M * (K // fmt.block_size) * X_BLOCK_BYTES[fmt.kernel]
 
 
 # ---- the GPU launches: GEMV for a few rows of x, tiles for many ----
-GPU_GEMV_MAX_M = 8  # up to this many rows of x the GEMV route; llama.cpp's MMVQ_MAX_BATCH_SIZE (ggml-cuda/mmvq.cuh)
-GPU_TILE = 64  # rows of x and of w per thread block of the tiled route (TILE_M, TILE_N in qmatmul_tiled.*)
+GPU_GEMV_MAX_M = 8  # llama.cpp's MMVQ_MAX_BATCH_SIZE
+GPU_TILE = 64  # rows of x and of w per thread block of the tiled route
 
 
 @dataclass(frozen=True)
 class GpuLaunch:
-    """One kernel launch of a GPU route: `entry` of the format's file on `grid` blocks of `threads` threads."""
+    """`entry` of the format's file on `grid` blocks of `threads` threads."""
 
     entry: str
     grid: tuple[int, int, int]
@@ -123,8 +112,7 @@ class GpuLaunch:
 
 
 def gpu_launches(ggml_type: int, M: int, N: int, K: int) -> list[GpuLaunch]:
-    """What a GPU runs for x (M, K) @ w(N, K).T: the GEMV route (one launch) for M <= GPU_GEMV_MAX_M, else the tiled
-    route (x quantized into the scratch by quantize_x, then qmatmul_tiled on it)."""
+    """The launches for x (M, K) @ w(N, K).T: GEMV for M <= GPU_GEMV_MAX_M, else quantize_x then qmatmul_tiled."""
     kernel = quant_format(ggml_type).kernel
     if M <= GPU_GEMV_MAX_M:
         return [GpuLaunch(kernel, ((N + 3) // 4, M, 1), 128)]  # one warp per (m, n)
@@ -133,8 +121,7 @@ def gpu_launches(ggml_type: int, M: int, N: int, K: int) -> list[GpuLaunch]:
 
 
 def gpu_scratch_bytes(M: int, K: int) -> int:
-    """Bytes of the GPU kernels' scratch: the tiled route's quantized x, 40 bytes per block of 32 for every format
-    (kernels/cpu/qmatmul.c's struct xblock); the GEMV route reads x as it is and needs none."""
+    """Bytes of the GPU kernels' scratch: the tiled route's quantized x; the GEMV route needs none."""
     return M * (K // 32) * X_BLOCK_BYTES["qmatmul"] if M > GPU_GEMV_MAX_M else 0
 
 
@@ -160,10 +147,9 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
 
     def kernel(x2: Tensor, M: int, N: int, K: int, out: Tensor) -> Tensor:  # one device's (M,K) @ (N,K).T -> out
         nbytes = N * K // fmt.block_size * fmt.type_size
-        # ops: one multiply-add per weight per row of x; mem: the blocks once, x, out and the scratch once
         estimates = Estimates(ops=2 * M * N * K, lds=nbytes + 4 * M * K, mem=nbytes + 4 * (M * K + M * N))
         defines = {"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": w.ggml_type}
-        wd = w.data.contiguous()  # (N, row bytes)
+        wd = w.data.contiguous()
         if device_kind(x.device) == "CPU":
             scratch = output((max(1, scratch_bytes(w.ggml_type, M, K)),), dtypes.uint8, x2)
             if uses_float_path(w.ggml_type, M):
@@ -174,21 +160,19 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
             return out
         scratch = output((max(1, gpu_scratch_bytes(M, K)),), dtypes.uint8, x2)
         *quantize, matmul = gpu_launches(w.ggml_type, M, N, K)
-        for q in quantize:  # the tiled route: x -> 8-bit blocks first
+        for q in quantize:
             (scratch,) = launch(fmt.kernel, outs=[scratch], ins=[x2], defines=defines, entry=q.entry, grid=q.grid,
                                 local_size=(q.threads, 1, 1),
                                 estimates=Estimates(ops=4 * M * K, lds=4 * M * K, mem=4 * M * K + scratch.nbytes()))
-        # (out, scratch, x, w) either way: only the tiled route reads the scratch
         outs, ins = ([out], [scratch, x2, wd]) if quantize else ([out, scratch], [x2, wd])
         return launch(fmt.kernel, outs=outs, ins=ins, defines=defines, estimates=estimates, entry=matmul.entry,
                       grid=matmul.grid, local_size=(matmul.threads, 1, 1))[0]
-    # tensor parallel: a row-parallel weight's columns are split between whole blocks (see model/llama.py `place`)
+    # a row-parallel weight's columns are split between whole blocks
     return linear_module.run_split(x, w.data, N, kernel)
 
 
-# ---- dequantizing in tinygrad ops: the portable path and the embedding lookup ----
-# Each takes blocks (..., type_size) uint8 and returns (..., block_size) float32, doing the float operations in
-# the order of tinyvllm/model/quant.py's numpy dequantizers.
+# ---- dequantizing in tinygrad ops: blocks (..., type_size) uint8 -> (..., block_size) float32, in the order of
+# model/quant.py's numpy dequantizers ----
 
 def _f16(b: Tensor, at: int) -> Tensor:
     """The little-endian float16 at byte `at` of each block, as float32: (..., 1)."""
@@ -210,8 +194,8 @@ def _q4_1(b: Tensor) -> Tensor:  # x = d * q + m
 
 
 def _shifted(x: Tensor, shifts: range | tuple[int, ...], dim: int) -> Tensor:
-    """x >> s for each s, stacked along a new dimension `dim`. The shifts are Python constants: a Tensor made from a
-    list inside a captured step is a buffer of its own, which would keep the step out of the CPU graph."""
+    """x >> s for each s, stacked along `dim`; Python constants, as a Tensor of shifts would keep the step out of
+    the CPU graph."""
     return Tensor.stack(*[x >> sh for sh in shifts], dim=dim)
 
 
@@ -226,7 +210,7 @@ def _q5_0(b: Tensor) -> Tensor:  # x = d * (q - 16), q = nibble | fifth bit
 
 
 def _iq4_values(nibbles: Tensor) -> Tensor:
-    """IQ4_NL's 16 values looked up by 4-bit indices, as float32: a chain of selects on constants (exact)."""
+    """IQ4_NL's 16 values looked up by 4-bit indices: a chain of selects on constants."""
     out = nibbles.cast(dtypes.float32) * 0
     for index, value in enumerate((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)):
         out = (nibbles == index).where(float(value), out)
@@ -247,8 +231,7 @@ def _q8_0(b: Tensor) -> Tensor:  # x = d * q, q an int8
 
 
 def _two_bits(qs: Tensor) -> Tensor:
-    """Q2_K/Q3_K: (..., 64) bytes -> (..., 16, 16) values 0..3, element e of half h = bits 2 (e // 32) of byte
-    32h + e % 32."""
+    """Q2_K/Q3_K: (..., 64) bytes -> (..., 16, 16) values 0..3."""
     halves = qs.reshape(*qs.shape[:-1], 2, 32)
     return (_shifted(halves, range(0, 8, 2), -2) & 3).reshape(*qs.shape[:-1], 16, 16)
 
@@ -330,7 +313,7 @@ def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
 
 
 def dequantize_weight(w: QuantizedWeight) -> Tensor:
-    """The (N, K) float32 weight, computed in tinygrad ops on w's device: the portable reference."""
+    """The (N, K) float32 weight in tinygrad ops: the portable reference."""
     return _dequantize_rows(w.data, w.ggml_type, w.shape[1])
 
 

@@ -26,7 +26,7 @@ from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from tinyvllm.platforms import platform_for
 from tinyvllm.plugins import provided
 
-if TYPE_CHECKING:  # Phase 6's weights in GGUF blocks, Phase 8's split over devices: imported where used
+if TYPE_CHECKING:
     from tinyvllm.distributed.pipeline_parallel import PipelineParallel
     from tinyvllm.distributed.tensor_parallel import TensorParallel
     from tinyvllm.kernels.qlinear import QuantizedWeight
@@ -37,9 +37,8 @@ act_and_mul = provided("act_and_mul", ops.act_and_mul)  # Phase 5: the gated act
 reusable_function = provided("reusable_function", lambda fxn: fxn)
 traces_reused = provided("traces_reused", contextlib.nullcontext)
 
-# A weight as the model holds it: a float tensor, GGUF blocks (QuantizedWeight: Phase 6), or, where parts fused on
-# paper are stored in different formats (a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), one per part.
-Weight = "Tensor | QuantizedWeight | tuple"  # (a name for annotations: QuantizedWeight is imported where used)
+# a tuple: one per part where fused parts are stored in different formats (Q4_K_M: attn_v in Q6_K, q and k in Q4_K)
+Weight = "Tensor | QuantizedWeight | tuple"
 
 
 def project(x: Tensor, w: Weight) -> Tensor:
@@ -140,8 +139,7 @@ class LlamaDecoderLayer:
         B, T, _ = x.shape
         S, F = self.tp.size, self.config.intermediate_size // self.tp.size  # F: per device
         gate_up = project(x, self.gate_up_proj).reshape(B, T, S, 2 * F)  # (B,T,S,2F), device s: [gate_s up_s]
-        # SwiGLU (Shazeer 2020, arxiv.org/abs/2002.05202): silu(gate) * up; GeGLU (Gemma): gelu(gate) * up, with
-        # gelu's tanh approximation 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), tinygrad's gelu
+        # SwiGLU: silu(gate) * up; GeGLU (Gemma): gelu_tanh(gate) * up
         act = "silu" if self.config.hidden_act == "silu" else "gelu_tanh"
         h = act_and_mul(gate_up, act).reshape(B, T, S * F)
         return project(h, self.down_proj)  # row-parallel: the all-reduce
@@ -186,8 +184,7 @@ def place(tp: TensorParallel, w: Weight, axis: int | None) -> Weight:
 
 def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor | None = None,
            copies: list[Future] | None = None) -> Tensor:
-    """`parts` concatenated along dim 0 into a device tensor of their dtype (float32, or uint8 GGUF blocks): the
-    parts' own memory where it can be (`in_place`), else one copy into tinygrad's buffer."""
+    """`parts` concatenated along dim 0 into a device tensor (float32, or uint8 GGUF blocks), in place if it can be."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
     if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
@@ -205,8 +202,7 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
 
 
 def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype, device: str | None) -> Tensor | None:
-    """The parts as one tensor over their own memory (a GGUF's mapped pages), or None unless the device's memory is
-    the host's and the parts are C-contiguous, of the dtype, back to back and 32-byte aligned."""
+    """The parts as one tensor over their own memory (a GGUF's mapped pages), or None where that cannot be."""
     if not platform_for(device).host_views or any(p.dtype != np_dtype or not p.flags.c_contiguous for p in parts):
         return None
     start = parts[0].ctypes.data
@@ -224,7 +220,6 @@ class LlamaForCausalLM:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.config, self.dtype = config, dtype
         self.quantization = quantization  # the --quantization method the weights were loaded with
-        # one device, or (Phase 8) several, split by heads (tensor parallel) or by layers (pipeline parallel)
         self.tp: OneDevice | TensorParallel = OneDevice(config, device)
         self.pp: OneDevice | PipelineParallel = self.tp
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
@@ -243,8 +238,7 @@ class LlamaForCausalLM:
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
         def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None) -> Weight:
-            # HF tensors fused along dim 0 (vLLM's QKVParallelLinear); axis: split over devices (None: replicated);
-            # parts_of: each part's name ("q", ...), for the rows' order; at: a pipeline stage's device
+            # HF tensors fused along dim 0; axis: split over devices (None: replicated); at: a pipeline stage's device
             dev = at or device
             parts = [tp.pad_vocab(state_dict[n]) if "embed" in n or "lm_head" in n else state_dict[n] for n in names]
             if all(isinstance(p, np.ndarray) for p in parts):
@@ -297,14 +291,13 @@ class LlamaForCausalLM:
         # Gemma 3's sliding layers' own RoPE base
         self.inv_freq_local = None if config.rope_local_theta is None else upload(
             [rope_frequencies(config, local=True)], device)
-        for copy in copies:  # every copy into the weights has finished (and raised, if it failed)
+        for copy in copies:
             copy.result()
         pool.shutdown()
         del load  # a cycle (it calls itself) holding `state_dict`: freed now
-        # only casts are left to compute: realizing ready buffers would still schedule them
         if pending := [t for t in loaded if not buffers.is_realized(t)]:
             Tensor.realize(*pending)
-        if tp.size > 1:  # split or replicate every weight over the devices
+        if tp.size > 1:
             layer_weights = [{name: place(tp, w, SPLIT_AXIS.get(name)) for name, w in lw.items()}
                              for lw in layer_weights]
             self.embed_tokens, self.norm, self.inv_freq = (place(tp, self.embed_tokens, 0), place(tp, self.norm, None),
@@ -318,7 +311,7 @@ class LlamaForCausalLM:
             Tensor.realize(*[t if isinstance(t, Tensor) else t.data for w in placed
                              for t in (w if isinstance(w, tuple) else (w,))])  # every copy in one schedule
         self.layers = [LlamaDecoderLayer(config, lw, tp, i) for i, lw in enumerate(layer_weights)]
-        self._weight_formats = self._count_weight_formats()  # fixed from here on; get_stats() reads it every step
+        self._weight_formats = self._count_weight_formats()
 
     @property
     def device(self) -> str:

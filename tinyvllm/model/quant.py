@@ -1,6 +1,6 @@
-"""GGML's block formats, their numpy dequantizers, and `QuantizedArray` (Phase 6).
+"""GGML's block formats, their numpy dequantizers (every kernel's reference), and `QuantizedArray`.
 
-They are the reference every kernel is tested against (docs/phases/06-quantized-weights.md, section 2).
+Taught in docs/phases/06-quantized-weights.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(..., k) packed bytes -> (..., 2k) 4-bit values: all lo nibbles first, then all hi nibbles."""
+    """(..., k) bytes -> (..., 2k): all lo nibbles, then all hi nibbles."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
@@ -32,16 +32,11 @@ def dequantize_f32(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_f16(blocks: np.ndarray) -> np.ndarray:
-    """F16: 2 bytes per element, IEEE float16 (5-bit exponent, 10-bit mantissa)."""
     return blocks.view(np.float16).astype(np.float32)
 
 
 def dequantize_bf16(blocks: np.ndarray) -> np.ndarray:
-    """BF16: 2 bytes per element, the top half of a float32 (8-bit exponent, 7-bit mantissa).
-
-        bf16:     S EEEEEEEE MMMMMMM
-        float32:  S EEEEEEEE MMMMMMM 0000000000000000     (bf16 << 16)
-    """
+    """BF16: the top half of a float32."""
     return (blocks.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
@@ -62,7 +57,7 @@ def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
 
 
 def _fifth_bits(qh_bytes: np.ndarray) -> np.ndarray:
-    """(n, 4) bytes of a little-endian u32 -> (n, 32) bits, bit j is element j's 5th bit (value 16)."""
+    """(n, 4) bytes of a little-endian u32 -> (n, 32): bit j as element j's 5th bit (0 or 16)."""
     qh = qh_bytes.copy().view(np.uint32)  # (n, 1)
     return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
 
@@ -75,14 +70,14 @@ def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
-    """Q5_1: 32 elements in 24 bytes (6 bits per weight), x = d * q + m, q in 0..31: d, m, qh (u32), qs as in Q5_0."""
+    """Q5_1: 32 elements in 24 bytes, x = d * q + m, q in 0..31."""
     d, m = _f16(blocks, 0), _f16(blocks, 2)
     q = (_nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])).astype(np.float32)
     return d * q + m
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
-    """Q8_0: 32 elements in 34 bytes (8.5 bits per weight), x = d * q: d (f16), then 32 int8 q."""
+    """Q8_0: 32 elements in 34 bytes, x = d * q, q int8."""
     d = _f16(blocks, 0)
     return d * blocks[:, 2:].view(np.int8).astype(np.float32)
 
@@ -92,7 +87,7 @@ IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38
 
 
 def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
-    """IQ4_NL: 32 elements in 18 bytes (4.5 bits per weight), x = d * IQ4NL_VALUES[q], q in 0..15 (laid out as Q4_0)."""
+    """IQ4_NL: 32 elements in 18 bytes, x = d * IQ4NL_VALUES[q] (laid out as Q4_0)."""
     d = _f16(blocks, 0)
     return d * IQ4NL_VALUES[_nibbles(blocks[:, 2:])].astype(np.float32)
 
@@ -100,9 +95,7 @@ def dequantize_iq4_nl(blocks: np.ndarray) -> np.ndarray:
 # ---- k-quants: 256-element super-blocks ----
 
 def dequantize_q2_k(blocks: np.ndarray) -> np.ndarray:
-    """Q2_K: 256 elements in 84 bytes (2.625 bits per weight): 16 sub-blocks of 16, each with a 4-bit scale sc and
-    min m, x = (d * sc) * q - (dmin * m), q in 0..3.
-    """
+    """Q2_K: 256 elements in 84 bytes, 16 sub-blocks of 16: x = (d * sc) * q - (dmin * m), q in 0..3."""
     n = blocks.shape[0]
     scales = blocks[:, 0:16]
     dl = (_f16(blocks, 80) * (scales & 0x0F).astype(np.float32))[..., None]  # (n, 16, 1)
@@ -125,9 +118,8 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
-    """Q3_K: 256 elements in 110 bytes (3.4375 bits per weight): 16 sub-blocks of 16, each with a 6-bit scale,
-    x = (d * (sc - 32)) * q, q in -4..3: 2 low bits from qs, minus 4 where the element's hmask bit is 0.
-    """
+    """Q3_K: 256 elements in 110 bytes, 16 sub-blocks of 16: x = (d * (sc - 32)) * q, q in -4..3 (minus 4 where the
+    hmask bit is 0)."""
     n = blocks.shape[0]
     dl = (_f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))[..., None]  # (n, 16, 1)
     qs = blocks[:, 32:96].reshape(n, 2, 1, 32)
@@ -150,9 +142,7 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
-    """Q4_K: 256 elements in 144 bytes (4.5 bits per weight): 8 sub-blocks of 32, each with a 6-bit
-    scale sc and min m, x = (d * sc) * q - (dmin * m), q in 0..15.
-    """
+    """Q4_K: 256 elements in 144 bytes, 8 sub-blocks of 32: x = (d * sc) * q - (dmin * m), q in 0..15."""
     n = blocks.shape[0]
     sc, m = _k_scales_mins(blocks[:, 4:16])
     d = (_f16(blocks, 0) * sc)[..., None]  # (n, 8, 1)
@@ -162,9 +152,7 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
-    """Q5_K: 256 elements in 176 bytes (5.5 bits per weight): Q4_K plus a 5th bit per element,
-    x = (d * sc) * q - (dmin * m), q in 0..31.
-    """
+    """Q5_K: 256 elements in 176 bytes: Q4_K plus a 5th bit per element, q in 0..31."""
     n = blocks.shape[0]
     sc, m = _k_scales_mins(blocks[:, 4:16])
     d = (_f16(blocks, 0) * sc)[..., None]
@@ -177,9 +165,7 @@ def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
-    """Q6_K: 256 elements in 210 bytes (6.5625 bits per weight): 16 sub-blocks of 16, each with an
-    int8 scale, x = (d * scale) * (q - 32), q in 0..63 (4 low bits in ql, 2 high bits in qh).
-    """
+    """Q6_K: 256 elements in 210 bytes, 16 sub-blocks of 16: x = (d * scale) * (q - 32), q in 0..63."""
     n = blocks.shape[0]
     ql = blocks[:, 0:128].reshape(n, 2, 64)
     qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
@@ -192,9 +178,7 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:
-    """IQ4_XS: 256 elements in 136 bytes (4.25 bits per weight): 8 sub-blocks of 32, each with a 6-bit scale,
-    x = (d * (sc - 32)) * IQ4NL_VALUES[q], q in 0..15.
-    """
+    """IQ4_XS: 256 elements in 136 bytes, 8 sub-blocks of 32: x = (d * (sc - 32)) * IQ4NL_VALUES[q]."""
     n = blocks.shape[0]
     scales_l = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(n, 8) & 0x0F
     scales_h = blocks[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)  # (n, 8)
@@ -236,7 +220,7 @@ def _format(ggml_type: int) -> tuple[int, int, Callable[[np.ndarray], np.ndarray
 def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of this type and (numpy-order) shape occupies in a GGUF file."""
     block_size, type_size, _ = _format(ggml_type)
-    n = math.prod(shape)  # Python's ints: no float or int64 round trip, and no numpy call per tensor
+    n = math.prod(shape)  # Python's ints: no int64 overflow
     if shape and shape[-1] % block_size != 0:
         raise ValueError(f"a {type_name(ggml_type)} row must be a multiple of {block_size} elements, got shape {shape}")
     return n // block_size * type_size
@@ -256,10 +240,7 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
 
 @dataclass(frozen=True)
 class QuantizedArray:
-    """A 2-D weight still in its GGUF blocks, on the host: what the loader hands the model instead of floats.
-
-        data: (N, K // block_size * type_size) uint8   row n's blocks, in order (a block never spans two rows)
-        shape: (N, K)                                   the float weight it stands for: (out_features, in_features)"""
+    """A (N, K) weight still in its GGUF blocks, on the host: data (N, K // block_size * type_size) uint8."""
 
     data: np.ndarray
     ggml_type: int
@@ -273,7 +254,7 @@ class QuantizedArray:
         return dequantize(self.data.reshape(-1), self.ggml_type, self.shape)
 
     def rows(self, order: np.ndarray) -> QuantizedArray:
-        """The same weight with its rows reordered (rows are whole blocks, so this is a byte gather)."""
+        """The same weight with its rows reordered."""
         return QuantizedArray(self.data[order], self.ggml_type, self.shape)
 
 

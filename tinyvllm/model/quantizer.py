@@ -16,8 +16,7 @@ BLOCK_SIZE = 32  # elements per block of the 32-element formats
 # ggml type id -> (elements, bytes) per block: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL
 FORMATS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 20: (32, 18)}
 QUANTIZE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q4_k": 12}  # the names users type -> ggml type id
-# where a row is not whole blocks of a type, llama-quantize stores the tensor in another (src/llama-quant.cpp's
-# fallback table): Q4_K's 256-element super-blocks give way to Q5_0's 32-element blocks (SmolLM2's rows are 576 wide)
+# llama-quantize's fallback where a row is not whole blocks of a type (SmolLM2's rows are 576 wide)
 FALLBACK = {12: 6}
 
 CHUNK_BLOCKS = 2048  # blocks per unit of work: 256 KiB of float32 in, fits the L2 cache with its temporaries
@@ -42,8 +41,7 @@ def _inverse(d: np.ndarray) -> np.ndarray:
 
 
 def _float16(values: np.ndarray, what: str) -> np.ndarray:
-    """A block's scale (or minimum) as float16 bytes (n, 2); a NaN, an infinity or a value past float16's
-    range (65504) in the weights shows here, once per block, instead of costing a pass over all of them."""
+    """A block's scale (or minimum) as float16 bytes (n, 2); ValueError for a NaN, infinity or value past 65504."""
     with np.errstate(over="ignore"):  # reported below, with the value
         half = values.astype(np.float16)
     if not np.isfinite(half).all():
@@ -141,8 +139,7 @@ _QUANTIZERS = {2: _quantize_q4_0, 3: _quantize_q4_1, 6: _quantize_q5_0, 8: _quan
 
 
 def storage_type(ggml_type: int, row_length: int) -> int | None:
-    """The type a row of `row_length` weights is stored in when `ggml_type` is asked for: that type, or its fallback
-    (FALLBACK) where the row is not whole blocks of it; None where neither fits (the tensor stays float)."""
+    """The type a row of `row_length` is stored in for `ggml_type`: it, its FALLBACK, or None (stays float)."""
     for t in (ggml_type, FALLBACK.get(ggml_type)):
         if t is not None and row_length % FORMATS[t][0] == 0:
             return t
@@ -150,8 +147,7 @@ def storage_type(ggml_type: int, row_length: int) -> int | None:
 
 
 def quantize(array: np.ndarray, ggml_type: int) -> np.ndarray:
-    """Quantize `array` (N, K) float32 into GGML blocks: (N, K // 32 * type_size) uint8, row after row (the bytes
-    llama-quantize writes without an importance matrix). K: a multiple of the block (32 elements, K-quants 256)."""
+    """`array` (N, K) float32 -> GGML blocks (N, K // block * type_size) uint8, as llama-quantize without an imatrix."""
     if ggml_type not in _QUANTIZERS:
         supported = ", ".join(f"{GGML_TYPES[t]} ({t})" for t in sorted(_QUANTIZERS))
         name = GGML_TYPES.get(ggml_type, "unknown")

@@ -117,13 +117,7 @@ def _make_qkx2_quants(xt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, 
 
 
 def quantize_q4_k(x: np.ndarray, out: np.ndarray) -> None:
-    """x (n, 256) float32 -> out (n, 144) uint8: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
-    nibbles (tinyvllm/model/quant.py draws the layout). ggml's quantize_row_q4_K_ref:
-      1. per sub-block of 32, weights av_x + |x| (av_x: the sub-block's RMS) and make_qkx2_quants' scale and min;
-      2. the super-block's d = max scale / 63 and dmin = max min / 63 (float16), each sub-block's scale and min
-         rounded to 6 bits of those;
-      3. every x assigned again, nearest_int((x + dmin * m) / (d * sc)) clamped to 0..15, with the stored numbers
-         (a sub-block whose d * sc is 0 keeps step 1's assignment)."""
+    """x (n, 256) float32 -> out (n, 144) uint8 Q4_K blocks (model/quant.py), as ggml's quantize_row_q4_K_ref."""
     n = x.shape[0]
     xt = np.ascontiguousarray(x.reshape(n * 8, 32).T)  # (32, 8n): sub-block b = column b
     with np.errstate(all="ignore"):  # (a NaN or an overflow shows in d: the caller checks it)

@@ -1,9 +1,7 @@
 """Batched sampling on the device: a batch's next tokens from its logits in one graph, each row with its own
 parameters, drawing what the host reference (`sample/sampler.py`) draws for the same key.
 
-    logits (S, V) on the device ----> [ /temperature, min-p, top-k, top-p, exponential race ] ----> tokens (S,)
-    per-row params (S,): temperature (0: argmax), top_k, top_p, min_p  only S int32s come back to the host
-    per-row keys   (S, 2) uint32: the race's Exp(1) clocks are hashed from them on the device (noise.py)
+    logits (S, V) -> [ /temperature, min-p, top-k, top-p, exponential race ] -> tokens (S,)
 
 Taught in docs/phases/04-batched-forward.md, section 6.
 """
@@ -17,7 +15,7 @@ from tinygrad import Tensor, dtypes
 from tinyvllm.plugins import provided
 from tinyvllm.sample import noise
 
-kernel_draw = provided("sampler_kernel")  # Phase 5: the sampler kernel (sample/sampler_kernel.py), else None
+kernel_draw = provided("sampler_kernel")  # Phase 5, else None
 BISECTION_STEPS = 32  # halvings of the value range: finer than float32 spacing for any logit range seen
 
 
@@ -65,8 +63,8 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
-    """Structured outputs: bitmask (S, ceil(V/32)) int32, bit t % 32 of word t // 32 set when token t is allowed
-    (llguidance's layout) -> logits with every other token at -inf."""
+    """bitmask (S, ceil(V/32)) int32, bit t % 32 of word t // 32 set when token t is allowed -> logits with the
+    others at -inf."""
     rows, vocab = logits.shape
     words = bitmask.shape[1]
     shifts = Tensor.arange(32, dtype=dtypes.int32).reshape(1, 1, 32)
@@ -76,7 +74,7 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
 
 
 def greedy(logits: Tensor) -> Tensor:
-    """logits (S,V) -> the highest-scoring token of every row (S,) int32: a batch where every row is greedy."""
+    """logits (S,V) -> the argmax of every row (S,) int32."""
     return logits.argmax(-1).cast(dtypes.int32)
 
 
@@ -86,7 +84,7 @@ def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_
     keeps the logits >= its threshold. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
     if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
                                                          portable=portable)) is not None:
-        return drawn  # Phase 5: the sampler kernel, where the device has it
+        return drawn
     rows = logits.shape[0]
     thresholds = (filter_thresholds(logits, temperature, top_k, top_p, min_p) if use_filters
                   else Tensor.full((rows, 1), -math.inf, device=logits.device))
@@ -105,8 +103,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
 
 
 def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """The portable graph's thresholds (S,1): the smallest logit min-p, top-k and top-p keep on the logits divided
-    by the temperature."""
+    """The portable graph's thresholds (S,1): the smallest logit the filters keep after the temperature."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
     kept = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
     survives = kept > -math.inf  # (S,V)

@@ -1,5 +1,4 @@
-"""The exponential race's clocks, made where they are used: a counter-based hash of (key, token id) (the idea behind
-Philox; Salmon et al. 2011), the same bits in numpy, the tinygrad graph and the C, CUDA and Metal sampler kernels.
+"""The exponential race's clocks: a counter-based hash of (key, token id), the same bits in every backend.
 
     request's generator --integers--> key (2,) uint32 --(host: 8 bytes)--> device:
         h = mix(mix(i ^ key[0]) + key[1])        for token i: two rounds of a 32-bit integer hash

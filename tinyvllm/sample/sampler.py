@@ -1,6 +1,6 @@
-"""The host (numpy) reference sampler: one position's logits to one token id, in the order of vLLM v1's
-`Sampler.forward`; the device sampler is tested against it. Taught, with the pipeline and worked numbers, in
-docs/phases/01-foundation.md, section 7, and 01-appendix-tokens-and-sampling.md.
+"""The host (numpy) reference sampler, in the order of vLLM v1's `Sampler.forward`.
+
+Taught in docs/phases/01-foundation.md, section 7, and 01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def apply_penalties(logits: np.ndarray, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
                     params: SamplingParams) -> np.ndarray:
-    """Discourage tokens already seen, with vLLM's definitions (vllm/model_executor/layers/utils.py): repetition
-    over prompt and output (a positive logit / r, a negative one * r), frequency `- f * count` and presence
-    `- p * [count > 0]` over the output only."""
+    """Discourage tokens already seen, with vLLM's definitions: repetition over prompt and output, frequency and
+    presence over the output only."""
     if not params.uses_penalties:
         return logits
     vocab_size = logits.shape[0]
@@ -80,8 +79,7 @@ def apply_top_k(logits: np.ndarray, top_k: int) -> np.ndarray:
 
 
 def apply_top_p(logits: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p`: a token is kept while the mass ranked
-    above it is < top_p (the argmax always is); ties are kept together, as in apply_top_k."""
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (ties kept together)."""
     if top_p >= 1:
         return logits
     order = np.argsort(-logits, kind="stable")  # (V,) token ids, most likely first
@@ -143,8 +141,7 @@ class Sampler:
     def __call__(self, logits: np.ndarray, params: SamplingParams, prompt_token_ids: Sequence[int],
                  output_token_ids: Sequence[int], generator: np.random.Generator | None,
                  eos_token_ids: Iterable[int] = ()) -> int:
-        """Choose the next token. logits: (V,) raw model output for the last position; `eos_token_ids`: the
-        model's, banned with `stop_token_ids` until `min_tokens`; `generator`: None for a greedy request."""
+        """logits (V,) of the last position -> the next token id; `generator`: None for a greedy request."""
         logits = np.asarray(logits, dtype=np.float64)  # float64: rounding never decides a filter boundary here
         logits = apply_min_tokens(logits, params, len(output_token_ids), eos_token_ids)
         logits = apply_logit_bias(logits, params)

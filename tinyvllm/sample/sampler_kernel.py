@@ -1,5 +1,4 @@
-"""The sampler kernel (kernels/<device>/sampler.*, Phase 5): a batch's draws in one launch, one thread block per
-row, where the device has the kernel; device_sampler.py's portable graph draws the same tokens."""
+"""The sampler kernel (kernels/<device>/sampler.*): a batch's draws in one launch, one thread block per row."""
 
 from __future__ import annotations
 

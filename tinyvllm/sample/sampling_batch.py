@@ -1,13 +1,5 @@
-"""One step's sampling, row by row: each row's parameters (from the persistent batch, as vLLM v1's
-`SamplingMetadata`), whether the device or the host reference sampler takes it, and its grammar's mask.
-Taught in docs/phases/04-batched-forward.md, section 6.
-
-    row  request                  routed to   temperature  top_k  top_p  min_p  key      bitmask
-    0    greedy                   device      0            V      1      0      -        all ones
-    1    T=0.8, top_p=0.9         device      0.8          V      0.9    0      drawn    all ones
-    2    repetition_penalty=1.2   host        0 (unused on the device)                   all ones
-    3    JSON schema              device      0            V      1      0      -        its grammar's
-         padding rows             device      0            V      1      0      -        all ones
+"""One step's sampling, row by row: each row's parameters, whether the device or the host reference sampler takes
+it, and its grammar's mask. Taught in docs/phases/04-batched-forward.md, section 6.
 """
 
 from __future__ import annotations
@@ -37,10 +29,10 @@ class SamplingRows:
         self.top_k: np.ndarray | None = None  # (rows,) vocab = off
         self.top_p: np.ndarray | None = None  # (rows,) 1 = off
         self.min_p: np.ndarray | None = None  # (rows,) 0 = off
-        self.keys: np.ndarray | None = None  # (rows, 2) uint32 each row's draw key (noise.py)
+        self.keys: np.ndarray | None = None  # (rows, 2) uint32
 
     def allocate(self) -> None:
-        """Every row "off", with a key of zeros: the arrays a row's parameters are written into."""
+        """Every row "off", with a key of zeros."""
         self.temperature = np.full(self.rows, self.off_temperature, np.float32)
         self.top_k = np.full(self.rows, self.vocab, np.int32)
         self.top_p = np.ones(self.rows, np.float32)
@@ -48,8 +40,7 @@ class SamplingRows:
         self.keys = np.zeros((self.rows, 2), np.uint32)
 
     def fill(self, first: int, params: SamplingParams, generator: np.random.Generator, count: int = 1) -> None:
-        """Rows first .. first + count - 1 sample with `params` (top_k clamped to the vocabulary, <= 0: off), each
-        with a key from the request's generator, drawn before any row changes."""
+        """`count` rows from `first` sample with `params`, keys drawn from `generator` before any row changes."""
         keys = draw_keys(generator, count)  # (count, 2)
         if self.keys is None:
             self.allocate()
@@ -61,7 +52,7 @@ class SamplingRows:
 
     @property
     def use_filters(self) -> bool:
-        """Whether any row uses min-p, top-k or top-p (without them the graph skips the filters)."""
+        """Whether any row uses min-p, top-k or top-p."""
         if self.keys is None:
             return False
         return bool((self.top_k < self.vocab).any() or (self.top_p < 1).any() or (self.min_p > 0).any())
@@ -72,8 +63,8 @@ class SamplingRows:
 
 
 class SamplingBatch(SamplingRows):
-    """One step's sampling inputs. keys: once a row samples on the device (None: the greedy graph runs); bitmask
-    (rows, ceil(vocab/32)) int32: once a row has a grammar; `on_host`: the rows the host sampler takes."""
+    """One step's sampling inputs. keys None: the greedy graph runs; bitmask (rows, ceil(vocab/32)) int32 once a row
+    has a grammar; `on_host`: the rows the host sampler takes."""
 
     def __init__(self, rows: int, vocab: int):
         super().__init__(rows, vocab)
@@ -82,7 +73,7 @@ class SamplingBatch(SamplingRows):
 
 
 def needs_host_sampler(seq: Sequence, params: SamplingParams) -> bool:
-    """Whether a request's next token needs the host reference sampler (what the device sampler does not do)."""
+    """Whether a request's next token needs the host reference sampler."""
     return (params.uses_penalties or bool(params.logit_bias) or params.logprobs is not None
             or seq.num_output_tokens < params.min_tokens)
 
@@ -92,12 +83,12 @@ def failure_message(error: BaseException) -> str:
 
 
 class StepSampler:
-    """The model runner's sampling of a step's rows: `prepare` assembles the batch before the device samples,
-    `finish` takes the device's tokens, samples the host's rows and moves the grammars on."""
+    """`prepare` assembles the batch before the device samples; `finish` takes the device's tokens, samples the host's
+    rows and moves the grammars on."""
 
     def __init__(self, input_batch, stop_token_ids: Iterable[int], on_device: bool = True):
         self.input_batch = input_batch
-        self.on_device = on_device  # False before Phase 4's device sampler: every row on the host
+        self.on_device = on_device
         self.stop_token_ids = list(stop_token_ids)  # the model's: min_tokens bans them
         self.host_sampler = Sampler()
 
@@ -106,7 +97,7 @@ class StepSampler:
         """Each row's parameters, draw key and grammar mask; a request whose parameters fail ends alone (its row
         stays greedy)."""
         batch = SamplingBatch(rows, vocab)
-        device_rows, batch_rows = [], []  # the rows the device samples, and their rows of the input batch
+        device_rows, batch_rows = [], []
         for row, seq in enumerate(seqs):
             state = self.input_batch.requests[seq.seq_id]
             try:
@@ -126,7 +117,7 @@ class StepSampler:
                     batch.keys[row] = draw_keys(state.generator, 1)[0]  # the host sampler draws its key alike
             except Exception as e:  # one request's parameters must never fail the batch
                 fail(failed, seq, e)
-        if device_rows:  # their parameters, gathered from the persistent batch
+        if device_rows:
             ib = self.input_batch
             batch.temperature[device_rows] = ib.temperature[batch_rows]
             batch.top_k[device_rows], batch.top_p[device_rows] = ib.top_k[batch_rows], ib.top_p[batch_rows]
@@ -135,8 +126,7 @@ class StepSampler:
 
     def finish(self, seqs: list[Sequence], batch: SamplingBatch, tokens: np.ndarray, logits,
                failed: dict, logprobs: dict) -> dict[int | str, int]:
-        """seq_id -> its token: the device's `tokens` (rows,), or for the host's rows the reference sampler's on
-        their row of `logits` (rows, V) copied back (recording `logprobs`)."""
+        """seq_id -> its token: the device's `tokens` (rows,), or the host sampler's on its row of `logits`."""
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)
                    if row not in batch.on_host and seq.seq_id not in failed}  # (tokens None: every row the host's)
         host_logits = logits.numpy() if batch.on_host else None
@@ -149,7 +139,7 @@ class StepSampler:
                 sampled[seq.seq_id] = self.sample_on_host(seq, host_logits[row], mask, logprobs)
             except Exception as e:
                 fail(failed, seq, e)
-        for seq in seqs:  # the grammar moves on by the token just sampled
+        for seq in seqs:
             if seq.grammar is not None and seq.seq_id in sampled:
                 from tinyvllm.sample.structured_output import StructuredOutputManager
 
@@ -162,11 +152,10 @@ class StepSampler:
 
     def sample_on_host(self, seq: Sequence, logits: np.ndarray, bitmask_row: np.ndarray | None,
                        logprobs: dict) -> int:
-        """One row on the host reference sampler, its grammar's mask applied; records the logprobs a request asks
-        for (logprobs=-1: the whole (V,) float32 row)."""
+        """One row on the host reference sampler; records the logprobs asked for (-1: the whole (V,) float32 row)."""
         state = self.input_batch.requests[seq.seq_id]
         allowed = logits
-        if bitmask_row is not None:  # a grammar's (structured outputs, Phase 9)
+        if bitmask_row is not None:
             from tinyvllm.sample.structured_output import apply_bitmask_numpy
 
             allowed = apply_bitmask_numpy(logits, bitmask_row)
@@ -181,6 +170,6 @@ class StepSampler:
 
 
 def fail(failed: dict, seq: Sequence, error: Exception) -> None:
-    """Record that `seq`'s request failed with `error`: it alone ends (the scheduler finishes it)."""
+    """Record that `seq`'s request failed with `error`: it alone ends."""
     logger.exception("request %s failed in the engine step; the other requests go on", seq.seq_id, exc_info=error)
     failed[seq.seq_id] = failure_message(error)

@@ -1,9 +1,6 @@
-"""Stop strings for a streamed output: stop where a stop string first ends, and hold back the longest tail that
-could still become one (docs/phases/01-appendix-tokens-and-sampling.md).
+"""Stop strings for a streamed output; the tail that could still become one is held back.
 
-    text so far  "The answer is 42</"          stop = ["</answer>"]
-    emitted      "The answer is 42"           held back "</"  (a prefix of "</answer>")
-    next chunk   "answer>\\n"     -> "</answer>" found: emit "", stopped; the rest is dropped
+Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 """
 
 from __future__ import annotations

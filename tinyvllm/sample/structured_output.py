@@ -1,12 +1,5 @@
-"""Structured outputs: every sampled token keeps the output inside a grammar (a JSON schema, a regex, choices, Lark
-or GBNF), so the text always parses. llguidance (the library llama.cpp and vLLM use) computes, per request, the
-tokens that may come next as a bitmask: bit t % 32 of int32 word t // 32 set when token t is allowed. Taught in
-docs/phases/09-api-server.md, section 6.
-
-    matcher (one per constrained request)     bitmask (rows, ceil(V / 32)) int32     device sampler
-      output so far --fill_bitmask(row)--> [ 0xffffffff | 0x00010400 | ... ] --> logits[~allowed] = -inf
-            ^                                all ones for unconstrained rows          --> token
-            +------------------------------------- accept(token) <--------------------------+
+"""Structured outputs: llguidance's per-request bitmask of the tokens a grammar allows next (bit t % 32 of int32
+word t // 32). Taught in docs/phases/09-api-server.md, section 6.
 """
 
 from __future__ import annotations
@@ -20,12 +13,11 @@ from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.sampling_params import StructuredOutputsParams
 
 
-# JSON as json.dumps writes it: ", " and ": " between items, no other whitespace.
+# JSON as json.dumps writes it
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
-# llguidance's limits, tighter than its defaults where a request could make a matcher costly: a lexer state takes
-# 1-2 kB, so 20,000 bound a request to ~40 MB (default 250,000). The fuel keeps llguidance's defaults.
+# tighter than llguidance's defaults (250,000): a lexer state takes 1-2 kB, so ~40 MB a request
 MAX_LEXER_STATES = 20_000
 MAX_GRAMMAR_SIZE = 100_000
 GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")  # a GBNF rule: `name ::= ...`

@@ -1,10 +1,5 @@
 """What a proposer is: the interface between the speculator and whatever guesses the draft tokens, one `Draft` per
 `DraftRequest`, in order (docs/phases/07b-speculative-decoding.md).
-
-    NgramProposer       (ngram_proposer.py)   copies the tokens that followed an earlier occurrence of the
-                                              request's last n tokens; deterministic, no model: probs None
-    DraftModelProposer  (draft_model.py)      a smaller (or more quantized) model decodes k tokens of its own,
-                                              sampling them as the request would: probs = its distribution q
 """
 
 from __future__ import annotations
@@ -26,8 +21,8 @@ class DraftRequest:
 
     seq: Sequence
     params: SamplingParams  # temperature 0: greedy; else the draft samples with the request's filters
-    generator: np.random.Generator | None  # the request's own (None when greedy): seeded requests reproduce
-    max_drafts: int  # at most this many drafts (max_tokens / max_model_len leave no room for more)
+    generator: np.random.Generator | None  # None when greedy
+    max_drafts: int
 
 
 @dataclass
@@ -35,8 +30,7 @@ class Draft:
     """What a proposer guessed for one request."""
 
     token_ids: list[int]  # 0 .. max_drafts proposed tokens
-    # (len(token_ids), vocab) float32 on the model's device: the q each draft was drawn from (after the request's
-    # filters); None for a deterministic proposer, whose q is one-hot at the token
+    # (len(token_ids), vocab) float32 on the device: the q each draft was drawn from; None: one-hot (deterministic)
     probs: Tensor | None = None
 
 
@@ -60,5 +54,5 @@ class Proposer(Protocol):
         ...
 
     def free(self, seq_id: int | str) -> None:
-        """The sequence finished, was aborted or preempted: drop what the proposer holds for it."""
+        """Drop what the proposer holds for a sequence that no longer runs."""
         ...

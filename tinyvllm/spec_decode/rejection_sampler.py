@@ -28,7 +28,7 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     int32, NO_DRAFT on bonus rows; draft_probs (R,V) q, or None: q one-hot at the draft (a deterministic proposer).
     """
     vocab = logits.shape[1]
-    # (R,V): the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
+    # the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
     thresholds = draw(logits, temperature, top_k, top_p, min_p, keys)[1] if use_filters else None  # (R,1)
     p = processed_logits(logits, temperature, thresholds).softmax(-1)
     is_draft = Tensor.arange(vocab, dtype=dtypes.int32).reshape(1, vocab) == draft_token_ids.reshape(-1, 1)  # (R,V)
@@ -45,17 +45,16 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
 
 
 class VerifyBatch(SamplingRows):
-    """The host's inputs to `rejection_sample` for one step, built request by request (`add`), padded to `rows`
-    with harmless rows never read back (temperature 1, no draft, no filter)."""
+    """The host's inputs to `rejection_sample` for one step, padded to `rows` with rows never read back."""
 
     def __init__(self, rows: int, vocab: int):
         super().__init__(rows, vocab, temperature=1.0)
-        self.allocate()  # temperature, top_k, top_p, min_p (rows,); keys (rows, 2)
+        self.allocate()
         self.draft_token_ids = np.full(rows, NO_DRAFT, np.int32)  # (rows,)
         self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
         self.draft_probs: np.ndarray | None = None  # (rows, vocab) q, once a request comes with one
         self.spans: list[tuple[int, int]] = []  # per request: (its first row, its number of drafts)
-        self.num_rows_used = 0  # rows the requests added so far fill; the rest is padding
+        self.num_rows_used = 0
 
     def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator,
             draft_probs: np.ndarray | None = None) -> None:
@@ -64,7 +63,7 @@ class VerifyBatch(SamplingRows):
         assert first + k + 1 <= self.rows, f"{first + k + 1} verify rows do not fit in {self.rows}"
         self.draft_token_ids[first:first + k] = draft_token_ids
         self.uniforms[first:first + k] = generator.random(k)
-        self.fill(first, params, generator, count=k + 1)  # the k + 1 rows' parameters and keys
+        self.fill(first, params, generator, count=k + 1)
         if draft_probs is not None and self.draft_probs is None:  # the first q: the requests before get one-hot rows
             self.draft_probs = np.zeros((self.rows, self.vocab), np.float32)
             drafted = np.flatnonzero(self.draft_token_ids[:first] != NO_DRAFT)

@@ -1,12 +1,6 @@
-"""The speculator: speculative decoding's part of the model runner, in one place (vLLM v1 spreads it over the
-runner's `propose_draft_token_ids`, its `RejectionSampler` and the scheduler's `update_draft_token_ids`). Taught in
-docs/phases/07b-speculative-decoding.md, which also says why only some requests speculate.
-
-    step N:  execute_model()  ->  speculator.verify()          ->  update_from_output()  ->  speculator.propose()
-                                     |                                  |                        |
-                         greedy: argmax comparison            appends the emitted tokens,   the drafts each running
-                         sampled: rejection sampling          rolls back rejected drafts    request verifies in step
-                         -> the tokens each request emits     (Scheduler._accept_spec...)   N + 1 (spec_token_ids)
+"""The speculator: speculative decoding's part of the model runner, in one place. Each step `verify()` gives the
+tokens each request emits; after it, `propose()` the drafts for the next. Taught in
+docs/phases/07b-speculative-decoding.md.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from tinyvllm.spec_decode.verify import accept_greedy
 
 
 def speculates(seq: Sequence, params: SamplingParams, has_grammar: bool) -> bool:
-    """Whether a running request may get drafts this step: it decodes one token the device sampler draws (no
-    penalties, logit bias, min_tokens, logprobs or grammar; docs/phases/07b-speculative-decoding.md says why)."""
+    """Whether a running request may get drafts this step: it decodes one token the device sampler draws."""
     return (seq.num_uncomputed_tokens == 1 and not has_grammar and not params.uses_penalties
             and not params.logit_bias and params.logprobs is None and seq.num_output_tokens >= params.min_tokens)
 
@@ -49,14 +42,13 @@ class Speculator:
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                max_num_seqs=max_num_seqs, portable_attention=portable_attention,
                                                target_name=model_name)
-        self._drafts: dict[int | str, Draft] = {}  # the drafts proposed for the next step, by seq_id
-        self._holding: set[int | str] = set()  # seq_ids the proposer has been asked about (it may hold state)
+        self._drafts: dict[int | str, Draft] = {}  # for the next step
+        self._holding: set[int | str] = set()  # seq_ids the proposer may hold state for
 
     # ---- after a step: the next step's drafts ----
 
     def propose(self, running: list[Sequence], input_batch) -> dict[int | str, list[int]]:
-        """The drafts each running sequence verifies next step (counted in the scheduler's num_tokens_with_spec),
-        never more than max_tokens and max_model_len let it keep."""
+        """The drafts each running sequence verifies next step, never more than it may keep."""
         self.free_stale(running)
         self._drafts.clear()
         asks = []
@@ -76,7 +68,6 @@ class Speculator:
         return {seq_id: list(draft.token_ids) for seq_id, draft in self._drafts.items()}
 
     def free_stale(self, running: list[Sequence]) -> None:
-        """The proposer lets go of every sequence that no longer runs."""
         stale = self._holding - {seq.seq_id for seq in running}
         for seq_id in stale:
             self.proposer.free(seq_id)
@@ -86,9 +77,8 @@ class Speculator:
 
     def verify(self, seqs: list[Sequence], logits: Tensor, tokens: np.ndarray, spec_rows: dict,
                scheduler_output: SchedulerOutput, sampled: dict, input_batch) -> dict[int | str, list[int]]:
-        """The tokens each verifying sequence emits. logits (rows, V): the target's, sequence i at row i, its drafts
-        at spec_rows[seq_id]; tokens (rows,): the device sampler's argmax of every greedy row; `sampled`: the step's
-        tokens (a failed request has none)."""
+        """The tokens each verifying sequence emits. logits (rows, V): sequence i at row i, its drafts at
+        spec_rows[seq_id]; tokens (rows,): the device sampler's."""
         requests = input_batch.requests
         verifying = [(row, seq) for row, seq in enumerate(seqs) if seq.seq_id in spec_rows and seq.seq_id in sampled]
         sampling = [(row, seq) for row, seq in verifying if not requests[seq.seq_id].params.is_greedy]
@@ -101,18 +91,17 @@ class Speculator:
 
     def _rejection_sample(self, logits: Tensor, sampling: list[tuple[int, Sequence]], spec_rows: dict,
                           scheduler_output: SchedulerOutput, requests: dict) -> dict:
-        """Rejection sampling for the sampled requests, one graph: seq_id -> (emitted tokens, number accepted)."""
+        """seq_id -> (emitted tokens, number accepted) for the sampled requests."""
         rows, vocab = logits.shape
         # as many verify rows as the logits have (they are a subset of them): one graph per logits bucket
         batch = VerifyBatch(rows, vocab)
-        row_index = np.zeros(rows, np.int32)  # which row of the logits each verify row reads
+        row_index = np.zeros(rows, np.int32)
         for row, seq in sampling:
             drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]  # the budget may have cut some
             first = batch.num_rows_used
             row_index[first:first + len(drafts) + 1] = [row] + spec_rows[seq.seq_id]
             state, probs = requests[seq.seq_id], self._drafts[seq.seq_id].probs
-            # NOTE: q goes through the host (a (k, V) copy per request); gathering it on the device would cost a
-            # graph per layout of the step's requests
+            # q goes through the host: gathering it on the device would cost a graph per layout of the requests
             batch.add(drafts, state.params, state.generator, None if probs is None else probs.numpy()[:len(drafts)])
         accepted, tokens = self.runner.rejection_sample(logits, row_index, batch)
         out = {}

@@ -1,9 +1,5 @@
 """Device memory through tinygrad's buffers: new tensors, addresses, host views, copies in, split tensors.
 
-    Tensor --.uop--> UOp (a BUFFER, or a RESHAPE of one) --.buffer--> Buffer --get_buf(device).va_addr--> address
-                                                                        |--as_memoryview()--> the bytes (CPU)
-                                                                        +--allocator._copyin(_buf, bytes)
-
 Taught in docs/phases/01-appendix-tinygrad-speed.md.
 """
 
@@ -20,8 +16,7 @@ from tinygrad.uop.ops import Ops, shape_to_shape_arg
 
 
 def empty(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
-    """`Tensor.empty(*shape, dtype=dtype, device=device)` for a shape of ints on one device, without tinygrad's no-op
-    shrink, the reshape simplified once per shape."""
+    """`Tensor.empty` for a shape of ints on one device, its reshape simplified once per shape."""
     buffer = UOp.new_buffer(canonicalize_device(device), math.prod(shape), dtype)
     reshaped = UOp(Ops.RESHAPE, src=(buffer, *_reshape_sources(tuple(shape))))
     return Tensor(buffer if reshaped.shape == buffer.shape else reshaped)  # as `reshape`: the same shape is a no-op
@@ -29,13 +24,11 @@ def empty(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _reshape_sources(shape: tuple[int, ...]) -> tuple[UOp, ...]:
-    """The sources `UOp._mop(Ops.RESHAPE, shape)` gives its RESHAPE after the tensor: the shape's uop, simplified."""
     return UOp.sink(shape_to_shape_arg(shape)).simplify().src
 
 
 def tensor_over_memory(address: int, shape: tuple[int, ...], dtype: DType, device: str | None, owner: object) -> Tensor:
-    """A tensor whose buffer is the host memory at `address` (as `Tensor.from_blob`: nothing copied); the buffer
-    keeps `owner` (a memory map, an array) alive as long as anything uses it."""
+    """A tensor over the host memory at `address`, nothing copied; the buffer keeps `owner` alive."""
     t = empty(shape, dtype, device)
     t.uop.buffer.allocate(external_ptr=address)
     t.uop.buffer.tinyvllm_memory_owner = owner
@@ -43,13 +36,11 @@ def tensor_over_memory(address: int, shape: tuple[int, ...], dtype: DType, devic
 
 
 def is_realized(t: Tensor) -> bool:
-    """Is `t` a buffer already, rather than a computation still to run?"""
     return t.uop.is_realized
 
 
 def buffer_address(x) -> int:
-    """The address of a buffer's memory, allocated here if it is not yet: a tensor's (on one device), or a tinygrad
-    `Buffer` (or view)."""
+    """The address of a tensor's (one device) or a `Buffer`'s memory, allocated if it is not yet."""
     buf = x.uop.buffer if isinstance(x, Tensor) else x
     return buf.ensure_allocated().get_buf(buf.device).va_addr
 
@@ -64,18 +55,15 @@ def input_shard_address(u: UOp, shard: int) -> int:
 
 
 def numpy_dtype(dtype: DType) -> type:
-    """The numpy dtype of a tinygrad dtype."""
     return _to_np_dtype(dtype)
 
 
 def tinygrad_dtype(dtype) -> DType:
-    """The tinygrad dtype of a numpy dtype."""
     return _from_np_dtype(dtype)
 
 
 def host_memory(t: Tensor) -> memoryview | None:
-    """`t`'s device memory as a memoryview, allocated here if it is not yet; None where the host cannot see it (a
-    discrete GPU)."""
+    """`t`'s device memory as a memoryview; None where the host cannot see it."""
     buf = t.uop.buffer.ensure_allocated()
     try:
         return buf.as_memoryview(force_zero_copy=True)
@@ -84,24 +72,22 @@ def host_memory(t: Tensor) -> memoryview | None:
 
 
 def allocate_zeroed_host_memory(t: Tensor) -> None:
-    """Allocate `t` (a fresh `Tensor.empty`) as zeroed memory outside tinygrad's `LRUAllocator`, where a freed
-    buffer's old contents could come back."""
+    """Allocate `t` (a fresh `Tensor.empty`) as zeroed memory outside tinygrad's `LRUAllocator`, which could hand
+    back old contents."""
     buf = t.uop.buffer
     buf.options = BufferSpec(zero=True, nolru=True)
     buf.allocate()
 
 
 def copy_in(t: Tensor, data: memoryview) -> None:
-    """Copy the bytes `data` into `t`'s device buffer (allocated here if it is not yet), now, through the allocator's
-    `_copyin`; `data` may be reused at once."""
+    """Copy `data` into `t`'s device buffer now; `data` may be reused at once."""
     buf = t.uop.buffer.ensure_allocated()
     assert len(data) == buf.nbytes, f"copy_in: {len(data)} bytes into a buffer of {buf.nbytes}"
     buf.allocator._copyin(buf._buf, data)
 
 
 def memory_info(device: str) -> tuple[int, int] | None:
-    """(free, total) bytes of a GPU's memory as its driver reports them (CUDA: `cuMemGetInfo_v2`; METAL: the
-    recommended working set less what is allocated); None where tinygrad has no way to ask."""
+    """(free, total) bytes of a GPU's memory as its driver reports them; None where tinygrad has no way to ask."""
     kind = device.split(":")[0].upper()
     dev = Device[device]
     if kind == "CUDA":
@@ -120,8 +106,7 @@ def memory_info(device: str) -> tuple[int, int] | None:
 # ---- tensors split over several devices (tensor parallel, Phase 8) ----
 
 def sharded_zeros(shape: tuple[int, ...], dtype: DType, devices: tuple[str, ...], axis: int) -> Tensor:
-    """A realized tensor of zeros of `shape` split along `axis` over `devices`, zeroed where each part lives: one
-    buffer per device under an UNSHARD (what `Tensor.shard` returns once realized)."""
+    """A realized tensor of zeros of `shape` split along `axis` over `devices`, zeroed where each part lives."""
     assert shape[axis] % len(devices) == 0, f"{shape} does not split along axis {axis} over {len(devices)} devices"
     shard = tuple(s // len(devices) if i == axis else s for i, s in enumerate(shape))
     local = Tensor.zeros(*shard, dtype=dtype, device=devices).contiguous().realize()  # (shard) on every device
@@ -129,8 +114,7 @@ def sharded_zeros(shape: tuple[int, ...], dtype: DType, devices: tuple[str, ...]
 
 
 def empty_shards(shard: tuple[int, ...], dtype: DType, devices: tuple[str, ...], axis: int | None) -> Tensor:
-    """An unrealized buffer of shape `shard` on every device, seen as one tensor split along `axis` (None: each part
-    a whole replica)."""
+    """An unrealized buffer of shape `shard` on every device, split along `axis` (None: replicas)."""
     local = Tensor.invalids(*shard, dtype=dtype, device=devices)  # (shard) on every device, contents undefined
     return local if axis is None else Tensor(local.uop.unshard(axis))
 

@@ -1,10 +1,6 @@
 """TinyJit's capture and replay: `JitBase`, tinygrad's `_TinyJit` as a class to subclass (cnt 0: eager, 1: captures,
 2+: replays), and a capture read as calls and launches, one launch per device, for kernels/cpu_graph.py's table.
 Taught in docs/phases/01-appendix-tinygrad-speed.md (a CPU graph).
-
-    CALL(PROGRAM matmul, out, PARAM 0, w) on (CPU, CPU:1)  ->  Call(copy=False, program=matmul, launches=[
-                                                                 Launch("CPU",   [out0, input (0, shard 0), w0]),
-                                                                 Launch("CPU:1", [out1, input (0, shard 1), w1])])
 """
 
 from __future__ import annotations
@@ -24,11 +20,10 @@ class JitBase(_TinyJit):
     """tinygrad's TinyJit, with what a subclass that replays the capture itself needs, by name."""
 
     def capture_on_next_call(self) -> None:
-        """Skip the eager first call: the next call captures (sets `cnt` to 1)."""
+        """Skip the eager first call: the next call captures."""
         self.cnt = 1
 
     def is_replaying(self) -> bool:
-        """Has this JIT captured, so that its next call replays?"""
         return self.cnt >= 2 and self.captured is not None
 
     def count_replay(self) -> None:
@@ -36,8 +31,7 @@ class JitBase(_TinyJit):
         self.cnt += 1
 
     def replay_with_tinygrad(self, input_uops: list[UOp], var_vals: dict[str, int]) -> Any:
-        """Replay the capture with tinygrad's own runner (which first copies any input the graph writes), counted as
-        a replay; returns the captured return value."""
+        """Replay the capture with tinygrad's own runner, counted as a replay; returns the captured return value."""
         ret = self.captured(input_uops, var_vals)
         self.count_replay()
         return ret
@@ -47,21 +41,19 @@ class JitBase(_TinyJit):
         return self.captured.ret
 
     def check_inputs(self, names: list, input_info: list) -> None:
-        """Raise tinygrad's JitError unless these are the inputs the graph was captured with, as a replay checks."""
+        """Raise JitError unless these are the inputs the graph was captured with."""
         captured = self.captured
         if captured.expected_names != names or captured.expected_input_info != input_info:
             raise JitError(f"args mismatch in JIT: expected {captured.expected_names}, {captured.expected_input_info}; "
                            f"got {names}, {input_info}")
 
     def writes_inputs(self, input_uops: list[UOp]) -> bool:
-        """Does the captured graph write one of these inputs? tinygrad's replay then copies the input first (its
-        private `_written_uops`); a replay outside tinygrad would not."""
+        """Does the captured graph write one of these inputs (tinygrad's replay then copies it first)?"""
         return any(u in self.captured._written_uops for u in input_uops)
 
 
 def jit_inputs(args: tuple, kwargs: dict) -> tuple[list[UOp], dict[str, int], list, list]:
-    """(input buffer uops, variable values, names, input info) of a call, as `_TinyJit.__call__` computes them, with
-    the same checks and realization of the inputs."""
+    """(input buffer uops, variable values, names, input info) of a call, as `_TinyJit.__call__` computes them."""
     return _prepare_jit_inputs(args, kwargs)
 
 
@@ -73,7 +65,6 @@ class UnsupportedCall(Exception):
 
 @dataclass(frozen=True)
 class Argument:
-    """One buffer a launch passes to its kernel (or copy), in order."""
 
     buffer: Any = field(repr=False)  # tinygrad's Buffer (or a view of one) on one device
     device: str
@@ -83,7 +74,7 @@ class Argument:
 
     @property
     def address(self) -> int:
-        """Where the buffer is now (allocated here if it is not yet)."""
+        """Where the buffer is now (allocated if it is not yet)."""
         return buffer_address(self.buffer)
 
     @property
@@ -93,7 +84,7 @@ class Argument:
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of a call on one device: its buffers, and the variables bound per device (`_device_num`)."""
+    """One launch of a call on one device."""
 
     device: str
     arguments: list[Argument]
@@ -108,14 +99,14 @@ class Call:
     devices: str | tuple[str, ...]
     launches: list[Launch]
     program: UOp | None = None  # a kernel's compiled PROGRAM: `loaded_program`, `compiled_object`
-    global_size: tuple = (1, 1, 1)  # a kernel's: the CPU runtime calls it once per core_id, global_size[0] times
+    global_size: tuple = (1, 1, 1)  # the CPU runtime calls a kernel once per core_id
     variables: tuple[str, ...] = ()  # a kernel's variable arguments, after its buffers, by name
-    num_args: int = 0  # a kernel's: buffers and variables
+    num_args: int = 0  # buffers and variables
 
 
 def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
     """The calls `jit` captured, in order, each with the buffers tinygrad's replay would launch it on for these
-    inputs (one launch per device, in device order)."""
+    inputs."""
     for call in jit.captured.linear.src:
         ast = call.src[0]
         if ast.op is not Ops.PROGRAM and ast.op is not Ops.COPY:
@@ -130,7 +121,7 @@ def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
                     Argument(src, src.device, input_of(arg_uops[1], lane), read=True, written=False)], device_vars))
             yield Call(True, call.src[1].device, launches)
             continue
-        info = ast.arg  # ProgramInfo: which arguments are buffers (globals), which it writes (outs) and reads (ins)
+        info = ast.arg  # ProgramInfo
         lanes = unwrap_multi(call, [resolved[i] for i in info.globals])
         devices = call.src[1].device if isinstance(call.src[1].device, tuple) else (call.src[1].device,)
         launches = [Launch(device, [Argument(buf, buf.device, input_of(arg_uops[i], lane), read=i in info.ins or
@@ -142,8 +133,7 @@ def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
 
 
 def input_of(b: UOp, lane: int) -> tuple[int, int] | None:
-    """(input slot, shard) of the JIT input device `lane`'s launch reads through argument `b` (shard -1: an input on
-    one device); None: a buffer the graph owns."""
+    """(input slot, shard) device `lane`'s launch reads through `b` (shard -1: a whole input); None: the graph's."""
     if b.op is Ops.PARAM:
         return b.arg.slot, (lane if isinstance(b.device, tuple) else -1)
     if b.op is Ops.MSELECT and b.src[0].op is Ops.PARAM:  # one device's part of a split input
@@ -158,8 +148,7 @@ def input_of(b: UOp, lane: int) -> tuple[int, int] | None:
 
 
 def loaded_program(device: str, program: UOp) -> tuple[Any, int | None]:
-    """(tinygrad's loaded program for `program` on `device`, the address of its entry where it is a plain C function,
-    not an LVP one; else None)."""
+    """(tinygrad's loaded program on `device`, its entry's address where it is a plain C function, else None)."""
     runtime = get_runtime(device, program)
     if getattr(runtime, "lvp", True) or not hasattr(runtime, "addr"):
         return runtime, None
@@ -167,7 +156,6 @@ def loaded_program(device: str, program: UOp) -> tuple[Any, int | None]:
 
 
 def compiled_object(program: UOp) -> tuple[bytes, str]:
-    """(compiled object, entry name) of a compiled PROGRAM uop: what `programs.load_cpu_program` loads again in
-    another process."""
+    """(compiled object, entry name) of a compiled PROGRAM uop."""
     elf = program.to_elf()
     return elf.lib, elf.name

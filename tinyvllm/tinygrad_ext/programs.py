@@ -1,12 +1,6 @@
 """Hand-written kernels as tinygrad programs: built into the graph, compiled, and loaded on the host.
 
-    PROGRAM(arg=ProgramInfo: name, which args are buffers, which it writes (outs) / reads (ins))
-      |-- SINK     the kernel's inputs: one PARAM per buffer, KernelInfo (name, cost estimates)
-      |-- LINEAR   the instruction list (here: just the params)
-      |-- SOURCE   the source text (tinygrad renders its own; tinyvllm brings its own)
-      +-- BINARY   the compiled object (added by tinygrad when the graph is lowered)
-
-kernels/launcher.py hands `source_program`'s PROGRAM to `Tensor.custom_kernel` (docs/phases/05-custom-kernels.md, 5).
+Taught in docs/phases/05-custom-kernels.md, section 5.
 """
 
 from __future__ import annotations
@@ -27,8 +21,8 @@ CLANG_KERNEL_PREFIX: str = ClangRenderer.kernel_typedef
 
 
 def renderer_name(kind: str) -> str:
-    """The renderer DEV selects for device kind `kind` ("" = the device's default; DEV=CPU:LLVM gives "LLVM"), read
-    without opening the device: the launcher decides while a graph is traced, where tinygrad forbids device use."""
+    """The renderer DEV selects for device kind `kind` ("" = the device's default), read without opening the
+    device."""
     return DEV.target(kind).renderer
 
 
@@ -38,15 +32,13 @@ def kernel_cost(ops: int = 0, lds: int = 0, mem: int = 0) -> Estimates:
 
 
 def kernel_info(name: str, estimates: Estimates | None = None, opts_to_apply: tuple | None = None) -> KernelInfo:
-    """What a kernel's SINK carries: its name, its cost, and the optimizations to apply (None: tinygrad's
-    optimizer chooses; (): the kernel as written)."""
+    """A kernel SINK's info; opts_to_apply None: tinygrad's optimizer chooses; (): the kernel as written."""
     return KernelInfo(name=name, estimates=estimates, opts_to_apply=opts_to_apply)
 
 
 def source_program(name: str, source: str, num_outs: int, num_ins: int, estimates: Estimates | None = None,
                    global_size: tuple[int, int, int] = (1, 1, 1), local_size: tuple[int, int, int] | None = None):
-    """The `fxn` for `Tensor.custom_kernel`: given the params of (outs..., ins...), PROGRAM(SINK, LINEAR, SOURCE) of
-    raw source, as tinygrad's codegen builds its own short of `pm_to_program`."""
+    """The `fxn` for `Tensor.custom_kernel`: the params of (outs..., ins...) -> PROGRAM(SINK, LINEAR, SOURCE)."""
     num = num_outs + num_ins
     info = ProgramInfo(name=name, global_size=global_size, local_size=local_size, globals=tuple(range(num)),
                        outs=tuple(range(num_outs)), ins=tuple(range(num_outs, num)))
@@ -60,8 +52,8 @@ def source_program(name: str, source: str, num_outs: int, num_ins: int, estimate
 
 
 def kernel_input(t: Tensor) -> Tensor:
-    """t as a hand-written kernel's row-major input: `t.contiguous()`, except where t is a reshape of another custom
-    kernel's output, which tinygrad 0.14 would copy (an elementwise kernel over every element) for nothing."""
+    """`t.contiguous()`, except for a reshape of another custom kernel's output, which tinygrad would copy for
+    nothing."""
     u = t.uop
     while u.op is Ops.RESHAPE:
         u = u.src[0]
@@ -77,8 +69,8 @@ def compile_cpu(source: str) -> bytes:
 
 @dataclass(frozen=True)
 class HostProgram:
-    """A compiled object loaded on the host: `fxn(*args)` calls its entry with ctypes.c_uint64 arguments, `addr` is
-    the entry's address; `program` (tinygrad's) holds the memory the code lives in."""
+    """A compiled object loaded on the host: `fxn(*args)` takes ctypes.c_uint64 arguments; `program` holds the
+    code's memory."""
 
     name: str
     addr: int
@@ -87,15 +79,14 @@ class HostProgram:
 
 
 def load_cpu_program(lib: bytes, name: str) -> HostProgram:
-    """A compiled object loaded as a host-callable program (0.14: `Compiled.runtime` of a `TinyELF` -> `CPUProgram`)."""
+    """A compiled object loaded as a host-callable program."""
     dev = Device["CPU"]
     program = dev.runtime(TinyELF(lib, name, dev.renderer.target, ()))
     return HostProgram(name, program.addr, program.fxn, program)
 
 
 def elf_symbol_at_start(lib: bytes, symbol: str) -> bool | None:
-    """Does function `symbol` start at offset 0 of the first code section of ELF object `lib`, where tinygrad's CPU
-    runtime calls?"""
+    """Does `symbol` start at offset 0 of the first code section of ELF object `lib`?"""
     from tinygrad.runtime.autogen import libc
     from tinygrad.runtime.support.elf import elf_loader
 

@@ -1,11 +1,5 @@
 """What a process's start touches in tinygrad: its caches, its settings, how it chooses and opens a device
 (docs/phases/06-appendix-measurements.md, what a new process reuses).
-
-    kernels/program_cache.py --install()--> lowered_program_cache(disk cache)    lowered kernels kept on disk
-                                            defer_unused_cpu_renderers()          before ops_cpu is imported
-                                            find_libraries_quickly()              before it loads libc, libm
-                                            lower_cpu_device_programs_through()   the CPU device's own programs
-                                            chosen / choose / set_default_device  the default device, remembered
 """
 
 from __future__ import annotations
@@ -32,16 +26,15 @@ from tinyvllm.tinygrad_ext import INSTALLED_VERSION, TINYGRAD_VERSION
 
 
 def lowered_program_cache(replacement: dict | None = None) -> dict:
-    """tinygrad's in-memory dict of lowered programs (`codegen.to_program_cache`); with `replacement`, that dict from
-    now on (codegen and realize look the name up at every call)."""
+    """tinygrad's in-memory dict of lowered programs; with `replacement`, that dict from now on."""
     if replacement is not None:
         codegen.to_program_cache = realize.to_program_cache = replacement
     return codegen.to_program_cache
 
 
 def lower_cpu_device_programs_through(cache: dict) -> None:
-    """Build the CPU device's four helper programs (`ops_cpu.CPUDevice.__init__`) through `cache`, keyed by
-    `to_program_key` plus the ast's tag, which tinygrad's key leaves out."""
+    """Build the CPU device's helper programs through `cache`, keyed also by the ast's tag (tinygrad's key omits
+    it)."""
     import tinygrad.runtime.ops_cpu as ops_cpu
 
     lower = codegen.do_to_program
@@ -62,7 +55,7 @@ def chosen_default_device() -> str | None:
 
 
 def choose_default_device() -> str:
-    """`Device.DEFAULT`: with no DEV, tinygrad opens METAL, AMD, NV, CUDA, QCOM, CL in turn until one works."""
+    """`Device.DEFAULT`: with no DEV, tinygrad probes devices in turn until one opens."""
     return Device.DEFAULT
 
 
@@ -73,7 +66,7 @@ def set_default_device(name: str) -> None:
 
 
 def _cached_default_device(name: str | None = None) -> str | None:
-    """What `_Device._select_device` (a cached property) stored in `Device`'s dict; with `name`, store that."""
+    """What `_Device._select_device` cached; with `name`, store that."""
     if name is not None:
         Device.__dict__["_select_device"] = name
     return Device.__dict__.get("_select_device")
@@ -81,13 +74,13 @@ def _cached_default_device(name: str | None = None) -> str | None:
 
 # ---- the CPU device's module, imported with less ----
 
-# renderer modules the CPU device imports but uses only when DEV names them, and the class each gives the device
+# renderer modules the CPU device imports but uses only when DEV names them
 DEFERRED_CPU_RENDERERS = {"tinygrad.renderer.nir": "LVPRenderer", "tinygrad.renderer.isa.x86": "X86Renderer"}
 
 
 def defer_unused_cpu_renderers() -> None:
-    """Until ops_cpu is imported, stand in for the renderer modules only DEV=CPU:LVP or CPU:X86 choose (costly to
-    import): using the renderer or any other name imports the real module."""
+    """Stand in for the costly renderer modules only DEV=CPU:LVP or CPU:X86 use; using one imports the real
+    module."""
     if "tinygrad.runtime.ops_cpu" in sys.modules or INSTALLED_VERSION != TINYGRAD_VERSION:
         return
     sys.modules.update({name: _stand_in(name, cls) for name, cls in DEFERRED_CPU_RENDERERS.items()
@@ -103,7 +96,7 @@ def _stand_in(name: str, renderer: str) -> types.ModuleType:
             del sys.modules[name]
         return importlib.import_module(name)
 
-    def read(attr: str):  # what the import system asks of any module (__path__, __spec__, ...) is absent
+    def read(attr: str):  # what the import system asks of any module is absent
         if attr.startswith("__"):
             raise AttributeError(attr)
         return getattr(real(), attr)
@@ -118,7 +111,7 @@ def _stand_in(name: str, renderer: str) -> types.ModuleType:
     return module
 
 
-TINYGRAD_FINDLIB = None  # tinygrad's own `DLL.findlib`, kept here once `find_libraries_quickly` has replaced it
+TINYGRAD_FINDLIB = None  # tinygrad's own `DLL.findlib`, once replaced
 
 
 def find_libraries_quickly() -> None:
@@ -158,7 +151,7 @@ def _findlib(nm: str, paths: list[str], extra_paths=[]) -> str | None:  # noqa: 
 # ---- settings, threads, and the kernel cache shared by every thread ----
 
 def tinygrad_settings() -> dict[str, str]:
-    """The tinygrad settings (its `ContextVar`s: DEV, BEAM, NOOPT, ...) the environment sets, by name, as text."""
+    """The tinygrad settings (`ContextVar`s) the environment sets, by name."""
     return {key: repr(var.value) for key, var in sorted(ContextVar._cache.items()) if key in os.environ}
 
 
@@ -171,8 +164,7 @@ _kernel_cache_shared = False
 
 
 def share_kernel_cache_across_threads() -> None:
-    """Reopen tinygrad's sqlite connection to its kernel cache with check_same_thread=False, so the engine thread
-    may use it (sqlite serializes the calls)."""
+    """Reopen tinygrad's kernel cache with check_same_thread=False, so the engine thread may use it."""
     global _kernel_cache_shared
     if _kernel_cache_shared:
         return

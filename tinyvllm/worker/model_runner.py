@@ -50,24 +50,20 @@ device_sampler = provided("device_sampler")  # Phase 4: the batch sampled on the
 
 @dataclass
 class ForwardOutput:
-    """What one forward pass computed: the rows of logits the step samples from, and what the requests that need
-    more than one row per sequence take from it.
+    """What one forward pass computed. logits (R, V) on the device: row i is sampled_seqs[i]'s next token, then the
+    drafts' rows (spec_logits_rows), then padding."""
 
-        logits (R, V), on the device     row i   sampled_seqs[i]'s next token
-                                         then    the drafts' rows (spec_logits_rows), then padding rows
-    """
-
-    sampled_seqs: list[Sequence]  # the sequences whose tokens are now all computed: each samples a token
-    logits: Tensor | None  # (R, V) on the device; None when no sequence caught up
-    # speculative decoding: seq_id -> the rows of `logits` at its drafts' positions (its prediction after each draft)
+    sampled_seqs: list[Sequence]
+    logits: Tensor | None  # None when no sequence caught up
+    # seq_id -> the rows of `logits` at its drafts' positions
     spec_logits_rows: dict[int | str, list[int]] = field(default_factory=dict)
-    # `hidden_for`'s sequences: seq_id -> the final hidden states of the tokens it computed, (count, D) on the host
+    # seq_id in `hidden_for` -> its tokens' final hidden states, (count, D) on the host
     hidden_states: dict[int | str, np.ndarray] = field(default_factory=dict)
 
 
 def size_kv_cache(config: EngineConfig, model: LlamaForCausalLM) -> tuple[int, int]:
-    """(number of KV blocks, max_model_len): the blocks a budget holds (given, or what a GPU's memory leaves after
-    the weights and activations), and the context length asked for, else the model's, at most what the blocks hold."""
+    """(number of KV blocks, max_model_len): the blocks the budget (given, or the memory left) holds, and the
+    context length asked for, else the model's, at most what the blocks hold."""
     cc, sc, arch = config.cache_config, config.scheduler_config, model.kv_cache_config
     num_blocks = cc.num_gpu_blocks_override
     if not num_blocks:
@@ -92,10 +88,8 @@ def buckets_up_to(limit: int) -> list[int]:
 
 
 class ModelRunner:
-    """Runs a step (`execute_model`): the model over its scheduled tokens, one captured graph per shape bucket
-    (`compute_logits`), and the sampling on the device (`sample`, `rejection_sample`). `max_model_len` sets the
-    block tables' width, `max_num_batched_tokens` the largest token bucket; `portable_attention`: no kernels.
-    """
+    """Runs a step (`execute_model`): the model over its scheduled tokens, one captured graph per shape bucket,
+    and the sampling on the device. `portable_attention`: no kernels."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
                  max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
@@ -108,24 +102,24 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.portable_attention = portable_attention
         self.v_num_blocks = UOp.variable("num_blocks", 1, self.max_blocks_per_seq)
-        self._jits: dict[tuple[int, int], Jit] = {}  # one captured graph per (token bucket, rows of logits)
+        self._jits: dict[tuple[int, int], Jit] = {}  # per (token bucket, rows of logits)
         self._sampler_jits: dict[tuple, Jit] = {}  # per (rows, filters used / "greedy", masked)
-        self._token_inputs: dict[int, tuple[InputBuffer, ...]] = {}  # per token bucket (see _inputs)
-        self._logits_indices: dict[int, InputBuffer] = {}  # per bucket of rows of logits (see _rows_input)
-        self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}  # per sampler graph, as _sampler_jits
-        self._sampler_outputs: dict[tuple, ReadBack] = {}  # per sampler graph: its tokens read back to the host
-        self._bound_num_blocks: dict[int, UOp] = {}  # num_blocks -> the variable bound to it (made once per value)
-        self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D), on the device
+        self._token_inputs: dict[int, tuple[InputBuffer, ...]] = {}
+        self._logits_indices: dict[int, InputBuffer] = {}
+        self._sampler_inputs: dict[tuple, list[InputBuffer]] = {}
+        self._sampler_outputs: dict[tuple, ReadBack] = {}
+        self._bound_num_blocks: dict[int, UOp] = {}
+        self._normed: Tensor | None = None  # the last hidden-state step's final hidden states (N, D)
         self._token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id -> (first row, rows) in _normed
         self.input_batch = InputBatch(max_num_seqs, model.config.vocab_size)
         self.sampler = StepSampler(self.input_batch, eos_token_ids, on_device=device_sampler is not None)
-        self.speculator = None  # speculative decoding's drafts and verification (Phase 7b), when configured
-        self.step_timer = None  # a StepTimer (engine/step_timer.py) while profiling the host's share of a step
+        self.speculator = None  # Phase 7b, when configured
+        self.step_timer = None  # a StepTimer while profiling
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
                     model_name: str = "(the target)") -> ModelRunner:
-        """The runner of an engine: its KV cache sized and allocated (`size_kv_cache`), its speculator built."""
+        """The runner of an engine, its KV cache sized and allocated."""
         num_blocks, max_model_len = size_kv_cache(config, model)
         cc, sc = config.cache_config, config.scheduler_config
         kv_cache = PagedKVCache(model.kv_cache_config, num_blocks, cc.block_size,
@@ -146,8 +140,8 @@ class ModelRunner:
     # ---- one step ----
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The step's device side: the tokens each request emits (and what it asked for beside them). A request
-        whose sampling fails is in `failed`; if the whole step fails, every generator is put back as it was."""
+        """The tokens each request emits. A request whose sampling fails is in `failed`; if the whole step fails,
+        every generator is put back as it was."""
         self.input_batch.update(scheduler_output)
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled_seqs:
@@ -174,7 +168,7 @@ class ModelRunner:
         self.lap("bookkeeping")
         tokens = None if len(batch.on_host) == len(seqs) else self.sample(  # None: every row is the host's
             logits, *batch.device_params, batch.keys, batch.use_filters, batch.bitmask)
-        self.lap("forward")  # the sampler runs on the device: its token ids are the forward pass's end
+        self.lap("forward")  # the device sampler's token ids are the forward pass's end
         sampled = self.sampler.finish(seqs, batch, tokens, logits, out.failed, out.logprobs)
         emitted = self.speculator.verify(seqs, logits, tokens, spec_rows, scheduler_output, sampled,
                                          self.input_batch) if spec_rows else {}
@@ -183,10 +177,9 @@ class ModelRunner:
                 out.sampled_token_ids[seq_id] = emitted.get(seq_id, [token])
 
     def _take_hidden_states(self, forward: ForwardOutput, out: ModelRunnerOutput) -> None:
-        """Each request that needs every position takes its part of the step's final hidden states (count, D)
-        (worker/hidden_states.py; one that fails there ends alone); a pooling request whose prompt is all computed
-        gets its pooled vector and no token."""
-        from tinyvllm.worker.hidden_states import pooled, record_hidden_states  # only such a step
+        """Each request that needs every position takes its rows of the final hidden states; a pooling request
+        whose prompt is all computed gets its pooled vector and no token."""
+        from tinyvllm.worker.hidden_states import pooled, record_hidden_states
 
         for seq_id, hidden in forward.hidden_states.items():
             state = self.input_batch.requests[seq_id]
@@ -200,13 +193,13 @@ class ModelRunner:
                 fail(out.failed, state.seq, e)
 
     def propose_draft_token_ids(self, running: list[Sequence]) -> dict[int | str, list[int]]:
-        """Speculative decoding: the drafts each running request verifies next step (spec_decode/speculator.py)."""
+        """The drafts each running request verifies next step."""
         return self.speculator.propose(running, self.input_batch)
 
     def _hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                 num_blocks: int | UOp) -> Tensor:
-        """The model over the step's tokens: hidden states (1,N,D), before the final norm."""
-        tp = self.model.tp  # tensor parallel: every device reads the step's inputs (copied to each in the graph)
+        """Hidden states (1,N,D), before the final norm."""
+        tp = self.model.tp  # every device reads the step's inputs
         metadata = attention_metadata(tp.replicate(slot_mapping), tp.replicate(block_tables), tp.replicate(positions),
                                       num_blocks, portable=self.portable_attention)
         return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
@@ -222,7 +215,7 @@ class ModelRunner:
         return self.model.final_norm(hidden[0]).realize()  # (N,D)
 
     def _rows_logits(self, normed: Tensor, rows: Tensor) -> Tensor:
-        """Logits of some rows of the final hidden states: normed (N,D), rows (R,) -> (R,V), one graph per (N, R)."""
+        """normed (N,D), rows (R,) -> logits (R,V), one graph per (N, R)."""
         key = ("rows", normed.shape[0], rows.shape[0])
         if key not in self._jits:
             self._jits[key] = Jit(
@@ -230,16 +223,15 @@ class ModelRunner:
         return self._jits[key](normed, rows)
 
     def position_logits(self, seq_id: int | str) -> np.ndarray:
-        """The logits at every position sequence `seq_id` computed in the last step (it was in `hidden_for`):
-        (count, V) float32, row j predicting the token after its j-th computed token."""
+        """(count, V) float32: the logits at every position `seq_id` (in `hidden_for`) computed in the last step."""
         start, count = self._token_rows[seq_id]
         rows = np.zeros(self.bucket_for(count), np.int32)
         rows[:count] = np.arange(start, start + count)
         return self._rows_logits(self._normed, Tensor(rows, device=self.model.device)).numpy()[:count]
 
     def _inputs(self, n: int) -> tuple[InputBuffer, ...]:
-        """The inputs of an n-token bucket, allocated once and refilled every step (every graph of that bucket reads
-        them): input_ids (1,n), positions (1,n), slot_mapping (n,), block_tables (n, max_blocks)."""
+        """An n-token bucket's inputs, allocated once, refilled every step: input_ids (1,n), positions (1,n),
+        slot_mapping (n,), block_tables (n, max_blocks)."""
         if n not in self._token_inputs:
             dev = self.model.device
             self._token_inputs[n] = (InputBuffer((1, n), np.int32, dev), InputBuffer((1, n), np.int32, dev),
@@ -248,7 +240,7 @@ class ModelRunner:
         return self._token_inputs[n]
 
     def _rows_input(self, num_rows: int) -> InputBuffer:
-        """logits_indices (num_rows,): which token rows reach lm_head, allocated once per bucket of rows."""
+        """logits_indices (num_rows,), allocated once per bucket of rows."""
         if num_rows not in self._logits_indices:
             self._logits_indices[num_rows] = InputBuffer((num_rows,), np.int32, self.model.device)
         return self._logits_indices[num_rows]
@@ -258,36 +250,34 @@ class ModelRunner:
 
     def compute_logits(self, scheduler_output: SchedulerOutput,
                        hidden_for: frozenset = frozenset()) -> ForwardOutput:
-        """The forward pass of the step. Returns the sequences that sample and their logits on the device (rows,
-        vocab), row i for sequence i, padding after; `spec_logits_rows`: each verifying sequence's rows at its
-        drafts' positions; `hidden_states`: the final hidden states of the tokens computed by each seq_id in
-        `hidden_for` (those that need every position: pooling, prompt logprobs)."""
+        """The forward pass of the step; `hidden_for`: the seq_ids that need every position (pooling, prompt
+        logprobs)."""
         seqs = scheduler_output.scheduled_seqs
         n = self.bucket_for(scheduler_output.total_num_scheduled_tokens)
         bs = self.block_size
 
         input_ids, positions, slot_mapping, block_tables = self._inputs(n)
         block_tables.np[...] = self.kv_cache.null_block
-        token_ids: list[int] = []  # the step's tokens, flattened: their ids, positions and cache slots
+        token_ids: list[int] = []  # the step's tokens, flattened
         token_positions: list[int] = []
         slots: list[int] = []
         sampled_seqs, num_blocks, i = [], 1, 0
         sampled_at: list[int] = []  # the flat row of each sampled sequence's newest token
-        token_rows: dict[int | str, tuple[int, int]] = {}  # seq_id in hidden_for -> its tokens' rows
-        spec_positions: dict[int | str, list[int]] = {}  # seq_id -> where its drafts are in the flat row
+        token_rows: dict[int | str, tuple[int, int]] = {}
+        spec_positions: dict[int | str, list[int]] = {}
         for seq in seqs:
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            samples = scheduler_output.samples(seq)  # its newest token is computed: it samples the next
+            samples = scheduler_output.samples(seq)
             token_ids += seq.token_ids_in(start, start + count - len(drafts)) + drafts
             token_positions += range(start, start + count)
             slots += get_slot_mapping(seq.block_table, bs, start, start + count)
-            block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table  # every token row: its table
+            block_tables.np[i:i + count, :len(seq.block_table)] = seq.block_table
             num_blocks = max(num_blocks, -(-(start + count) // bs))
             if seq.seq_id in hidden_for:
                 token_rows[seq.seq_id] = (i, count)
             i += count
-            if samples:  # the logits at its last token before the drafts give its next token
+            if samples:
                 sampled_at.append(i - len(drafts) - 1)
                 sampled_seqs.append(seq)
             if drafts:
@@ -301,7 +291,7 @@ class ModelRunner:
         logits_indices = self._rows_input(num_rows)
         logits_indices.np[...] = 0
         logits_indices.np[:len(sampled_at)] = sampled_at
-        spec_rows, first = {}, len(sampled_seqs)  # the drafts' rows follow the sequences' rows
+        spec_rows, first = {}, len(sampled_seqs)
         for seq_id, where in spec_positions.items():
             logits_indices.np[first:first + len(where)] = where
             spec_rows[seq_id] = list(range(first, first + len(where)))
@@ -309,7 +299,7 @@ class ModelRunner:
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self._bind_num_blocks(num_blocks))
         self.lap("prepare_inputs")
-        if token_rows:  # all positions' final hidden states, then the sampled rows' logits from them
+        if token_rows:
             if ("hidden", n) not in self._jits:
                 self._jits["hidden", n] = Jit(self._forward_hidden)
             self._normed = self._jits["hidden", n](*inputs[:4], inputs[5])
@@ -326,20 +316,18 @@ class ModelRunner:
         return ForwardOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
 
     def _persisted(self, *name):
-        """Where graph `name` is kept on disk (Phase 6), keyed by everything this runner bakes into its graphs."""
+        """Where graph `name` is kept on disk, keyed by everything this runner bakes into its graphs."""
         settings = {"block_size": self.block_size, "max_blocks_per_seq": self.max_blocks_per_seq,
                     "max_num_seqs": self.max_num_seqs, "portable_attention": self.portable_attention}
         return persisted_graph(self.model, self.kv_cache, settings, *name)
 
     def _bind_num_blocks(self, num_blocks: int) -> UOp:
-        """The graph's `num_blocks` variable bound to a value, made once per value (it changes every block_size
-        tokens)."""
         if num_blocks not in self._bound_num_blocks:
             self._bound_num_blocks[num_blocks] = self.v_num_blocks.bind(num_blocks)
         return self._bound_num_blocks[num_blocks]
 
     def lap(self, phase: str | None) -> None:
-        """Profiling only: the time since the last lap of `step_timer` belongs to `phase` (None: a step starts)."""
+        """Profiling: the time since the last lap belongs to `phase` (None: a step starts)."""
         if self.step_timer is None:
             return
         if phase is None:
@@ -350,9 +338,8 @@ class ModelRunner:
     def sample(self, logits: Tensor, temperature: np.ndarray | None, top_k: np.ndarray | None,
                top_p: np.ndarray | None, min_p: np.ndarray | None, keys: np.ndarray | None, use_filters: bool,
                bitmask: np.ndarray | None = None) -> np.ndarray:
-        """Sample every row of `logits` on the device with its own parameters (see device_sampler); returns
-        the token ids (rows,). keys (rows, 2) uint32: each row's draw key, None: all greedy; bitmask
-        (rows, ceil(vocab/32)) int32: structured outputs' allowed tokens (None: no mask in the graph)."""
+        """The token ids (rows,), each row of `logits` sampled on the device. keys (rows, 2) uint32, None: all
+        greedy; bitmask (rows, ceil(vocab/32)) int32."""
         rows = logits.shape[0]
         masked = bitmask is not None
         inputs = [] if keys is None else [temperature, top_k, top_p, min_p, keys]
@@ -367,8 +354,7 @@ class ModelRunner:
         return self._read_back(key, self._sampler_jits[key](logits, *buffers))
 
     def _read_back(self, key: tuple, out: Tensor) -> np.ndarray:
-        """Sampler graph `key`'s output (a few numbers per row) on the host, once its kernels are done: no wait
-        after a replay of the CPU graph's C table (done when it returns)."""
+        """Sampler graph `key`'s output on the host; no wait after a CPU graph's C replay (done when it returns)."""
         if key not in self._sampler_outputs:
             self._sampler_outputs[key] = ReadBack()
         return self._sampler_outputs[key](out, wait=not self._sampler_jits[key].ran_in_c)
@@ -384,9 +370,8 @@ class ModelRunner:
         return run
 
     def rejection_sample(self, logits: Tensor, row_index: np.ndarray, batch) -> tuple[np.ndarray, np.ndarray]:
-        """Speculative decoding's exact rejection sampling (spec_decode/rejection_sampler.py) on the device, one
-        graph per (logits rows, filters used, q given). row_index (R,) int32: the row of `logits` (R, V) each verify
-        row reads; batch: a VerifyBatch of R rows. Returns accepted (R,) bool and tokens (R,) int32."""
+        """Rejection sampling on the device. row_index (R,) int32: the row of `logits` each verify row reads;
+        batch: a VerifyBatch. Returns accepted (R,) bool and tokens (R,) int32."""
         has_q = batch.draft_probs is not None
         key = ("rejection", logits.shape[0], batch.use_filters, has_q)
         if key not in self._sampler_jits:
@@ -400,7 +385,7 @@ class ModelRunner:
 
     @staticmethod
     def _rejection_graph(use_filters: bool, has_q: bool):
-        from tinyvllm.spec_decode import rejection_sampler  # Phase 7b: only a step that verifies sampled drafts
+        from tinyvllm.spec_decode import rejection_sampler
 
         def run(logits: Tensor, row_index: Tensor, *inputs: Tensor) -> Tensor:
             accepted, tokens = rejection_sampler.rejection_sample(
