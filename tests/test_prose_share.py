@@ -30,7 +30,6 @@ def test_trimmed_modules_are_lean():
     assert share(TRIMMED) <= MAX_PROSE_SHARE
 
 
-@pytest.mark.xfail(strict=False, reason="the engine packages are trimmed as they are rewritten")
 def test_the_package_is_lean():
     assert share([PACKAGE]) <= MAX_PROSE_SHARE
 

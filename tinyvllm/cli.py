@@ -42,7 +42,7 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
     p.add_argument("--course", default=os.environ.get("TINYVLLM_COURSE"), metavar="DIR",
                    help="run the engine on the functions written in this build-it folder (course/README.md); "
                         "default: TINYVLLM_COURSE")
-    EngineArgs.add_cli_args(p)  # the engine's flags, shared with the server (engine/arg_utils.py)
+    EngineArgs.add_cli_args(p)
     return p
 
 
@@ -50,7 +50,7 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
     """`tinyvllm generate`, `python main.py`, `tinyvllm chat` (chat=True): text to stdout, statistics to stderr."""
     args = build_generate_parser(prog, chat).parse_args(argv)
     if args.device:
-        os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
+        os.environ["DEV"] = args.device.upper()
     try:
         # the heap frozen only for the process's own command line (argv None): a caller lives on after it
         with engine_start(freeze=argv is None):
@@ -58,7 +58,7 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
             from tinyvllm.engine.generator import GenerationResult, Generator
             from tinyvllm.sampling_params import SamplingParams
 
-            if args.course:  # the learner's functions in place of the project's, before the engine is built
+            if args.course:
                 from tinyvllm.course import install_written
 
                 mine = install_written(args.course)
@@ -89,7 +89,7 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
           f"({time.perf_counter() - PROCESS_START - result.decode_time:.2f} s since process start) | "
           f"decode {result.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
     stats = generator.engine.get_stats()
-    if "spec_decode_num_draft_tokens" in stats:  # speculation was on: how many of its guesses the model kept
+    if "spec_decode_num_draft_tokens" in stats:
         print(f"[speculative decoding] {stats['spec_decode_num_draft_tokens']} draft tokens, "
               f"{stats['spec_decode_num_accepted_tokens']} accepted "
               f"(acceptance rate {stats['spec_decode_acceptance_rate']:.2f}, mean accepted length "
@@ -183,7 +183,7 @@ def bench_main(argv: list[str]) -> int:
     script = folder / BENCH_SCRIPTS[workload]
     argv_before, path_before = sys.argv, list(sys.path)
     sys.argv = [f"tinyvllm bench {workload}", *rest]
-    sys.path.insert(0, str(folder))  # the scripts import their neighbours (common.py)
+    sys.path.insert(0, str(folder))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:  # argparse's --help and errors

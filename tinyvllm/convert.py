@@ -96,7 +96,7 @@ def tokenizer_json(md: dict) -> dict:
 
 def tokenizer_config(md: dict) -> dict:
     """tokenizer_config.json: which tokens are special, whether BOS is prepended, the chat template."""
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}  # a plain wrapper around tokenizer.json
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         if _token(md, gguf_key) is not None:
             cfg[f"{key}_token"] = _token(md, gguf_key)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         out = convert(args.src, args.out_dir, args.dtype, args.max_shard_size)
     except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))  # a one-line message and exit status 2, not a traceback
+        parser.error(str(e))
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote {out}: {', '.join(files)}", file=sys.stderr)
 

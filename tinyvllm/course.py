@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
-COURSE_DIR = ROOT / "course"  # the learner's folder unless TINYVLLM_COURSE or --course names another
+COURSE_DIR = ROOT / "course"
 
 
 @dataclass(frozen=True)
@@ -165,8 +165,7 @@ def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
     """Put the learner's function of each task in place of the project's wherever the engine calls it."""
     folder = course_dir(folder)
     replaced: list[tuple[object, object, object]] = []
-    if tasks:  # NOTE: a graph kept on disk is keyed by the package's source, not the learner's: it would replay the
-        # project's code (tinyvllm/kernels/graph_cache.py), so none is read or written while a learner's code runs
+    if tasks:  # a graph on disk is keyed by the package's source: it would replay the project's code, not the learner's
         os.environ["TINYVLLM_GRAPH_CACHE"] = "0"
         graph_cache = sys.modules.get("tinyvllm.kernels.graph_cache")
         if graph_cache is not None:
@@ -175,12 +174,11 @@ def install(tasks: list[Task], folder: str | Path | None = None) -> Installed:
         owner, attr = _resolve(task.target)
         original = owner.__dict__[attr]
         learner = load_learner_function(task, folder)
-        if isinstance(owner, type):  # a method: the class is the one place it lives
+        if isinstance(owner, type):
             replaced.append((owner, attr, original))
             setattr(owner, attr, learner)
             continue
-        # a function: its module, every module of the package that bound it by `from ... import`, and a module's
-        # table that holds it (a dict of functions, or of tuples with one: quant.py's block formats)
+        # a function: its module, every module that bound it by `from ... import`, and any table that holds it
         for module in list(sys.modules.values()):
             if isinstance(module, ModuleType) and module.__name__.split(".")[0] == "tinyvllm":
                 for name, value in list(vars(module).items()):
@@ -285,7 +283,7 @@ def report(phase: int, results: dict[str, dict], solution: bool) -> str:
         lines.append(f"  {mark:<6}  {task.name:<24} course/{task.file}")
         if not result["passed"] and result["message"]:
             message = result["message"].strip().splitlines()
-            if len(message) > 1:  # pytest's rewritten `assert ...` after the grader's own message: noise here
+            if len(message) > 1:
                 message = list(itertools.takewhile(lambda line: not line.startswith("assert "), message)) or message
             lines += [f"            {line}" for line in message[:4]]
     num_passed = sum(r["passed"] for r in results.values())

@@ -35,7 +35,7 @@ def build_app(url: str, api_key: str | None = None) -> FastAPI:
     """The page, and its data calls passed on to the tinyvllm server at `url`."""
     url = check_url(url)
     app = FastAPI(title="tinyvllm dashboard", docs_url=None, redoc_url=None, openapi_url=None)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None))  # a stream may stay quiet a while
+    client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None))
 
     @app.get("/")
     async def root():

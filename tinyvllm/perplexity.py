@@ -88,7 +88,7 @@ def scored_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """logits (T, V) float32, targets (T,) -> -log softmax(logits)[target] per row, (T,) float64."""
     x = logits.astype(np.float64)
     top = x.max(axis=-1, keepdims=True)  # (T,1): subtracted so that exp never overflows
-    log_z = top[:, 0] + np.log(np.exp(x - top).sum(axis=-1))  # (T,)
+    log_z = top[:, 0] + np.log(np.exp(x - top).sum(axis=-1))
     return log_z - x[np.arange(len(targets)), targets]
 
 
@@ -131,7 +131,7 @@ class ChunkScorer:
                                self._positions.write(positions), self._slots.write(positions)).numpy()[0]
             if self.step == self.n_ctx:
                 return logits
-            lo, hi = max(self.first, start), min(self.n_ctx - 1, start + self.step)  # rows of this step to keep
+            lo, hi = max(self.first, start), min(self.n_ctx - 1, start + self.step)
             if lo < hi:
                 scored.append(logits[lo - start:hi - start])
         return np.concatenate(scored)
@@ -142,7 +142,7 @@ def perplexity(model: LlamaForCausalLM, tokenizer: Tokenizer, text: str, n_ctx: 
                kv_cache_dtype: str = "auto") -> PerplexityResult:
     """llama-perplexity's chunked perplexity of `text`; `progress(chunk index, running perplexity)` per chunk."""
     start = time.perf_counter()
-    token_ids = tokenizer.encode(text, add_special_tokens=True)  # BOS first iff the vocab's add_bos
+    token_ids = tokenizer.encode(text, add_special_tokens=True)
     chunks = num_chunks(len(token_ids), n_ctx, max_chunks)
     bos = tokenizer.bos_token_id if tokenizer.add_bos_token else None
     scorer = ChunkScorer(model, n_ctx, tokens_per_step, kv_cache_dtype)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinyvllm.perplexi
     try:
         r = perplexity(model, tokenizer, text, n_ctx=args.n_ctx, max_chunks=args.chunks,
                        tokens_per_step=args.tokens_per_step, progress=progress)
-    except ValueError as e:  # a text too short for n_ctx, an odd n_ctx, a step that does not divide it
+    except ValueError as e:
         p.error(str(e))
     print()
     print(f"text {path.name}: {len(text):,} characters, {r.text_tokens:,} tokens, sha256 {text_digest(text)}")

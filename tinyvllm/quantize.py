@@ -35,7 +35,7 @@ from tinyvllm.model.weights_hf import load_hf
 
 # ggml type -> llama.cpp's llama_ftype for a file "mostly" of that type (include/llama.h)
 FILE_TYPES = {0: 0, 1: 1, 2: 2, 3: 3, 8: 7, 12: 15, 20: 25}  # Q4_K: MOSTLY_Q4_K_M, IQ4_NL: MOSTLY_IQ4_NL
-OUTPUT_TYPES = {**QUANTIZE_TYPES, "f16": F16, "f32": F32}  # --type: the block formats, or float weights
+OUTPUT_TYPES = {**QUANTIZE_TYPES, "f16": F16, "f32": F32}
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION: bumped by ggml when a block layout changes
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -51,10 +51,10 @@ class PlannedTensor:
 
     name: str  # GGUF name
     shape: tuple[int, ...]  # numpy order: (out_features, in_features) for a linear weight
-    source: str  # its type in the input, by name: Q4_1, F32, BF16, ...
+    source: str
     source_bytes: int  # its size in the input
     ggml_type: int  # its type in the output
-    produce: Callable[[], np.ndarray]  # its bytes in the output (or its float32/float16 values)
+    produce: Callable[[], np.ndarray]
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +65,7 @@ def target_type(name: str, shape: tuple[int, ...], current: int, ggml_type: int,
     """The type llama-quantize gives tensor `name` for a file of `ggml_type` (norms F32, the output matrix Q8_0)."""
     if len(shape) < 2 or not name.endswith("weight") or name.endswith("_norm.weight"):
         return current
-    if ggml_type in (F32, F16):  # a float file: every matrix in that type
+    if ggml_type in (F32, F16):
         return ggml_type
     new = Q8_0 if name == "output.weight" or (tied and name == "token_embd.weight") else ggml_type
     fits = storage_type(new, shape[-1])  # Q4_K: Q5_0 where a row is not whole super-blocks
@@ -89,7 +89,7 @@ def convert_tensor(name: str, array: np.ndarray, ggml_type: int) -> np.ndarray:
 def _from_gguf(path: Path, ggml_type: int) -> tuple[dict[str, MetadataValue], list[PlannedTensor]]:
     gguf = GGUFFile(path)
     ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))  # a clear error unless tinyvllm runs it
-    metadata = read_metadata(path)  # every key, with its type
+    metadata = read_metadata(path)
     tied = "output.weight" not in gguf.tensors
     plan = []
     for name, info in gguf.tensors.items():
@@ -100,7 +100,7 @@ def _from_gguf(path: Path, ggml_type: int) -> tuple[dict[str, MetadataValue], li
             raise ValueError(f"{path}: tensor {name!r}: {e}") from None
         if new == info.ggml_type:
             def produce(name=name, nbytes=nbytes):
-                return gguf.raw(name, nbytes)  # the blocks as they are
+                return gguf.raw(name, nbytes)
         else:
             def produce(name=name, new=new):
                 return convert_tensor(name, read_tensor(gguf, name), new)
@@ -167,7 +167,7 @@ def tokenizer_metadata(model_dir: Path, vocab_size: int) -> dict[str, MetadataVa
     """tokenizer.ggml.* keys from tokenizer.json + tokenizer_config.json: what convert.py reads back."""
     from tinyvllm.model.bpe import ByteLevelBPETokenizer
 
-    tokenizer = load_tokenizer(model_dir)  # what the engine would use: BOS, EOS, add_bos_token, chat template
+    tokenizer = load_tokenizer(model_dir)
     if not isinstance(tokenizer, ByteLevelBPETokenizer):
         raise ValueError(f"{model_dir}: only byte-level BPE tokenizers (tokenizer.json) are written to GGUF; "
                          f"this one is {type(tokenizer).__name__}")
@@ -182,7 +182,7 @@ def tokenizer_metadata(model_dir: Path, vocab_size: int) -> dict[str, MetadataVa
     vocab: dict[str, int] = tok_json["model"]["vocab"]
     added = tok_json.get("added_tokens", [])
     n = max([vocab_size, *(i + 1 for i in vocab.values()), *(t["id"] + 1 for t in added)])
-    tokens = [f"[PAD{i}]" for i in range(n)]  # ids no token claims, as convert_hf_to_gguf.py fills them
+    tokens = [f"[PAD{i}]" for i in range(n)]  # as convert_hf_to_gguf.py fills them
     types = [TOKEN_UNUSED] * n
     for token, i in vocab.items():
         tokens[i], types[i] = token, TOKEN_NORMAL
@@ -276,7 +276,7 @@ def quantize_model(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, o
 
 
     def report(i: int, p: PlannedTensor) -> Callable[[], np.ndarray]:
-        def data() -> np.ndarray:  # the writer calls it at this tensor's turn: one tensor in memory at a time
+        def data() -> np.ndarray:  # one tensor in memory at a time
             array = p.produce()
             print(f"[{i + 1:4d}/{len(plan)}] {p.name:32s} {str(p.shape):14s} {p.source:>5s} -> "
                   f"{type_name(p.ggml_type):5s} {p.source_bytes / 2**20:9.3f} MiB -> {p.nbytes / 2**20:9.3f} MiB",
@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tinyvllm.quantize
     args = parser.parse_args(argv)
     try:
         quantize_model(args.src, args.dst, args.qtype)
-    except (ValueError, OSError) as e:  # OSError: a missing input, an output path that cannot be written
-        parser.error(str(e))  # a one-line message and exit status 2, not a traceback
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -22,14 +22,14 @@ class RequestRecord:
     method: str
     route: str
     arrival: float  # time.time(), for the log
-    key_id: str | None = None  # None: no keys configured, or the request had no valid key
-    status: int | None = None  # None until the response starts
+    key_id: str | None = None  # None: no valid key
+    status: int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_s: float = 0.0
     disconnected: bool = False
     request_id: str | None = None
-    complete: bool = False  # the last byte of the response was sent
+    complete: bool = False
 
     def line(self) -> str:
         when = datetime.fromtimestamp(self.arrival, timezone.utc).isoformat(timespec="milliseconds")
@@ -52,16 +52,16 @@ class AuditLog:
         self.thread.start()
 
     def write(self, record: RequestRecord) -> None:
-        self.queue.put(record)  # from the event loop: no I/O, no JSON
+        self.queue.put(record)
 
     def run(self) -> None:
         while True:
             records = [self.queue.get()]
-            while not self.queue.empty():  # a burst: one write and one flush for all of it
+            while not self.queue.empty():  # a burst: one write and one flush
                 records.append(self.queue.get())
             lines = [record.line() + "\n" for record in records if record is not None]
             self.file.write("".join(lines))
-            self.file.flush()  # a line is on disk (in the OS' cache) once its request is done
+            self.file.flush()
             if None in records:
                 return
 
@@ -104,7 +104,7 @@ class RequestAccounting:
         try:
             await self.app(scope, watch_receive, watch_send)
         except BaseException:
-            record.status = record.status or 500  # what the server's error middleware will send
+            record.status = record.status or 500
             raise
         finally:
             current_record.reset(reset)

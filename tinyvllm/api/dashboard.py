@@ -21,7 +21,7 @@ from tinyvllm.api.openapi import responses
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 PAGE_FILES = {"dashboard.html": "text/html", "dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 DASHBOARD_PATHS = ("/dashboard", *(f"/dashboard/{name}" for name in PAGE_FILES))  # public: the page, not its data
-RATE_WINDOW_S = 10.0  # rates and percentiles look back this far
+RATE_WINDOW_S = 10.0
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 10.0
 
 
@@ -63,10 +63,10 @@ class RateWindow:
         now, current = time.monotonic(), self.read()
         self.samples.append((now, current))
         while len(self.samples) > 1 and now - self.samples[1][0] >= self.window_s:
-            self.samples.popleft()  # keep one sample at least window_s old, to diff against
+            self.samples.popleft()  # one sample at least window_s old
         then, old = self.samples[0]
         dt = now - then
-        if len(self.samples) == 1:  # nothing to diff yet: everything counted so far
+        if len(self.samples) == 1:
             old = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_queries": 0, "prefix_hits": 0,
                    "ttft": [0] * len(current["ttft"]), "itl": [0] * len(current["itl"])}
         queries = current["prefix_queries"] - old["prefix_queries"]
@@ -81,7 +81,7 @@ class RateWindow:
             for q in (0.5, 0.99):
                 value = histogram_quantile(q, histogram.buckets, gained)
                 rates[f"{name}_p{round(q * 100)}_ms"] = None if value is None else value * 1e3
-        drafted = extra_stats.get("spec_decode_num_draft_tokens")  # speculative decoding, where the engine has it
+        drafted = extra_stats.get("spec_decode_num_draft_tokens")
         if drafted:
             rates["spec_decode_acceptance_rate"] = extra_stats.get("spec_decode_num_accepted_tokens", 0) / drafted
         return rates
@@ -107,7 +107,7 @@ def add_dashboard_routes(app: FastAPI, engine, metrics: ServerMetrics | None, gu
         except Exception as e:
             return to_openai_error(e).response()
 
-    @router.get("/v1/engine/state/stream", include_in_schema=False)  # endless: no place in a fuzzed schema
+    @router.get("/v1/engine/state/stream", include_in_schema=False)
     async def engine_state_stream(request: Request, interval: float = Query(0.25)) -> StreamingResponse:
         interval = min(max(interval, MIN_INTERVAL_S), MAX_INTERVAL_S)
 
@@ -115,7 +115,7 @@ def add_dashboard_routes(app: FastAPI, engine, metrics: ServerMetrics | None, gu
             while not await request.is_disconnected():
                 try:
                     yield f"data: {json.dumps(await snapshot())}\n\n"
-                except Exception as e:  # not loaded yet, or stopped: said as an event, the stream goes on
+                except Exception as e:  # said as an event, the stream goes on
                     yield f"data: {json.dumps(to_openai_error(e).body())}\n\n"
                 await asyncio.sleep(interval)
 

@@ -68,7 +68,7 @@ def lone_surrogate_error(body: bytes) -> OpenAIError | None:
     path = _lone_surrogate_path(document)
     if path is None:
         return None  # a pair (a character outside the BMP), or an escaped backslash before "u"
-    parts = [str(part).encode("utf-8", "backslashreplace").decode("utf-8") for part in path]  # a key may hold it
+    parts = [str(part).encode("utf-8", "backslashreplace").decode("utf-8") for part in path]
     field = ".".join(parts) or "body"
     return bad_request(f"{field}: the string holds a lone UTF-16 surrogate, which is not Unicode text; send UTF-8 "
                        "text (a character outside the Basic Multilingual Plane as a \\uD8xx\\uDCxx pair)",
@@ -125,7 +125,7 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", retry_after=e.retry_after)
     if isinstance(e, (EngineNotReadyError, EngineDeadError)):
         return OpenAIError(503, str(e), "server_error", code="service_unavailable", retry_after=5)
-    if isinstance(e, EngineStepError):  # the engine's own words, passed on
+    if isinstance(e, EngineStepError):
         logger.error("engine step error: %s", e)
         return OpenAIError(500, f"{e}; the server keeps serving", "server_error", code="internal_error")
     if isinstance(e, ValueError):  # the engine's word for bad caller input
@@ -150,7 +150,6 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", "")
             return bad_request(f"the request body is not valid JSON: {detail}").response()
-        # loc: ("body", "messages", 0, "content"): the field is the first name after "body"
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
         return bad_request(message, location[0] if location else None).response()

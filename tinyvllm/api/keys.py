@@ -29,7 +29,7 @@ EPSILON = 1e-9  # a bucket refilled for exactly Retry-After seconds holds enough
 @dataclass(frozen=True)
 class ApiKey:
     id: str
-    digest: bytes  # SHA-256 of the key: the key itself is never kept
+    digest: bytes  # SHA-256: the key itself is never kept
     rpm: int | None = None
     tpm: int | None = None
 
@@ -47,7 +47,7 @@ def parse_key(entry: object, where: str) -> ApiKey:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: each key must be a JSON object, got {entry!r}")
     unknown = set(entry) - FIELDS
-    if unknown:  # a typo ("tmp") must not quietly mean "no limit"
+    if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; a key has {sorted(FIELDS)}")
     key_id = entry.get("id")
     if not isinstance(key_id, str) or KEY_ID.fullmatch(key_id) is None:
@@ -96,7 +96,7 @@ class TokenBucket:
     """Up to `per_minute` units, refilled continuously at `per_minute` / 60 per second; never below zero."""
 
     def __init__(self, per_minute: int, now: float):
-        self.capacity, self.rate = per_minute, per_minute / 60.0  # units per second
+        self.capacity, self.rate = per_minute, per_minute / 60.0
         self.level, self.updated = float(per_minute), now
 
     def refill(self, now: float) -> None:
@@ -168,7 +168,7 @@ class ApiKeys:
         # Starlette decodes headers as latin-1: encoding back gives the bytes the client sent
         digest = hashlib.sha256(token.encode("latin-1")).digest()
         found = None
-        for key in self.keys:  # every key, in constant time: the check's time says nothing of which matched
+        for key in self.keys:  # every key, in constant time
             if hmac.compare_digest(digest, key.digest):
                 found = key
         if scheme.lower() != "bearer" or found is None:
@@ -232,13 +232,13 @@ class KeyedEngine:
     def add_request(self, request_id: str, prompt: list[int], sampling_params, priority: int = 0):
         record = current_record.get(None)
         key = self.keys.by_id.get(record.key_id) if record is not None and self.keys is not None else None
-        num_prompt_tokens = len(prompt)  # the serving code passes token ids
+        num_prompt_tokens = len(prompt)
         reserved = 0
         if key is not None:
             reserved = self.keys.reserve_tokens(key, num_prompt_tokens, self.max_completion_tokens(
                 num_prompt_tokens, sampling_params))
         try:
-            stream = self.async_engine.add_request(request_id, prompt, sampling_params, priority)  # may 429 itself
+            stream = self.async_engine.add_request(request_id, prompt, sampling_params, priority)
         except BaseException:
             if key is not None:
                 self.keys.settle_tokens(key, reserved, 0)
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     key = "sk-" + secrets.token_urlsafe(32)
     entry = {"id": args.id, "sha256": sha256(key).hex(), "rpm": args.rpm, "tpm": args.tpm}
-    parse_key(entry, "the new key")  # the same checks as the server's
+    parse_key(entry, "the new key")
     print(f"key for {args.id} (give it to them; it is stored nowhere): {key}", file=sys.stderr)
     print(json.dumps({k: v for k, v in entry.items() if v is not None}))
 

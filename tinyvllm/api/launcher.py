@@ -37,7 +37,7 @@ class BackgroundServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]  # the port the OS picked for port=0
+        port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
         while self.wait_until_ready and httpx.get(f"{self.url}/health").status_code != 200:
             if time.monotonic() > deadline:

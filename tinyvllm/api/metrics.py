@@ -13,7 +13,7 @@ from tinyvllm.outputs import RequestOutput
 PREFIX = "tinyvllm:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series: 1 ... 500000
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 
 class Metric:
@@ -117,14 +117,13 @@ class ServerMetrics:
         self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
-        # how K/V are stored (Phase 7c) and what a token of context costs
         self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.")
         self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
                                         "over all layers (K and V, with their scales).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
         self.success = Counter("request_success_total", "Requests finished, by reason.", "finished_reason")
-        # prefix caching, in tokens: hits / queries is the share of prompt tokens reused
+        # prefix caching, in tokens
         self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.",
@@ -132,7 +131,6 @@ class ServerMetrics:
         self.itl = Histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
                              LATENCY_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS)
-        # vLLM's older name of the inter-token latency, still read by dashboards
         self.tpot = Histogram("time_per_output_token_seconds", "Time between two tokens of one request "
                               "(the older name of inter_token_latency_seconds).", LATENCY_BUCKETS)
         self.queue_time = Histogram("request_queue_time_seconds", "Time from arrival to the first step that ran "
@@ -174,7 +172,7 @@ class ServerMetrics:
             self._requests[request_id] = _RequestTimes(arrival_time)
             if params is not None:
                 self.params_n.observe(params.n)
-                if params.max_tokens:  # None: as many as the context leaves; 0: a pooling request
+                if params.max_tokens:
                     self.params_max_tokens.observe(params.max_tokens)
 
     def record_removed(self, request_id: str) -> None:  # aborted: no latency to report
@@ -223,7 +221,7 @@ class ServerMetrics:
                 self.ttft.observe(now - times.arrival_time)
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
             else:
-                for _ in range(new_tokens):  # several tokens in one step (multi-step): spread the gap
+                for _ in range(new_tokens):
                     self.itl.observe((now - times.last_token_time) / new_tokens)
                     self.tpot.observe((now - times.last_token_time) / new_tokens)
             self.generation_tokens.inc(new_tokens)
@@ -241,7 +239,7 @@ class ServerMetrics:
         self.request_generation_tokens.observe(num_tokens)
         metrics = output.metrics
         scheduled = None if metrics is None else metrics.first_scheduled_time
-        if scheduled is None:  # never ran (or an engine that does not say): no phases to split
+        if scheduled is None:
             return
         first_token = metrics.first_token_time if metrics.first_token_time is not None else now
         self.queue_time.observe(max(scheduled - times.arrival_time, 0.0))

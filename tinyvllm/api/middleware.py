@@ -62,7 +62,7 @@ class RequestGuard:
                 raise host_not_allowed(name)
             key = self.identify(scope["path"], headers)
             if key is not None and key.has_limits:
-                send = self.with_rate_limit_headers(key, send)  # on every answer, this 429 included
+                send = self.with_rate_limit_headers(key, send)
                 if scope["path"].startswith("/v1/"):
                     self.keys.admit_request(key)
             body = await self.read_body(headers, receive)
@@ -75,7 +75,7 @@ class RequestGuard:
 
         replayed = False
 
-        async def replay() -> Message:  # the body once, then the real channel (to see a disconnect)
+        async def replay() -> Message:  # the body once, then the real channel
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -90,7 +90,7 @@ class RequestGuard:
             return None
         key = self.keys.identify(headers.get("authorization", ""))
         record = current_record.get()
-        if record is not None:  # for the audit log and /metrics
+        if record is not None:
             record.key_id = key.id
         return key
 

@@ -29,7 +29,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tinyvllm"
-    max_model_len: int | None = None  # vLLM's extra: how many tokens prompt + output may hold
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
@@ -38,7 +38,7 @@ class ModelList(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not from a prefill
+    cached_tokens: int = 0  # from the prefix cache
 
 
 class UsageInfo(BaseModel):
@@ -49,7 +49,7 @@ class UsageInfo(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False  # a last chunk with `usage` before [DONE]
+    include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
@@ -66,14 +66,14 @@ class JsonSchemaFormat(BaseModel):
     name: StrictStr
     description: StrictStr | None = None
     schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
-    strict: StrictBool | None = None  # the output always follows the schema here, strict or not
+    strict: StrictBool | None = None  # always strict here
 
 
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: "text", "json_object" or "json_schema" (against `json_schema.schema`)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None  # with type "json_schema"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredOutputsRequest(BaseModel):
@@ -89,17 +89,17 @@ class StructuredOutputsRequest(BaseModel):
 class SamplingFields(BaseModel):
     """The fields both endpoints share: `SamplingParams`' names; OpenAI's ranges where OpenAI has the field."""
 
-    model: StrictStr | None = None  # missing: the served one (vLLM's rule)
-    n: StrictInt = Field(1, ge=1)  # at most the server's --max-n
-    temperature: StrictFloat | None = Field(None, ge=0, le=2)  # None: OpenAI's default 1.0
-    top_p: StrictFloat | None = Field(None, gt=0, le=1)  # (0, 1], as vLLM's SamplingParams checks it
+    model: StrictStr | None = None  # missing: the served one
+    n: StrictInt = Field(1, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = Field(None, ge=0, le=1)
     presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
     frequency_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
     repetition_penalty: StrictFloat | None = Field(None, gt=0)
     seed: StrictInt | None = None
-    stop: StrictStr | Strings | None = None  # at most --max-stop-sequences, each --max-stop-length chars
+    stop: StrictStr | Strings | None = None
     stop_token_ids: Ids | None = None
     logit_bias: dict[str, StrictFloat] | None = None  # JSON keys are strings: {"1234": -100}
     min_tokens: StrictInt | None = Field(None, ge=0)
@@ -112,17 +112,16 @@ class SamplingFields(BaseModel):
     guided_regex: NonEmptyStr | None = None
     guided_choice: Choices | None = None
     guided_grammar: NonEmptyStr | None = None
-    priority: StrictInt = 0  # vLLM's extra: lower is served first under --scheduling-policy priority
+    priority: StrictInt = 0  # lower is served first
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None  # an end-user id for abuse monitoring; accepted and ignored
+    user: StrictStr | None = None  # accepted and ignored
 
 
 class CompletionRequest(SamplingFields):
-    # text or token ids, or a batch (a list) of them
     prompt: StrictStr | Strings | Ids | Annotated[list[Ids], Field(fail_fast=True)]
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
-    echo: StrictBool = False  # put the prompt in front of the completion
+    echo: StrictBool = False
     # top alternatives per token (0: the sampled token only); OpenAI allows 5, vLLM 20
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
@@ -180,11 +179,11 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's deprecated forms of tools and tool_choice (tinyvllm/api/legacy_functions.py)
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
-    parallel_tool_calls: StrictBool | None = None  # accepted; a forced tool_choice makes one call
-    max_tokens: StrictInt | None = None  # deprecated by OpenAI
-    max_completion_tokens: StrictInt | None = None  # None: as many as the context leaves
+    parallel_tool_calls: StrictBool | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token, needs logprobs
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's chat template extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -224,7 +223,7 @@ class CompletionStreamResponse(BaseModel):
     created: int
     model: str
     choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None  # only on the last chunk, with stream_options.include_usage
+    usage: UsageInfo | None = None
 
 
 # ---- chat responses ----
@@ -285,7 +284,7 @@ class DeltaToolCall(_WithoutNulls):
 
 
 class DeltaMessage(_WithoutNulls):
-    role: str | None = None  # "assistant" in each choice's first chunk only
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

@@ -30,9 +30,9 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.header_timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm()  # the first bytes of a new request on a kept-alive connection
+            self._arm()
         super().data_received(data)
-        if self.cycle is not None and not self.cycle.response_complete:  # h11 has parsed the headers
+        if self.cycle is not None and not self.cycle.response_complete:
             self._disarm()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -19,8 +19,8 @@ class ThinkReasoningParser:
     START, END = "<think>", "</think>"
 
     def __init__(self, prompt_opened: bool = False):
-        self.state = "reasoning" if prompt_opened else "start"  # start -> reasoning -> content
-        self.has_reasoning = prompt_opened  # a block was seen (maybe empty)
+        self.state = "reasoning" if prompt_opened else "start"
+        self.has_reasoning = prompt_opened
         self.held = ""  # text not yet sent: it may still become a tag
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -33,7 +33,7 @@ class ThinkReasoningParser:
                 if head.startswith(self.START):
                     self.held, self.state, self.has_reasoning = head[len(self.START):], "reasoning", True
                     continue
-                if self.START.startswith(head):  # nothing yet, or the start of "<think>": wait
+                if self.START.startswith(head):
                     return reasoning, content
                 self.state = "content"
             elif self.state == "reasoning":

@@ -49,13 +49,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     if api_key is not None and api_keys is not None:
         raise ValueError("give api_key or api_keys, not both (ApiKeys.build(api_key, keys_file) merges them)")
     keys = api_keys if api_key is None else ApiKeys.build(api_key)
-    if engine.stat_logger is None:  # before the engine thread starts: nothing reads it yet
+    if engine.stat_logger is None:
         engine.stat_logger = ServerMetrics()
     metrics: ServerMetrics = engine.stat_logger
     key_metrics = KeyMetrics() if keys is not None else None
     audit = AuditLog(audit_log) if audit_log is not None else None
     limits = limits or ServerLimits()
-    keyed_engine = KeyedEngine(engine, keys)  # the serving code's view: each request charged to its key
+    keyed_engine = KeyedEngine(engine, keys)
     completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits)
     chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser,
                              tool_call_parser=tool_call_parser)
@@ -65,7 +65,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()  # the engine thread builds the engine meanwhile; /health says when it is done
+        engine.start()
         yield
         await engine.shutdown()
         if audit is not None:
@@ -85,7 +85,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                            allow_credentials=cors.allow_credentials)
     app.openapi = lambda: openapi_schema(app, secured=keys is not None, open_paths=OPEN_PATHS)
     v1 = APIRouter(prefix="/v1")
-    guarded = (401, 413, 421)  # what RequestGuard may answer on any path but /health
+    guarded = (401, 413, 421)
 
     @app.get("/health", responses=responses({"application/json": {"type": "object"}}, 413, 421, 503))
     async def health() -> JSONResponse:
@@ -150,7 +150,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     async def create_completion(request: CompletionRequest, raw_request: Request):
         try:
             return await completions.create_completion(request, raw_request)
-        except Exception as e:  # anything unmapped: a logged 500
+        except Exception as e:
             return to_openai_error(e).response()
 
     @v1.post("/chat/completions", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))
@@ -184,11 +184,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    try:  # before the model loads: a typo in the keys file is said at once
+    try:  # before the model loads
         keys = ApiKeys.build(args.api_key, args.api_keys_file)
     except (OSError, ValueError) as e:
         parser.error(f"--api-keys-file: {e}")
-    try:  # before the model loads, as vLLM does: a bad flag (a typo in the JSON) is said at once
+    try:  # before the model loads, as vLLM does
         engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     except ValueError as e:
         parser.error(str(e))
@@ -197,10 +197,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except (TypeError, ValueError) as e:
         parser.error(f"--pooler-config: {e}")
     if args.device:
-        os.environ["DEV"] = args.device.upper()  # tinygrad reads DEV when it first opens a device
+        os.environ["DEV"] = args.device.upper()
 
     def make_engine():
-        from tinyvllm.engine.llm_engine import LLMEngine  # here: --help stays instant, tinygrad starts on this thread
+        from tinyvllm.engine.llm_engine import LLMEngine  # here: --help stays instant
 
         return LLMEngine(config=engine_config)
 

@@ -38,10 +38,10 @@ REASONING_PARSERS = ("none", "think")
 class ToolUse:
     """What a request's `tools` and `tool_choice` ask of the server."""
 
-    tools: list[dict] | None = None  # OpenAI tool definitions, for the prompt
+    tools: list[dict] | None = None
     parse: bool = False  # look for calls in the output: tool_choice auto, required or named
     forced: list[dict] = field(default_factory=list)  # the functions the calls must be to (required, named)
-    parallel: bool = True  # parallel_tool_calls: more than one call allowed
+    parallel: bool = True
     parser: type[ToolParser] = TOOL_PARSERS["hermes"]
 
     @property
@@ -112,7 +112,6 @@ class OpenAIServingChat(OpenAIServing):
                                 continue_final_message=request.continue_final_message,
                                 chat_template_kwargs=request.chat_template_kwargs)
         prompt_ids = self.tokenize(text)
-        # max_completion_tokens (OpenAI's newer name) wins over max_tokens
         if request.max_completion_tokens is not None:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_completion_tokens, "messages",
                                                  "max_completion_tokens")
@@ -126,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, num_logprobs, structured, **defaults)
 
         def make_parser() -> ChoiceParser:
-            prompt_opened = text.rstrip().endswith(ThinkReasoningParser.START)  # the template opened <think>
+            prompt_opened = text.rstrip().endswith(ThinkReasoningParser.START)
             return ChoiceParser(ThinkReasoningParser(prompt_opened) if self.reasoning_parser else None,
                                 tool_use.make_parser())
 
@@ -160,8 +159,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request(f"tools[{i}].function.parameters is not a JSON schema this server can check "
                                   f"arguments against: {error}", "tools")
         if choice == "none":
-            return ToolUse(tools)  # listed in the prompt, as OpenAI and vLLM do, but never parsed
-        parallel = request.parallel_tool_calls is not False  # OpenAI's default: true
+            return ToolUse(tools)  # in the prompt, never parsed
+        parallel = request.parallel_tool_calls is not False
         if choice in (None, "auto"):
             return ToolUse(tools, parse=True, parallel=parallel, parser=self.tool_parser)
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
@@ -218,20 +217,20 @@ class OpenAIServingChat(OpenAIServing):
                     and isinstance(call["function"].get("name"), str) for call in tool_calls)):
                 raise bad_request(f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
                                   "\"function\": {\"name\", \"arguments\"}}", "messages")
-            for field in ("name", "tool_call_id"):  # the template writes them as text: strings only
+            for field in ("name", "tool_call_id"):
                 if message.get(field) is not None and not isinstance(message[field], str):
                     raise bad_request(f"messages[{i}].{field} must be a string, got {message[field]!r}", "messages")
             conversation.append({**message, "content": content})
         variables = {}
         if self.tokenizer.chat_template is not None and "tools" in template_variables(self.tokenizer.chat_template):
-            conversation = with_parsed_arguments(conversation)  # the template writes tools its own way
+            conversation = with_parsed_arguments(conversation)
             variables = {"tools": tools} if tools else {}
         else:
             conversation = with_default_tool_prompt(conversation, tools)
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       **extra, **variables)
-        except (ValueError, TypeError) as e:  # malformed messages, or the template's own raise_exception
+        except (ValueError, TypeError) as e:
             raise bad_request(f"the messages do not fit the model's chat template: {e}", "messages") from e
         if continue_final_message:
             text = self.open_final_message(text, conversation)
@@ -271,7 +270,7 @@ class OpenAIServingChat(OpenAIServing):
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, num_logprobs: int | None,
                             include_usage: bool, make_parser: Callable[[], ChoiceParser],
                             forced_tool: bool = False, continuous_usage: bool = False) -> AsyncIterator[str]:
-        parsers: dict[int, ChoiceParser] = {}  # choice index -> its parser
+        parsers: dict[int, ChoiceParser] = {}
         final = None
         try:
             async for final, deltas in choice_deltas(stream):
@@ -285,7 +284,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if num_logprobs is not None:
                         logprobs = self.logprobs(delta.token_ids, delta.logprobs, num_logprobs)
-                    so_far = usage(final) if continuous_usage else None  # vLLM's continuous_usage_stats
+                    so_far = usage(final) if continuous_usage else None
                     for choice in self.stream_choices(delta, parsers[delta.index], logprobs):
                         yield sse(ChatCompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:

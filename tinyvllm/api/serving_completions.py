@@ -151,7 +151,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, echo: list[str], n: int,
                             num_logprobs: int | None, include_usage: bool, continuous_usage: bool = False,
                             prompt_lengths: list[int] | None = None) -> AsyncIterator[str]:
-        text_offset: dict[int, int] = {}  # choice index -> where its next token starts in its text
+        text_offset: dict[int, int] = {}
         final = None
         try:
             async for final, deltas in choice_deltas(stream):
@@ -167,7 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text = (echo[delta.index // n] if delta.first else "") + delta.text
                     choice = CompletionResponseChoice(index=delta.index, text=text, logprobs=logprobs,
                                                       finish_reason=delta.finish_reason)
-                    so_far = usage(final) if continuous_usage else None  # vLLM's continuous_usage_stats
+                    so_far = usage(final) if continuous_usage else None
                     yield sse(CompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
                 yield sse(CompletionStreamResponse(**head, choices=[], usage=usage(final)))
@@ -234,7 +234,7 @@ async def merged_outputs(request_id: str, streams: list[AsyncIterator[RequestOut
         try:
             async for output in stream:
                 queue.put_nowait((i, output))
-        except Exception as e:  # this prompt's error ends the whole answer
+        except Exception as e:
             queue.put_nowait((i, e))
 
     readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]

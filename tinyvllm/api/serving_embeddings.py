@@ -30,14 +30,14 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
-    normalize: StrictBool | None = None  # vLLM's extra: None is the server's default (True)
+    normalize: StrictBool | None = None  # None: the server's default (True)
     priority: StrictInt = 0
 
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str  # a base64 string with encoding_format "base64"
+    embedding: list[float] | str
 
 
 class EmbeddingResponse(BaseModel):
@@ -68,7 +68,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         streams = [self.engine.add_request(request_id if len(inputs) == 1 else f"{request_id}-{i}", ids, params,
                                            request.priority) for i, ids in enumerate(inputs)]
         finals = await self.finals(raw_request, streams)
-        if finals is None:  # the client left; nobody reads this
+        if finals is None:
             return Response(status_code=499)
         data = [EmbeddingData(index=i, embedding=self.encode(final.pooled, request.encoding_format))
                 for i, final in enumerate(finals)]
@@ -109,7 +109,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         finally:
             disconnect.cancel()
             if not gathered.done():
-                gathered.cancel()  # each stream's `finally` aborts its request
+                gathered.cancel()
                 await asyncio.gather(gathered, return_exceptions=True)
         return None if gathered.cancelled() else gathered.result()
 

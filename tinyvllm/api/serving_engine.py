@@ -69,7 +69,7 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
-        self.engine.check_ready()  # 503 while loading: the names may come from the model
+        self.engine.check_ready()
         names = self.model_names()
         if model is not None and model not in names:
             raise model_not_found(model, names)
@@ -111,7 +111,7 @@ class OpenAIServing:
     def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
         vocab_size = self.tokenizer.vocab_size
         limit = self.engine.max_model_len
-        if len(token_ids) >= limit:  # before the ids are read one by one
+        if len(token_ids) >= limit:
             raise context_length_exceeded(
                 f"This model's maximum context length is {limit} tokens, but the {param} has {len(token_ids)} "
                 f"tokens, which leaves no room for output. Shorten the {param}.", param)
@@ -148,7 +148,7 @@ class OpenAIServing:
         try:
             params = SamplingParams(**{**defaults, **fields}, max_tokens=max_tokens, logprobs=logprobs,
                                     structured_outputs=structured_outputs)
-        except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1], got 2"
+        except ValueError as e:
             field = re.match(r"\w+", str(e))
             raise bad_request(str(e), field.group() if field else None) from e
         self.check_stop_token_ids(params)
@@ -171,11 +171,11 @@ class OpenAIServing:
                            forced: tuple[str, StructuredOutputsParams] | None = None) -> StructuredOutputsParams | None:
         """The request's one output constraint, checked to compile, or None; `forced`: the server's own (a forced
         tool call), with its field's name."""
-        given = []  # (field, params)
+        given = []
         for field, kwargs in self._constraints(request):
             try:
                 given.append((field, StructuredOutputsParams(**kwargs)))
-            except ValueError as e:  # "structured_outputs must be exactly one of json, regex, ..."
+            except ValueError as e:
                 raise bad_request(str(e), field) from e
         if forced is not None:
             given.append(forced)
@@ -216,7 +216,6 @@ class OpenAIServing:
     def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
         parsed = {}
         for key, bias in logit_bias.items():
-            # ASCII digits (isdigit() accepts "²"), and the length first (int() refuses over 4300 digits)
             if (re.fullmatch(r"[0-9]+", key) is None or len(key) > len(str(self.tokenizer.vocab_size))
                     or int(key) >= self.tokenizer.vocab_size):
                 shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
@@ -254,14 +253,14 @@ class ChoiceDelta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list  # one (logprob, top alternatives) per new token, or [] when not asked for
+    logprobs: list  # (logprob, top alternatives) per new token
     finish_reason: str | None
-    first: bool  # this choice's first chunk
+    first: bool
 
 
 async def choice_deltas(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[RequestOutput, list[ChoiceDelta]]]:
     """Cumulative outputs in, differences out (a choice with nothing new is left out)."""
-    sent_chars: dict[int, int] = {}  # choice index -> characters of its text already sent
+    sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
     async for output in stream:
@@ -346,6 +345,6 @@ async def last_output(request: Request, stream) -> RequestOutput | None:
     finally:
         disconnect.cancel()
         if not consumer.done():
-            consumer.cancel()  # the stream's `finally` aborts the request
+            consumer.cancel()
             await asyncio.gather(consumer, return_exceptions=True)
     return None if consumer.cancelled() else consumer.result()

@@ -57,7 +57,7 @@ class OpenAIServingResponses:
         fields = {name: getattr(request, name) for name in SAMPLING if getattr(request, name) is not None}
         fields.update(model=request.model, messages=self.messages(request), stream=request.stream,
                       max_completion_tokens=request.max_output_tokens)
-        if request.stream:  # the last chunk's usage goes into response.completed
+        if request.stream:
             fields["stream_options"] = {"include_usage": True}
         if request.tools:
             fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
@@ -76,7 +76,7 @@ class OpenAIServingResponses:
                 "name": text_format.name or "response", "schema": text_format.schema_, "strict": text_format.strict}}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        except ValidationError as e:  # an item's field of the wrong type
+        except ValidationError as e:
             raise bad_request(f"input: {e.errors()[0]['msg']}", "input") from e
 
     @staticmethod
@@ -93,13 +93,13 @@ class OpenAIServingResponses:
                 call = {"id": string(item, "call_id", i), "type": "function",
                         "function": {"name": string(item, "name", i), "arguments": string(item, "arguments", i)}}
                 if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                    messages[-1]["tool_calls"].append(call)  # the model's parallel calls: one assistant turn
+                    messages[-1]["tool_calls"].append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
                 messages.append({"role": "tool", "tool_call_id": string(item, "call_id", i),
                                  "content": string(item, "output", i)})
-            elif kind != "reasoning":  # the model's earlier reasoning is not shown to it again
+            elif kind != "reasoning":
                 raise bad_request(f"input[{i}].type must be message, function_call, function_call_output or "
                                   f"reasoning, got {kind!r}", "input")
         return messages
@@ -181,7 +181,7 @@ class ItemStream:
     it and opens the next."""
 
     def __init__(self):
-        self.output: list = []  # the items so far, as in the final response
+        self.output: list = []
         self.open: ReasoningItem | OutputMessage | FunctionCallItem | None = None
         self.usage: dict | None = None
         self.finish_reason: str | None = None
@@ -194,7 +194,7 @@ class ItemStream:
             events += self.text_delta(OutputMessage, delta["content"])
         for call in delta.get("tool_calls") or []:
             function = call.get("function") or {}
-            if call.get("id"):  # a new call: its id and name come first
+            if call.get("id"):
                 events += self.close()
                 item = FunctionCallItem(id=item_id("fc"), call_id=call["id"], name=function.get("name", ""),
                                         arguments="", status="in_progress")

@@ -177,8 +177,8 @@ class HermesToolParser(ToolParser):
         super().__init__(policy)
         self.inside = False
         self.held = ""  # text not yet sent: a partial tag, or the body of an unfinished call
-        self.whitespace = ""  # trailing whitespace of the content, held
-        self.strip_leading = False  # just after a call: its following whitespace goes too
+        self.whitespace = ""
+        self.strip_leading = False
 
     forced_grammar = staticmethod(forced_tool_grammar)
 
@@ -205,7 +205,7 @@ class HermesToolParser(ToolParser):
                 content += self._content(text)
                 if call is not None:
                     calls.append(call)
-                if not text:  # a call, kept or dropped: the whitespace around it goes
+                if not text:
                     self.whitespace, self.strip_leading = "", True
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -241,7 +241,7 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, policy: ToolCallPolicy | None = None):
         super().__init__(policy)
         self.held = ""
-        self.mode: str | None = None  # "content" or "calls", once the first non-space text shows which
+        self.mode: str | None = None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.held += text
@@ -303,4 +303,4 @@ def split_json_objects(text: str) -> list[str]:
     return parts
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}  # vLLM's names
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
