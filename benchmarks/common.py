@@ -86,7 +86,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, 
 
 # ---- peers measured in the same run, and the results files ----
 
-RESULTS_DIR = ROOT / "benchmarks" / "results"
+# TINYVLLM_RESULTS_DIR: another folder for the results files (check_speed.py runs the benchmarks into a scratch one)
+RESULTS_DIR = Path(os.environ.get("TINYVLLM_RESULTS_DIR") or ROOT / "benchmarks" / "results")
 LOAD_AT_START = os.getloadavg() if hasattr(os, "getloadavg") else None  # when the bench script imported this
 
 
