@@ -31,15 +31,19 @@ PEER_OF_FORMAT = {"auto": "llama_cpp_q4_1", "none": "llama_cpp_f32", "q8_0": "ll
 
 
 def run_bench(script: str, args: list[str], scratch: Path, timeout: int) -> dict:
-    """Run benchmarks/<script> with its results folder set to `scratch`; its results document."""
-    out = scratch / f"{script.removesuffix('.py')}-{len(list(scratch.iterdir()))}.json"
+    """Run benchmarks/<script> with its results folder set to `scratch`; the results document it wrote."""
     env = {**os.environ, "TINYVLLM_RESULTS_DIR": str(scratch), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(HERE / script), *args, "--json", str(out)]
+    for old in scratch.iterdir():
+        old.unlink()
     log(f"running {script} {' '.join(args)}")
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, str(HERE / script), *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
     if done.returncode != 0:
         raise SystemExit(f"{script} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    written = sorted(scratch.glob(f"{script.removesuffix('.py')}*.json"))
+    if len(written) != 1:
+        raise SystemExit(f"{script} wrote {[p.name for p in written]} in its results folder: expected one file")
+    return json.loads(written[0].read_text())
 
 
 def generate_figures(fmt: str, peers: str | None, scratch: Path) -> dict[str, float]:

@@ -117,3 +117,17 @@ def test_sampling_chains_are_the_same_for_both_engines():
                                            "repeat_penalty": 1.0}
     for chain, fields in CHAINS.items():  # tinyvllm accepts every chain
         assert sampling_params(chain).temperature == fields["temperature"]
+
+
+def test_check_speed_flags_a_dropped_ratio_and_never_a_tok_s():
+    from check_speed import compare
+
+    before = {"auto: decode / llama.cpp": 1.5, "ngram k=7, edit_code: on / off": 1.3, "auto: decode tok/s": 180.0,
+              "64 at once / one by one": 6.0}
+    now = {"auto: decode / llama.cpp": 1.45, "ngram k=7, edit_code: on / off": 1.0, "auto: decode tok/s": 90.0,
+           "64 at once / one by one": 6.1, "q8_0: decode / llama.cpp": 1.2}
+    rows, dropped = compare(now, before, tolerance=0.10)
+    assert dropped == ["ngram k=7, edit_code: on / off"], "only a ratio more than 10% down is a drop"
+    by_name = {row[0]: row for row in rows}
+    assert by_name["auto: decode tok/s"][-1] == "(for reference)"  # tok/s moves with the machine: never a drop
+    assert by_name["q8_0: decode / llama.cpp"][1] == "-"  # new in this run: nothing to compare with
