@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -131,6 +133,45 @@ def test_phase_doc_code_runs(doc: Path):
             first_line = next((s for s in code.splitlines() if s.strip()), "")
             pytest.fail(f"{name}: python block {index} (line {line}, starting {first_line!r}) failed: "
                         f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}", pytrace=False)
+
+
+def quoted_main_runs(docs: list[Path]) -> list[tuple[str, list[str], list[str]]]:
+    """(where, main.py's arguments, the output quoted under it) for every `.venv/bin/python main.py ...` line of a
+    bash block that is followed by `#` lines: the output a reader is told to expect."""
+    runs = []
+    for doc in docs:
+        for language, line, code in code_blocks(doc.read_text(encoding="utf-8")):
+            lines = code.splitlines()
+            for i, text in enumerate(lines):
+                if language != "bash" or not text.startswith(".venv/bin/python main.py "):
+                    continue
+                quoted = []
+                for follow in lines[i + 1:]:
+                    if follow != "#" and not follow.startswith("# "):
+                        break
+                    quoted.append(follow[2:])
+                if quoted:
+                    command = shlex.split(text.split("  #")[0])
+                    runs.append((f"{doc.relative_to(ROOT)}:{line + i}", command[2:], quoted))
+    return runs
+
+
+QUOTED_MAIN_RUNS = quoted_main_runs([ROOT / "README.md", *PHASE_DOCS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, args, quoted", QUOTED_MAIN_RUNS, ids=[run[0] for run in QUOTED_MAIN_RUNS])
+def test_quoted_output_is_what_main_prints(where: str, args: list[str], quoted: list[str]):
+    assert "--temperature" in args, f"{where}: a quoted output must come from a greedy run (--temperature 0)"
+    done = subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"{where}: main.py failed:\n{done.stderr[-2000:]}"
+    printed = done.stdout.rstrip("\n").split("\n")
+    assert printed == quoted, f"{where} quotes {quoted}, main.py prints {printed}"
+
+
+def test_quoted_main_runs_are_found():
+    assert any(where.startswith("docs/phases/01-foundation.md") for where, _, _ in QUOTED_MAIN_RUNS)
 
 
 def package_modules() -> list[str]:
