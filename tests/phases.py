@@ -87,6 +87,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
 # a chapter whose code runs a later phase's modules: its test (test_docs.py) takes that phase
 CHAPTER_CODE_PHASE: dict[str, int] = {
     "01-appendix-tinygrad-speed.md": 5,  # its CPU graph block replays through Phase 5's graph runner
+    "01-appendix-tinygrad-internals.md": 5,  # its block reads the table of internals, Phase 5's
     "02-appendix-sharing-blocks.md": 3,  # its blocks are shared through the prefix cache's hashes
     "01-foundation.md": 3,  # its last blocks stream through Generator, which runs on the Phase 3 engine
     "02-paged-attention.md": 3,  # its last block compares the contiguous runner with the Phase 3 engine's tokens
