@@ -195,10 +195,9 @@ def graph_counts(runner) -> dict:
 def finish_cold_start_only(args, results: dict, llama) -> int:
     """--cold-start-only: llama-server's cold start on the file of the same format beside tinyvllm's, then write."""
     if llama is not None:
-        from peers.llama_cpp import FORMATS, result_key  # benchmarks/peers/
+        from peers.llama_cpp import SAME_FORMAT, result_key  # benchmarks/peers/
 
-        wanted = "q4_1" if args.quantization == "auto" else "f32" if args.quantization == "none" else args.quantization
-        fmt = next((f for f in FORMATS if result_key(f).endswith(wanted)), None)
+        fmt = SAME_FORMAT.get(args.quantization)
         if fmt is not None:
             cold = llama.cold_start(fmt)
             ours = results["cold_start"]["process_start_to_first_token_s"]

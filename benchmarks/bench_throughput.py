@@ -167,8 +167,6 @@ def run_batch(engine: LLMEngine, recorder: StepRecorder, prompts: list[list[int]
             "load_average": [load_before, load_average()]}
 
 
-# --quantization method -> the llama.cpp weight format of the same kind (peers/llama_cpp.FORMATS)
-SAME_FORMAT = {"auto": "Q4_1", "q4_1": "Q4_1", "q8_0": "Q8_0", "none": "F32"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -348,7 +346,7 @@ def measure_peers(llama, by_method: dict[str, dict[int, dict]], prompt_len: int,
     row; printed beside tinyvllm's total tok/s for each --quantization measured. Ratios: tinyvllm over llama.cpp,
     the first method's against every format ("tinyvllm_ratio", as before), and each method against its own format
     ("same_format_ratio"). Returns {"llama_cpp_f32": {"concurrency": {"32": {"tok_s": ..}}}}."""
-    from peers.llama_cpp import FORMATS, median_run, result_key  # benchmarks/peers/
+    from peers.llama_cpp import FORMATS, SAME_FORMAT, median_run, result_key  # benchmarks/peers/
 
     methods = list(by_method)
     levels = list(by_method[methods[0]])

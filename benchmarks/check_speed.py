@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 from common import RESULTS_DIR, ROOT, log, table, write_results
+from peers.llama_cpp import SAME_FORMAT, result_key
 
 HERE = Path(__file__).resolve().parent
-PEER_OF_FORMAT = {"auto": "llama_cpp_q4_1", "none": "llama_cpp_f32", "q8_0": "llama_cpp_q8_0",
-                  "q4_0": "llama_cpp_q4_0", "q4_1": "llama_cpp_q4_1"}  # the default model's file per --quantization
 
 
 def run_bench(script: str, args: list[str], scratch: Path, timeout: int) -> dict:
@@ -54,7 +53,8 @@ def generate_figures(fmt: str, peers: str | None, scratch: Path) -> dict[str, fl
     sampled = doc.get("decode_sampled", {}).get("llama")
     if sampled:
         figures[f"{fmt}: sampled / greedy decode"] = sampled["tok_s"] / doc["decode"]["tok_s"]
-    peer = doc.get("peers", {}).get(PEER_OF_FORMAT.get(fmt, ""), {}).get("tinyvllm_ratio", {})
+    same = SAME_FORMAT.get(fmt)
+    peer = doc.get("peers", {}).get(result_key(same), {}).get("tinyvllm_ratio", {}) if same else {}
     for name, label in ((next((k for k in peer if k.startswith("tg")), None), "decode"), ("pp512", "prefill 512")):
         if name and peer.get(name) is not None:
             figures[f"{fmt}: {label} / llama.cpp"] = peer[name]

@@ -41,6 +41,10 @@ TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 BUILD_COMMAND = "python benchmarks/peers/build_llama_cpp.py {dir}"
 
 
+# --quantization -> the llama.cpp file of the same kind (auto: the shipped Q4_1 blocks, none: float32 weights)
+SAME_FORMAT = {"auto": "Q4_1", "q4_1": "Q4_1", "q8_0": "Q8_0", "none": "F32"}
+
+
 def result_key(fmt: str) -> str:
     """The results-file key of a format: 'F32' -> 'llama_cpp_f32'."""
     return "llama_cpp_" + fmt.lower()
