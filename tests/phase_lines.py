@@ -9,27 +9,20 @@ in docs/modules.md ("Lines per phase") is this script's output, and tests/test_p
 
 from __future__ import annotations
 
-import ast
 import io
 import re
 import sys
 import tokenize
-from pathlib import Path
 
 from phases import MODULE_MAP, ROOT, module_phases
+from prose_share import docstring_nodes
 
 BEGIN, END = "<!-- phase lines: begin -->", "<!-- phase lines: end -->"
 
 
 def code_lines(source: str) -> int:
     """The lines of `source` holding code: not blank, not only a comment, not part of a docstring."""
-    docstring_lines: set[int] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
-                docstring_lines.update(range(first.lineno, first.end_lineno + 1))
+    docstring_lines = {line for node in docstring_nodes(source) for line in range(node.lineno, node.end_lineno + 1)}
     code: set[int] = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,

@@ -24,18 +24,23 @@ PACKAGE = ROOT / "tinyvllm"
 DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-def source_prose(source: str) -> int:
-    """The characters of `source` that are docstrings or comments."""
-    comments = sum(len(tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                   if tok.type == tokenize.COMMENT)
-    docstrings = 0
+def docstring_nodes(source: str) -> list[ast.Constant]:
+    """The docstrings of `source`: each module's, class's or function's first statement when it is a string."""
+    found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, DOCSTRING_OWNERS) or not node.body:
             continue
         first = node.body[0]
         if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-            docstrings += len(ast.get_source_segment(source, first.value) or "")
-    return comments + docstrings
+            found.append(first.value)
+    return found
+
+
+def source_prose(source: str) -> int:
+    """The characters of `source` that are docstrings or comments."""
+    comments = sum(len(tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                   if tok.type == tokenize.COMMENT)
+    return comments + sum(len(ast.get_source_segment(source, node) or "") for node in docstring_nodes(source))
 
 
 def python_files(paths: Iterable[Path]) -> list[Path]:
