@@ -19,6 +19,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def assert_pool_whole(bm: BlockManager) -> None:
+    """Every block is either in the free queue, once, with no holder, or held: none leaked, none counted twice."""
+    free_ids = [b.block_id for b in bm.free_block_queue]
+    assert len(free_ids) == len(set(free_ids)) == bm.num_free_blocks, "a block is in the free queue twice"
+    assert all(bm.blocks[i].ref_cnt == 0 for i in free_ids)
+    used = sum(1 for b in bm.blocks if b.ref_cnt > 0)
+    assert bm.num_free_blocks + used == bm.num_blocks, "a block leaked"
+
+
 def snapshot(bm: BlockManager, seqs) -> tuple:
     """Everything an operation that failed must leave untouched."""
     return ([b.block_id for b in bm.free_block_queue], [b.ref_cnt for b in bm.blocks],
@@ -116,12 +125,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_block_is_free_or_held(self):
-        bm = self.bm
-        free_ids = [b.block_id for b in bm.free_block_queue]
-        assert len(free_ids) == len(set(free_ids)) == bm.num_free_blocks, "a block is in the free queue twice"
-        assert all(bm.blocks[i].ref_cnt == 0 for i in free_ids)
-        used = sum(1 for b in bm.blocks if b.ref_cnt > 0)
-        assert bm.num_free_blocks + used == bm.num_blocks, "a block leaked"
+        assert_pool_whole(self.bm)
 
     @invariant()
     def ref_cnt_counts_holders_and_nothing_is_shared(self):

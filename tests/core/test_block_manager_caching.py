@@ -22,6 +22,7 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_block_manager import assert_pool_whole
 
 from tinyvllm.core.block_manager import BlockManager
 from tinyvllm.core.prefix_cache import block_hashes
@@ -130,12 +131,7 @@ class CachingBlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_block_leaks(self):
-        bm = self.bm
-        free_ids = [b.block_id for b in bm.free_block_queue]
-        assert len(free_ids) == len(set(free_ids)) == bm.num_free_blocks, "a block is in the free queue twice"
-        assert all(bm.blocks[i].ref_cnt == 0 for i in free_ids)
-        used = sum(1 for b in bm.blocks if b.ref_cnt > 0)
-        assert bm.num_free_blocks + used == bm.num_blocks, "a block leaked"
+        assert_pool_whole(self.bm)
 
     @invariant()
     def ref_cnt_counts_holders_and_only_prefix_cache_hits_share(self):
