@@ -2,17 +2,24 @@
 
 Every ```python block of every `docs/phases/*.md` is executed, in order, in one fresh namespace per
 document (one test per document, so a new phase's tutorial is picked up without touching this file).
-Blocks fenced as ```text or ```bash are shown, not run. Each block is compiled with the document as
-its file name and its own line numbers, so a traceback points at the line of the Markdown file.
+An ```output block right after a python block is what that block prints, checked. A block after the comment
+`<!-- source: tinyvllm/path.py Qualified.name -->` is that function's source as it is now, checked. Each block
+is compiled with the document as its file name and its own line numbers, so a traceback points at the line of
+the Markdown file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+import io
 import json
 import re
 import shlex
 import subprocess
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -49,6 +56,9 @@ def code_blocks(text: str) -> list[tuple[str, int, str]]:
         blocks.append((language, start + 1, "\n".join(lines[start:end]) + "\n"))
         i = end + 1
     return blocks
+
+
+SHOWN_SOURCE = re.compile(r"^<!-- source: (\S+\.py) ([\w.]+) -->\n`{3,}\w*\n", re.M)
 
 
 def python_blocks(doc: Path) -> list[tuple[int, str]]:
@@ -118,21 +128,58 @@ def test_a_chapter_reads_in_one_sitting(doc: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", PHASE_DOCS, ids=[doc.name for doc in PHASE_DOCS])
 def test_phase_doc_code_runs(doc: Path):
-    blocks = python_blocks(doc)
-    if not blocks and is_appendix(doc):
+    blocks = code_blocks(doc.read_text(encoding="utf-8"))
+    if not any(language == "python" for language, _, _ in blocks) and is_appendix(doc):
         return  # an appendix of measurements may have no code; a chapter always runs some
-    assert blocks, f"{doc.name} has no ```python block: a tutorial's code should run in the tests"
+    assert any(language == "python" for language, _, _ in blocks), \
+        f"{doc.name} has no ```python block: a tutorial's code should run in the tests"
     namespace: dict = {"__name__": f"docs.phases.{doc.stem}"}
     name = str(doc.relative_to(ROOT))
-    for index, (line, code) in enumerate(blocks):
+    printed, previous = None, None
+    for index, (language, line, code) in enumerate(blocks):
+        if language == "output":
+            assert previous == "python", f"{name}:{line}: an ```output block must follow a ```python block"
+            assert printed == code, f"{name}:{line}: the block above prints\n{printed}\nnot the quoted\n{code}"
+        previous = language
+        if language != "python":
+            continue
         # pad with newlines so that the compiled block's line numbers are the document's
         compiled = compile("\n" * (line - 1) + code, name, "exec")
+        stdout = io.StringIO()
         try:
-            exec(compiled, namespace)
+            with contextlib.redirect_stdout(stdout):
+                exec(compiled, namespace)
         except Exception as e:
             first_line = next((s for s in code.splitlines() if s.strip()), "")
             pytest.fail(f"{name}: python block {index} (line {line}, starting {first_line!r}) failed: "
                         f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}", pytrace=False)
+        printed = stdout.getvalue()
+        sys.stdout.write(printed)
+
+
+def test_output_blocks_are_checked():
+    ok = "```python\nprint(1 + 1)\n```\n\n```output\n2\n```\n"
+    assert [b[0] for b in code_blocks(ok)] == ["python", "output"]
+
+
+@pytest.mark.parametrize("doc", PHASE_DOCS, ids=[doc.name for doc in PHASE_DOCS])
+def test_shown_source_is_the_code(doc: Path):
+    """A chapter that shows a function "as it runs" shows its source as it is."""
+    text = doc.read_text(encoding="utf-8")
+    for m in SHOWN_SOURCE.finditer(text):
+        path, qualname = m.group(1), m.group(2)
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        obj = module
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        shown = code_blocks(text[m.start():])[0][2]
+        assert shown == textwrap.dedent(inspect.getsource(obj)), \
+            f"{doc.name} shows {path} {qualname} as it no longer is: copy its source again"
+
+
+def test_shown_sources_are_found():
+    shown = [m.group(2) for doc in PHASE_DOCS for m in SHOWN_SOURCE.finditer(doc.read_text(encoding="utf-8"))]
+    assert "generate" in shown and "EngineCore.step" in shown
 
 
 def quoted_main_runs(docs: list[Path]) -> list[tuple[str, list[str], list[str]]]:

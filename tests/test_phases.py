@@ -31,6 +31,7 @@ def test_chapters_whose_code_runs_later_exist():
     for name, phase in CHAPTER_CODE_PHASE.items():
         assert (docs / name).exists(), f"CHAPTER_CODE_PHASE names {name}, which docs/phases/ lacks"
         assert phase > phase_of_chapter(name)
+        assert "-appendix-" in name, f"{name} is a chapter: its every block runs at its own phase (make test-phase)"
     assert phase_of_chapter_test("03-continuous-batching.md") == 3
 
 

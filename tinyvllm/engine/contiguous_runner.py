@@ -1,14 +1,21 @@
-"""Running the model for one sequence on a contiguous KV cache: prefill, then decode (Phase 1)."""
+"""Running the model for one sequence on a contiguous KV cache: prefill, then decode; `generate`, the loop around
+them (Phase 1)."""
 
 from __future__ import annotations
 
 import numpy as np
 from tinygrad import Tensor, UOp
 
+from collections.abc import Iterator
+
 from tinyvllm.attention.contiguous import ContiguousAttentionMetadata, allocate_contiguous_kv_cache
+from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.input_buffer import InputBuffer
 from tinyvllm.jit import Jit
 from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.model.tokenizer import Tokenizer
+from tinyvllm.sample.sampler import Sampler, make_generator
+from tinyvllm.sampling_params import SamplingParams
 
 
 class ContiguousModelRunner:
@@ -62,3 +69,28 @@ class ContiguousModelRunner:
 
     def _decode_logits(self, token_id: int, position: int) -> Tensor:
         return self._decode_jit(self._token_id.write(token_id), self.v_start_pos.bind(position))
+
+
+def generate(runner: ContiguousModelRunner, tokenizer: Tokenizer, prompt_token_ids: list[int],
+             params: SamplingParams) -> Iterator[tuple[int, str]]:
+    """Phase 1's whole engine, the loop of llama2.c's run.c: prefill the prompt, then sample a token and decode it
+    until a stop token, a stop string, max_tokens or the end of the cache. Yields (token id, the text it adds)."""
+    sampler = Sampler()
+    generator = None if params.is_greedy else make_generator(params.seed)
+    stream = TextStream(tokenizer, params, prompt_token_ids)
+    stop_ids = params.all_stop_token_ids(tokenizer.stop_token_ids)
+    output: list[int] = []
+    logits = runner.prefill(prompt_token_ids)  # the prompt's K/V into the cache, the last position's logits out
+    while True:
+        token = sampler(logits, params, prompt_token_ids, output, generator, tokenizer.stop_token_ids)
+        output.append(token)
+        position = len(prompt_token_ids) + len(output) - 1  # where this token's K/V go when it is decoded
+        if token in stop_ids:  # the sampler banned them until min_tokens were out
+            yield token, stream.finish()  # a stop token's own text is not shown
+            return
+        piece, stopped = stream.add(token)
+        done = stopped or len(output) == params.max_tokens or position + 1 >= runner.max_model_len
+        yield token, piece + (stream.finish() if done and not stopped else "")
+        if done:
+            return
+        logits = runner.decode(token, position)  # one token in, the next position's logits out
