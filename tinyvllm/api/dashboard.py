@@ -1,6 +1,6 @@
 """A live picture of the engine: `GET /dashboard` (three static files, public: they hold no data), fed by
 `GET /v1/engine/state` and its SSE stream, the engine's state taken between two steps plus rates diffed from
-/metrics' counters over RATE_WINDOW_S seconds. Taught in docs/phases/09-api-server.md, section 10.
+/metrics' counters over RATE_WINDOW_S seconds. Taught in docs/phases/09-appendix-dashboard.md.
 """
 
 from __future__ import annotations
