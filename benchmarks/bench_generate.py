@@ -53,7 +53,8 @@ GC_WAS_ENABLED = pause_collection()  # as `python main.py` does until its engine
 import numpy as np  # noqa: E402  (numpy only here: tinygrad must not be imported before BEAM is set)
 from bandwidth import measure_bandwidth_on  # noqa: E402  (benchmarks/bandwidth.py)
 from common import (  # noqa: E402  (benchmarks/common.py)
-    add_peers_arg, code_version, find_peers, log, machine_description, side_by_side_headers, table, write_results)
+    BenchParser, add_peers_arg, code_version, find_peers, log, machine_description, side_by_side_headers, table,
+    write_results)
 from sampling_chains import CHAINS, add_sampling_arg, sampling_params  # noqa: E402
 
 BENCH_TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and "
@@ -77,7 +78,7 @@ PROCESS_START = SCRIPT_START - (INTERPRETER_START_S or 0.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="tinyvllm generation benchmark: cold start, prefill, decode, "
+    p = BenchParser(description="tinyvllm generation benchmark: cold start, prefill, decode, "
                                 "the memory-bandwidth ceiling, and llama.cpp in the same run (--peers)")
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],

@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, code_version, log, machine_description, table, write_results  # (benchmarks/common.py)
+from common import (  # (benchmarks/common.py)
+    ROOT, BenchParser, code_version, log, machine_description, table, write_results)
 from sampling_chains import add_sampling_arg
 
 CONFIGS = {  # name -> (--quantization, --dtype)
@@ -48,7 +49,7 @@ CONFIGS = {  # name -> (--quantization, --dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = BenchParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", default="1,64,256", help="comma-separated numbers of requests at once")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")

@@ -36,7 +36,8 @@ from __future__ import annotations
 import argparse
 
 from bench_throughput import buckets_used, make_prompts, warm_up  # (benchmarks/bench_throughput.py)
-from common import add_engine_args, code_version, load_average, log, machine_description, table, write_results
+from common import (
+    BenchParser, add_engine_args, code_version, load_average, log, machine_description, table, write_results)
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.step_timer import PHASES, StepTimer
@@ -74,7 +75,7 @@ def upper_bounds(r: dict) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,32,64", help="comma-separated numbers of requests at once")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=40, help="decode steps timed per concurrency")

@@ -27,7 +27,7 @@ import sys
 import time
 
 import numpy as np
-from common import add_peers_arg, load_average, no_peer_twin, write_results  # (benchmarks/common.py)
+from common import BenchParser, add_peers_arg, load_average, no_peer_twin, write_results  # (benchmarks/common.py)
 from tinygrad import Device, Tensor, TinyJit, UOp
 
 from tinyvllm.attention.kernel_backend import KernelPagedAttentionMetadata, uses_kernels
@@ -159,7 +159,7 @@ def run_e2e(args) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parser.add_argument("--contexts", type=ints, default=[128, 512, 2048, 8192])
     parser.add_argument("--batches", type=ints, default=[1, 8, 32])

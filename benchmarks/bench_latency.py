@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_throughput import make_prompts, warm_up  # noqa: E402
 from common import (  # noqa: E402
+    BenchParser,
     add_engine_args,
     add_peers_arg,
     code_version,
@@ -89,7 +90,7 @@ def run_poisson(engine: LLMEngine, prompts: list[list[int]], rate: float, output
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = BenchParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", default="0.5", help="requests per second (comma-separated: one run each)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)

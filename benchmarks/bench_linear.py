@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from common import add_peers_arg, no_peer_twin, write_results  # (benchmarks/common.py)
+from common import BenchParser, add_peers_arg, no_peer_twin, write_results  # (benchmarks/common.py)
 from tinygrad import Device, Tensor, TinyJit
 from tinygrad.helpers import BEAM
 
@@ -121,7 +121,7 @@ def rate(M: int, N: int, K: int, t: float) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = BenchParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
     p.add_argument("--batch", default="1,8,32", help="rows of x (tokens): comma-separated")
     p.add_argument("--formats", default=",".join(FORMATS),

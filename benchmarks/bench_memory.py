@@ -42,7 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import add_peers_arg, machine_description, no_peer_twin, synchronize, table, write_results  # noqa: E402
+from common import (  # noqa: E402
+    BenchParser, add_peers_arg, machine_description, no_peer_twin, synchronize, table, write_results)
 from kv_dtypes import kv_attention_kernel_ms, kv_decode_speed, kv_perplexity  # noqa: E402  (part 6)
 
 from tinyvllm.attention.kv_cache import (  # noqa: E402
@@ -316,7 +317,7 @@ def step_inputs_ms(max_blocks: int, repeats: int) -> dict[str, float]:
 # ---- reporting ----
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="tinyvllm KV cache memory and paged-attention decode speed")
+    p = BenchParser(description="tinyvllm KV cache memory and paged-attention decode speed")
     p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-model-len", type=int, default=None, help="context reserved per sequence by the "
                    "contiguous cache (default: the model's)")

@@ -16,7 +16,7 @@ import argparse
 import time
 
 import numpy as np
-from common import load_average, log, machine_description, table, write_results
+from common import BenchParser, load_average, log, machine_description, table, write_results
 
 
 def decode_step_ms(engine, concurrency: int, prompt_len: int, tokens: int) -> dict:
@@ -81,7 +81,7 @@ def allreduce_ms(size: int, rows: int, hidden: int, per_step: int, repeats: int 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=3, help="tensor-parallel size to compare with one device (default 3)")
     p.add_argument("--pp", type=int, default=3, help="pipeline-parallel size to compare (0: skip; default 3)")
     p.add_argument("--concurrency", default="1,32", help="sequences decoding at once (default 1,32)")

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import add_peers_arg, find_peers, log, machine_description, table, write_results  # noqa: E402
+from common import BenchParser, add_peers_arg, find_peers, log, machine_description, table, write_results  # noqa: E402
 
 TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and were "
         "programmed by rewiring them; later, stored programs let the same hardware run any algorithm. Memory "
@@ -140,7 +140,7 @@ def shared_prompt_n(engine, prompt: list[int], params, shared: bool) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="prefix caching on and off: shared system prompt, multi-turn chat")
+    p = BenchParser(description="prefix caching on and off: shared system prompt, multi-turn chat")
     p.add_argument("--system-tokens", type=int, default=1000, help="shared system prompt length (default 1000)")
     p.add_argument("--question-tokens", type=int, default=20, help="question length (default 20)")
     p.add_argument("--requests", type=int, default=16, help="requests of workload 1 (default 16)")

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import (  # noqa: E402  (benchmarks/common.py)
-    add_peers_arg, code_version, find_peers, log, machine_description, table, write_results)
+    BenchParser, add_peers_arg, code_version, find_peers, log, machine_description, table, write_results)
 
 from tinyvllm.kernels.qlinear import FLOAT_PATH_MIN_M  # noqa: E402
 from tinyvllm.model.loader import load_model  # noqa: E402
@@ -125,7 +125,7 @@ def hf_perplexity(model_path: Path, token_ids: list[int], n_ctx: int, chunks: in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="perplexity per weight format, beside llama.cpp's (--peers)")
+    p = BenchParser(description="perplexity per weight format, beside llama.cpp's (--peers)")
     p.add_argument("--n-ctx", type=int, default=512, help="tokens per chunk, the second half scored (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="only the first N chunks (default: all of the text)")
     p.add_argument("--file", default=None, help="the text (default: Python's LICENSE.txt)")

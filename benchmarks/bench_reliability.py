@@ -332,9 +332,9 @@ def in_process_server(engine_factory, max_waiting: int):
 
 
 def main() -> None:
-    from common import log, machine_description, write_results  # (benchmarks/common.py)
+    from common import BenchParser, log, machine_description, write_results  # (benchmarks/common.py)
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = BenchParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)

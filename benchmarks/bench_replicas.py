@@ -17,7 +17,7 @@ import json
 import time
 
 import numpy as np
-from common import load_average, log, machine_description, table, write_results
+from common import BenchParser, load_average, log, machine_description, table, write_results
 
 PORT = 8766
 
@@ -54,7 +54,7 @@ def run_app(num_replicas: int, policy: str, server_args: list[str]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--groups", type=int, default=4, help="shared-prefix groups (default 4)")

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from bench_throughput import StepRecorder, buckets_used, make_prompts, run_batch, warm_up
-from common import add_peers_arg, find_peers, load_average, log, machine_description, table, write_results
+from common import BenchParser, add_peers_arg, find_peers, load_average, log, machine_description, table, write_results
 from sampling_chains import CHAINS, add_sampling_arg, llama_server_fields
 
 from tinyvllm.engine.llm_engine import LLMEngine
@@ -117,7 +117,7 @@ def measure_llama_server(llama, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = BenchParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", default="1,32", help="comma-separated numbers of requests at once (default 1,32)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")

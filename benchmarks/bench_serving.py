@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
-from common import add_peers_arg, find_peers, write_results  # (benchmarks/common.py)
+from common import BenchParser, add_peers_arg, find_peers, write_results  # (benchmarks/common.py)
 from sampling_chains import CHAINS, add_sampling_arg, llama_server_fields  # (benchmarks/sampling_chains.py)
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -151,7 +151,7 @@ def launch_server(server_args: list[str], timeout: float) -> tuple[subprocess.Po
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = BenchParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--launch", action="store_true",
                    help="start a server (its arguments after --) and stop it at the end")

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench_throughput import make_prompts, warm_up  # (benchmarks/bench_throughput.py)
-from common import add_peers_arg, code_version, load_average, log, machine_description, table, write_results
+from common import BenchParser, add_peers_arg, code_version, load_average, log, machine_description, table, write_results
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.model.weights import default_model_path
@@ -210,7 +210,7 @@ def peer_twins(peers_dir: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = BenchParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="ngram,draft_model,batch", help="which parts to run, comma-separated")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=7,
                    help="k, drafts per step (default 7: a verify pass of 1 + 7 tokens fills the 8-token bucket)")

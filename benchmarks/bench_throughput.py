@@ -44,6 +44,7 @@ import statistics
 import time
 
 from common import (  # (benchmarks/common.py)
+    BenchParser,
     add_engine_args,
     add_peers_arg,
     code_version,
@@ -170,7 +171,7 @@ def run_batch(engine: LLMEngine, recorder: StepRecorder, prompts: list[list[int]
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = BenchParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated numbers of requests at once")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")

@@ -86,8 +86,20 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, 
 
 # ---- peers measured in the same run, and the results files ----
 
-# TINYVLLM_RESULTS_DIR: another folder for the results files (check_speed.py runs the benchmarks into a scratch one)
+# A run writes its results to SCRATCH_DIR; with --save, to RESULTS_DIR, the tracked files the docs quote.
+# TINYVLLM_RESULTS_DIR: another folder for both (check_speed.py runs the benchmarks into a scratch one).
 RESULTS_DIR = Path(os.environ.get("TINYVLLM_RESULTS_DIR") or ROOT / "benchmarks" / "results")
+SCRATCH_DIR = Path(os.environ.get("TINYVLLM_RESULTS_DIR") or ROOT / ".bench-results")
+
+
+class BenchParser(argparse.ArgumentParser):
+    """A benchmark's command line: its own flags, plus `--save`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--save", action="store_true",
+                          help="write the results into benchmarks/results/ (the files the docs quote); without it, "
+                               "into .bench-results/")
 LOAD_AT_START = os.getloadavg() if hasattr(os, "getloadavg") else None  # when the bench script imported this
 
 
@@ -164,7 +176,8 @@ def device_suffix() -> str:
 
 
 def write_results(name: str, figures: dict, options: argparse.Namespace | dict, also: str | None = None) -> Path:
-    """benchmarks/results/<name>.json: when, where, which code, with which options, then the figures.
+    """<name>.json in benchmarks/results/ with --save (options.save), else in .bench-results/: when, where, which
+    code, with which options, then the figures.
 
     The figures' keys are what docs quote (e.g. {"decode": {"tok_s": ..}, "peers": {"llama_cpp_f32": ..}}):
     keep them stable. `also`: a second path to write the same document to ("-": stdout). On a GPU the name gets
@@ -178,8 +191,10 @@ def write_results(name: str, figures: dict, options: argparse.Namespace | dict, 
            "options": recorded_options(options)}
     doc.update(figures)
     text = json.dumps(doc, indent=2, default=str) + "\n"
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    saved = options.get("save") if isinstance(options, dict) else getattr(options, "save", False)
+    folder = RESULTS_DIR if saved else SCRATCH_DIR
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_text(text)
     if also == "-":
         print(text, end="")

@@ -389,11 +389,11 @@ def rounding_variants(prompts: dict[str, list[int]], max_tokens: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT))
-    from common import add_peers_arg, find_peers, machine_description, table, write_results
+    from common import BenchParser, add_peers_arg, find_peers, machine_description, table, write_results
 
     from tinyvllm.model.loader import load_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = BenchParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv-dtypes", default="float32,int8,fp8,int8:portable", help="our caches, the first the "
                    "reference; NAME:portable on the portable path (default float32,int8,fp8,int8:portable)")
     p.add_argument("--llama-caches", default="f32,f16,q8_0", help="llama.cpp's cache types under --peers, the "

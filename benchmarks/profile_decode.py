@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 
 import numpy as np
-from common import code_version, load_average, log, machine_description, table, write_results
+from common import BenchParser, code_version, load_average, log, machine_description, table, write_results
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.kernels import cpu_graph
@@ -175,7 +175,7 @@ def weight_memory(quantization: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = BenchParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantization", default="auto", help="the engine's --quantization (default auto: the Q4_1 file)")
     p.add_argument("--batch", default="1,32,64", help="comma-separated decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)

@@ -21,7 +21,7 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_model(tiny_model_dir, tmp_path, m
 
     peers = ["--peers", "hf"] if _has_transformers() else []
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    assert bench_gpu.main(["--model", str(tiny_model_dir), "--concurrency", "1,2", "--prompt-len", "8",
+    assert bench_gpu.main(["--save", "--model", str(tiny_model_dir), "--concurrency", "1,2", "--prompt-len", "8",
                            "--output-len", "3", "--max-num-batched-tokens", "16", "--max-model-len", "64",
                            "--kv-cache-memory", "4MiB", "--configs", "auto", *peers]) == 0
     results = json.loads((tmp_path / "bench_gpu.json").read_text())  # the CPU: no device suffix

@@ -95,11 +95,15 @@ def test_find_names_the_build_command(tmp_path):
 def test_write_results(tmp_path, monkeypatch):
     import common
 
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "saved")
+    monkeypatch.setattr(common, "SCRATCH_DIR", tmp_path / "scratch")
     path = common.write_results("bench_x", {"decode": {"tok_s": 70.4}}, {"peers": None})
+    assert path == tmp_path / "scratch" / "bench_x.json"  # without --save the tracked results stay as they are
     doc = json.loads(path.read_text())
     assert doc["bench"] == "bench_x" and doc["decode"] == {"tok_s": 70.4} and doc["options"] == {"peers": None}
     assert {"date", "commit", "machine", "load_average"} <= set(doc)
+    saved = common.write_results("bench_x", {"decode": {"tok_s": 70.4}}, {"peers": None, "save": True})
+    assert saved == tmp_path / "saved" / "bench_x.json"
 
 
 def test_sampling_chains_are_the_same_for_both_engines():

@@ -300,3 +300,14 @@ def test_requote_rewrites_figures_from_the_results_file(tmp_path: Path):
         (1, "48.7", "45.3"), (1, "84", "71"), (1, "1,384", "1,505"), (5, "3.1", "3.8")]
     assert len(check_figures(new, "doc", tmp_path)) == 1     # rows.nope: left as it was, and reported
     assert requote(new, tmp_path)[1] == []                  # a second run changes nothing
+
+
+LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)\s#]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))], ids=lambda d: d.name)
+def test_relative_links_and_images_resolve(doc: Path):
+    """`[text](other.md)` and `![figure](../images/x.svg)` point at files that exist."""
+    missing = [target for target in LINK.findall(doc.read_text(encoding="utf-8"))
+               if not (doc.parent / target).exists()]
+    assert not missing, f"{doc.relative_to(ROOT)} links to files that do not exist: {missing}"
