@@ -100,6 +100,23 @@ class BenchParser(argparse.ArgumentParser):
         self.add_argument("--save", action="store_true",
                           help="write the results into benchmarks/results/ (the files the docs quote); without it, "
                                "into .bench-results/")
+
+    # TINYVLLM_CHECK_FLAGS=1: parse, say so and exit (tests/test_doc_commands.py checks the docs' commands)
+    def parse_args(self, args=None, namespace=None):
+        self.strict = True  # unknown flags are errors: argparse's parse_args checks after parse_known_args
+        parsed = super().parse_args(args, namespace)
+        return self._checked(parsed)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed = super().parse_known_args(args, namespace)
+        return parsed if getattr(self, "strict", False) else self._checked(parsed)
+
+    @staticmethod
+    def _checked(parsed):
+        if os.environ.get("TINYVLLM_CHECK_FLAGS"):
+            print("flags accepted")
+            sys.exit(0)
+        return parsed
 LOAD_AT_START = os.getloadavg() if hasattr(os, "getloadavg") else None  # when the bench script imported this
 
 

@@ -203,9 +203,8 @@ def build_app(num_replicas: int, server_args: list[str], policy: str = "prefix_a
     return Ingress.bind(replicas, policy)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+def build_parser() -> argparse.ArgumentParser:
+    """The deployment's own flags; the server's come after `--`."""
     p = argparse.ArgumentParser(prog="python -m tinyvllm.serve.ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-replicas", type=int, default=2, help="engine replicas (default 2)")
@@ -214,6 +213,13 @@ def main(argv: list[str] | None = None) -> None:
                                                    "a local cluster for this process)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = build_parser()
     args = p.parse_args(ours)
     if args.num_replicas < 1:
         p.error(f"--num-replicas must be >= 1, got {args.num_replicas}")
