@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
+from tinygrad import Tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's tinyvllm, when run as a script
@@ -39,6 +40,7 @@ from tinyvllm.model.config import ModelConfig  # noqa: E402
 from tinyvllm.model.gguf import GGUFFile  # noqa: E402
 from tinyvllm.model.weights import default_model_path  # noqa: E402
 from tinyvllm.sampling_params import SamplingParams  # noqa: E402
+from tinyvllm.worker.model_runner import ModelRunner  # noqa: E402
 
 IMAGES = Path(__file__).resolve().parent
 WIDTH = 860
@@ -309,10 +311,6 @@ def flattened_step() -> tuple[dict[str, np.ndarray], dict, int]:
     """Chapter 04's example, through ModelRunner.compute_logits with its graph replaced by a recorder: the inputs of
     the step that finishes c's prompt (5 tokens in the 8-token bucket). Returns them, the names of the scheduled
     sequences by row, and the null slot."""
-    from tinygrad import Tensor
-
-    from tinyvllm.worker.model_runner import ModelRunner
-
     block_size, num_blocks = 4, 16
     scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=32, max_num_seqs=4,
                           max_num_batched_tokens=8)
