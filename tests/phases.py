@@ -54,6 +54,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_engine_parts": 3, "test_config_and_runtime": 3, "test_sampling_batch": 3,
 
     "test_generate": 3,  # Generator and main.py (Phase 1's entry points) run on the Phase 3 engine
+    "test_figures": 3,  # docs/images' figures: the scheduler's and the runner's own output (tp-split's drawing: 8)
     # Phase 4: batched forward, device sampling
     "test_device_sampler": 4, "test_kernels_sampler_gpu": 5,
     # Phase 5: custom kernels
