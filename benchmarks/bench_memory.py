@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_memory.py                   # everything (parts 4 and 5 load the model)
     .venv/bin/python benchmarks/bench_memory.py --memory-only     # parts 1-3: pure Python, a second or two
-    .venv/bin/python benchmarks/bench_memory.py --json results.json
+    .venv/bin/python benchmarks/bench_memory.py --save              # into benchmarks/results/ (the docs quote it)
 
   1. KV bytes per token, per block, per sequence at the full context: arithmetic on the model's shape.
   2. A mix of sequence lengths (seeded, long-tailed like chat traffic), replayed through the real
@@ -10,9 +10,8 @@
      Memory the blocks hold (block sizes 8, 16, 32) against contiguous pre-allocation of max_model_len
      per sequence; the waste of each.
   3. How many of those sequences fit in a KV budget at once, each way.
-  4. Single-sequence decode tokens/s, paged vs contiguous, at a few context lengths: one model, the engine
-     (paged, portable attention) and the contiguous runner side by side in this process, greedy, after warm-up, their decode steps interleaved so
-     that a change in the machine's load hits both alike.
+  4. Single-sequence decode tokens/s, paged vs contiguous, at a few context lengths: the engine (paged, portable
+     attention) and the contiguous runner on one model, greedy, warmed up, their steps interleaved against load.
   5. Why the speeds differ: one layer's attention step alone, timed the same way, split into the
      block-table gather and the causal mask, plus a variant of the paged read whose mask is built from
      a fixed-length arange (not in the engine: it isolates the cost of the gather itself); and the

@@ -1,5 +1,4 @@
-"""Running the model for one sequence on a contiguous KV cache: prefill, then decode; `generate`, the loop around
-them (Phase 1)."""
+"""Running the model for one sequence on a contiguous KV cache: prefill, decode, and `generate` (Phase 1)."""
 
 from __future__ import annotations
 
@@ -73,14 +72,13 @@ class ContiguousModelRunner:
 
 def generate(runner: ContiguousModelRunner, tokenizer: Tokenizer, prompt_token_ids: list[int],
              params: SamplingParams) -> Iterator[tuple[int, str]]:
-    """Phase 1's whole engine, the loop of llama2.c's run.c: prefill the prompt, then sample a token and decode it
-    until a stop token, a stop string, max_tokens or the end of the cache. Yields (token id, the text it adds)."""
+    """Phase 1's whole engine (llama2.c's loop): prefill, then sample and decode until a stop -> (token, text)."""
     sampler = Sampler()
     generator = None if params.is_greedy else make_generator(params.seed)
     stream = TextStream(tokenizer, params, prompt_token_ids)
     stop_ids = params.all_stop_token_ids(tokenizer.stop_token_ids)
     output: list[int] = []
-    logits = runner.prefill(prompt_token_ids)  # the prompt's K/V into the cache, the last position's logits out
+    logits = runner.prefill(prompt_token_ids)
     while True:
         token = sampler(logits, params, prompt_token_ids, output, generator, tokenizer.stop_token_ids)
         output.append(token)
@@ -93,4 +91,4 @@ def generate(runner: ContiguousModelRunner, tokenizer: Tokenizer, prompt_token_i
         yield token, piece + (stream.finish() if done and not stopped else "")
         if done:
             return
-        logits = runner.decode(token, position)  # one token in, the next position's logits out
+        logits = runner.decode(token, position)

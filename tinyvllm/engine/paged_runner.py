@@ -1,11 +1,4 @@
-"""Running the model on a paged KV cache, one sequence per forward pass (Phase 2).
-
-    Sequence --BlockManager.allocate / append_slots--> block table --slot_mapping--> where each new K/V goes
-             --model(tokens, positions, PagedKVCache, PagedAttentionMetadata)--> logits of its last token
-
-Phase 1's `ContiguousModelRunner` reserves max_model_len rows per sequence; here a sequence holds only the blocks
-its tokens fill, so many sequences share one pool. Phase 3's engine batches them; Phase 4 replays the steps.
-"""
+"""Running the model on a paged KV cache, one sequence per forward pass (Phase 2; chapter 02, section 8)."""
 
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ class PagedModelRunner:
         self.block_manager = BlockManager(num_blocks, block_size)
 
     def forward(self, seq: Sequence) -> np.ndarray:
-        """Compute `seq`'s tokens not yet in the cache (its prompt, then each sampled token) and return the last one's
-        logits (vocab,). MemoryError, changing nothing, when the pool has too few free blocks."""
+        """`seq`'s tokens not yet in the cache -> the last one's logits (vocab,); MemoryError if too few blocks."""
         start, end = seq.num_computed_tokens, seq.num_tokens
         manager = self.block_manager
         taken = manager.append_slots(seq, end - start) if seq.block_table else manager.allocate(seq)
@@ -46,5 +38,4 @@ class PagedModelRunner:
         return self.model.compute_logits(hidden[:, -1]).numpy()[0]
 
     def free(self, seq: Sequence) -> None:
-        """The sequence is done: its blocks go back to the pool."""
         self.block_manager.free(seq)

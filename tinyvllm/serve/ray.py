@@ -203,8 +203,7 @@ def build_app(num_replicas: int, server_args: list[str], policy: str = "prefix_a
     return Ingress.bind(replicas, policy)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The deployment's own flags; the server's come after `--`."""
+def build_parser() -> argparse.ArgumentParser:  # the server's flags come after `--`
     p = argparse.ArgumentParser(prog="python -m tinyvllm.serve.ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-replicas", type=int, default=2, help="engine replicas (default 2)")
