@@ -72,8 +72,11 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
             generator = Generator(config=config)
         if chat and args.prompt is None:
             return _chat_loop(generator, params)
+        prompt_ids = generator.encode_prompt(args.prompt, chat or args.chat)
+        generator.warm_up(prompt_ids, params, log=lambda line: print(f"[{generator.model_path.name}] {line}",
+                                                                      file=sys.stderr, flush=True))
         result = GenerationResult([])
-        for chunk in generator.stream(args.prompt, params, chat=chat or args.chat, result=result):
+        for chunk in generator.stream(prompt_ids, params, result=result):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,26 @@ def test_main_prints_paris_and_stats():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "time to first token" in proc.stderr and "tok/s" in proc.stderr and "generated 8 tokens" in proc.stderr
+    # the first request's graphs are compiled (or loaded) before it is timed, and the line says what it took
+    assert re.search(r"compiled \d+ kernels \(\d+ from the cache\) and \d+ graphs for the first request in", proc.stderr)
+
+
+def test_warm_up_compiles_without_touching_the_request(tiny_model_dir):
+    from tinyvllm.engine.generator import Generator
+
+    generator = Generator(tiny_model_dir, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=16,
+                          max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(300, 320))  # 20 tokens: one full block of 16 that a prefix-cache hit could reuse
+    line = generator.warm_up(prompt, params)
+    assert "graphs for the first request" in line and not line.startswith("compiled 0 kernels (0 from")
+    manager = generator.engine.scheduler.block_manager
+    hits = manager.prefix_cache_hits
+    warmed = generator.generate(prompt, params)
+    assert manager.prefix_cache_hits == hits  # the warm-up's prompt was other tokens: nothing cached is reused
+    cold = Generator(tiny_model_dir, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=16,
+                     max_num_seqs=4)
+    assert cold.generate(prompt, params).token_ids == warmed.token_ids
 
 
 @pytest.mark.parametrize("args, message", [

@@ -49,6 +49,7 @@ class DiskProgramCache(dict):
         super().__init__(entries or {})
         self.directory = directory
         self.hits = 0  # programs read from disk (not lowered) in this process
+        self.lowered = 0  # programs lowered and compiled in this process
         self.write_failed = False
 
     def _path(self, key) -> Path:
@@ -79,6 +80,7 @@ class DiskProgramCache(dict):
 
     def __setitem__(self, key, program) -> None:
         super().__setitem__(key, program)
+        self.lowered += 1
         tmp = None
         try:  # a temporary file renamed into place: a reader never sees half a program
             self.directory.mkdir(parents=True, exist_ok=True)
