@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tinyvllm.plugins import provided
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -77,19 +78,18 @@ class Generator:
     def warm_up(self, prompt_token_ids: list[int], params: SamplingParams, log=None) -> str:
         """Compile what a request of this length and kind runs (its prefill and decode graphs, its sampler) before it
         is timed, on a prompt of other tokens (no prefix-cache hit). Returns the line it logs."""
-        from tinyvllm.kernels.program_cache import install
-
-        cache, runner = install(), self.engine.model_runner
+        install = provided("program_cache")  # Phase 6 keeps kernels on disk and counts them
+        cache, runner = install() if install is not None else None, self.engine.model_runner
         before = (cache.lowered, cache.hits) if cache is not None else (0, 0)
         graphs = len(runner._jits) + len(runner._sampler_jits)
         start = time.perf_counter()
         vocab = self.engine.model.config.vocab_size
         dummy = [(t + 1) % vocab for t in prompt_token_ids]
         self.generate(dummy, dataclasses.replace(params, max_tokens=2, min_tokens=0, ignore_eos=True, stop=None))
-        lowered, hits = ((cache.lowered - before[0], cache.hits - before[1]) if cache is not None else (0, 0))
-        line = (f"compiled {lowered} kernels ({hits} from the cache) and "
-                f"{len(runner._jits) + len(runner._sampler_jits) - graphs} graphs for the first request in "
-                f"{time.perf_counter() - start:.1f} s")
+        kernels = (f"{cache.lowered - before[0]} kernels ({cache.hits - before[1]} from the cache) and "
+                   if cache is not None else "")
+        line = (f"compiled {kernels}{len(runner._jits) + len(runner._sampler_jits) - graphs} graphs for the first "
+                f"request in {time.perf_counter() - start:.1f} s")
         if log is not None:
             log(line)
         return line
