@@ -23,7 +23,7 @@ Made files are kept in --work-dir (default ~/.cache/tinyvllm/scale/) and reused.
 Per (shape, format), each figure is:
 
     decode        one request, greedy, ignore_eos: tokens/s between the tokens of a --decode-tokens run after
-                  a short prompt (median of 2 runs, after a warm-up); llama.cpp: llama-bench tgN (median of 2)
+                  a short prompt (median of 2 runs, after a warm-up); llama.cpp: llama-bench tgN (median of 3, as pp512)
     prefill 512   a 512-token prompt to its first token (median of 2 after two warm-ups); llama-bench pp512
     16 / 64       N requests at once, 32-token prompts, 32 tokens out each: N x 32 / wall time, prefill included
                   (bench_throughput's count, buckets compiled before the clock); llama-batched-bench -npp 32 -ntg 32
@@ -38,7 +38,8 @@ Per (shape, format), each figure is:
 Each tinyvllm measurement runs in a process of its own (this script with --worker), so that its memory and its
 start are its own. Targets (docs/roadmap issue 36): at 1B, decode and prefill >= 1.2x llama.cpp in Q4_K_M and
 Q8_0; peak memory within 1.2x llama.cpp's; the 3B shape runs within 24 GiB.
-Results go to benchmarks/results/bench_scale.json with --save.
+Results go to benchmarks/results/bench_scale.json with --save; a run keeps the figures of the shapes and formats
+it did not measure from the file it rewrites (each entry has the date, commit and load averages of its own run).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import (  # (benchmarks/common.py)
-    BenchParser, add_peers_arg, find_peers, log, machine_description, side_by_side_headers, table, write_results)
+import common  # (benchmarks/common.py)
+from common import (
+    BenchParser, add_peers_arg, code_version, find_peers, load_average, log, machine_description, side_by_side_headers,
+    table, write_results)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -260,7 +263,7 @@ def measure_llama_cpp(llama, path: Path, args) -> dict:
 
     log("  llama.cpp: llama-bench ...")
     text, bench_peak, _ = run_measured(tool("llama-bench", "-p", args.prefill_tokens, "-n", args.decode_tokens,
-                                            "-r", 2, "-o", "json"))
+                                            "-r", 3, "-o", "json"))
     bench = parse_bench_json(text)
     out = {"decode": {"tok_s": bench[f"tg{args.decode_tokens}_tok_s"]},
            "prefill": {"tok_s": bench[f"pp{args.prefill_tokens}_tok_s"]}, "llama_bench": bench,
@@ -348,18 +351,25 @@ def main(argv: list[str] | None = None) -> int:
     args.levels = [int(k) for k in args.concurrency.split(",") if k.strip()]
     llama = find_peers(args)
     print(f"machine   {machine_description()}")
-    results: dict = {"shapes": {}}
+    # a run of some shapes and formats keeps the figures of the others from the results file it rewrites
+    previous = (common.RESULTS_DIR if args.save else common.SCRATCH_DIR) / "bench_scale.json"
+    results: dict = {"shapes": json.loads(previous.read_text()).get("shapes", {}) if previous.is_file() else {}}
     for shape in shapes:
         config = SHAPES[shape]
-        entry = results["shapes"].setdefault(shape, {"config": dataclasses.asdict(config), "formats": {}})
+        entry = results["shapes"].setdefault(shape, {"formats": {}})
+        entry["config"] = dataclasses.asdict(config)
         for fmt in formats:
             path = model_file(shape, fmt, Path(args.work_dir).expanduser(), llama)
             log(f"{shape} {fmt}: {path.name} ({path.stat().st_size / 2**30:.2f} GiB)")
             fig = {"file": path.name, "file_bytes": path.stat().st_size, "params": config.num_params,
+                   "run": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "code": code_version(),
+                           "load_average": [load_average()], "decode_tokens": args.decode_tokens,
+                           "prefill_tokens": args.prefill_tokens, "concurrency": args.levels},
                    "tinyvllm": measure_tinyvllm(path, args)}
             if llama is not None:
                 fig["llama_cpp"] = measure_llama_cpp(llama, path, args)
                 fig["ratio"] = ratios(fig["tinyvllm"], fig["llama_cpp"])
+            fig["run"]["load_average"].append(load_average())
             entry["formats"][fmt] = fig
             report(shape, fmt, fig)
     write_results("bench_scale", results, args)
