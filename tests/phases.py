@@ -67,6 +67,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 6: quantized weights, perplexity, cold start
     "test_qlinear": 6, "test_qlinear_gpu": 6, "test_quantize": 6, "test_quantizer": 6, "test_gguf_writer": 6, "test_quantized_weights": 6,
     "test_perplexity": 6, "test_cold_start": 6, "test_cpu_graph": 6, "test_bench_peers": 6,
+    "test_bench_scale": 6,
     # Phase 7: prefix caching, copy-on-write, beam search (7a), speculative decoding (7b), KV-cache quantization (7c)
     "test_block_manager_caching": 7, "test_prefix_cache_sharing": 7,
     "test_beam_search": 7, "test_spec_decode": 7, "test_spec_decode_draft": 7, "test_rejection_sampler": 7,
