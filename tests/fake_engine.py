@@ -204,6 +204,23 @@ class FakeLLMEngine:
                 "num_free_blocks": self.num_free_blocks, "num_total_blocks": self.num_total_blocks}
 
 
+def run_all(engine, requests: dict, max_steps: int = 3000) -> dict:
+    """Every request ({request id: (prompt, params)}) added at once and stepped to its end -> {request id: its final
+    RequestOutput}. No request may stall, and every block is back in the engine's pool afterwards."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        steps += 1
+        assert steps < max_steps, "the engine stopped making progress"
+    manager = engine.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, "blocks leaked from the engine's pool"
+    return finals
+
+
 def run_offline(engine, prompt: str | list[int], params: SamplingParams) -> RequestOutput:
     """One request alone, stepped to its end: the reference a server's answer must equal."""
     request_id = f"offline-{time.monotonic_ns()}"

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_CONFIG
+from fake_engine import run_all
 from tinygrad import Tensor, TinyJit, UOp
 
 from tinyvllm.distributed.tensor_parallel import TensorParallel, check_tensor_parallel_size, shard_devices
@@ -24,18 +25,7 @@ SMOLLM2 = dataclasses.replace(TINY_CONFIG, num_attention_heads=9, num_key_value_
 
 def run(engine: LLMEngine, requests: dict) -> dict:
     """requests: {id: (prompt, params)} all at once -> {id: CompletionOutput}; every block back in the pool."""
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outputs, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs
-        steps += 1
-        assert steps < 2000, "the engine stopped making progress"
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "a block leaked"
-    return outputs
+    return {rid: out.outputs for rid, out in run_all(engine, requests, max_steps=2000).items()}
 
 
 def assert_same(a: dict, b: dict, atol: float = 1e-4) -> None:

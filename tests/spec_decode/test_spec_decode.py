@@ -8,6 +8,7 @@ Sampled requests (exact rejection sampling) are tested in test_rejection_sampler
 from __future__ import annotations
 
 import pytest
+from fake_engine import run_all
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.sampling_params import SamplingParams
@@ -37,18 +38,7 @@ def run(engine, requests, max_steps=3000):
     """Every request to its end ({request id: (prompt, params)}); their completions by request id. The speculative
     tests' one loop (test_rejection_sampler and test_spec_decode_draft import it): no request may stall, and no
     block of the engine's pool stays taken."""
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outputs, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0]
-        steps += 1
-        assert steps < max_steps, "no progress"
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked from the engine's (the target's) pool"
-    return outputs
+    return {rid: out.outputs[0] for rid, out in run_all(engine, requests, max_steps).items()}
 
 
 def greedy(max_tokens=40, **kw):
