@@ -102,14 +102,19 @@ class BenchParser(argparse.ArgumentParser):
                                "into .bench-results/")
 
     # TINYVLLM_CHECK_FLAGS=1: parse, say so and exit (tests/test_doc_commands.py checks the docs' commands)
+    strict = False  # inside parse_args, which reports unknown flags after its parse_known_args returns
+
     def parse_args(self, args=None, namespace=None):
-        self.strict = True  # unknown flags are errors: argparse's parse_args checks after parse_known_args
-        parsed = super().parse_args(args, namespace)
+        self.strict = True
+        try:
+            parsed = super().parse_args(args, namespace)
+        finally:
+            self.strict = False
         return self._checked(parsed)
 
     def parse_known_args(self, args=None, namespace=None):
         parsed = super().parse_known_args(args, namespace)
-        return parsed if getattr(self, "strict", False) else self._checked(parsed)
+        return parsed if self.strict else self._checked(parsed)
 
     @staticmethod
     def _checked(parsed):

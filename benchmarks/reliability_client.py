@@ -107,9 +107,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(command: list[str], port: int, timeout: float = 600) -> subprocess.Popen:
-    """A server process; returns once its /health says 200."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start_server(command: list[str], port: int, timeout: float = 600, env: dict | None = None) -> subprocess.Popen:
+    """A server process (`env`: its whole environment, default this process's); returns once its /health says 200."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

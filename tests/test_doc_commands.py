@@ -17,17 +17,17 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from test_docs import PHASE_DOCS, ROOT, code_blocks
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from reliability_client import free_port, start_server  # noqa: E402  (benchmarks/reliability_client.py)
 
 DOCS = [ROOT / "README.md", *PHASE_DOCS]
 PY = sys.executable
@@ -252,12 +252,6 @@ def test_course_counts(command: Command):
 
 # ---- serve, with the curl commands after it ----
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def served_blocks() -> list[tuple[Command, list[Command]]]:
     """Each server command that curl commands follow in its block, with them."""
     pairs = []
@@ -289,19 +283,8 @@ def test_serve_and_curl(command: Command, follow: list[Command], tmp_path, tiny_
     env, argv = argv_of(command.text, tmp_path, tiny_model_dir)
     if "--port" in argv:  # the documented port may be taken: a free one instead
         del argv[argv.index("--port"):argv.index("--port") + 2]
-    server = subprocess.Popen([*argv, "--port", str(port)], cwd=ROOT, env={**os.environ, **env},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = start_server([*argv, "--port", str(port)], port, timeout=300, env={**os.environ, **env})
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, f"{command.where}: the server exited:\n{server.stderr.read()[-3000:]}"
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"{command.where}: the server never became healthy"
-            time.sleep(0.5)
         for curl in follow:
             line = curl.text.replace("127.0.0.1:8000", f"127.0.0.1:{port}").replace("curl ", "curl -fsS ", 1)
             done = subprocess.run(["bash", "-o", "pipefail", "-c", line], capture_output=True, text=True, timeout=120)

@@ -81,14 +81,14 @@ class Generator:
         install = provided("program_cache")  # Phase 6 keeps kernels on disk and counts them
         cache, runner = install() if install is not None else None, self.engine.model_runner
         before = (cache.lowered, cache.hits) if cache is not None else (0, 0)
-        graphs = len(runner._jits) + len(runner._sampler_jits)
+        graphs = runner.num_graphs
         start = time.perf_counter()
         vocab = self.engine.model.config.vocab_size
         dummy = [(t + 1) % vocab for t in prompt_token_ids]
         self.generate(dummy, dataclasses.replace(params, max_tokens=2, min_tokens=0, ignore_eos=True, stop=None))
         kernels = (f"{cache.lowered - before[0]} kernels ({cache.hits - before[1]} from the cache) and "
                    if cache is not None else "")
-        line = (f"compiled {kernels}{len(runner._jits) + len(runner._sampler_jits) - graphs} graphs for the first "
+        line = (f"compiled {kernels}{runner.num_graphs - graphs} graphs for the first "
                 f"request in {time.perf_counter() - start:.1f} s")
         if log is not None:
             log(line)

@@ -245,6 +245,11 @@ class ModelRunner:
             self._logits_indices[num_rows] = InputBuffer((num_rows,), np.int32, self.model.device)
         return self._logits_indices[num_rows]
 
+    @property
+    def num_graphs(self) -> int:
+        """The step and sampler graphs captured (or loaded) so far."""
+        return len(self._jits) + len(self._sampler_jits)
+
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
 
