@@ -316,8 +316,9 @@ def parse_flags(argv: list[str], env: dict[str, str]) -> None:
     elif "tinyvllm.serve.ray" in text:
         from tinyvllm.api.server import build_parser
         from tinyvllm.serve.ray import build_parser as ray_parser
+        from tinyvllm.serve.ray import split_argv
 
-        ours, server = (rest[:rest.index("--")], rest[rest.index("--") + 1:]) if "--" in rest else (rest, [])
+        ours, server = split_argv(rest)
         ray_parser().parse_args(ours)
         build_parser().parse_args(server)
     elif "main.py" in text:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 from tinygrad import Tensor, UOp
-
-from collections.abc import Iterator
 
 from tinyvllm.attention.contiguous import ContiguousAttentionMetadata, allocate_contiguous_kv_cache
 from tinyvllm.engine.text_stream import TextStream

@@ -203,7 +203,12 @@ def build_app(num_replicas: int, server_args: list[str], policy: str = "prefix_a
     return Ingress.bind(replicas, policy)
 
 
-def build_parser() -> argparse.ArgumentParser:  # the server's flags come after `--`
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`--num-replicas 2 -- --max-num-seqs 32` -> (the deployment's flags, the server's)."""
+    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tinyvllm.serve.ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-replicas", type=int, default=2, help="engine replicas (default 2)")
@@ -217,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:  # the server's flags come after 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, server_args = split_argv(argv)
     p = build_parser()
     args = p.parse_args(ours)
     if args.num_replicas < 1:
