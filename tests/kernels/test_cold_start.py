@@ -32,6 +32,7 @@ def test_the_default_device_is_remembered_and_probed_again_when_the_machine_chan
     monkeypatch.setattr(program_cache, "chosen_default_device", lambda: None)
     monkeypatch.setattr(program_cache, "choose_default_device", probe)
     monkeypatch.setattr(program_cache, "set_default_device", settled.append)
+    monkeypatch.setattr(program_cache, "without_accelerator", lambda fingerprint: False)  # as on a GPU machine
     assert program_cache.settle_default_device(path) == "CPU" and len(probes) == 1  # nothing remembered: probe
     assert json.loads(path.read_text())["device"] == "CPU"
     assert program_cache.settle_default_device(path) == "CPU" and len(probes) == 1  # remembered: no probe
@@ -40,6 +41,20 @@ def test_the_default_device_is_remembered_and_probed_again_when_the_machine_chan
     assert program_cache.settle_default_device(path) == "CPU" and len(probes) == 2
     path.write_text("{not json")  # a corrupt file: probe again
     assert program_cache.settle_default_device(path) == "CPU" and len(probes) == 3
+
+
+def test_a_machine_without_an_accelerator_settles_on_the_cpu_without_probing(tmp_path, monkeypatch):
+    bare = {"platform": "linux", "tinygrad": "0", "dev_nodes": [], "env": {"LD_LIBRARY_PATH": "/opt/lib"}}
+    assert program_cache.without_accelerator(bare)
+    assert not program_cache.without_accelerator({**bare, "dev_nodes": ["nvidiactl"]})
+    assert not program_cache.without_accelerator({**bare, "env": {"CUDA_VISIBLE_DEVICES": "0"}})
+    assert not program_cache.without_accelerator({**bare, "platform": "darwin"})  # Metal needs no device node
+    monkeypatch.setattr(program_cache, "chosen_default_device", lambda: None)
+    monkeypatch.setattr(program_cache, "machine_fingerprint", lambda: bare)
+    monkeypatch.setattr(program_cache, "choose_default_device", lambda: pytest.fail("probed"))
+    settled = []
+    monkeypatch.setattr(program_cache, "set_default_device", settled.append)
+    assert program_cache.settle_default_device(tmp_path / "default_device.json") == "CPU" and settled == ["CPU"]
 
 
 def test_the_remembered_device_is_what_tinygrad_probes():

@@ -131,9 +131,17 @@ def machine_fingerprint() -> dict:
     return {"platform": sys.platform, "tinygrad": INSTALLED_VERSION, "dev_nodes": nodes, "env": env}
 
 
+def without_accelerator(fingerprint: dict) -> bool:
+    """A Linux machine with no accelerator device node and no device variable: every accelerator tinygrad would try
+    first (AMD and NV open device nodes, CUDA and OpenCL a driver library) fails, after up to half a second of trying,
+    and the CPU device is the one left (an OpenCL driver that runs on the CPU aside, which is the CPU again, slower)."""
+    return (fingerprint["platform"] == "linux" and not fingerprint["dev_nodes"]
+            and not any(k != "LD_LIBRARY_PATH" for k in fingerprint["env"]))
+
+
 def settle_default_device(path: Path) -> str:
-    """tinygrad's default device: the one remembered in `path` if the machine still looks the same, else tinygrad's
-    own probe (remembered for the next process)."""
+    """tinygrad's default device: the one remembered in `path` if the machine still looks the same, else the CPU on a
+    machine without an accelerator, else tinygrad's own probe (remembered for the next process)."""
     if (chosen := chosen_default_device()) is not None:
         return chosen
     fingerprint = machine_fingerprint()
@@ -144,7 +152,11 @@ def settle_default_device(path: Path) -> str:
             return remembered["device"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: probe
-    chosen = choose_default_device()
+    if without_accelerator(fingerprint):
+        set_default_device("CPU")
+        chosen = "CPU"
+    else:
+        chosen = choose_default_device()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
