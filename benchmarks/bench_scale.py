@@ -76,6 +76,14 @@ SHAPES = {
                       num_attention_heads=16, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
                       rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
                       architecture="Qwen2ForCausalLM", attention_bias=True),
+    # Gemma 3 270M's published shape: another architecture (GeGLU, sandwich norms, q/k norms, five sliding-window
+    # layers to one global, a 262k vocabulary) whose first run compiles kernels the LLaMA shapes never use
+    "270m": ModelConfig.from_hf_config({
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+        "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 512,
+        "query_pre_attn_scalar": 256, "max_position_embeddings": 32768,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]}),
 }
 FORMATS = {"q4_k_m": "Q4_K_M", "q8_0": "Q8_0", "q4_k": "Q4_K_S"}  # ours -> llama-quantize's name
 OWN_QUANTIZER = {"q8_0": "q8_0", "q4_k": "q4_k"}  # the formats tinyvllm/quantize.py can make without llama.cpp
