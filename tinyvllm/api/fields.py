@@ -11,11 +11,12 @@ So nothing is ignored:
     field Refused here, any other value     400 "name=value: why; the alternative", code unsupported_parameter
     field in neither                        400 "name: unknown field" (the models forbid extra fields)
 
-The default a refused field is accepted at is vLLM's own default (or null, OpenAI's "not sent") because many
-clients send every field at its default (`use_beam_search: false`, `length_penalty: 1.0`); the one value that
-asks for exactly what this server does anyway. `RequestModel` applies the table in one place, before pydantic
-sees the body; tests/api/test_api_fields.py walks vLLM's field names (saved as test data) against it.
-Taught in docs/phases/09-appendix-endpoints.md, section 3.
+A refused field is accepted at its default because many clients send every field at its default
+(`use_beam_search: false`, `length_penalty: 1.0`): that value asks for exactly what this server does anyway. The
+default is vLLM's own; null (not sent) for OpenAI's fields vLLM lacks, and for `store` on /v1/responses false,
+since vLLM's default (true) asks to keep the response. `RequestModel` applies the table in one place, before
+pydantic sees the body; tests/api/test_api_fields.py walks vLLM's field names (saved as test data) against it.
+Taught in docs/phases/09-appendix-endpoints.md, section 2.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ def is_default(value: object, default: object) -> bool:
         return True
     if isinstance(value, bool) or isinstance(default, bool):
         return value is default
-    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
-        return value == default
     return value == default
 
 
