@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from tinyvllm.api.fields import FIELDS
 from tinyvllm.api.protocol import ErrorInfo, ErrorResponse
 from tinyvllm.engine.async_llm_engine import (EngineDeadError, EngineNotReadyError, EngineOverloadedError,
                                               EngineStepError)
@@ -146,11 +147,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
+        errors = e.errors()
+        # a refused field (tinyvllm/api/fields.py) says more than anything else wrong: even in a union's
+        # errors (/tokenize), where it may not come first
+        first = next((error for error in errors if error["type"] == "field_refused"), errors[0] if errors else {})
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", "")
             return bad_request(f"the request body is not valid JSON: {detail}").response()
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "field_refused":
+            return bad_request(first["msg"], first["ctx"]["field"], "unsupported_parameter").response()
+        # a union's member (/tokenize's) is named in the location too: the field is what the client wrote
+        location = [str(part) for part in first.get("loc", ()) if part != "body" and part not in FIELDS]
+        if first.get("type") == "extra_forbidden":  # in neither our model nor vLLM's nor OpenAI's
+            return bad_request(f"{'.'.join(location)}: unknown field: this endpoint has no field of that name "
+                               "(a typo?)", location[0] if location else None, "unknown_parameter").response()
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
         return bad_request(message, location[0] if location else None).response()
 

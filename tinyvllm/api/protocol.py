@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
 
+from tinyvllm.api.fields import RequestModel
 from tinyvllm.sampling_params import MAX_LOGPROBS
 
 
@@ -86,8 +87,9 @@ class StructuredOutputsRequest(BaseModel):
     json_object: StrictBool | None = None
 
 
-class SamplingFields(BaseModel):
-    """The fields both endpoints share: `SamplingParams`' names; OpenAI's ranges where OpenAI has the field."""
+class SamplingFields(RequestModel):
+    """The fields both endpoints share: `SamplingParams`' names; OpenAI's ranges where OpenAI has the field.
+    Every other field of vLLM's and OpenAI's requests is refused by `RequestModel` (tinyvllm/api/fields.py)."""
 
     model: StrictStr | None = None  # missing: the served one
     n: StrictInt = Field(1, ge=1)
@@ -125,7 +127,6 @@ class CompletionRequest(SamplingFields):
     # top alternatives per token (0: the sampled token only); OpenAI allows 5, vLLM 20
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
     # vLLM's extras: n beams instead of n samples, ranked with this penalty
     use_beam_search: StrictBool = False
     length_penalty: StrictFloat = 1.0

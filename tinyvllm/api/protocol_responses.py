@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from tinyvllm.api.fields import RequestModel
+
 
 class FunctionTool(BaseModel):
     type: Literal["function"]
@@ -36,7 +38,7 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestModel):
     model: StrictStr | None = None
     input: StrictStr | Annotated[list[dict], Field(min_length=1)]
     instructions: StrictStr | None = None  # a system message before the input
@@ -48,8 +50,6 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     stream: StrictBool = False
-    store: StrictBool | None = None  # accepted; this server keeps no responses
-    previous_response_id: StrictStr | None = None  # refused: nothing is kept to continue from
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
     # vLLM's sampling extras, as on the chat route

@@ -33,7 +33,7 @@ from tinyvllm.api.serving_embeddings import EmbeddingRequest, EmbeddingResponse,
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.api.serving_responses import OpenAIServingResponses
 from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
-                                           TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse)
+                                           TokenizeRequest, TokenizeResponse)
 from tinyvllm.engine.arg_utils import EngineArgs
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
 from tinyvllm.pooling_params import PoolingParams
@@ -105,7 +105,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         return {"version": importlib.metadata.version("tinyvllm")}
 
     @app.post("/tokenize", responses=responses(TokenizeResponse, 400, *guarded, 404, 503))
-    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest):
+    async def tokenize(request: TokenizeRequest):
         try:
             return tokenization.tokenize(request).model_dump()
         except Exception as e:

@@ -21,8 +21,6 @@ from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, base_request_i
 from tinyvllm.engine.beam_search import BeamSearchParams
 from tinyvllm.outputs import RequestOutput
 
-FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # StarCoder's fill-in-the-middle markers
-
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response | dict:
@@ -30,8 +28,6 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_limits(request)
         include_usage = self.check_stream_options(request)
         continuous_usage = self.continuous_usage(request)
-        if request.suffix is not None:
-            self.check_fim()
         width = self.best_of(request)  # samples per prompt
         echo_logprobs = request.echo and request.logprobs is not None  # the prompt's own logprobs come first
         prompts = self.prompts(request.prompt)
@@ -87,15 +83,6 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(f"best_of must be at most {self.limits.max_n} on this server (--max-n), got {best_of}",
                               "best_of")
         return best_of
-
-    def check_fim(self) -> None:
-        """`suffix` (fill-in-the-middle): a 400, naming the FIM markers missing."""
-        missing = [t for t in FIM_TOKENS if t not in self.tokenizer.added_tokens]
-        if missing:
-            raise bad_request(f"suffix (fill-in-the-middle) needs a model trained with FIM tokens; this model's "
-                              f"vocabulary has no {', '.join(missing)}: send the text before the hole as the prompt "
-                              "alone", "suffix")
-        raise bad_request("suffix (fill-in-the-middle) is not implemented for this model's FIM format", "suffix")
 
     def check_batch_width(self, total: int) -> None:
         max_waiting = self.engine.max_waiting

@@ -16,6 +16,7 @@ from fastapi import Request, Response
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from tinyvllm.api.errors import bad_request
+from tinyvllm.api.fields import RequestModel
 from tinyvllm.api.protocol import UsageInfo
 from tinyvllm.api.serving_engine import OpenAIServing, base_request_id, wait_for_disconnect
 from tinyvllm.pooling_params import PoolingParams
@@ -24,11 +25,10 @@ Ids = Annotated[list[StrictInt], Field(min_length=1, fail_fast=True)]
 Texts = Annotated[list[StrictStr], Field(min_length=1, fail_fast=True)]
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestModel):
     model: StrictStr | None = None
     input: StrictStr | Texts | Ids | Annotated[list[Ids], Field(min_length=1, fail_fast=True)]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
     user: StrictStr | None = None
     normalize: StrictBool | None = None  # None: the server's default (True)
     priority: StrictInt = 0
@@ -56,9 +56,6 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
-        if request.dimensions is not None:
-            raise bad_request("dimensions is not supported: this model was not trained to give shorter vectors "
-                              "(Matryoshka); leave it out for the full hidden size", "dimensions")
         inputs = self.inputs(request.input)
         if len(inputs) > 1:
             self.engine.check_can_accept(len(inputs))

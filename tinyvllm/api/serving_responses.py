@@ -36,9 +36,6 @@ class OpenAIServingResponses:
         self.chat = chat
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response | dict:
-        if request.previous_response_id is not None:
-            raise bad_request("previous_response_id is not supported: this server keeps no responses; send the "
-                              "earlier items again in input", "previous_response_id")
         try:
             answer = await self.chat.create_chat_completion(self.chat_request(request), raw_request)
         except Exception as e:  # the chat route's 400 names its own field: say ours

@@ -4,21 +4,24 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
+from typing import Annotated
+
+from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
 from tinyvllm.api.errors import bad_request
+from tinyvllm.api.fields import RequestModel
 from tinyvllm.api.protocol import ChatCompletionToolParam
 from tinyvllm.api.serving_chat import OpenAIServingChat
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: StrictStr | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True  # the model's BOS, where it has one
     return_token_strs: StrictBool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(RequestModel):
     model: StrictStr | None = None
     messages: list[dict] = Field(min_length=1)
     tools: list[ChatCompletionToolParam] | None = None
@@ -29,6 +32,18 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: StrictBool = False
 
 
+def _tokenize_kind(body: object) -> str:
+    if isinstance(body, TokenizeChatRequest) or isinstance(body, dict) and "messages" in body:
+        return "TokenizeChatRequest"
+    return "TokenizeCompletionRequest"
+
+
+# /tokenize's body: messages make it a chat request, otherwise a prompt one; chosen by that key first, so a bad
+# field is reported against the one the client meant, not against both
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+                            | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")], Discriminator(_tokenize_kind)]
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
@@ -36,7 +51,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: StrictStr | None = None
     tokens: list[StrictInt] = Field(fail_fast=True)
 
@@ -51,7 +66,7 @@ class OpenAIServingTokenization:
     def __init__(self, chat: OpenAIServingChat):
         self.chat = chat
 
-    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         chat = self.chat
         chat.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
