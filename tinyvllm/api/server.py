@@ -121,7 +121,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses=responses({"text/plain": {"type": "string"}}, *guarded))
     async def prometheus_metrics() -> PlainTextResponse:
-        text = metrics.render(engine.num_waiting()) + (key_metrics.render() if key_metrics is not None else "")
+        model_name = chat.model_names()[0] if engine.is_ready else ""  # vLLM's label: the first served name
+        text = metrics.render(engine.num_waiting(), model_name)
+        text += key_metrics.render() if key_metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @v1.get("/models", responses=responses(ModelList, *guarded, 429, 503))
