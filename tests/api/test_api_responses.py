@@ -275,3 +275,21 @@ def test_output_text_logprobs_when_included(server):
     streamed = [p for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
     assert [p.token for p in streamed] == [p.token for p in logprobs]
     assert [p.token for p in events[-1].response.output[0].content[0].logprobs] == [p.token for p in logprobs]
+
+
+def test_a_full_store_forgets_its_oldest_finished_response_never_a_running_one():
+    from tinyvllm.api.protocol_responses import ResponsesResponse
+    from tinyvllm.api.response_store import ResponseStore
+
+    store = ResponseStore(max_entries=2)
+
+    def put(response_id: str, status: str) -> None:
+        store.put(ResponsesResponse(id=response_id, created_at=0, status=status, model=MODEL), [])
+
+    put("resp_running", "in_progress")  # a background response its client polls
+    put("resp_a", "completed")
+    put("resp_b", "completed")
+    assert list(store.entries) == ["resp_running", "resp_b"]
+    store.save(ResponsesResponse(id="resp_running", created_at=0, status="completed", model=MODEL), [])
+    put("resp_c", "completed")
+    assert list(store.entries) == ["resp_b", "resp_c"]  # finished now: the oldest again

@@ -154,11 +154,11 @@ class OpenAIServingResponses:
             raise bad_request(f"input: {e.errors()[0]['msg']}", "input") from e
 
     @staticmethod
-    def messages(request: ResponsesRequest, history: list[dict]) -> list[dict]:
+    def messages(request: ResponsesRequest, history: list[dict] | None = None) -> list[dict]:
         """The conversation as chat messages, in vLLM's order: instructions first, then the history of the
         response it continues (`continuation`), then each input item."""
         messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        messages += history
+        messages += history or []
         if isinstance(request.input, str):
             return [*messages, {"role": "user", "content": request.input}]
         for i, item in enumerate(request.input):
