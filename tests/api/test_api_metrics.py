@@ -42,6 +42,11 @@ def test_every_series_of_vllms_dashboard_exists_with_vllms_labels(server):
         found = [key for key in samples if re.fullmatch(rf"{re.escape(name)}\{{{re.escape(VLLM_LABELS)}(,.*)?\}}",
                                                          key)]
         assert found, f"{name}{{{VLLM_LABELS}}} is missing from /metrics"
+    # vLLM's other series the dashboard does not draw, under the same labels
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+                 "iteration_tokens_total_count", "time_per_output_token_seconds_count",
+                 "request_inference_time_seconds_sum", "request_params_n_count", "request_params_max_tokens_count"):
+        assert f"vllm:{name}{{{VLLM_LABELS}}}" in samples, name
     # one count behind both names
     for name in ("generation_tokens_total", "prompt_tokens_total", "e2e_request_latency_seconds_count"):
         assert samples[f"vllm:{name}{{{VLLM_LABELS}}}"] == samples[f"tinyvllm:{name}"] > 0

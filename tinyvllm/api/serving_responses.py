@@ -230,11 +230,11 @@ class OpenAIServingResponses:
                 if "error" in chunk:  # after the 200: the chat route's error event
                     error = chunk["error"]
                     code = error.get("code") or error["type"]
-                    yield "error", {"code": code, "message": error["message"], "param": error.get("param")}
                     failed = ResponsesResponse(**head, status="failed", output=stream.output,
                                                error=ResponseError(code=code, message=error["message"]))
-                    if failed.store:
+                    if failed.store:  # before any event: a client that leaves at one must not lose it
                         self.store.save(failed, messages)
+                    yield "error", {"code": code, "message": error["message"], "param": error.get("param")}
                     if started:
                         yield "response.failed", {"response": failed.model_dump()}
                     return
