@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from tinyvllm.api.response_store import DEFAULT_MAX_STORED_RESPONSES
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.engine.arg_utils import EngineArgs
 
@@ -60,6 +61,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
                    help="the format the model writes tool calls in: hermes (<tool_call> JSON </tool_call>: Qwen, "
                         "Hermes, SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+; default hermes)")
+    p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES, metavar="N",
+                   help="the Responses API keeps the last N responses created with store=true (the default), for "
+                        "previous_response_id, GET /v1/responses/{id} and background=true; the oldest finished one "
+                        "is forgotten first. 0: keep none, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE "
+                        f"(default {DEFAULT_MAX_STORED_RESPONSES})")
     p.add_argument("--pooler-config", default=None, metavar="JSON",
                    help='how /v1/embeddings pools the final hidden states, vLLM\'s pooler config as JSON: '
                         '\'{"pooling_type": "MEAN"}\' (LAST or MEAN; default LAST) and "normalize" (default true)')

@@ -13,8 +13,7 @@ So nothing is ignored:
 
 A refused field is accepted at its default because many clients send every field at its default
 (`use_beam_search: false`, `length_penalty: 1.0`): that value asks for exactly what this server does anyway. The
-default is vLLM's own; null (not sent) for OpenAI's fields vLLM lacks, and for `store` on /v1/responses false,
-since vLLM's default (true) asks to keep the response. `RequestModel` applies the table in one place, before
+default is vLLM's own, and null (not sent) for OpenAI's fields vLLM lacks. `RequestModel` applies the table in one place, before
 pydantic sees the body; tests/api/test_api_fields.py walks vLLM's field names (saved as test data) against it.
 Taught in docs/phases/09-appendix-endpoints.md, section 2.
 """
@@ -150,7 +149,8 @@ _ON_CHAT = "not on /v1/responses: /v1/chat/completions has it"
 RESPONSES_FIELDS = {
     **{name: SUPPORTED for name in ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
                                     "tools", "tool_choice", "parallel_tool_calls", "text", "stream", "metadata",
-                                    "user", "top_k", "min_p", "repetition_penalty", "seed", "priority")},
+                                    "user", "top_k", "min_p", "repetition_penalty", "seed", "priority",
+                                    "store", "previous_response_id", "background", "include", "top_logprobs")},
     **{name: _ENGINE_EXTRAS[name] for name in (
         "watermarking", "spaces_between_special_tokens", "request_id", "session_id", "mm_payload",
         "return_mm_kwargs", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs")},
@@ -161,15 +161,9 @@ RESPONSES_FIELDS = {
         ("logit_bias", None), ("presence_penalty", None), ("frequency_penalty", None), ("stop", []),
         ("stop_token_ids", []), ("ignore_eos", False), ("skip_special_tokens", None),
         ("include_stop_str_in_output", False), ("structured_outputs", None), ("chat_template_kwargs", None))},
-    "store": Refused("this server keeps no responses to fetch or continue later", False),
-    "previous_response_id": Refused("this server keeps no responses: send the earlier items again in input"),
-    "background": Refused("responses run in the foreground: stream=true shows progress", False),
-    "background_options": Refused("responses run in the foreground (background)"),
-    "conversation": Refused("no conversations are kept: send the earlier items again in input"),
+    "background_options": Refused("background responses are polled (GET /v1/responses/{id}), not streamed"),
+    "conversation": Refused("no conversation objects: previous_response_id continues a stored response"),
     "context_management": Refused("no server-side compaction: send the items to keep in input"),
-    "include": Refused("no optional output data (logprobs, encrypted reasoning): reasoning comes as reasoning "
-                       "items"),
-    "top_logprobs": Refused("no log-probabilities on /v1/responses: /v1/chat/completions has logprobs", 0),
     "max_tool_calls": Refused("the client runs the tools: parallel_tool_calls=false allows one call per response"),
     "prompt": Refused("no stored prompt templates: send instructions and input"),
     "reasoning": Refused("no reasoning effort or summaries: --reasoning-parser splits the reasoning out"),

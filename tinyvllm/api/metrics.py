@@ -1,4 +1,10 @@
-"""`GET /metrics`: what the engine is doing, in Prometheus' text format, with vLLM's names under `tinyvllm:`.
+"""`GET /metrics`: what the engine is doing, in Prometheus' text format.
+
+Every series is written twice by default: under `tinyvllm:` without labels, as this project's tools, tests and docs
+read it, and under `vllm:` with vLLM's names and its labels `model_name` and `engine` (vllm/v1/metrics/loggers.py),
+so vLLM's Grafana dashboard and alerts read this server unchanged. The two copies come from one counter, so they
+can't disagree; the price is a longer scrape. Series vLLM has no name for (block counts, batch sizes) are
+`tinyvllm:` only.
 
 Taught in docs/phases/09-api-server.md; the format and the request-level histograms in 09-appendix-endpoints.md.
 """
@@ -11,33 +17,46 @@ from dataclasses import dataclass
 from tinyvllm.outputs import RequestOutput
 
 PREFIX = "tinyvllm:"
+VLLM_PREFIX = "vllm:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason: each series exists from the start, at 0
+
+
+def label_text(labels: dict[str, str]) -> str:
+    """`{a="x",b="y"}`, or nothing for no labels."""
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{key}="{value}"' for key, value in labels.items()) + "}"
 
 
 class Metric:
+    """One series family. `vllm`: vLLM has this name too, so it is also written as `vllm:<name>`."""
+
     kind = ""
 
-    def __init__(self, name: str, help: str):
-        self.name, self.help = PREFIX + name, help
+    def __init__(self, name: str, help: str, vllm: bool = False):
+        self.base_name, self.help, self.vllm = name, help, vllm
+        self.name = PREFIX + name
 
-    def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", *self.samples()]
+    def render(self, prefix: str = PREFIX, labels: dict[str, str] | None = None) -> list[str]:
+        name = prefix + self.base_name
+        return [f"# HELP {name} {self.help}", f"# TYPE {name} {self.kind}", *self.samples(name, labels or {})]
 
-    def samples(self) -> list[str]:
+    def samples(self, name: str, labels: dict[str, str]) -> list[str]:
         raise NotImplementedError
 
 
 class Gauge(Metric):
     kind = "gauge"
 
-    def __init__(self, name: str, help: str):
-        super().__init__(name, help)
+    def __init__(self, name: str, help: str, vllm: bool = False):
+        super().__init__(name, help, vllm)
         self.value = 0.0
 
-    def samples(self) -> list[str]:
-        return [f"{self.name} {self.value}"]
+    def samples(self, name: str, labels: dict[str, str]) -> list[str]:
+        return [f"{name}{label_text(labels)} {self.value}"]
 
 
 class Info(Metric):
@@ -45,15 +64,14 @@ class Info(Metric):
 
     kind = "gauge"
 
-    def __init__(self, name: str, help: str):
-        super().__init__(name, help)
+    def __init__(self, name: str, help: str, vllm: bool = False):
+        super().__init__(name, help, vllm)
         self.labels: dict[str, str] = {}
 
-    def samples(self) -> list[str]:
+    def samples(self, name: str, labels: dict[str, str]) -> list[str]:
         if not self.labels:
             return []
-        labels = ",".join(f'{key}="{value}"' for key, value in self.labels.items())
-        return [f"{self.name}{{{labels}}} 1"]
+        return [f"{name}{label_text({**labels, **self.labels})} 1"]
 
 
 class Counter(Metric):
@@ -61,10 +79,11 @@ class Counter(Metric):
 
     kind = "counter"
 
-    def __init__(self, name: str, help: str, label: str | None = None):
-        super().__init__(name, help)
+    def __init__(self, name: str, help: str, label: str | None = None, vllm: bool = False,
+                 label_values: tuple[str, ...] = ()):
+        super().__init__(name, help, vllm)
         self.label = label
-        self.values: dict[str, float] = {} if label else {"": 0.0}
+        self.values: dict[str, float] = {value: 0.0 for value in label_values} if label else {"": 0.0}
 
     def inc(self, amount: float = 1.0, label_value: str = "") -> None:
         self.values[label_value] = self.values.get(label_value, 0.0) + amount
@@ -73,17 +92,18 @@ class Counter(Metric):
         """For a count the engine keeps itself: its running total, copied."""
         self.values[""] = total
 
-    def samples(self) -> list[str]:
+    def samples(self, name: str, labels: dict[str, str]) -> list[str]:
         if self.label is None:
-            return [f"{self.name} {self.values['']}"]
-        return [f'{self.name}{{{self.label}="{value}"}} {count}' for value, count in sorted(self.values.items())]
+            return [f"{name}{label_text(labels)} {self.values['']}"]
+        return [f"{name}{label_text({**labels, self.label: value})} {count}"
+                for value, count in sorted(self.values.items())]
 
 
 class Histogram(Metric):
     kind = "histogram"
 
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        super().__init__(name, help)
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...], vllm: bool = False):
+        super().__init__(name, help, vllm)
         self.buckets = buckets
         self.counts = [0] * (len(buckets) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
@@ -92,12 +112,12 @@ class Histogram(Metric):
         self.counts[next((i for i, upper in enumerate(self.buckets) if value <= upper), len(self.buckets))] += 1
         self.sum += value
 
-    def samples(self) -> list[str]:
+    def samples(self, name: str, labels: dict[str, str]) -> list[str]:
         lines, cumulative = [], 0
         for upper, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
             cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{upper}"}} {cumulative}')
-        return [*lines, f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
+            lines.append(f"{name}_bucket{label_text({**labels, 'le': upper})} {cumulative}")
+        return [*lines, f"{name}_sum{label_text(labels)} {self.sum}", f"{name}_count{label_text(labels)} {cumulative}"]
 
 
 @dataclass
@@ -105,6 +125,7 @@ class _RequestTimes:
     arrival_time: float
     last_token_time: float = 0.0
     num_tokens: int = 0
+    prefilled: bool = False  # its prompt tokens are counted (at its first output, as vLLM counts them)
 
 
 class ServerMetrics:
@@ -112,53 +133,65 @@ class ServerMetrics:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.running = Gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = Gauge("num_requests_waiting", "Requests waiting to be scheduled, queued ones included.")
+        self.running = Gauge("num_requests_running", "Requests in the running batch.", vllm=True)
+        self.waiting = Gauge("num_requests_waiting", "Requests waiting to be scheduled, queued ones included.",
+                             vllm=True)
         self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
-        self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
-        self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.")
+        self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", vllm=True)
+        self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.", vllm=True)
         self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
                                         "over all layers (K and V, with their scales).")
-        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.")
-        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
-        self.success = Counter("request_success_total", "Requests finished, by reason.", "finished_reason")
+        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.", vllm=True)
+        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.", vllm=True)
+        self.success = Counter("request_success_total", "Requests finished, by reason (abort: the client left or "
+                               "the request failed).", "finished_reason", vllm=True, label_values=FINISH_REASONS)
         # prefix caching, in tokens
-        self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
+        self.prefix_queries = Counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                                      vllm=True)
+        self.prefix_hits = Counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", vllm=True)
         self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.",
-                              LATENCY_BUCKETS)
+                              LATENCY_BUCKETS, vllm=True)
         self.itl = Histogram("inter_token_latency_seconds", "Time between two tokens of one request.",
-                             LATENCY_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS)
+                             LATENCY_BUCKETS, vllm=True)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS,
+                             vllm=True)
         self.tpot = Histogram("time_per_output_token_seconds", "Time between two tokens of one request "
-                              "(the older name of inter_token_latency_seconds).", LATENCY_BUCKETS)
+                              "(the older name of inter_token_latency_seconds).", LATENCY_BUCKETS, vllm=True)
         self.queue_time = Histogram("request_queue_time_seconds", "Time from arrival to the first step that ran "
-                                    "the request.", LATENCY_BUCKETS)
+                                    "the request.", LATENCY_BUCKETS, vllm=True)
         self.prefill_time = Histogram("request_prefill_time_seconds", "Time from the first step that ran the "
-                                      "request to its first token.", LATENCY_BUCKETS)
+                                      "request to its first token.", LATENCY_BUCKETS, vllm=True)
         self.decode_time = Histogram("request_decode_time_seconds", "Time from the first token to the last.",
-                                     LATENCY_BUCKETS)
+                                     LATENCY_BUCKETS, vllm=True)
         self.inference_time = Histogram("request_inference_time_seconds", "Time from the first step that ran the "
-                                        "request to its last token (prefill + decode).", LATENCY_BUCKETS)
+                                        "request to its last token (prefill + decode).", LATENCY_BUCKETS, vllm=True)
         self.request_tpot = Histogram("request_time_per_output_token_seconds", "Per request: decode time / "
-                                      "(generated tokens - 1).", LATENCY_BUCKETS)
+                                      "(generated tokens - 1).", LATENCY_BUCKETS, vllm=True)
         self.request_prompt_tokens = Histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
-                                               TOKEN_BUCKETS)
+                                               TOKEN_BUCKETS, vllm=True)
         self.request_generation_tokens = Histogram("request_generation_tokens", "Tokens generated by each finished "
-                                                   "request (all its n completions).", TOKEN_BUCKETS)
-        self.params_n = Histogram("request_params_n", "The n of each request (choices, or beams).", (1, 2, 5, 10, 20))
+                                                   "request (all its n completions).", TOKEN_BUCKETS, vllm=True)
+        self.request_max_generation_tokens = Histogram(
+            "request_max_num_generation_tokens", "Tokens generated by the longest of each finished request's n "
+            "completions.", TOKEN_BUCKETS, vllm=True)
+        self.params_n = Histogram("request_params_n", "The n of each request (choices, or beams).", (1, 2, 5, 10, 20),
+                                  vllm=True)
         self.params_max_tokens = Histogram("request_params_max_tokens", "The max_tokens of each request that set it.",
-                                           TOKEN_BUCKETS)
-        self.iteration_tokens = Histogram("iteration_tokens_total", "Tokens computed by each engine step.",
-                                          (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+                                           TOKEN_BUCKETS, vllm=True)
+        self.iteration_tokens = Histogram("iteration_tokens_total", "Tokens of each engine step as vLLM counts them: "
+                                          "the prompts of requests whose first output it made, plus the tokens it "
+                                          "generated.", (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                                         16384), vllm=True)
         self.preemptions = Counter("num_preemptions_total", "Requests preempted (their KV blocks freed, to be "
-                                   "recomputed) to make room for others.")
+                                   "recomputed) to make room for others.", vllm=True)
         self.batch = Histogram("num_running_per_step", "Requests in the batch of each engine step.", BATCH_BUCKETS)
         # speculative decoding (Phase 7b), shown only when on: the engine's running totals
         self.spec_decode_on = False
-        self.spec_draft = Counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.")
-        self.spec_accepted = Counter("spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.")
+        self.spec_draft = Counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.",
+                                  vllm=True)
+        self.spec_accepted = Counter("spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.",
+                                     vllm=True)
         self.spec_emitted = Counter("spec_decode_num_emitted_tokens_total",
                                     "Tokens the verifying requests got: the accepted drafts plus one of the target's.")
         self.spec_acceptance = Gauge("spec_decode_acceptance_rate", "Accepted / draft tokens, since the start.")
@@ -175,9 +208,11 @@ class ServerMetrics:
                 if params.max_tokens:
                     self.params_max_tokens.observe(params.max_tokens)
 
-    def record_removed(self, request_id: str) -> None:  # aborted: no latency to report
+    def record_removed(self, request_id: str) -> None:
+        """Aborted (the client left, or the request failed): no latency to report, but it finished."""
         with self.lock:
-            self._requests.pop(request_id, None)
+            if self._requests.pop(request_id, None) is not None:
+                self.success.inc(1, "abort")
 
     def record(self, now: float, stats: dict, outputs: list[RequestOutput], stepped: bool) -> None:
         with self.lock:
@@ -195,12 +230,10 @@ class ServerMetrics:
             self.preemptions.set_total(stats.get("num_preemptions", 0))
             if "spec_decode_num_draft_tokens" in stats:
                 self._record_spec_decode(stats)
+            step_tokens = sum(self._record_output(now, output) for output in outputs)
             if stepped:  # the batch that ran: still running, or finished by this step
                 self.batch.observe(self.running.value + sum(output.finished for output in outputs))
-                if "iteration_tokens" in stats:
-                    self.iteration_tokens.observe(stats["iteration_tokens"])
-            for output in outputs:
-                self._record_output(now, output)
+                self.iteration_tokens.observe(step_tokens)
 
     def _record_spec_decode(self, stats: dict) -> None:
         self.spec_decode_on = True
@@ -210,21 +243,30 @@ class ServerMetrics:
         self.spec_acceptance.value = stats["spec_decode_acceptance_rate"]
         self.spec_mean_length.value = stats.get("spec_decode_mean_accepted_length", 0.0)
 
-    def _record_output(self, now: float, output: RequestOutput) -> None:
+    def _record_output(self, now: float, output: RequestOutput) -> int:
+        """One request's output of a step; returns the tokens it adds to the step, as vLLM's IterationStats counts
+        them: the whole prompt at the request's first output (however many chunks prefilled it), plus the tokens
+        generated. So a step's tokens sum over a request's life to prompt + generated, and iteration_tokens_total's
+        sum equals prompt_tokens_total + generation_tokens_total."""
         times = self._requests.get(output.request_id)
         if times is None:
-            return
+            return 0
+        step_tokens = 0
+        if not times.prefilled:
+            times.prefilled = True
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            step_tokens += len(output.prompt_token_ids)
         num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         new_tokens = num_tokens - times.num_tokens
         if new_tokens > 0:
             if times.num_tokens == 0:
                 self.ttft.observe(now - times.arrival_time)
-                self.prompt_tokens.inc(len(output.prompt_token_ids))
             else:
                 for _ in range(new_tokens):
                     self.itl.observe((now - times.last_token_time) / new_tokens)
                     self.tpot.observe((now - times.last_token_time) / new_tokens)
             self.generation_tokens.inc(new_tokens)
+            step_tokens += new_tokens
             times.num_tokens, times.last_token_time = num_tokens, now
         if output.finished:
             self.e2e.observe(now - times.arrival_time)
@@ -232,11 +274,13 @@ class ServerMetrics:
                 self.success.inc(1, completion.finish_reason or "unknown")
             self._record_phases(now, times, output, num_tokens)
             del self._requests[output.request_id]
+        return step_tokens
 
     def _record_phases(self, now: float, times: _RequestTimes, output: RequestOutput, num_tokens: int) -> None:
         """A finished request's queue, prefill, decode and inference times, and its token counts."""
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(num_tokens)
+        self.request_max_generation_tokens.observe(max((len(c.token_ids) for c in output.outputs), default=0))
         metrics = output.metrics
         scheduled = None if metrics is None else metrics.first_scheduled_time
         if scheduled is None:
@@ -249,21 +293,25 @@ class ServerMetrics:
         if num_tokens > 1:
             self.request_tpot.observe(max(now - first_token, 0.0) / (num_tokens - 1))
 
-    def render(self, num_waiting: int | None = None) -> str:
-        """The text for a scrape."""
+    def render(self, num_waiting: int | None = None, model_name: str = "") -> str:
+        """The text for a scrape: every series as `tinyvllm:`, and vLLM's again as `vllm:` with vLLM's labels
+        (`engine`: the engine's index; one engine here, so "0")."""
         if num_waiting is not None:
             self.waiting.value = num_waiting
         metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage, self.cache_config,
                    self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success,
                    self.prefix_queries, self.prefix_hits, self.preemptions, self.ttft, self.itl, self.tpot, self.e2e,
                    self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.request_tpot,
-                   self.request_prompt_tokens, self.request_generation_tokens, self.params_n, self.params_max_tokens,
-                   self.iteration_tokens, self.batch]
+                   self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation_tokens,
+                   self.params_n, self.params_max_tokens, self.iteration_tokens, self.batch]
         if self.spec_decode_on:
             metrics += [self.spec_draft, self.spec_accepted, self.spec_emitted, self.spec_acceptance,
                         self.spec_mean_length]
+        vllm_labels = {"model_name": model_name, "engine": "0"}
         with self.lock:
-            return "\n".join(line for metric in metrics for line in metric.render()) + "\n"
+            lines = [line for metric in metrics for line in metric.render()]
+            lines += [line for metric in metrics if metric.vllm for line in metric.render(VLLM_PREFIX, vllm_labels)]
+        return "\n".join(lines) + "\n"
 
 
 class KeyMetrics:

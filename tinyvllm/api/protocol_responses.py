@@ -50,6 +50,11 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     stream: StrictBool = False
+    store: StrictBool = True  # keep the response (tinyvllm/api/response_store.py), as OpenAI and vLLM default
+    previous_response_id: StrictStr | None = None  # continue a stored response
+    background: StrictBool = False  # answer "queued" at once; GET /v1/responses/{id} for the rest
+    include: list[StrictStr] | None = None  # extra output: only "message.output_text.logprobs" is served
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # with the logprobs include: alternatives per token
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
     # vLLM's sampling extras, as on the chat route
@@ -64,6 +69,8 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list = Field(default_factory=list)
+    # include=["message.output_text.logprobs"]: per token {token, logprob, bytes, top_logprobs}, chat's shape
+    logprobs: list[dict] | None = None
 
 
 class OutputMessage(BaseModel):
@@ -124,7 +131,7 @@ class ResponsesResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[OutputMessage | FunctionCallItem | ReasoningItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
@@ -139,4 +146,7 @@ class ResponsesResponse(BaseModel):
     tools: list[FunctionTool] = Field(default_factory=list)
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
-    store: bool = False  # what this server did: it keeps nothing
+    store: bool = True  # whether this server kept it
+    background: bool = False
+    previous_response_id: str | None = None
+    top_logprobs: int | None = None

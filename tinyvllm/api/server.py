@@ -29,6 +29,7 @@ from tinyvllm.api.protocol import (ChatCompletionRequest, ChatCompletionResponse
 from tinyvllm.api.protocol_responses import ResponsesRequest, ResponsesResponse
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.serving_completions import OpenAIServingCompletion
+from tinyvllm.api.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from tinyvllm.api.serving_embeddings import EmbeddingRequest, EmbeddingResponse, OpenAIServingEmbedding
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.api.serving_responses import OpenAIServingResponses
@@ -43,7 +44,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               api_key: str | None = None, api_keys: ApiKeys | None = None, audit_log: str | Path | None = None,
               limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
               reasoning_parser: str | None = None, cors: CorsConfig | None = None,
-              tool_call_parser: str = "hermes", pooler: PoolingParams | None = None) -> FastAPI:
+              tool_call_parser: str = "hermes", pooler: PoolingParams | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
     `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
@@ -60,7 +62,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser,
                              tool_call_parser=tool_call_parser)
     tokenization = OpenAIServingTokenization(chat)
-    responses_api = OpenAIServingResponses(chat)
+    responses_api = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     embeddings = OpenAIServingEmbedding(keyed_engine, served_model_names, limits, pooler=pooler)
 
     @asynccontextmanager
@@ -121,7 +123,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses=responses({"text/plain": {"type": "string"}}, *guarded))
     async def prometheus_metrics() -> PlainTextResponse:
-        text = metrics.render(engine.num_waiting()) + (key_metrics.render() if key_metrics is not None else "")
+        model_name = chat.model_names()[0] if engine.is_ready else ""  # vLLM's label: the first served name
+        text = metrics.render(engine.num_waiting(), model_name)
+        text += key_metrics.render() if key_metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @v1.get("/models", responses=responses(ModelList, *guarded, 429, 503))
@@ -176,6 +180,20 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         except Exception as e:
             return to_openai_error(e).response()
 
+    @v1.get("/responses/{response_id}", responses=responses(ResponsesResponse, 400, *guarded, 404))
+    async def retrieve_response(response_id: str):
+        try:
+            return responses_api.retrieve(response_id)
+        except Exception as e:
+            return to_openai_error(e).response()
+
+    @v1.post("/responses/{response_id}/cancel", responses=responses(ResponsesResponse, 400, *guarded, 404))
+    async def cancel_response(response_id: str):
+        try:
+            return await responses_api.cancel(response_id)
+        except Exception as e:
+            return to_openai_error(e).response()
+
     app.include_router(v1)
     add_dashboard_routes(app, engine, metrics, guarded)
     return app
@@ -192,6 +210,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         engine_config = EngineArgs.from_cli_args(args).create_engine_config()
     except ValueError as e:
         parser.error(str(e))
+    if args.max_stored_responses < 0:
+        parser.error(f"--max-stored-responses must be >= 0 (0: keep none), got {args.max_stored_responses}")
     try:
         pooler = PoolingParams.from_json(args.pooler_config)
     except (TypeError, ValueError) as e:
@@ -213,7 +233,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                     tuple(args.allowed_headers), args.allow_credentials),
-                    pooler=pooler)
+                    pooler=pooler, max_stored_responses=args.max_stored_responses)
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           header_read_timeout=args.header_read_timeout)
 

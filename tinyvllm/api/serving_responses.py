@@ -1,13 +1,20 @@
 """`POST /v1/responses`: OpenAI's Responses API, translated into a chat request for `OpenAIServingChat` and back
-into output items and events.
+into output items and events; `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` read and stop the
+responses it keeps (tinyvllm/api/response_store.py).
+
+One generator (`event_items`) serves the three ways an answer leaves: sent as events (stream=true), joined into
+one response (the chat route's own non-streaming path), or read here while the client polls (background=true).
 
 The translation is drawn in docs/phases/09-appendix-endpoints.md, section 5.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,41 +28,111 @@ from tinyvllm.api.protocol import ChatCompletionRequest
 from tinyvllm.api.protocol_responses import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage,
                                              OutputText, ReasoningItem, ReasoningText, ResponseError,
                                              ResponsesRequest, ResponsesResponse, ResponseUsage)
+from tinyvllm.api.response_store import DEFAULT_MAX_STORED_RESPONSES, RUNNING, ResponseStore, StoredResponse
 from tinyvllm.api.serving_chat import OpenAIServingChat
+
+logger = logging.getLogger("tinyvllm.api")
 
 # the chat route's names for the fields a 400 may name, and theirs here
 PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                "response_format": "text"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # the one `include` served: the output text's token logprobs
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "priority",
             "parallel_tool_calls", "user")
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat):
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None):
         self.chat = chat
+        self.store = store if store is not None else ResponseStore(DEFAULT_MAX_STORED_RESPONSES)
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response | dict:
-        try:
-            answer = await self.chat.create_chat_completion(self.chat_request(request), raw_request)
+        self.check_background(request)
+        if request.include and any(value != LOGPROBS for value in request.include):
+            raise bad_request(f"include must hold only {LOGPROBS!r} (the other includes are outputs of tools "
+                              f"this server does not run), got {request.include}", "include")
+        history = []
+        if request.previous_response_id is not None:
+            history = continuation(self.store.get(request.previous_response_id, "previous_response_id"))
+        messages = self.messages(request, history)
+        # vLLM: store=true is silently not done where the server keeps nothing
+        head = self.head(request, f"resp_{uuid.uuid4().hex}", int(time.time()), self.chat.check_model(request.model),
+                         store=request.store and self.store.enabled)
+        chat_request = self.chat_request(request, messages, stream=request.stream or request.background)
+        try:  # the checks and the engine's add_request happen here: a 400 or 429 is sent now, never "queued"
+            answer = await self.chat.create_chat_completion(chat_request, raw_request)
         except Exception as e:  # the chat route's 400 names its own field: say ours
             raise renamed(to_openai_error(e)) from e
-        created = int(time.time())
+        if request.background:
+            queued = ResponsesResponse(**head, status="queued")
+            task = asyncio.create_task(self.run_in_background(answer.body_iterator, request, head, messages))
+            self.store.put(queued, messages, task)
+            return queued.model_dump()
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(self.events(answer.body_iterator, request, created),
+            return StreamingResponse(self.events(answer.body_iterator, request, head, messages),
                                      media_type="text/event-stream")
         if isinstance(answer, Response):  # the client left
             return answer
-        return self.from_chat(answer, request, created).model_dump()
+        response = self.from_chat(answer, request, head)
+        if response.store:
+            self.store.save(response, messages)
+        return response.model_dump()
+
+    def check_background(self, request: ResponsesRequest) -> None:
+        if not request.background:
+            return
+        if not request.store:  # vLLM's check, and its words
+            raise bad_request("background can only be used when `store` is true", "background")
+        if not self.store.enabled:
+            raise bad_request("This server stores no responses (--max-stored-responses 0) and therefore does not "
+                              "support the background mode; start it with --max-stored-responses N", "background")
+        if request.stream:
+            raise bad_request("background cannot be streamed here: send stream=false and read the response with "
+                              "GET /v1/responses/{id}", "stream")
+
+    def retrieve(self, response_id: str) -> dict:
+        """`GET /v1/responses/{id}`: a stored response as it stands (a background one: queued, in progress or
+        done)."""
+        return self.store.get(response_id).response.model_dump()
+
+    async def cancel(self, response_id: str) -> dict:
+        """`POST /v1/responses/{id}/cancel`: a background response stops; its engine request is aborted (closing
+        the chat stream aborts it), so its KV blocks go back to the pool."""
+        entry = self.store.get(response_id)
+        status = entry.response.status
+        if status not in RUNNING:
+            raise bad_request(f"Cannot cancel response '{response_id}': its status is {status!r}; only a "
+                              "background response that is queued or in_progress can be cancelled")
+        entry.response.status = "cancelled"
+        if entry.task is not None:
+            entry.task.cancel()
+            await asyncio.gather(entry.task, return_exceptions=True)
+        return entry.response.model_dump()
+
+    async def run_in_background(self, chunks: AsyncIterator[str], request: ResponsesRequest, head: dict,
+                                messages: list[dict]) -> None:
+        """A background response: the streamed path, its events read here instead of sent; the first says the
+        engine is running it, the last (saved by `event_items`) is the final response."""
+        try:
+            async for kind, _ in self.event_items(chunks, request, head, messages):
+                if kind == "response.in_progress":
+                    self.store.set_status(head["id"], "in_progress")
+        except Exception as e:  # nobody is there to be told: the poller reads "failed", never "in_progress" for ever
+            logger.exception("background response %s failed", head["id"])
+            self.store.save(ResponsesResponse(**head, status="failed", error=ResponseError(
+                code="internal_error", message=f"the response failed: {type(e).__name__}")), messages)
 
     # ---- request: items -> messages ----
 
-    def chat_request(self, request: ResponsesRequest) -> ChatCompletionRequest:
+    def chat_request(self, request: ResponsesRequest, messages: list[dict], stream: bool) -> ChatCompletionRequest:
         fields = {name: getattr(request, name) for name in SAMPLING if getattr(request, name) is not None}
-        fields.update(model=request.model, messages=self.messages(request), stream=request.stream,
+        fields.update(model=request.model, messages=messages, stream=stream,
                       max_completion_tokens=request.max_output_tokens)
-        if request.stream:
+        if stream:
             fields["stream_options"] = {"include_usage": True}
+        if request.include and LOGPROBS in request.include:
+            fields.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
         if request.tools:
             fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                                for tool in request.tools]
@@ -77,9 +154,11 @@ class OpenAIServingResponses:
             raise bad_request(f"input: {e.errors()[0]['msg']}", "input") from e
 
     @staticmethod
-    def messages(request: ResponsesRequest) -> list[dict]:
-        """The conversation as chat messages: instructions first, then each input item."""
+    def messages(request: ResponsesRequest, history: list[dict] | None = None) -> list[dict]:
+        """The conversation as chat messages, in vLLM's order: instructions first, then the history of the
+        response it continues (`continuation`), then each input item."""
         messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        messages += history or []
         if isinstance(request.input, str):
             return [*messages, {"role": "user", "content": request.input}]
         for i, item in enumerate(request.input):
@@ -104,40 +183,44 @@ class OpenAIServingResponses:
     # ---- response: message -> output items ----
 
     @staticmethod
-    def head(request: ResponsesRequest, created: int, chat_id: str, model: str) -> dict:
+    def head(request: ResponsesRequest, response_id: str, created: int, model: str, store: bool) -> dict:
         """The fields every response object of this request has, whatever its status."""
-        return {"id": "resp_" + chat_id.removeprefix("chatcmpl-"), "created_at": created, "model": model,
+        return {"id": response_id, "created_at": created, "model": model, "store": store,
+                "background": request.background, "previous_response_id": request.previous_response_id,
+                "top_logprobs": request.top_logprobs,
                 "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
                 "parallel_tool_calls": request.parallel_tool_calls is not False, "temperature": request.temperature,
                 "top_p": request.top_p, "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
                 "text": request.text, "metadata": request.metadata}
 
-    def from_chat(self, answer: dict, request: ResponsesRequest, created: int) -> ResponsesResponse:
+    def from_chat(self, answer: dict, request: ResponsesRequest, head: dict) -> ResponsesResponse:
         choice = answer["choices"][0]
         message, finish_reason = choice["message"], choice["finish_reason"]
         output = []
         if message.get("reasoning_content"):
             output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=message["reasoning_content"])]))
         if message.get("content") or not message.get("tool_calls"):
-            output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=message.get("content") or "")],
+            text = OutputText(text=message.get("content") or "", logprobs=token_logprobs(choice))
+            output.append(OutputMessage(id=item_id("msg"), content=[text],
                                         status="incomplete" if finish_reason == "length" else "completed"))
         for call in message.get("tool_calls") or []:
             output.append(FunctionCallItem(id=item_id("fc"), call_id=call["id"], name=call["function"]["name"],
                                            arguments=call["function"]["arguments"]))
-        return ResponsesResponse(**self.head(request, created, answer["id"], answer["model"]), output=output,
-                                 **outcome(finish_reason), usage=response_usage(answer["usage"]))
+        return ResponsesResponse(**head, output=output, **outcome(finish_reason), usage=response_usage(answer["usage"]))
 
-    async def events(self, chunks: AsyncIterator[str], request: ResponsesRequest,
-                     created: int) -> AsyncIterator[str]:
-        """The chat route's stream, chunk by chunk, as the Responses API's events."""
+    async def events(self, chunks: AsyncIterator[str], request: ResponsesRequest, head: dict,
+                     messages: list[dict]) -> AsyncIterator[str]:
+        """The chat route's stream as the Responses API's server-sent events, numbered."""
         numbers = itertools.count()
-        stream = ItemStream()
-
-        def event(kind: str, **fields) -> str:
+        async for kind, fields in self.event_items(chunks, request, head, messages):
             body = {"type": kind, "sequence_number": next(numbers), **fields}
-            return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+            yield f"event: {kind}\ndata: {json.dumps(body)}\n\n"
 
-        head = None
+    async def event_items(self, chunks: AsyncIterator[str], request: ResponsesRequest, head: dict,
+                          messages: list[dict]) -> AsyncIterator[tuple[str, dict]]:
+        """The chat route's stream, chunk by chunk, as the Responses API's events (kind, fields); the final
+        response is stored (where `head` says so) before its event goes out."""
+        stream, started = ItemStream(logprobs=bool(request.include and LOGPROBS in request.include)), False
         try:
             async for raw in chunks:
                 payload = raw.removeprefix("data: ").strip()
@@ -146,29 +229,33 @@ class OpenAIServingResponses:
                 chunk = json.loads(payload)
                 if "error" in chunk:  # after the 200: the chat route's error event
                     error = chunk["error"]
-                    yield event("error", code=error.get("code") or error["type"], message=error["message"],
-                                param=error.get("param"))
-                    if head is not None:
-                        failed = ResponsesResponse(**head, status="failed", output=stream.output, error=ResponseError(
-                            code=error.get("code") or error["type"], message=error["message"]))
-                        yield event("response.failed", response=failed.model_dump())
+                    code = error.get("code") or error["type"]
+                    failed = ResponsesResponse(**head, status="failed", output=stream.output,
+                                               error=ResponseError(code=code, message=error["message"]))
+                    if failed.store:  # before any event: a client that leaves at one must not lose it
+                        self.store.save(failed, messages)
+                    yield "error", {"code": code, "message": error["message"], "param": error.get("param")}
+                    if started:
+                        yield "response.failed", {"response": failed.model_dump()}
                     return
-                if head is None:
-                    head = self.head(request, created, chunk["id"], chunk["model"])
-                    started = ResponsesResponse(**head, status="in_progress").model_dump()
-                    yield event("response.created", response=started)
-                    yield event("response.in_progress", response=started)
+                if not started:
+                    started = True
+                    in_progress = ResponsesResponse(**head, status="in_progress").model_dump()
+                    yield "response.created", {"response": in_progress}
+                    yield "response.in_progress", {"response": in_progress}
                 if chunk.get("usage"):
                     stream.usage = chunk["usage"]
                 for choice in chunk["choices"]:
-                    for kind, fields in stream.feed(choice):
-                        yield event(kind, **fields)
-            for kind, fields in stream.close():
-                yield event(kind, **fields)
-            if head is not None:
-                final = ResponsesResponse(**head, output=stream.output, **outcome(stream.finish_reason),
-                                          usage=None if stream.usage is None else response_usage(stream.usage))
-                yield event(f"response.{final.status}", response=final.model_dump())
+                    for item in stream.feed(choice):
+                        yield item
+            for item in stream.close():
+                yield item
+            final = ResponsesResponse(**head, output=stream.output, **outcome(stream.finish_reason),
+                                      usage=None if stream.usage is None else response_usage(stream.usage))
+            if final.store:
+                self.store.save(final, messages)
+            if started:
+                yield f"response.{final.status}", {"response": final.model_dump()}
         finally:  # closing the chat stream aborts its request
             await chunks.aclose()
 
@@ -177,14 +264,17 @@ class ItemStream:
     """The output items a streamed chat message becomes: at most one item is open; a delta of another kind closes
     it and opens the next."""
 
-    def __init__(self):
+    def __init__(self, logprobs: bool = False):
         self.output: list = []
         self.open: ReasoningItem | OutputMessage | FunctionCallItem | None = None
         self.usage: dict | None = None
         self.finish_reason: str | None = None
+        self.logprobs = logprobs  # include=["message.output_text.logprobs"]: the text's tokens carry theirs
+        self.pending_logprobs: list[dict] = []  # tokens whose text has not come out yet
 
     def feed(self, choice: dict) -> list[tuple[str, dict]]:
         events, delta = [], choice["delta"]
+        self.pending_logprobs += token_logprobs(choice) or []
         if delta.get("reasoning_content"):
             events += self.text_delta(ReasoningItem, delta["reasoning_content"])
         if delta.get("content"):
@@ -212,7 +302,7 @@ class ItemStream:
         self.output.append(item)
         events = [("response.output_item.added", {"output_index": len(self.output) - 1, "item": item.model_dump()})]
         if isinstance(item, OutputMessage):
-            item.content.append(OutputText(text=""))
+            item.content.append(OutputText(text="", logprobs=[] if self.logprobs else None))
             events.append(("response.content_part.added", {**self.where(), "content_index": 0,
                                                            "part": item.content[0].model_dump()}))
         elif isinstance(item, ReasoningItem):
@@ -224,9 +314,15 @@ class ItemStream:
         if not isinstance(self.open, kind):
             events += self.close()
             events += self.start(kind(id=item_id("msg" if kind is OutputMessage else "rs")))
-        self.open.content[0].text += text
-        name = "response.output_text.delta" if kind is OutputMessage else "response.reasoning_text.delta"
-        return events + [(name, {**self.where(), "content_index": 0, "delta": text})]
+        part = self.open.content[0]
+        part.text += text
+        if kind is ReasoningItem:
+            return events + [("response.reasoning_text.delta", {**self.where(), "content_index": 0, "delta": text})]
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
+        if part.logprobs is not None:
+            part.logprobs += logprobs
+        return events + [("response.output_text.delta", {**self.where(), "content_index": 0, "delta": text,
+                                                         "logprobs": logprobs if self.logprobs else []})]
 
     def close(self) -> list[tuple[str, dict]]:
         """The open item's .done events (none open: nothing)."""
@@ -249,6 +345,28 @@ class ItemStream:
                                                      "item": item.model_dump()}))
         self.open = None
         return events
+
+
+def token_logprobs(choice: dict) -> list[dict] | None:
+    """A chat choice's per-token logprobs ({token, logprob, bytes, top_logprobs}: the Responses API's shape too)."""
+    return (choice.get("logprobs") or {}).get("content")
+
+
+def continuation(entry: StoredResponse) -> list[dict]:
+    """What continuing a stored response prepends (vLLM's construct_input_messages): the messages it was generated
+    from, then its output as an assistant message. Reasoning is left out, as vLLM does; function calls are kept
+    (vLLM drops them), so a function_call_output in the new input follows its call. A copy: the next request may
+    extend these messages, and the stored ones must stay as they are for other continuations."""
+    messages = copy.deepcopy(entry.messages)
+    text = "".join(part.text for item in entry.response.output if isinstance(item, OutputMessage)
+                   for part in item.content)
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+             for item in entry.response.output if isinstance(item, FunctionCallItem)]
+    if calls:
+        messages.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+    elif text:
+        messages.append({"role": "assistant", "content": text})
+    return messages
 
 
 def item_id(prefix: str) -> str:

@@ -1,0 +1,87 @@
+"""The Responses API's memory: responses kept (`store`, on by default as in OpenAI's API), so that a later request
+can continue one (`previous_response_id`), read it (`GET /v1/responses/{id}`) or cancel it while it runs in the
+background (`POST /v1/responses/{id}/cancel`).
+
+What a response needs to be continued is more than its output: vLLM keeps, beside each response, the chat
+messages it was generated from (its instructions, the history it continued, its input), and a continuation is
+those messages + the response's output as assistant messages + the new input. So a conversation of any length is
+one entry per turn, each holding the whole history up to it; continuing one entry twice gives two independent
+branches, since nothing stored is ever changed.
+
+vLLM keeps both in dicts that only grow, and so stores nothing unless VLLM_ENABLE_RESPONSES_API_STORE is set. Here
+the store is bounded instead: at most `max_entries` responses (`--max-stored-responses`), and when it is full the
+oldest finished one is forgotten (first in, first out); a later reference to it gets vLLM's 404, "Response with id
+... not found". Responses still queued or running in the background are never evicted (their client is waiting
+to poll them), so the store can hold more than `max_entries` only while that many background requests run, which
+the engine's --max-waiting bounds. `max_entries = 0` stores nothing, as vLLM by default.
+
+    entries (oldest first):  resp_a (completed) -> resp_b (in_progress, background) -> resp_c (completed)
+    full, put(resp_d):       forget resp_a (the oldest finished), keep resp_b (still running)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tinyvllm.api.errors import OpenAIError, bad_request
+from tinyvllm.api.protocol_responses import ResponsesResponse
+
+RUNNING = ("queued", "in_progress")
+DEFAULT_MAX_STORED_RESPONSES = 1000  # --max-stored-responses
+
+
+@dataclass
+class StoredResponse:
+    response: ResponsesResponse
+    messages: list[dict]  # the chat messages the response was generated from (vLLM's msg_store entry)
+    task: asyncio.Task | None = None  # a background request's generation, until it ends
+
+
+class ResponseStore:
+    def __init__(self, max_entries: int):
+        if max_entries < 0:
+            raise ValueError(f"max_stored_responses must be >= 0 (0: store nothing), got {max_entries}")
+        self.max_entries = max_entries
+        self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0
+
+    def put(self, response: ResponsesResponse, messages: list[dict], task: asyncio.Task | None = None) -> None:
+        self.entries[response.id] = StoredResponse(response, messages, task)
+        self.entries.move_to_end(response.id)
+        while len(self.entries) > self.max_entries:
+            oldest = next((rid for rid, entry in self.entries.items() if entry.response.status not in RUNNING), None)
+            if oldest is None:  # all running: they stay until they finish
+                break
+            del self.entries[oldest]
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        """The stored response, or vLLM's errors: 400 for an id that is not a response's, 404 for one not kept."""
+        if not response_id.startswith("resp_"):
+            raise bad_request(f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.",
+                              param)
+        entry = self.entries.get(response_id)
+        if entry is None:
+            raise OpenAIError(404, f"Response with id '{response_id}' not found. This server keeps the last "
+                              f"{self.max_entries} stored responses (--max-stored-responses), and only those "
+                              "created with store=true.", "invalid_request_error", param)
+        return entry
+
+    def save(self, response: ResponsesResponse, messages: list[dict]) -> None:
+        """A response's final form: a new entry, or a background one's end, unless it was cancelled meanwhile
+        (its status then stays "cancelled") or forgotten."""
+        entry = self.entries.get(response.id)
+        if entry is None:
+            self.put(response, messages)
+        elif entry.response.status != "cancelled":
+            entry.response, entry.task = response, None
+
+    def set_status(self, response_id: str, status: str) -> None:
+        """A background response that moved on (queued -> in_progress), unless it was cancelled."""
+        entry = self.entries.get(response_id)
+        if entry is not None and entry.response.status in RUNNING:
+            entry.response.status = status
