@@ -32,7 +32,7 @@ def test_models_retrieve(server):
     assert model.id == MODEL and model.object == "model" and model.max_model_len == 256
     with pytest.raises(openai.NotFoundError) as e:
         client(server).models.retrieve("gpt-4")
-    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
+    assert e.value.body["type"] == "NotFoundError" and MODEL in e.value.body["message"]
 
 
 def test_version_and_ping(server):

@@ -60,6 +60,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
                    help="the format the model writes tool calls in: hermes (<tool_call> JSON </tool_call>: Qwen, "
                         "Hermes, SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+; default hermes)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="answers' usage says how many prompt tokens the prefix cache served "
+                        "(usage.prompt_tokens_details.cached_tokens; default off, as vLLM's)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, as if each client asked for "
+                        "stream_options.include_usage (default off)")
     p.add_argument("--pooler-config", default=None, metavar="JSON",
                    help='how /v1/embeddings pools the final hidden states, vLLM\'s pooler config as JSON: '
                         '\'{"pooling_type": "MEAN"}\' (LAST or MEAN; default LAST) and "normalize" (default true)')

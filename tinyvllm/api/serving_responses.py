@@ -149,11 +149,11 @@ class OpenAIServingResponses:
                 chunk = json.loads(payload)
                 if "error" in chunk:  # after the 200: the chat route's error event
                     error = chunk["error"]
-                    yield event("error", code=error.get("code") or error["type"], message=error["message"],
+                    yield event("error", code=error["type"], message=error["message"],
                                 param=error.get("param"))
                     if head is not None:
                         failed = ResponsesResponse(**head, status="failed", output=stream.output, error=ResponseError(
-                            code=error.get("code") or error["type"], message=error["message"]))
+                            code=error["type"], message=error["message"]))
                         yield event("response.failed", response=failed.model_dump())
                     return
                 if head is None:
