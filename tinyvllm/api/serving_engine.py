@@ -169,17 +169,17 @@ class OpenAIServing:
                 result.append(None)
                 continue
             logprob, top = entry
-            position = {token_id: self.prompt_logprob(token_id, logprob, top)}
-            for other_id, other_logprob in top:
-                position.setdefault(other_id, self.prompt_logprob(other_id, other_logprob, top))
-            result.append(position)
+            known = dict([(token_id, logprob), *top])  # every token whose logprob the engine returned here
+            result.append({token: self.prompt_logprob(token, known, dict(top)) for token in known})
         return result
 
-    def prompt_logprob(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> PromptLogprob:
-        """One entry; the rank counts the tokens more likely (vLLM's rule), known when this one is within the top
-        alternatives the engine computed."""
-        known = any(other_logprob <= logprob for _, other_logprob in top)
-        rank = 1 + sum(other_logprob > logprob for _, other_logprob in top) if known else None
+    def prompt_logprob(self, token_id: int, known: dict[int, float], top: dict[int, float]) -> PromptLogprob:
+        """One entry; its rank counts the tokens more likely (vLLM's rule). Those are all known for a top
+        alternative, and for the prompt's token unless it falls below every top alternative (rank None then)."""
+        logprob = known[token_id]
+        rank = None
+        if token_id in top or any(other <= logprob for other in top.values()):
+            rank = 1 + sum(other > logprob for other in known.values())
         # -9999 for -inf, as vLLM's clamp_prompt_logprobs: JSON has no infinity
         return PromptLogprob(logprob=max(logprob, -9999.0), rank=rank, decoded_token=self.token_text(token_id))
 
