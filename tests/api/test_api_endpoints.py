@@ -293,8 +293,8 @@ def test_return_tokens_as_token_ids_in_logprobs(server):
 def test_prompt_logprobs_in_vllms_shape_and_refused_past_the_limit(server, tokenizer):
     # the fake engine's prompt logprobs: None for the first token, -0.75 for the others (tests/fake_engine.py)
     ids = tokenizer.encode("The capital of France is")
-    choice = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()["choices"][0]
-    got = choice["prompt_logprobs"]
+    got = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()[
+        "choices"][0]["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids)
     for position in range(1, len(ids)):
         first = next(iter(got[position]))  # the prompt's own token comes first, then the alternatives

@@ -106,8 +106,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def beam_search_params(self, request: CompletionRequest, max_tokens: int) -> BeamSearchParams:
         """n beams of up to max_tokens tokens (vLLM's `to_beam_search_params`); what beams cannot do is a 400."""
-        for field in ("logprobs", "prompt_logprobs", "stop", "stop_token_ids", "logit_bias", "seed", "top_p", "top_k", "min_p",
-                      "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        for field in ("logprobs", "prompt_logprobs", "stop", "stop_token_ids", "logit_bias", "seed", "top_p", "top_k",
+                      "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
             if getattr(request, field) is not None:
                 raise bad_request(f"{field} does not apply to beam search (use_beam_search=true)", field)
         if self.structured_outputs(request) is not None:
