@@ -18,10 +18,12 @@ from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 @contextmanager
 def serve(engine_factory: Callable[[], object], *, max_waiting: int | None = None, api_key: str | None = None,
-          served_model_names: list[str] | None = None, wait_until_ready: bool = True) -> Iterator[BackgroundServer]:
-    """A real uvicorn server on a free port of 127.0.0.1, stopped on leaving the block."""
+          served_model_names: list[str] | None = None, wait_until_ready: bool = True,
+          **app_options) -> Iterator[BackgroundServer]:
+    """A real uvicorn server on a free port of 127.0.0.1, stopped on leaving the block; `app_options`: more of
+    `build_app`'s arguments (the server's flags)."""
     engine = AsyncLLMEngine(engine_factory, max_waiting=max_waiting)
-    app = build_app(engine, served_model_names=served_model_names, api_key=api_key)
+    app = build_app(engine, served_model_names=served_model_names, api_key=api_key, **app_options)
     server = BackgroundServer(app, wait_until_ready=wait_until_ready, timeout=600)
     server.async_engine = engine  # for the tests that look inside
     with server:

@@ -130,6 +130,37 @@ def test_echo_with_logprobs_gives_the_prompt_logprobs(server, engine, hf):
     assert got.text_offset[len(ids)] == sum(len(t) for t in got.tokens[:len(ids)])  # the output starts after it
 
 
+def test_prompt_logprobs_field_has_vllms_shape_and_hfs_values(server, engine, hf):
+    """`prompt_logprobs` (vLLM's field): per prompt token {id: {logprob, rank, decoded_token}}, the prompt's token and
+    the top alternatives, the same on a repeated prompt (whose blocks the prefix cache holds)."""
+    import httpx
+
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    _, logprobs = hf(ids)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1, "prompt_logprobs": 3, "temperature": 0}
+    first, again = (httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json() for _ in range(2))
+    got = first["choices"][0]["prompt_logprobs"]
+    assert again["choices"][0]["prompt_logprobs"] == got and again["usage"]["prompt_tokens"] == len(ids)
+    assert got[0] is None and len(got) == len(ids) and first["choices"][0]["logprobs"] is None
+    for position in range(1, len(ids)):
+        row = logprobs[position - 1]  # what the positions before predict here
+        entries = {int(token): entry for token, entry in got[position].items()}
+        top = [int(t) for t in np.argsort(-row, kind="stable")[:3]]
+        assert list(entries)[0] == ids[position] and set(entries) == {ids[position], *top}
+        for token, entry in entries.items():
+            assert entry["logprob"] == pytest.approx(row[token], abs=1e-4)
+            raw = engine.tokenizer.token_bytes(token)  # a token that is part of a character shows its bytes
+            text = raw.decode("utf-8") if raw.isascii() else entry["decoded_token"]
+            assert entry["decoded_token"] == text
+            rank = 1 + int(np.sum(row > row[token] + 1e-6))
+            assert entry["rank"] == (rank if rank <= 3 else None)
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 1, "prompt_logprobs": 0,
+        "return_token_ids": True}).json()
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # 0 alternatives: the prompt's token only
+
+
 def test_responses_structured_output_follows_the_schema(server):
     # random weights know nothing of JSON: only the grammar from text.format makes the output parse
     schema = {"type": "object", "additionalProperties": False, "required": ["answer"],

@@ -32,7 +32,7 @@ def test_models_retrieve(server):
     assert model.id == MODEL and model.object == "model" and model.max_model_len == 256
     with pytest.raises(openai.NotFoundError) as e:
         client(server).models.retrieve("gpt-4")
-    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
+    assert e.value.body["type"] == "NotFoundError" and MODEL in e.value.body["message"]
 
 
 def test_version_and_ping(server):
@@ -228,3 +228,151 @@ def test_chat_continues_the_final_message(server, tokenizer):
         client(server).chat.completions.create(model=MODEL, messages=messages,
                                                extra_body={"chat_template_kwargs": {"messages": []}})
     assert e.value.body["param"] == "chat_template_kwargs"
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+def streamed(server, path: str, body: dict) -> list[dict]:
+    """The stream's chunks, parsed ([DONE] left out)."""
+    import json
+
+    with httpx.stream("POST", f"{server.url}{path}", json={"model": MODEL, **body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+CHAT_HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_return_token_ids_streamed_and_not(server, tokenizer):
+    """vLLM's `return_token_ids`: each choice's generated ids (a stream's pieces add up to them), the prompt's ids
+    on the choice (completions) or the response (chat), in a stream's first chunk."""
+    prompt_ids = tokenizer.encode("Hello there")
+    expected = offline(prompt_ids, max_tokens=3, temperature=0).outputs[0].token_ids
+    body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    assert (choice["token_ids"], choice["prompt_token_ids"]) == (expected, prompt_ids)
+    chunks = streamed(server, "/v1/completions", body)
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected
+    plain = post(server, "/v1/completions", {**body, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain  # OpenAI's shape unless asked
+
+    chat_body = {"messages": CHAT_HI, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    chat = post(server, "/v1/chat/completions", chat_body).json()
+    chat_prompt = tokenizer.encode(tokenizer.apply_chat_template(CHAT_HI, add_generation_prompt=True),
+                                   add_special_tokens=False)
+    assert chat["prompt_token_ids"] == chat_prompt
+    assert chat["choices"][0]["token_ids"] == offline(chat_prompt, max_tokens=3, temperature=0).outputs[0].token_ids
+    chunks = streamed(server, "/v1/chat/completions", chat_body)
+    assert chunks[0]["prompt_token_ids"] == chat_prompt and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == chat["choices"][0]["token_ids"]
+
+
+def test_return_tokens_as_token_ids_in_logprobs(server):
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "logprobs": 1, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    for choice in (post(server, "/v1/completions", body).json()["choices"][0],
+                   {"logprobs": {"tokens": [t for c in streamed(server, "/v1/completions", body)
+                                            for t in c["choices"][0]["logprobs"]["tokens"]]},
+                    "token_ids": post(server, "/v1/completions", body).json()["choices"][0]["token_ids"]}):
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT_HI, "max_tokens": 2, "temperature": 0,
+                                                 "logprobs": True, "top_logprobs": 1, "return_token_ids": True,
+                                                 "return_tokens_as_token_ids": True}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for entry in content for top in entry["top_logprobs"])
+
+
+def test_prompt_logprobs_in_vllms_shape_and_refused_past_the_limit(server, tokenizer):
+    # the fake engine's prompt logprobs: None for the first token, -0.75 for the others (tests/fake_engine.py)
+    ids = tokenizer.encode("The capital of France is")
+    got = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()[
+        "choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for position in range(1, len(ids)):
+        first = next(iter(got[position]))  # the prompt's own token comes first, then the alternatives
+        assert int(first) == ids[position] and got[position][first]["logprob"] == -0.75
+        assert got[position][first]["decoded_token"] == tokenizer.token_bytes(ids[position]).decode()
+        assert [entry["rank"] for entry in got[position].values()] == [1, 2, 3]  # -0.75 beats the top -1.0
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT_HI, "max_tokens": 1, "prompt_logprobs": 1}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    for path, base in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": CHAT_HI})):
+        for value, words in ((-1, "max allowed: 20"), (21, "max allowed: 20"), (-2, "positive value or -1")):
+            error = post(server, path, {**base, "prompt_logprobs": value}).json()["error"]
+            assert error["param"] == "prompt_logprobs" and words in error["message"], error
+        refused = post(server, path, {**base, "prompt_logprobs": 1, "stream": True})
+        assert refused.status_code == 400 and "not available when `stream=True`" in refused.json()["error"]["message"]
+
+
+def test_chat_echo_opens_the_answer_with_the_last_message(server, tokenizer):
+    """vLLM's chat `echo`: the last message's text comes first when its role is the answer's (an assistant
+    message under add_generation_prompt), streamed as a chunk of its own after the role's."""
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one two"}]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0}
+    plain = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "one two" + plain
+    assert echoed["prompt_logprobs"][0] is None  # echo asks for the prompt's logprobs, as in vLLM
+    chunks = streamed(server, "/v1/chat/completions", {**body, "echo": True})
+    assert chunks[1]["choices"][0]["delta"] == {"content": "one two"}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "one two" + plain
+    user_last = post(server, "/v1/chat/completions", {"messages": CHAT_HI, "max_tokens": 3, "temperature": 0,
+                                                      "echo": True}).json()
+    assert user_last["choices"][0]["message"]["content"] == post(
+        server, "/v1/chat/completions", {"messages": CHAT_HI, "max_tokens": 3, "temperature": 0}).json()[
+        "choices"][0]["message"]["content"]  # a user's message is not the assistant's to continue
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer):
+    ids = tokenizer.encode("one two three four five six seven eight")
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "truncate_prompt_tokens": 3, "return_token_ids": True,
+            "echo": True}
+    response = post(server, "/v1/completions", body).json()
+    assert response["usage"]["prompt_tokens"] == 3 and response["choices"][0]["prompt_token_ids"] == ids[-3:]
+    assert response["choices"][0]["text"] == tokenizer.decode(ids[-3:]) + offline(
+        ids[-3:], max_tokens=2, temperature=0).outputs[0].text
+    long_text = "word " * 400  # over the 256-token context: kept to its last 100 tokens instead of refused
+    kept = post(server, "/v1/completions", {"prompt": long_text, "max_tokens": 2, "truncate_prompt_tokens": 100})
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 100
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}],
+                                                 "max_tokens": 2, "truncate_prompt_tokens": 50}).json()
+    assert chat["usage"]["prompt_tokens"] == 50
+    for path, base in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": CHAT_HI})):
+        error = post(server, path, {**base, "truncate_prompt_tokens": 257}).json()["error"]
+        assert error["message"].startswith("truncate_prompt_tokens value is greater than max_model_len. Please, "
+                                           "select a smaller truncation size.")
+        assert error["param"] == "truncate_prompt_tokens"
+        for value in (0, -2):
+            assert post(server, path, {**base, "truncate_prompt_tokens": value}).status_code == 400
+
+
+def test_stream_usage_as_vllm_sends_it(server):
+    chat = {"messages": CHAT_HI, "max_tokens": 3, "temperature": 0}
+    for path, base in (("/v1/completions", {"prompt": "Hello", "max_tokens": 3}), ("/v1/chat/completions", chat)):
+        assert "usage" not in streamed(server, path, base)[-1]  # not asked for
+        for options in ({"include_usage": True}, {}):  # inside stream_options, include_usage defaults to true
+            last = streamed(server, path, {**base, "stream_options": options})[-1]
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+            assert last["usage"]["prompt_tokens_details"] is None  # only with --enable-prompt-tokens-details
+    chunks = streamed(server, "/v1/chat/completions", {**chat, "stream_options": {"continuous_usage_stats": True}})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["usage"]["completion_tokens"] == 0 and chunks[0]["usage"]["prompt_tokens"] > 0
+    assert all("usage" in c for c in chunks)
+    coerced = post(server, "/v1/chat/completions", {**chat, "logprobs": "true"}).json()  # vLLM's lax bool
+    assert len(coerced["choices"][0]["logprobs"]["content"]) == 3
+
+
+def test_usage_flags_force_include_usage_and_prompt_tokens_details():
+    with serve(lambda: FakeLLMEngine(), enable_force_include_usage=True, enable_prompt_tokens_details=True) as server:
+        for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": CHAT_HI, "max_tokens": 2})):
+            last = streamed(server, path, body)[-1]
+            assert last["choices"] == [] and last["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            assert post(server, path, body).json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -117,7 +117,7 @@ def test_8mb_token_id_prompt_is_413_before_it_is_parsed(server):
     response = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
                           headers={"content-type": "application/json"})
     error = assert_error(response, 413, None, str(ServerLimits().max_request_body_bytes), "--max-request-body-bytes")
-    assert error["code"] == "request_too_large"
+    assert error["code"] == 413
 
 
 def test_body_without_content_length_is_counted_while_read(server):
@@ -178,7 +178,7 @@ def test_prompt_over_the_context_is_refused_before_tokenizing(server, monkeypatc
     assert_error(chat, 400, "messages", "at least")
     ids = post(server, "/v1/completions", {"prompt": [1] * (limit + 1)})
     assert_error(ids, 400, "prompt", f"{limit + 1} tokens")
-    assert ids.json()["error"]["code"] == "context_length_exceeded"
+    assert ids.json()["error"]["code"] == 400
     assert calls == []  # none of the three was tokenized or decoded
 
 
@@ -203,7 +203,7 @@ LAX = [  # (path, extra fields, the param named)
     ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"ignore_eos": "true"}, "ignore_eos"),
     ("/v1/completions", {"prompt": ["1", 2]}, "prompt"),
-    ("/v1/chat/completions", {"logprobs": "true"}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": "maybe"}, "logprobs"),  # "true" is true, as vLLM's lax bool reads it
     ("/v1/chat/completions", {"max_completion_tokens": 1.5}, "max_completion_tokens"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     ("/v1/chat/completions", {"response_format": {"type": "bogus"}}, "response_format"),
@@ -261,7 +261,7 @@ def test_a_host_that_is_not_allowed_is_421(server):
     for host in ("attacker.example", f"attacker.example:{port}", "localhost.attacker.example"):
         response = httpx.get(f"{server.url}/v1/models", headers={"Host": host})
         error = assert_error(response, 421, None, "attacker.example", "--allowed-hosts")
-        assert error["code"] == "host_not_allowed"
+        assert error["code"] == 421 and error["type"] == "Misdirected Request"
     for host in (f"localhost:{port}", "LOCALHOST", f"127.0.0.1:{port}", f"[::1]:{port}", "10.1.2.3", "localhost."):
         assert httpx.get(f"{server.url}/v1/models", headers={"Host": host}).status_code == 200, host
     with serve(allowed_hosts=["api.example:8000"]) as named:

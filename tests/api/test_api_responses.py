@@ -223,7 +223,7 @@ def test_the_store_is_bounded_and_store_false_keeps_nothing():
         with pytest.raises(openai.NotFoundError) as e:
             client(server).responses.create(model=MODEL, input="Go on", previous_response_id=ids[0])
         assert f"Response with id '{ids[0]}' not found" in e.value.body["message"]
-        assert e.value.body["type"] == "invalid_request_error"
+        assert e.value.body["type"] == "NotFoundError"
         assert get(server, "chatcmpl-1").status_code == 400
     with serve_store(FakeLLMEngine(), max_stored_responses=0) as server:  # vLLM's default: keep nothing
         kept = client(server).responses.create(model=MODEL, input="Hi", max_output_tokens=2)

@@ -39,7 +39,8 @@ def check_person(text: str) -> None:
 @contextmanager
 def serve_app(engine_factory):
     engine = AsyncLLMEngine(engine_factory)
-    with BackgroundServer(build_app(engine, served_model_names=["model"]), timeout=600) as server:
+    app = build_app(engine, served_model_names=["model"], enable_prompt_tokens_details=True)  # cached_tokens
+    with BackgroundServer(app, timeout=600) as server:
         yield server
 
 

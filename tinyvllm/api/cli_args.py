@@ -66,6 +66,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "previous_response_id, GET /v1/responses/{id} and background=true; the oldest finished one "
                         "is forgotten first. 0: keep none, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE "
                         f"(default {DEFAULT_MAX_STORED_RESPONSES})")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="answers' usage says how many prompt tokens the prefix cache served "
+                        "(usage.prompt_tokens_details.cached_tokens; default off, as vLLM's)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, as if each client asked for "
+                        "stream_options.include_usage (default off)")
     p.add_argument("--pooler-config", default=None, metavar="JSON",
                    help='how /v1/embeddings pools the final hidden states, vLLM\'s pooler config as JSON: '
                         '\'{"pooling_type": "MEAN"}\' (LAST or MEAN; default LAST) and "normalize" (default true)')

@@ -134,6 +134,6 @@ def add_dashboard_routes(app: FastAPI, engine, metrics: ServerMetrics | None, gu
 
 def page_file(name: str):
     if name not in PAGE_FILES:  # only the page's own files: no path from the URL reaches the disk
-        return OpenAIError(404, f"the dashboard has no file {name!r}", "invalid_request_error").response()
+        return OpenAIError(404, f"the dashboard has no file {name!r}").response()
     return FileResponse(STATIC_DIR / name, media_type=PAGE_FILES[name], headers={"Cache-Control": "no-cache"})
 

@@ -1,6 +1,6 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, each with its HTTP status;
-`to_openai_error` is the one place that maps the engine's exceptions onto them. The table of statuses is in
-docs/phases/09-appendix-endpoints.md, section 3.
+"""Errors in vLLM's shape of OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: `code` is the HTTP
+status, `type` vLLM's name for it ("BadRequestError" for a 400); `to_openai_error` is the one place that maps the
+engine's exceptions onto them. The table of statuses is in docs/phases/09-appendix-endpoints.md, section 3.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,35 +23,44 @@ from tinyvllm.engine.async_llm_engine import (EngineDeadError, EngineNotReadyErr
 logger = logging.getLogger("tinyvllm.api")
 
 
+# vLLM's `create_error_response` names these statuses; any other takes its HTTP reason phrase ("Too Many Requests"),
+# as vLLM's handler for Starlette's HTTPException writes it
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 501: "NotImplementedError"}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status) or HTTPStatus(status).phrase
+
+
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+    """An error answer: its status, the message, the request field at fault; `type` where it is not vLLM's name
+    for the status (the rate limits' "requests" or "tokens", OpenAI's)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, *, type: str | None = None,
                  retry_after: int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.param = status, message, param
+        self.type = type or error_type(status)
         self.headers = dict(headers or {})
         if retry_after is not None:  # seconds
             self.headers["Retry-After"] = str(retry_after)
 
     def body(self) -> dict:
-        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, "invalid_request_error", param, code)
-
-
-def context_length_exceeded(message: str, param: str) -> OpenAIError:
-    return bad_request(message, param, "context_length_exceeded")
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param)
 
 
 def invalid_api_key() -> OpenAIError:
     # RFC 9110: a 401 names the scheme that would succeed
     return OpenAIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
-                       "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 # a JSON escape of a UTF-16 surrogate: the only way a parsed string can hold a lone one
@@ -92,30 +102,29 @@ def _lone_surrogate_path(value: object, path: tuple = ()) -> tuple | None:
 
 
 def request_timeout(seconds: float) -> OpenAIError:
-    return OpenAIError(408, f"The request body did not all arrive within {seconds:g} s (--body-read-timeout)",
-                       "invalid_request_error", code="request_timeout")
+    return OpenAIError(408, f"The request body did not all arrive within {seconds:g} s (--body-read-timeout)")
 
 
 def request_too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"The request body is larger than this server's limit of {limit} bytes "
-                       "(--max-request-body-bytes)", "invalid_request_error", code="request_too_large")
+                       "(--max-request-body-bytes)")
 
 
 def host_not_allowed(name: str) -> OpenAIError:
     # 421 Misdirected Request: the guard against DNS rebinding
     return OpenAIError(421, f"This server does not answer to the host name {name!r}: besides localhost and IP "
                        f"addresses it answers only to the names given with --allowed-hosts (e.g. --allowed-hosts "
-                       f"{name}, or '*' for any)", "invalid_request_error", code="host_not_allowed")
+                       f"{name}, or '*' for any)")
 
 
 def model_not_found(model: str, served: list[str]) -> OpenAIError:
     return OpenAIError(404, f"The model `{model}` does not exist. This server serves: {', '.join(served)}",
-                       "invalid_request_error", "model", "model_not_found")
+                       "model")
 
 
 def internal_error() -> OpenAIError:
     return OpenAIError(500, "The server had an error while processing the request; it was logged and the server "
-                       "keeps serving", "server_error", code="internal_error")
+                       "keeps serving")
 
 
 def to_openai_error(e: BaseException) -> OpenAIError:
@@ -123,17 +132,15 @@ def to_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, EngineOverloadedError):
-        return OpenAIError(429, str(e), "requests", code="rate_limit_exceeded", retry_after=e.retry_after)
+        return OpenAIError(429, str(e), retry_after=e.retry_after)
     if isinstance(e, (EngineNotReadyError, EngineDeadError)):
-        return OpenAIError(503, str(e), "server_error", code="service_unavailable", retry_after=5)
+        return OpenAIError(503, str(e), retry_after=5)
     if isinstance(e, EngineStepError):
         logger.error("engine step error: %s", e)
-        return OpenAIError(500, f"{e}; the server keeps serving", "server_error", code="internal_error")
+        return OpenAIError(500, f"{e}; the server keeps serving")
     if isinstance(e, ValueError):  # the engine's word for bad caller input
         message = str(e)
-        if "context length" in message or "max_model_len" in message:
-            return context_length_exceeded(message, "prompt")
-        return bad_request(message)
+        return bad_request(message, "prompt" if "context length" in message or "max_model_len" in message else None)
     logger.error("internal error", exc_info=e)
     return internal_error()
 
@@ -155,17 +162,18 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = first.get("ctx", {}).get("error", "")
             return bad_request(f"the request body is not valid JSON: {detail}").response()
         if first.get("type") == "field_refused":
-            return bad_request(first["msg"], first["ctx"]["field"], "unsupported_parameter").response()
+            return bad_request(first["msg"], first["ctx"]["field"]).response()
         # a union's member (/tokenize's) is named in the location too: the field is what the client wrote
         location = [str(part) for part in first.get("loc", ()) if part != "body" and part not in FIELDS]
         if first.get("type") == "extra_forbidden":  # in neither our model nor vLLM's nor OpenAI's
             return bad_request(f"{'.'.join(location)}: unknown field: this endpoint has no field of that name "
-                               "(a typo?)", location[0] if location else None, "unknown_parameter").response()
+                               "(a typo?)", location[0] if location else None).response()
         message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
         return bad_request(message, location[0] if location else None).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        # the exception's headers too: a 405 must say which methods the path has (Allow, RFC 9110)
-        return OpenAIError(e.status_code, str(e.detail), kind, headers=e.headers).response()
+        # vLLM's type for these is the reason phrase ("Method Not Allowed"); the exception's headers go too: a 405
+        # must say which methods the path has (Allow, RFC 9110)
+        return OpenAIError(e.status_code, str(e.detail), type=HTTPStatus(e.status_code).phrase,
+                           headers=e.headers).response()

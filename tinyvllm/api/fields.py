@@ -8,7 +8,7 @@ So nothing is ignored:
 
     field in our model                      parsed and used (SUPPORTED)
     field Refused here, at its default      accepted and dropped: the default asks for nothing
-    field Refused here, any other value     400 "name=value: why; the alternative", code unsupported_parameter
+    field Refused here, any other value     400 "name=value: why; the alternative", param: the field
     field in neither                        400 "name: unknown field" (the models forbid extra fields)
 
 A refused field is accepted at its default because many clients send every field at its default
@@ -54,16 +54,15 @@ _ENGINE_EXTRAS = {
     "watermarking": Refused("no watermarking in this engine's sampler"),
     "spaces_between_special_tokens": Refused(
         "special tokens are detokenized as the tokenizer writes them; skip_special_tokens leaves them out", True),
-    "truncate_prompt_tokens": Refused("prompts are not truncated: shorten the prompt (a prompt too long is a 400 "
-                                      "naming the context length)"),
-    "truncation_side": Refused("prompts are not truncated (truncate_prompt_tokens)"),
+    "truncate_prompt_tokens": SUPPORTED,
+    "truncation_side": Refused("truncate_prompt_tokens keeps a prompt's last tokens only", "left"),
     "allowed_token_ids": Refused("no allow-list of tokens: use structured_outputs (choice, regex) or logit_bias"),
     "logprob_token_ids": Refused("log-probabilities of chosen tokens are not served: use logprobs"),
     "bad_words": Refused("no bad-words filter: use logit_bias (-100) for single-token words", []),
     "request_id": Refused("the request id is the X-Request-Id header, echoed back in the response's id"),
     "session_id": Refused("no session affinity: one engine serves every request"),
-    "return_tokens_as_token_ids": Refused("tokens are returned as text: /tokenize gives their ids"),
-    "return_token_ids": Refused("token ids are not returned: /tokenize the prompt and the output text"),
+    "return_tokens_as_token_ids": SUPPORTED,
+    "return_token_ids": SUPPORTED,
     "return_weight_versions": Refused("weights are loaded once: there are no versions", False),
     "routed_experts_prompt_start": Refused("no mixture-of-experts models here", 0),
     "return_token_offsets": Refused("no token offsets: /v1/completions logprobs carry text_offset", False),
@@ -77,7 +76,7 @@ _ENGINE_EXTRAS = {
     "repetition_detection": Refused("no repetition detection: use repetition_penalty or stop"),
     "thinking_token_budget": Refused("no thinking budget: max_tokens bounds the whole output, reasoning included"),
     "stream_interval": Refused("every token is streamed as it is made"),
-    "prompt_logprobs": Refused("prompt log-probabilities: /v1/completions with echo and logprobs returns them"),
+    "prompt_logprobs": SUPPORTED,
 }
 
 _CHAT_TEMPLATE_EXTRAS = {
@@ -121,9 +120,7 @@ CHAT_FIELDS = {
                                     "parallel_tool_calls", "max_tokens", "max_completion_tokens", "logprobs",
                                     "top_logprobs", "add_generation_prompt", "continue_final_message",
                                     "chat_template_kwargs")},
-    "prompt_logprobs": Refused("prompt log-probabilities: /v1/completions with echo and logprobs returns them for "
-                               "the rendered prompt (/tokenize shows it)"),
-    "echo": Refused("the conversation is not echoed: the client has it", False),
+    "echo": SUPPORTED,
     "use_beam_search": Refused("beam search is served on /v1/completions (use_beam_search, n beams) and offline "
                                "by LLM.beam_search", False),
     "length_penalty": Refused("beam search (and so its length_penalty) is served on /v1/completions", 1.0),

@@ -135,8 +135,8 @@ def duration(seconds: float) -> str:
 def rate_limited(key: ApiKey, kind: str, limit: int, needed: int, wait: float) -> OpenAIError:
     retry_after = max(1, math.ceil(wait - EPSILON))  # whole seconds (RFC 9110), never early
     return OpenAIError(429, f"Rate limit reached for {kind} per minute on API key {key.id!r}: limit {limit}, this "
-                       f"request needs {needed}. Please try again in {retry_after}s.", kind,
-                       code="rate_limit_exceeded", retry_after=retry_after)
+                       f"request needs {needed}. Please try again in {retry_after}s.", type=kind,
+                       retry_after=retry_after)
 
 
 class ApiKeys:

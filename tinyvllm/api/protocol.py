@@ -6,9 +6,9 @@ sampling extras under `SamplingParams`' names. Taught in docs/phases/09-api-serv
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
+from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
 
 from tinyvllm.api.fields import RequestModel
 from tinyvllm.sampling_params import MAX_LOGPROBS
@@ -16,9 +16,9 @@ from tinyvllm.sampling_params import MAX_LOGPROBS
 
 class ErrorInfo(BaseModel):
     message: str
-    type: str
+    type: str  # vLLM's: "BadRequestError", "NotFoundError", ... (errors.error_type)
     param: str | None = None
-    code: str | None = None
+    code: int  # vLLM's: the HTTP status
 
 
 class ErrorResponse(BaseModel):
@@ -50,8 +50,34 @@ class UsageInfo(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+    include_usage: StrictBool = True  # vLLM's default: asking for stream_options at all asks for the usage
     continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`, one entry of `prompt_logprobs`: a token's log-probability at a prompt position, its rank in
+    the vocabulary (1: the most likely; None where it fell outside the top alternatives computed) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt token: None for the first (nothing predicts it), then {token id: PromptLogprob} for the prompt's token
+# and the top alternatives (JSON writes the ids as string keys)
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+# the strings pydantic's lax `bool` (vLLM's request models) reads as a boolean: `"logprobs": "true"` is true there
+BOOL_STRINGS = {**dict.fromkeys(("true", "True", "TRUE", "1", "yes", "on", "t", "y"), True),
+                **dict.fromkeys(("false", "False", "FALSE", "0", "no", "off", "f", "n"), False)}
+
+
+def _as_bool(value: bool | str | None) -> bool:
+    return BOOL_STRINGS[value] if isinstance(value, str) else bool(value)
+
+
+# a boolean, or one of those strings (named in the schema, so a schema-driven client still sees a boolean field)
+LaxBool = Annotated[StrictBool | Literal[tuple(BOOL_STRINGS)] | None, AfterValidator(_as_bool)]
 
 
 # ---- requests ----
@@ -118,6 +144,12 @@ class SamplingFields(RequestModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # accepted and ignored
+    # vLLM's extras: each prompt token's logprob and this many alternatives; the token ids in the answer; logprob
+    # tokens written "token_id:123"; only the prompt's last N tokens (-1: the model's context length)
+    prompt_logprobs: StrictInt | None = None
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -183,8 +215,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False
+    logprobs: LaxBool = False  # vLLM declares a lax bool: "true" is true
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False  # vLLM's: the last message's content opens the answer when its role is the answer's
     # vLLM's chat template extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -201,11 +234,27 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(BaseModel):
+class _VllmExtras(BaseModel):
+    """A model whose vLLM-only fields (`EXTRAS`) are left out of its JSON while unset: an OpenAI client sees
+    OpenAI's shape unless it asked for them."""
+
+    EXTRAS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None or key not in self.EXTRAS}
+
+
+class CompletionResponseChoice(_VllmExtras):
+    EXTRAS = ("token_ids", "prompt_logprobs", "prompt_token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None  # "stop" | "length" (| "abort", vLLM's)
+    token_ids: list[int] | None = None  # return_token_ids: this piece's generated ids
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs (or echo with logprobs)
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the choice's prompt (a stream's first chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -244,14 +293,19 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionTokenLogprob] | None = None
 
 
-class ChatCompletionResponseChoice(BaseModel):
+class ChatCompletionResponseChoice(_VllmExtras):
+    EXTRAS = ("token_ids",)
+
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_VllmExtras):
+    EXTRAS = ("prompt_logprobs", "prompt_token_ids")
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -259,6 +313,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM puts chat's on the response, not the choice
+    prompt_token_ids: list[int] | None = None
 
 
 class _WithoutNulls(BaseModel):
@@ -291,14 +347,19 @@ class DeltaMessage(_WithoutNulls):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionResponseStreamChoice(BaseModel):
+class ChatCompletionResponseStreamChoice(_VllmExtras):
+    EXTRAS = ("token_ids",)
+
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's generated ids
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_VllmExtras):
+    EXTRAS = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -306,3 +367,4 @@ class ChatCompletionStreamResponse(BaseModel):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk

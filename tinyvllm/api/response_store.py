@@ -68,7 +68,7 @@ class ResponseStore:
         if entry is None:
             raise OpenAIError(404, f"Response with id '{response_id}' not found. This server keeps the last "
                               f"{self.max_entries} stored responses (--max-stored-responses), and only those "
-                              "created with store=true.", "invalid_request_error", param)
+                              "created with store=true.", param)
         return entry
 
     def save(self, response: ResponsesResponse, messages: list[dict]) -> None:

@@ -45,7 +45,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
               reasoning_parser: str | None = None, cors: CorsConfig | None = None,
               tool_call_parser: str = "hermes", pooler: PoolingParams | None = None,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+              enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
     `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
@@ -58,9 +59,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     audit = AuditLog(audit_log) if audit_log is not None else None
     limits = limits or ServerLimits()
     keyed_engine = KeyedEngine(engine, keys)
-    completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits)
+    usage_flags = {"enable_prompt_tokens_details": enable_prompt_tokens_details,
+                   "enable_force_include_usage": enable_force_include_usage}
+    completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits, **usage_flags)
     chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser,
-                             tool_call_parser=tool_call_parser)
+                             tool_call_parser=tool_call_parser, **usage_flags)
     tokenization = OpenAIServingTokenization(chat)
     responses_api = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     embeddings = OpenAIServingEmbedding(keyed_engine, served_model_names, limits, pooler=pooler)
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     app = build_app(engine, served_model_names=args.served_model_name, api_keys=keys, audit_log=args.audit_log,
                     limits=limits, allowed_hosts=[*args.allowed_hosts, args.host],
                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                    enable_force_include_usage=args.enable_force_include_usage,
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                     tuple(args.allowed_headers), args.allow_credentials),
                     pooler=pooler, max_stored_responses=args.max_stored_responses)

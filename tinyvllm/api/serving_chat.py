@@ -21,7 +21,7 @@ from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest
                                    TopLogprob)
 from tinyvllm.api.reasoning_parser import ThinkReasoningParser
 from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, base_request_id, choice_deltas,
-                                         grammar_error, last_output, sse, sse_error, usage)
+                                         grammar_error, last_output, sse, sse_error)
 from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, TOOL_PARSERS, ToolCallPolicy, ToolParser,
                                       with_default_tool_prompt, with_parsed_arguments)
 from tinyvllm.model.chat_template import template_variables
@@ -103,15 +103,15 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
         self.check_limits(request)
-        include_usage = self.check_stream_options(request)
-        continuous_usage = self.continuous_usage(request)
+        include_usage, continuous_usage = self.check_stream_options(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         tool_use = self.tool_use(request)
         text = self.render_text(request.messages, tool_use.tools, add_generation_prompt=request.add_generation_prompt,
                                 continue_final_message=request.continue_final_message,
-                                chat_template_kwargs=request.chat_template_kwargs)
-        prompt_ids = self.tokenize(text)
+                                chat_template_kwargs=request.chat_template_kwargs,
+                                check_length=request.truncate_prompt_tokens is None)
+        prompt_ids = self.truncate_prompt(self.tokenize(text), request.truncate_prompt_tokens)
         if request.max_completion_tokens is not None:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_completion_tokens, "messages",
                                                  "max_completion_tokens")
@@ -122,7 +122,9 @@ class OpenAIServingChat(OpenAIServing):
         # a tag that is a special token (Qwen's <tool_call>) must stay in the text to be parsed
         tags = ([START, END] if tool_use.parse else []) + (["<think>", "</think>"] if self.reasoning_parser else [])
         defaults = {"skip_special_tokens": False} if self.has_special_token(tags) else {}
-        params = self.sampling_params(request, max_tokens, num_logprobs, structured, **defaults)
+        # vLLM's rule: the prompt's logprobs as asked, else with echo top_logprobs' count
+        num_prompt_logprobs = self.num_prompt_logprobs(request, (request.top_logprobs or 0) if request.echo else None)
+        params = self.sampling_params(request, max_tokens, num_logprobs, structured, num_prompt_logprobs, **defaults)
 
         def make_parser() -> ChoiceParser:
             prompt_opened = text.rstrip().endswith(ThinkReasoningParser.START)
@@ -134,12 +136,25 @@ class OpenAIServingChat(OpenAIServing):
         head = {"id": request_id, "created": created, "model": model}
         if request.stream:
             chunks = self.stream_chunks(stream, head, num_logprobs, include_usage, make_parser, bool(tool_use.forced),
-                                        continuous_usage)
+                                        continuous_usage, request)
             return StreamingResponse(chunks, media_type="text/event-stream")
         final = await last_output(raw_request, stream)
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        return self.full_response(final, head, num_logprobs, make_parser)
+        return self.full_response(final, head, num_logprobs, make_parser, request)
+
+    @staticmethod
+    def echoed(request: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the last message's text, when it has the role the answer has (the assistant's, or
+        with add_generation_prompt false the last message's own): the answer then continues it."""
+        if not request.echo or not request.messages:
+            return ""
+        last = request.messages[-1]
+        role = "assistant" if request.add_generation_prompt else last.get("role")
+        content = last.get("content") if last.get("role") == role else None
+        if isinstance(content, list):  # text parts, one a line (as vLLM joins them)
+            return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return content if isinstance(content, str) else ""
 
     def tool_use(self, request: ChatCompletionRequest) -> ToolUse:
         """Check `tools` and `tool_choice` (OpenAI's defaults: "auto" with tools, "none" without)."""
@@ -181,9 +196,11 @@ class OpenAIServingChat(OpenAIServing):
         return False
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    check_length: bool = True) -> str:
         """The prompt text: the conversation (and the tools) through the model's chat template, with vLLM's
-        `add_generation_prompt`, `continue_final_message` (the last message left open) and `chat_template_kwargs`."""
+        `add_generation_prompt`, `continue_final_message` (the last message left open) and `chat_template_kwargs`;
+        `check_length` false: the caller keeps only the prompt's last tokens (truncate_prompt_tokens)."""
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true: the first opens "
                               "a new assistant turn, the second continues the last message", "continue_final_message")
@@ -234,7 +251,8 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"the messages do not fit the model's chat template: {e}", "messages") from e
         if continue_final_message:
             text = self.open_final_message(text, conversation)
-        self.check_prompt_chars(text, "messages")
+        if check_length:
+            self.check_prompt_chars(text, "messages")
         return text
 
     @staticmethod
@@ -251,27 +269,40 @@ class OpenAIServingChat(OpenAIServing):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def full_response(self, final: RequestOutput, head: dict, num_logprobs: int | None,
-                      make_parser: Callable[[], ChoiceParser]) -> dict:
+                      make_parser: Callable[[], ChoiceParser], request: ChatCompletionRequest) -> dict:
         """The stream joined: each choice's whole text through a fresh parser, as if it came in one chunk."""
         choices = []
+        echoed = self.echoed(request)
         for completion in final.outputs:
             parser = make_parser()
             reasoning, content, calls = parser.feed(completion.text, last=True)
             has_reasoning = parser.reasoning is not None and parser.reasoning.has_reasoning
-            message = ChatMessage(role="assistant", content=(content or None) if calls or has_reasoning else content,
+            content = (content or None) if calls or has_reasoning else content
+            if echoed:
+                content = echoed + (content or "")
+            message = ChatMessage(role="assistant", content=content,
                                   reasoning_content=reasoning if has_reasoning else None, tool_calls=calls or None)
             logprobs = None
             if num_logprobs is not None:
-                logprobs = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs)
-            choices.append(ChatCompletionResponseChoice(index=completion.index, message=message, logprobs=logprobs,
-                                                        finish_reason=parser.finish_reason(completion.finish_reason)))
-        return ChatCompletionResponse(**head, choices=choices, usage=usage(final)).model_dump()
+                logprobs = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs,
+                                         bool(request.return_tokens_as_token_ids))
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index, message=message, logprobs=logprobs,
+                finish_reason=parser.finish_reason(completion.finish_reason),
+                token_ids=list(completion.token_ids) if request.return_token_ids else None))
+        prompt_logprobs = None
+        if final.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs(final.prompt_token_ids, final.prompt_logprobs)
+        return ChatCompletionResponse(**head, choices=choices, usage=self.usage(final), prompt_logprobs=prompt_logprobs,
+                                      prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None
+                                      ).model_dump()
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, num_logprobs: int | None,
-                            include_usage: bool, make_parser: Callable[[], ChoiceParser],
-                            forced_tool: bool = False, continuous_usage: bool = False) -> AsyncIterator[str]:
+                            include_usage: bool, make_parser: Callable[[], ChoiceParser], forced_tool: bool,
+                            continuous_usage: bool, request: ChatCompletionRequest) -> AsyncIterator[str]:
         parsers: dict[int, ChoiceParser] = {}
         final = None
+        echoed = self.echoed(request)
         try:
             async for final, deltas in choice_deltas(stream):
                 for delta in deltas:
@@ -279,24 +310,32 @@ class OpenAIServingChat(OpenAIServing):
                         parsers[delta.index] = make_parser()
                         # a forced tool call has no content: OpenAI's opening chunk then says null, not ""
                         opening = DeltaMessage(role="assistant", content=None if forced_tool else "")
+                        before = self.usage(final, opening=True) if continuous_usage else None
+                        prompt_ids = final.prompt_token_ids if request.return_token_ids else None
                         yield sse(ChatCompletionStreamResponse(**head, choices=[ChatCompletionResponseStreamChoice(
-                            index=delta.index, delta=opening)]))
+                            index=delta.index, delta=opening)], usage=before, prompt_token_ids=prompt_ids))
+                        if echoed:  # vLLM's echo: the last message's text, as a chunk of its own
+                            yield sse(ChatCompletionStreamResponse(**head, choices=[ChatCompletionResponseStreamChoice(
+                                index=delta.index, delta=DeltaMessage(content=echoed))], usage=before))
                     logprobs = None
                     if num_logprobs is not None:
-                        logprobs = self.logprobs(delta.token_ids, delta.logprobs, num_logprobs)
-                    so_far = usage(final) if continuous_usage else None
-                    for choice in self.stream_choices(delta, parsers[delta.index], logprobs):
+                        logprobs = self.logprobs(delta.token_ids, delta.logprobs, num_logprobs,
+                                                 bool(request.return_tokens_as_token_ids))
+                    so_far = self.usage(final) if continuous_usage else None
+                    token_ids = delta.token_ids if request.return_token_ids else None
+                    for choice in self.stream_choices(delta, parsers[delta.index], logprobs, token_ids):
                         yield sse(ChatCompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
-                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=usage(final)))
+                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=self.usage(final)))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE
 
     @staticmethod
-    def stream_choices(delta: ChoiceDelta, parser: ChoiceParser,
-                       logprobs: ChatCompletionLogProbs | None) -> list[ChatCompletionResponseStreamChoice]:
-        """One choice's engine delta as chunks: the text, then each completed call (id and name, then arguments)."""
+    def stream_choices(delta: ChoiceDelta, parser: ChoiceParser, logprobs: ChatCompletionLogProbs | None,
+                       token_ids: list[int] | None = None) -> list[ChatCompletionResponseStreamChoice]:
+        """One choice's engine delta as chunks: the text, then each completed call (id and name, then arguments);
+        the first carries the delta's logprobs and (return_token_ids) token ids."""
         reasoning, content, calls = parser.feed(delta.text, last=delta.finish_reason is not None)
         messages = []
         if not parser.active:
@@ -313,19 +352,23 @@ class OpenAIServingChat(OpenAIServing):
             return []  # all held back (a tag, an open call)
         choices = [ChatCompletionResponseStreamChoice(index=delta.index, delta=message)
                    for message in messages or [DeltaMessage()]]
-        choices[0].logprobs = logprobs
+        choices[0].logprobs, choices[0].token_ids = logprobs, token_ids
         choices[-1].finish_reason = parser.finish_reason(delta.finish_reason)
         return choices
 
-    def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int) -> ChatCompletionLogProbs:
-        """Chat's logprobs: one entry per token, with its bytes and the `num_top` most likely alternatives."""
+    def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int,
+                 as_id: bool = False) -> ChatCompletionLogProbs:
+        """Chat's logprobs: one entry per token, with its bytes and the `num_top` most likely alternatives; `as_id`:
+        vLLM's return_tokens_as_token_ids."""
         content = []
         for token_id, (logprob, top) in zip(token_ids, logprobs or []):
-            alternatives = [self.top_logprob(other_id, other_logprob) for other_id, other_logprob in top[:num_top]]
-            sampled = self.top_logprob(token_id, logprob)
+            alternatives = [self.top_logprob(other_id, other_logprob, as_id)
+                            for other_id, other_logprob in top[:num_top]]
+            sampled = self.top_logprob(token_id, logprob, as_id)
             content.append(ChatCompletionTokenLogprob(**sampled.model_dump(), top_logprobs=alternatives))
         return ChatCompletionLogProbs(content=content)
 
-    def top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=self.token_text(token_id), logprob=logprob,
+    def top_logprob(self, token_id: int, logprob: float, as_id: bool = False) -> TopLogprob:
+        # "token_id:123" stands for the token: its bytes are still the token's own
+        return TopLogprob(token=self.token_text(token_id, as_id), logprob=logprob,
                           bytes=list(self.tokenizer.token_bytes(token_id)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -17,7 +18,7 @@ from tinyvllm.api.errors import bad_request
 from tinyvllm.api.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                    CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
 from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, base_request_id, choice_deltas, last_output, sse,
-                                        sse_error, usage)
+                                        sse_error)
 from tinyvllm.engine.beam_search import BeamSearchParams
 from tinyvllm.outputs import RequestOutput
 
@@ -26,11 +27,11 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
         self.check_limits(request)
-        include_usage = self.check_stream_options(request)
-        continuous_usage = self.continuous_usage(request)
+        include_usage, continuous_usage = self.check_stream_options(request)
         width = self.best_of(request)  # samples per prompt
-        echo_logprobs = request.echo and request.logprobs is not None  # the prompt's own logprobs come first
-        prompts = self.prompts(request.prompt)
+        # vLLM's rule: the prompt's logprobs as asked, else with echo as many alternatives as the output's
+        num_prompt_logprobs = self.num_prompt_logprobs(request, request.logprobs if request.echo else None)
+        prompts = self.prompts(request.prompt, request.truncate_prompt_tokens)
         if len(prompts) > 1:  # all must be able to wait at once
             self.check_batch_width(len(prompts) * width)
         params_of = []
@@ -40,11 +41,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 params_of.append(self.beam_search_params(request, max_tokens))
             else:  # best_of ranks by the samples' log-probabilities: the engine computes them
                 logprobs = request.logprobs if width == request.n else (request.logprobs or 0)
-                params_of.append(self.sampling_params(request, max_tokens, logprobs, self.structured_outputs(request)))
+                params_of.append(self.sampling_params(request, max_tokens, logprobs, self.structured_outputs(request),
+                                                      prompt_logprobs=num_prompt_logprobs))
                 if width != request.n:
                     params_of[-1] = dataclasses.replace(params_of[-1], n=width)
-                if echo_logprobs:
-                    params_of[-1] = dataclasses.replace(params_of[-1], prompt_logprobs=request.logprobs)
 
         request_id, created = f"cmpl-{base_request_id(raw_request)}", int(time.time())
         # 429 now, before any 200
@@ -54,18 +54,18 @@ class OpenAIServingCompletion(OpenAIServing):
         stream = streams[0] if len(streams) == 1 else merged_outputs(request_id, streams, width)
         head = {"id": request_id, "created": created, "model": model}
         echo = [text if request.echo else "" for _, text in prompts]
-        prompt_lengths = [len(ids) for ids, _ in prompts] if echo_logprobs else None
+        ends = list(itertools.accumulate(len(ids) for ids, _ in prompts))
+        spans = list(zip([0, *ends[:-1]], ends))  # each prompt's place in the merged prompt_token_ids
         if request.stream:
-            chunks = self.stream_chunks(stream, head, echo, request.n, request.logprobs, include_usage,
-                                        continuous_usage, prompt_lengths)
+            chunks = self.stream_chunks(stream, head, request, echo, spans, include_usage, continuous_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         final = await last_output(raw_request, stream)
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        billed = usage(final)  # every sample of best_of counts
+        billed = self.usage(final)  # every sample of best_of counts
         if width != request.n:
             final = best_of_choices(final, width, request.n)
-        return self.full_response(final, head, echo, request.n, request.logprobs, billed, prompt_lengths)
+        return self.full_response(final, head, request, echo, spans, billed)
 
     def best_of(self, request: CompletionRequest) -> int:
         """How many samples each prompt draws: best_of (>= n) where given, else n."""
@@ -93,8 +93,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def beam_search_params(self, request: CompletionRequest, max_tokens: int) -> BeamSearchParams:
         """n beams of up to max_tokens tokens (vLLM's `to_beam_search_params`); what beams cannot do is a 400."""
-        for field in ("logprobs", "stop", "stop_token_ids", "logit_bias", "seed", "top_p", "top_k", "min_p",
-                      "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        for field in ("logprobs", "prompt_logprobs", "stop", "stop_token_ids", "logit_bias", "seed", "top_p", "top_k",
+                      "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
             if getattr(request, field) is not None:
                 raise bad_request(f"{field} does not apply to beam search (use_beam_search=true)", field)
         if self.structured_outputs(request) is not None:
@@ -103,100 +103,108 @@ class OpenAIServingCompletion(OpenAIServing):
         return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=bool(request.ignore_eos),
                                 temperature=request.temperature or 0.0, length_penalty=request.length_penalty)
 
-    def prompts(self, prompt: str | list) -> list[tuple[list[int], str]]:
-        """Token ids and text of each prompt: one text, one list of ids, or a batch (a list of either)."""
+    def prompts(self, prompt: str | list, keep: int | None = None) -> list[tuple[list[int], str]]:
+        """Token ids and text of each prompt: one text, one list of ids, or a batch (a list of either); `keep`:
+        vLLM's truncate_prompt_tokens."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return [self.prompt(one) for one in prompt]
-        if isinstance(prompt, list) and not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        return [self.prompt(prompt)]
+            return [self.prompt(one, keep) for one in prompt]
+        return [self.prompt(prompt, keep)]
 
-    def prompt(self, prompt: str | list[int]) -> tuple[list[int], str]:
-        """Token ids and text of one prompt, given either way."""
+    def prompt(self, prompt: str | list[int], keep: int | None = None) -> tuple[list[int], str]:
+        """Token ids and text of one prompt, given either way; only its last `keep` tokens when set."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("prompt must not be empty", "prompt")
-            self.check_prompt_chars(prompt, "prompt")
-            return self.tokenizer.encode(prompt), prompt
-        token_ids = self.check_token_ids(prompt, "prompt")
-        return token_ids, self.tokenizer.decode(token_ids)
+            if keep is None:  # a text too long for the context is refused before its tokenization
+                self.check_prompt_chars(prompt, "prompt")
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            token_ids = prompt
+        kept = self.check_token_ids(self.truncate_prompt(token_ids, keep), "prompt")
+        if isinstance(prompt, str) and len(kept) == len(token_ids):
+            return kept, prompt
+        return kept, self.tokenizer.decode(kept)
 
-    def full_response(self, final: RequestOutput, head: dict, echo: list[str], n: int, num_logprobs: int | None,
-                      billed: UsageInfo, prompt_lengths: list[int] | None = None) -> dict:
-        """`echo`: each prompt's text or ""; `prompt_lengths`: with echo and logprobs, each prompt's token count."""
+    def full_response(self, final: RequestOutput, head: dict, request: CompletionRequest, echo: list[str],
+                      spans: list[tuple[int, int]], billed: UsageInfo) -> dict:
+        """`echo`: each prompt's text or ""; `spans`: each prompt's (start, end) in `final.prompt_token_ids`."""
         choices = []
         for completion in final.outputs:
+            start, end = spans[completion.index // request.n]
             logprobs = None
-            if num_logprobs is not None:
-                logprobs, offset = self.echoed_logprobs(final, completion.index // n, prompt_lengths, num_logprobs)
-                logprobs, _ = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs, offset, logprobs)
-            choices.append(CompletionResponseChoice(index=completion.index, text=echo[completion.index // n]
-                                                    + completion.text, logprobs=logprobs,
-                                                    finish_reason=completion.finish_reason))
+            if request.logprobs is not None:
+                logprobs, offset = self.echoed_logprobs(final, start, end, request)
+                logprobs, _ = self.logprobs(completion.token_ids, completion.logprobs, request, offset, logprobs)
+            prompt_logprobs = None
+            if final.prompt_logprobs is not None:
+                prompt_logprobs = self.prompt_logprobs(final.prompt_token_ids[start:end],
+                                                       final.prompt_logprobs[start:end])
+            ids = request.return_token_ids
+            choices.append(CompletionResponseChoice(
+                index=completion.index, text=echo[completion.index // request.n] + completion.text, logprobs=logprobs,
+                finish_reason=completion.finish_reason, token_ids=list(completion.token_ids) if ids else None,
+                prompt_logprobs=prompt_logprobs, prompt_token_ids=final.prompt_token_ids[start:end] if ids else None))
         return CompletionResponse(**head, choices=choices, usage=billed).model_dump()
 
-    async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, echo: list[str], n: int,
-                            num_logprobs: int | None, include_usage: bool, continuous_usage: bool = False,
-                            prompt_lengths: list[int] | None = None) -> AsyncIterator[str]:
+    async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, request: CompletionRequest,
+                            echo: list[str], spans: list[tuple[int, int]], include_usage: bool,
+                            continuous_usage: bool) -> AsyncIterator[str]:
         text_offset: dict[int, int] = {}
         final = None
+        ids = request.return_token_ids
         try:
             async for final, deltas in choice_deltas(stream):
                 for delta in deltas:
+                    start, end = spans[delta.index // request.n]
                     logprobs = None
-                    if num_logprobs is not None:
+                    if request.logprobs is not None:
                         logprobs = None
                         if delta.first:  # with echo: the prompt's logprobs open the choice, as its text does
-                            logprobs, text_offset[delta.index] = self.echoed_logprobs(
-                                final, delta.index // n, prompt_lengths, num_logprobs)
+                            logprobs, text_offset[delta.index] = self.echoed_logprobs(final, start, end, request)
                         logprobs, text_offset[delta.index] = self.logprobs(
-                            delta.token_ids, delta.logprobs, num_logprobs, text_offset.get(delta.index, 0), logprobs)
-                    text = (echo[delta.index // n] if delta.first else "") + delta.text
-                    choice = CompletionResponseChoice(index=delta.index, text=text, logprobs=logprobs,
-                                                      finish_reason=delta.finish_reason)
-                    so_far = usage(final) if continuous_usage else None
+                            delta.token_ids, delta.logprobs, request, text_offset.get(delta.index, 0), logprobs)
+                    text = (echo[delta.index // request.n] if delta.first else "") + delta.text
+                    choice = CompletionResponseChoice(
+                        index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
+                        token_ids=delta.token_ids if ids else None,
+                        prompt_token_ids=final.prompt_token_ids[start:end] if ids and delta.first else None)
+                    so_far = self.usage(final) if continuous_usage else None
                     yield sse(CompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
-                yield sse(CompletionStreamResponse(**head, choices=[], usage=usage(final)))
+                yield sse(CompletionStreamResponse(**head, choices=[], usage=self.usage(final)))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE
 
-    def echoed_logprobs(self, final: RequestOutput, prompt_index: int, prompt_lengths: list[int] | None,
-                        num_top: int) -> tuple[CompletionLogProbs, int]:
-        """Prompt `prompt_index`'s tokens and logprobs (the first one null), and the text offset after them; empty
-        without echo."""
-        if prompt_lengths is None:
+    def echoed_logprobs(self, final: RequestOutput, start: int, end: int,
+                        request: CompletionRequest) -> tuple[CompletionLogProbs, int]:
+        """With echo, the prompt's tokens and logprobs (the first one null; the prompt at `start:end` of the
+        merged prompts), and the text offset after them; empty without echo."""
+        if not request.echo:
             return CompletionLogProbs(), 0
-        start = sum(prompt_lengths[:prompt_index])
-        end = start + prompt_lengths[prompt_index]
         if final.prompt_logprobs is None:
             raise RuntimeError("the engine did not return the prompt logprobs it was asked for")
-        return self.logprobs(final.prompt_token_ids[start:end], final.prompt_logprobs[start:end], num_top, 0)
+        return self.logprobs(final.prompt_token_ids[start:end], final.prompt_logprobs[start:end], request, 0)
 
-    def logprobs(self, token_ids: list[int], logprobs: list | None, num_top: int, text_offset: int,
+    def logprobs(self, token_ids: list[int], logprobs: list | None, request: CompletionRequest, text_offset: int,
                  result: CompletionLogProbs | None = None) -> tuple[CompletionLogProbs, int]:
         """OpenAI's legacy logprobs, appended to `result`: parallel lists, one entry per token; top_logprobs maps
-        token text to logprob, the sampled token first."""
+        token text to logprob, the sampled token first, `request.logprobs` alternatives."""
         result = CompletionLogProbs() if result is None else result
+        as_id = bool(request.return_tokens_as_token_ids)
         for token_id, entry in zip(token_ids, logprobs or []):
-            token = self.token_text(token_id)
+            token = self.token_text(token_id, as_id)
+            result.tokens.append(token)
+            result.text_offset.append(text_offset)
+            text_offset += len(self.token_text(token_id))  # the offset counts the text, whatever the token shows
             if entry is None:
-                result.tokens.append(token)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
-                result.text_offset.append(text_offset)
-                text_offset += len(token)
                 continue
             logprob, top = entry
             alternatives = {token: logprob}
-            for other_id, other_logprob in top[:num_top]:
-                alternatives.setdefault(self.token_text(other_id), other_logprob)
-            result.tokens.append(token)
+            for other_id, other_logprob in top[:request.logprobs]:
+                alternatives.setdefault(self.token_text(other_id, as_id), other_logprob)
             result.token_logprobs.append(logprob)
             result.top_logprobs.append(alternatives)
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
         return result, text_offset
 
 

@@ -17,11 +17,11 @@ from functools import cached_property
 from fastapi import Request
 from pydantic import BaseModel
 
-from tinyvllm.api.errors import bad_request, context_length_exceeded, model_not_found, to_openai_error
-from tinyvllm.api.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from tinyvllm.api.errors import bad_request, model_not_found, to_openai_error
+from tinyvllm.api.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingFields, UsageInfo
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
+from tinyvllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 # request fields passed to SamplingParams under the same name, when the client set them
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -54,10 +54,15 @@ class ServerLimits:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, *, enable_prompt_tokens_details: bool = False,
+                 enable_force_include_usage: bool = False):
+        """The last two are vLLM's server flags: `usage.prompt_tokens_details` (the prefix cache's share of the
+        prompt) in every answer; a stream's usage chunk even when the client did not ask for it."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits or ServerLimits()
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.enable_force_include_usage = enable_force_include_usage
 
     @property
     def tokenizer(self):
@@ -103,28 +108,87 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         at_least = math.ceil(len(text) / self.longest_token_bytes)
         if at_least >= limit:
-            raise context_length_exceeded(
+            raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but the {prompt_param} has at least "
                 f"{at_least} tokens ({len(text)} characters, and no token is longer than "
                 f"{self.longest_token_bytes}). Shorten the {prompt_param}.", prompt_param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
+        """Prompt ids as vLLM's engine checks them (its wording), before the context check."""
+        if not token_ids:
+            raise bad_request("The decoder prompt cannot be empty", param)
         vocab_size = self.tokenizer.vocab_size
+        outside = [t for t in (max(token_ids), min(token_ids)) if not 0 <= t < vocab_size]
+        if outside:
+            raise bad_request(f"Token id {outside[0]} is out of vocabulary (this model's ids are 0 to "
+                              f"{vocab_size - 1})", param)
         limit = self.engine.max_model_len
         if len(token_ids) >= limit:
-            raise context_length_exceeded(
+            raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but the {param} has {len(token_ids)} "
                 f"tokens, which leaves no room for output. Shorten the {param}.", param)
-        if not token_ids or not all(0 <= t < vocab_size for t in token_ids):
-            raise bad_request(f"{param} must be a non-empty list of token ids in [0, {vocab_size})", param)
         return token_ids
+
+    def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: only the prompt's last `keep` tokens (-1: the context length's worth)."""
+        if keep is None:
+            return token_ids
+        limit = self.engine.max_model_len
+        if keep > limit:
+            raise bad_request("truncate_prompt_tokens value is greater than max_model_len. Please, select a smaller "
+                              f"truncation size. (max_model_len is {limit})", "truncate_prompt_tokens")
+        if keep == 0 or keep < -1:
+            raise bad_request(f"truncate_prompt_tokens must be at least 1, or -1 for the model's context length "
+                              f"({limit}), got {keep}", "truncate_prompt_tokens")
+        return token_ids[-(limit if keep == -1 else keep):]
+
+    def num_prompt_logprobs(self, request: SamplingFields, default: int | None = None) -> int | None:
+        """How many alternatives each prompt token's logprob comes with: the request's `prompt_logprobs`, else
+        `default` (what echo asks for); None: no prompt logprobs. vLLM's checks and wording."""
+        k = request.prompt_logprobs
+        if k is None:
+            return default
+        if k == -1:  # vLLM's "the whole vocabulary": a (V,) row per prompt token, refused here
+            raise bad_request(f"Requested prompt logprobs of -1 (every token of the vocabulary), which is greater "
+                              f"than max allowed: {MAX_LOGPROBS}", "prompt_logprobs")
+        if k < 0:
+            raise bad_request("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+        if k > MAX_LOGPROBS:
+            raise bad_request(f"Requested prompt logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
+                              "prompt_logprobs")
+        if request.stream and k > 0:
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        return k
+
+    def prompt_logprobs(self, token_ids: list[int], entries: list) -> PromptLogprobs:
+        """The engine's prompt logprobs in vLLM's shape: None for the first token, then per token {id: logprob,
+        rank, decoded_token} for the prompt's token and its top alternatives."""
+        result: PromptLogprobs = []
+        for token_id, entry in zip(token_ids, entries):
+            if entry is None:
+                result.append(None)
+                continue
+            logprob, top = entry
+            known = dict([(token_id, logprob), *top])  # every token whose logprob the engine returned here
+            result.append({token: self.prompt_logprob(token, known, dict(top)) for token in known})
+        return result
+
+    def prompt_logprob(self, token_id: int, known: dict[int, float], top: dict[int, float]) -> PromptLogprob:
+        """One entry; its rank counts the tokens more likely (vLLM's rule). Those are all known for a top
+        alternative, and for the prompt's token unless it falls below every top alternative (rank None then)."""
+        logprob = known[token_id]
+        rank = None
+        if token_id in top or any(other <= logprob for other in top.values()):
+            rank = 1 + sum(other > logprob for other in known.values())
+        # -9999 for -inf, as vLLM's clamp_prompt_logprobs: JSON has no infinity
+        return PromptLogprob(logprob=max(logprob, -9999.0), rank=rank, decoded_token=self.token_text(token_id))
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                            max_tokens_param: str = "max_tokens") -> int:
         """Check that prompt + output fit the context; None means all the room that is left."""
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
-            raise context_length_exceeded(
+            raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but the {prompt_param} has "
                 f"{num_prompt_tokens} tokens, which leaves no room for output. Shorten the {prompt_param}.",
                 prompt_param)
@@ -133,21 +197,22 @@ class OpenAIServing:
         if max_tokens < 1:
             raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
         if num_prompt_tokens + max_tokens > limit:
-            raise context_length_exceeded(
+            raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
                 f"were requested ({num_prompt_tokens} in the {prompt_param}, {max_tokens} for the output). "
                 f"Shorten the {prompt_param} or lower {max_tokens_param}.", max_tokens_param)
         return max_tokens
 
     def sampling_params(self, request: SamplingFields, max_tokens: int, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None, **defaults) -> SamplingParams:
+                        structured_outputs: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
+                        **defaults) -> SamplingParams:
         """`defaults`: values the server picks for fields the client left unset."""
         fields = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
         if request.logit_bias:
             fields["logit_bias"] = self.parse_logit_bias(request.logit_bias)
         try:
             params = SamplingParams(**{**defaults, **fields}, max_tokens=max_tokens, logprobs=logprobs,
-                                    structured_outputs=structured_outputs)
+                                    prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
         except ValueError as e:
             field = re.match(r"\w+", str(e))
             raise bad_request(str(e), field.group() if field else None) from e
@@ -225,20 +290,33 @@ class OpenAIServing:
             parsed[int(key)] = bias
         return parsed
 
-    def check_stream_options(self, request: SamplingFields) -> bool:
-        """Whether the stream ends with a usage chunk."""
+    def check_stream_options(self, request: SamplingFields) -> tuple[bool, bool]:
+        """Whether the stream ends with a usage chunk, and whether every chunk carries the usage so far (vLLM's
+        `continuous_usage_stats`); --enable-force-include-usage adds the first."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        return request.stream and request.stream_options is not None and request.stream_options.include_usage
-
-    @staticmethod
-    def continuous_usage(request: SamplingFields) -> bool:
-        """vLLM's `continuous_usage_stats` (with include_usage): each chunk carries the usage so far."""
         options = request.stream_options
-        return options is not None and options.include_usage and options.continuous_usage_stats
+        if options is None:
+            return request.stream and self.enable_force_include_usage, False
+        include = options.include_usage or self.enable_force_include_usage
+        return include, include and options.continuous_usage_stats
 
-    def token_text(self, token_id: int) -> str:
-        """A token as text for logprobs; a token that is part of a character shows its bytes."""
+    def usage(self, output: RequestOutput, opening: bool = False) -> UsageInfo:
+        """The prompt counted once however many choices share it, as OpenAI bills it; `opening`: before the first
+        token (a stream's first chunk). The prefix cache's share with --enable-prompt-tokens-details."""
+        prompt_tokens = len(output.prompt_token_ids)
+        completion_tokens = 0 if opening else sum(len(completion.token_ids) for completion in output.outputs)
+        details = None
+        if self.enable_prompt_tokens_details:
+            details = PromptTokensDetails(cached_tokens=output.num_cached_tokens)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A token as text for logprobs; a token that is part of a character shows its bytes; `as_id`: vLLM's
+        `return_tokens_as_token_ids`, "token_id:123"."""
+        if as_id:
+            return f"token_id:{token_id}"
         raw = self.tokenizer.token_bytes(token_id)
         try:
             return raw.decode("utf-8")
@@ -294,15 +372,6 @@ def base_request_id(raw_request: Request | None) -> str:
     """The client's `X-Request-Id` where it sent one (vLLM's rule), else a fresh one."""
     header = None if raw_request is None else raw_request.headers.get("x-request-id")
     return header or uuid.uuid4().hex
-
-
-def usage(output: RequestOutput) -> UsageInfo:
-    """The prompt counted once however many choices share it, as OpenAI bills it."""
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens))
 
 
 def sse(chunk: BaseModel | dict | str) -> str:

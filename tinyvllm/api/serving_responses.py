@@ -229,7 +229,7 @@ class OpenAIServingResponses:
                 chunk = json.loads(payload)
                 if "error" in chunk:  # after the 200: the chat route's error event
                     error = chunk["error"]
-                    code = error.get("code") or error["type"]
+                    code = error["type"]  # vLLM's name of the error (its code is the HTTP status)
                     failed = ResponsesResponse(**head, status="failed", output=stream.output,
                                                error=ResponseError(code=code, message=error["message"]))
                     if failed.store:  # before any event: a client that leaves at one must not lose it
