@@ -41,11 +41,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the reasoning block (--reasoning-parser)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser, as in vLLM
 
 
 class StreamOptions(BaseModel):
@@ -168,7 +173,9 @@ class ChatMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None  # vLLM's extra: what the model wrote inside <think>...</think>
+    # vLLM's extra: what the model wrote inside <think>...</think>. Current vLLM names it `reasoning` (older ones
+    # `reasoning_content`, DeepSeek's name) and sends no alias; neither do we: one name, as vLLM's clients read it
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -286,7 +293,7 @@ class DeltaToolCall(_WithoutNulls):
 class DeltaMessage(_WithoutNulls):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
+    reasoning: str | None = None  # as ChatMessage.reasoning
     tool_calls: list[DeltaToolCall] | None = None
 
 

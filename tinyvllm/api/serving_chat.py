@@ -17,8 +17,8 @@ from tinyvllm.api.errors import bad_request
 from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatCompletionTokenLogprob, ChatMessage,
-                                   DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ToolCall,
-                                   TopLogprob)
+                                   CompletionTokensDetails, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                   NamedToolChoice, ToolCall, TopLogprob, UsageInfo)
 from tinyvllm.api.reasoning_parser import ThinkReasoningParser
 from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, base_request_id, choice_deltas,
                                          grammar_error, last_output, sse, sse_error, usage)
@@ -29,7 +29,8 @@ from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import StructuredOutputsParams
 
 
-# the roles of OpenAI's chat API ("developer" is the newer name of "system")
+# the roles of OpenAI's chat API ("developer" is the newer name of "system"). As in vLLM, a message may have any
+# other role too ("tool_result", a speaker's name): the chat template decides what it makes of it
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_PARSERS = ("none", "think")
 
@@ -54,7 +55,8 @@ class ToolUse:
     def make_parser(self) -> ToolParser | None:
         if not self.parse:
             return None
-        return self.parser(ToolCallPolicy([tool["function"] for tool in self.tools], self.parallel))
+        return self.parser(ToolCallPolicy([tool["function"] for tool in self.tools], self.parallel,
+                                          forced=bool(self.forced)))
 
 
 class ChoiceParser:
@@ -62,6 +64,12 @@ class ChoiceParser:
 
     def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None):
         self.reasoning, self.tools = reasoning, tools
+        self.reasoning_text = ""  # all of it so far: its tokens are counted in the usage
+
+    @property
+    def forced(self) -> bool:
+        """A forced call (tool_choice "required" or named): the reply is calls, even none when cut short."""
+        return self.tools is not None and self.tools.policy is not None and self.tools.policy.forced
 
     @property
     def active(self) -> bool:
@@ -78,6 +86,7 @@ class ChoiceParser:
             if last:
                 more_reasoning, more_content = self.reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
+            self.reasoning_text += reasoning
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if last:
@@ -194,9 +203,10 @@ class OpenAIServingChat(OpenAIServing):
                               "chat_template_kwargs")
         conversation = []
         for i, message in enumerate(messages):
-            if not isinstance(message, dict) or message.get("role") not in ROLES:
-                role = message.get("role") if isinstance(message, dict) else message
-                raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+            role = message.get("role") if isinstance(message, dict) else message
+            if not isinstance(message, dict) or not isinstance(role, str) or not role:
+                raise bad_request(f"messages[{i}].role must be a string: one of {', '.join(ROLES)}, or another role "
+                                  f"the chat template knows, got {role!r}", "messages")
             content = message.get("content")
             if content is None:  # an assistant turn of tool_calls only
                 content = ""
@@ -253,19 +263,33 @@ class OpenAIServingChat(OpenAIServing):
     def full_response(self, final: RequestOutput, head: dict, num_logprobs: int | None,
                       make_parser: Callable[[], ChoiceParser]) -> dict:
         """The stream joined: each choice's whole text through a fresh parser, as if it came in one chunk."""
-        choices = []
+        choices, parsers = [], []
         for completion in final.outputs:
             parser = make_parser()
+            parsers.append(parser)
             reasoning, content, calls = parser.feed(completion.text, last=True)
             has_reasoning = parser.reasoning is not None and parser.reasoning.has_reasoning
-            message = ChatMessage(role="assistant", content=(content or None) if calls or has_reasoning else content,
-                                  reasoning_content=reasoning if has_reasoning else None, tool_calls=calls or None)
+            # a forced call cut short by max_tokens: no content, no calls (vLLM's), finish_reason "length"
+            empty = calls or has_reasoning or parser.forced
+            message = ChatMessage(role="assistant", content=(content or None) if empty else content,
+                                  reasoning=reasoning if has_reasoning else None,
+                                  tool_calls=calls if calls or parser.forced else None)
             logprobs = None
             if num_logprobs is not None:
                 logprobs = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs)
             choices.append(ChatCompletionResponseChoice(index=completion.index, message=message, logprobs=logprobs,
                                                         finish_reason=parser.finish_reason(completion.finish_reason)))
-        return ChatCompletionResponse(**head, choices=choices, usage=usage(final)).model_dump()
+        return ChatCompletionResponse(**head, choices=choices, usage=self.usage(final, parsers)).model_dump()
+
+    def usage(self, final: RequestOutput, parsers: list[ChoiceParser]) -> UsageInfo:
+        """The usage; with a reasoning parser, also how many of the completion tokens were reasoning (vLLM's
+        `completion_tokens_details.reasoning_tokens`): the reasoning text the parser found, in tokens."""
+        billed = usage(final)
+        if self.reasoning_parser:
+            reasoning_tokens = sum(len(self.tokenizer.encode(parser.reasoning_text, add_special_tokens=False))
+                                   for parser in parsers if parser.reasoning_text)
+            billed.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        return billed
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, num_logprobs: int | None,
                             include_usage: bool, make_parser: Callable[[], ChoiceParser],
@@ -288,7 +312,8 @@ class OpenAIServingChat(OpenAIServing):
                     for choice in self.stream_choices(delta, parsers[delta.index], logprobs):
                         yield sse(ChatCompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
-                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=usage(final)))
+                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=self.usage(final,
+                                                                                            list(parsers.values()))))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE
@@ -302,7 +327,7 @@ class OpenAIServingChat(OpenAIServing):
         if not parser.active:
             messages.append(DeltaMessage(content=content))
         elif content or reasoning or logprobs is not None:
-            messages.append(DeltaMessage(content=content or None, reasoning_content=reasoning or None))
+            messages.append(DeltaMessage(content=content or None, reasoning=reasoning or None))
         for k, call in enumerate(calls, start=parser.num_calls - len(calls)):
             name = DeltaFunctionCall(name=call.function.name, arguments="")
             messages.append(DeltaMessage(tool_calls=[DeltaToolCall(index=k, id=call.id, type="function",
