@@ -279,9 +279,9 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs)
             choices.append(ChatCompletionResponseChoice(index=completion.index, message=message, logprobs=logprobs,
                                                         finish_reason=parser.finish_reason(completion.finish_reason)))
-        return ChatCompletionResponse(**head, choices=choices, usage=self.usage(final, parsers)).model_dump()
+        return ChatCompletionResponse(**head, choices=choices, usage=self.billed_usage(final, parsers)).model_dump()
 
-    def usage(self, final: RequestOutput, parsers: list[ChoiceParser]) -> UsageInfo:
+    def billed_usage(self, final: RequestOutput, parsers: list[ChoiceParser]) -> UsageInfo:
         """The usage; with a reasoning parser, also how many of the completion tokens were reasoning (vLLM's
         `completion_tokens_details.reasoning_tokens`): the reasoning text the parser found, in tokens."""
         billed = usage(final)
@@ -312,8 +312,8 @@ class OpenAIServingChat(OpenAIServing):
                     for choice in self.stream_choices(delta, parsers[delta.index], logprobs):
                         yield sse(ChatCompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
-                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=self.usage(final,
-                                                                                            list(parsers.values()))))
+                billed = self.billed_usage(final, list(parsers.values()))
+                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=billed))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE
