@@ -28,7 +28,7 @@ from tinyvllm.api.reasoning_parser import ThinkReasoningParser
 from tinyvllm.api.launcher import BackgroundServer
 from tinyvllm.api.server import build_app
 from tinyvllm.api.serving_chat import OpenAIServingChat
-from tinyvllm.api.tool_parser import HermesToolParser, tool_call_text
+from tinyvllm.api.tool_parser import HermesToolParser, Llama3JsonToolParser, ToolCallPolicy, tool_call_text
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 WEATHER = {"type": "function", "function": {
@@ -328,7 +328,7 @@ def test_the_llama3_json_tool_call_parser():
             calls, content, finish_reason = calls_of(server, stream)
             assert calls == [("get_weather", {"city": "Oslo", "unit": "celsius"})] and finish_reason == "tool_calls"
             assert not content
-    from tinyvllm.api.tool_parser import Llama3JsonToolParser, split_json_objects
+    from tinyvllm.api.tool_parser import split_json_objects
     assert LLMatcher.validate_grammar(Llama3JsonToolParser.forced_grammar([WEATHER["function"]], True)) == ""
     assert split_json_objects('{"a": "}{\\"x"}; {"b": 1} tail') == ['{"a": "}{\\"x"}', '{"b": 1}', "tail"]
 
@@ -458,6 +458,22 @@ def test_a_forced_call_cut_short_has_no_markup_and_no_calls(tiny, tool_choice):
                                      max_output_tokens=8, temperature=0, stream=True))
     assert not [e for e in events if e.type.startswith("response.output_")]
     assert events[-1].type == "response.incomplete" and events[-1].response.output == []
+    function_call = "auto" if isinstance(tool_choice, str) else {"name": "get_weather"}
+    if function_call != "auto":  # the legacy functions: no function_call, no markup
+        legacy = c.chat.completions.create(model="model", messages=ASK, functions=[t["function"] for t in TOOLS],
+                                           function_call=function_call, max_tokens=8, temperature=0).choices[0]
+        assert legacy.finish_reason == "length" and legacy.message.function_call is None
+        assert legacy.message.content is None
+
+
+@pytest.mark.parametrize("parser, cut", [(HermesToolParser, '<tool_call>\n{"name": "get_weather", "argu'),
+                                         (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"ci')])
+def test_both_parsers_drop_a_cut_forced_call_and_keep_an_unforced_one_as_text(parser, cut):
+    for forced, expected in ((True, ""), (False, cut)):
+        tools = parser(ToolCallPolicy([WEATHER["function"]], forced=forced))
+        content, calls = tools.feed(cut)
+        more_content, more_calls = tools.finish()
+        assert (content + more_content, calls + more_calls) == (expected, [])
 
 
 # ---- reasoning tokens in the usage --------------------------------------------------------------------------
