@@ -42,7 +42,7 @@ class PromptTokensDetails(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    reasoning_tokens: int = 0  # of completion_tokens, those inside the reasoning block (--reasoning-parser)
+    reasoning_tokens: int = 0
 
 
 class UsageInfo(BaseModel):
@@ -50,7 +50,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser, as in vLLM
+    completion_tokens_details: CompletionTokensDetails | None = None  # with --reasoning-parser
 
 
 class StreamOptions(BaseModel):
@@ -173,9 +173,7 @@ class ChatMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
-    # vLLM's extra: what the model wrote inside <think>...</think>. Current vLLM names it `reasoning` (older ones
-    # `reasoning_content`, DeepSeek's name) and sends no alias; neither do we: one name, as vLLM's clients read it
-    reasoning: str | None = None
+    reasoning: str | None = None  # vLLM's (no `reasoning_content` alias, as in current vLLM): inside <think>
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -293,7 +291,7 @@ class DeltaToolCall(_WithoutNulls):
 class DeltaMessage(_WithoutNulls):
     role: str | None = None
     content: str | None = None
-    reasoning: str | None = None  # as ChatMessage.reasoning
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

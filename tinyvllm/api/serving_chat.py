@@ -29,8 +29,7 @@ from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import StructuredOutputsParams
 
 
-# the roles of OpenAI's chat API ("developer" is the newer name of "system"). As in vLLM, a message may have any
-# other role too ("tool_result", a speaker's name): the chat template decides what it makes of it
+# OpenAI's roles ("developer" is the newer "system"); as in vLLM, any other string goes to the chat template too
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_PARSERS = ("none", "think")
 
@@ -64,11 +63,11 @@ class ChoiceParser:
 
     def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None):
         self.reasoning, self.tools = reasoning, tools
-        self.reasoning_text = ""  # all of it so far: its tokens are counted in the usage
+        self.reasoning_text = ""
 
     @property
     def forced(self) -> bool:
-        """A forced call (tool_choice "required" or named): the reply is calls, even none when cut short."""
+        """tool_choice "required" or named: the reply is calls, none when cut short."""
         return self.tools is not None and self.tools.policy is not None and self.tools.policy.forced
 
     @property
@@ -269,7 +268,6 @@ class OpenAIServingChat(OpenAIServing):
             parsers.append(parser)
             reasoning, content, calls = parser.feed(completion.text, last=True)
             has_reasoning = parser.reasoning is not None and parser.reasoning.has_reasoning
-            # a forced call cut short by max_tokens: no content, no calls (vLLM's), finish_reason "length"
             empty = calls or has_reasoning or parser.forced
             message = ChatMessage(role="assistant", content=(content or None) if empty else content,
                                   reasoning=reasoning if has_reasoning else None,
@@ -282,8 +280,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(**head, choices=choices, usage=self.billed_usage(final, parsers)).model_dump()
 
     def billed_usage(self, final: RequestOutput, parsers: list[ChoiceParser]) -> UsageInfo:
-        """The usage; with a reasoning parser, also how many of the completion tokens were reasoning (vLLM's
-        `completion_tokens_details.reasoning_tokens`): the reasoning text the parser found, in tokens."""
+        """The usage, with the reasoning text's tokens (vLLM's `reasoning_tokens`) under a reasoning parser."""
         billed = usage(final)
         if self.reasoning_parser:
             reasoning_tokens = sum(len(self.tokenizer.encode(parser.reasoning_text, add_special_tokens=False))

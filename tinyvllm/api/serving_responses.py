@@ -121,7 +121,6 @@ class OpenAIServingResponses:
         output = []
         if message.get("reasoning"):
             output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=message["reasoning"])]))
-        # no message item for no content where calls were asked for: tool_calls [] is a forced call cut short
         if message.get("content") or message.get("tool_calls") is None:
             output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=message.get("content") or "")],
                                         status="incomplete" if finish_reason == "length" else "completed"))

@@ -86,15 +86,8 @@ def with_default_tool_prompt(messages: list[dict], tools: list[dict] | None) -> 
 
 
 def call_rules(functions: list[dict], arguments_key: str = "arguments") -> str:
-    """Lark rules for one call, `call: call_0 | call_1 | ...`, each the JSON text one function's call is:
-
-        call_0: "{\\"name\\": \\"get_weather\\", \\"arguments\\": " arguments_0 "}"
-        arguments_0: %json {...get_weather's parameters, whole...}
-
-    Each function's parameters stay a JSON schema of their own, so the `$defs` a nested pydantic model writes at
-    the schema's root, and the `$ref`s that point there ("#/$defs/WeatherOptions"), resolve as written: nested in
-    one schema of all the calls (an anyOf of {"name", "arguments"} objects), "#/$defs/..." would point at that
-    schema's root, where nothing is. The text around the arguments is JSON as json.dumps writes it (JSON_OPTIONS).
+    """Lark rules for one call, `call: call_0 | call_1 | ...`, one per function, its parameters a whole schema
+    (`arguments_0: %json {...}`) so that their "#/$defs/..." `$ref`s resolve (docs: 09-appendix-tools-and-reasoning).
     """
     rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, function in enumerate(functions):
@@ -116,12 +109,8 @@ def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
 
 
 class ToolCallPolicy:
-    """Which calls a client gets: undeclared ones dropped, one without parallel calls, bad arguments left as text.
-
-    A forced call (`forced`: tool_choice "required" or named) is the grammar's, so the whole output is calls: text
-    that is not a valid call can only be a call that max_tokens cut short, and it is dropped, not sent as content
-    (vLLM's answer then: no content, no calls, finish_reason "length").
-    """
+    """Which calls a client gets: undeclared ones dropped, one without parallel calls, bad arguments left as text
+    (`forced` calls: dropped, as only max_tokens can cut a call the grammar writes)."""
 
     def __init__(self, functions: list[dict], parallel: bool = True, forced: bool = False):
         self.functions = {f["name"]: f for f in functions}
@@ -177,7 +166,7 @@ class ToolParser:
         verdict = "invalid" if call is None else "keep" if self.policy is None else self.policy.check(
             call, self.num_calls)
         if verdict == "invalid" and self.policy is not None and self.policy.forced:
-            verdict = "drop"  # a forced call cut short: no markup as content
+            verdict = "drop"
         if verdict == "keep":
             self.num_calls += 1
             return "", call
