@@ -81,8 +81,9 @@ def test_messages_without_content_are_served(server, messages):
     assert response.status_code == 200, response.text
 
 
-def test_an_unknown_role_is_a_400(server):
+def test_a_role_that_is_not_a_string_is_a_400(server):
+    # any string is a role (the chat template decides); anything else is not
     response = httpx.post(f"{server.url}/v1/chat/completions",
-                          json={"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}, timeout=60)
+                          json={"messages": [{"role": 7, "content": "hi"}], "max_tokens": 2}, timeout=60)
     assert response.status_code == 400
-    assert "role must be one of" in response.json()["error"]["message"]
+    assert "role must be a string" in response.json()["error"]["message"]

@@ -107,7 +107,7 @@ def test_best_of_keeps_each_prompts_n_most_likely_samples():
 
 def test_a_streamed_chat_message_becomes_output_items():
     stream = ItemStream()
-    events = stream.feed({"delta": {"reasoning_content": "think"}})
+    events = stream.feed({"delta": {"reasoning": "think"}})
     events += stream.feed({"delta": {"content": "Hel"}})
     events += stream.feed({"delta": {"content": "lo"}, "finish_reason": "stop"})
     events += stream.close()

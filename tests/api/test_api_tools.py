@@ -9,8 +9,10 @@ reasoning split need an output we choose: `FakeLLMEngine(reply=...)` says a fixe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from contextlib import contextmanager
+from enum import Enum
 from types import SimpleNamespace
 
 import httpx
@@ -18,13 +20,15 @@ import openai
 import pytest
 from api_helpers import client, stream_json
 from fake_engine import FakeLLMEngine, shared_tokenizer
+from llguidance import LLMatcher
+from pydantic import BaseModel, ConfigDict, Field
 
-from conftest import write_tiny_model
+from conftest import TINY_CONFIG, write_tiny_model
 from tinyvllm.api.reasoning_parser import ThinkReasoningParser
 from tinyvllm.api.launcher import BackgroundServer
 from tinyvllm.api.server import build_app
 from tinyvllm.api.serving_chat import OpenAIServingChat
-from tinyvllm.api.tool_parser import HermesToolParser
+from tinyvllm.api.tool_parser import HermesToolParser, Llama3JsonToolParser, ToolCallPolicy, tool_call_text
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 WEATHER = {"type": "function", "function": {
@@ -65,8 +69,10 @@ def serve_app(engine_factory, **app_options):
 def tiny(tmp_path_factory):
     from tinyvllm.engine.llm_engine import LLMEngine
 
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny-tools"), seed=3)
-    with serve_app(lambda: LLMEngine(path, max_model_len=512, kv_cache_memory="16MiB", max_num_seqs=4,
+    # a longer context than TINY_CONFIG's: the tools built from pydantic models take ~500 prompt tokens
+    config = dataclasses.replace(TINY_CONFIG, max_position_embeddings=1536)
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny-tools"), config, seed=3)
+    with serve_app(lambda: LLMEngine(path, max_model_len=1536, kv_cache_memory="16MiB", max_num_seqs=4,
                                      max_num_batched_tokens=64), served_model_names=["model"]) as server:
         yield server
 
@@ -119,7 +125,8 @@ def test_auto_parses_the_call_and_splits_the_reasoning(fake):
     c = client(fake)
     response = c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0)
     message, finish_reason = response.choices[0].message, response.choices[0].finish_reason
-    assert message.reasoning_content == "The user wants the weather." and message.content == "I will check."
+    assert message.reasoning == "The user wants the weather." and message.content == "I will check."
+    assert "reasoning_content" not in message.model_dump()  # vLLM's current name only
     assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == \
         [("get_weather", {"city": "Paris", "unit": "celsius"})]
     assert finish_reason == "tool_calls"
@@ -127,7 +134,8 @@ def test_auto_parses_the_call_and_splits_the_reasoning(fake):
     chunks = list(c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0,
                                             stream=True))
     deltas = [chunk.choices[0].delta for chunk in chunks]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+    assert not any("reasoning_content" in d.model_dump() for d in deltas)
     assert "".join(d.content or "" for d in deltas) == message.content
     with c.chat.completions.stream(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0) as stream:
         streamed = stream.get_final_completion().choices[0]
@@ -147,7 +155,7 @@ def test_no_reasoning_parser_leaves_the_text_whole():
     with serve_app(lambda: FakeLLMEngine(reply=REPLY, max_model_len=1024, num_blocks=256)) as server:
         message = client(server).chat.completions.create(model="fake-smollm2", messages=ASK,
                                                          temperature=0).choices[0].message
-    assert message.content == f"{REPLY}" and getattr(message, "reasoning_content", None) is None
+    assert message.content == f"{REPLY}" and getattr(message, "reasoning", None) is None
 
 
 def pieces(text: str, size: int) -> list[str]:
@@ -273,7 +281,7 @@ def calls_server():
 
 def calls_of(server, stream: bool, **request) -> tuple[list[tuple[str, dict]], str | None, str]:
     c = client(server)
-    request = dict(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0, **request)
+    request = {"model": "fake-smollm2", "messages": ASK, "tools": TOOLS, "temperature": 0, **request}
     if stream:
         with c.chat.completions.stream(**request) as s:
             choice = s.get_final_completion().choices[0]
@@ -320,8 +328,184 @@ def test_the_llama3_json_tool_call_parser():
             calls, content, finish_reason = calls_of(server, stream)
             assert calls == [("get_weather", {"city": "Oslo", "unit": "celsius"})] and finish_reason == "tool_calls"
             assert not content
-    from llguidance import LLMatcher
-
-    from tinyvllm.api.tool_parser import Llama3JsonToolParser, split_json_objects
+    from tinyvllm.api.tool_parser import split_json_objects
     assert LLMatcher.validate_grammar(Llama3JsonToolParser.forced_grammar([WEATHER["function"]], True)) == ""
     assert split_json_objects('{"a": "}{\\"x"}; {"b": 1} tail') == ['{"a": "}{\\"x"}', '{"b": 1}', "tail"]
+
+
+# ---- tools built from pydantic models: parameters with $defs and $refs ---------------------------------------
+
+class Unit(str, Enum):
+    CELSIUS = "celsius"
+    FAHRENHEIT = "fahrenheit"
+
+
+class Strict(BaseModel):
+    # {"additionalProperties": false}, as OpenAI's strict tools have it; else a random model invents keys forever
+    model_config = ConfigDict(extra="forbid")
+
+
+class Options(Strict):
+    unit: Unit
+    days: int | None = Field(None, ge=0, le=9)  # Optional: {"anyOf": [integer, null]}
+
+
+class Forecast(Strict):
+    city: str = Field(max_length=8)
+    options: Options  # a nested model: {"$ref": "#/$defs/Options"}
+    more: list[Options] = Field(default_factory=list, max_length=2)  # a list of them
+
+
+class Node(Strict):  # a recursive model: its own $defs entry refers to itself
+    name: str = Field(max_length=6)
+    children: list[Node] = Field(default_factory=list, max_length=1)
+
+
+MODELS = {"forecast": Forecast, "tree": Node}
+PYDANTIC_TOOLS = [{"type": "function", "function": {"name": name, "parameters": model.model_json_schema()}}
+                  for name, model in MODELS.items()]
+
+
+def test_pydantic_tools_have_defs_and_refs():
+    assert {"$defs", "properties"} <= set(Forecast.model_json_schema())
+    assert Node.model_json_schema()["$ref"] == "#/$defs/Node"
+
+
+def check_model_call(name: str, arguments: str) -> None:
+    MODELS[name].model_validate_json(arguments)  # raises when the arguments do not fit the model
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "forecast"}},
+                                         {"type": "function", "function": {"name": "tree"}}])
+def test_forced_calls_to_pydantic_tools(tiny, tool_choice):
+    # before: a 400, "Pointer '/$defs/Options' does not exist": the $defs were left inside the call schema's anyOf
+    c = client(tiny)
+    for temperature, seed in [(0, None), (1.0, 0), (1.0, 1)]:
+        request = dict(model="model", messages=ASK, tools=PYDANTIC_TOOLS, tool_choice=tool_choice, max_tokens=200,
+                       temperature=temperature, seed=seed, parallel_tool_calls=False)
+        choice = c.chat.completions.create(**request).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        if not isinstance(tool_choice, str):
+            assert call.function.name == tool_choice["function"]["name"]
+        check_model_call(call.function.name, call.function.arguments)
+        with c.chat.completions.stream(**request) as stream:
+            streamed = stream.get_final_completion().choices[0]
+        assert [(t.function.name, t.function.arguments) for t in streamed.message.tool_calls] == \
+            [(call.function.name, call.function.arguments)]
+
+
+def test_pydantic_tools_in_the_responses_api_and_legacy_functions(tiny):
+    c = client(tiny)
+    tools = [{"type": "function", **tool["function"]} for tool in PYDANTIC_TOOLS]
+    response = c.responses.create(model="model", input="Weather?", tools=tools, tool_choice="required",
+                                  max_output_tokens=200, temperature=0)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and len(calls) >= 1
+    for call in calls:
+        check_model_call(call.name, call.arguments)
+    functions = [tool["function"] for tool in PYDANTIC_TOOLS]
+    choice = c.chat.completions.create(model="model", messages=ASK, functions=functions,
+                                       function_call={"name": "forecast"}, max_tokens=200, temperature=0).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.function_call.name == "forecast"
+    check_model_call("forecast", choice.message.function_call.arguments)
+
+
+def test_auto_calls_to_pydantic_tools():
+    arguments = {"city": "Oslo", "options": {"unit": "celsius", "days": 2}, "more": [{"unit": "fahrenheit"}]}
+    reply = tool_call_text("forecast", arguments)
+    with serve_app(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256)) as server:
+        for stream in (False, True):
+            calls, content, finish_reason = calls_of(server, stream, tools=PYDANTIC_TOOLS)
+            assert calls == [("forecast", arguments)] and not content and finish_reason == "tool_calls"
+
+
+def test_the_forced_grammar_gives_each_tool_its_schema_whole(fake):
+    grammar = HermesToolParser.forced_grammar([tool["function"] for tool in PYDANTIC_TOOLS], True)
+    assert LLMatcher.validate_grammar(grammar) == ""
+    # a $ref to nowhere is still a 400 naming the tools, whatever tool_choice
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"$ref": "#/$defs/Missing"}}}
+    for tool_choice in ("auto", "required"):
+        response = httpx.post(f"{fake.url}/v1/chat/completions",
+                              json={"messages": ASK, "tools": [bad], "tool_choice": tool_choice}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+        assert "Missing" in response.json()["error"]["message"]
+
+
+# ---- a forced call cut short by max_tokens ends clean -----------------------------------------------------
+
+FORCED = ["required", {"type": "function", "function": {"name": "get_weather"}}]
+
+
+@pytest.mark.parametrize("tool_choice", FORCED)
+def test_a_forced_call_cut_short_has_no_markup_and_no_calls(tiny, tool_choice):
+    # before: content was the cut call's markup, '<tool_call>\n{"name": "get_w...'
+    c = client(tiny)
+    request = dict(model="model", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=8, temperature=0)
+    choice = c.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None and choice.message.tool_calls == []
+    events, _ = stream_json(tiny, "/v1/chat/completions", request)
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0] == {"role": "assistant"}
+    assert not any(d.get("content") or d.get("tool_calls") for d in deltas)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    responses_choice = tool_choice if isinstance(tool_choice, str) else {"type": "function", "name": "get_weather"}
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    response = c.responses.create(model="model", input="Weather?", tools=tools, tool_choice=responses_choice,
+                                  max_output_tokens=8, temperature=0)
+    assert response.status == "incomplete" and response.output == []
+    events = list(c.responses.create(model="model", input="Weather?", tools=tools, tool_choice=responses_choice,
+                                     max_output_tokens=8, temperature=0, stream=True))
+    assert not [e for e in events if e.type.startswith("response.output_")]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output == []
+    function_call = "auto" if isinstance(tool_choice, str) else {"name": "get_weather"}
+    if function_call != "auto":  # the legacy functions: no function_call, no markup
+        legacy = c.chat.completions.create(model="model", messages=ASK, functions=[t["function"] for t in TOOLS],
+                                           function_call=function_call, max_tokens=8, temperature=0).choices[0]
+        assert legacy.finish_reason == "length" and legacy.message.function_call is None
+        assert legacy.message.content is None
+
+
+@pytest.mark.parametrize("parser, cut", [(HermesToolParser, '<tool_call>\n{"name": "get_weather", "argu'),
+                                         (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"ci')])
+def test_both_parsers_drop_a_cut_forced_call_and_keep_an_unforced_one_as_text(parser, cut):
+    for forced, expected in ((True, ""), (False, cut)):
+        tools = parser(ToolCallPolicy([WEATHER["function"]], forced=forced))
+        content, calls = tools.feed(cut)
+        more_content, more_calls = tools.finish()
+        assert (content + more_content, calls + more_calls) == (expected, [])
+
+
+# ---- reasoning tokens in the usage --------------------------------------------------------------------------
+
+def test_reasoning_tokens_are_counted(fake):
+    expected = len(shared_tokenizer().encode("The user wants the weather.", add_special_tokens=False))
+    c = client(fake)
+    response = c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0)
+    assert response.usage.completion_tokens_details.reasoning_tokens == expected
+    chunks = list(c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected
+    # before: the Responses API's output_tokens_details.reasoning_tokens stayed 0
+    assert c.responses.create(model="fake-smollm2", input="Weather?",
+                              temperature=0).usage.output_tokens_details.reasoning_tokens == expected
+    events = list(c.responses.create(model="fake-smollm2", input="Weather?", temperature=0, stream=True))
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == expected
+
+
+# ---- any role a chat template knows ----------------------------------------------------------------------
+
+def test_any_role_reaches_the_chat_template(fake):
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "tool_result", "content": "18 C"},
+                {"role": "Ada", "content": [{"type": "text", "text": "Hi"}]}]
+    text = serving_chat(shared_tokenizer()).render_text(messages)
+    assert ("<|im_start|>developer\nBe brief.<|im_end|>\n<|im_start|>tool_result\n18 C<|im_end|>\n"
+            "<|im_start|>Ada\nHi<|im_end|>\n") in text
+    response = httpx.post(f"{fake.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    for role in (None, 5, ""):
+        response = httpx.post(f"{fake.url}/v1/chat/completions",
+                              json={"messages": [{"role": role, "content": "hi"}], "max_tokens": 4}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        assert "role must be a string" in response.json()["error"]["message"]

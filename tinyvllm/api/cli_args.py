@@ -57,7 +57,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-stop-length", type=int, default=defaults.max_stop_length,
                    help=f"longest stop string, in characters (default {defaults.max_stop_length})")
     p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
-                   help="think: send the model's <think>...</think> as reasoning_content (default none)")
+                   help="think: send the model's <think>...</think> as reasoning (default none)")
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
                    help="the format the model writes tool calls in: hermes (<tool_call> JSON </tool_call>: Qwen, "
                         "Hermes, SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+; default hermes)")

@@ -2,20 +2,17 @@
 and every field vLLM's (and OpenAI's) model of that request has, each SUPPORTED (our model has it and the serving
 code does what it asks) or `Refused` (a 400 naming the field, why, and what to use instead).
 
-A client written for vLLM may send any of vLLM's fields; silently ignoring one would return an answer to a
-different question than the one asked (a `bad_words` list not applied, a `truncate_prompt_tokens` not truncated).
-So nothing is ignored:
+A client written for vLLM may send any of vLLM's fields; ignoring one would answer another question (a
+`bad_words` list not applied). So nothing is ignored:
 
     field in our model                      parsed and used (SUPPORTED)
     field Refused here, at its default      accepted and dropped: the default asks for nothing
     field Refused here, any other value     400 "name=value: why; the alternative", param: the field
     field in neither                        400 "name: unknown field" (the models forbid extra fields)
 
-A refused field is accepted at its default because many clients send every field at its default
-(`use_beam_search: false`, `length_penalty: 1.0`): that value asks for exactly what this server does anyway. The
-default is vLLM's own, and null (not sent) for OpenAI's fields vLLM lacks. `RequestModel` applies the table in one place, before
-pydantic sees the body; tests/api/test_api_fields.py walks vLLM's field names (saved as test data) against it.
-Taught in docs/phases/09-appendix-endpoints.md, section 2.
+Many clients send every field at its default (vLLM's; null for OpenAI's fields vLLM lacks), hence the second row.
+`RequestModel` applies the table before pydantic sees the body; tests/api/test_api_fields.py walks vLLM's field
+names (saved as test data) against it. Taught in docs/phases/09-appendix-endpoints.md, section 2.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def responses(ok: type | dict, *statuses: int, stream: bool = False) -> dict:
 # Two fields whose pydantic type is looser than what the serving code serves, described as served, so that a
 # generated client or a fuzzer sends requests that can reach the engine (serving_chat checks messages' roles).
 CHAT_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string", "enum": list(ROLES)},
+    "role": {"type": "string", "minLength": 1, "examples": list(ROLES)},
     "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
         "type": "object", "required": ["type", "text"],
         "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]},

@@ -42,11 +42,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with --reasoning-parser
 
 
 class StreamOptions(BaseModel):
@@ -201,7 +206,7 @@ class ChatMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None  # vLLM's extra: what the model wrote inside <think>...</think>
+    reasoning: str | None = None  # vLLM's (no `reasoning_content` alias, as in current vLLM): inside <think>
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -343,7 +348,7 @@ class DeltaToolCall(_WithoutNulls):
 class DeltaMessage(_WithoutNulls):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -1,4 +1,4 @@
-"""Reasoning split (vLLM's `--reasoning-parser think`): `<think>...</think>` sent as `reasoning_content`, held
+"""Reasoning split (vLLM's `--reasoning-parser think`): `<think>...</think>` sent as `reasoning`, held
 back only where a tag may still be forming. Taught in docs/phases/09-appendix-tools-and-reasoning.md.
 """
 

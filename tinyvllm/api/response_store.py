@@ -2,18 +2,13 @@
 can continue one (`previous_response_id`), read it (`GET /v1/responses/{id}`) or cancel it while it runs in the
 background (`POST /v1/responses/{id}/cancel`).
 
-What a response needs to be continued is more than its output: vLLM keeps, beside each response, the chat
-messages it was generated from (its instructions, the history it continued, its input), and a continuation is
-those messages + the response's output as assistant messages + the new input. So a conversation of any length is
-one entry per turn, each holding the whole history up to it; continuing one entry twice gives two independent
-branches, since nothing stored is ever changed.
+As in vLLM, each response is kept with the chat messages it was generated from; a continuation is those messages +
+the response's output as an assistant message + the new input. Nothing stored changes, so continuing one response
+twice gives two independent branches.
 
-vLLM keeps both in dicts that only grow, and so stores nothing unless VLLM_ENABLE_RESPONSES_API_STORE is set. Here
-the store is bounded instead: at most `max_entries` responses (`--max-stored-responses`), and when it is full the
-oldest finished one is forgotten (first in, first out); a later reference to it gets vLLM's 404, "Response with id
-... not found". Responses still queued or running in the background are never evicted (their client is waiting
-to poll them), so the store can hold more than `max_entries` only while that many background requests run, which
-the engine's --max-waiting bounds. `max_entries = 0` stores nothing, as vLLM by default.
+vLLM's store only grows (so it is off by default); this one holds at most `max_entries` (`--max-stored-responses`,
+0: none) and forgets the oldest finished response first. Queued or running ones are never evicted: their client
+will poll them.
 
     entries (oldest first):  resp_a (completed) -> resp_b (in_progress, background) -> resp_c (completed)
     full, put(resp_d):       forget resp_a (the oldest finished), keep resp_b (still running)

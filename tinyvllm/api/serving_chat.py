@@ -17,8 +17,8 @@ from tinyvllm.api.errors import bad_request
 from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatCompletionTokenLogprob, ChatMessage,
-                                   DeltaFunctionCall, DeltaMessage, DeltaToolCall, NamedToolChoice, ToolCall,
-                                   TopLogprob)
+                                   CompletionTokensDetails, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                   NamedToolChoice, ToolCall, TopLogprob, UsageInfo)
 from tinyvllm.api.reasoning_parser import ThinkReasoningParser
 from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, base_request_id, choice_deltas,
                                          grammar_error, last_output, sse, sse_error)
@@ -29,7 +29,7 @@ from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import StructuredOutputsParams
 
 
-# the roles of OpenAI's chat API ("developer" is the newer name of "system")
+# OpenAI's roles ("developer" is the newer "system"); as in vLLM, any other string goes to the chat template too
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_PARSERS = ("none", "think")
 
@@ -54,7 +54,8 @@ class ToolUse:
     def make_parser(self) -> ToolParser | None:
         if not self.parse:
             return None
-        return self.parser(ToolCallPolicy([tool["function"] for tool in self.tools], self.parallel))
+        return self.parser(ToolCallPolicy([tool["function"] for tool in self.tools], self.parallel,
+                                          forced=bool(self.forced)))
 
 
 class ChoiceParser:
@@ -62,6 +63,12 @@ class ChoiceParser:
 
     def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None):
         self.reasoning, self.tools = reasoning, tools
+        self.reasoning_text = ""
+
+    @property
+    def forced(self) -> bool:
+        """tool_choice "required" or named: the reply is calls, none when cut short."""
+        return self.tools is not None and self.tools.policy is not None and self.tools.policy.forced
 
     @property
     def active(self) -> bool:
@@ -78,6 +85,7 @@ class ChoiceParser:
             if last:
                 more_reasoning, more_content = self.reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
+            self.reasoning_text += reasoning
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if last:
@@ -211,9 +219,10 @@ class OpenAIServingChat(OpenAIServing):
                               "chat_template_kwargs")
         conversation = []
         for i, message in enumerate(messages):
-            if not isinstance(message, dict) or message.get("role") not in ROLES:
-                role = message.get("role") if isinstance(message, dict) else message
-                raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+            role = message.get("role") if isinstance(message, dict) else message
+            if not isinstance(message, dict) or not isinstance(role, str) or not role:
+                raise bad_request(f"messages[{i}].role must be a string: one of {', '.join(ROLES)}, or another role "
+                                  f"the chat template knows, got {role!r}", "messages")
             content = message.get("content")
             if content is None:  # an assistant turn of tool_calls only
                 content = ""
@@ -271,17 +280,19 @@ class OpenAIServingChat(OpenAIServing):
     def full_response(self, final: RequestOutput, head: dict, num_logprobs: int | None,
                       make_parser: Callable[[], ChoiceParser], request: ChatCompletionRequest) -> dict:
         """The stream joined: each choice's whole text through a fresh parser, as if it came in one chunk."""
-        choices = []
+        choices, parsers = [], []
         echoed = self.echoed(request)
         for completion in final.outputs:
             parser = make_parser()
+            parsers.append(parser)
             reasoning, content, calls = parser.feed(completion.text, last=True)
             has_reasoning = parser.reasoning is not None and parser.reasoning.has_reasoning
-            content = (content or None) if calls or has_reasoning else content
+            empty = calls or has_reasoning or parser.forced
+            content = (content or None) if empty else content
             if echoed:
                 content = echoed + (content or "")
-            message = ChatMessage(role="assistant", content=content,
-                                  reasoning_content=reasoning if has_reasoning else None, tool_calls=calls or None)
+            message = ChatMessage(role="assistant", content=content, reasoning=reasoning if has_reasoning else None,
+                                  tool_calls=calls if calls or parser.forced else None)
             logprobs = None
             if num_logprobs is not None:
                 logprobs = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs,
@@ -293,9 +304,19 @@ class OpenAIServingChat(OpenAIServing):
         prompt_logprobs = None
         if final.prompt_logprobs is not None:
             prompt_logprobs = self.prompt_logprobs(final.prompt_token_ids, final.prompt_logprobs)
-        return ChatCompletionResponse(**head, choices=choices, usage=self.usage(final), prompt_logprobs=prompt_logprobs,
+        return ChatCompletionResponse(**head, choices=choices, usage=self.billed_usage(final, parsers),
+                                      prompt_logprobs=prompt_logprobs,
                                       prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None
                                       ).model_dump()
+
+    def billed_usage(self, final: RequestOutput, parsers: list[ChoiceParser]) -> UsageInfo:
+        """The usage, with the reasoning text's tokens (vLLM's `reasoning_tokens`) under a reasoning parser."""
+        billed = self.usage(final)
+        if self.reasoning_parser:
+            reasoning_tokens = sum(len(self.tokenizer.encode(parser.reasoning_text, add_special_tokens=False))
+                                   for parser in parsers if parser.reasoning_text)
+            billed.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        return billed
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, num_logprobs: int | None,
                             include_usage: bool, make_parser: Callable[[], ChoiceParser], forced_tool: bool,
@@ -326,7 +347,8 @@ class OpenAIServingChat(OpenAIServing):
                     for choice in self.stream_choices(delta, parsers[delta.index], logprobs, token_ids):
                         yield sse(ChatCompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
-                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=self.usage(final)))
+                billed = self.billed_usage(final, list(parsers.values()))
+                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=billed))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE
@@ -341,7 +363,7 @@ class OpenAIServingChat(OpenAIServing):
         if not parser.active:
             messages.append(DeltaMessage(content=content))
         elif content or reasoning or logprobs is not None:
-            messages.append(DeltaMessage(content=content or None, reasoning_content=reasoning or None))
+            messages.append(DeltaMessage(content=content or None, reasoning=reasoning or None))
         for k, call in enumerate(calls, start=parser.num_calls - len(calls)):
             name = DeltaFunctionCall(name=call.function.name, arguments="")
             messages.append(DeltaMessage(tool_calls=[DeltaToolCall(index=k, id=call.id, type="function",

@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from tinyvllm.api.errors import OpenAIError, bad_request, to_openai_error
 from tinyvllm.api.protocol import ChatCompletionRequest
 from tinyvllm.api.protocol_responses import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage,
-                                             OutputText, ReasoningItem, ReasoningText, ResponseError,
-                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
+                                             OutputText, OutputTokensDetails, ReasoningItem, ReasoningText,
+                                             ResponseError, ResponsesRequest, ResponsesResponse, ResponseUsage)
 from tinyvllm.api.response_store import DEFAULT_MAX_STORED_RESPONSES, RUNNING, ResponseStore, StoredResponse
 from tinyvllm.api.serving_chat import OpenAIServingChat
 
@@ -197,9 +197,9 @@ class OpenAIServingResponses:
         choice = answer["choices"][0]
         message, finish_reason = choice["message"], choice["finish_reason"]
         output = []
-        if message.get("reasoning_content"):
-            output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=message["reasoning_content"])]))
-        if message.get("content") or not message.get("tool_calls"):
+        if message.get("reasoning"):
+            output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=message["reasoning"])]))
+        if message.get("content") or message.get("tool_calls") is None:
             text = OutputText(text=message.get("content") or "", logprobs=token_logprobs(choice))
             output.append(OutputMessage(id=item_id("msg"), content=[text],
                                         status="incomplete" if finish_reason == "length" else "completed"))
@@ -275,8 +275,8 @@ class ItemStream:
     def feed(self, choice: dict) -> list[tuple[str, dict]]:
         events, delta = [], choice["delta"]
         self.pending_logprobs += token_logprobs(choice) or []
-        if delta.get("reasoning_content"):
-            events += self.text_delta(ReasoningItem, delta["reasoning_content"])
+        if delta.get("reasoning"):
+            events += self.text_delta(ReasoningItem, delta["reasoning"])
         if delta.get("content"):
             events += self.text_delta(OutputMessage, delta["content"])
         for call in delta.get("tool_calls") or []:
@@ -400,9 +400,11 @@ def outcome(finish_reason: str | None) -> dict:
 
 def response_usage(usage: dict) -> ResponseUsage:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return ResponseUsage(input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
                          total_tokens=usage["total_tokens"], input_tokens_details=InputTokensDetails(
-                             cached_tokens=cached))
+                             cached_tokens=cached), output_tokens_details=OutputTokensDetails(
+                             reasoning_tokens=reasoning))
 
 
 def renamed(error: OpenAIError) -> OpenAIError:

@@ -85,12 +85,16 @@ def with_default_tool_prompt(messages: list[dict], tools: list[dict] | None) -> 
     return out
 
 
-def call_schema(functions: list[dict], arguments_key: str = "arguments") -> dict:
-    """The JSON schema of one call: {"name": one of `functions`, arguments_key: its parameters}."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-              "properties": {"name": {"const": f["name"]}, arguments_key: f.get("parameters") or NO_PARAMETERS}}
-             for f in functions]
-    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
+def call_rules(functions: list[dict], arguments_key: str = "arguments") -> str:
+    """Lark rules for one call, `call: call_0 | call_1 | ...`, one per function, its parameters a whole schema
+    (`arguments_0: %json {...}`) so that their "#/$defs/..." `$ref`s resolve (docs: 09-appendix-tools-and-reasoning).
+    """
+    rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        head = json.dumps(f'{{"name": {json.dumps(function["name"])}, "{arguments_key}": ')  # a Lark string literal
+        schema = {**(function.get("parameters") or NO_PARAMETERS), "x-guidance": JSON_OPTIONS}
+        rules += [f'call_{i}: {head} arguments_{i} "}}"', f"arguments_{i}: %json {json.dumps(schema)}"]
+    return "\n".join(rules)
 
 
 def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
@@ -98,19 +102,20 @@ def forced_tool_grammar(functions: list[dict], parallel: bool = False) -> str:
 
         start: block ("\\n" block)*              (parallel; else start: block)
         block: "<tool_call>\\n" call "\\n</tool_call>"
-        call: %json {"anyOf": [{"properties": {"name": {"const": "get_weather"}, "arguments": {...}}, ...}]}
+        call: call_0 | call_1 | ...              (`call_rules`: one per function)
     """
     start = 'start: block ("\\n" block)*' if parallel else "start: block"
-    return (f'{start}\nblock: "{START}\\n" call "\\n{END}"\n'
-            f"call: %json {json.dumps(call_schema(functions))}")
+    return f'{start}\nblock: "{START}\\n" call "\\n{END}"\n{call_rules(functions)}'
 
 
 class ToolCallPolicy:
-    """Which calls a client gets: undeclared ones dropped, one without parallel calls, bad arguments left as text."""
+    """Which calls a client gets: undeclared ones dropped, one without parallel calls, bad arguments left as text
+    (`forced` calls: dropped, as only max_tokens can cut a call the grammar writes)."""
 
-    def __init__(self, functions: list[dict], parallel: bool = True):
+    def __init__(self, functions: list[dict], parallel: bool = True, forced: bool = False):
         self.functions = {f["name"]: f for f in functions}
         self.parallel = parallel
+        self.forced = forced
         self._validators: dict[str, object] = {}
 
     def check(self, call: ToolCall, num_kept: int) -> str:
@@ -160,6 +165,8 @@ class ToolParser:
         """A call found in `text` (None: the text did not parse as one) -> (content, the call if kept)."""
         verdict = "invalid" if call is None else "keep" if self.policy is None else self.policy.check(
             call, self.num_calls)
+        if verdict == "invalid" and self.policy is not None and self.policy.forced:
+            verdict = "drop"
         if verdict == "keep":
             self.num_calls += 1
             return "", call
@@ -271,7 +278,7 @@ class Llama3JsonToolParser(ToolParser):
     def forced_grammar(functions: list[dict], parallel: bool) -> str:
         """One call, or several separated by "; " when `parallel`: {"name": ..., "parameters": {...}}."""
         start = 'start: call ("; " call)*' if parallel else "start: call"
-        return f"{start}\ncall: %json {json.dumps(call_schema(functions, 'parameters'))}"
+        return f"{start}\n{call_rules(functions, 'parameters')}"
 
 
 def split_json_objects(text: str) -> list[str]:
