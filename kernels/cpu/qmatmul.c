@@ -120,12 +120,18 @@
 /* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers. Below 8 rows
  * its set-up (each chunk's scales as floats, each tile's scale products) costs more than it saves: the pairs. */
 #define WIDE_TILE_MIN_M 8
-#define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH)
+/* 2 to FEW_ROWS_MAX_M rows of x (a few sequences decoding, or one verifying its drafts): "the few rows" (below),
+ * the stream of M = 1 with every row of x applied to each block of w as it passes */
+#ifndef FEW_ROWS_MAX_M
+#define FEW_ROWS_MAX_M 8
+#endif
+#define TV_FEW_ROWS (TV_AVX2 && TV_M > 1 && TV_M <= FEW_ROWS_MAX_M && !TV_FLOAT_PATH)
+#define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH && !TV_FEW_ROWS)
 /* M = 1 streams each weight once, so the work per block is what counts: AVX2's 256-bit route, whose operations run
  * on three vector ports, where the 512-bit pairs below (fewer instructions, but while a 512-bit operation is in flight
  * this CPU's port 1 takes no vector work, and three of their nine operations are shuffles, on port 5 alone) measured
  * 1.2-1.4x slower at every Q4_1 shape of the default model, one thread or two, from memory or cache. */
-#define TV_PAIRS (TV_AVX512 && !TV_WIDE_TILE && TV_M > 1)
+#define TV_PAIRS (TV_AVX512 && !TV_WIDE_TILE && !TV_FEW_ROWS && TV_M > 1)
 #if TV_WIDE_TILE && !defined(TV_NO_WIDE_PAIRS)
 #define TV_WIDE_PAIRS 1  /* the wide tile on 512-bit registers, two rows of w each (see wide_pair_tile) */
 #else
@@ -138,6 +144,12 @@
 #define MR 1
 #ifndef TV_TILE_NR
 #define TV_TILE_NR (TV_QTYPE == 8 ? 1 : 2)  /* Q4: two independent FMA chains; Q8_0's unpack is heavier, one */
+#endif
+#define NR TV_TILE_NR
+#elif TV_FEW_ROWS
+#define MR TV_M
+#ifndef TV_TILE_NR
+#define TV_TILE_NR (TV_AVX512 ? 2 : 1)  /* M x NR accumulators: AVX-512VL's 32 registers hold 8 x 2, AVX2's 16 8 x 1 */
 #endif
 #define NR TV_TILE_NR
 #elif TV_WIDE_TILE
@@ -157,7 +169,9 @@
 #define STREAM_PREFETCH 2048                /* M = 1: prefetch the weights this far ahead of the block in use */
 /* KB of w per chunk handed to a thread: ~24, or ~96 at M = 1, where a chunk is one stream through memory (measured
  * against 24 and 48: 1.05-1.1x on the model's shapes, most on lm_head) */
+#ifndef CHUNK_BYTES
 #define CHUNK_BYTES (TV_M == 1 ? 98304 : 24576)
+#endif
 #define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
 #define CHUNK_ROWS (CHUNK_TILES * NR)
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
@@ -246,6 +260,32 @@ static void quantize_chunk(const void* ctx, int chunk) {
       d[NB + b] = blk.s;
     }
   }
+}
+#elif TV_FEW_ROWS
+/* The few rows' scratch: the M rows' quants, 32 bytes per block, row after row (the signed formats' plus 128, as the
+ * wide tile's, where VNNI takes them: see few_tile), then the scales d_x and the sums s_x, each block's M values
+ * side by side (FEW_D[b * M + i]: one vector load gives block b's scales of every row). 40 bytes per block. */
+#define FEW_X128 (SIGNED_Q && TV_VNNI)
+#define FEW_Q(xq, i, b) ((const unsigned char*)(xq) + ((long)(i) * NB + (b)) * 32)
+#define FEW_D(xq) ((const float*)((const unsigned char*)(xq) + (long)TV_M * NB * 32))
+#define FEW_S(xq) (FEW_D(xq) + TV_M * NB)
+
+static void quantize_chunk(const void* ctx, int chunk) {
+  const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
+  float* d = (float*)FEW_D(a->xq);
+  float* s = d + TV_M * NB;
+  for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++)
+    for (int b = 0; b < NB; b++) {
+      struct xblock blk;
+      quantize_block(&blk, a->x + m * TV_K + 32 * b);
+      __m256i v = _mm256_loadu_si256((const __m256i*)blk.q);
+#if FEW_X128
+      v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));  /* q + 128: 1..255 */
+#endif
+      _mm256_storeu_si256((__m256i*)FEW_Q(a->xq, m, b), v);
+      d[b * TV_M + m] = blk.d;
+      s[b * TV_M + m] = blk.s;
+    }
 }
 #elif TV_PAIRS
 /* The AVX-512 route's scratch: the same 40 bytes per block, laid out per pair of blocks b, b+1 (b even):
@@ -504,6 +544,114 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
       out[i * TV_N + j] = hsum8(acc[i][j]) + m;
     }
 }
+
+#if TV_FEW_ROWS
+/* ---- a few rows of x: the stream, every row of x on each block of w ----
+ * At M = 1 each weight is used once, and the kernel streams the weights from memory. With a few rows of x (a few
+ * sequences decoding, or one sequence verifying k drafts: k + 1 rows) the weights still dominate: each block of w
+ * is read once, unpacked once, and every row of x (M x 32 bytes per block, in L1) takes its dot product with it
+ * while it is in registers. Per (row of x, row of w, block) what is left is what `tile` must do for that output:
+ * one integer dot product, one conversion, one FMA. The rest is per row of w, shared by the M rows of x:
+ *   - the scales: before the blocks, one pass over the row's float16 scales (few_scales) writes every product
+ *     d_w d_x (block b, row i at P[8 b + i], the M rows' d_x in one vector, FEW_D) and sums the min term of every
+ *     row of x at once (lane i: m_w s_x, block after block, as `tile`'s lane 1); the FMA takes its scale from P as
+ *     a broadcast load;
+ *   - the signed formats with VNNI: x stored plus 128 and one dpbusd from -128 sum q_w (the wide tile's trick), so
+ *     no sign instruction per output.
+ * The numbers are `tile`'s: the same integer sums in the same 8 lanes, the same products d_w d_x and m_w s_x,
+ * acc = fma(float(sums), d_w d_x, acc) and the min term summed block after block from zero, out = hsum8(acc) +
+ * min term. A row's output does not depend on M, nor on which route its M takes. */
+
+/* M floats (M <= 8) in a vector, the lanes past M zero (a masked load: nothing past the M is read) */
+TV_INLINE __m256 few_lanes(const float* p) {
+#if TV_M == 8
+  return _mm256_loadu_ps(p);
+#else
+  const __m256i mask = _mm256_setr_epi32(-(0 < TV_M), -(1 < TV_M), -(2 < TV_M), -(3 < TV_M), -(4 < TV_M),
+                                         -(5 < TV_M), -(6 < TV_M), -(7 < TV_M));
+  return _mm256_maskload_ps(p, mask);
+#endif
+}
+
+/* One row of w's scales: P[8 b + i] = d_w,b d_x,i,b for every block b and row i of x; returns lane i: the min term
+ * sum_b m_w,b s_x,i,b (Q4_0, Q5_0: d_w,b s_x,i,b, times MIN_SCALE at the end) */
+TV_INLINE __m256 few_scales(float* restrict P, const unsigned char* restrict row, const void* restrict xq) {
+  const float* dx = FEW_D(xq);
+  const float* sx = FEW_S(xq);
+  __m256 mins = _mm256_setzero_ps();
+  (void)sx;
+#pragma clang loop unroll(disable)
+  for (int b = 0; b < NB; b++) {
+    __m256 ws = block_scales(row + b * BLOCK_BYTES);  /* Q4_1: [d, m, d, m, ...], else [d, d, ...] */
+#if STORED_MIN
+    __m256 dw = _mm256_moveldup_ps(ws), mw = _mm256_movehdup_ps(ws);
+#else
+    __m256 dw = ws, mw = ws;
+#endif
+    _mm256_store_ps(P + 8 * b, _mm256_mul_ps(dw, few_lanes(dx + b * TV_M)));
+#if SIGNED_Q
+    (void)mw;
+#else
+    mins = _mm256_add_ps(mins, _mm256_mul_ps(mw, few_lanes(sx + b * TV_M)));
+#endif
+  }
+  return mins;
+}
+
+/* out[i, j] for every row i of x and j < nr (rows of w from w) */
+TV_INLINE void few_tile(float* restrict out, const void* restrict xq, const unsigned char* restrict w, int nr) {
+  _Alignas(32) float P[NR][NB * 8];
+  __m256 mins[NR];
+  for (int j = 0; j < nr; j++) mins[j] = few_scales(P[j], w + j * ROW_BYTES, xq);
+  __m256 acc[NR][TV_M];
+  for (int j = 0; j < nr; j++)
+    for (int i = 0; i < TV_M; i++) acc[j][i] = _mm256_setzero_ps();
+#pragma clang loop unroll(disable)
+  for (int b = 0; b < NB; b++) {
+    __m256i u[NR], v[NR];  /* FEW_X128: u is where the dot product starts, -128 sum q_w per lane */
+    for (int j = 0; j < nr; j++) {
+      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+#if FEW_X128
+      v[j] = signed_quants(blk);
+      u[j] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                              _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v[j]));
+#elif SIGNED_Q
+      v[j] = signed_quants(blk);
+      u[j] = _mm256_sign_epi8(v[j], v[j]);
+#else
+      u[j] = v[j] = unpack_block(blk);
+#endif
+      __builtin_prefetch(blk + STREAM_PREFETCH, 0, 3);
+    }
+    for (int i = 0; i < TV_M; i++) {
+      __m256i xv = _mm256_loadu_si256((const __m256i*)FEW_Q(xq, i, b));
+      for (int j = 0; j < nr; j++) {
+#if FEW_X128
+        __m256i dot = _mm256_dpbusd_epi32(u[j], xv, v[j]);
+#else
+        __m256i dot = block_dot(u[j], v[j], xv);
+#endif
+        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&P[j][8 * b + i]), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < nr; j++) {
+    _Alignas(32) float mn[8];
+#if !STORED_MIN && !SIGNED_Q
+    mins[j] = _mm256_mul_ps(mins[j], _mm256_set1_ps(MIN_SCALE));
+#endif
+    _mm256_store_ps(mn, mins[j]);
+    for (int i = 0; i < TV_M; i++) out[i * TV_N + j] = hsum8(acc[j][i]) + mn[i];
+  }
+}
+
+/* output columns [n0, n1) for every row of x */
+TV_INLINE void few_chunk(float* restrict out, const void* restrict xq, const unsigned char* restrict w, int n0, int n1) {
+  int n = n0;
+  for (; n + NR <= n1; n += NR) few_tile(out + n, xq, w + (long)n * ROW_BYTES, NR);
+  for (; n < n1; n++) few_tile(out + n, xq, w + (long)n * ROW_BYTES, 1);
+}
+#endif  /* TV_FEW_ROWS */
 
 #if TV_WIDE_TILE
 /* ---- many rows of x with AVX-512: the wide tile ----
@@ -909,6 +1057,8 @@ static void qmatmul_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
 #if TV_FLOAT_PATH
   float_chunk(a->out, a->x, a->w, ROW_BYTES, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
+#elif TV_FEW_ROWS
+  few_chunk(a->out, a->xq, a->w, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
 #elif TV_WIDE_TILE
   wide_chunk(a->out, a->xq, a->w, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
 #else
