@@ -573,36 +573,47 @@ TV_INLINE __m256 few_lanes(const float* p) {
 #endif
 }
 
-/* One row of w's scales: P[8 b + i] = d_w,b d_x,i,b for every block b and row i of x; returns lane i: the min term
- * sum_b m_w,b s_x,i,b (Q4_0, Q5_0: d_w,b s_x,i,b, times MIN_SCALE at the end) */
-TV_INLINE __m256 few_scales(float* restrict P, const unsigned char* restrict row, const void* restrict xq) {
+/* The scales of nr rows of w (row j at w + j ROW_BYTES): P[j][8 b + i] = d_w,b d_x,i,b for every block b and row i
+ * of x; mins[j], lane i: the min term sum_b m_w,b s_x,i,b (Q4_0, Q5_0: d_w,b s_x,i,b, times MIN_SCALE at the end),
+ * block after block (the nr rows side by side: each sum is a chain of dependent adds) */
+TV_INLINE void few_scales(float (*restrict P)[NB * 8], __m256* restrict mins, const unsigned char* restrict w,
+                          const void* restrict xq, int nr) {
   const float* dx = FEW_D(xq);
   const float* sx = FEW_S(xq);
-  __m256 mins = _mm256_setzero_ps();
   (void)sx;
+  for (int j = 0; j < nr; j++) mins[j] = _mm256_setzero_ps();
 #pragma clang loop unroll(disable)
   for (int b = 0; b < NB; b++) {
-    __m256 ws = block_scales(row + b * BLOCK_BYTES);  /* Q4_1: [d, m, d, m, ...], else [d, d, ...] */
+    const __m256 dxb = few_lanes(dx + b * TV_M);
+#if !SIGNED_Q
+    const __m256 sxb = few_lanes(sx + b * TV_M);
+#endif
+    for (int j = 0; j < nr; j++) {
+      __m256 ws = block_scales(w + j * ROW_BYTES + b * BLOCK_BYTES);  /* Q4_1: [d, m, d, m, ...], else [d, d, ...] */
 #if STORED_MIN
-    __m256 dw = _mm256_moveldup_ps(ws), mw = _mm256_movehdup_ps(ws);
+      __m256 dw = _mm256_moveldup_ps(ws), mw = _mm256_movehdup_ps(ws);
 #else
-    __m256 dw = ws, mw = ws;
+      __m256 dw = ws, mw = ws;
 #endif
-    _mm256_store_ps(P + 8 * b, _mm256_mul_ps(dw, few_lanes(dx + b * TV_M)));
+      _mm256_store_ps(P[j] + 8 * b, _mm256_mul_ps(dw, dxb));
 #if SIGNED_Q
-    (void)mw;
+      (void)mw;
 #else
-    mins = _mm256_add_ps(mins, _mm256_mul_ps(mw, few_lanes(sx + b * TV_M)));
+      mins[j] = _mm256_add_ps(mins[j], _mm256_mul_ps(mw, sxb));
 #endif
+    }
   }
-  return mins;
 }
 
 /* out[i, j] for every row i of x and j < nr (rows of w from w) */
 TV_INLINE void few_tile(float* restrict out, const void* restrict xq, const unsigned char* restrict w, int nr) {
   _Alignas(32) float P[NR][NB * 8];
   __m256 mins[NR];
-  for (int j = 0; j < nr; j++) mins[j] = few_scales(P[j], w + j * ROW_BYTES, xq);
+#if SIGNED_Q  /* no min sums to interleave: row by row (measured faster on Q8_0's lm_head) */
+  for (int j = 0; j < nr; j++) few_scales(P + j, mins + j, w + j * ROW_BYTES, xq, 1);
+#else
+  few_scales(P, mins, w, xq, nr);
+#endif
   __m256 acc[NR][TV_M];
   for (int j = 0; j < nr; j++)
     for (int i = 0; i < TV_M; i++) acc[j][i] = _mm256_setzero_ps();
