@@ -28,10 +28,9 @@
  *      block applies d_w d_x, and the min term m s_x is summed beside it (see `tile`). The only rounding beyond
  *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *      On a CPU with AVX-512 VNNI (clang -march=native defines __AVX512VNNI__: the kernels are built on the machine
- *      that runs them) one _mm256_dpbusd_epi32 does maddubs + madd (no int16 step); from 2 rows of x on, the same
- *      sums take two blocks per 512-bit register (struct xpair: x's scratch laid out per pair of blocks), and then
- *      AVX2's float operations in AVX2's order: every route gives the same bits. TV_NO_VNNI builds AVX2's
- *      route (the tests, qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
+ *      that runs them) one _mm256_dpbusd_epi32 does maddubs + madd (no int16 step), the same sums, and then AVX2's
+ *      float operations in AVX2's order: every route gives the same bits. TV_NO_VNNI builds AVX2's route (the
+ *      tests, qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
  *
  * Arguments (M, N, K, TV_QTYPE compile-time constants: one program per shape and format):
  *   out:     (M, N) float32, written
@@ -43,12 +42,13 @@
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
  * block for NR rows of w. M=1 (one sequence decoding) is "the stream", below: MR=1, NR=2 for Q4_0/Q4_1 (two rows'
  * FMA chains side by side), NR=1 for Q8_0, AVX2's per-block operations even where AVX-512 is there, and the weights
- * prefetched STREAM_PREFETCH bytes ahead.
- * M > 1: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers and
+ * prefetched STREAM_PREFETCH bytes ahead. From 2 to 8 rows of x (a few sequences decoding, or one sequence
+ * verifying its speculative drafts) "the few rows", below: the same stream, each block of w applied to every row.
+ * More rows: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers and
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
  * other rows of the step (batch invariance), which the engine's batched-equals-alone tests rely on.
- * With AVX-512 and M >= 8 the wide tile takes over (Q8_0 6 x 4 on 512-bit registers, Q4 4 x 4, see "the wide tile"
+ * With AVX-512 and M > 8 the wide tile takes over (Q8_0 6 x 4 on 512-bit registers, Q4 4 x 4, see "the wide tile"
  * below): the same numbers.
  * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
  * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
@@ -117,8 +117,8 @@
 
 #define NB (TV_K / 32)                     /* blocks per row */
 #define ROW_BYTES (NB * BLOCK_BYTES)       /* bytes of one row of w */
-/* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers. Below 8 rows
- * its set-up (each chunk's scales as floats, each tile's scale products) costs more than it saves: the pairs. */
+/* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers (up to
+ * FEW_ROWS_MAX_M rows the few rows go first) */
 #define WIDE_TILE_MIN_M 8
 /* 2 to FEW_ROWS_MAX_M rows of x (a few sequences decoding, or one verifying its drafts): "the few rows" (below),
  * the stream of M = 1 with every row of x applied to each block of w as it passes */
@@ -128,10 +128,9 @@
 #define TV_FEW_ROWS (TV_AVX2 && TV_M > 1 && TV_M <= FEW_ROWS_MAX_M && !TV_FLOAT_PATH)
 #define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH && !TV_FEW_ROWS)
 /* M = 1 streams each weight once, so the work per block is what counts: AVX2's 256-bit route, whose operations run
- * on three vector ports, where the 512-bit pairs below (fewer instructions, but while a 512-bit operation is in flight
- * this CPU's port 1 takes no vector work, and three of their nine operations are shuffles, on port 5 alone) measured
- * 1.2-1.4x slower at every Q4_1 shape of the default model, one thread or two, from memory or cache. */
-#define TV_PAIRS (TV_AVX512 && !TV_WIDE_TILE && !TV_FEW_ROWS && TV_M > 1)
+ * on three vector ports, where 512-bit registers holding two blocks each (fewer instructions, but while a 512-bit
+ * operation is in flight this CPU's port 1 takes no vector work, and three of their nine operations are shuffles, on
+ * port 5 alone) measured 1.2-1.4x slower at every Q4_1 shape of the default model, one thread or two. */
 #if TV_WIDE_TILE && !defined(TV_NO_WIDE_PAIRS)
 #define TV_WIDE_PAIRS 1  /* the wide tile on 512-bit registers, two rows of w each (see wide_pair_tile) */
 #else
@@ -287,34 +286,6 @@ static void quantize_chunk(const void* ctx, int chunk) {
       s[b * TV_M + m] = blk.s;
     }
 }
-#elif TV_PAIRS
-/* The AVX-512 route's scratch: the same 40 bytes per block, laid out per pair of blocks b, b+1 (b even):
- *     struct xpair  { float ds[4] = d_b, s_b, d_b+1, s_b+1;  int8 q[64] }                 80 bytes = 2 x 40
- * q in the order the 512-bit register of the pair's weights has (see unpack_pair): q_b[0..31], q_b+1[0..31].
- * With NB odd the last block stays a struct xblock. The numbers are the ones quantize_block computes. */
-struct xpair {
-  float ds[4];
-  signed char q[64];
-};
-_Static_assert(sizeof(struct xpair) == 2 * sizeof(struct xblock), "a pair takes the scratch of two blocks");
-
-static void quantize_chunk(const void* ctx, int chunk) {
-  const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
-  for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++) {
-    struct xblock* row = a->xq + m * NB;
-    const float* x = a->x + m * TV_K;
-    for (int b = 0; b + 1 < NB; b += 2) {
-      struct xblock lo, hi;
-      quantize_block(&lo, x + 32 * b);
-      quantize_block(&hi, x + 32 * b + 32);
-      struct xpair* p = (struct xpair*)(row + b);
-      p->ds[0] = lo.d, p->ds[1] = lo.s, p->ds[2] = hi.d, p->ds[3] = hi.s;
-      __builtin_memcpy(p->q, lo.q, 32);
-      __builtin_memcpy(p->q + 32, hi.q, 32);
-    }
-    if (NB % 2) quantize_block(row + NB - 1, x + 32 * (NB - 1));
-  }
-}
 #else
 static void quantize_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
@@ -397,112 +368,17 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
 #endif
 }
 
-#if TV_PAIRS
-/* ---- AVX-512: two blocks per register, AVX2's arithmetic ----
- * A pair of blocks b, b+1 goes through one _mm512_dpbusd_epi32: 16 int32 sums of 4 products, block b's 8 in the
- * low 256 bits and block b+1's 8 in the high ones, each lane the same integer AVX2's maddubs + madd gives for that
- * block. The float operations after it are AVX2's own, in AVX2's order: per block, the scale d_w d_x is the
- * product ws * xs's lane 0, acc = fma(dot, scale, acc) block after block on 8 lanes, the min term added to its own
- * sum block after block, and out = hsum8(acc) + min sum. So the two routes give the same bits: a model's tokens
- * and perplexity do not depend on which one this CPU has (an earlier 512-bit route that summed the even and odd
- * blocks apart agreed to float32 rounding only, and the whole model's perplexity on two chunks of 512 tokens moves
- * by up to 0.7% with float32 rounding alone, see qlinear.py). What it saves is instructions: one dpbusd for 64
- * products against 2 x (maddubs, madd), one weight unpack and one scale product per pair. */
-
-/* blocks b, b+1 of one row of w (blk: block b) in one register, Q4 and Q5: block b's 32 quants in the low 256
- * bits in unpack_block's order, block b+1's in the high ones (Q8_0's are loaded in `tile`, beside their signs) */
-TV_INLINE __m512i unpack_pair(const unsigned char* blk) {
-  __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT))),
-                                        _mm_loadu_si128((const __m128i*)(blk + BLOCK_BYTES + QS_AT)), 1);
-  __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-  r = _mm512_shuffle_i64x2(r, r, _MM_SHUFFLE(3, 1, 2, 0));  /* [lo b, hi b, lo b+1, hi b+1] nibbles */
-  r = _mm512_and_si512(r, _mm512_set1_epi8(0x0f));
-#ifdef QH_AT
-  unsigned int qh_lo, qh_hi;  /* Q5: the two blocks' fifth bits, elements in the register's order */
-  __builtin_memcpy(&qh_lo, blk + QH_AT, 4);
-  __builtin_memcpy(&qh_hi, blk + BLOCK_BYTES + QH_AT, 4);
-  r = _mm512_or_si512(r, _mm512_maskz_mov_epi8(_cvtu64_mask64(qh_lo | (unsigned long long)qh_hi << 32),
-                                               _mm512_set1_epi8(16)));
-#endif
-  return r;
-}
-
-/* [d_b, m_b, d_b+1, m_b+1] of w's blocks b, b+1 (Q4_0, Q5_0: [d_b, d_b, d_b+1, d_b+1], as block_scales' lanes) */
-TV_INLINE __m128 pair_scales(const unsigned char* blk) {
-  unsigned int lo, hi;
-  __builtin_memcpy(&lo, blk, 4);
-  __builtin_memcpy(&hi, blk + BLOCK_BYTES, 4);
-  __m128 s = _mm_cvtph_ps(_mm_setr_epi32((int)lo, (int)hi, 0, 0));
-#if !STORED_MIN && !SIGNED_Q
-  s = _mm_moveldup_ps(s);
-#endif
-  return s;  /* Q8_0: lanes 1 and 3 hold quants, not used (no min term) */
-}
-#endif  /* TV_PAIRS */
 
 /* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
  * unrolls both loops and keeps acc[][] in registers.
  * Per block, one multiply gives both scales: [d_w, m_w, ...] * [d_x, s_x, ...] = [d_w d_x, m_w s_x, ...]
- * (x's d and s are adjacent in struct xblock): the even lanes scale the integer dot, lane 1 is the min term.
- * With AVX-512 the blocks go by pairs (see above), with the same float operations in the same order. */
+ * (x's d and s are adjacent in struct xblock): the even lanes scale the integer dot, lane 1 is the min term. */
 TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
                     int mr, int nr) {
   __m256 acc[MR][NR], mins[MR][NR];  /* mins: lane 1 sums m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) acc[i][j] = mins[i][j] = _mm256_setzero_ps();
-  int b = 0;
-#if TV_PAIRS  /* (the wide tile has a scratch of its own, below; M = 1 goes block by block) */
-  for (; b + 1 < NB; b += 2) {
-    __m512i u[NR];
-    __m128 ws[NR];
-#if SIGNED_Q
-    __mmask64 negative[NR];  /* Q8_0, IQ4_NL: where w < 0, x takes the sign (as the AVX2 route's _mm256_sign_epi8) */
-#endif
-    for (int j = 0; j < nr; j++) {
-      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
-#if SIGNED_Q
-#if TV_QTYPE == 20  /* IQ4_NL: both blocks' nibbles looked up by one shuffle */
-      __m512i wq = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_setr_epi8(IQ4NL_VALUES)), unpack_pair(blk));
-#else
-      __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                                      _mm256_loadu_si256((const __m256i*)(blk + BLOCK_BYTES + QS_AT)), 1);
-#endif
-      negative[j] = _mm512_movepi8_mask(wq);
-      u[j] = _mm512_abs_epi8(wq);  /* -128 -> 0x80, 128 as an unsigned byte */
-#else
-      u[j] = unpack_pair(blk);
-#endif
-      ws[j] = pair_scales(blk);
-#if MR > 1
-      __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, as below */
-      __builtin_prefetch(blk + NR * ROW_BYTES + 2 * BLOCK_BYTES - 1, 0, 3);
-#endif
-    }
-    for (int i = 0; i < mr; i++) {
-      const struct xpair* xp = (const struct xpair*)(x + i * NB + b);
-      __m512i xq = _mm512_loadu_si512((const void*)xp->q);
-      __m128 xs = _mm_loadu_ps(xp->ds);  /* [d_x,b, s_x,b, d_x,b+1, s_x,b+1] */
-      for (int j = 0; j < nr; j++) {
-#if SIGNED_Q  /* x takes w's sign, w its absolute value (as the AVX2 route) */
-        __m512i xqs = _mm512_mask_sub_epi8(xq, negative[j], _mm512_setzero_si512(), xq);
-#else
-        __m512i xqs = xq;
-#endif
-        __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], xqs));
-        __m128 p = _mm_mul_ps(ws[j], xs);  /* [d_w d_x, m_w s_x] of block b, then of block b+1 */
-        __m256 dot_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dot), 1));
-        acc[i][j] = _mm256_fmadd_ps(_mm512_castps512_ps256(dot), _mm256_broadcastss_ps(p), acc[i][j]);
-        acc[i][j] = _mm256_fmadd_ps(dot_hi, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), _mm256_set1_epi32(2)),
-                                    acc[i][j]);
-#if !SIGNED_Q
-        mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(p));
-        mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(_mm_movehl_ps(p, p)));
-#endif
-      }
-    }
-  }
-#endif  /* TV_PAIRS: an odd NB's last block goes on below */
-  for (; b < NB; b++) {
+  for (int b = 0; b < NB; b++) {
     __m256i u[NR], v[NR];
     __m256 ws[NR];
     for (int j = 0; j < nr; j++) {
@@ -657,7 +533,8 @@ TV_INLINE void few_tile(float* restrict out, const void* restrict xq, const unsi
 }
 
 /* output columns [n0, n1) for every row of x */
-TV_INLINE void few_chunk(float* restrict out, const void* restrict xq, const unsigned char* restrict w, int n0, int n1) {
+TV_INLINE void few_chunk(float* restrict out, const void* restrict xq, const unsigned char* restrict w, int n0,
+                         int n1) {
   int n = n0;
   for (; n + NR <= n1; n += NR) few_tile(out + n, xq, w + (long)n * ROW_BYTES, NR);
   for (; n < n1; n++) few_tile(out + n, xq, w + (long)n * ROW_BYTES, 1);
@@ -666,7 +543,7 @@ TV_INLINE void few_chunk(float* restrict out, const void* restrict xq, const uns
 
 #if TV_WIDE_TILE
 /* ---- many rows of x with AVX-512: the wide tile ----
- * The same numbers as `tile` (AVX2's route, and the pairs above): per block the same exact integer sums in the
+ * The same numbers as `tile` (AVX2's route): per block the same exact integer sums in the
  * same 8 lanes, then acc = fma(float(sums), d_w d_x, acc), the min term summed alone, out = hsum8(acc) + min term.
  * What changes is what each (row of x, row of w, block) costs, the work that grows with M x N:
  *   - 256-bit operations only: this CPU's port 1 stops taking vector work while a 512-bit one is in flight, so
@@ -677,8 +554,7 @@ TV_INLINE void few_chunk(float* restrict out, const void* restrict xq, const uns
  *   - Q8_0 without the sign trick: x is stored plus 128 (unsigned, 1..255) and w stays signed, so one
  *     _mm256_dpbusd_epi32 gives sum (q_x + 128) q_w; it starts from -128 sum q_w per lane (computed once per row of
  *     w and block in `wide_chunk`, shared by every row of x), which leaves sum q_x q_w, the same integers.
- * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add), where the pair
- * route spends nine operations on two blocks, three of them shuffles.
+ * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add).
  * Where the CPU has two 512-bit FMA units (Intel's server cores; on others a 512-bit operation costs two 256-bit
  * ones, no loss) the whole tiles go further: two rows of w in each 512-bit register (wide_pair_tile), 6 x 4 outputs
  * for Q8_0 (the tied embedding's lm_head, 49,152 rows), 4 x 4 for Q4 (its min sums take registers too), the same
