@@ -465,11 +465,16 @@ TV_INLINE void few_scales(float (*restrict P)[NB * 8], __m256* restrict mins, co
     const __m256 sxb = few_lanes(sx + b * TV_M);
 #endif
     for (int j = 0; j < nr; j++) {
-      __m256 ws = block_scales(w + j * ROW_BYTES + b * BLOCK_BYTES);  /* Q4_1: [d, m, d, m, ...], else [d, d, ...] */
+      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+      /* the float16 scale d (Q4_1: and m after it) converted in the low lanes, then broadcast */
+      unsigned int dm;
+      __builtin_memcpy(&dm, blk, STORED_MIN ? 4 : 2);
+      const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(STORED_MIN ? dm : dm & 0xffff)));
+      const __m256 dw = _mm256_broadcastss_ps(both);
 #if STORED_MIN
-      __m256 dw = _mm256_moveldup_ps(ws), mw = _mm256_movehdup_ps(ws);
+      const __m256 mw = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
 #else
-      __m256 dw = ws, mw = ws;
+      const __m256 mw = dw;  /* Q4_0, Q5_0: d, times MIN_SCALE at the end */
 #endif
       _mm256_store_ps(P[j] + 8 * b, _mm256_mul_ps(dw, dxb));
 #if SIGNED_Q
