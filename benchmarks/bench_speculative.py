@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         checked_value = default_disable if default_disable is not None else loses_from
         # the same engine, its graphs already captured, as if built with that value (the speculator reads its
         # config each step)
-        on.speculator.config = dataclasses.replace(on.speculator.config, disable_by_batch_size=checked_value)
+        speculator = on.model_runner.speculator
+        speculator.config = dataclasses.replace(speculator.config, disable_by_batch_size=checked_value)
         checked = compare_batches(off, on, list(CHECKED_BATCH_SIZES), args, first_prompt=sum(levels))
         figures["batch"] = {"prompt_len": args.prompt_len, "output_len": args.output_len, "sweep": sweep,
                             "wins_up_to": wins_up_to, "loses_from": loses_from,
