@@ -243,10 +243,10 @@ def main(argv: list[str] | None = None) -> None:
         # the shipped quantized weights; speculation always on here, to measure where it stops paying
         off = LLMEngine(**engine_args)
         on = LLMEngine(**engine_args, speculative_config={**ngram, "disable_by_batch_size": None})
-        # compile every token bucket before the clock starts (one request alone needs only the small ones)
-        buckets = [b for b in off.model_runner.token_buckets if "batch" in parts or b <= 256]
+        # compile every token bucket before the clock starts (one request alone needs only the small ones); each
+        # engine its own: speculation's k + 1 tokens have a bucket of their own
         for engine in (off, on):
-            warm_up(engine, buckets, log=log)
+            warm_up(engine, [b for b in engine.model_runner.token_buckets if "batch" in parts or b <= 256], log=log)
     if "ngram" in parts:
         figures["ngram"] = {"workloads": compare_single(off, on, NGRAM_WORKLOADS, args.max_tokens, args.repeats)}
     if "batch" in parts:
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         checked_value = default_disable if default_disable is not None else loses_from
         # the same engine, its graphs already captured, as if built with that value (the speculator reads its
         # config each step)
-        on.speculator.config = dataclasses.replace(on.speculator.config, disable_by_batch_size=checked_value)
+        speculator = on.model_runner.speculator
+        speculator.config = dataclasses.replace(speculator.config, disable_by_batch_size=checked_value)
         checked = compare_batches(off, on, list(CHECKED_BATCH_SIZES), args, first_prompt=sum(levels))
         figures["batch"] = {"prompt_len": args.prompt_len, "output_len": args.output_len, "sweep": sweep,
                             "wins_up_to": wins_up_to, "loses_from": loses_from,

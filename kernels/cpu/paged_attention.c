@@ -261,7 +261,14 @@ TV_KERNEL paged_attention(float* restrict out, const float* restrict q, const ca
    * K/V at batch 1, 3 KV heads): below the byte count checked here, the job stays on this thread. A group reads
    * its keys once for all its rows. */
   long bytes = 0;
-  for (int i = 0; i < groups; i++) bytes += (long)context_lens[first_rows[i + 1] - 1] * 2 * ROW * (long)sizeof(cache_t);
+  for (int i = 0; i < groups; i++) {
+    /* A row alone reads its K/V once for its GROUP heads, and takes about as long as the reading; a group of rows
+     * (a prompt chunk, or one sequence verifying its drafts) computes a score and an accumulation per key for each
+     * of its rows x GROUP heads: it counts as that many reads of its keys */
+    const int rows = first_rows[i + 1] - first_rows[i];
+    const long keys_bytes = (long)context_lens[first_rows[i + 1] - 1] * 2 * ROW * (long)sizeof(cache_t);
+    bytes += keys_bytes * (rows > 1 ? rows * GROUP : 1);
+  }
   if (bytes < PARALLEL_MIN_BYTES) {
     for (int c = 0; c < groups * TV_NUM_KV_HEADS; c++) attend_group(&args, c);
   } else {

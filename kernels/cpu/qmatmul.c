@@ -28,10 +28,9 @@
  *      block applies d_w d_x, and the min term m s_x is summed beside it (see `tile`). The only rounding beyond
  *      float32's is that of x to 8 bits (at most half a step, d_x / 2, per element).
  *      On a CPU with AVX-512 VNNI (clang -march=native defines __AVX512VNNI__: the kernels are built on the machine
- *      that runs them) one _mm256_dpbusd_epi32 does maddubs + madd (no int16 step); from 2 rows of x on, the same
- *      sums take two blocks per 512-bit register (struct xpair: x's scratch laid out per pair of blocks), and then
- *      AVX2's float operations in AVX2's order: every route gives the same bits. TV_NO_VNNI builds AVX2's
- *      route (the tests, qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
+ *      that runs them) one _mm256_dpbusd_epi32 does maddubs + madd (no int16 step), the same sums, and then AVX2's
+ *      float operations in AVX2's order: every route gives the same bits. TV_NO_VNNI builds AVX2's route (the
+ *      tests, qlinear.VNNI / TINYVLLM_QMATMUL_VNNI=0).
  *
  * Arguments (M, N, K, TV_QTYPE compile-time constants: one program per shape and format):
  *   out:     (M, N) float32, written
@@ -43,12 +42,13 @@
  * times NR rows of w. Each weight block is loaded and unpacked once per tile and used for MR rows of x; each x
  * block for NR rows of w. M=1 (one sequence decoding) is "the stream", below: MR=1, NR=2 for Q4_0/Q4_1 (two rows'
  * FMA chains side by side), NR=1 for Q8_0, AVX2's per-block operations even where AVX-512 is there, and the weights
- * prefetched STREAM_PREFETCH bytes ahead.
- * M > 1: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers and
+ * prefetched STREAM_PREFETCH bytes ahead. From 2 to 8 rows of x (a few sequences decoding, or one sequence
+ * verifying its speculative drafts) "the few rows", below: the same stream, each block of w applied to every row.
+ * More rows: MR=4, NR=2 (measured at M=32 against 2x2, 3x2, 2x3, 2x4, 3x3: the fastest, with AVX2's 16 registers and
  * with AVX-512's 32, though its 8 + 8 accumulators spill a few on AVX2). Every output keeps its own accumulators,
  * updated block by block by the same instructions whatever MR and NR are: a row's result does not depend on the
  * other rows of the step (batch invariance), which the engine's batched-equals-alone tests rely on.
- * With AVX-512 and M >= 8 the wide tile takes over (Q8_0 6 x 4 on 512-bit registers, Q4 4 x 4, see "the wide tile"
+ * With AVX-512 and M > 8 the wide tile takes over (Q8_0 6 x 4 on 512-bit registers, Q4 4 x 4, see "the wide tile"
  * below): the same numbers.
  * Only where a user asks (TV_FLOAT_MIN_M > 0, qlinear.FLOAT_PATH_MIN_M) do M >= TV_FLOAT_MIN_M rows take the float
  * path instead: FNR rows of w dequantized to floats at a time and matmul.c's float32 tile (see "many rows of x"
@@ -117,15 +117,20 @@
 
 #define NB (TV_K / 32)                     /* blocks per row */
 #define ROW_BYTES (NB * BLOCK_BYTES)       /* bytes of one row of w */
-/* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers. Below 8 rows
- * its set-up (each chunk's scales as floats, each tile's scale products) costs more than it saves: the pairs. */
+/* many rows of x on a CPU with AVX-512: the "wide tile" (below), the same arithmetic in 32 registers (up to
+ * FEW_ROWS_MAX_M rows the few rows go first) */
 #define WIDE_TILE_MIN_M 8
-#define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH)
+/* 2 to FEW_ROWS_MAX_M rows of x (a few sequences decoding, or one verifying its drafts): "the few rows" (below),
+ * the stream of M = 1 with every row of x applied to each block of w as it passes */
+#ifndef FEW_ROWS_MAX_M
+#define FEW_ROWS_MAX_M 8
+#endif
+#define TV_FEW_ROWS (TV_AVX2 && TV_M > 1 && TV_M <= FEW_ROWS_MAX_M && !TV_FLOAT_PATH)
+#define TV_WIDE_TILE (TV_AVX512 && TV_M >= WIDE_TILE_MIN_M && !TV_FLOAT_PATH && !TV_FEW_ROWS)
 /* M = 1 streams each weight once, so the work per block is what counts: AVX2's 256-bit route, whose operations run
- * on three vector ports, where the 512-bit pairs below (fewer instructions, but while a 512-bit operation is in flight
- * this CPU's port 1 takes no vector work, and three of their nine operations are shuffles, on port 5 alone) measured
- * 1.2-1.4x slower at every Q4_1 shape of the default model, one thread or two, from memory or cache. */
-#define TV_PAIRS (TV_AVX512 && !TV_WIDE_TILE && TV_M > 1)
+ * on three vector ports, where 512-bit registers holding two blocks each (fewer instructions, but while a 512-bit
+ * operation is in flight this CPU's port 1 takes no vector work, and three of their nine operations are shuffles, on
+ * port 5 alone) measured 1.2-1.4x slower at every Q4_1 shape of the default model, one thread or two. */
 #if TV_WIDE_TILE && !defined(TV_NO_WIDE_PAIRS)
 #define TV_WIDE_PAIRS 1  /* the wide tile on 512-bit registers, two rows of w each (see wide_pair_tile) */
 #else
@@ -138,6 +143,12 @@
 #define MR 1
 #ifndef TV_TILE_NR
 #define TV_TILE_NR (TV_QTYPE == 8 ? 1 : 2)  /* Q4: two independent FMA chains; Q8_0's unpack is heavier, one */
+#endif
+#define NR TV_TILE_NR
+#elif TV_FEW_ROWS
+#define MR TV_M
+#ifndef TV_TILE_NR
+#define TV_TILE_NR (TV_AVX512 ? 2 : 1)  /* M x NR accumulators: AVX-512VL's 32 registers hold 8 x 2, AVX2's 16 8 x 1 */
 #endif
 #define NR TV_TILE_NR
 #elif TV_WIDE_TILE
@@ -157,7 +168,9 @@
 #define STREAM_PREFETCH 2048                /* M = 1: prefetch the weights this far ahead of the block in use */
 /* KB of w per chunk handed to a thread: ~24, or ~96 at M = 1, where a chunk is one stream through memory (measured
  * against 24 and 48: 1.05-1.1x on the model's shapes, most on lm_head) */
+#ifndef CHUNK_BYTES
 #define CHUNK_BYTES (TV_M == 1 ? 98304 : 24576)
+#endif
 #define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
 #define CHUNK_ROWS (CHUNK_TILES * NR)
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
@@ -247,33 +260,31 @@ static void quantize_chunk(const void* ctx, int chunk) {
     }
   }
 }
-#elif TV_PAIRS
-/* The AVX-512 route's scratch: the same 40 bytes per block, laid out per pair of blocks b, b+1 (b even):
- *     struct xpair  { float ds[4] = d_b, s_b, d_b+1, s_b+1;  int8 q[64] }                 80 bytes = 2 x 40
- * q in the order the 512-bit register of the pair's weights has (see unpack_pair): q_b[0..31], q_b+1[0..31].
- * With NB odd the last block stays a struct xblock. The numbers are the ones quantize_block computes. */
-struct xpair {
-  float ds[4];
-  signed char q[64];
-};
-_Static_assert(sizeof(struct xpair) == 2 * sizeof(struct xblock), "a pair takes the scratch of two blocks");
+#elif TV_FEW_ROWS
+/* The few rows' scratch: the M rows' quants, 32 bytes per block, row after row (the signed formats' plus 128, as the
+ * wide tile's, where VNNI takes them: see few_tile), then the scales d_x and the sums s_x, each block's M values
+ * side by side (FEW_D[b * M + i]: one vector load gives block b's scales of every row). 40 bytes per block. */
+#define FEW_X128 (SIGNED_Q && TV_VNNI)
+#define FEW_Q(xq, i, b) ((const unsigned char*)(xq) + ((long)(i) * NB + (b)) * 32)
+#define FEW_D(xq) ((const float*)((const unsigned char*)(xq) + (long)TV_M * NB * 32))
+#define FEW_S(xq) (FEW_D(xq) + TV_M * NB)
 
 static void quantize_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
-  for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++) {
-    struct xblock* row = a->xq + m * NB;
-    const float* x = a->x + m * TV_K;
-    for (int b = 0; b + 1 < NB; b += 2) {
-      struct xblock lo, hi;
-      quantize_block(&lo, x + 32 * b);
-      quantize_block(&hi, x + 32 * b + 32);
-      struct xpair* p = (struct xpair*)(row + b);
-      p->ds[0] = lo.d, p->ds[1] = lo.s, p->ds[2] = hi.d, p->ds[3] = hi.s;
-      __builtin_memcpy(p->q, lo.q, 32);
-      __builtin_memcpy(p->q + 32, hi.q, 32);
+  float* d = (float*)FEW_D(a->xq);
+  float* s = d + TV_M * NB;
+  for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++)
+    for (int b = 0; b < NB; b++) {
+      struct xblock blk;
+      quantize_block(&blk, a->x + m * TV_K + 32 * b);
+      __m256i v = _mm256_loadu_si256((const __m256i*)blk.q);
+#if FEW_X128
+      v = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));  /* q + 128: 1..255 */
+#endif
+      _mm256_storeu_si256((__m256i*)FEW_Q(a->xq, m, b), v);
+      d[b * TV_M + m] = blk.d;
+      s[b * TV_M + m] = blk.s;
     }
-    if (NB % 2) quantize_block(row + NB - 1, x + 32 * (NB - 1));
-  }
 }
 #else
 static void quantize_chunk(const void* ctx, int chunk) {
@@ -357,112 +368,17 @@ TV_INLINE __m256 block_scales(const unsigned char* blk) {
 #endif
 }
 
-#if TV_PAIRS
-/* ---- AVX-512: two blocks per register, AVX2's arithmetic ----
- * A pair of blocks b, b+1 goes through one _mm512_dpbusd_epi32: 16 int32 sums of 4 products, block b's 8 in the
- * low 256 bits and block b+1's 8 in the high ones, each lane the same integer AVX2's maddubs + madd gives for that
- * block. The float operations after it are AVX2's own, in AVX2's order: per block, the scale d_w d_x is the
- * product ws * xs's lane 0, acc = fma(dot, scale, acc) block after block on 8 lanes, the min term added to its own
- * sum block after block, and out = hsum8(acc) + min sum. So the two routes give the same bits: a model's tokens
- * and perplexity do not depend on which one this CPU has (an earlier 512-bit route that summed the even and odd
- * blocks apart agreed to float32 rounding only, and the whole model's perplexity on two chunks of 512 tokens moves
- * by up to 0.7% with float32 rounding alone, see qlinear.py). What it saves is instructions: one dpbusd for 64
- * products against 2 x (maddubs, madd), one weight unpack and one scale product per pair. */
-
-/* blocks b, b+1 of one row of w (blk: block b) in one register, Q4 and Q5: block b's 32 quants in the low 256
- * bits in unpack_block's order, block b+1's in the high ones (Q8_0's are loaded in `tile`, beside their signs) */
-TV_INLINE __m512i unpack_pair(const unsigned char* blk) {
-  __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk + QS_AT))),
-                                        _mm_loadu_si128((const __m128i*)(blk + BLOCK_BYTES + QS_AT)), 1);
-  __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-  r = _mm512_shuffle_i64x2(r, r, _MM_SHUFFLE(3, 1, 2, 0));  /* [lo b, hi b, lo b+1, hi b+1] nibbles */
-  r = _mm512_and_si512(r, _mm512_set1_epi8(0x0f));
-#ifdef QH_AT
-  unsigned int qh_lo, qh_hi;  /* Q5: the two blocks' fifth bits, elements in the register's order */
-  __builtin_memcpy(&qh_lo, blk + QH_AT, 4);
-  __builtin_memcpy(&qh_hi, blk + BLOCK_BYTES + QH_AT, 4);
-  r = _mm512_or_si512(r, _mm512_maskz_mov_epi8(_cvtu64_mask64(qh_lo | (unsigned long long)qh_hi << 32),
-                                               _mm512_set1_epi8(16)));
-#endif
-  return r;
-}
-
-/* [d_b, m_b, d_b+1, m_b+1] of w's blocks b, b+1 (Q4_0, Q5_0: [d_b, d_b, d_b+1, d_b+1], as block_scales' lanes) */
-TV_INLINE __m128 pair_scales(const unsigned char* blk) {
-  unsigned int lo, hi;
-  __builtin_memcpy(&lo, blk, 4);
-  __builtin_memcpy(&hi, blk + BLOCK_BYTES, 4);
-  __m128 s = _mm_cvtph_ps(_mm_setr_epi32((int)lo, (int)hi, 0, 0));
-#if !STORED_MIN && !SIGNED_Q
-  s = _mm_moveldup_ps(s);
-#endif
-  return s;  /* Q8_0: lanes 1 and 3 hold quants, not used (no min term) */
-}
-#endif  /* TV_PAIRS */
 
 /* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr. mr and nr are constants at every call site, so clang
  * unrolls both loops and keeps acc[][] in registers.
  * Per block, one multiply gives both scales: [d_w, m_w, ...] * [d_x, s_x, ...] = [d_w d_x, m_w s_x, ...]
- * (x's d and s are adjacent in struct xblock): the even lanes scale the integer dot, lane 1 is the min term.
- * With AVX-512 the blocks go by pairs (see above), with the same float operations in the same order. */
+ * (x's d and s are adjacent in struct xblock): the even lanes scale the integer dot, lane 1 is the min term. */
 TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const unsigned char* restrict w,
                     int mr, int nr) {
   __m256 acc[MR][NR], mins[MR][NR];  /* mins: lane 1 sums m_w s_x (Q4_0: d_w s_x, times -8 at the end) */
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < nr; j++) acc[i][j] = mins[i][j] = _mm256_setzero_ps();
-  int b = 0;
-#if TV_PAIRS  /* (the wide tile has a scratch of its own, below; M = 1 goes block by block) */
-  for (; b + 1 < NB; b += 2) {
-    __m512i u[NR];
-    __m128 ws[NR];
-#if SIGNED_Q
-    __mmask64 negative[NR];  /* Q8_0, IQ4_NL: where w < 0, x takes the sign (as the AVX2 route's _mm256_sign_epi8) */
-#endif
-    for (int j = 0; j < nr; j++) {
-      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
-#if SIGNED_Q
-#if TV_QTYPE == 20  /* IQ4_NL: both blocks' nibbles looked up by one shuffle */
-      __m512i wq = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_setr_epi8(IQ4NL_VALUES)), unpack_pair(blk));
-#else
-      __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + QS_AT))),
-                                      _mm256_loadu_si256((const __m256i*)(blk + BLOCK_BYTES + QS_AT)), 1);
-#endif
-      negative[j] = _mm512_movepi8_mask(wq);
-      u[j] = _mm512_abs_epi8(wq);  /* -128 -> 0x80, 128 as an unsigned byte */
-#else
-      u[j] = unpack_pair(blk);
-#endif
-      ws[j] = pair_scales(blk);
-#if MR > 1
-      __builtin_prefetch(blk + NR * ROW_BYTES, 0, 3);  /* the next tile's rows, as below */
-      __builtin_prefetch(blk + NR * ROW_BYTES + 2 * BLOCK_BYTES - 1, 0, 3);
-#endif
-    }
-    for (int i = 0; i < mr; i++) {
-      const struct xpair* xp = (const struct xpair*)(x + i * NB + b);
-      __m512i xq = _mm512_loadu_si512((const void*)xp->q);
-      __m128 xs = _mm_loadu_ps(xp->ds);  /* [d_x,b, s_x,b, d_x,b+1, s_x,b+1] */
-      for (int j = 0; j < nr; j++) {
-#if SIGNED_Q  /* x takes w's sign, w its absolute value (as the AVX2 route) */
-        __m512i xqs = _mm512_mask_sub_epi8(xq, negative[j], _mm512_setzero_si512(), xq);
-#else
-        __m512i xqs = xq;
-#endif
-        __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[j], xqs));
-        __m128 p = _mm_mul_ps(ws[j], xs);  /* [d_w d_x, m_w s_x] of block b, then of block b+1 */
-        __m256 dot_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dot), 1));
-        acc[i][j] = _mm256_fmadd_ps(_mm512_castps512_ps256(dot), _mm256_broadcastss_ps(p), acc[i][j]);
-        acc[i][j] = _mm256_fmadd_ps(dot_hi, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(p), _mm256_set1_epi32(2)),
-                                    acc[i][j]);
-#if !SIGNED_Q
-        mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(p));
-        mins[i][j] = _mm256_add_ps(mins[i][j], _mm256_zextps128_ps256(_mm_movehl_ps(p, p)));
-#endif
-      }
-    }
-  }
-#endif  /* TV_PAIRS: an odd NB's last block goes on below */
-  for (; b < NB; b++) {
+  for (int b = 0; b < NB; b++) {
     __m256i u[NR], v[NR];
     __m256 ws[NR];
     for (int j = 0; j < nr; j++) {
@@ -505,9 +421,134 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
     }
 }
 
+#if TV_FEW_ROWS
+/* ---- a few rows of x: the stream, every row of x on each block of w ----
+ * At M = 1 each weight is used once, and the kernel streams the weights from memory. With a few rows of x (a few
+ * sequences decoding, or one sequence verifying k drafts: k + 1 rows) the weights still dominate: each block of w
+ * is read once, unpacked once, and every row of x (M x 32 bytes per block, in L1) takes its dot product with it
+ * while it is in registers. Per (row of x, row of w, block) what is left is what `tile` must do for that output:
+ * one integer dot product, one conversion, one FMA. The rest is per row of w, shared by the M rows of x:
+ *   - the scales: before the blocks, one pass over the row's float16 scales (few_scales) writes every product
+ *     d_w d_x (block b, row i at P[8 b + i], the M rows' d_x in one vector, FEW_D) and sums the min term of every
+ *     row of x at once (lane i: m_w s_x, block after block, as `tile`'s lane 1); the FMA takes its scale from P as
+ *     a broadcast load;
+ *   - the signed formats with VNNI: x stored plus 128 and one dpbusd from -128 sum q_w (the wide tile's trick), so
+ *     no sign instruction per output.
+ * The numbers are `tile`'s: the same integer sums in the same 8 lanes, the same products d_w d_x and m_w s_x,
+ * acc = fma(float(sums), d_w d_x, acc) and the min term summed block after block from zero, out = hsum8(acc) +
+ * min term. A row's output does not depend on M, nor on which route its M takes. */
+
+/* M floats (M <= 8) in a vector, the lanes past M zero (a masked load: nothing past the M is read) */
+TV_INLINE __m256 few_lanes(const float* p) {
+#if TV_M == 8
+  return _mm256_loadu_ps(p);
+#else
+  const __m256i mask = _mm256_setr_epi32(-(0 < TV_M), -(1 < TV_M), -(2 < TV_M), -(3 < TV_M), -(4 < TV_M),
+                                         -(5 < TV_M), -(6 < TV_M), -(7 < TV_M));
+  return _mm256_maskload_ps(p, mask);
+#endif
+}
+
+/* The scales of nr rows of w (row j at w + j ROW_BYTES): P[j][8 b + i] = d_w,b d_x,i,b for every block b and row i
+ * of x; mins[j], lane i: the min term sum_b m_w,b s_x,i,b (Q4_0, Q5_0: d_w,b s_x,i,b, times MIN_SCALE at the end),
+ * block after block (the nr rows side by side: each sum is a chain of dependent adds) */
+TV_INLINE void few_scales(float (*restrict P)[NB * 8], __m256* restrict mins, const unsigned char* restrict w,
+                          const void* restrict xq, int nr) {
+  const float* dx = FEW_D(xq);
+  const float* sx = FEW_S(xq);
+  (void)sx;
+  for (int j = 0; j < nr; j++) mins[j] = _mm256_setzero_ps();
+#pragma clang loop unroll(disable)
+  for (int b = 0; b < NB; b++) {
+    const __m256 dxb = few_lanes(dx + b * TV_M);
+#if !SIGNED_Q
+    const __m256 sxb = few_lanes(sx + b * TV_M);
+#endif
+    for (int j = 0; j < nr; j++) {
+      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+      /* the float16 scale d (Q4_1: and m after it) converted in the low lanes, then broadcast */
+      unsigned int dm;
+      __builtin_memcpy(&dm, blk, STORED_MIN ? 4 : 2);
+      const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(STORED_MIN ? dm : dm & 0xffff)));
+      const __m256 dw = _mm256_broadcastss_ps(both);
+#if STORED_MIN
+      const __m256 mw = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
+#else
+      const __m256 mw = dw;  /* Q4_0, Q5_0: d, times MIN_SCALE at the end */
+#endif
+      _mm256_store_ps(P[j] + 8 * b, _mm256_mul_ps(dw, dxb));
+#if SIGNED_Q
+      (void)mw;
+#else
+      mins[j] = _mm256_add_ps(mins[j], _mm256_mul_ps(mw, sxb));
+#endif
+    }
+  }
+}
+
+/* out[i, j] for every row i of x and j < nr (rows of w from w) */
+TV_INLINE void few_tile(float* restrict out, const void* restrict xq, const unsigned char* restrict w, int nr) {
+  _Alignas(32) float P[NR][NB * 8];
+  __m256 mins[NR];
+#if SIGNED_Q  /* no min sums to interleave: row by row (measured faster on Q8_0's lm_head) */
+  for (int j = 0; j < nr; j++) few_scales(P + j, mins + j, w + j * ROW_BYTES, xq, 1);
+#else
+  few_scales(P, mins, w, xq, nr);
+#endif
+  __m256 acc[NR][TV_M];
+  for (int j = 0; j < nr; j++)
+    for (int i = 0; i < TV_M; i++) acc[j][i] = _mm256_setzero_ps();
+#pragma clang loop unroll(disable)
+  for (int b = 0; b < NB; b++) {
+    __m256i u[NR], v[NR];  /* FEW_X128: u is where the dot product starts, -128 sum q_w per lane */
+    for (int j = 0; j < nr; j++) {
+      const unsigned char* blk = w + j * ROW_BYTES + b * BLOCK_BYTES;
+#if FEW_X128
+      v[j] = signed_quants(blk);
+      u[j] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                              _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), v[j]));
+#elif SIGNED_Q
+      v[j] = signed_quants(blk);
+      u[j] = _mm256_sign_epi8(v[j], v[j]);
+#else
+      u[j] = v[j] = unpack_block(blk);
+#endif
+      __builtin_prefetch(blk + STREAM_PREFETCH, 0, 3);
+    }
+    for (int i = 0; i < TV_M; i++) {
+      __m256i xv = _mm256_loadu_si256((const __m256i*)FEW_Q(xq, i, b));
+      for (int j = 0; j < nr; j++) {
+#if FEW_X128
+        __m256i dot = _mm256_dpbusd_epi32(u[j], xv, v[j]);
+#else
+        __m256i dot = block_dot(u[j], v[j], xv);
+#endif
+        acc[j][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&P[j][8 * b + i]), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < nr; j++) {
+    _Alignas(32) float mn[8];
+#if !STORED_MIN && !SIGNED_Q
+    mins[j] = _mm256_mul_ps(mins[j], _mm256_set1_ps(MIN_SCALE));
+#endif
+    _mm256_store_ps(mn, mins[j]);
+    for (int i = 0; i < TV_M; i++) out[i * TV_N + j] = hsum8(acc[j][i]) + mn[i];
+  }
+}
+
+/* output columns [n0, n1) for every row of x */
+TV_INLINE void few_chunk(float* restrict out, const void* restrict xq, const unsigned char* restrict w, int n0,
+                         int n1) {
+  int n = n0;
+  for (; n + NR <= n1; n += NR) few_tile(out + n, xq, w + (long)n * ROW_BYTES, NR);
+  for (; n < n1; n++) few_tile(out + n, xq, w + (long)n * ROW_BYTES, 1);
+}
+#endif  /* TV_FEW_ROWS */
+
 #if TV_WIDE_TILE
 /* ---- many rows of x with AVX-512: the wide tile ----
- * The same numbers as `tile` (AVX2's route, and the pairs above): per block the same exact integer sums in the
+ * The same numbers as `tile` (AVX2's route): per block the same exact integer sums in the
  * same 8 lanes, then acc = fma(float(sums), d_w d_x, acc), the min term summed alone, out = hsum8(acc) + min term.
  * What changes is what each (row of x, row of w, block) costs, the work that grows with M x N:
  *   - 256-bit operations only: this CPU's port 1 stops taking vector work while a 512-bit one is in flight, so
@@ -518,8 +559,7 @@ TV_INLINE void tile(float* restrict out, const struct xblock* restrict x, const 
  *   - Q8_0 without the sign trick: x is stored plus 128 (unsigned, 1..255) and w stays signed, so one
  *     _mm256_dpbusd_epi32 gives sum (q_x + 128) q_w; it starts from -128 sum q_w per lane (computed once per row of
  *     w and block in `wide_chunk`, shared by every row of x), which leaves sum q_x q_w, the same integers.
- * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add), where the pair
- * route spends nine operations on two blocks, three of them shuffles.
+ * So per (row of x, row of w, block): one dpbusd, one conversion, one FMA (plus Q4's scalar add).
  * Where the CPU has two 512-bit FMA units (Intel's server cores; on others a 512-bit operation costs two 256-bit
  * ones, no loss) the whole tiles go further: two rows of w in each 512-bit register (wide_pair_tile), 6 x 4 outputs
  * for Q8_0 (the tied embedding's lm_head, 49,152 rows), 4 x 4 for Q4 (its min sums take registers too), the same
@@ -909,6 +949,8 @@ static void qmatmul_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
 #if TV_FLOAT_PATH
   float_chunk(a->out, a->x, a->w, ROW_BYTES, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
+#elif TV_FEW_ROWS
+  few_chunk(a->out, a->xq, a->w, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
 #elif TV_WIDE_TILE
   wide_chunk(a->out, a->xq, a->w, chunk * CHUNK_ROWS, TV_CHUNK_END(chunk));
 #else

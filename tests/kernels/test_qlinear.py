@@ -257,13 +257,14 @@ QMATMUL_FORMATS = [t for t in FORMATS if QUANT_FORMATS[t].kernel == "qmatmul"]
 @needs_kernel
 @pytest.mark.parametrize("ggml_type", QMATMUL_FORMATS, ids=[QUANT_FORMATS[t].name for t in QMATMUL_FORMATS])
 def test_avx512_and_avx2_routes(ggml_type: int):
-    # on a CPU with AVX-512 VNNI qmatmul.c takes two blocks per 512-bit register (_mm512_dpbusd_epi32) from 2 rows of x
-    # to 7, and AVX2's per-block route with _mm256_dpbusd_epi32 at 1 row (two rows of w at a time); TV_NO_VNNI
+    # qmatmul.c streams the weights at 1 row of x (AVX2's per-block route, two rows of w at a time), and from 2 rows
+    # to 8 applies each streamed block to every row of x (the few rows: 5 and 3 take the masked loads of fewer than
+    # 8 rows' scales); on a CPU with AVX-512 VNNI these use _mm256_dpbusd_epi32; TV_NO_VNNI
     # compiles AVX2's maddubs + madd. Each route must meet both oracles and be batch-invariant, and the two must give
     # the same bits: the same integer sums, then the same float operations in the same order. K=96: an odd number of
     # blocks (the 512-bit route's last block alone), K=1536: down_proj's, K=576: the model's width (18 blocks, the wide
-    # tile's products 8 at a time and 2 alone). From M=8 on, AVX-512 takes the wide tile (Q8_0 6 x 4 outputs, Q4 4 x 4): 9,
-    # 11 and 38 rows and 37, 19 and 11 rows of w leave every smaller tile at the edges (the other tests take M=3's)
+    # tile's products 8 at a time and 2 alone). From M=9 on, AVX-512 takes the wide tile (Q8_0 6 x 4 outputs, Q4
+    # 4 x 4): 9, 11 and 38 rows and 37, 19 and 11 rows of w leave every smaller tile at the edges (the other tests take M=3's)
     for N, K in ((37, 96), (19, 1536), (11, 576)):
         blocks = random_blocks(ggml_type, N, K, seed=11)
         x = np.random.default_rng(K).standard_normal((50, K), dtype=np.float32)
@@ -272,7 +273,7 @@ def test_avx512_and_avx2_routes(ggml_type: int):
         routes = []
         for extra in ({}, {"TV_NO_VNNI": 1}):
             rows = {}
-            for M in (1, 3, 9, 11, 38, 50):  # (from 16 rows Q4, from 48 Q8_0: the pair blocks built per chunk)
+            for M in (1, 2, 3, 5, 8, 9, 11, 38, 50):  # (from 16 rows Q4, from 48 Q8_0: the pair blocks per chunk)
                 out, scratch = Tensor.empty(M, N, dtype=dtypes.float32), Tensor.empty(
                     scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
                 out, _ = launcher.launch("qmatmul", outs=[out, scratch],

@@ -138,6 +138,16 @@ def test_acceptance_counters_match_a_replay(tiny):
     assert 0 < steps < 30 - 1
 
 
+def test_verifying_k_drafts_runs_k_plus_1_tokens_unpadded(tiny):
+    """One sequence verifying its k = 4 drafts is a step of 5 tokens: a graph of its own (5 tokens, 5 rows of
+    logits), not the next power of two, whose 3 rows of padding would cost a row of every matmul."""
+    on = engine_like(tiny, speculative_config=NGRAM)
+    assert 5 in on.model_runner.token_buckets and on.model_runner.token_buckets == sorted(on.model_runner.token_buckets)
+    run(on, {"r": ([11, 12, 13, 14, 15] * 6 + [11, 12], greedy(30))})
+    graphs = set(on.model_runner._jits)
+    assert (5, 5) in graphs and (8, 8) not in graphs, graphs
+
+
 def test_rollback_frees_emptied_blocks(tiny):
     """After each step a speculating sequence holds exactly the blocks its computed tokens need."""
     on = engine_like(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 8,

@@ -135,6 +135,8 @@ class ModelRunner:
                                            block_size=cc.block_size, max_num_batched_tokens=sc.max_num_batched_tokens,
                                            max_num_seqs=sc.max_num_seqs, portable_attention=portable,
                                            model_name=model_name)
+            # one sequence verifying all k drafts runs k + 1 tokens: a shape of its own, not the next power of two
+            runner.add_token_bucket(1 + config.speculative_config.num_speculative_tokens)
         return runner
 
     # ---- one step ----
@@ -249,6 +251,12 @@ class ModelRunner:
     def num_graphs(self) -> int:
         """The step and sampler graphs captured (or loaded) so far."""
         return len(self._jits) + len(self._sampler_jits)
+
+    def add_token_bucket(self, num_tokens: int) -> None:
+        """Steps of exactly `num_tokens` tokens get a graph of their own instead of padding to the next bucket: every
+        padded row costs a row of each matmul (vLLM likewise sizes its captured graphs for 1 + k tokens)."""
+        if num_tokens <= self.token_buckets[-1] and num_tokens not in self.token_buckets:
+            self.token_buckets = sorted([*self.token_buckets, num_tokens])
 
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.token_buckets if b >= num_tokens)
