@@ -173,8 +173,8 @@ RESPONSES_FIELDS = {
 
 EMBEDDING_FIELDS = {
     **{name: SUPPORTED for name in ("model", "input", "encoding_format", "user", "normalize", "priority")},
-    **{name: _ENGINE_EXTRAS[name] for name in ("truncate_prompt_tokens", "truncation_side", "request_id",
-                                               "cache_salt")},
+    **{name: _ENGINE_EXTRAS[name] for name in ("truncation_side", "request_id", "cache_salt")},
+    "truncate_prompt_tokens": Refused("inputs are embedded whole: an input longer than the context is a 400"),
     **_CHAT_TEMPLATE_EXTRAS,
     "dimensions": Refused("this model was not trained to give shorter vectors (Matryoshka): its vectors have "
                           "the full hidden size"),
