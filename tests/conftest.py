@@ -137,7 +137,7 @@ def hf_model(default_gguf, tmp_path_factory):
 
 
 def pytest_configure(config):
-    for phase in range(1, 10):
+    for phase in range(1, 11):
         config.addinivalue_line("markers", f"phase{phase}: tests of Phase {phase} (tests/phases.py); "
                                            f"`make test-phase P={phase}` runs Phases 1-{phase}")
 
