@@ -6,14 +6,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-from vision_models import TILE, hf_model, write_tiny_idefics3  # noqa: E402
+from vision_models import TILE, hf_model  # noqa: E402
 
 from tinyvllm.model.vision import VisionTower, load_vision_tower  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def idefics3_dir(tmp_path_factory):
-    return write_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"))
 
 
 def test_image_features_equal_hf(idefics3_dir):
