@@ -24,7 +24,7 @@ PROCESSOR_FILE = "preprocessor_config.json"
 
 @dataclass(frozen=True)
 class ImageProcessorConfig:
-    """preprocessor_config.json's fields (HF's defaults where it has none)."""
+    """preprocessor_config.json's fields."""
 
     longest_edge: int = 4 * 364  # `size`: the image's longest edge after the first resize
     tile: int = 364  # `max_image_size`: a frame's edge
@@ -51,8 +51,8 @@ class ImageProcessorConfig:
 
 @dataclass
 class ProcessedImage:
-    pixel_values: np.ndarray  # (rows*cols + 1, 3, S, S) float32, or (1, 3, S, S) when not split
-    rows: int  # 0 and 0: one frame, the whole image
+    pixel_values: np.ndarray  # (rows*cols + 1, 3, S, S) float32; (1, 3, S, S) when rows == cols == 0
+    rows: int
     cols: int
 
 
@@ -65,7 +65,7 @@ def to_rgb(image: Image.Image) -> np.ndarray:
 
 
 def longest_edge_to(height: int, width: int, longest: int) -> tuple[int, int]:
-    """The longest edge to `longest`, the other by the aspect ratio rounded up to even, both under MAX_IMAGE_SIZE."""
+    """The longest edge to `longest`, the other by the aspect ratio (even), both under MAX_IMAGE_SIZE."""
     aspect = width / height
     if width >= height:
         width, height = longest, int(longest / aspect)
@@ -83,7 +83,7 @@ def longest_edge_to(height: int, width: int, longest: int) -> tuple[int, int]:
 
 
 def multiple_of_tile(height: int, width: int, tile: int) -> tuple[int, int]:
-    """The longest edge up to a multiple of `tile`, the other from the aspect ratio, also up to a multiple."""
+    """Each edge up to a multiple of `tile`, keeping the aspect ratio."""
     aspect = width / height
     if width >= height:
         width = math.ceil(width / tile) * tile
@@ -127,7 +127,7 @@ def image_prompt(rows: int, cols: int, tokens_per_frame: int) -> str:
 
 
 def expand_prompt(prompt: str, images: list[ProcessedImage], tokens_per_frame: int) -> str:
-    """Each `<image>` of the prompt replaced by its image's text, in order; a ValueError unless the counts match."""
+    """Each `<image>` replaced by its image's text, in order."""
     parts = prompt.split(IMAGE_TOKEN)
     if len(parts) - 1 != len(images):
         raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholder(s) but {len(images)} image(s) "

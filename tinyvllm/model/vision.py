@@ -15,6 +15,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
+from tinyvllm.model.image_processor import ImageProcessorConfig
 from tinyvllm.model.llama import project
 
 VISION_PREFIX, CONNECTOR_PREFIX = "model.vision_model.", "model.connector."
@@ -65,8 +66,9 @@ class VisionTower:
     """SigLIP + Idefics3's connector, from the HF-named tensors `model.vision_model.*` and `model.connector.*`."""
 
     def __init__(self, config: VisionConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
-                 device: str | None = None):
+                 device: str | None = None, processor: ImageProcessorConfig | None = None):
         self.config, self.dtype = config, dtype
+        self.processor = processor or ImageProcessorConfig()
 
         def load(name: str) -> Tensor:
             return Tensor(np.ascontiguousarray(state_dict[name], dtype=np.float32), device=device).cast(dtype).realize()
@@ -89,6 +91,12 @@ class VisionTower:
     @property
     def device(self) -> str:
         return self.proj.device
+
+    @property
+    def max_embeds_per_image(self) -> int:
+        """The most <image> tokens of one image: k x k tiles and the global frame."""
+        k = -(-self.processor.longest_edge // self.processor.tile) if self.processor.do_image_splitting else 1
+        return (k * k + (k > 1)) * self.config.tokens_per_frame
 
     def embed_patches(self, pixels: Tensor) -> Tensor:
         """pixels (F,3,S,S) -> (F,P,Dv): the conv of stride p as one matmul over flattened patches."""
@@ -150,4 +158,4 @@ def load_vision_tower(model_dir: str | os.PathLike, dtype: DType = dtypes.float3
     if text_config(cfg)[1] is None:  # no vision tower beside the LLaMA
         return None
     tensors = read_hf_tensors(Path(model_dir), lambda name: name.startswith((VISION_PREFIX, CONNECTOR_PREFIX)))
-    return VisionTower(VisionConfig.from_hf_config(cfg), tensors, dtype, device)
+    return VisionTower(VisionConfig.from_hf_config(cfg), tensors, dtype, device, ImageProcessorConfig.from_dir(model_dir))

@@ -1,0 +1,144 @@
+"""Images in, text out: prompts with images through the one engine, against HF's Idefics3 `generate` (Phase 10)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+from vision_models import IMAGE_TOKEN_ID, draw_image, hf_model, hf_processor  # noqa: E402
+
+from tinyvllm.core.encoder_cache import EncoderCacheManager, MultiModalFeature  # noqa: E402
+from tinyvllm.core.prefix_cache import block_hashes  # noqa: E402
+from tinyvllm.engine.multimodal import MultiModalProcessor  # noqa: E402
+from tinyvllm.llm import LLM  # noqa: E402
+from tinyvllm.sampling_params import SamplingParams  # noqa: E402
+from tinyvllm.worker.encoder_runner import EncoderRunner  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+IMAGES = {"wide": draw_image(70, 40, seed=1), "tall": draw_image(30, 50, seed=2), "small": draw_image(20, 20, seed=3)}
+PROMPTS = {
+    "one image": ("<|im_start|>user\n<image>What is in this image?<|im_end|>\n", ["wide"]),
+    "two images": ("Compare <image> with <image>: which one is brighter?", ["tall", "small"]),
+    "text only": ("The capital of France is", []),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(idefics3_dir):
+    return LLM(str(idefics3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=64)
+
+
+def request(name: str) -> dict | str:
+    text, images = PROMPTS[name]
+    return {"prompt": text, "multi_modal_data": {"image": [IMAGES[i] for i in images]}} if images else text
+
+
+def hf_greedy(model_dir, text: str, images: list) -> tuple[list[int], list[int]]:
+    """HF's (prompt token ids, greedy tokens)."""
+    import torch
+
+    inputs = hf_processor(model_dir)(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = hf_model(model_dir).generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_greedy_tokens_equal_hf(llm, idefics3_dir, name):
+    text, images = PROMPTS[name]
+    (out,) = llm.generate(request(name), GREEDY, use_tqdm=False)
+    prompt_ids, tokens = hf_greedy(idefics3_dir, text, [IMAGES[i] for i in images])
+    assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == tokens
+    assert (out.prompt_token_ids.count(IMAGE_TOKEN_ID) > 0) == bool(images)
+
+
+def test_a_text_request_is_unchanged_beside_an_image_request(llm):
+    (alone,) = llm.generate(request("text only"), GREEDY, use_tqdm=False)
+    mixed = llm.generate([request("two images"), request("text only"), request("one image")], GREEDY, use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert mixed[0].outputs[0].token_ids == llm.generate(request("two images"), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_repeated_image_is_encoded_once(llm, idefics3_dir):
+    image = draw_image(64, 48, seed=7)
+    runs = llm.llm_engine.model_runner.encoder.num_encoder_runs
+    hits = llm.llm_engine.scheduler.encoder_cache_manager.num_hits
+    texts = ["Look: <image> What is it?", "A different start, then <image> again."]
+    outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": image}} for t in texts], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.model_runner.encoder.num_encoder_runs == runs + 1
+    assert llm.llm_engine.scheduler.encoder_cache_manager.num_hits > hits
+    for text, out in zip(texts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(idefics3_dir, text, [image])[1]
+
+
+def test_the_prefix_cache_shares_blocks_of_the_same_image_only(llm):
+    text = "Describe this picture in detail, please: <image>"
+    first, second = draw_image(40, 40, seed=11), draw_image(40, 40, seed=12)
+    ask = [{"prompt": text, "multi_modal_data": {"image": im}} for im in (first, first, second)]
+    outs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in ask]
+    offset = outs[0].prompt_token_ids.index(IMAGE_TOKEN_ID)
+    bs = llm.llm_engine.config.cache_config.block_size
+    assert outs[1].num_cached_tokens == (len(outs[1].prompt_token_ids) - 1) // bs * bs  # all its full blocks
+    assert outs[2].num_cached_tokens == offset // bs * bs  # only the blocks before the image
+    assert outs[1].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_block_hashes_name_the_image():
+    def feature(mm_hash):
+        return MultiModalFeature(mm_hash, offset=20, is_embed=np.ones(8, bool), data=np.zeros(1))
+    ids = list(range(48))
+    a, b = block_hashes(ids, 16, [], mm_features=[feature("a")]), block_hashes(ids, 16, [], mm_features=[feature("b")])
+    assert a[0] == b[0] == block_hashes(ids, 16, [])[0]  # before the image: the tokens alone
+    assert a[1] != b[1] and a[2] != b[2]  # from the block holding the image on: the image too (the chain)
+
+
+def test_the_encoder_cache_evicts_unreferenced_outputs_oldest_first():
+    def feature(mm_hash, n):
+        return MultiModalFeature(mm_hash, 0, np.ones(n, bool), np.zeros(1))
+    manager, x, y, z = EncoderCacheManager(10), feature("x", 6), feature("y", 4), feature("z", 5)
+    manager.allocate("r1", x)
+    manager.allocate("r2", y)
+    assert not manager.can_allocate(z, budget=10)  # both still needed
+    manager.free_encoder_input("r1", x)
+    assert manager.can_allocate(z, budget=10) and not manager.can_allocate(z, budget=4)
+    manager.allocate("r3", z)
+    assert manager.get_freed_mm_hashes() == ["x"] and manager.check_and_update_cache("r4", y)
+    assert not manager.check_and_update_cache("r4", x)
+
+
+def test_an_image_chunked_across_steps_fills_the_right_rows():
+    class Tower:
+        def encode(self, pixels):
+            return np.arange(6, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+
+    class Seq:
+        mm_features = [MultiModalFeature("h", 3, np.array([1, 1, 0, 1, 1, 1, 1], bool), np.zeros(1))]
+
+    runner, embeds, mask = EncoderRunner(Tower()), np.zeros((8, 2), np.float32), np.zeros(8, np.int32)
+    assert runner.gather([(Seq(), 0, 6, 2)], embeds, mask)  # positions 0..5 at rows 2..7: image positions 3, 4
+    assert mask.tolist() == [0, 0, 0, 0, 0, 1, 1, 0] and embeds[5:7, 0].tolist() == [0, 1]
+    assert runner.gather([(Seq(), 6, 4, 0)], embeds, mask)  # positions 6..9: 6, 7, 8, 9 are encoder rows 2..5
+    assert mask.tolist() == [1, 1, 1, 1, 0, 0, 0, 0] and embeds[:4, 0].tolist() == [2, 3, 4, 5]
+    assert runner.num_encoder_runs == 1
+
+
+def test_bad_prompts_with_images_are_refused(llm, idefics3_dir):
+    with pytest.raises(ValueError, match="2 <image> placeholder.*1 image"):
+        llm.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": IMAGES["wide"]}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="PIL.Image"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": b"png bytes"}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="multi_modal_data takes 'image'"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"video": IMAGES["wide"]}}, use_tqdm=False)
+    tower = llm.llm_engine.model.vision_tower
+    with pytest.raises(ValueError, match="does not fit the encoder cache"):
+        MultiModalProcessor(llm.get_tokenizer(), tower, 8).process({"prompt": "<image>",
+                                                                     "multi_modal_data": {"image": IMAGES["wide"]}})
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_text_model_refuses_images(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), max_model_len=128, kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match="this model takes no images"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": IMAGES["wide"]}}, use_tqdm=False)
+    assert llm.generate({"prompt": "Hello"}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
