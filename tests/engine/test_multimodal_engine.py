@@ -142,3 +142,47 @@ def test_a_text_model_refuses_images(tiny_model_dir):
     with pytest.raises(ValueError, match="this model takes no images"):
         llm.generate({"prompt": "<image>", "multi_modal_data": {"image": IMAGES["wide"]}}, use_tqdm=False)
     assert llm.generate({"prompt": "Hello"}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_the_media_connector_reads_data_urls_and_local_files_under_the_allowed_path(tmp_path):
+    from tinyvllm.engine.multimodal import MediaConnector, image_hash
+
+    image = draw_image(40, 30, seed=5)
+    connector = MediaConnector(allowed_local_media_path=str(tmp_path / "media"))
+    assert image_hash(connector.fetch_image(data_url(image))) == image_hash(image)
+    (tmp_path / "media").mkdir()
+    image.save(tmp_path / "media" / "a.png")
+    image.save(tmp_path / "b.png")
+    assert image_hash(connector.fetch_image(f"file://{tmp_path}/media/a.png")) == image_hash(image)
+    for url, error in [(f"file://{tmp_path}/b.png", "--allowed-local-media-path"),
+                       (f"file://{tmp_path}/media/../b.png", "--allowed-local-media-path"),
+                       ("https://example.com/a.png", "--allow-remote-media"),
+                       ("ftp://example.com/a.png", "data:, http"),
+                       ("data:text/plain;base64,aGk=", "data:image/<type>;base64"),
+                       ("data:image/png;base64,not base64!", "base64 cannot be decoded"),
+                       ("data:image/png;base64," + "iVBORw0KGgo" + "A" * 40, "cannot be decoded"),
+                       (data_url(image, "TIFF"), "TIFF images are not supported")]:
+        with pytest.raises(ValueError, match=error):
+            connector.fetch_image(url)
+    with pytest.raises(ValueError, match="--allowed-local-media-path"):
+        MediaConnector().fetch_image(f"file://{tmp_path}/media/a.png")
+
+
+def test_an_oversized_image_is_refused(monkeypatch):
+    from tinyvllm.engine import multimodal
+
+    monkeypatch.setattr(multimodal, "MAX_IMAGE_PIXELS", 30 * 30)
+    with pytest.raises(ValueError, match="40 x 30 pixels, more than"):
+        multimodal.MediaConnector().fetch_image(data_url(draw_image(40, 30)))
+    monkeypatch.setattr(multimodal, "MAX_IMAGE_BYTES", 100)
+    with pytest.raises(ValueError, match="bytes allowed"):
+        multimodal.MediaConnector().fetch_image(data_url(draw_image(40, 30)))

@@ -7,15 +7,87 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
+import urllib.parse
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from tinyvllm.core.encoder_cache import MultiModalFeature
-from tinyvllm.model.image_processor import expand_prompt, process_image
+from tinyvllm.model.image_processor import expand_prompt, process_image, split_size
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.model.vision import VisionTower
+
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_IMAGE_BYTES = 20 * 2**20
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def decode_image(raw: bytes) -> Image.Image:
+    """An encoded image's bytes to a loaded PIL image; a ValueError for a corrupt, oversized or unsupported one."""
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image has {len(raw)} bytes, more than the {MAX_IMAGE_BYTES} allowed")
+    try:
+        image = Image.open(io.BytesIO(raw))
+        if image.format not in IMAGE_FORMATS:
+            raise ValueError(f"{image.format} images are not supported: send {', '.join(IMAGE_FORMATS)}")
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"the image is {image.width} x {image.height} pixels, more than the {MAX_IMAGE_PIXELS} "
+                             "allowed")
+        image.load()
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"the image cannot be decoded ({type(e).__name__}: {e}): send a valid "
+                         f"{', '.join(IMAGE_FORMATS)} image") from None
+    return image
+
+
+class MediaConnector:
+    """An image URL to a PIL image (vLLM's MediaConnector): data URLs always; http(s) with `allow_remote_media`;
+    file:// only under `allowed_local_media_path`."""
+
+    def __init__(self, allow_remote_media: bool = False, allowed_local_media_path: str | None = None,
+                 timeout: float = 10.0):
+        self.allow_remote_media, self.timeout = allow_remote_media, timeout
+        self.local_root = None if allowed_local_media_path is None else Path(allowed_local_media_path).resolve()
+
+    def fetch_image(self, url: str) -> Image.Image:
+        scheme = urllib.parse.urlparse(url).scheme
+        if scheme == "data":
+            header, _, payload = url.partition(",")
+            if not (header.startswith("data:image/") and header.endswith(";base64")):
+                raise ValueError(f"a data URL of an image is data:image/<type>;base64,<data>, got {header[:40]!r}")
+            if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+                raise ValueError(f"the image has more than the {MAX_IMAGE_BYTES} bytes allowed")
+            try:
+                return decode_image(base64.b64decode(payload, validate=True))
+            except binascii.Error as e:
+                raise ValueError(f"the data URL's base64 cannot be decoded: {e}") from None
+        if scheme in ("http", "https"):
+            if not self.allow_remote_media:
+                raise ValueError("remote image URLs are not fetched by this server: send the image as a data URL "
+                                 "(data:image/png;base64,...), or start the server with --allow-remote-media")
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout) as response:
+                    return decode_image(response.read(MAX_IMAGE_BYTES + 1))
+            except OSError as e:
+                raise ValueError(f"the image at {url!r} cannot be fetched: {e}") from None
+        if scheme == "file":
+            path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).resolve()
+            if self.local_root is None or not path.is_relative_to(self.local_root):
+                raise ValueError("local files are read only under --allowed-local-media-path"
+                                 + ("" if self.local_root is None else f" ({self.local_root})"))
+            if not path.is_file():
+                raise ValueError(f"no image file at {url!r}")
+            if path.stat().st_size > MAX_IMAGE_BYTES:
+                raise ValueError(f"the image has more than the {MAX_IMAGE_BYTES} bytes allowed")
+            return decode_image(path.read_bytes())
+        raise ValueError(f"image URLs are data:, http(s): or file: URLs, got {url[:40]!r}")
 
 
 def image_hash(image: Image.Image) -> str:
@@ -48,9 +120,14 @@ class MultiModalProcessor:
             processed = [process_image(image, self.tower.processor) for image in images]
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise ValueError(f"the image cannot be read: {e}") from None
-        ids = self.tokenizer.encode(expand_prompt(prompt["prompt"], processed, self.tower.config.tokens_per_frame))
+        ids = self.tokenizer.encode(self.expand(prompt["prompt"], images))
         features = self.features(np.array(ids), [p.pixel_values for p in processed], [image_hash(i) for i in images])
         return prompt["prompt"], ids, features
+
+    def expand(self, text: str, images: list[Image.Image]) -> str:
+        """The text with each `<image>` expanded to its image's tokens (from the images' sizes alone)."""
+        grids = [split_size(image, self.tower.processor)[2:] for image in images]
+        return expand_prompt(text, grids, self.tower.config.tokens_per_frame)
 
     def features(self, ids: np.ndarray, pixels: list[np.ndarray], hashes: list[str]) -> list[MultiModalFeature]:
         """Each image's feature: its <image> tokens, in order, are the next frames x T of the prompt's."""

@@ -94,22 +94,29 @@ def multiple_of_tile(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
+def split_size(image: Image.Image, config: ImageProcessorConfig) -> tuple[int, int, int, int]:
+    """(height, width) after the resizes, and the (rows, cols) of tiles the image is split into ((0, 0): none)."""
+    height, width = longest_edge_to(image.height, image.width, config.longest_edge)
+    if not config.do_image_splitting:
+        return height, width, 0, 0
+    height, width = multiple_of_tile(height, width, config.tile)
+    split = height > config.tile or width > config.tile
+    return height, width, height // config.tile if split else 0, width // config.tile if split else 0
+
+
 def process_image(image: Image.Image, config: ImageProcessorConfig) -> ProcessedImage:
     def resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:  # (H, W, 3) uint8
         return np.array(Image.fromarray(pixels).resize((width, height), resample=config.resample))
 
-    pixels = to_rgb(image)
+    pixels, tile = to_rgb(image), config.tile
     pixels = resize(pixels, *longest_edge_to(*pixels.shape[:2], config.longest_edge))
-    tile, rows, cols = config.tile, 0, 0
+    _, _, rows, cols = split_size(image, config)
     if not config.do_image_splitting:
         frames = [resize(pixels, tile, tile)]
     else:
         pixels = resize(pixels, *multiple_of_tile(*pixels.shape[:2], tile))
-        frames = [pixels]
-        if pixels.shape[0] > tile or pixels.shape[1] > tile:
-            rows, cols = pixels.shape[0] // tile, pixels.shape[1] // tile
-            frames = [pixels[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
-            frames.append(resize(pixels, tile, tile))
+        frames = [pixels[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
+        frames.append(resize(pixels, tile, tile) if rows else pixels)
     x = (np.stack(frames).transpose(0, 3, 1, 2).astype(np.float64) * config.rescale_factor).astype(np.float32)
     mean, std = np.array(config.image_mean, np.float32), np.array(config.image_std, np.float32)
     return ProcessedImage((x - mean[:, None, None]) / std[:, None, None], rows, cols)
@@ -126,11 +133,11 @@ def image_prompt(rows: int, cols: int, tokens_per_frame: int) -> str:
     return f"{grid}\n{whole}"
 
 
-def expand_prompt(prompt: str, images: list[ProcessedImage], tokens_per_frame: int) -> str:
-    """Each `<image>` replaced by its image's text, in order."""
+def expand_prompt(prompt: str, grids: list[tuple[int, int]], tokens_per_frame: int) -> str:
+    """Each `<image>` replaced by the text of its image's (rows, cols), in order."""
     parts = prompt.split(IMAGE_TOKEN)
-    if len(parts) - 1 != len(images):
-        raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholder(s) but {len(images)} image(s) "
+    if len(parts) - 1 != len(grids):
+        raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholder(s) but {len(grids)} image(s) "
                          f"were given: write one {IMAGE_TOKEN} where each image goes")
-    texts = [image_prompt(im.rows, im.cols, tokens_per_frame) for im in images]
+    texts = [image_prompt(rows, cols, tokens_per_frame) for rows, cols in grids]
     return parts[0] + "".join(text + part for text, part in zip(texts, parts[1:]))
