@@ -186,3 +186,15 @@ def test_an_oversized_image_is_refused(monkeypatch):
     monkeypatch.setattr(multimodal, "MAX_IMAGE_BYTES", 100)
     with pytest.raises(ValueError, match="bytes allowed"):
         multimodal.MediaConnector().fetch_image(data_url(draw_image(40, 30)))
+
+
+def test_expanded_token_ids_with_images_equal_the_text_prompt(llm):
+    text, images = "Here: <image> and <image>.", [IMAGES["tall"], IMAGES["small"]]
+    processor = llm.llm_engine.input_processor.multimodal
+    ids = llm.get_tokenizer().encode(processor.expand(text, images))
+    by_ids, by_text = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                                    {"prompt": text, "multi_modal_data": {"image": images}}], GREEDY, use_tqdm=False)
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids == ids
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+    with pytest.raises(ValueError, match="image tokens where its images take"):
+        llm.generate({"prompt_token_ids": ids[:-5], "multi_modal_data": {"image": images[:1]}}, use_tqdm=False)

@@ -101,13 +101,14 @@ class MultiModalProcessor:
     def __init__(self, tokenizer: Tokenizer, tower: VisionTower, encoder_cache_size: int):
         self.tokenizer, self.tower, self.encoder_cache_size = tokenizer, tower, encoder_cache_size
 
-    def process(self, prompt: dict) -> tuple[str, list[int], list[MultiModalFeature]]:
+    def process(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """(the text, its token ids with each image's placeholders expanded, the images' features); a ValueError
-        names what is wrong with the prompt or an image."""
-        unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
-        if unknown or not isinstance(prompt.get("prompt"), str):
-            raise ValueError(f"a prompt with images is {{'prompt': str, 'multi_modal_data': {{'image': ...}}}}, "
-                             f"got keys {sorted(prompt)}")
+        names what is wrong with the prompt or an image. Token ids (`prompt_token_ids`) come expanded already."""
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"} or (text is None) == (ids is None) or not (
+                isinstance(text, str) or isinstance(ids, list)):
+            raise ValueError(f"a prompt with images is {{'prompt': str or 'prompt_token_ids': list, "
+                             f"'multi_modal_data': {{'image': ...}}}}, got keys {sorted(prompt)}")
         data = prompt.get("multi_modal_data") or {}
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {data!r:.80}")
@@ -120,9 +121,9 @@ class MultiModalProcessor:
             processed = [process_image(image, self.tower.processor) for image in images]
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise ValueError(f"the image cannot be read: {e}") from None
-        ids = self.tokenizer.encode(self.expand(prompt["prompt"], images))
+        ids = self.tokenizer.encode(self.expand(text, images)) if ids is None else ids
         features = self.features(np.array(ids), [p.pixel_values for p in processed], [image_hash(i) for i in images])
-        return prompt["prompt"], ids, features
+        return text, ids, features
 
     def expand(self, text: str, images: list[Image.Image]) -> str:
         """The text with each `<image>` expanded to its image's tokens (from the images' sizes alone)."""
@@ -132,6 +133,9 @@ class MultiModalProcessor:
     def features(self, ids: np.ndarray, pixels: list[np.ndarray], hashes: list[str]) -> list[MultiModalFeature]:
         """Each image's feature: its <image> tokens, in order, are the next frames x T of the prompt's."""
         at = np.flatnonzero(ids == self.tower.config.image_token_id)
+        needed = sum(len(frames) for frames in pixels) * self.tower.config.tokens_per_frame
+        if needed != len(at):
+            raise ValueError(f"the prompt holds {len(at)} image tokens where its images take {needed}")
         features, used = [], 0
         for frames, mm_hash in zip(pixels, hashes):
             n = len(frames) * self.tower.config.tokens_per_frame
@@ -141,6 +145,4 @@ class MultiModalProcessor:
             first, last = at[used], at[used + n - 1]
             features.append(MultiModalFeature(mm_hash, int(first), ids[first:last + 1] == ids[first], frames))
             used += n
-        if used != len(at):
-            raise ValueError(f"the prompt holds {len(at) - used} image token(s) beyond its images' placeholders")
         return features
