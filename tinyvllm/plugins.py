@@ -27,6 +27,7 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "pooling_params": ("tinyvllm.pooling_params", "PoolingParams"),  # 9: embeddings, a prompt's pooled states
     "vision_tower": ("tinyvllm.model.vision", "load_vision_tower"),  # 10: a vision tower
     "multimodal_inputs": ("tinyvllm.engine.multimodal", "MultiModalProcessor"),  # 10: prompts' images
+    "media_connector": ("tinyvllm.engine.multimodal", "MediaConnector"),  # 10: image URLs to images
 }
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from tinyvllm.core.encoder_cache import MultiModalFeature
-from tinyvllm.model.image_processor import expand_prompt, process_image, split_size
+from tinyvllm.model.image_processor import IMAGE_TOKEN, expand_prompt, process_image, split_size
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.model.vision import VisionTower
 
@@ -98,6 +98,8 @@ def image_hash(image: Image.Image) -> str:
 
 
 class MultiModalProcessor:
+    placeholder = IMAGE_TOKEN  # where an image goes in a prompt's text
+
     def __init__(self, tokenizer: Tokenizer, tower: VisionTower, encoder_cache_size: int):
         self.tokenizer, self.tower, self.encoder_cache_size = tokenizer, tower, encoder_cache_size
 
