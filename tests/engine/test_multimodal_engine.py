@@ -198,3 +198,30 @@ def test_expanded_token_ids_with_images_equal_the_text_prompt(llm):
     assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
     with pytest.raises(ValueError, match="image tokens where its images take"):
         llm.generate({"prompt_token_ids": ids[:-5], "multi_modal_data": {"image": images[:1]}}, use_tqdm=False)
+
+
+def test_the_scheduler_stops_a_chunk_before_an_image_the_encoder_cache_has_no_room_for():
+    from tinyvllm.core.outputs import ModelRunnerOutput
+    from tinyvllm.core.scheduler import Scheduler
+    from tinyvllm.core.sequence import Sequence
+
+    def feature(mm_hash, offset):
+        return MultiModalFeature(mm_hash, offset, np.ones(8, bool), np.zeros(1))
+
+    scheduler = Scheduler(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                          enable_prefix_caching=True, encoder_cache_size=12)
+    a = Sequence("a", list(range(40)), SamplingParams(max_tokens=2), mm_features=[feature("x", 4), feature("y", 20)])
+    scheduler.add_seq(a)
+    out = scheduler.schedule()  # room for x (8 of 12), not for y too: the chunk ends where y begins
+    assert out.num_scheduled_tokens["a"] == 20 and out.scheduled_encoder_inputs == {"a": [0]}
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    out = scheduler.schedule()  # x is computed past: its room is taken by y, x evicted for the runner to drop
+    assert out.num_scheduled_tokens["a"] == 20 and out.scheduled_encoder_inputs == {"a": [1]}
+    assert out.free_encoder_mm_hashes == ["x"]
+    scheduler.update_from_output(out, ModelRunnerOutput())  # a's prompt is computed: y is held by nobody now
+    b = Sequence("b", list(range(30)), SamplingParams(max_tokens=2), mm_features=[feature("y", 10)])
+    scheduler.add_seq(b)
+    hits = scheduler.encoder_cache_manager.num_hits
+    out = scheduler.schedule()
+    assert "b" in out.num_scheduled_tokens and "b" not in out.scheduled_encoder_inputs  # y is still cached: a hit
+    assert scheduler.encoder_cache_manager.num_hits == hits + 1
