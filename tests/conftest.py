@@ -88,6 +88,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def idefics3_dir(tmp_path_factory) -> Path:
+    """A tiny random Idefics3 (SmolVLM's architecture) written by HF transformers (tests/vision_models.py)."""
+    pytest.importorskip("transformers")
+    from vision_models import write_tiny_idefics3
+
+    return write_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"))
+
+
+@pytest.fixture(scope="session")
 def generator():
     """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once.
 
@@ -137,7 +146,7 @@ def hf_model(default_gguf, tmp_path_factory):
 
 
 def pytest_configure(config):
-    for phase in range(1, 10):
+    for phase in range(1, 11):
         config.addinivalue_line("markers", f"phase{phase}: tests of Phase {phase} (tests/phases.py); "
                                            f"`make test-phase P={phase}` runs Phases 1-{phase}")
 

@@ -4,7 +4,7 @@ The roadmap promises each phase tests of its own that pass without the later pha
 file says which phase it tests, by the file's name: the test files live in folders that mirror the package
 (tests/core/ holds the tests of tinyvllm/core/, tests/ itself those of the top-level modules and the checks that
 span the repository), and a name is unique across the folders (`paths_of_test_files`). `conftest.py` turns the
-table into the markers `phase1` ... `phase9` (sub-phases such as 7b and 7c count as 7), and `tests/test_phases.py`
+table into the markers `phase1` ... `phase10` (sub-phases such as 7b and 7c count as 7), and `tests/test_phases.py`
 checks that every test file is listed here. A tutorial's own test (`test_docs.py::test_phase_doc_code_runs[03-...]`)
 takes the phase of its chapter. A test of a later phase's feature inside an earlier file carries that phase's marker
 too (`pytest.param("int8", marks=pytest.mark.phase7)`), and `make test-phase P=k` leaves out every test marked with
@@ -84,6 +84,8 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_api_responses": 9,
     "test_api_device_path": 9, "test_api_parts": 9, "test_api_fields": 9, "test_hidden_states": 9,
     "test_doc_commands": 9, "test_api_metrics": 9,
+    # Phase 10: images in, text out
+    "test_vision": 10, "test_image_processor": 10, "test_multimodal_engine": 10, "test_api_images": 10,
 }
 
 

@@ -24,11 +24,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+    def generate(self, prompts: str | dict | Sequence[str | dict] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); returns one RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (text, token ids, or vLLM's dict, images in "multi_modal_data"); returns one
+        RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)

@@ -25,6 +25,9 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "gguf_header_cache": ("tinyvllm.model.gguf_header_cache", "header_cache"),  # 6: GGUF headers kept on disk
     "beam_search_params": ("tinyvllm.engine.beam_search", "BeamSearchParams"),  # 7a: beam search, above the core
     "pooling_params": ("tinyvllm.pooling_params", "PoolingParams"),  # 9: embeddings, a prompt's pooled states
+    "vision_tower": ("tinyvllm.model.vision", "load_vision_tower"),  # 10: a vision tower
+    "multimodal_inputs": ("tinyvllm.engine.multimodal", "MultiModalProcessor"),  # 10: prompts' images
+    "media_connector": ("tinyvllm.engine.multimodal", "MediaConnector"),  # 10: image URLs to images
 }
 
 

@@ -78,5 +78,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, requests in flight get this long to finish before they end with an error; "
                         "new ones get 503 meanwhile (default 10)")
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="fetch http(s) image URLs of chat image_url parts (default: data URLs only)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="serve file:// image URLs from under this directory (default: none)")
     p.add_argument("--log-level", default="info")
     return p

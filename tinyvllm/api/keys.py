@@ -232,7 +232,7 @@ class KeyedEngine:
     def add_request(self, request_id: str, prompt: list[int], sampling_params, priority: int = 0):
         record = current_record.get(None)
         key = self.keys.by_id.get(record.key_id) if record is not None and self.keys is not None else None
-        num_prompt_tokens = len(prompt)
+        num_prompt_tokens = len(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
         reserved = 0
         if key is not None:
             reserved = self.keys.reserve_tokens(key, num_prompt_tokens, self.max_completion_tokens(

@@ -37,6 +37,7 @@ from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse
                                            TokenizeRequest, TokenizeResponse)
 from tinyvllm.engine.arg_utils import EngineArgs
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
+from tinyvllm.plugins import provided
 from tinyvllm.pooling_params import PoolingParams
 
 
@@ -46,7 +47,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               reasoning_parser: str | None = None, cors: CorsConfig | None = None,
               tool_call_parser: str = "hermes", pooler: PoolingParams | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-              enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False) -> FastAPI:
+              enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
+              media=None) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
     `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
@@ -62,8 +64,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     usage_flags = {"enable_prompt_tokens_details": enable_prompt_tokens_details,
                    "enable_force_include_usage": enable_force_include_usage}
     completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits, **usage_flags)
+    if media is None and provided("media_connector") is not None:  # Phase 10: data URLs only, by default
+        media = provided("media_connector")()
     chat = OpenAIServingChat(keyed_engine, served_model_names, limits, reasoning_parser=reasoning_parser,
-                             tool_call_parser=tool_call_parser, **usage_flags)
+                             tool_call_parser=tool_call_parser, media=media, **usage_flags)
     tokenization = OpenAIServingTokenization(chat)
     responses_api = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     embeddings = OpenAIServingEmbedding(keyed_engine, served_model_names, limits, pooler=pooler)
@@ -202,6 +206,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     return app
 
 
+def media_connector(args):
+    """Phase 10's MediaConnector from --allow-remote-media and --allowed-local-media-path."""
+    connector = provided("media_connector")
+    return None if connector is None else connector(args.allow_remote_media, args.allowed_local_media_path)
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     enable_force_include_usage=args.enable_force_include_usage,
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                     tuple(args.allowed_headers), args.allow_credentials),
-                    pooler=pooler, max_stored_responses=args.max_stored_responses)
+                    pooler=pooler, max_stored_responses=args.max_stored_responses, media=media_connector(args))
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           header_read_timeout=args.header_read_timeout)
 

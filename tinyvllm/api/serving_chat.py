@@ -98,8 +98,10 @@ class ChoiceParser:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, reasoning_parser: str | None = None, tool_call_parser: str = "hermes", **kwargs):
+    def __init__(self, *args, reasoning_parser: str | None = None, tool_call_parser: str = "hermes", media=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.media = media  # Phase 10's MediaConnector: image_url parts to images
         if reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {reasoning_parser!r}")
@@ -115,11 +117,15 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         tool_use = self.tool_use(request)
+        images = [] if self.engine.multimodal_processor is not None else None
         text = self.render_text(request.messages, tool_use.tools, add_generation_prompt=request.add_generation_prompt,
                                 continue_final_message=request.continue_final_message,
                                 chat_template_kwargs=request.chat_template_kwargs,
-                                check_length=request.truncate_prompt_tokens is None)
+                                check_length=request.truncate_prompt_tokens is None, images=images)
         prompt_ids = self.truncate_prompt(self.tokenize(text), request.truncate_prompt_tokens)
+        prompt = prompt_ids
+        if images:
+            prompt_ids, prompt = self.image_prompt(text, images, request)
         if request.max_completion_tokens is not None:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_completion_tokens, "messages",
                                                  "max_completion_tokens")
@@ -140,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
                                 tool_use.make_parser())
 
         request_id, created = f"chatcmpl-{base_request_id(raw_request)}", int(time.time())
-        stream = self.engine.add_request(request_id, prompt_ids, params, request.priority)  # 429 now, before any 200
+        stream = self.engine.add_request(request_id, prompt, params, request.priority)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         if request.stream:
             chunks = self.stream_chunks(stream, head, num_logprobs, include_usage, make_parser, bool(tool_use.forced),
@@ -150,6 +156,16 @@ class OpenAIServingChat(OpenAIServing):
         if final is None:  # the client left; nobody reads this
             return Response(status_code=499)
         return self.full_response(final, head, num_logprobs, make_parser, request)
+
+    def image_prompt(self, text: str, images: list, request: ChatCompletionRequest) -> tuple[list[int], dict]:
+        """(the token ids, each image's placeholder expanded; the engine's prompt dict with the images)."""
+        if request.truncate_prompt_tokens is not None:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
+        try:
+            ids = self.tokenize(self.engine.multimodal_processor.expand(text, images))
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        return ids, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     @staticmethod
     def echoed(request: ChatCompletionRequest) -> str:
@@ -195,6 +211,22 @@ class OpenAIServingChat(OpenAIServing):
         return ToolUse(tools, parse=True, forced=forced, parallel=parallel and choice == "required",
                        parser=self.tool_parser)
 
+    def content_part(self, part: dict, where: str, images: list | None) -> str:
+        """A content part's text; an image_url part's image appended to `images`, the part becoming `<image>`."""
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}.text must be a string, got {part.get('text')!r}", "messages")
+            return part["text"]
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else None
+        if not isinstance(url, str):
+            raise bad_request(f"{where}.image_url must be {{\"url\": \"data:image/png;base64,...\"}}", "messages")
+        try:
+            images.append(self.media.fetch_image(url))
+        except ValueError as e:
+            raise bad_request(f"{where}.image_url: {e}", "messages") from None
+        return self.engine.multimodal_processor.placeholder
+
     def has_special_token(self, tags: list[str]) -> bool:
         """Whether any of `tags` is one special token of this vocabulary."""
         for tag in tags:
@@ -205,10 +237,11 @@ class OpenAIServingChat(OpenAIServing):
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                    check_length: bool = True) -> str:
+                    check_length: bool = True, images: list | None = None) -> str:
         """The prompt text: the conversation (and the tools) through the model's chat template, with vLLM's
         `add_generation_prompt`, `continue_final_message` (the last message left open) and `chat_template_kwargs`;
-        `check_length` false: the caller keeps only the prompt's last tokens (truncate_prompt_tokens)."""
+        `check_length` false: the caller keeps only the prompt's last tokens (truncate_prompt_tokens); `images`: a
+        list that takes each image_url part's image, the part becoming `<image>` (None: no images)."""
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true: the first opens "
                               "a new assistant turn, the second continues the last message", "continue_final_message")
@@ -226,14 +259,13 @@ class OpenAIServingChat(OpenAIServing):
             content = message.get("content")
             if content is None:  # an assistant turn of tool_calls only
                 content = ""
-            if isinstance(content, list):  # content parts: only text ones can be served by a text model
-                if any(not isinstance(part, dict) or part.get("type") != "text" for part in content):
-                    raise bad_request(f"messages[{i}]: only text content parts are supported", "messages")
-                for j, part in enumerate(content):
-                    if not isinstance(part.get("text"), str):
-                        raise bad_request(f"messages[{i}].content[{j}].text must be a string, got "
-                                          f"{part.get('text')!r}", "messages")
-                content = "".join(part["text"] for part in content)
+            if isinstance(content, list):  # content parts: text, and images for a model that takes them
+                kinds = ("text",) if images is None else ("text", "image_url")
+                if any(not isinstance(part, dict) or part.get("type") not in kinds for part in content):
+                    raise bad_request(f"messages[{i}]: only {' and '.join(kinds)} content parts are supported"
+                                      + ("" if images is not None else " (this model takes no images)"), "messages")
+                content = "".join(self.content_part(part, f"messages[{i}].content[{j}]", images)
+                                  for j, part in enumerate(content))
             elif not isinstance(content, str):
                 raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got "
                                   f"{type(content).__name__}", "messages")

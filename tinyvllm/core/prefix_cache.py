@@ -25,9 +25,13 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra_keys: 
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes], extra_keys: tuple = ()) -> list[bytes]:
-    """Extend `known` (the hashes computed before) to every full block of `token_ids`; returns it."""
+def block_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes], extra_keys: tuple = (),
+                 mm_features: Sequence = ()) -> list[bytes]:
+    """Extend `known` (the hashes computed before) to every full block of `token_ids`; returns it. A block with
+    image tokens also hashes its images' `mm_hash`."""
     for i in range(len(known), len(token_ids) // block_size):
         parent = known[i - 1] if i else NONE_HASH
-        known.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys))
+        start, end = i * block_size, (i + 1) * block_size
+        images = tuple(f.mm_hash for f in mm_features if f.overlaps(start, end))
+        known.append(hash_block_tokens(parent, token_ids[start:end], extra_keys + images))
     return known

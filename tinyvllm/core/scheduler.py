@@ -45,6 +45,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[int | str, list[int]] = field(default_factory=dict)
     # finished since the last step
     finished_req_ids: set[int | str] = field(default_factory=set)
+    # seq_id -> its images this step encodes (Phase 10)
+    scheduled_encoder_inputs: dict[int | str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -63,7 +66,7 @@ class Scheduler:
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = (), policy: str = "fcfs",
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, encoder_cache_size: int = 0):
         check_scheduler_limits(max_num_seqs, max_num_batched_tokens, policy)
         if not 2 <= max_model_len <= num_blocks * block_size:
             raise ValueError(f"max_model_len ({max_model_len}) must be >= 2 and fit in the KV cache "
@@ -80,6 +83,12 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.finished_req_ids: set[int | str] = set()  # since the last schedule()
         self.num_preemptions = 0
+        self.encoder_cache_manager = None  # Phase 10, with a vision tower
+        if encoder_cache_size:
+            from tinyvllm.core.encoder_cache import EncoderCacheManager
+
+            self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
+        self._encoder_budget = 0  # embeddings still encodable this step
         self.spec_decoding_stats = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_emitted_tokens": 0,
                                     "num_verify_steps": 0}
 
@@ -118,12 +127,15 @@ class Scheduler:
         num_scheduled_tokens: dict[int | str, int] = {}
         preempted: list[Sequence] = []
         spec_tokens: dict[int | str, list[int]] = {}
+        encoder_inputs: dict[int | str, list[int]] = {}
+        self._encoder_budget = self.encoder_cache_manager.cache_size if self.encoder_cache_manager else 0
 
         # 1. running sequences, oldest first
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
             num_new_tokens = min(self._num_tokens_with_spec(seq) - seq.num_computed_tokens, token_budget)
+            num_new_tokens, images = self._schedule_encoder_inputs(seq, num_new_tokens)
             if num_new_tokens == 0:
                 i += 1
                 continue
@@ -133,6 +145,7 @@ class Scheduler:
                     scheduled.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.seq_id)
                     spec_tokens.pop(victim.seq_id, None)
+                    encoder_inputs.pop(victim.seq_id, None)
                     i -= 1
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -143,6 +156,7 @@ class Scheduler:
                 continue  # it preempted itself: the next one now stands at index i
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            self._allocate_encoder_inputs(seq, images, encoder_inputs)
             if num_new_tokens > seq.num_uncomputed_tokens:
                 spec_tokens[seq.seq_id] = seq.spec_token_ids[:num_new_tokens - seq.num_uncomputed_tokens]
             token_budget -= num_new_tokens
@@ -150,27 +164,62 @@ class Scheduler:
 
         # 2. waiting sequences; none while this step had to preempt
         if not preempted:
-            token_budget = self._admit_waiting(token_budget, scheduled, num_scheduled_tokens)
+            token_budget = self._admit_waiting(token_budget, scheduled, num_scheduled_tokens, encoder_inputs)
 
         assert len(scheduled) <= self.max_num_seqs, f"{len(scheduled)} sequences in a step of {self.max_num_seqs}"
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, spec_tokens, finished)
+        freed = self.encoder_cache_manager.get_freed_mm_hashes() if self.encoder_cache_manager else []
+        return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, spec_tokens, finished, encoder_inputs, freed)
 
-    def _admit_waiting(self, token_budget: int, scheduled: list[Sequence],
-                       num_scheduled_tokens: dict[int | str, int]) -> int:
+    def _admit_waiting(self, token_budget: int, scheduled: list[Sequence], num_scheduled_tokens: dict[int | str, int],
+                       encoder_inputs: dict[int | str, list[int]]) -> int:
         """Admit sequences from the head of the waiting queue while budget, seats and blocks last; returns the budget
         left."""
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.block_manager.allocate(seq) is None:
                 break  # the head waits for blocks; no skipping ahead, or a long prompt could wait forever
+            num_new_tokens, images = self._schedule_encoder_inputs(seq, min(seq.num_uncomputed_tokens, token_budget))
+            if num_new_tokens == 0:  # no room for its next image yet
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
             self.waiting.popleft()
             self._start_running(seq)
-            num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            self._allocate_encoder_inputs(seq, images, encoder_inputs)
             token_budget -= num_new_tokens
         return token_budget
+
+    def _schedule_encoder_inputs(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
+        """(tokens it may compute, images to encode): cut before an image without room (vLLM's
+        `_try_schedule_encoder_inputs`)."""
+        start, images, hashes = seq.num_computed_tokens, [], set()
+        for index, feature in enumerate(seq.mm_features):
+            if not feature.overlaps(start, start + num_new_tokens) or feature.mm_hash in hashes:
+                continue  # not in this chunk, or the same image earlier in the prompt
+            if self.encoder_cache_manager.check_and_update_cache(seq.seq_id, feature):
+                continue
+            if not self.encoder_cache_manager.can_allocate(feature, self._encoder_budget):
+                return max(0, feature.offset - start), images
+            self._encoder_budget -= feature.num_embeds
+            images.append(index)
+            hashes.add(feature.mm_hash)
+        return num_new_tokens, images
+
+    def _allocate_encoder_inputs(self, seq: Sequence, images: list[int],
+                                 encoder_inputs: dict[int | str, list[int]]) -> None:
+        for index in images:
+            self.encoder_cache_manager.allocate(seq.seq_id, seq.mm_features[index])
+        if images:
+            encoder_inputs[seq.seq_id] = images
+
+    def _free_encoder_inputs(self, seq: Sequence, everything: bool = False) -> None:
+        """Release the encoder outputs `seq` has computed past (all: `everything`)."""
+        for feature in seq.mm_features:
+            if everything or feature.offset + feature.length <= seq.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(seq.seq_id, feature)
 
     def _start_running(self, seq: Sequence) -> None:
         if seq.num_cached_tokens < 0:  # first admission
@@ -187,6 +236,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop its K/V; its prompt and output are recomputed when readmitted."""
         self.block_manager.free(seq)
+        self._free_encoder_inputs(seq, everything=True)
         self.num_preemptions += 1
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
@@ -212,6 +262,7 @@ class Scheduler:
                 samples = scheduler_output.samples(seq)
                 seq.num_computed_tokens += scheduler_output.num_scheduled_tokens[seq_id]
                 self.block_manager.cache_full_blocks(seq, scheduler_output.num_scheduled_tokens[seq_id])
+                self._free_encoder_inputs(seq)
                 if seq_id in model_output.pooler_output:
                     self._finish(seq, SequenceStatus.FINISHED_STOPPED)
                 elif samples and seq_id in model_output.sampled_token_ids:
@@ -315,6 +366,7 @@ class Scheduler:
             self.block_manager.free(seq)
         else:
             self.waiting.remove(seq)  # waiting or preempted: holds no blocks
+        self._free_encoder_inputs(seq, everything=True)
         seq.status = status
         del self.requests[seq.seq_id]
         self.finished_req_ids.add(seq.seq_id)

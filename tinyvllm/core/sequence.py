@@ -48,7 +48,7 @@ class Sequence:
 
     def __init__(self, seq_id: int | str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                  arrival_time: float | None = None, prompt: str | None = None, priority: int = 0, *,
-                 pooling_params: object | None = None, grammar: object | None = None):
+                 pooling_params: object | None = None, grammar: object | None = None, mm_features: list = ()):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must have at least one token")
         self.seq_id = seq_id
@@ -65,6 +65,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step
         self.pooling_params = pooling_params
         self.grammar = grammar  # structured outputs' compiled grammar
+        self.mm_features = list(mm_features)  # Phase 10
         self.first_scheduled_time: float | None = None  # when a step first ran it: its queue time ends
         self.stop_reason: int | None = None  # the stop token id that ended it, when it is one of stop_token_ids
         self._block_hashes: list[bytes] = []
@@ -133,7 +134,7 @@ class Sequence:
         if len(self._block_hashes) < self.num_tokens // block_size:
             from tinyvllm.core.prefix_cache import block_hashes
 
-            block_hashes(self.all_token_ids, block_size, self._block_hashes)
+            block_hashes(self.all_token_ids, block_size, self._block_hashes, mm_features=self.mm_features)
         return self._block_hashes
 
     def num_blocks(self, block_size: int) -> int:

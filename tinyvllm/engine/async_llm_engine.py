@@ -139,6 +139,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def multimodal_processor(self):
+        """Phase 10's MultiModalProcessor, for a model that takes images; else None."""
+        return getattr(getattr(self.engine, "input_processor", None), "multimodal", None)
+
+    @property
     def is_ready(self) -> bool:
         return self._ready.is_set() and self._thread is not None and self._thread.is_alive()
 

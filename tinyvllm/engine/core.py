@@ -29,17 +29,20 @@ class EngineCore:
         self.model_runner = ModelRunner.from_config(config, model, tokenizer, model_name)
         self.config = config.with_kv_cache(self.model_runner.kv_cache.num_blocks, self.model_runner.max_model_len)
         cc, sc = self.config.cache_config, self.config.scheduler_config
+        tower = getattr(model, "vision_tower", None)  # Phase 10
+        encoder_cache_size = 0 if tower is None else max(sc.max_num_batched_tokens, tower.max_embeds_per_image)
         self.scheduler = Scheduler(cc.num_gpu_blocks, cc.block_size, self.config.max_model_len, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, eos_token_ids=tokenizer.stop_token_ids,
-                                   policy=sc.policy, enable_prefix_caching=cc.enable_prefix_caching)
+                                   policy=sc.policy, enable_prefix_caching=cc.enable_prefix_caching,
+                                   encoder_cache_size=encoder_cache_size)
         self.step_log = StepLog()  # the last steps' records, for the dashboard
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None, pooling_params: object | None = None,
-                    grammar: object | None = None) -> None:
+                    grammar: object | None = None, mm_features: list = ()) -> None:
         """Queue a request already checked by the input processor (engine/input_processor.py)."""
         self.scheduler.add_seq(Sequence(request_id, prompt_token_ids, params, arrival_time, priority=priority,
-                                        pooling_params=pooling_params, grammar=grammar))
+                                        pooling_params=pooling_params, grammar=grammar, mm_features=mm_features))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish these requests now and free their blocks (a client left, or a stop string was found)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.plugins import provided
@@ -23,11 +23,13 @@ class ProcessedRequest:
     pooling_params: object | None = None  # PoolingParams (Phase 9)
     beam_search: object | None = None  # BeamSearchParams (Phase 7a)
     grammar: object | None = None  # the compiled grammar (structured outputs), for the first completion
+    mm_features: list = field(default_factory=list)  # Phase 10
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, multimodal=None):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.multimodal = multimodal  # Phase 10's MultiModalProcessor
         self._structured_outputs = None  # the grammars' compiler (Phase 9), built at the first request with one
 
     def process(self, request_id: str, prompt: str | list[int], params, priority: int,
@@ -38,10 +40,13 @@ class InputProcessor:
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
             self.check_params(params)
-            text, prompt_ids = self.process_prompt(prompt)
+            text, prompt_ids, mm_features = self.process_prompt_dict(prompt)
             grammar = self.grammar(params)  # one that does not compile: ValueError, nothing added
-            return ProcessedRequest(text, prompt_ids, params, priority, arrival_time, grammar=grammar)
-        text, prompt_ids = self.process_prompt(prompt)
+            return ProcessedRequest(text, prompt_ids, params, priority, arrival_time, grammar=grammar,
+                                    mm_features=mm_features)
+        text, prompt_ids, mm_features = self.process_prompt_dict(prompt)
+        if mm_features:
+            raise ValueError("images are taken by generation requests (SamplingParams) only")
         if in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         pooling = provided("pooling_params")  # Phase 9's embeddings: PoolingParams
@@ -53,6 +58,20 @@ class InputProcessor:
             raise ValueError(f"params must be SamplingParams, BeamSearchParams or PoolingParams, "
                              f"got {type(params).__name__}")
         return ProcessedRequest(text, prompt_ids, SamplingParams(), 0, arrival_time, beam_search=params)
+
+    def process_prompt_dict(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int], list]:
+        """`process_prompt` of vLLM's prompt dicts too (with images: their features)."""
+        if not isinstance(prompt, dict):
+            return *self.process_prompt(prompt), []
+        if "multi_modal_data" not in prompt:
+            if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & set(prompt):
+                raise ValueError(f"a prompt dict has 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            return *self.process_prompt(prompt.get("prompt", prompt.get("prompt_token_ids"))), []
+        if self.multimodal is None:
+            raise ValueError("multi_modal_data: this model takes no images (load a vision-language checkpoint, "
+                             "such as an Idefics3 / SmolVLM directory)")
+        text, prompt_ids, features = self.multimodal.process(prompt)
+        return text, self.process_prompt(prompt_ids)[1], features
 
     def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(the prompt's text, or None when it came as token ids; its token ids). It must leave room for output."""

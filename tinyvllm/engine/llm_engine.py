@@ -22,6 +22,7 @@ from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.model.loader import load_model
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.outputs import RequestMetrics, RequestOutput
+from tinyvllm.plugins import provided
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -46,10 +47,16 @@ class LLMEngine:
         self.model_name = "model" if self.model_path is None else self.model_path.name
         self.engine_core = EngineCore(config, self.model, self.tokenizer, self.model_name)
         self.config = self.engine_core.config  # with the KV cache's size and the context length filled in
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self._multimodal_processor())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
         self._beam_search = None  # beam searches (Phase 7a), built at the first one
+
+    def _multimodal_processor(self):
+        tower = getattr(self.model, "vision_tower", None)
+        if tower is None:
+            return None
+        return provided("multimodal_inputs")(self.tokenizer, tower, self.scheduler.encoder_cache_manager.cache_size)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -74,8 +81,8 @@ class LLMEngine:
 
     # ---- requests in ----
 
-    def add_request(self, request_id: str, prompt: str | list[int], params=None, priority: int = 0) -> None:
-        """Queue a prompt (text, or token ids). Bad input raises ValueError and changes nothing; `priority`: lower is
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params=None, priority: int = 0) -> None:
+        """Queue a prompt (text, token ids, or vLLM's prompt dict). Bad input raises ValueError and changes nothing; `priority`: lower is
         served first; `params`: SamplingParams, BeamSearchParams or PoolingParams."""
         params = params or SamplingParams()
         request = self.input_processor.process(request_id, prompt, params, priority, self._in_use)
@@ -93,7 +100,7 @@ class LLMEngine:
                                           request.arrival_time)
         self.engine_core.add_request(request_id, request.prompt_token_ids, params, priority=request.priority,
                                      arrival_time=request.arrival_time, pooling_params=request.pooling_params,
-                                     grammar=grammar)
+                                     grammar=grammar, mm_features=request.mm_features)
 
     def _in_use(self, request_id: str) -> bool:
         return (request_id in self.output_processor.request_states or request_id in self.parent_requests.parents

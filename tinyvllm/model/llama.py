@@ -312,6 +312,7 @@ class LlamaForCausalLM:
                              for t in (w if isinstance(w, tuple) else (w,))])  # every copy in one schedule
         self.layers = [LlamaDecoderLayer(config, lw, tp, i) for i, lw in enumerate(layer_weights)]
         self._weight_formats = self._count_weight_formats()
+        self.vision_tower = None  # Phase 10, set by the loader
 
     @property
     def device(self) -> str:
@@ -355,12 +356,16 @@ class LlamaForCausalLM:
             formats[name] = formats.get(name, 0) + t.nbytes()
         return formats
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, attn_metadata) -> Tensor:
-        """input_ids, positions: (B,T) -> hidden states (B,T,D), writing this step's K/V into kv_caches."""
+    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, attn_metadata,
+                 mm_embeds: Tensor | None = None, mm_mask: Tensor | None = None) -> Tensor:
+        """input_ids, positions: (B,T) -> hidden states (B,T,D), writing this step's K/V into kv_caches;
+        mm_embeds (B,T,D) replace the embeddings where mm_mask (B,T,1) is set."""
         input_ids, positions = self.tp.replicate(input_ids), self.tp.replicate(positions)  # on every device
         x = embed(self.embed_tokens, input_ids, self.dtype)  # (B,T,D)
         if self.config.scale_embeddings:  # Gemma: times sqrt(D), a constant of the model's dtype as in HF
             x = x * self.config.hidden_size**0.5
+        if mm_embeds is not None:
+            x = (self.tp.replicate(mm_mask) != 0).where(self.tp.replicate(mm_embeds).cast(x.dtype), x)
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # (B,T,1,Hd/2) each
         local = None if self.inv_freq_local is None else rope_cos_sin(positions, self.inv_freq_local)
         with traces_reused():  # the layers share one trace (see there)

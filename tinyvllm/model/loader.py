@@ -18,6 +18,7 @@ from tinyvllm.plugins import provided
 # Phase 6's cold start: what earlier processes compiled (kernels/program_cache.py) and built (model/tokenizer_cache.py)
 install_program_cache = provided("program_cache", lambda device=None: None)
 load_tokenizer = provided("tokenizer_cache", tokenizer.load_tokenizer)
+load_vision_tower = provided("vision_tower", lambda *args: None)  # Phase 10
 
 DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 
@@ -49,4 +50,6 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device,
                            quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                            pipeline_parallel_size=pipeline_parallel_size)
+    if checkpoint.path.is_dir():
+        llm.vision_tower = load_vision_tower(checkpoint.path, dt, llm.device)
     return llm, tokenizer, checkpoint.path

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,9 @@ def _to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"safetensors dtype {dtype} is not a float type tinyvllm reads (F32, F16, BF16, F64)")
 
 
-def read_safetensors(path: str | os.PathLike, names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """Read the tensors of one safetensors file (all, or those in `names`) as float32 arrays."""
+def read_safetensors(path: str | os.PathLike, names: set[str] | None = None,
+                     keep: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
+    """Read the tensors of one safetensors file (all, or those in `names`, or those `keep` keeps) as float32 arrays."""
     path = Path(path)
     tensors = {}
     with open(path, "rb") as f:
@@ -46,7 +48,7 @@ def read_safetensors(path: str | os.PathLike, names: set[str] | None = None) -> 
         header = json.loads(f.read(header_len))
         data_start = 8 + header_len
         for name, info in header.items():
-            if name == "__metadata__" or (names is not None and name not in names):
+            if name == "__metadata__" or (names is not None and name not in names) or (keep and not keep(name)):
                 continue
             begin, end = info["data_offsets"]
             raw = np.empty(end - begin, dtype=np.uint8)
@@ -78,22 +80,44 @@ def _weight_files(model_dir: Path) -> dict[Path, set[str] | None]:
     return files
 
 
+def read_hf_tensors(model_dir: Path, keep: Callable[[str], bool] | None = None) -> dict[str, np.ndarray]:
+    """Every tensor of an HF directory that `keep` keeps (None: all), by its name in the files, as float32."""
+    tensors: dict[str, np.ndarray] = {}
+    for file, names in _weight_files(model_dir).items():
+        tensors.update(read_safetensors(file, names, keep))
+    return tensors
+
+
+def text_config(cfg: dict) -> tuple[dict, str | None]:
+    """(the LLaMA's config, the prefix its tensors carry) of a config.json: a vision-language one (Idefics3) nests
+    them as `text_config` and `model.text_model.`; any other is the LLaMA's own (None: no prefix)."""
+    if "text_config" not in cfg or cfg.get("model_type") != "idefics3":
+        return cfg, None
+    text = dict(cfg["text_config"])
+    text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return text, "model.text_model."
+
+
 def load_hf(model_dir: str | os.PathLike, dtype=np.float32) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read an HF LLaMA directory into (config, state dict); HF's names and layout are ours already."""
+    """Read an HF LLaMA directory into (config, state dict); HF's names and layout are ours already (a
+    vision-language checkpoint: its LLaMA's, the vision tower left to model/vision.py)."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: an HF model directory holds config.json "
                                 f"and {SINGLE_FILE} (or sharded safetensors with {INDEX_FILE})")
-    config = ModelConfig.from_hf_config(json.loads(config_path.read_text()))
+    cfg, prefix = text_config(json.loads(config_path.read_text()))
+    config = ModelConfig.from_hf_config(cfg)
     state_dict: dict[str, np.ndarray] = {}
-    for file, names in _weight_files(model_dir).items():
-        for name, tensor in read_safetensors(file, names).items():
-            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
-                continue  # a tied lm_head that was saved anyway is the embedding matrix again
-            if config.norm_weight_offset and name.endswith("norm.weight"):
-                tensor = tensor + np.float32(config.norm_weight_offset)  # Gemma's (1 + w), added once here
-            state_dict[name] = tensor.astype(dtype, copy=False)
+    keep = None if prefix is None else (lambda n: n.startswith(prefix) or n == "lm_head.weight")
+    for name, tensor in read_hf_tensors(model_dir, keep).items():
+        if prefix is not None:
+            name = name.replace(prefix, "model.", 1)
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue  # a tied lm_head that was saved anyway is the embedding matrix again
+        if config.norm_weight_offset and name.endswith("norm.weight"):
+            tensor = tensor + np.float32(config.norm_weight_offset)  # Gemma's (1 + w), added once here
+        state_dict[name] = tensor.astype(dtype, copy=False)
     check_state_dict(config, state_dict, model_dir)
     return config, state_dict
 

@@ -115,6 +115,12 @@ class ModelRunner:
         self.sampler = StepSampler(self.input_batch, eos_token_ids, on_device=device_sampler is not None)
         self.speculator = None  # Phase 7b, when configured
         self.step_timer = None  # a StepTimer while profiling
+        self.encoder = None  # Phase 10, with a vision tower
+        self._mm_buffers: dict[int, tuple[InputBuffer, InputBuffer]] = {}
+        if getattr(model, "vision_tower", None) is not None:
+            from tinyvllm.worker.encoder_runner import EncoderRunner
+
+            self.encoder = EncoderRunner(model.vision_tower)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
@@ -145,6 +151,8 @@ class ModelRunner:
         """The tokens each request emits. A request whose sampling fails is in `failed`; if the whole step fails,
         every generator is put back as it was."""
         self.input_batch.update(scheduler_output)
+        if self.encoder is not None:
+            self.encoder.free(scheduler_output.free_encoder_mm_hashes)
         output = ModelRunnerOutput()
         if not scheduler_output.scheduled_seqs:
             return output
@@ -199,21 +207,21 @@ class ModelRunner:
         return self.speculator.propose(running, self.input_batch)
 
     def _hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
-                num_blocks: int | UOp) -> Tensor:
-        """Hidden states (1,N,D), before the final norm."""
+                num_blocks: int | UOp, *mm: Tensor) -> Tensor:
+        """Hidden states (1,N,D), before the final norm; mm: a step's image rows (`_image_inputs`)."""
         tp = self.model.tp  # every device reads the step's inputs
         metadata = attention_metadata(tp.replicate(slot_mapping), tp.replicate(block_tables), tp.replicate(positions),
                                       num_blocks, portable=self.portable_attention)
-        return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata)  # (1,N,D)
+        return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata, *mm)  # (1,N,D)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
-                 logits_indices: Tensor, num_blocks: int | UOp) -> Tensor:
-        hidden = self._hidden(input_ids, positions, slot_mapping, block_tables, num_blocks)  # (1,N,D)
+                 logits_indices: Tensor, num_blocks: int | UOp, *mm: Tensor) -> Tensor:
+        hidden = self._hidden(input_ids, positions, slot_mapping, block_tables, num_blocks, *mm)  # (1,N,D)
         return self.model.compute_logits(hidden[0][logits_indices.to(hidden.device)]).realize()  # (S,V)
 
     def _forward_hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
-                        num_blocks: int | UOp) -> Tensor:
-        hidden = self._hidden(input_ids, positions, slot_mapping, block_tables, num_blocks)  # (1,N,D)
+                        num_blocks: int | UOp, *mm: Tensor) -> Tensor:
+        hidden = self._hidden(input_ids, positions, slot_mapping, block_tables, num_blocks, *mm)  # (1,N,D)
         return self.model.final_norm(hidden[0]).realize()  # (N,D)
 
     def _rows_logits(self, normed: Tensor, rows: Tensor) -> Tensor:
@@ -278,8 +286,11 @@ class ModelRunner:
         sampled_at: list[int] = []  # the flat row of each sampled sequence's newest token
         token_rows: dict[int | str, tuple[int, int]] = {}
         spec_positions: dict[int | str, list[int]] = {}
+        image_chunks = []  # (seq, start, count, first flat row)
         for seq in seqs:
             start, count = seq.num_computed_tokens, scheduler_output.num_scheduled_tokens[seq.seq_id]
+            if seq.mm_features:
+                image_chunks.append((seq, start, count, i))
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
             samples = scheduler_output.samples(seq)
             token_ids += seq.token_ids_in(start, start + count - len(drafts)) + drafts
@@ -311,22 +322,35 @@ class ModelRunner:
             first += len(where)
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self._bind_num_blocks(num_blocks))
+        mm = self._image_inputs(n, image_chunks) if image_chunks else ()
         self.lap("prepare_inputs")
+        tag = ("mm",) if mm else ()  # steps with images: graphs of their own
         if token_rows:
-            if ("hidden", n) not in self._jits:
-                self._jits["hidden", n] = Jit(self._forward_hidden)
-            self._normed = self._jits["hidden", n](*inputs[:4], inputs[5])
+            if ("hidden", n, *tag) not in self._jits:
+                self._jits["hidden", n, *tag] = Jit(self._forward_hidden)
+            self._normed = self._jits["hidden", n, *tag](*inputs[:4], inputs[5], *mm)
             logits = self._rows_logits(self._normed, inputs[4])
             host = self._normed.numpy()
             hidden_states = {seq_id: host[start:start + count] for seq_id, (start, count) in token_rows.items()}
             self._token_rows = token_rows
         else:
-            if (n, num_rows) not in self._jits:
-                self._jits[n, num_rows] = Jit(self._forward, persist=self._persisted("forward", n, num_rows))
-            logits = self._jits[n, num_rows](*inputs)
+            if (n, num_rows, *tag) not in self._jits:
+                persist = None if mm else self._persisted("forward", n, num_rows)
+                self._jits[n, num_rows, *tag] = Jit(self._forward, persist=persist)
+            logits = self._jits[n, num_rows, *tag](*inputs, *mm)
             hidden_states, self._token_rows = {}, {}
         self.lap("forward")
         return ForwardOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
+
+    def _image_inputs(self, n: int, image_chunks: list) -> tuple[Tensor, ...]:
+        """(mm_embeds (1,n,D), mm_mask (1,n,1)) when the step computes image positions, else ()."""
+        if n not in self._mm_buffers:
+            dev, dim = self.model.device, self.model.config.hidden_size
+            self._mm_buffers[n] = (InputBuffer((1, n, dim), np.float32, dev), InputBuffer((1, n, 1), np.int32, dev))
+        embeds, mask = self._mm_buffers[n]
+        if not self.encoder.gather(image_chunks, embeds.np[0], mask.np[0, :, 0]):
+            return ()
+        return embeds.copy_to_device(), mask.copy_to_device()
 
     def _persisted(self, *name):
         """Where graph `name` is kept on disk, keyed by everything this runner bakes into its graphs."""

@@ -1,0 +1,89 @@
+"""A tiny random Idefics3 (SmolVLM's architecture) written by HF transformers, with SmolLM2's tokenizer plus
+SmolVLM's image tokens at SmolVLM's ids, and HF's image processor config: the oracle of Phase 10's tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# SmolVLM's added tokens and their ids after SmolLM2's 49152
+IMAGE_TOKENS = ["<global-img>", *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)],
+                "<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+IMAGE_TOKEN_ID = 49152 + IMAGE_TOKENS.index("<image>")  # 49190, as SmolVLM's
+TILE, LONGEST_EDGE = 32, 96  # a frame is 32 x 32 pixels; an image is resized to at most 3 x 3 tiles
+
+
+def write_tiny_idefics3(out_dir: Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from tinyvllm.convert import tokenizer_config, tokenizer_json
+    from tinyvllm.model.gguf import GGUFFile
+    from tinyvllm.model.weights import default_model_path
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = GGUFFile(default_model_path()).metadata
+    tok = tokenizer_json(md)
+    tok["added_tokens"] += [{"id": 49152 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, t in enumerate(IMAGE_TOKENS)]
+    (out_dir / "tokenizer.json").write_text(json.dumps(tok))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(md)))
+
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=49280, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=TILE, patch_size=8),
+        scale_factor=2, image_token_id=IMAGE_TOKEN_ID, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # HF's init (std 0.02) leaves the features near zero: weights of unit-scale outputs
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / np.sqrt(np.prod(p.shape[1:]) if p.ndim > 1 else 1))
+    model.save_pretrained(out_dir)
+    Idefics3ImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
+                              max_image_size={"longest_edge": TILE}).save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_model(model_dir: Path):
+    import torch
+    from transformers import Idefics3ForConditionalGeneration
+
+    torch.set_num_threads(2)
+    return Idefics3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_processor(model_dir: Path):
+    """HF's Idefics3Processor (PIL image processor) over the directory's tokenizer."""
+    from transformers import Idefics3Processor, PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from tinyvllm.model.vision import VisionConfig
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    vision = VisionConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    return Idefics3Processor(Idefics3ImageProcessorPil.from_pretrained(model_dir), tokenizer,
+                             image_seq_len=vision.tokens_per_frame)
+
+
+def draw_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
+    """A Pillow image of shapes on noise: what a test feeds the processors."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+    draw = ImageDraw.Draw(image)
+    for _ in range(4):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        draw.ellipse([x0, y0, x0 + width // 3, y0 + height // 3], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    return image.convert(mode)

@@ -1,0 +1,150 @@
+"""A prompt with images to token ids and the images' features, at admission (vLLM v1's multimodal processor).
+
+    {"prompt": "Describe <image>", "multi_modal_data": {"image": img}}
+      -> frames, rows x cols (model/image_processor.py) -> "Describe <fake><row_1_col_1><image>*T ..." -> token ids
+      -> MultiModalFeature(mm_hash, offset of its first <image>, is_embed, pixel values)
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tinyvllm.core.encoder_cache import MultiModalFeature
+from tinyvllm.model.image_processor import IMAGE_TOKEN, expand_prompt, process_image, split_size
+from tinyvllm.model.tokenizer import Tokenizer
+from tinyvllm.model.vision import VisionTower
+
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_IMAGE_BYTES = 20 * 2**20
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def decode_image(raw: bytes) -> Image.Image:
+    """An encoded image's bytes to a loaded PIL image; a ValueError for a corrupt, oversized or unsupported one."""
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image has {len(raw)} bytes, more than the {MAX_IMAGE_BYTES} allowed")
+    try:
+        image = Image.open(io.BytesIO(raw))
+        if image.format not in IMAGE_FORMATS:
+            raise ValueError(f"{image.format} images are not supported: send {', '.join(IMAGE_FORMATS)}")
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"the image is {image.width} x {image.height} pixels, more than the {MAX_IMAGE_PIXELS} "
+                             "allowed")
+        image.load()
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"the image cannot be decoded ({type(e).__name__}: {e}): send a valid "
+                         f"{', '.join(IMAGE_FORMATS)} image") from None
+    return image
+
+
+class MediaConnector:
+    """An image URL to a PIL image (vLLM's MediaConnector): data URLs always; http(s) with `allow_remote_media`;
+    file:// only under `allowed_local_media_path`."""
+
+    def __init__(self, allow_remote_media: bool = False, allowed_local_media_path: str | None = None,
+                 timeout: float = 10.0):
+        self.allow_remote_media, self.timeout = allow_remote_media, timeout
+        self.local_root = None if allowed_local_media_path is None else Path(allowed_local_media_path).resolve()
+
+    def fetch_image(self, url: str) -> Image.Image:
+        scheme = urllib.parse.urlparse(url).scheme
+        if scheme == "data":
+            header, _, payload = url.partition(",")
+            if not (header.startswith("data:image/") and header.endswith(";base64")):
+                raise ValueError(f"a data URL of an image is data:image/<type>;base64,<data>, got {header[:40]!r}")
+            if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+                raise ValueError(f"the image has more than the {MAX_IMAGE_BYTES} bytes allowed")
+            try:
+                return decode_image(base64.b64decode(payload, validate=True))
+            except binascii.Error as e:
+                raise ValueError(f"the data URL's base64 cannot be decoded: {e}") from None
+        if scheme in ("http", "https"):
+            if not self.allow_remote_media:
+                raise ValueError("remote image URLs are not fetched by this server: send the image as a data URL "
+                                 "(data:image/png;base64,...), or start the server with --allow-remote-media")
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout) as response:
+                    return decode_image(response.read(MAX_IMAGE_BYTES + 1))
+            except OSError as e:
+                raise ValueError(f"the image at {url!r} cannot be fetched: {e}") from None
+        if scheme == "file":
+            path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).resolve()
+            if self.local_root is None or not path.is_relative_to(self.local_root):
+                raise ValueError("local files are read only under --allowed-local-media-path"
+                                 + ("" if self.local_root is None else f" ({self.local_root})"))
+            if not path.is_file():
+                raise ValueError(f"no image file at {url!r}")
+            if path.stat().st_size > MAX_IMAGE_BYTES:
+                raise ValueError(f"the image has more than the {MAX_IMAGE_BYTES} bytes allowed")
+            return decode_image(path.read_bytes())
+        raise ValueError(f"image URLs are data:, http(s): or file: URLs, got {url[:40]!r}")
+
+
+def image_hash(image: Image.Image) -> str:
+    """The image's content hash: its mode, size and pixels (vLLM's MultiModalHasher hashes the same)."""
+    h = hashlib.sha256(f"{image.mode} {image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+class MultiModalProcessor:
+    placeholder = IMAGE_TOKEN  # where an image goes in a prompt's text
+
+    def __init__(self, tokenizer: Tokenizer, tower: VisionTower, encoder_cache_size: int):
+        self.tokenizer, self.tower, self.encoder_cache_size = tokenizer, tower, encoder_cache_size
+
+    def process(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """(the text, its token ids with each image's placeholders expanded, the images' features); a ValueError
+        names what is wrong with the prompt or an image. Token ids (`prompt_token_ids`) come expanded already."""
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"} or (text is None) == (ids is None) or not (
+                isinstance(text, str) or isinstance(ids, list)):
+            raise ValueError(f"a prompt with images is {{'prompt': str or 'prompt_token_ids': list, "
+                             f"'multi_modal_data': {{'image': ...}}}}, got keys {sorted(prompt)}")
+        data = prompt.get("multi_modal_data") or {}
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {data!r:.80}")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        for image in images:
+            if not isinstance(image, Image.Image):
+                raise ValueError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+        try:
+            processed = [process_image(image, self.tower.processor) for image in images]
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise ValueError(f"the image cannot be read: {e}") from None
+        ids = self.tokenizer.encode(self.expand(text, images)) if ids is None else ids
+        features = self.features(np.array(ids), [p.pixel_values for p in processed], [image_hash(i) for i in images])
+        return text, ids, features
+
+    def expand(self, text: str, images: list[Image.Image]) -> str:
+        """The text with each `<image>` expanded to its image's tokens (from the images' sizes alone)."""
+        grids = [split_size(image, self.tower.processor)[2:] for image in images]
+        return expand_prompt(text, grids, self.tower.config.tokens_per_frame)
+
+    def features(self, ids: np.ndarray, pixels: list[np.ndarray], hashes: list[str]) -> list[MultiModalFeature]:
+        """Each image's feature: its <image> tokens, in order, are the next frames x T of the prompt's."""
+        at = np.flatnonzero(ids == self.tower.config.image_token_id)
+        needed = sum(len(frames) for frames in pixels) * self.tower.config.tokens_per_frame
+        if needed != len(at):
+            raise ValueError(f"the prompt holds {len(at)} image tokens where its images take {needed}")
+        features, used = [], 0
+        for frames, mm_hash in zip(pixels, hashes):
+            n = len(frames) * self.tower.config.tokens_per_frame
+            if n > self.encoder_cache_size:
+                raise ValueError(f"an image of {n} embeddings does not fit the encoder cache ({self.encoder_cache_size}"
+                                 "): give a smaller image or raise max_num_batched_tokens")
+            first, last = at[used], at[used + n - 1]
+            features.append(MultiModalFeature(mm_hash, int(first), ids[first:last + 1] == ids[first], frames))
+            used += n
+        return features

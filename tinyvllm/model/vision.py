@@ -1,0 +1,161 @@
+"""The vision tower of an Idefics3 (SmolVLM) checkpoint: SigLIP's ViT, then the connector into the LLaMA's width.
+
+    frames (F,3,S,S) -> patches (F,P,3*p*p) @ patch_embedding + position -> N x [LN, attention, LN, MLP] -> LN
+                     -> pixel shuffle (F,P/s^2,s^2*Dv) -> proj (no bias) -> (F*P/s^2, D): one row per <image> token
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tinygrad import Tensor, dtypes
+from tinygrad.dtype import DType
+
+from tinyvllm.model.image_processor import ImageProcessorConfig
+from tinyvllm.model.llama import project
+
+VISION_PREFIX, CONNECTOR_PREFIX = "model.vision_model.", "model.connector."
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """An Idefics3 config.json's `vision_config` (SigLIP) and its connector's `scale_factor`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int  # a frame is image_size x image_size pixels
+    patch_size: int
+    layer_norm_eps: float
+    scale_factor: int  # the pixel shuffle folds scale_factor^2 neighbouring patches into one token
+    text_hidden_size: int
+    image_token_id: int
+    num_channels: int = 3
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_frame(self) -> int:
+        """<image> tokens one frame becomes (HF's image_seq_len)."""
+        return self.patches_per_side**2 // self.scale_factor**2
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> VisionConfig:
+        v = cfg["vision_config"]
+        if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"vision hidden_act {v['hidden_act']!r}: tinyvllm's vision tower has gelu_pytorch_tanh")
+        return cls(hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                   num_hidden_layers=v["num_hidden_layers"], num_attention_heads=v["num_attention_heads"],
+                   image_size=v["image_size"], patch_size=v["patch_size"], layer_norm_eps=v.get("layer_norm_eps", 1e-6),
+                   scale_factor=cfg.get("scale_factor", 2), text_hidden_size=cfg["text_config"]["hidden_size"],
+                   image_token_id=cfg["image_token_id"], num_channels=v.get("num_channels", 3))
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    return x.float().layernorm(eps=eps).cast(x.dtype) * weight + bias
+
+
+class VisionTower:
+    """SigLIP + Idefics3's connector, from the HF-named tensors `model.vision_model.*` and `model.connector.*`."""
+
+    def __init__(self, config: VisionConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
+                 device: str | None = None, processor: ImageProcessorConfig | None = None):
+        self.config, self.dtype = config, dtype
+        self.processor = processor or ImageProcessorConfig()
+
+        def load(name: str) -> Tensor:
+            return Tensor(np.ascontiguousarray(state_dict[name], dtype=np.float32), device=device).cast(dtype).realize()
+
+        e, c = VISION_PREFIX + "embeddings.", config
+        self.patch_embedding = load(e + "patch_embedding.weight").reshape(c.hidden_size, -1)  # (Dv, 3*p*p)
+        self.patch_bias = load(e + "patch_embedding.bias")  # (Dv,)
+        self.position_embedding = load(e + "position_embedding.weight")  # (P, Dv)
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"{VISION_PREFIX}encoder.layers.{i}."
+            self.layers.append({name: load(p + name) for name in (
+                "layer_norm1.weight", "layer_norm1.bias", "layer_norm2.weight", "layer_norm2.bias",
+                "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.out_proj.weight",
+                "self_attn.out_proj.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")})
+        self.post_layernorm = (load(VISION_PREFIX + "post_layernorm.weight"), load(VISION_PREFIX + "post_layernorm.bias"))
+        self.proj = load(CONNECTOR_PREFIX + "modality_projection.proj.weight")  # (D, s^2*Dv)
+
+    @property
+    def device(self) -> str:
+        return self.proj.device
+
+    @property
+    def max_embeds_per_image(self) -> int:
+        """The most <image> tokens of one image: k x k tiles and the global frame."""
+        k = -(-self.processor.longest_edge // self.processor.tile) if self.processor.do_image_splitting else 1
+        return (k * k + (k > 1)) * self.config.tokens_per_frame
+
+    def embed_patches(self, pixels: Tensor) -> Tensor:
+        """pixels (F,3,S,S) -> (F,P,Dv): the conv of stride p as one matmul over flattened patches."""
+        F, C, S, _ = pixels.shape
+        n, p = S // self.config.patch_size, self.config.patch_size
+        patches = pixels.reshape(F, C, n, p, n, p).permute(0, 2, 4, 1, 3, 5).reshape(F, n * n, C * p * p)
+        # a whole frame's patches are all real: HF's fractional position ids are then 0 .. P-1
+        return project(patches, self.patch_embedding) + self.patch_bias + self.position_embedding[:n * n]
+
+    def encoder_layer(self, x: Tensor, w: dict[str, Tensor]) -> Tensor:
+        F, P, D = x.shape
+        H, eps = self.config.num_attention_heads, self.config.layer_norm_eps
+        h = layer_norm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], eps)
+        q, k, v = (project(h, w[f"self_attn.{n}_proj.weight"]) + w[f"self_attn.{n}_proj.bias"] for n in "qkv")
+        q, k, v = (t.reshape(F, P, H, D // H).transpose(1, 2) for t in (q, k, v))  # (F,H,P,Hd)
+        a = q.scaled_dot_product_attention(k, v).transpose(1, 2).reshape(F, P, D)  # every patch sees every patch
+        x = x + project(a, w["self_attn.out_proj.weight"]) + w["self_attn.out_proj.bias"]
+        h = layer_norm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], eps)
+        h = (project(h, w["mlp.fc1.weight"]) + w["mlp.fc1.bias"]).gelu()  # tinygrad's gelu: the tanh form
+        return (x + project(h, w["mlp.fc2.weight"]) + w["mlp.fc2.bias"]).contiguous()
+
+    def pixel_shuffle(self, x: Tensor) -> Tensor:
+        """(F,P,Dv) -> (F,P/s^2,s^2*Dv): each s x s square of patches becomes one token (HF's Idefics3Connector)."""
+        F, P, D = x.shape
+        s, n = self.config.scale_factor, self.config.patches_per_side
+        x = x.reshape(F, n, n // s, D * s).permute(0, 2, 1, 3)  # (F, n/s, n, s*D)
+        x = x.reshape(F, n // s, n // s, D * s * s).permute(0, 2, 1, 3)  # (F, n/s, n/s, s*s*D)
+        return x.reshape(F, P // (s * s), D * s * s)
+
+    def __call__(self, pixels: Tensor) -> Tensor:
+        """pixels (F,3,S,S) -> image features (F*T, D), T = tokens_per_frame, in the order of the <image> tokens."""
+        x = self.embed_patches(pixels.cast(self.dtype))
+        for w in self.layers:
+            x = self.encoder_layer(x, w)
+        x = layer_norm(x, *self.post_layernorm, self.config.layer_norm_eps)
+        features = project(self.pixel_shuffle(x), self.proj)  # (F,T,D)
+        return features.reshape(-1, self.config.text_hidden_size)
+
+    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+        """pixel_values (F,3,S,S) float32 -> (F*T, D) float32 on the host, a frame at a time."""
+        S = self.config.image_size
+        if pixel_values.ndim != 4 or pixel_values.shape[1:] != (self.config.num_channels, S, S):
+            raise ValueError(f"pixel values must be (frames, {self.config.num_channels}, {S}, {S}), "
+                             f"got {pixel_values.shape}")
+        frames = [self(Tensor(np.ascontiguousarray(f[None], np.float32), device=self.device)).float().numpy()
+                  for f in pixel_values]
+        return np.concatenate(frames)
+
+
+def load_vision_tower(model_dir: str | os.PathLike, dtype: DType = dtypes.float32,
+                      device: str | None = None) -> VisionTower | None:
+    """The vision tower of an HF directory whose config.json is a vision-language one; None for any other path."""
+    from tinyvllm.model.weights_hf import read_hf_tensors, text_config
+
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return None
+    cfg = json.loads(config_path.read_text())
+    if text_config(cfg)[1] is None:  # no vision tower beside the LLaMA
+        return None
+    tensors = read_hf_tensors(Path(model_dir), lambda name: name.startswith((VISION_PREFIX, CONNECTOR_PREFIX)))
+    return VisionTower(VisionConfig.from_hf_config(cfg), tensors, dtype, device, ImageProcessorConfig.from_dir(model_dir))
