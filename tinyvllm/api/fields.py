@@ -1,18 +1,7 @@
-"""Every request field, honoured or refused: for each request body this server parses, every field its model has
-and every field vLLM's (and OpenAI's) model of that request has, each SUPPORTED (our model has it and the serving
-code does what it asks) or `Refused` (a 400 naming the field, why, and what to use instead).
-
-A client written for vLLM may send any of vLLM's fields; ignoring one would answer another question (a
-`bad_words` list not applied). So nothing is ignored:
-
-    field in our model                      parsed and used (SUPPORTED)
-    field Refused here, at its default      accepted and dropped: the default asks for nothing
-    field Refused here, any other value     400 "name=value: why; the alternative", param: the field
-    field in neither                        400 "name: unknown field" (the models forbid extra fields)
-
-Many clients send every field at its default (vLLM's; null for OpenAI's fields vLLM lacks), hence the second row.
-`RequestModel` applies the table before pydantic sees the body; tests/api/test_api_fields.py walks vLLM's field
-names (saved as test data) against it. Taught in docs/phases/09-appendix-endpoints.md, section 2.
+"""Every request field, honoured or refused: each field of our request models and of vLLM's (and OpenAI's) is
+SUPPORTED (parsed and used) or `Refused` (a 400 naming the field, why, and what to use instead; accepted and
+dropped at its default, which asks for nothing). A field in neither is a 400 "unknown field". `RequestModel`
+applies the table; taught in docs/phases/09-appendix-endpoints.md, section 2.
 """
 
 from __future__ import annotations

@@ -57,9 +57,8 @@ class BackgroundServer:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn with a graceful shutdown: on SIGTERM the listening socket closes at once, the engine refuses new
-    requests (503) and gives those in flight `shutdown_timeout` seconds, then ends the rest with an error their
-    clients can read. uvicorn's own, later limit is only a backstop (it cancels streams mid-word)."""
+    """uvicorn with a graceful shutdown: on SIGTERM the socket closes, new requests get 503, those in flight get
+    `shutdown_timeout` seconds and then end with an error their clients can read."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
         super().__init__(config)

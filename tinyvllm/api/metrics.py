@@ -1,12 +1,6 @@
-"""`GET /metrics`: what the engine is doing, in Prometheus' text format.
-
-Every series is written twice by default: under `tinyvllm:` without labels, as this project's tools, tests and docs
-read it, and under `vllm:` with vLLM's names and its labels `model_name` and `engine` (vllm/v1/metrics/loggers.py),
-so vLLM's Grafana dashboard and alerts read this server unchanged. The two copies come from one counter, so they
-can't disagree; the price is a longer scrape. Series vLLM has no name for (block counts, batch sizes) are
-`tinyvllm:` only.
-
-Taught in docs/phases/09-api-server.md; the format and the request-level histograms in 09-appendix-endpoints.md.
+"""`GET /metrics` in Prometheus' text format: each series under `tinyvllm:` (no labels) and under vLLM's `vllm:`
+name with its labels `model_name` and `engine`, from one counter, so vLLM's Grafana dashboard reads it unchanged.
+Taught in docs/phases/09-api-server.md and 09-appendix-endpoints.md.
 """
 
 from __future__ import annotations
@@ -244,10 +238,8 @@ class ServerMetrics:
         self.spec_mean_length.value = stats.get("spec_decode_mean_accepted_length", 0.0)
 
     def _record_output(self, now: float, output: RequestOutput) -> int:
-        """One request's output of a step; returns the tokens it adds to the step, as vLLM's IterationStats counts
-        them: the whole prompt at the request's first output (however many chunks prefilled it), plus the tokens
-        generated. So a step's tokens sum over a request's life to prompt + generated, and iteration_tokens_total's
-        sum equals prompt_tokens_total + generation_tokens_total."""
+        """One request's output of a step; returns its tokens as vLLM's IterationStats counts them: the whole prompt at
+        its first output, plus the tokens generated."""
         times = self._requests.get(output.request_id)
         if times is None:
             return 0

@@ -1,17 +1,7 @@
-"""The Responses API's memory: responses kept (`store`, on by default as in OpenAI's API), so that a later request
-can continue one (`previous_response_id`), read it (`GET /v1/responses/{id}`) or cancel it while it runs in the
-background (`POST /v1/responses/{id}/cancel`).
-
-As in vLLM, each response is kept with the chat messages it was generated from; a continuation is those messages +
-the response's output as an assistant message + the new input. Nothing stored changes, so continuing one response
-twice gives two independent branches.
-
-vLLM's store only grows (so it is off by default); this one holds at most `max_entries` (`--max-stored-responses`,
-0: none) and forgets the oldest finished response first. Queued or running ones are never evicted: their client
-will poll them.
-
-    entries (oldest first):  resp_a (completed) -> resp_b (in_progress, background) -> resp_c (completed)
-    full, put(resp_d):       forget resp_a (the oldest finished), keep resp_b (still running)
+"""The Responses API's stored responses: `store`, `previous_response_id`, `GET /v1/responses/{id}` and
+`POST /v1/responses/{id}/cancel`. Each is kept with the messages it came from, so a continuation is those messages +
+its output + the new input. At most `max_entries` (`--max-stored-responses`); the oldest finished one goes first,
+running ones never.
 """
 
 from __future__ import annotations

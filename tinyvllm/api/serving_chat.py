@@ -238,10 +238,8 @@ class OpenAIServingChat(OpenAIServing):
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                     check_length: bool = True, images: list | None = None) -> str:
-        """The prompt text: the conversation (and the tools) through the model's chat template, with vLLM's
-        `add_generation_prompt`, `continue_final_message` (the last message left open) and `chat_template_kwargs`;
-        `check_length` false: the caller keeps only the prompt's last tokens (truncate_prompt_tokens); `images`: a
-        list that takes each image_url part's image, the part becoming `<image>` (None: no images)."""
+        """The prompt text: messages (and tools) through the model's chat template; `check_length` false when the
+        caller truncates; `images` collects each image_url part's image (the part becoming `<image>`)."""
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true: the first opens "
                               "a new assistant turn, the second continues the last message", "continue_final_message")

@@ -1,11 +1,6 @@
-"""`POST /v1/responses`: OpenAI's Responses API, translated into a chat request for `OpenAIServingChat` and back
-into output items and events; `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` read and stop the
-responses it keeps (tinyvllm/api/response_store.py).
-
-One generator (`event_items`) serves the three ways an answer leaves: sent as events (stream=true), joined into
-one response (the chat route's own non-streaming path), or read here while the client polls (background=true).
-
-The translation is drawn in docs/phases/09-appendix-endpoints.md, section 5.
+"""`POST /v1/responses`, OpenAI's Responses API, as a chat request for `OpenAIServingChat` and back into output
+items and events (one generator, `event_items`, for streamed, whole and background answers); `GET` and `cancel` of
+stored responses. Drawn in docs/phases/09-appendix-endpoints.md, section 5.
 """
 
 from __future__ import annotations
@@ -353,10 +348,8 @@ def token_logprobs(choice: dict) -> list[dict] | None:
 
 
 def continuation(entry: StoredResponse) -> list[dict]:
-    """What continuing a stored response prepends (vLLM's construct_input_messages): the messages it was generated
-    from, then its output as an assistant message. Reasoning is left out, as vLLM does; function calls are kept
-    (vLLM drops them), so a function_call_output in the new input follows its call. A copy: the next request may
-    extend these messages, and the stored ones must stay as they are for other continuations."""
+    """A copy of what continuing a stored response prepends: its messages, then its output as an assistant message
+    (reasoning left out as vLLM does; function calls kept, so a function_call_output can follow its call)."""
     messages = copy.deepcopy(entry.messages)
     text = "".join(part.text for item in entry.response.output if isinstance(item, OutputMessage)
                    for part in item.content)

@@ -1,8 +1,7 @@
 """Faults on command, to check that the server survives them (tests/api/test_reliability.py, bench_reliability.py).
 
-`FaultInjector(engine)` replaces `engine.step`; each fault fires at the start of the next step, on the engine's thread:
-`fail_next_step()` (every request ends with an error), `fail_detokenization(text)` (prompts containing `text` end
-alone), `drain_kv_pool()` until `restore_kv_pool()` (no free KV blocks). The engine has no flag for it.
+`FaultInjector(engine)` replaces `engine.step`; each fault fires at the next step: `fail_next_step()`,
+`fail_detokenization(text)`, `drain_kv_pool()` until `restore_kv_pool()`.
 """
 
 from __future__ import annotations

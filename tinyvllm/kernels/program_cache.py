@@ -132,9 +132,8 @@ def machine_fingerprint() -> dict:
 
 
 def without_accelerator(fingerprint: dict) -> bool:
-    """A Linux machine with no accelerator device node and no device variable: every accelerator tinygrad would try
-    first (AMD and NV open device nodes, CUDA and OpenCL a driver library) fails, after up to half a second of trying,
-    and the CPU device is the one left (an OpenCL driver that runs on the CPU aside, which is the CPU again, slower)."""
+    """Linux with no accelerator device node and no device variable: every accelerator tinygrad would probe fails
+    (up to half a second of trying), so the CPU is the device."""
     return (fingerprint["platform"] == "linux" and not fingerprint["dev_nodes"]
             and not any(k != "LD_LIBRARY_PATH" for k in fingerprint["env"]))
 

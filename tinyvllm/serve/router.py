@@ -1,7 +1,6 @@
-"""Which engine replica serves a request: the one most likely to hold the prompt's prefix in its cache (hashes of
-the prompt's first 1, 2, ... blocks of characters, remembered per replica: vLLM production-stack's "prefix-aware
-routing"), ties broken by fewer requests in flight, then the lower index; `policy="round_robin"` is the baseline.
-Taught in docs/phases/08-multi-device.md, section 8.
+"""Which engine replica serves a request: the one most likely to hold the prompt's prefix (hashes of its first
+blocks of characters, remembered per replica: vLLM production-stack's "prefix-aware routing"), then fewer requests
+in flight, then the lower index; `policy="round_robin"` is the baseline. Taught in docs/phases/08-multi-device.md.
 """
 
 from __future__ import annotations
