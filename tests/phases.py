@@ -83,7 +83,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_api_structured": 9, "test_api_tools": 9, "test_structured_outputs": 9, "test_dashboard": 9,
     "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_api_responses": 9,
     "test_api_device_path": 9, "test_api_parts": 9, "test_api_fields": 9, "test_hidden_states": 9,
-    "test_doc_commands": 9, "test_api_metrics": 9,
+    "test_doc_commands": 9, "test_api_metrics": 9, "test_api_start": 9,
     # Phase 10: images in, text out
     "test_vision": 10, "test_image_processor": 10, "test_multimodal_engine": 10, "test_api_images": 10,
 }

@@ -39,7 +39,11 @@ class BackgroundServer:
             time.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
+        engine = getattr(self.server.config.app.state, "engine", None)
         while self.wait_until_ready and httpx.get(f"{self.url}/health").status_code != 200:
+            if engine is not None and engine.load_error is not None:
+                self.stop()
+                raise RuntimeError(f"the engine failed to load: {engine.load_error}") from engine.load_error
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the model did not load within {self.timeout} s")
             time.sleep(0.05)
@@ -78,4 +82,8 @@ def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + 5,
                             http=read_timeout_protocol(header_read_timeout))
-    GracefulServer(config, engine, shutdown_timeout).run()
+    server = GracefulServer(config, engine, shutdown_timeout)
+    engine.on_load_error = lambda e: setattr(server, "should_exit", True)  # a supervisor sees the exit, as vLLM's
+    server.run()
+    if engine.load_error is not None:
+        raise SystemExit(f"error: the engine failed to load: {engine.load_error}")

@@ -81,6 +81,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             audit.close()
 
     app = FastAPI(title="tinyvllm", lifespan=lifespan)
+    app.state.engine = engine
     install_error_handlers(app)
     app.add_middleware(RequestGuard, keys=keys, max_body_bytes=limits.max_request_body_bytes,
                        body_read_timeout=limits.body_read_timeout,

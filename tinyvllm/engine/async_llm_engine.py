@@ -81,6 +81,7 @@ class AsyncLLMEngine:
         self.stat_logger = stat_logger
         self.engine = None
         self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None  # called on the engine thread
         self.stats: dict = {"num_running": 0, "num_waiting": 0}  # republished every loop turn
         self._input: queue.Queue = queue.Queue()  # event loop -> engine thread
         self._routes: dict[str, asyncio.Queue] = {}  # request id -> its stream; event loop only
@@ -224,6 +225,8 @@ class AsyncLLMEngine:
         except BaseException as e:
             self.load_error = e
             logger.exception("the engine failed to load")
+            if self.on_load_error is not None:
+                self.on_load_error(e)
             return
         self._ready.set()
         try:
