@@ -336,3 +336,10 @@ def test_a_directory_with_tokenizer_model_loads_as_sentencepiece(tok):
     text = "def f(x):\n    return x"
     ids = tok.encode(text)
     assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.oracle
+def test_token_strings_match_hf(pair):
+    ours, hf = pair
+    ids = list(range(min(ours.vocab_size, len(hf))))
+    assert [ours.token_string(i) for i in ids] == hf.convert_ids_to_tokens(ids)

@@ -276,6 +276,15 @@ def test_bpe_of_single_pieces_matches_hf(tok, hf):
 
 
 @pytest.mark.oracle
+def test_token_strings_match_hf(tok, hf):
+    """/tokenize's token_strs: the vocabulary's own spelling ("Ġis"), special tokens as written."""
+    ids = list(range(tok.vocab_size))
+    assert [tok.token_string(i) for i in ids] == hf.convert_ids_to_tokens(ids)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.token_string(tok.vocab_size)
+
+
+@pytest.mark.oracle
 def test_decode_matches_hf(tok, hf):
     for text in CORPUS:
         ids = hf.encode(text)

@@ -79,7 +79,7 @@ class OpenAIServingTokenization:
             text = request.prompt
             chat.check_prompt_chars(text, "prompt")
         tokens = chat.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        token_strs = [chat.token_text(t) for t in tokens] if request.return_token_strs else None
+        token_strs = [chat.tokenizer.token_string(t) for t in tokens] if request.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=chat.engine.max_model_len, tokens=tokens,
                                 token_strs=token_strs)
 

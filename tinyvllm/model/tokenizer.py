@@ -95,6 +95,10 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return self._token_bytes[token_id]
 
+    def token_string(self, token_id: int) -> str:
+        """The tokenizer's own spelling of a token, as HF's convert_ids_to_tokens ("Ġis", "▁the", "<0x0A>")."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids
 
