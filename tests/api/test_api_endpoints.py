@@ -30,6 +30,10 @@ def tokenizer():
 def test_models_retrieve(server):
     model = client(server).models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model" and model.max_model_len == 256
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]  # vLLM's card: root, parent, permission
+    assert card["root"] == MODEL and card["parent"] is None and card["max_model_len"] == 256
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
+    assert card["permission"][0]["id"].startswith("modelperm-")
     with pytest.raises(openai.NotFoundError) as e:
         client(server).models.retrieve("gpt-4")
     assert e.value.body["type"] == "NotFoundError" and MODEL in e.value.body["message"]

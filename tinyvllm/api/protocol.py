@@ -6,6 +6,7 @@ sampling extras under `SamplingParams`' names. Taught in docs/phases/09-api-serv
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
@@ -25,12 +26,31 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (after OpenAI's retired shape): what a client may do with the model."""
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tinyvllm"
+    root: str | None = None  # the checkpoint served under this name
+    parent: str | None = None  # vLLM's: the base model of an adapter; none here
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

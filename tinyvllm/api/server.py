@@ -143,7 +143,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             names, max_model_len = completions.model_names(), engine.max_model_len
         except Exception as e:
             return to_openai_error(e).response()
-        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len) for name in names]).model_dump()
+        return ModelList(data=[ModelCard(id=name, root=engine.model_path or name, max_model_len=max_model_len)
+                               for name in names]).model_dump()
 
     @v1.get("/models/{model:path}", responses=responses(ModelCard, *guarded, 404, 429, 503))
     async def retrieve_model(model: str) -> dict:  # the openai client's models.retrieve (a name may hold "/")
@@ -152,7 +153,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             names = completions.model_names()
             if model not in names:
                 raise model_not_found(model, names)
-            return ModelCard(id=model, max_model_len=engine.max_model_len).model_dump()
+            return ModelCard(id=model, root=engine.model_path or model, max_model_len=engine.max_model_len).model_dump()
         except Exception as e:
             return to_openai_error(e).response()
 

@@ -89,6 +89,7 @@ class Scheduler:
 
             self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
         self._encoder_budget = 0  # embeddings still encodable this step
+        self._encoder_inputs: dict[int | str, list[int]] = {}  # this step's images to encode, by sequence
         self.spec_decoding_stats = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_emitted_tokens": 0,
                                     "num_verify_steps": 0}
 
@@ -127,7 +128,7 @@ class Scheduler:
         num_scheduled_tokens: dict[int | str, int] = {}
         preempted: list[Sequence] = []
         spec_tokens: dict[int | str, list[int]] = {}
-        encoder_inputs: dict[int | str, list[int]] = {}
+        self._encoder_inputs = encoder_inputs = {}
         self._encoder_budget = self.encoder_cache_manager.cache_size if self.encoder_cache_manager else 0
 
         # 1. running sequences, oldest first
@@ -156,7 +157,7 @@ class Scheduler:
                 continue  # it preempted itself: the next one now stands at index i
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
-            self._allocate_encoder_inputs(seq, images, encoder_inputs)
+            self._allocate_encoder_inputs(seq, images)
             if num_new_tokens > seq.num_uncomputed_tokens:
                 spec_tokens[seq.seq_id] = seq.spec_token_ids[:num_new_tokens - seq.num_uncomputed_tokens]
             token_budget -= num_new_tokens
@@ -164,15 +165,15 @@ class Scheduler:
 
         # 2. waiting sequences; none while this step had to preempt
         if not preempted:
-            token_budget = self._admit_waiting(token_budget, scheduled, num_scheduled_tokens, encoder_inputs)
+            token_budget = self._admit_waiting(token_budget, scheduled, num_scheduled_tokens)
 
         assert len(scheduled) <= self.max_num_seqs, f"{len(scheduled)} sequences in a step of {self.max_num_seqs}"
         finished, self.finished_req_ids = self.finished_req_ids, set()
         freed = self.encoder_cache_manager.get_freed_mm_hashes() if self.encoder_cache_manager else []
         return SchedulerOutput(scheduled, num_scheduled_tokens, preempted, spec_tokens, finished, encoder_inputs, freed)
 
-    def _admit_waiting(self, token_budget: int, scheduled: list[Sequence], num_scheduled_tokens: dict[int | str, int],
-                       encoder_inputs: dict[int | str, list[int]]) -> int:
+    def _admit_waiting(self, token_budget: int, scheduled: list[Sequence], num_scheduled_tokens: dict[int | str, int]
+                       ) -> int:
         """Admit sequences from the head of the waiting queue while budget, seats and blocks last; returns the budget
         left."""
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
@@ -188,7 +189,7 @@ class Scheduler:
             self._start_running(seq)
             scheduled.append(seq)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
-            self._allocate_encoder_inputs(seq, images, encoder_inputs)
+            self._allocate_encoder_inputs(seq, images)
             token_budget -= num_new_tokens
         return token_budget
 
@@ -208,12 +209,11 @@ class Scheduler:
             hashes.add(feature.mm_hash)
         return num_new_tokens, images
 
-    def _allocate_encoder_inputs(self, seq: Sequence, images: list[int],
-                                 encoder_inputs: dict[int | str, list[int]]) -> None:
+    def _allocate_encoder_inputs(self, seq: Sequence, images: list[int]) -> None:
         for index in images:
             self.encoder_cache_manager.allocate(seq.seq_id, seq.mm_features[index])
         if images:
-            encoder_inputs[seq.seq_id] = images
+            self._encoder_inputs[seq.seq_id] = images
 
     def _free_encoder_inputs(self, seq: Sequence, everything: bool = False) -> None:
         """Release the encoder outputs `seq` has computed past (all: `everything`)."""

@@ -140,6 +140,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def model_path(self) -> str | None:
+        path = getattr(self.engine, "model_path", None)
+        return None if path is None else str(path)
+
+    @property
     def multimodal_processor(self):
         """Phase 10's MultiModalProcessor, for a model that takes images; else None."""
         return getattr(getattr(self.engine, "input_processor", None), "multimodal", None)
