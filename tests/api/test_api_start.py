@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tinyvllm.api.launcher import BackgroundServer
@@ -45,3 +46,53 @@ def test_background_server_raises_the_load_error_at_once():
     with pytest.raises(RuntimeError, match="failed to load: max_model_len must be in"):
         BackgroundServer(app, timeout=600).start()
     assert time.monotonic() - start < 30
+
+
+# ---- deployment flags: --enable-request-id-headers, --root-path, --uds ----
+
+def test_request_id_headers_are_made_when_enabled():
+    from api_helpers import serve
+    from fake_engine import FakeLLMEngine
+
+    with serve(lambda: FakeLLMEngine(), enable_request_id_headers=True) as server:
+        made = httpx.get(f"{server.url}/v1/models").headers["x-request-id"]
+        assert len(made) == 32 and int(made, 16) >= 0  # a fresh uuid4, hex
+        assert httpx.get(f"{server.url}/v1/models").headers["x-request-id"] != made
+        sent = httpx.get(f"{server.url}/v1/models", headers={"X-Request-Id": "trace-7"})
+        assert sent.headers["x-request-id"] == "trace-7"
+    with serve(lambda: FakeLLMEngine()) as server:  # off: only the client's id is echoed
+        assert "x-request-id" not in httpx.get(f"{server.url}/v1/models").headers
+
+
+def test_root_path_serves_behind_a_proxy_prefix():
+    from fake_engine import FakeLLMEngine
+
+    app = build_app(AsyncLLMEngine(lambda: FakeLLMEngine()))
+    with BackgroundServer(app, root_path="/llm") as server:
+        # the proxy strips the prefix; the server writes it back into the URLs it gives (the OpenAPI servers)
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "fake-smollm2"
+        assert httpx.get(f"{server.url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
+
+
+def test_uds_serves_on_a_unix_socket(tiny_model_dir, tmp_path):
+    socket = tmp_path / "tinyvllm.sock"
+    process = subprocess.Popen([sys.executable, "-m", "tinyvllm.api.server", "--model", str(tiny_model_dir),
+                                "--uds", str(socket), "--max-model-len", "128"], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://localhost") as http:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None, process.stderr.read()[-2000:]
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "no answer on the socket within 120 s"
+                time.sleep(0.2)
+            answer = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+    finally:
+        process.terminate()
+        process.wait(30)

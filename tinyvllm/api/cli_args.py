@@ -82,5 +82,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="fetch http(s) image URLs of chat image_url parts (default: data URLs only)")
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="serve file:// image URLs from under this directory (default: none)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the client's, or one made for it (default: only "
+                        "the client's, echoed)")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix a proxy serves this server under (FastAPI's root_path, vLLM's flag)")
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host and --port")
     p.add_argument("--log-level", default="info")
     return p

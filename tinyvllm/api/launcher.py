@@ -22,9 +22,10 @@ class BackgroundServer:
     """A real uvicorn server on a thread, on a free port of 127.0.0.1 by default."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
-                 wait_until_ready: bool = True, header_read_timeout: float = 10.0):
+                 wait_until_ready: bool = True, header_read_timeout: float = 10.0, root_path: str = ""):
         access_log.install()
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+        config = uvicorn.Config(app, host=host, port=port, root_path=root_path, log_level="warning",
+                                timeout_graceful_shutdown=5,
                                 http=read_timeout_protocol(header_read_timeout))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
@@ -74,12 +75,13 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 10.0, log_level: str = "info", header_read_timeout: float = 10.0) -> None:
+          shutdown_timeout: float = 10.0, log_level: str = "info", header_read_timeout: float = 10.0,
+          uds: str | None = None, root_path: str = "") -> None:
     """Run `app` (built around `engine`) until SIGTERM or Ctrl-C, then drain it (see `GracefulServer`)."""
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
     access_log.install()
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(app, host=host, port=port, uds=uds, root_path=root_path, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + 5,
                             http=read_timeout_protocol(header_read_timeout))
     server = GracefulServer(config, engine, shutdown_timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
+import uuid
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -131,13 +132,16 @@ class RequestGuard:
 
 
 class RequestIdHeader:
-    """A request's `X-Request-Id` echoed on its response (vLLM's --enable-request-id-headers)."""
+    """A request's `X-Request-Id` echoed on its response; with `make_ids` (vLLM's --enable-request-id-headers) one
+    is made for a request that sent none."""
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
+    def __init__(self, app: ASGIApp, make_ids: bool = False):
+        self.app, self.make_ids = app, make_ids
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = Headers(scope=scope).get("x-request-id") if scope["type"] == "http" else None
+        if not request_id and self.make_ids and scope["type"] == "http":
+            request_id = uuid.uuid4().hex
         if not request_id:
             return await self.app(scope, receive, send)
 

@@ -48,7 +48,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               tool_call_parser: str = "hermes", pooler: PoolingParams | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
-              media=None) -> FastAPI:
+              media=None, enable_request_id_headers: bool = False) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
     `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
@@ -88,7 +88,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                        allowed_hosts=frozenset(host_name(h) if h != "*" else h for h in allowed_hosts or ()))
     if keys is not None or audit is not None:  # added after the guard: outside it, it sees the guard's refusals too
         app.add_middleware(RequestAccounting, audit_log=audit, key_metrics=key_metrics, skip_paths=OPEN_PATHS)
-    app.add_middleware(RequestIdHeader)
+    app.add_middleware(RequestIdHeader, make_ids=enable_request_id_headers)
     if cors is not None and cors.allowed_origins:  # the outermost: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                            allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
@@ -250,9 +250,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     enable_force_include_usage=args.enable_force_include_usage,
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                     tuple(args.allowed_headers), args.allow_credentials),
-                    pooler=pooler, max_stored_responses=args.max_stored_responses, media=media_connector(args))
+                    pooler=pooler, max_stored_responses=args.max_stored_responses, media=media_connector(args),
+                    enable_request_id_headers=args.enable_request_id_headers)
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-          header_read_timeout=args.header_read_timeout)
+          header_read_timeout=args.header_read_timeout, uds=args.uds, root_path=args.root_path)
 
 
 if __name__ == "__main__":
