@@ -96,3 +96,18 @@ def test_uds_serves_on_a_unix_socket(tiny_model_dir, tmp_path):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_tokenizer_info_only_when_enabled():
+    from api_helpers import serve
+    from fake_engine import FakeLLMEngine
+
+    with serve(lambda: FakeLLMEngine(), enable_tokenizer_info_endpoint=True) as server:
+        info = httpx.get(f"{server.url}/tokenizer_info").json()
+        tok = FakeLLMEngine().tokenizer
+        assert info["tokenizer_class"] == type(tok).__name__ and info["vocab_size"] == tok.vocab_size
+        assert info["model_max_length"] == 256 and info["chat_template"] == tok.chat_template
+        assert info["eos_token"] == tok.token_string(tok.eos_token_id) == "<|im_end|>"
+        assert info["added_tokens_decoder"][str(tok.eos_token_id)] == {"content": "<|im_end|>", "special": True}
+    with serve(lambda: FakeLLMEngine()) as server:  # off by default: it shows the chat template
+        assert httpx.get(f"{server.url}/tokenizer_info").status_code == 404

@@ -85,6 +85,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the client's, or one made for it (default: only "
                         "the client's, echoed)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration, chat template included "
+                        "(default off, as vLLM's)")
     p.add_argument("--root-path", default="", metavar="PATH",
                    help="the path prefix a proxy serves this server under (FastAPI's root_path, vLLM's flag)")
     p.add_argument("--uds", default=None, metavar="PATH",

@@ -34,7 +34,7 @@ from tinyvllm.api.serving_embeddings import EmbeddingRequest, EmbeddingResponse,
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.api.serving_responses import OpenAIServingResponses
 from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
-                                           TokenizeRequest, TokenizeResponse)
+                                           TokenizerInfoResponse, TokenizeRequest, TokenizeResponse)
 from tinyvllm.engine.arg_utils import EngineArgs
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
 from tinyvllm.plugins import provided
@@ -48,7 +48,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               tool_call_parser: str = "hermes", pooler: PoolingParams | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
-              media=None, enable_request_id_headers: bool = False) -> FastAPI:
+              media=None, enable_request_id_headers: bool = False,
+              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
     `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
@@ -127,6 +128,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return tokenization.detokenize(request).model_dump()
         except Exception as e:
             return to_openai_error(e).response()
+
+    if enable_tokenizer_info_endpoint:  # off by default, as vLLM's: it shows the chat template
+        @app.get("/tokenizer_info", responses=responses(TokenizerInfoResponse, *guarded, 503))
+        async def tokenizer_info():
+            try:
+                engine.check_ready()
+                return tokenization.tokenizer_info().model_dump()
+            except Exception as e:
+                return to_openai_error(e).response()
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses=responses({"text/plain": {"type": "string"}}, *guarded))
@@ -251,7 +261,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     cors=CorsConfig(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                     tuple(args.allowed_headers), args.allow_credentials),
                     pooler=pooler, max_stored_responses=args.max_stored_responses, media=media_connector(args),
-                    enable_request_id_headers=args.enable_request_id_headers)
+                    enable_request_id_headers=args.enable_request_id_headers,
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           header_read_timeout=args.header_read_timeout, uds=args.uds, root_path=args.root_path)
 

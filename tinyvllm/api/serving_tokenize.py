@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
 from tinyvllm.api.errors import bad_request
 from tinyvllm.api.fields import RequestModel
@@ -51,6 +51,12 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's: the tokenizer's configuration, as its tokenizer_config.json would say it."""
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+
+
 class DetokenizeRequest(RequestModel):
     model: StrictStr | None = None
     tokens: list[StrictInt] = Field(fail_fast=True)
@@ -91,3 +97,13 @@ class OpenAIServingTokenization:
         if bad:
             raise bad_request(f"tokens must be token ids in [0, {vocab_size}), got {bad[:5]}", "tokens")
         return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
+
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        tok = self.chat.tokenizer
+        name = lambda token_id: None if token_id is None else tok.token_string(token_id)  # noqa: E731
+        return TokenizerInfoResponse(
+            tokenizer_class=type(tok).__name__, vocab_size=tok.vocab_size,
+            model_max_length=self.chat.engine.max_model_len, bos_token=name(tok.bos_token_id),
+            eos_token=name(tok.eos_token_id), add_bos_token=tok.add_bos_token, chat_template=tok.chat_template,
+            added_tokens_decoder={str(i): {"content": content, "special": tok.is_special(i)}
+                                  for content, i in sorted(tok.added_tokens.items(), key=lambda item: item[1])})
