@@ -111,3 +111,21 @@ def test_tokenizer_info_only_when_enabled():
         assert info["added_tokens_decoder"][str(tok.eos_token_id)] == {"content": "<|im_end|>", "special": True}
     with serve(lambda: FakeLLMEngine()) as server:  # off by default: it shows the chat template
         assert httpx.get(f"{server.url}/tokenizer_info").status_code == 404
+
+
+def test_invocations_dispatches_by_the_body_as_sagemaker_calls_it():
+    from api_helpers import serve
+    from fake_engine import FakeLLMEngine
+
+    with serve(lambda: FakeLLMEngine()) as server:
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+        completion = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        for body, path, kind in [(chat, "/v1/chat/completions", "chat.completion"),
+                                 (completion, "/v1/completions", "text_completion")]:
+            via = httpx.post(f"{server.url}/invocations", json=body).json()
+            direct = httpx.post(f"{server.url}{path}", json=body).json()
+            assert via["object"] == kind and via["choices"] == direct["choices"] and via["usage"] == direct["usage"]
+        refused = httpx.post(f"{server.url}/invocations", json={"prompt": "Hello", "max_tokens": "three"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+        unknown = httpx.post(f"{server.url}/invocations", json={"question": "?"})
+        assert unknown.status_code == 400 and "messages" in unknown.json()["error"]["message"]

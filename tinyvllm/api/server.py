@@ -11,14 +11,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import ValidationError
 
 from tinyvllm.api import legacy_functions
 from tinyvllm.api.audit import AuditLog, RequestAccounting
 from tinyvllm.api.cli_args import build_parser
 from tinyvllm.api.dashboard import add_dashboard_routes
-from tinyvllm.api.errors import install_error_handlers, model_not_found, to_openai_error
+from tinyvllm.api.errors import bad_request, install_error_handlers, model_not_found, to_openai_error
 from tinyvllm.api.keys import ApiKeys, KeyedEngine
 from tinyvllm.api.launcher import serve
 from tinyvllm.api.metrics import KeyMetrics, ServerMetrics
@@ -191,6 +193,26 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return await embeddings.create_embedding(request, raw_request)
         except Exception as e:
             return to_openai_error(e).response()
+
+    @app.post("/invocations", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))
+    async def invocations(raw_request: Request):
+        """SageMaker's one route (vLLM's): the body's keys say which request it is."""
+        try:
+            body = await raw_request.json()
+        except ValueError as e:
+            return bad_request(f"the request body is not valid JSON: {e}").response()
+        kinds = [("messages", ChatCompletionRequest, create_chat_completion),
+                 ("prompt", CompletionRequest, create_completion), ("input", EmbeddingRequest, create_embedding)]
+        for key, model, route in kinds:
+            if isinstance(body, dict) and key in body:
+                try:
+                    request = model.model_validate(body)
+                except ValidationError as e:
+                    raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
+                                                  for error in e.errors(include_url=False)], body=body) from e
+                return await route(request, raw_request)
+        return bad_request("/invocations takes a chat (messages), completion (prompt) or embeddings (input) request",
+                           None).response()
 
     @v1.post("/responses", responses=responses(ResponsesResponse, *generation_errors, stream=True))
     async def create_response(request: ResponsesRequest, raw_request: Request):
