@@ -9,8 +9,10 @@ computed in chunks, and the prefix cache holds them first, which such requests m
 
 from __future__ import annotations
 
+import base64
 import json
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -111,6 +113,22 @@ def test_embeddings_through_the_openai_client(server, engine, hf):
     with pytest.raises(openai.BadRequestError, match="dimensions") as e:
         client(server).embeddings.create(model=MODEL, input="Hi", dimensions=8)
     assert e.value.body["param"] == "dimensions"
+    floats = np.asarray(as_floats.data[0].embedding, dtype=np.float32)
+    for dtype, endianness, numpy_type in [("float32", "big", ">f4"), ("float16", "little", "<f2"),
+                                          ("float32", "native", "=f4")]:  # vLLM's embed_dtype and endianness
+        body = httpx.post(f"{server.url}/v1/embeddings", json={
+            "input": PROMPTS[1], "encoding_format": "base64", "embed_dtype": dtype, "endianness": endianness}).json()
+        got = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype=numpy_type)
+        np.testing.assert_allclose(got, floats, rtol=1e-3 if dtype == "float16" else 1e-6, atol=1e-4)
+    bf16 = httpx.post(f"{server.url}/v1/embeddings", json={"input": PROMPTS[1], "encoding_format": "base64",
+                                                            "embed_dtype": "bfloat16", "endianness": "little"}).json()
+    halves = np.frombuffer(base64.b64decode(bf16["data"][0]["embedding"]), dtype="<u2").astype(np.uint32) << 16
+    np.testing.assert_allclose(halves.view(np.float32), floats, rtol=1 / 128, atol=1e-6)  # bfloat16: 8 bits kept
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    cut = httpx.post(f"{server.url}/v1/embeddings", json={"input": PROMPTS[1], "truncate_prompt_tokens": 3}).json()
+    assert cut["usage"]["prompt_tokens"] == 3
+    np.testing.assert_allclose(cut["data"][0]["embedding"], expected_embedding(hf(ids[-3:])[0], PoolingParams()),
+                               rtol=1e-4, atol=1e-5)
     samples = metrics(server)  # the real engine's step counts reach /metrics: every prompt token was computed
     assert samples["tinyvllm:iteration_tokens_total_sum"] >= response.usage.prompt_tokens
     assert samples["tinyvllm:num_preemptions_total"] == engine.scheduler.num_preemptions

@@ -29,6 +29,9 @@ class EmbeddingRequest(RequestModel):
     model: StrictStr | None = None
     input: StrictStr | Texts | Ids | Annotated[list[Ids], Field(min_length=1, fail_fast=True)]
     encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # vLLM's: the base64 bytes' type
+    endianness: Literal["native", "little", "big"] = "native"
+    truncate_prompt_tokens: StrictInt | None = None  # only each input's last N tokens (-1: the context length)
     user: StrictStr | None = None
     normalize: StrictBool | None = None  # None: the server's default (True)
     priority: StrictInt = 0
@@ -56,7 +59,7 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
-        inputs = self.inputs(request.input)
+        inputs = self.inputs(request.input, request.truncate_prompt_tokens)
         if len(inputs) > 1:
             self.engine.check_can_accept(len(inputs))
         params = PoolingParams(self.pooler.pooling_type,
@@ -67,14 +70,16 @@ class OpenAIServingEmbedding(OpenAIServing):
         finals = await self.finals(raw_request, streams)
         if finals is None:
             return Response(status_code=499)
-        data = [EmbeddingData(index=i, embedding=self.encode(final.pooled, request.encoding_format))
+        data = [EmbeddingData(index=i, embedding=self.encode(final.pooled, request.encoding_format,
+                                                             request.embed_dtype, request.endianness))
                 for i, final in enumerate(finals)]
         num_tokens = sum(len(final.prompt_token_ids) for final in finals)
         return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=UsageInfo(
             prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)).model_dump()
 
-    def inputs(self, given: str | list) -> list[list[int]]:
-        """Token ids of each input: a text, a list of texts, a list of ids, or a list of lists of ids."""
+    def inputs(self, given: str | list, keep: int | None = None) -> list[list[int]]:
+        """Token ids of each input: a text, a list of texts, a list of ids, or a list of lists of ids; only the last
+        `keep` of each when set."""
         if isinstance(given, str):
             given = [given]
         elif given and isinstance(given[0], int):
@@ -84,9 +89,10 @@ class OpenAIServingEmbedding(OpenAIServing):
             if isinstance(one, str):
                 if not one:
                     raise bad_request("input must not hold an empty string", "input")
-                self.check_prompt_chars(one, "input")
+                if keep is None:
+                    self.check_prompt_chars(one, "input")
                 one = self.tokenizer.encode(one)
-            ids.append(self.check_token_ids(one, "input"))
+            ids.append(self.check_token_ids(self.truncate_prompt(one, keep), "input"))
         return ids
 
     @staticmethod
@@ -111,7 +117,17 @@ class OpenAIServingEmbedding(OpenAIServing):
         return None if gathered.cancelled() else gathered.result()
 
     @staticmethod
-    def encode(vector: list[float], encoding_format: str) -> list[float] | str:
-        if encoding_format == "base64":  # float32, little-endian: what the client decodes (numpy's frombuffer)
-            return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-        return vector
+    def encode(vector: list[float], encoding_format: str, embed_dtype: str = "float32",
+               endianness: str = "native") -> list[float] | str:
+        """float: the list; base64: the vector's bytes as `embed_dtype` in `endianness` order (the openai client
+        decodes the default, float32 little-endian on every common machine)."""
+        if encoding_format == "float":
+            return vector
+        order = {"native": "=", "little": "<", "big": ">"}[endianness]
+        x = np.asarray(vector, dtype=np.float32)
+        if embed_dtype == "bfloat16":  # the top half of each float32, rounded to nearest even
+            bits = x.view(np.uint32).astype(np.uint64)
+            raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(f"{order}u2")
+        else:
+            raw = x.astype(f"{order}f{2 if embed_dtype == 'float16' else 4}")
+        return base64.b64encode(raw.tobytes()).decode("ascii")
