@@ -3,6 +3,7 @@ systemd or Kubernetes restarts or alerts on the exit); in-process, BackgroundSer
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -129,3 +130,21 @@ def test_invocations_dispatches_by_the_body_as_sagemaker_calls_it():
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
         unknown = httpx.post(f"{server.url}/invocations", json={"question": "?"})
         assert unknown.status_code == 400 and "messages" in unknown.json()["error"]["message"]
+
+
+def test_orca_load_report_when_asked():
+    from api_helpers import serve
+    from fake_engine import FakeLLMEngine
+
+    with serve(lambda: FakeLLMEngine()) as server:
+        body = {"prompt": "Hello", "max_tokens": 2}
+        text = httpx.post(f"{server.url}/v1/completions", json=body, headers={"endpoint-load-metrics-format": "text"})
+        report = text.headers["endpoint-load-metrics"]
+        assert report.startswith("TEXT named_metrics.kv_cache_usage_perc=")
+        assert "named_metrics.num_requests_waiting=" in report
+        chat = httpx.post(f"{server.url}/v1/chat/completions", headers={"endpoint-load-metrics-format": "JSON"},
+                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        kind, report = chat.headers["endpoint-load-metrics"].split(" ", 1)
+        named = json.loads(report)["named_metrics"]
+        assert kind == "JSON" and 0.0 <= named["kv_cache_usage_perc"] <= 1.0 and named["num_requests_waiting"] == 0.0
+        assert "endpoint-load-metrics" not in httpx.post(f"{server.url}/v1/completions", json=body).headers

@@ -5,6 +5,7 @@ Taught in docs/phases/09-api-server.md and 09-appendix-endpoints.md.
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 
@@ -284,6 +285,16 @@ class ServerMetrics:
         self.inference_time.observe(max(now - scheduled, 0.0))
         if num_tokens > 1:
             self.request_tpot.observe(max(now - first_token, 0.0) / (num_tokens - 1))
+
+    def load_report(self, metrics_format: str, num_waiting: int) -> dict[str, str] | None:
+        """vLLM's ORCA load report for a load balancer (Envoy): the `endpoint-load-metrics` header in
+        `metrics_format` TEXT or JSON; None for any other."""
+        named = {"kv_cache_usage_perc": float(self.kv_usage.value), "num_requests_waiting": float(num_waiting)}
+        if metrics_format.lower() == "text":
+            return {"endpoint-load-metrics": "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in named.items())}
+        if metrics_format.lower() == "json":
+            return {"endpoint-load-metrics": "JSON " + json.dumps({"named_metrics": named})}
+        return None
 
     def render(self, num_waiting: int | None = None, model_name: str = "") -> str:
         """The text for a scrape: every series as `tinyvllm:`, and vLLM's again as `vllm:` with vLLM's labels

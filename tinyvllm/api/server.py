@@ -171,10 +171,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
     generation_errors = (400, *guarded, 404, 429, 500, 503)
 
+    def with_load_report(result, raw_request: Request):
+        """A whole answer with vLLM's ORCA load report when the request asks for one (endpoint-load-metrics-format)."""
+        asked = raw_request.headers.get("endpoint-load-metrics-format", "")
+        header = metrics.load_report(asked, engine.num_waiting()) if asked and isinstance(result, dict) else None
+        return result if header is None else JSONResponse(result, headers=header)
+
     @v1.post("/completions", responses=responses(CompletionResponse, *generation_errors, stream=True))
     async def create_completion(request: CompletionRequest, raw_request: Request):
         try:
-            return await completions.create_completion(request, raw_request)
+            return with_load_report(await completions.create_completion(request, raw_request), raw_request)
         except Exception as e:
             return to_openai_error(e).response()
 
@@ -183,7 +189,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         try:
             if legacy_functions.uses_functions(request):
                 return await legacy_functions.create_chat_completion(chat, request, raw_request)
-            return await chat.create_chat_completion(request, raw_request)
+            return with_load_report(await chat.create_chat_completion(request, raw_request), raw_request)
         except Exception as e:
             return to_openai_error(e).response()
 
