@@ -129,6 +129,9 @@ def test_embeddings_through_the_openai_client(server, engine, hf):
     assert cut["usage"]["prompt_tokens"] == 3
     np.testing.assert_allclose(cut["data"][0]["embedding"], expected_embedding(hf(ids[-3:])[0], PoolingParams()),
                                rtol=1e-4, atol=1e-5)
+    pooled = httpx.post(f"{server.url}/pooling", json={"input": PROMPTS[1], "encoding_format": "float"}).json()
+    assert pooled["data"][0]["object"] == "pooling" and pooled["usage"]["prompt_tokens"] == len(ids)
+    np.testing.assert_allclose(pooled["data"][0]["data"], expected[1], rtol=1e-4, atol=1e-5)
     samples = metrics(server)  # the real engine's step counts reach /metrics: every prompt token was computed
     assert samples["tinyvllm:iteration_tokens_total_sum"] >= response.usage.prompt_tokens
     assert samples["tinyvllm:num_preemptions_total"] == engine.scheduler.num_preemptions

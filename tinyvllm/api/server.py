@@ -32,7 +32,8 @@ from tinyvllm.api.protocol_responses import ResponsesRequest, ResponsesResponse
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.serving_completions import OpenAIServingCompletion
 from tinyvllm.api.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from tinyvllm.api.serving_embeddings import EmbeddingRequest, EmbeddingResponse, OpenAIServingEmbedding
+from tinyvllm.api.serving_embeddings import (EmbeddingRequest, EmbeddingResponse, OpenAIServingEmbedding,
+                                             PoolingResponse)
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.api.serving_responses import OpenAIServingResponses
 from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
@@ -199,6 +200,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             return await embeddings.create_embedding(request, raw_request)
         except Exception as e:
             return to_openai_error(e).response()
+
+    @app.post("/pooling", responses=responses(PoolingResponse, *generation_errors))
+    async def create_pooling(request: EmbeddingRequest, raw_request: Request):
+        answer = await create_embedding(request, raw_request)
+        return PoolingResponse.of(answer) if isinstance(answer, dict) else answer
 
     @app.post("/invocations", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))
     async def invocations(raw_request: Request):

@@ -52,6 +52,21 @@ class EmbeddingResponse(BaseModel):
     usage: UsageInfo
 
 
+class PoolingData(BaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | str
+
+
+class PoolingResponse(EmbeddingResponse):  # vLLM's /pooling: the same vectors, named as pooler output
+    data: list[PoolingData]
+
+    @classmethod
+    def of(cls, embeddings: dict) -> dict:
+        data = [PoolingData(index=item["index"], data=item["embedding"]) for item in embeddings["data"]]
+        return cls(**{**embeddings, "data": data}).model_dump()
+
+
 class OpenAIServingEmbedding(OpenAIServing):
     def __init__(self, *args, pooler: PoolingParams | None = None, **kwargs):
         super().__init__(*args, **kwargs)
