@@ -129,6 +129,15 @@ def test_embeddings_through_the_openai_client(server, engine, hf):
     assert cut["usage"]["prompt_tokens"] == 3
     np.testing.assert_allclose(cut["data"][0]["embedding"], expected_embedding(hf(ids[-3:])[0], PoolingParams()),
                                rtol=1e-4, atol=1e-5)
+    conversation = [{"role": "user", "content": PROMPTS[1]}]
+    chat_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=False),
+                                       add_special_tokens=False)
+    rendered = httpx.post(f"{server.url}/v1/embeddings", json={"messages": conversation, "encoding_format": "float"})
+    assert rendered.json()["usage"]["prompt_tokens"] == len(chat_ids)  # vLLM's chat form: the template's tokens
+    np.testing.assert_allclose(rendered.json()["data"][0]["embedding"],
+                               expected_embedding(hf(chat_ids)[0], PoolingParams()), rtol=1e-4, atol=1e-5)
+    both = httpx.post(f"{server.url}/v1/embeddings", json={"messages": conversation, "input": "x"})
+    assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
     pooled = httpx.post(f"{server.url}/pooling", json={"input": PROMPTS[1], "encoding_format": "float"}).json()
     assert pooled["data"][0]["object"] == "pooling" and pooled["usage"]["prompt_tokens"] == len(ids)
     np.testing.assert_allclose(pooled["data"][0]["data"], expected[1], rtol=1e-4, atol=1e-5)

@@ -163,20 +163,15 @@ RESPONSES_FIELDS = {
 EMBEDDING_FIELDS = {
     **{name: SUPPORTED for name in ("model", "input", "encoding_format", "user", "normalize", "priority")},
     **{name: _ENGINE_EXTRAS[name] for name in ("truncation_side", "request_id", "cache_salt")},
-    "truncate_prompt_tokens": SUPPORTED,
     **_CHAT_TEMPLATE_EXTRAS,
     "dimensions": Refused("this model was not trained to give shorter vectors (Matryoshka): its vectors have "
                           "the full hidden size"),
     "padding": Refused("inputs are not padded: each is pooled over its own tokens"),
     "add_special_tokens": Refused("a text input gets the model's special tokens (BOS) as its tokenizer adds them: "
                                   "send token ids to choose them yourself", True),
-    "embed_dtype": SUPPORTED,
-    "endianness": SUPPORTED,
     "use_activation": Refused("the pooler's normalization is set by normalize (or --pooler-config)"),
-    "messages": Refused("embeddings take input (texts or token ids): /tokenize renders messages to token ids"),
-    "add_generation_prompt": Refused("embeddings take input, not messages", False),
-    "continue_final_message": Refused("embeddings take input, not messages", False),
-    "chat_template_kwargs": Refused("embeddings take input, not messages"),
+    **{name: SUPPORTED for name in ("messages", "add_generation_prompt", "continue_final_message",
+                                    "chat_template_kwargs", "embed_dtype", "endianness", "truncate_prompt_tokens")},
 }
 
 TOKENIZE_COMPLETION_FIELDS = {name: SUPPORTED for name in ("model", "prompt", "add_special_tokens",

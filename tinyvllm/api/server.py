@@ -74,7 +74,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                              tool_call_parser=tool_call_parser, media=media, **usage_flags)
     tokenization = OpenAIServingTokenization(chat)
     responses_api = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
-    embeddings = OpenAIServingEmbedding(keyed_engine, served_model_names, limits, pooler=pooler)
+    embeddings = OpenAIServingEmbedding(keyed_engine, served_model_names, limits, pooler=pooler, chat=chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -27,7 +27,12 @@ Texts = Annotated[list[StrictStr], Field(min_length=1, fail_fast=True)]
 
 class EmbeddingRequest(RequestModel):
     model: StrictStr | None = None
-    input: StrictStr | Texts | Ids | Annotated[list[Ids], Field(min_length=1, fail_fast=True)]
+    input: StrictStr | Texts | Ids | Annotated[list[Ids], Field(min_length=1, fail_fast=True)] | None = None
+    # vLLM's chat form: one conversation, rendered by the chat template, embedded as one input
+    messages: Annotated[list[dict], Field(min_length=1)] | None = None
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
     encoding_format: Literal["float", "base64"] = "float"
     embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # vLLM's: the base64 bytes' type
     endianness: Literal["native", "little", "big"] = "native"
@@ -68,13 +73,25 @@ class PoolingResponse(EmbeddingResponse):  # vLLM's /pooling: the same vectors, 
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    def __init__(self, *args, pooler: PoolingParams | None = None, **kwargs):
+    def __init__(self, *args, pooler: PoolingParams | None = None, chat=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.pooler = pooler or PoolingParams()
+        self.chat = chat  # OpenAIServingChat: renders `messages`
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response | dict:
         model = self.check_model(request.model)
-        inputs = self.inputs(request.input, request.truncate_prompt_tokens)
+        if (request.input is None) == (request.messages is None):
+            raise bad_request("give input (texts or token ids) or messages (a conversation), not both and not "
+                              "neither", "input" if request.messages is None else "messages")
+        given = request.input
+        if request.messages is not None:
+            if self.chat is None:
+                raise bad_request("this server embeds input only: no chat template to render messages", "messages")
+            given = self.chat.tokenize(self.chat.render_text(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs, check_length=request.truncate_prompt_tokens is None))
+        inputs = self.inputs(given, request.truncate_prompt_tokens)
         if len(inputs) > 1:
             self.engine.check_can_accept(len(inputs))
         params = PoolingParams(self.pooler.pooling_type,
