@@ -94,7 +94,12 @@
 #define NR 1
 #endif
 #define MB 64
-#define CHUNK_BYTES 24576
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES (TV_M == 1 ? 98304 : 24576)
+#endif
+#ifndef STREAM_PREFETCH
+#define STREAM_PREFETCH 2048
+#endif
 #define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
 #define CHUNK_ROWS (CHUNK_TILES * NR)
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
@@ -176,6 +181,19 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
   }
   s->d = f16_to_f32(blk + 108);
   s->dmin = 0.0f;
+#elif (TV_QTYPE == 12 || TV_QTYPE == 13) && TV_AVX2
+  /* the 12 bytes as three u32 (4 sub-blocks a lane, byte by byte): bytes 0-3 sc[0..3] and 2 high bits of sc[4..7],
+   * 4-7 m[0..3] and 2 high bits of m[4..7], 8-11 the low nibbles of sc[4..7] (lo) and m[4..7] (hi) */
+  unsigned int a, b, c;
+  __builtin_memcpy(&a, blk + 4, 4), __builtin_memcpy(&b, blk + 8, 4), __builtin_memcpy(&c, blk + 12, 4);
+  const unsigned int six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  __m128i sc_m = _mm_setr_epi32((int)(a & six), (int)((c & four) | (a >> 6 & two) << 4),
+                                (int)(b & six), (int)((c >> 4 & four) | (b >> 6 & two) << 4));  /* sc[8], m[8] */
+  /* one vector store each (a later vector load of them is forwarded; scalar stores would stall it) */
+  _mm256_storeu_si256((__m256i*)s->sc16, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc_m, sc_m)));
+  _mm256_storeu_si256((__m256i*)s->m16, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sc_m, sc_m)));
+  s->d = f16_to_f32(blk);
+  s->dmin = f16_to_f32(blk + 2);
 #elif TV_QTYPE == 12 || TV_QTYPE == 13
   const unsigned char* p = blk + 4;  /* 12 bytes: see quant.py's _k_scales_mins */
   for (int j = 0; j < 8; j++) {
@@ -195,6 +213,11 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
     s->m16[2 * j] = s->m16[2 * j + 1] = 0;
   }
   s->d = f16_to_f32(blk);
+  s->dmin = 0.0f;
+#elif TV_AVX2
+  _mm256_storeu_si256((__m256i*)s->sc16, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192))));
+  _mm256_storeu_si256((__m256i*)s->m16, _mm256_setzero_si256());
+  s->d = f16_to_f32(blk + 208);
   s->dmin = 0.0f;
 #else
   for (int g = 0; g < 16; g++) {
@@ -322,6 +345,9 @@ TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, cons
     __m256i sc16[NR], m16[NR];
     for (int j = 0; j < nr; j++) {
       unpack_scales(&s[j], w + j * ROW_BYTES + b * BLOCK_BYTES);
+#if TV_M == 1
+      for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(w + j * ROW_BYTES + b * BLOCK_BYTES + STREAM_PREFETCH + l, 0, 3);
+#endif
       sc16[j] = _mm256_loadu_si256((const __m256i*)s[j].sc16);
       m16[j] = _mm256_loadu_si256((const __m256i*)s[j].m16);
     }
