@@ -86,15 +86,26 @@
 #define QS_AT (TV_QTYPE == 13 ? 48 : 16)   /* Q4_K, Q5_K: where the nibbles start */
 #define NB (TV_K / 256)                    /* super-blocks per row */
 #define ROW_BYTES (NB * BLOCK_BYTES)
+#ifndef TV_TILE_NR
+#define TV_TILE_NR 1
+#endif
+#ifndef TV_TILE_MR
+#define TV_TILE_MR 4
+#endif
 #if TV_M == 1
 #define MR 1
-#define NR 1
+#define NR TV_TILE_NR
 #else
-#define MR 4
-#define NR 1
+#define MR TV_TILE_MR
+#define NR TV_TILE_NR
 #endif
 #define MB 64
-#define CHUNK_BYTES 24576
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES (TV_M == 1 ? 98304 : 24576)
+#endif
+#ifndef STREAM_PREFETCH
+#define STREAM_PREFETCH 2048
+#endif
 #define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
 #define CHUNK_ROWS (CHUNK_TILES * NR)
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
@@ -176,6 +187,19 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
   }
   s->d = f16_to_f32(blk + 108);
   s->dmin = 0.0f;
+#elif (TV_QTYPE == 12 || TV_QTYPE == 13) && TV_AVX2
+  /* the 12 bytes as three u32 (4 sub-blocks a lane, byte by byte): bytes 0-3 sc[0..3] and 2 high bits of sc[4..7],
+   * 4-7 m[0..3] and 2 high bits of m[4..7], 8-11 the low nibbles of sc[4..7] (lo) and m[4..7] (hi) */
+  unsigned int a, b, c;
+  __builtin_memcpy(&a, blk + 4, 4), __builtin_memcpy(&b, blk + 8, 4), __builtin_memcpy(&c, blk + 12, 4);
+  const unsigned int six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  __m128i sc_m = _mm_setr_epi32((int)(a & six), (int)((c & four) | (a >> 6 & two) << 4),
+                                (int)(b & six), (int)((c >> 4 & four) | (b >> 6 & two) << 4));  /* sc[8], m[8] */
+  /* one vector store each (a later vector load of them is forwarded; scalar stores would stall it) */
+  _mm256_storeu_si256((__m256i*)s->sc16, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc_m, sc_m)));
+  _mm256_storeu_si256((__m256i*)s->m16, _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sc_m, sc_m)));
+  s->d = f16_to_f32(blk);
+  s->dmin = f16_to_f32(blk + 2);
 #elif TV_QTYPE == 12 || TV_QTYPE == 13
   const unsigned char* p = blk + 4;  /* 12 bytes: see quant.py's _k_scales_mins */
   for (int j = 0; j < 8; j++) {
@@ -195,6 +219,11 @@ TV_INLINE void unpack_scales(struct wscales* restrict s, const unsigned char* re
     s->m16[2 * j] = s->m16[2 * j + 1] = 0;
   }
   s->d = f16_to_f32(blk);
+  s->dmin = 0.0f;
+#elif TV_AVX2
+  _mm256_storeu_si256((__m256i*)s->sc16, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192))));
+  _mm256_storeu_si256((__m256i*)s->m16, _mm256_setzero_si256());
+  s->d = f16_to_f32(blk + 208);
   s->dmin = 0.0f;
 #else
   for (int g = 0; g < 16; g++) {
@@ -238,11 +267,20 @@ TV_INLINE int quant_at(const unsigned char* blk, int k) {
 }
 
 #if TV_AVX2
+/* acc + the int16 pairs of p, times their scales, added in pairs (VNNI: one instruction, the same sums) */
+TV_INLINE __m256i scaled_add(__m256i acc, __m256i p, __m256i scale) {
+#if TV_VNNI
+  return _mm256_dpwssd_epi32(acc, p, scale);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
+}
+
 /* 8 int32 lanes whose sum is  sum_s sc[s] * (sum_{k in s} q q_x)  over the whole super-block */
 TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct wscales* restrict s,
                                  const signed char* restrict xq) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
-  __m256i acc = _mm256_setzero_si256();
+  __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  /* two chains: half the latency */
 #if TV_QTYPE == 23
   const __m256i values = _mm256_setr_epi8(IQ4NL_VALUES, IQ4NL_VALUES);
   for (int j = 0; j < 8; j++) {  /* sub-block j: 16 bytes, lo nibbles its elements 0-15, hi nibbles 16-31 */
@@ -251,7 +289,7 @@ TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct
     __m256i v = _mm256_shuffle_epi8(values, q);  /* signed, -127..113 */
     __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + 32 * j)), v);  /* x takes w's sign */
     __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), x);  /* |.| <= 2 * 127 * 127 < 2^15 */
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(s->sc16[2 * j])));
+    acc[j % 2] = scaled_add(acc[j % 2], p, _mm256_set1_epi16(s->sc16[2 * j]));
   }
 #elif TV_QTYPE == 10 || TV_QTYPE == 11
   const __m256i low2 = _mm256_set1_epi8(0x03);
@@ -269,7 +307,7 @@ TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct
       __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(xq + 128 * h + 32 * k)));
       int g = 8 * h + 2 * k;  /* int16 lanes 0-7 are elements 0-15 (scale g), lanes 8-15 elements 16-31 (g + 1) */
       __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s->sc16[g + 1]), _mm_set1_epi16(s->sc16[g]));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+      acc[k % 2] = scaled_add(acc[k % 2], p, scale);
     }
   }
 #elif TV_QTYPE == 12 || TV_QTYPE == 13
@@ -286,8 +324,8 @@ TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct
 #endif
     __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(xq + 64 * c)));
     __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xq + 64 * c + 32)));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, _mm256_set1_epi16(s->sc16[4 * c])));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, _mm256_set1_epi16(s->sc16[4 * c + 2])));
+    acc[0] = scaled_add(acc[0], plo, _mm256_set1_epi16(s->sc16[4 * c]));
+    acc[1] = scaled_add(acc[1], phi, _mm256_set1_epi16(s->sc16[4 * c + 2]));
   }
 #else
   const __m256i low2 = _mm256_set1_epi8(0x03);
@@ -304,11 +342,11 @@ TV_INLINE __m256i superblock_dot(const unsigned char* restrict blk, const struct
       __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(xq + 128 * h + 32 * k)));
       int g = 8 * h + 2 * k;  /* int16 lanes 0-7 are elements 0-15 (scale g), lanes 8-15 elements 16-31 (g + 1) */
       __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s->sc16[g + 1]), _mm_set1_epi16(s->sc16[g]));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+      acc[k % 2] = scaled_add(acc[k % 2], p, scale);
     }
   }
 #endif
-  return acc;
+  return _mm256_add_epi32(acc[0], acc[1]);
 }
 
 /* out[i, j] = dot(x[i, :], w[j, :]) for i < mr, j < nr (constants at every call site: unrolled) */
@@ -322,6 +360,9 @@ TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, cons
     __m256i sc16[NR], m16[NR];
     for (int j = 0; j < nr; j++) {
       unpack_scales(&s[j], w + j * ROW_BYTES + b * BLOCK_BYTES);
+#if TV_M == 1
+      for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(w + j * ROW_BYTES + b * BLOCK_BYTES + STREAM_PREFETCH + l, 0, 3);
+#endif
       sc16[j] = _mm256_loadu_si256((const __m256i*)s[j].sc16);
       m16[j] = _mm256_loadu_si256((const __m256i*)s[j].m16);
     }
