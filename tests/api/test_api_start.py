@@ -148,3 +148,26 @@ def test_orca_load_report_when_asked():
         named = json.loads(report)["named_metrics"]
         assert kind == "JSON" and 0.0 <= named["kv_cache_usage_perc"] <= 1.0 and named["num_requests_waiting"] == 0.0
         assert "endpoint-load-metrics" not in httpx.post(f"{server.url}/v1/completions", json=body).headers
+
+
+def test_chat_batch_answers_each_conversation_as_its_own_chat_request():
+    from api_helpers import serve
+    from fake_engine import FakeLLMEngine
+
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Tell me a longer story"}]]
+    with serve(lambda: FakeLLMEngine()) as server:
+        batch = httpx.post(f"{server.url}/v1/chat/completions/batch",
+                           json={"messages": conversations, "max_tokens": 4, "temperature": 0})
+        assert batch.status_code == 200, batch.text
+        batch = batch.json()
+        singles = [httpx.post(f"{server.url}/v1/chat/completions", json={
+            "messages": c, "max_tokens": 4, "temperature": 0}).json() for c in conversations]
+        assert [c["index"] for c in batch["choices"]] == [0, 1]
+        assert [c["message"] for c in batch["choices"]] == [s["choices"][0]["message"] for s in singles]
+        assert batch["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+        assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+        for body, param in [({"messages": conversations, "stream": True}, "stream"),
+                            ({"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
+                            ({"messages": conversations, "max_tokens": "four"}, "max_tokens")]:
+            refused = httpx.post(f"{server.url}/v1/chat/completions/batch", json=body)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

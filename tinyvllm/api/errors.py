@@ -13,6 +13,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from tinyvllm.api.fields import FIELDS
@@ -143,6 +144,16 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return bad_request(message, "prompt" if "context length" in message or "max_model_len" in message else None)
     logger.error("internal error", exc_info=e)
     return internal_error()
+
+
+def validated(model, body: object):
+    """`model` parsed from a body the route read itself (/invocations, the batch route), its errors reported as a
+    body FastAPI parsed would have them."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
+                                      for error in e.errors(include_url=False)], body=body) from e
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -14,13 +14,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import ValidationError
 
 from tinyvllm.api import legacy_functions
 from tinyvllm.api.audit import AuditLog, RequestAccounting
 from tinyvllm.api.cli_args import build_parser
 from tinyvllm.api.dashboard import add_dashboard_routes
-from tinyvllm.api.errors import bad_request, install_error_handlers, model_not_found, to_openai_error
+from tinyvllm.api.errors import bad_request, install_error_handlers, model_not_found, to_openai_error, validated
 from tinyvllm.api.keys import ApiKeys, KeyedEngine
 from tinyvllm.api.launcher import serve
 from tinyvllm.api.metrics import KeyMetrics, ServerMetrics
@@ -194,6 +193,19 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         except Exception as e:
             return to_openai_error(e).response()
 
+    @v1.post("/chat/completions/batch", responses=responses(ChatCompletionResponse, *generation_errors))
+    async def create_batch_chat_completion(raw_request: Request):
+        try:
+            body = await raw_request.json()
+        except ValueError as e:
+            return bad_request(f"the request body is not valid JSON: {e}").response()
+        try:
+            return await chat.create_batch_chat_completion(body, raw_request)
+        except RequestValidationError:
+            raise
+        except Exception as e:
+            return to_openai_error(e).response()
+
     @v1.post("/embeddings", responses=responses(EmbeddingResponse, *generation_errors))
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
         try:
@@ -217,12 +229,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
                  ("prompt", CompletionRequest, create_completion), ("input", EmbeddingRequest, create_embedding)]
         for key, model, route in kinds:
             if isinstance(body, dict) and key in body:
-                try:
-                    request = model.model_validate(body)
-                except ValidationError as e:
-                    raise RequestValidationError([{**error, "loc": ("body", *error["loc"])}
-                                                  for error in e.errors(include_url=False)], body=body) from e
-                return await route(request, raw_request)
+                return await route(validated(model, body), raw_request)
         return bad_request("/invocations takes a chat (messages), completion (prompt) or embeddings (input) request",
                            None).response()
 

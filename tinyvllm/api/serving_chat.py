@@ -6,6 +6,7 @@ Taught in docs/phases/09-api-server.md; tools and reasoning in 09-appendix-tools
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from tinyvllm.api.errors import bad_request
+from tinyvllm.api.errors import bad_request, validated
 from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                    ChatCompletionStreamResponse, ChatCompletionTokenLogprob, ChatMessage,
@@ -110,7 +111,33 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = reasoning_parser if reasoning_parser != "none" else None
         self.tool_parser = TOOL_PARSERS[tool_call_parser]
 
-    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response | dict:
+    async def create_batch_chat_completion(self, body: object, raw_request: Request) -> Response | dict:
+        """vLLM's /v1/chat/completions/batch: `messages` a list of conversations, each answered as a chat request
+        of the other fields, run side by side; one response, choice i for conversation i, usage summed."""
+        conversations = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(conversations, list) or not conversations or not all(
+                isinstance(c, list) and c for c in conversations):
+            raise bad_request("messages must be a non-empty list of conversations (each a non-empty list of "
+                              "messages)", "messages")
+        for name, allowed in (("stream", False), ("n", 1), ("use_beam_search", False)):
+            if body.get(name, allowed) not in (allowed, None):
+                raise bad_request(f"{name}={body[name]!r} is not supported by the batch route: send the "
+                                  "conversations to /v1/chat/completions one by one", name)
+        if body.get("tools"):
+            raise bad_request("tools are not supported by the batch route: use /v1/chat/completions", "tools")
+        requests = [validated(ChatCompletionRequest, {**body, "messages": c}) for c in conversations]
+        base = f"chatcmpl-{base_request_id(raw_request)}"
+        answers = await asyncio.gather(*(self.create_chat_completion(r, raw_request, f"{base}_{i}")
+                                         for i, r in enumerate(requests)))
+        if not all(isinstance(answer, dict) for answer in answers):
+            return Response(status_code=499)  # the client left
+        choices = [{**answer["choices"][0], "index": i} for i, answer in enumerate(answers)]
+        usage = {key: sum(answer["usage"][key] for answer in answers)
+                 for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        return {**answers[0], "id": base, "choices": choices, "usage": usage}
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request,
+                                     request_id: str | None = None) -> Response | dict:
         model = self.check_model(request.model)
         self.check_limits(request)
         include_usage, continuous_usage = self.check_stream_options(request)
@@ -145,7 +172,7 @@ class OpenAIServingChat(OpenAIServing):
             return ChoiceParser(ThinkReasoningParser(prompt_opened) if self.reasoning_parser else None,
                                 tool_use.make_parser())
 
-        request_id, created = f"chatcmpl-{base_request_id(raw_request)}", int(time.time())
+        request_id, created = request_id or f"chatcmpl-{base_request_id(raw_request)}", int(time.time())
         stream = self.engine.add_request(request_id, prompt, params, request.priority)  # 429 now, before any 200
         head = {"id": request_id, "created": created, "model": model}
         if request.stream:
