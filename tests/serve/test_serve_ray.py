@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -146,3 +147,12 @@ def test_a_killed_replica_fails_only_its_own_streams(ingress):
     assert after["replica"] == 0 and after["error"] is None
     state = httpx.get(ingress + "/router").json()
     assert state["down"] == [1], (state, summary)
+
+
+def test_a_replica_whose_engine_fails_to_load_raises_promptly(tiny_model_dir):
+    from tinyvllm.serve.ray import EngineReplica
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with 1 before it was up"):
+        EngineReplica.func_or_class(["--model", str(tiny_model_dir), "--max-model-len", "18192"])
+    assert time.monotonic() - start < 120
