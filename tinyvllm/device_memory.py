@@ -1,7 +1,5 @@
-"""The host's view of tinygrad device memory, where it has one, and how much of it there is.
-
-Chapter: docs/phases/01-appendix-tinygrad-speed.md (persistent step inputs, starting fast).
-"""
+"""The host's view of tinygrad device memory, where it has one, and how much there is
+(docs/phases/01-appendix-tinygrad-speed.md)."""
 
 from __future__ import annotations
 
@@ -15,18 +13,17 @@ from tinyvllm.tinygrad_ext.buffers import (
 
 
 def host_view(t: Tensor) -> np.ndarray | None:
-    """A numpy array that is `t`'s device memory (allocated here if it is not yet), shaped like `t`;
-    None where the host cannot see that memory. `t` must be a plain buffer (e.g. from `Tensor.empty`)."""
+    """A numpy array over plain buffer `t`'s device memory (allocated if need be); None where the host cannot see it."""
     if not platform_for(t.device).host_views or (memory := host_memory(t)) is None:
         return None
     return np.frombuffer(memory, dtype=numpy_dtype(t.dtype)).reshape(t.shape)
 
 
 class ReadBack:
-    """Reads what a graph returns back to the host, step after step, through a host view made once."""
+    """Reads a graph's output back to the host, step after step, through a host view made once."""
 
     def __init__(self):
-        self._tensor: Tensor | None = None  # the tensor last read, kept alive with its view
+        self._tensor: Tensor | None = None  # kept alive with its view
         self._view: np.ndarray | None = None
 
     def __call__(self, t: Tensor, wait: bool = True) -> np.ndarray:
@@ -35,15 +32,15 @@ class ReadBack:
         if self._view is None:
             return t.numpy()
         if wait:
-            Device[t.device].synchronize()  # the graph's kernels have written it
+            Device[t.device].synchronize()
         return self._view.copy()
 
 
 def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | None, axis: int = 2) -> Tensor:
-    """A realized tensor of zeros (not garbage: masked values times 0 must not be NaN); a tuple splits on `axis`."""
+    """Realized zeros (masked values times 0 must not be NaN); a device tuple splits on `axis`."""
     if isinstance(device, tuple):
         return sharded_zeros(shape, dtype, device, axis)
-    out = empty(shape, dtype, device)  # Tensor.empty, made faster (tinygrad_ext.buffers.empty)
+    out = empty(shape, dtype, device)
     if platform_for(out.device).host_views:
         allocate_zeroed_host_memory(out)
         return out
@@ -51,7 +48,7 @@ def zeros(shape: tuple[int, ...], dtype: DType, device: str | tuple[str, ...] | 
 
 
 def free_device_memory(device: str | None) -> tuple[int, int] | None:
-    """(free, total) bytes of a GPU's own memory now; None on the CPU or where the driver cannot be asked."""
+    """(free, total) bytes of a GPU's memory now; None on the CPU or where the driver cannot say."""
     platform = platform_for(device)
     if not platform.is_gpu:
         return None

@@ -1,4 +1,4 @@
-"""What the engine returns per request, shaped like vLLM's `vllm.outputs` so vLLM users feel at home."""
+"""What the engine returns per request, shaped like vLLM's `vllm.outputs`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" (OpenAI's names), None while running
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
-    # per generated token: (logprob of the sampled token, [(token_id, logprob), ...] top alternatives)
+    finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # per token: (its logprob, [(token_id, logprob), ...] top alternatives)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    cumulative_logprob: float | None = None  # of its tokens (vLLM's field); set by beam search
+    cumulative_logprob: float | None = None  # set by beam search
 
     @property
     def finished(self) -> bool:
@@ -25,8 +25,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float  # time.monotonic() when the request was added
-    first_scheduled_time: float | None = None  # when a step first ran it: the queue time ends, the prefill starts
+    arrival_time: float  # time.monotonic()
+    first_scheduled_time: float | None = None  # the queue time ends, the prefill starts
     first_token_time: float | None = None
     finished_time: float | None = None
 
@@ -43,11 +43,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = field(default=None, repr=False)
-    error: str | None = None  # set when this request failed inside a step (the other requests went on)
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's field)
-    # SamplingParams.prompt_logprobs: per prompt token, as `CompletionOutput.logprobs` (None for the first, which
-    # nothing predicts); filled once the whole prompt is computed
+    error: str | None = None  # this request failed inside a step (the others went on)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # per prompt token, as `CompletionOutput.logprobs` (None for the first); once the whole prompt is computed
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
-    # a pooling request (PoolingParams): the prompt's pooled hidden state, (hidden_size,) floats (vLLM's
-    # PoolingOutput.data); outputs is then empty
-    pooled: list[float] | None = None
+    pooled: list[float] | None = None  # a pooling request's pooled hidden state (hidden_size,); outputs empty

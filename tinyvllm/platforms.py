@@ -1,7 +1,5 @@
-"""What differs between devices, in one table, `PLATFORMS`, read through `platform_for(device)`.
-
-The table is drawn in docs/phases/05b-gpu.md, section 1.
-"""
+"""What differs between devices, in one table, `PLATFORMS`, read through `platform_for(device)`
+(docs/phases/05b-gpu.md, section 1)."""
 
 from __future__ import annotations
 
@@ -16,14 +14,12 @@ if DEVICE_PATH not in DEVICE_PATHS:
 
 @dataclass(frozen=True)
 class Platform:
-    """One row of the device table (drawn in docs/phases/05b-gpu.md)."""
-
-    kind: str  # the device kind: "CPU", "CUDA", "METAL", ...
-    path: str  # "host": the host sees the device's memory; "discrete": it does not (a GPU's own memory)
-    host_views: bool  # numpy views of device buffers (weights, step inputs, KV zeros)
-    cpu_graph: bool  # replay captured graphs with kernels/cpu_graph.py (and keep them on disk); else TinyJit's own
+    kind: str  # "CPU", "CUDA", "METAL", ...
+    path: str  # "host": the host sees the device's memory; "discrete": it does not
+    host_views: bool  # numpy views of device buffers
+    cpu_graph: bool  # replay graphs with kernels/cpu_graph.py; else TinyJit's own
     dtype: str  # what dtype "auto" means
-    gpu_memory_utilization: float | None  # default share of device memory for the engine; None: a fixed budget
+    gpu_memory_utilization: float | None  # default share of device memory; None: a fixed budget
 
     @property
     def is_gpu(self) -> bool:
@@ -38,12 +34,12 @@ PLATFORMS: dict[str, Platform] = {
     "NV": replace(GPU, kind="NV"),  # tinygrad's own NVIDIA driver
     "METAL": replace(GPU, kind="METAL"),
     "AMD": replace(GPU, kind="AMD"),
-    "PYTHON": replace(GPU, kind="PYTHON", dtype="float32", gpu_memory_utilization=None),  # emulates a GPU on the host
+    "PYTHON": replace(GPU, kind="PYTHON", dtype="float32", gpu_memory_utilization=None),  # a GPU emulated
 }
 
 
 def device_kind(device: str | None) -> str:
-    """'CUDA:1' -> 'CUDA'; None -> tinygrad's default device (opening it if no DEV says which)."""
+    """'CUDA:1' -> 'CUDA'; None -> tinygrad's default device."""
     if device is None:
         from tinygrad import Device
         device = Device.DEFAULT
@@ -53,12 +49,12 @@ def device_kind(device: str | None) -> str:
 def platform_for(device: str | None, device_path: str | None = None) -> Platform:
     """The row of `device` (None: tinygrad's default); `device_path` overrides TINYVLLM_DEVICE_PATH."""
     kind = device_kind(device)
-    row = PLATFORMS.get(kind, replace(GPU, kind=kind))  # a device not listed: treat it as a GPU of its own
+    row = PLATFORMS.get(kind, replace(GPU, kind=kind))  # not listed: a GPU
     if (device_path or DEVICE_PATH) == "discrete" and row.path == "host":
         row = replace(row, path="discrete", host_views=False, cpu_graph=False)
     return row
 
 
 def resolve_dtype(dtype: str, device: str | None) -> str:
-    """`dtype` with "auto" made the device's: float16 on a GPU, float32 on the CPU."""
+    """`dtype`, "auto" made the device's."""
     return platform_for(device).dtype if dtype == "auto" else dtype

@@ -1,8 +1,6 @@
-"""The Responses API's stored responses: `store`, `previous_response_id`, `GET /v1/responses/{id}` and
-`POST /v1/responses/{id}/cancel`. Each is kept with the messages it came from, so a continuation is those messages +
-its output + the new input. At most `max_entries` (`--max-stored-responses`); the oldest finished one goes first,
-running ones never.
-"""
+"""The Responses API's stored responses (`store`, `previous_response_id`, `GET /v1/responses/{id}`, `cancel`), each
+with the messages it came from; at most `max_entries`, the oldest finished one out first, running ones never
+(docs/phases/09-appendix-endpoints.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,8 @@ DEFAULT_MAX_STORED_RESPONSES = 1000  # --max-stored-responses
 @dataclass
 class StoredResponse:
     response: ResponsesResponse
-    messages: list[dict]  # the chat messages the response was generated from (vLLM's msg_store entry)
-    task: asyncio.Task | None = None  # a background request's generation, until it ends
+    messages: list[dict]  # the chat messages it came from (vLLM's msg_store)
+    task: asyncio.Task | None = None  # a background generation, until it ends
 
 
 class ResponseStore:
@@ -40,12 +38,12 @@ class ResponseStore:
         self.entries.move_to_end(response.id)
         while len(self.entries) > self.max_entries:
             oldest = next((rid for rid, entry in self.entries.items() if entry.response.status not in RUNNING), None)
-            if oldest is None:  # all running: they stay until they finish
+            if oldest is None:  # all running
                 break
             del self.entries[oldest]
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
-        """The stored response, or vLLM's errors: 400 for an id that is not a response's, 404 for one not kept."""
+        """The stored response; 400 for an id not a response's, 404 for one not kept (vLLM's errors)."""
         if not response_id.startswith("resp_"):
             raise bad_request(f"Invalid 'response_id': '{response_id}'. Expected an ID that begins with 'resp'.",
                               param)
@@ -57,8 +55,7 @@ class ResponseStore:
         return entry
 
     def save(self, response: ResponsesResponse, messages: list[dict]) -> None:
-        """A response's final form: a new entry, or a background one's end, unless it was cancelled meanwhile
-        (its status then stays "cancelled") or forgotten."""
+        """Store a response's final form; a cancelled one stays "cancelled"."""
         entry = self.entries.get(response.id)
         if entry is None:
             self.put(response, messages)
@@ -66,7 +63,7 @@ class ResponseStore:
             entry.response, entry.task = response, None
 
     def set_status(self, response_id: str, status: str) -> None:
-        """A background response that moved on (queued -> in_progress), unless it was cancelled."""
+        """A running background response's new status (queued -> in_progress)."""
         entry = self.entries.get(response_id)
         if entry is not None and entry.response.status in RUNNING:
             entry.response.status = status

@@ -19,7 +19,7 @@ class SequenceStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
-    FINISHED_STOPPED = enum.auto()  # sampled eos or one of stop_token_ids (stop strings: the engine)
+    FINISHED_STOPPED = enum.auto()  # eos or a stop token (stop strings: the engine)
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens, or the model's max length
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()  # this request alone failed
@@ -30,7 +30,7 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI API's `finish_reason`, or None while the sequence is not finished."""
+        """The OpenAI API's `finish_reason`; None while running."""
         return _FINISH_REASONS.get(self)
 
 
@@ -52,7 +52,7 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"sequence {seq_id}: the prompt must have at least one token")
         self.seq_id = seq_id
-        self.prompt = prompt  # the text, when the request came as text
+        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -60,14 +60,14 @@ class Sequence:
         self.priority = priority  # lower is served first
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = -1  # of the prompt, found in the prefix cache at first admission (-1: not yet)
+        self.num_cached_tokens = -1  # prompt tokens the prefix cache held at first admission (-1: not yet)
         self.block_table: list[int] = []
         self.spec_token_ids: list[int] = []  # draft tokens to verify next step
         self.pooling_params = pooling_params
-        self.grammar = grammar  # structured outputs' compiled grammar
+        self.grammar = grammar  # structured outputs' matcher
         self.mm_features = list(mm_features)  # Phase 10
-        self.first_scheduled_time: float | None = None  # when a step first ran it: its queue time ends
-        self.stop_reason: int | None = None  # the stop token id that ended it, when it is one of stop_token_ids
+        self.first_scheduled_time: float | None = None
+        self.stop_reason: int | None = None  # the stop token id that ended it, if one of stop_token_ids
         self._block_hashes: list[bytes] = []
 
     def __repr__(self) -> str:
@@ -76,7 +76,7 @@ class Sequence:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """It computes its whole prompt, needing every position's output."""
+        """It needs every prompt position's output, so computes them all."""
         return self.pooling_params is not None or self.sampling_params.prompt_logprobs is not None
 
     # ---- tokens ----
@@ -86,7 +86,7 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
-        """The token ids at positions start .. end - 1."""
+        """The token ids at positions [start, end)."""
         num_prompt = self.num_prompt_tokens
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
@@ -115,7 +115,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """How far num_computed_tokens lags behind num_tokens: 1 for a decode, more while prefilling."""
+        """num_tokens - num_computed_tokens: 1 for a decode, more while prefilling."""
         return self.num_tokens - self.num_computed_tokens
 
     @property
@@ -130,7 +130,7 @@ class Sequence:
     # ---- blocks ----
 
     def block_hashes(self, block_size: int) -> list[bytes]:
-        """The prefix-cache hash of each of its full blocks, each computed once."""
+        """The prefix-cache hash of each full block, each computed once."""
         if len(self._block_hashes) < self.num_tokens // block_size:
             from tinyvllm.core.prefix_cache import block_hashes
 

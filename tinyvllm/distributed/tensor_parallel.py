@@ -27,14 +27,13 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
 
 
 def shard_devices(device: str | None, size: int) -> tuple[str, ...]:
-    """N devices of one kind: 'CPU' and 3 -> ('CPU', 'CPU:1', 'CPU:2') (tinygrad names device 0 by its kind)."""
+    """N devices of one kind: 'CPU' and 3 -> ('CPU', 'CPU:1', 'CPU:2')."""
     kind = (device or Device.DEFAULT).split(":")[0].upper()
     return tuple(Device.canonicalize(f"{kind}:{i}") for i in range(size))
 
 
 class TensorParallel:
-    """Which rows of each weight go to which of `size` devices (device i holds 1/size of the sharded axis); a KV head
-    is replicated when there are more devices than KV heads."""
+    """Which rows of each weight go to which of `size` devices; a KV head is replicated when devices outnumber them."""
 
     def __init__(self, config: ModelConfig, size: int = 1, device: str | None = None):
         check_tensor_parallel_size(config, size)
@@ -42,11 +41,11 @@ class TensorParallel:
         self.devices = shard_devices(device, size) if size > 1 else (device,)
         self.heads = config.num_attention_heads // size  # query heads per device
         self.kv_heads = max(1, config.num_key_value_heads // size)  # KV heads per device
-        self.vocab_size = -(-config.vocab_size // size) * size  # padded so that every device gets as many rows
+        self.vocab_size = -(-config.vocab_size // size) * size  # padded to equal shards
 
     @property
     def num_kv_heads(self) -> int:
-        """KV heads over all devices: the model's own, or `size` when each device holds a replica of one."""
+        """KV heads over all devices (replicas counted)."""
         return self.kv_heads * self.size
 
     def _kv_rows(self) -> np.ndarray:
@@ -67,7 +66,7 @@ class TensorParallel:
             return None
         offsets = np.cumsum([0] + sizes)
         per_part = [self.part_rows(p) if self.part_rows(p) is not None else np.arange(n) for p, n in zip(parts, sizes)]
-        chunks = [rows.reshape(self.size, -1) + off for rows, off in zip(per_part, offsets)]  # (N, rows per device)
+        chunks = [rows.reshape(self.size, -1) + off for rows, off in zip(per_part, offsets)]  # (N, rows each)
         return np.concatenate(chunks, axis=1).reshape(-1)
 
     def pad_vocab(self, rows: np.ndarray | QuantizedArray) -> np.ndarray | QuantizedArray:

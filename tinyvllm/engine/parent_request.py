@@ -27,18 +27,18 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 class ParentRequest:
     request_id: str
     child_ids: list[str]
-    latest: list[CompletionOutput]  # the newest output of each child, index i for completion i
+    latest: list[CompletionOutput]  # the newest output of each child
 
-    error: str | None = None  # the first child's error: the request as a whole has failed
-    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, from the child that computed the prompt
-    # the children added once the first has its prompt computed (prefix caching): (child id, its params)
+    error: str | None = None  # the first child's error: the whole request failed
+    prompt_logprobs: list | None = None  # from the child that computed the prompt
+    # (child id, params) added once the first has its prompt computed (prefix caching)
     pending: list[tuple[str, SamplingParams]] = dataclasses.field(default_factory=list)
     add_child: Callable[[str, SamplingParams], None] | None = None
 
     def merge(self, index: int, child: RequestOutput) -> RequestOutput:
         self.latest[index] = dataclasses.replace(child.outputs[0], index=index)
         self.error = self.error or child.error
-        self.prompt_logprobs = self.prompt_logprobs or child.prompt_logprobs  # from the child that computed the prompt
+        self.prompt_logprobs = self.prompt_logprobs or child.prompt_logprobs
         return RequestOutput(self.request_id, child.prompt, child.prompt_token_ids, list(self.latest),
                              finished=all(out.finished for out in self.latest), metrics=child.metrics,
                              error=self.error, num_cached_tokens=child.num_cached_tokens,
@@ -49,13 +49,13 @@ class ParentRequests:
     """The parents of fanned-out requests, found by their children's ids."""
 
     def __init__(self) -> None:
-        self.parents: dict[str, ParentRequest] = {}  # parent request id -> parent
-        self.child_of: dict[str, tuple[ParentRequest, int]] = {}  # child request id -> (parent, index)
+        self.parents: dict[str, ParentRequest] = {}
+        self.child_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, index)
 
     def add(self, request_id: str, params: SamplingParams, add_child: Callable[[str, SamplingParams], None],
             in_use: Callable[[str], bool], share_prompt: bool = False) -> None:
-        """Add a request through `add_child(request_id, params)`: itself when n == 1, else its n children.
-        `share_prompt`: the children after the first wait for its first output, then read the prompt from the cache."""
+        """Add a request through `add_child`: itself when n == 1, else its n children (`share_prompt`: the
+        children after the first wait for its first output, then read the prompt from the cache)."""
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.parents or any(in_use(rid) for rid in {request_id, *child_ids}):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -93,15 +93,14 @@ class ParentRequests:
                 merged[output.request_id] = output
                 continue
             parent, index = found
-            self.release_pending(output.request_id)  # the first child's prompt is computed: the others follow
+            self.release_pending(output.request_id)
             merged[parent.request_id] = parent.merge(index, output)
             if merged[parent.request_id].finished:
                 self.forget(parent.request_id)
         return list(merged.values())
 
     def release_pending(self, child_id: str) -> None:
-        """The children waiting for `child_id` (its parent's first) are added now: its prompt is in the cache, or
-        it went away (aborted) and they compute the prompt themselves."""
+        """Add the children waiting for their parent's first child `child_id` (done, or aborted)."""
         found = self.child_of.get(child_id)
         if found is not None and found[1] == 0 and found[0].pending:
             parent = found[0]

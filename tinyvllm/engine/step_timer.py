@@ -1,4 +1,5 @@
-"""Where the host's time goes in one engine step: an optional profiling hook (seed roadmap 6.8 / 6.10).
+"""Where the host's time goes in one engine step: an optional profiling hook
+(docs/phases/06-appendix-host-stalls.md).
 
     engine.step_timer = StepTimer()       # LLMEngine.step and ModelRunner.execute_model call lap() only if set
     ... engine.step() ...
@@ -16,17 +17,17 @@ PHASES = ("schedule", "prepare_inputs", "forward", "bookkeeping", "detokenize")
 
 
 class StepTimer:
-    """Accumulates perf_counter time per phase over the steps it sees; `device`: the device to wait for first."""
+    """Sums perf_counter time per phase over the steps it sees; `device`: the device to wait for first."""
 
     def __init__(self, device: str | None = None):
-        self.totals: dict[str, float] = defaultdict(float)  # phase -> seconds, summed over steps
+        self.totals: dict[str, float] = defaultdict(float)  # phase -> seconds
         self.num_steps = 0
         self.device = device
         self._last = 0.0
 
     def _now(self) -> float:
         if self.device is not None:
-            Device[self.device].synchronize()  # the device's queued work belongs to the phase that queued it
+            Device[self.device].synchronize()  # queued work belongs to the phase that queued it
         return time.perf_counter()
 
     def start(self) -> None:
@@ -45,7 +46,7 @@ class StepTimer:
         self.num_steps = 0
 
     def per_step_ms(self) -> dict[str, float]:
-        """Mean milliseconds per step in each phase (PHASES order, then any other phase seen)."""
+        """Mean milliseconds per step in each phase (PHASES order, then the others)."""
         steps = max(self.num_steps, 1)
         names = [p for p in PHASES if p in self.totals] + [p for p in self.totals if p not in PHASES]
         return {name: self.totals[name] / steps * 1e3 for name in names}

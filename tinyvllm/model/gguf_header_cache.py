@@ -1,5 +1,5 @@
-"""A GGUF's parsed header kept on disk (Phase 6's cold start): a new process reads it back instead of stepping
-over the vocabulary's and merges' ~100k strings one by one. Measured in docs/phases/06-appendix-measurements.md."""
+"""A GGUF's parsed header kept on disk, read back instead of parsing ~100k vocabulary strings
+(docs/phases/06-appendix-measurements.md)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from tinyvllm.model.gguf import GGUFTensorInfo, StringArray
 
 HEADER_CACHE = os.getenv("TINYVLLM_GGUF_HEADER_CACHE", "1") != "0"
 HEADER_MAGIC = b"tinyvllm-gguf-header 1\n"
-HEADER_CACHE_BYTES = 16 << 20  # of header files kept (SmolLM2's is ~0.3 MB); the least recently used go first
+HEADER_CACHE_BYTES = 16 << 20  # of header files kept, least recently used out first
 
 
 class _StringsAt(NamedTuple):
-    """A `StringArray` as the header file keeps it: where in the GGUF its strings begin, and how many."""
+    """A `StringArray` as kept: where in the GGUF its strings begin, and how many."""
 
     start: int
     n: int
@@ -28,7 +28,7 @@ class _StringsAt(NamedTuple):
 
 @functools.cache
 def _code_identity() -> str:
-    """sha256 of the parser's source: a parse is what the code that parsed it made of the file."""
+    """sha256 of the parser's source."""
     return hashlib.sha256(Path(gguf.__file__).read_bytes()).hexdigest()
 
 
@@ -41,22 +41,22 @@ class HeaderCache:
         self.file = self.directory / f"{hashlib.sha256(self.key.encode()).hexdigest()}.header"
 
     def read(self, buf: memoryview) -> tuple[dict, dict[str, GGUFTensorInfo]] | None:
-        """The header kept for this key, its string arrays over `buf` (the mapped file); None on a miss."""
+        """The header kept, its string arrays over `buf` (the mapped file); None on a miss."""
         try:
             metadata, infos = read_record(self.file, HEADER_MAGIC, self.key)
             metadata = {k: StringArray(buf, *v) if isinstance(v, _StringsAt) else v for k, v in metadata.items()}
             tensors = {info[0]: GGUFTensorInfo(*info) for info in infos}
-        except Exception:  # missing, unreadable, not a pickle of this shape: parse the file
+        except Exception:  # missing or unreadable: parse the file
             return None
         return metadata, tensors
 
     def write(self, metadata: dict, tensors: dict[str, GGUFTensorInfo]) -> None:
-        """Keep a parse for later processes; quietly not where it cannot be (a read-only home, a full disk)."""
+        """Keep a parse for later processes (quietly not on a read-only home or full disk)."""
         kept = {k: _StringsAt(v._start, v._n) if isinstance(v, StringArray) else v for k, v in metadata.items()}
         infos = [(t.name, t.shape, t.ggml_type, t.offset) for t in tensors.values()]
         write_record(self.file, HEADER_MAGIC, self.key, (kept, infos), HEADER_CACHE_BYTES)
 
 
 def header_cache(path: str, mtime_ns: int, size: int) -> HeaderCache | None:
-    """Where this GGUF's parse is kept (tinyvllm/plugins.py: "gguf_header_cache"); None when turned off."""
+    """Where this GGUF's parse is kept; None when turned off."""
     return HeaderCache(path, mtime_ns, size) if HEADER_CACHE else None

@@ -1,7 +1,5 @@
-"""GGML's block formats, their numpy dequantizers (every kernel's reference), and `QuantizedArray`.
-
-Taught in docs/phases/06-quantized-weights.md.
-"""
+"""GGML's block formats, their numpy dequantizers (every kernel's reference), and `QuantizedArray`
+(docs/phases/06-quantized-weights.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from tinyvllm.ggml_types import GGML_TYPES, QK_K, type_name
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The float16 at byte `start` of every block, as float32: (n_blocks, 1)."""
+    """The float16 at byte `start` of every block, as float32 (n_blocks, 1)."""
     return blocks[:, start:start + 2].view(np.float16).astype(np.float32)
 
 
@@ -27,8 +25,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 # ---- plain floats ----
 
 def dequantize_f32(blocks: np.ndarray) -> np.ndarray:
-    """F32: 4 bytes per element, IEEE float32."""
-    return blocks.view(np.float32).copy()  # a copy: the bytes may be a read-only view of the mapped file
+    return blocks.view(np.float32).copy()  # the bytes may be a read-only view of the mapped file
 
 
 def dequantize_f16(blocks: np.ndarray) -> np.ndarray:
@@ -82,7 +79,7 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     return d * blocks[:, 2:].view(np.int8).astype(np.float32)
 
 
-# IQ4_NL and IQ4_XS: a 4-bit index into 16 fixed values, denser near zero (ggml's kvalues_iq4nl): NF4's idea
+# IQ4_NL and IQ4_XS: a 4-bit index into 16 values denser near zero (ggml's kvalues_iq4nl)
 IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
@@ -129,7 +126,7 @@ def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     return (dl * q).reshape(n, QK_K)
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unpack Q4_K/Q5_K's 12 bytes into 8 six-bit scales and 8 six-bit mins, each (n, 8) float32.
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, each (n, 8) float32.
 
         bytes 0-3   (j = 0..3):  bits 0-5 scale[j]   bits 6-7: scale[j+4] bits 4-5
         bytes 4-7   (j = 0..3):  bits 0-5 min[j]     bits 6-7: min[j+4]   bits 4-5
@@ -220,7 +217,7 @@ def _format(ggml_type: int) -> tuple[int, int, Callable[[np.ndarray], np.ndarray
 def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of this type and (numpy-order) shape occupies in a GGUF file."""
     block_size, type_size, _ = _format(ggml_type)
-    n = math.prod(shape)  # Python's ints: no int64 overflow
+    n = math.prod(shape)  # no int64 overflow
     if shape and shape[-1] % block_size != 0:
         raise ValueError(f"a {type_name(ggml_type)} row must be a multiple of {block_size} elements, got shape {shape}")
     return n // block_size * type_size
@@ -259,7 +256,7 @@ class QuantizedArray:
 
 
 def as_blocks(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantizedArray:
-    """One tensor's raw bytes -> a QuantizedArray of rows, checking the byte count."""
+    """One tensor's raw bytes -> a QuantizedArray, its byte count checked."""
     nbytes = tensor_nbytes(ggml_type, shape)
     if data.size != nbytes or len(shape) != 2:
         raise ValueError(f"{type_name(ggml_type)} tensor of shape {shape} needs 2 dims and {nbytes} bytes, got "

@@ -1,11 +1,9 @@
-"""`--quantization`: the format the weights are served in (vLLM's flag; llama.cpp's block formats; Phase 6).
+"""`--quantization`: the format the weights are served in (docs/phases/06-quantized-weights.md).
 
-    auto (default)   the checkpoint's own: a GGUF's block weights stay in their blocks (every format tinyvllm reads
-                     has a kernel), float checkpoints stay float
+    auto (default)   the checkpoint's own: a GGUF's weights stay in their blocks, float stays float
     none             every weight dequantized to the compute dtype at load (Phases 1-5)
     q8_0 | q4_0 | q4_1 | iq4_nl | q4_k
-                     online quantization: every 2-D weight quantized to that format at load (q4_k: rows that are
-                     not whole 256-element super-blocks in Q5_0, as llama-quantize falls back)
+                     every 2-D weight quantized at load (q4_k: rows not whole super-blocks in Q5_0)
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ from tinyvllm.model.quant import QuantizedArray
 
 METHODS = ("auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k")
 ONLINE_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q4_k": 12}  # method -> ggml type id
-FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16: float weights, never "dequantized" with a notice
+FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 
 
 def check_quantization(method: str) -> str:
-    """The method, validated: a ValueError names the ones that exist."""
+    """The method, validated (ValueError names those that exist)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
     return method
@@ -43,9 +41,8 @@ def fallback_notice(gguf: GGUFFile) -> str | None:
 
 def quantize_state_dict(state_dict: dict[str, np.ndarray | QuantizedArray], method: str,
                         ) -> dict[str, np.ndarray | QuantizedArray]:
-    """Online quantization: every 2-D float weight whose rows are whole blocks -> that format's blocks (q4_k: rows
-    not a multiple of its 256-element super-block in Q5_0, llama-quantize's fallback)."""
-    from tinyvllm.model.quantizer import quantize, storage_type  # numpy quantizers, bit-exact with ggml's own
+    """Online quantization: every 2-D float weight whose rows are whole blocks -> that format's blocks."""
+    from tinyvllm.model.quantizer import quantize, storage_type  # bit-exact with ggml's
 
     out: dict[str, np.ndarray | QuantizedArray] = {}
     for name, w in state_dict.items():
@@ -59,7 +56,7 @@ def quantize_state_dict(state_dict: dict[str, np.ndarray | QuantizedArray], meth
 
 
 def describe(state_dict: dict[str, np.ndarray | QuantizedArray]) -> str:
-    """What the weights are stored as, by share of weights: e.g."""
+    """What the weights are stored as, by share of weights."""
     counts: dict[str, int] = {}
     for w in state_dict.values():
         name = w.type_name if isinstance(w, QuantizedArray) else str(w.dtype).upper().replace("FLOAT", "F")

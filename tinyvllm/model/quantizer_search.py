@@ -6,26 +6,25 @@ import numpy as np
 
 from tinyvllm.model.quant import IQ4NL_VALUES
 
-_VALUES = IQ4NL_VALUES.astype(np.float32)  # (16,) the grid IQ4_NL's nibbles index, ascending
+_VALUES = IQ4NL_VALUES.astype(np.float32)  # (16,) ascending
 
 
 def sequential_sum(a: np.ndarray) -> np.ndarray:
-    """a (k, n) float32 -> (n,): a[0] + a[1] + ... + a[k-1] in that order, as a C loop `s += a[j]` adds."""
+    """a (k, n) float32 -> (n,) summed in order, as a C loop `s += a[j]` adds."""
     s = a[0].copy()
     for row in a[1:]:
         s += row
     return s
 
 
-# Which value is nearest x depends only on where x lies among the 15 midpoints between neighbouring values, and
-# those are half-integers: so only on floor(2 x) (2 x is exact in float32).
-_TWICE_MIDPOINTS = _VALUES[:-1] + _VALUES[1:]  # (15,) whole numbers
+# the midpoints between neighbouring values are half-integers: the nearest value depends only on floor(2 x)
+_TWICE_MIDPOINTS = _VALUES[:-1] + _VALUES[1:]  # (15,)
 _LOWEST, _HIGHEST = -256, 228
 _NEAREST = np.searchsorted(_TWICE_MIDPOINTS, np.arange(_LOWEST, _HIGHEST + 1, dtype=np.float32), side="right")
 
 
 def nearest_value(x: np.ndarray) -> np.ndarray:
-    """ggml's best_index_int8 on IQ4NL_VALUES: the index of the value nearest x (float32, any shape), ties upward."""
+    """ggml's best_index_int8 on IQ4NL_VALUES: the index nearest x (any shape), ties upward."""
     at = np.floor(x * np.float32(2))
     np.clip(at, _LOWEST, _HIGHEST, out=at)
     at -= _LOWEST
@@ -33,23 +32,23 @@ def nearest_value(x: np.ndarray) -> np.ndarray:
 
 
 def _weighted_sums(xt: np.ndarray, weight: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """sum_j w q x and sum_j w q q over each block (columns), q = values[idx]: ggml's sumqx, sumq2."""
+    """ggml's sumqx, sumq2 over each block (column), q = values[idx]."""
     q = _VALUES[idx]
     wq = weight * q
     return sequential_sum(wq * xt), sequential_sum(wq * q)
 
 
 def quantize_iq4_nl(x: np.ndarray, out: np.ndarray, ntry: int = 7) -> None:
-    """x (n, 32) float32 -> out (n, 18) uint8: f16 d, then 16 bytes of nibbles indexing IQ4NL_VALUES."""
+    """x (n, 32) float32 -> out (n, 18) uint8: f16 d, then 16 bytes of nibbles."""
     xt = np.ascontiguousarray(x.T)  # (32, n)
     n = xt.shape[1]
     weight = xt * xt
     cols = np.arange(n)
-    first = np.abs(xt).argmax(axis=0)  # the first element of largest |x|, as ggml's strict `>` finds it
+    first = np.abs(xt).argmax(axis=0)  # the first largest |x|, as ggml's strict `>`
     mx, amax = xt[first, cols], np.abs(xt[first, cols])
     live = amax >= np.float32(1e-15)  # GROUP_MAX_EPS: below it the block's scale is 0
     safe_mx = np.where(live, mx, np.float32(1))
-    with np.errstate(all="ignore"):  # (a NaN or an overflow shows in d: the caller checks it)
+    with np.errstate(all="ignore"):  # a NaN or overflow shows in d: the caller checks it
         d = (-safe_mx if ntry > 0 else safe_mx) / np.float32(-127)
         idx = nearest_value((np.float32(1) / d) * xt)
         sumqx, sumq2 = _weighted_sums(xt, weight, idx)
@@ -61,7 +60,7 @@ def quantize_iq4_nl(x: np.ndarray, out: np.ndarray, ntry: int = 7) -> None:
             d = np.where(better, sumqx / sumq2, d)
             best = np.where(better, d * sumqx, best)
         d = np.where(live, d, np.float32(0))
-        if ntry > 0:  # every x once more, with the scale found (in float32, before its rounding to float16)
+        if ntry > 0:  # once more with the float32 scale found
             idx = nearest_value(np.where(d != 0, np.float32(1) / d, np.float32(0)) * xt)
         else:
             idx = np.where(live, idx, 8)
@@ -71,15 +70,14 @@ def quantize_iq4_nl(x: np.ndarray, out: np.ndarray, ntry: int = 7) -> None:
 
 
 def _nearest_int(v: np.ndarray) -> np.ndarray:
-    """ggml's nearest_int: v rounded half to even (its float trick, v + 1.5 * 2^23, is numpy's rint below 2^22)."""
+    """ggml's nearest_int (its float trick is rint below 2^22)."""
     return np.rint(v)
 
 
 def _make_qkx2_quants(xt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's make_qkx2_quants(32, 15, x, weights, ..., rmin -1, rdelta 0.1, nstep 20, use_mad false) on every
-    sub-block at once: xt, weights (32, n)."""
+    """ggml's make_qkx2_quants(32, 15, ..., rmin -1, rdelta 0.1, nstep 20) on every sub-block: xt, weights (32, n)."""
     n = xt.shape[1]
-    mn, mx = xt.min(axis=0), xt.max(axis=0)  # (exact, in any order)
+    mn, mx = xt.min(axis=0), xt.max(axis=0)
     sum_w = sequential_sum(weights)
     sum_x = sequential_sum(weights * xt)
     mn = np.minimum(mn, np.float32(0))
@@ -90,7 +88,7 @@ def _make_qkx2_quants(xt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, 
     L = np.clip(_nearest_int(iscale * (xt - mn)), 0, 15)
     diff = (scale * L + mn) - xt
     best_error = sequential_sum(weights * (diff * diff))
-    for step in range(21):  # NOTE: as in ggml, a better fit's min moves the next steps' grid (max - min, x - min)
+    for step in range(21):  # as in ggml, a better fit's min moves the next steps' grid
         span = np.where(flat, np.float32(1), mx - mn)
         iscale = ((np.float32(-1) + np.float32(0.1) * np.float32(step)) + np.float32(15)) / span
         laux = np.clip(_nearest_int(iscale * (xt - mn)), 0, 15)
@@ -117,10 +115,10 @@ def _make_qkx2_quants(xt: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, 
 
 
 def quantize_q4_k(x: np.ndarray, out: np.ndarray) -> None:
-    """x (n, 256) float32 -> out (n, 144) uint8 Q4_K blocks (model/quant.py), as ggml's quantize_row_q4_K_ref."""
+    """x (n, 256) float32 -> out (n, 144) uint8 Q4_K blocks, as ggml's quantize_row_q4_K_ref."""
     n = x.shape[0]
     xt = np.ascontiguousarray(x.reshape(n * 8, 32).T)  # (32, 8n): sub-block b = column b
-    with np.errstate(all="ignore"):  # (a NaN or an overflow shows in d: the caller checks it)
+    with np.errstate(all="ignore"):
         av_x = np.sqrt(sequential_sum(xt * xt) / np.float32(32))
         L, scales, mins = _make_qkx2_quants(xt, av_x + np.abs(xt))
         scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
@@ -128,16 +126,16 @@ def quantize_q4_k(x: np.ndarray, out: np.ndarray) -> None:
         max_min = np.maximum(mins.max(axis=1), np.float32(0))
         inv_scale = np.where(max_scale > 0, np.float32(63) / np.where(max_scale > 0, max_scale, 1), np.float32(0))
         inv_min = np.where(max_min > 0, np.float32(63) / np.where(max_min > 0, max_min, 1), np.float32(0))
-        # (uint8_t)nearest_int(...): a negative value wraps past 63, and MIN(63, .) makes it 63
+        # (uint8_t): a negative value wraps past 63, and MIN(63, .) makes it 63
         ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.int64) & 0xFF, 63).astype(np.uint8)
         lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.int64) & 0xFF, 63).astype(np.uint8)
         d16 = (max_scale / np.float32(63)).astype(np.float16)
         dmin16 = (max_min / np.float32(63)).astype(np.float16)
-        d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)  # (n, 8): each sub-block's stored scale
+        d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)  # (n, 8) stored scales
         dm = dmin16.astype(np.float32)[:, None] * lm.astype(np.float32)
         again = _nearest_int((xt + dm.reshape(1, -1)) / np.where(d != 0, d, np.float32(1)).reshape(1, -1))
         L = np.where(d.reshape(1, -1) != 0, np.clip(again, 0, 15), L)
-        q = L.T.reshape(n, 4, 2, 32).astype(np.uint8)  # (n, chunk c, sub-block 2c / 2c + 1, element)
+        q = L.T.reshape(n, 4, 2, 32).astype(np.uint8)  # (n, chunk c, sub-block 2c or 2c + 1, element)
     out[:, 0:2] = d16.view(np.uint8).reshape(n, 2)
     out[:, 2:4] = dmin16.view(np.uint8).reshape(n, 2)
     # 6-bit scales and mins: quant.py's _k_scales_mins draws the packing

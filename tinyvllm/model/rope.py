@@ -1,7 +1,5 @@
-"""Rotary position embeddings (RoPE), HF's rotate_half pairing, with Llama 3's frequency scaling; the angles
-are computed from the positions inside the graph, not looked up in a table. Taught in docs/phases/01-foundation.md;
-by hand in 01-appendix-weights-and-layers.md.
-"""
+"""Rotary position embeddings (RoPE), HF's rotate_half pairing, Llama 3's frequency scaling; angles computed in the
+graph (docs/phases/01-foundation.md; by hand in 01-appendix-weights-and-layers.md)."""
 
 from __future__ import annotations
 
@@ -20,10 +18,8 @@ def rope_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     rs = None if local else config.rope_scaling
     if rs is not None and rs.rope_type == "linear":
-        inv_freq = inv_freq / rs.factor  # positions interpolated: position p rotates like p / factor
-    elif rs is not None:
-        # Llama 3.1: wavelengths longer than original_ctx/low_freq_factor are slowed down by `factor`,
-        # shorter than original_ctx/high_freq_factor are kept, and the band between is blended.
+        inv_freq = inv_freq / rs.factor  # position p rotates like p / factor
+    elif rs is not None:  # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between blended
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
         wavelen = 2 * math.pi / inv_freq

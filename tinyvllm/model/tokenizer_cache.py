@@ -1,9 +1,5 @@
-"""The finished tokenizer kept on disk (a `disk_cache` record), keyed by the files it reads (a GGUF's path, size
-and mtime; an HF directory's tokenizer files' contents), the tokenizer's code, Python and tiktoken: a changed file
-or code is another key, a stale or corrupt file a rebuild.
-
-Taught in docs/phases/06-appendix-measurements.md.
-"""
+"""The finished tokenizer kept on disk (a `disk_cache` record), keyed by the files it reads, its code, Python and
+tiktoken (docs/phases/06-appendix-measurements.md)."""
 
 from __future__ import annotations
 
@@ -19,11 +15,11 @@ from tinyvllm.model.tokenizer import Tokenizer
 
 ENABLED = os.getenv("TINYVLLM_TOKENIZER_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-tokenizer 1\n"
-MAX_BYTES = 64 << 20  # of tokenizer files kept (SmolLM2's is ~1.5 MB)
-# what load_tokenizer reads in an HF model directory (a .gguf file is read alone)
+MAX_BYTES = 64 << 20  # of tokenizer files kept
+# what load_tokenizer reads in an HF model directory
 DIRECTORY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja",
                    "generation_config.json")
-# the modules whose code builds a tokenizer: a change in any of them is another key
+# the modules that build a tokenizer: part of the key
 CODE_FILES = ("tokenizer.py", "bpe.py", "sentencepiece_tokenizer.py", "sentencepiece_model.py", "gguf.py",
               "tokenizer_cache.py")
 
@@ -45,18 +41,18 @@ def code_identity() -> str:
 
 def cache_key(path: Path) -> str:
     """Everything the tokenizer built from `path` depends on, as text."""
-    import tiktoken  # its version: what its pickled tables are read back by
+    import tiktoken  # its version reads the pickled tables back
     path = path.resolve()
     if path.is_file():  # a GGUF: size and mtime (hashing it costs more than a rebuild)
         st = path.stat()
         files = [(path.name, st.st_size, st.st_mtime_ns)]
-    else:  # small files: their contents, so no rewrite goes unseen
+    else:  # small files: their contents
         files = []
         for name in DIRECTORY_FILES:
             try:
                 files.append((name, hashlib.sha256((path / name).read_bytes()).hexdigest()))
             except OSError:
-                files.append((name, None))  # absent: a file appearing later is another key
+                files.append((name, None))
     return repr((str(path), files, code_identity(), sys.version_info[:2], tiktoken.__version__))
 
 
@@ -65,9 +61,9 @@ def cache_path(key: str, directory: Path | None = None) -> Path:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """`tinyvllm.model.tokenizer.load_tokenizer(path)`, read from the cache when a file there holds it."""
+    """`tinyvllm.model.tokenizer.load_tokenizer(path)`, from the cache when it holds it."""
     path = Path(path)
-    if not ENABLED or not path.exists():  # a missing path: load_tokenizer's own error
+    if not ENABLED or not path.exists():  # a missing path: load_tokenizer's error
         return tokenizer_module.load_tokenizer(path)
     key = cache_key(path)
     file = cache_path(key)
@@ -75,7 +71,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         tokenizer = read_record(file, MAGIC, key)
         if isinstance(tokenizer, Tokenizer):
             return tokenizer
-    except Exception:  # missing, truncated, corrupt, stale: build it again
+    except Exception:  # missing, corrupt, stale: rebuild
         pass
     tokenizer = tokenizer_module.load_tokenizer(path)
     write_record(file, MAGIC, key, tokenizer, MAX_BYTES)

@@ -1,5 +1,4 @@
-"""Batched sampling on the device: a batch's next tokens from its logits in one graph, each row with its own
-parameters, drawing what the host reference (`sample/sampler.py`) draws for the same key.
+"""Batched sampling on the device, in one graph, drawing what the host reference (`sample/sampler.py`) draws.
 
     logits (S, V) -> [ /temperature, min-p, top-k, top-p, exponential race ] -> tokens (S,)
 
@@ -16,11 +15,11 @@ from tinyvllm.plugins import provided
 from tinyvllm.sample import noise
 
 kernel_draw = provided("sampler_kernel")  # Phase 5, else None
-BISECTION_STEPS = 32  # halvings of the value range: finer than float32 spacing for any logit range seen
+BISECTION_STEPS = 32  # finer than float32 spacing for any logit range seen
 
 
 def _bisect(lo: Tensor, hi: Tensor, predicate) -> tuple[Tensor, Tensor]:
-    """Narrow [lo, hi] (S,1) around the point where `predicate(v)` (monotone: false at lo, true at hi) flips."""
+    """Narrow [lo, hi] (S,1) around where monotone `predicate(v)` flips from false to true."""
     for _ in range(BISECTION_STEPS):
         mid = (lo + hi) * 0.5
         ok = predicate(mid)
@@ -33,25 +32,23 @@ def _finite_min(logits: Tensor) -> Tensor:
 
 
 def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
-    """top_k: (S,) int; >= the number of candidates means "off". Keeps logits >= the k-th largest."""
+    """Keep logits >= the k-th largest; top_k (S,) >= the number of candidates: off."""
     k = top_k.reshape(-1, 1).float()
     num_finite = logits.isinf().logical_not().sum(axis=-1, keepdim=True).float()
-    # "fewer than k logits are >= v" is false at v <= kth and true above it
     lo, _ = _bisect(_finite_min(logits), logits.max(axis=-1, keepdim=True) + 1.0,
                     lambda v: (logits >= v).sum(axis=-1, keepdim=True).float() < k)
-    kth = (logits >= lo).where(logits, math.inf).min(axis=-1, keepdim=True)  # the one element in [lo, hi)
+    kth = (logits >= lo).where(logits, math.inf).min(axis=-1, keepdim=True)
     kth = (k >= num_finite).where(-math.inf, kth)
     return (logits >= kth).where(logits, -math.inf)
 
 
 def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
-    """top_p: (S,) in (0, 1]; 1 means "off". Keeps the smallest most-likely set whose mass reaches top_p."""
+    """Keep the smallest most-likely set whose mass reaches top_p (S,); 1: off."""
     probs = logits.softmax(-1)
     p = top_p.reshape(-1, 1)
-    # "the mass strictly above v is < top_p" is false below the threshold and true from it on
     lo, _ = _bisect(_finite_min(logits) - 1.0, logits.max(axis=-1, keepdim=True),
                     lambda v: (logits > v).where(probs, 0.0).sum(axis=-1, keepdim=True) < p)
-    threshold = (logits > lo).where(logits, math.inf).min(axis=-1, keepdim=True)  # the one element in (lo, hi]
+    threshold = (logits > lo).where(logits, math.inf).min(axis=-1, keepdim=True)
     threshold = (p >= 1.0).where(-math.inf, threshold)
     return (logits >= threshold).where(logits, -math.inf)
 
@@ -63,8 +60,7 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
-    """bitmask (S, ceil(V/32)) int32, bit t % 32 of word t // 32 set when token t is allowed -> logits with the
-    others at -inf."""
+    """logits with token t at -inf where bit t % 32 of bitmask[:, t // 32] (S, ceil(V/32)) int32 is clear."""
     rows, vocab = logits.shape
     words = bitmask.shape[1]
     shifts = Tensor.arange(32, dtype=dtypes.int32).reshape(1, 1, 32)
@@ -74,14 +70,14 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
 
 
 def greedy(logits: Tensor) -> Tensor:
-    """logits (S,V) -> the argmax of every row (S,) int32."""
+    """logits (S,V) -> argmax (S,) int32."""
     return logits.argmax(-1).cast(dtypes.int32)
 
 
 def draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
          use_filters: bool = True, portable: bool = False) -> tuple[Tensor, Tensor]:
-    """logits (S,V) float32, params (S,), keys (S,2) uint32 -> (tokens (S,) int32, thresholds (S,1) float32): a row
-    keeps the logits >= its threshold. `use_filters=False` promises that no row uses min-p, top-k or top-p."""
+    """logits (S,V), params (S,), keys (S,2) -> (tokens (S,) int32, thresholds (S,1): the smallest logit kept).
+    `use_filters=False` promises no row uses min-p, top-k or top-p."""
     if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
                                                          portable=portable)) is not None:
         return drawn
@@ -98,12 +94,12 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
     """logits (S,V) float32, params (S,), keys (S,2) uint32 -> token ids (S,) int32 (see `draw`)."""
     if kernel_draw is not None and (drawn := kernel_draw(logits, temperature, top_k, top_p, min_p, keys,
                                                          thresholds=False, portable=portable)) is not None:
-        return drawn[0]  # only the tokens: the kernel may skip finding a top-p threshold
+        return drawn[0]
     return draw(logits, temperature, top_k, top_p, min_p, keys, use_filters, portable)[0]
 
 
 def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
-    """The portable graph's thresholds (S,1): the smallest logit the filters keep after the temperature."""
+    """The portable graph's thresholds (S,1): the smallest logit the filters keep."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
     kept = apply_top_p(apply_top_k(apply_min_p(scaled, min_p), top_k), top_p)
     survives = kept > -math.inf  # (S,V)
@@ -113,13 +109,11 @@ def filter_thresholds(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
 
 
 def processed_logits(logits: Tensor, temperature: Tensor, thresholds: Tensor | None = None) -> Tensor:
-    """logits (S,V) -> what each row draws from: divided by its temperature (greedy: by 1), the logits below its
-    threshold (S,1) at -inf."""
+    """logits (S,V) / temperature (greedy: 1), those below the row's threshold (S,1) at -inf."""
     scaled = logits / (temperature <= 0).where(1.0, temperature).reshape(-1, 1)
     return scaled if thresholds is None else (logits >= thresholds).where(scaled, -math.inf)
 
 
 def exponential_race(scaled: Tensor, keys: Tensor) -> Tensor:
-    """One token per row drawn from softmax(scaled) (S,V), with the Exp(1) clocks of keys (S,2): argmax(p / c) ==
-    argmax(logit - log c) is token i with probability p_i; -inf (filtered) tokens never win."""
+    """One token per row from softmax(scaled) (S,V): argmax(logit - log c), c the Exp(1) clocks of keys (S,2)."""
     return (scaled - noise.exponential_clocks(keys, scaled.shape[1]).log()).argmax(-1)

@@ -1,7 +1,5 @@
-"""The host (numpy) reference sampler, in the order of vLLM v1's `Sampler.forward`.
-
-Taught in docs/phases/01-foundation.md, section 7, and 01-appendix-tokens-and-sampling.md.
-"""
+"""The host (numpy) reference sampler, in vLLM v1's `Sampler.forward` order (docs/phases/01-foundation.md, section 7,
+and 01-appendix-tokens-and-sampling.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from tinyvllm.sampling_params import SamplingParams
 
 def apply_min_tokens(logits: np.ndarray, params: SamplingParams, num_output_tokens: int,
                      eos_token_ids: Iterable[int] = ()) -> np.ndarray:
-    """Ban every stop token (eos unless ignore_eos, and stop_token_ids) until `min_tokens` are generated."""
+    """Ban every stop token until `min_tokens` are generated."""
     if num_output_tokens >= params.min_tokens:
         return logits
     banned = sorted(params.all_stop_token_ids(eos_token_ids))
@@ -26,7 +24,7 @@ def apply_min_tokens(logits: np.ndarray, params: SamplingParams, num_output_toke
 
 
 def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Add the OpenAI-style `logit_bias` to the named tokens' logits (+100 all but forces, -100 all but bans)."""
+    """Add the OpenAI-style `logit_bias` to the named tokens' logits."""
     if not params.logit_bias:
         return logits
     _check_token_ids(params.logit_bias, logits.shape[0], "logit_bias")
@@ -38,8 +36,7 @@ def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def apply_penalties(logits: np.ndarray, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
                     params: SamplingParams) -> np.ndarray:
-    """Discourage tokens already seen, with vLLM's definitions: repetition over prompt and output, frequency and
-    presence over the output only."""
+    """vLLM's penalties: repetition over prompt and output, frequency and presence over the output."""
     if not params.uses_penalties:
         return logits
     vocab_size = logits.shape[0]
@@ -61,7 +58,7 @@ def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
 
 
 def apply_min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
-    """Keep tokens at least `min_p` times as likely as the most likely one (always keeps the argmax)."""
+    """Keep tokens at least `min_p` times as likely as the most likely one."""
     if min_p <= 0:
         return logits
     probs = softmax(logits)
@@ -69,8 +66,7 @@ def apply_min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def apply_top_k(logits: np.ndarray, top_k: int) -> np.ndarray:
-    """Keep the `top_k` largest logits; every tie of the k-th is kept, as in vLLM and HF, so the result depends on
-    values only."""
+    """Keep the `top_k` largest logits, every tie of the k-th too (as vLLM and HF)."""
     vocab_size = logits.shape[0]
     if top_k <= 0 or top_k >= vocab_size:
         return logits
@@ -82,16 +78,16 @@ def apply_top_p(logits: np.ndarray, top_p: float) -> np.ndarray:
     """Keep the smallest set of most likely tokens whose mass reaches `top_p` (ties kept together)."""
     if top_p >= 1:
         return logits
-    order = np.argsort(-logits, kind="stable")  # (V,) token ids, most likely first
-    sorted_probs = softmax(logits[order])  # (V,)
-    mass_before = np.concatenate(([0.0], np.cumsum(sorted_probs)[:-1]))  # (V,) nondecreasing
+    order = np.argsort(-logits, kind="stable")  # (V,) most likely first
+    sorted_probs = softmax(logits[order])
+    mass_before = np.concatenate(([0.0], np.cumsum(sorted_probs)[:-1]))
     num_needed = int(np.count_nonzero(mass_before < top_p))  # >= 1 because top_p > 0
     threshold = logits[order[num_needed - 1]]
     return np.where(logits >= threshold, logits, -np.inf)
 
 
 def apply_top_k_top_p_min_p(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """min-p, top-k, then top-p (vLLM v1's order): top-p measures the mass the earlier filters left, renormalised."""
+    """min-p, top-k, then top-p over what they left, renormalised (vLLM v1's order)."""
     logits = apply_min_p(logits, params.min_p)
     logits = apply_top_k(logits, params.top_k)
     return apply_top_p(logits, params.top_p)
@@ -109,39 +105,38 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def random_sample(probs: np.ndarray, generator: np.random.Generator) -> int:
-    """Draw one token id from `probs` (V,) with vLLM's exponential race: argmax(p_i / q_i), q_i ~ Exp(1), is token
-    i with probability p_i / sum(p)."""
-    q = exponential_clocks_numpy(draw_keys(generator, 1), probs.shape[0])[0]  # (V,)
+    """One token id from `probs` (V,) by vLLM's exponential race: argmax(p_i / q_i), q_i ~ Exp(1)."""
+    q = exponential_clocks_numpy(draw_keys(generator, 1), probs.shape[0])[0]
     return int(np.argmax(probs / q))
 
 
 def make_generator(seed: int | None) -> np.random.Generator:
-    """One generator per request, made once and used for all its steps: a seeded request reproduces exactly."""
-    # numpy seeds are unsigned: a negative 64-bit seed maps to its two's-complement bits
+    """A request's generator, for all its steps."""
+    # numpy seeds are unsigned: a negative seed maps to its two's-complement bits
     return np.random.default_rng(None if seed is None else seed % 2**64)
 
 
 def logprobs_of(logits: np.ndarray, token_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """Log-probability of `token_id` and the `k` most likely (token id, logprob), best first, ties by id."""
-    logprobs = log_softmax(np.asarray(logits, dtype=np.float64))  # (V,)
+    """(logprob of `token_id`, the `k` most likely (token id, logprob), best first, ties by id)."""
+    logprobs = log_softmax(np.asarray(logits, dtype=np.float64))
     top = np.argsort(-logprobs, kind="stable")[:k]
     return float(logprobs[token_id]), [(int(t), float(logprobs[t])) for t in top]
 
 
 def full_logprobs(logits: np.ndarray) -> np.ndarray:
-    """Every token's log-probability, (V,) float32 (`logprobs=-1`, vLLM's "all of the vocabulary": beam search)."""
+    """Every token's log-probability, (V,) float32 (`logprobs=-1`)."""
     x = np.asarray(logits, dtype=np.float32)
     x = x - x.max()
     return x - np.log(np.exp(x).sum())
 
 
 class Sampler:
-    """Runs the pipeline above for one request at one position."""
+    """The pipeline above, for one request at one position."""
 
     def __call__(self, logits: np.ndarray, params: SamplingParams, prompt_token_ids: Sequence[int],
                  output_token_ids: Sequence[int], generator: np.random.Generator | None,
                  eos_token_ids: Iterable[int] = ()) -> int:
-        """logits (V,) of the last position -> the next token id; `generator`: None for a greedy request."""
+        """logits (V,) -> the next token id; `generator` None when greedy."""
         logits = np.asarray(logits, dtype=np.float64)  # float64: rounding never decides a filter boundary here
         logits = apply_min_tokens(logits, params, len(output_token_ids), eos_token_ids)
         logits = apply_logit_bias(logits, params)

@@ -21,8 +21,7 @@ def uses_kernel(logits: Tensor, portable: bool = False) -> bool:
 
 def kernel_draw(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, keys: Tensor,
                 thresholds: bool = True, portable: bool = False) -> tuple[Tensor, Tensor] | None:
-    """device_sampler's `draw` on the sampler kernel of the logits' device: one launch, one GPU thread block per
-    row; None where the device has no kernel (or `portable`)."""
+    """device_sampler's `draw` in one kernel launch; None where the device has no kernel (or `portable`)."""
     if not uses_kernel(logits, portable):
         return None
     rows, vocab = logits.shape

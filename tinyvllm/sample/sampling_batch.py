@@ -1,6 +1,5 @@
-"""One step's sampling, row by row: each row's parameters, whether the device or the host reference sampler takes
-it, and its grammar's mask. Taught in docs/phases/04-batched-forward.md, section 6.
-"""
+"""One step's sampling, row by row: parameters, device or host sampler, grammar mask
+(docs/phases/04-batched-forward.md, section 6)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ class SamplingRows:
         self.keys = np.zeros((self.rows, 2), np.uint32)
 
     def fill(self, first: int, params: SamplingParams, generator: np.random.Generator, count: int = 1) -> None:
-        """`count` rows from `first` sample with `params`, keys drawn from `generator` before any row changes."""
-        keys = draw_keys(generator, count)  # (count, 2)
+        """`count` rows from `first` sample with `params`, keys drawn from `generator`."""
+        keys = draw_keys(generator, count)  # before any row changes
         if self.keys is None:
             self.allocate()
         rows = slice(first, first + count)
@@ -63,13 +62,12 @@ class SamplingRows:
 
 
 class SamplingBatch(SamplingRows):
-    """One step's sampling inputs. keys None: the greedy graph runs; bitmask (rows, ceil(vocab/32)) int32 once a row
-    has a grammar; `on_host`: the rows the host sampler takes."""
+    """One step's sampling inputs (keys None: greedy); bitmask (rows, ceil(vocab/32)) once a row has a grammar."""
 
     def __init__(self, rows: int, vocab: int):
         super().__init__(rows, vocab)
         self.bitmask: np.ndarray | None = None
-        self.on_host: list[int] = []
+        self.on_host: list[int] = []  # the rows the host sampler takes
 
 
 def needs_host_sampler(seq: Sequence, params: SamplingParams) -> bool:
@@ -83,19 +81,17 @@ def failure_message(error: BaseException) -> str:
 
 
 class StepSampler:
-    """`prepare` assembles the batch before the device samples; `finish` takes the device's tokens, samples the host's
-    rows and moves the grammars on."""
+    """`prepare` the batch before the device samples; `finish` with the host's rows and the grammars."""
 
     def __init__(self, input_batch, stop_token_ids: Iterable[int], on_device: bool = True):
         self.input_batch = input_batch
         self.on_device = on_device
-        self.stop_token_ids = list(stop_token_ids)  # the model's: min_tokens bans them
+        self.stop_token_ids = list(stop_token_ids)  # the model's
         self.host_sampler = Sampler()
 
     def prepare(self, seqs: list[Sequence], rows: int, vocab: int, verifying: dict | tuple,
                 failed: dict) -> SamplingBatch:
-        """Each row's parameters, draw key and grammar mask; a request whose parameters fail ends alone (its row
-        stays greedy)."""
+        """Each row's parameters, key and grammar mask; a request whose parameters fail ends alone."""
         batch = SamplingBatch(rows, vocab)
         device_rows, batch_rows = [], []
         for row, seq in enumerate(seqs):
@@ -114,7 +110,7 @@ class StepSampler:
                     device_rows.append(row)
                     if batch.keys is None:
                         batch.allocate()
-                    batch.keys[row] = draw_keys(state.generator, 1)[0]  # the host sampler draws its key alike
+                    batch.keys[row] = draw_keys(state.generator, 1)[0]
             except Exception as e:  # one request's parameters must never fail the batch
                 fail(failed, seq, e)
         if device_rows:
@@ -126,9 +122,9 @@ class StepSampler:
 
     def finish(self, seqs: list[Sequence], batch: SamplingBatch, tokens: np.ndarray, logits,
                failed: dict, logprobs: dict) -> dict[int | str, int]:
-        """seq_id -> its token: the device's `tokens` (rows,), or the host sampler's on its row of `logits`."""
+        """seq_id -> its token: the device's `tokens` (rows,), or the host sampler's."""
         sampled = {seq.seq_id: int(tokens[row]) for row, seq in enumerate(seqs)
-                   if row not in batch.on_host and seq.seq_id not in failed}  # (tokens None: every row the host's)
+                   if row not in batch.on_host and seq.seq_id not in failed}
         host_logits = logits.numpy() if batch.on_host else None
         for row in batch.on_host:
             seq = seqs[row]
@@ -152,7 +148,7 @@ class StepSampler:
 
     def sample_on_host(self, seq: Sequence, logits: np.ndarray, bitmask_row: np.ndarray | None,
                        logprobs: dict) -> int:
-        """One row on the host reference sampler; records the logprobs asked for (-1: the whole (V,) float32 row)."""
+        """One row on the host sampler; records the logprobs asked for (-1: the whole row)."""
         state = self.input_batch.requests[seq.seq_id]
         allowed = logits
         if bitmask_row is not None:
@@ -162,14 +158,14 @@ class StepSampler:
         params = state.params
         token = self.host_sampler(allowed, params, seq.prompt_token_ids, seq.output_token_ids, state.generator,
                                   self.stop_token_ids)
-        if params.logprobs == -1:  # every token's (beam search reads these)
+        if params.logprobs == -1:  # beam search
             logprobs[seq.seq_id] = [full_logprobs(logits)]
-        elif params.logprobs is not None:  # of the model's own distribution, as vLLM's raw logprobs
+        elif params.logprobs is not None:  # of the raw distribution, as vLLM's
             logprobs[seq.seq_id] = [logprobs_of(logits, token, params.logprobs)]
         return token
 
 
 def fail(failed: dict, seq: Sequence, error: Exception) -> None:
-    """Record that `seq`'s request failed with `error`: it alone ends."""
+    """Record that `seq`'s request failed: it alone ends."""
     logger.exception("request %s failed in the engine step; the other requests go on", seq.seq_id, exc_info=error)
     failed[seq.seq_id] = failure_message(error)

@@ -1,7 +1,5 @@
-"""Stop strings for a streamed output; the tail that could still become one is held back.
-
-Taught in docs/phases/01-appendix-tokens-and-sampling.md.
-"""
+"""Stop strings for a streamed output; the tail that could still become one is held back
+(docs/phases/01-appendix-tokens-and-sampling.md)."""
 
 from __future__ import annotations
 
@@ -13,9 +11,8 @@ class StopStringChecker:
         assert all(stop), "stop strings must be non-empty (SamplingParams validates this)"
         self.stop = list(stop)
         self.include_in_output = include_in_output
-        self.stop_str: str | None = None  # the stop string that ended the output, for vLLM's `stop_reason`
-        # the longest tail that could start a stop string; its last `_num_held` characters are not emitted yet
-        self._tail = ""
+        self.stop_str: str | None = None  # vLLM's `stop_reason`
+        self._tail = ""  # the longest tail that could start a stop string; its last `_num_held` chars are held
         self._num_held = 0
 
     @property
@@ -23,7 +20,7 @@ class StopStringChecker:
         return self.stop_str is not None
 
     def feed(self, new_text: str) -> tuple[str, bool]:
-        """Take the next chunk of text; return (text safe to emit now, whether a stop string was found)."""
+        """(text safe to emit now, whether a stop string was found)."""
         assert not self.stopped, "the output already stopped"
         text = self._tail + new_text
         emitted_upto = len(self._tail) - self._num_held  # text[:emitted_upto] is already out
@@ -38,19 +35,19 @@ class StopStringChecker:
         return text[emitted_upto:len(text) - self._num_held], False
 
     def flush(self) -> str:
-        """The stream ended without a stop string: the held-back tail was ordinary text after all."""
+        """The held-back tail, at the end of a stream that did not stop."""
         held = self._tail[len(self._tail) - self._num_held:]
         self._tail, self._num_held = "", 0
         return held
 
     def _first_stop(self, text: str) -> tuple[int, str] | None:
-        """(where the output ends, which stop string) for the stop string that ends first in `text`."""
+        """(where the output ends, which stop string) for the one that ends first in `text`."""
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for s in self.stop:
-            start = text.find(s)  # the first occurrence of s is also where s ends first
+            start = text.find(s)
             if start != -1:
                 candidate = (start + len(s), start, s)
-                # Ends first wins; if two end together, the one starting earlier, so no piece of it leaks.
+                # if two end together, the one starting earlier, so no piece of it leaks
                 if best is None or candidate[:2] < best[:2]:
                     best = candidate
         if best is None:
@@ -59,7 +56,7 @@ class StopStringChecker:
         return (end if self.include_in_output else start), s
 
     def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        """The longest tail of `text` that is a proper prefix of a stop string."""
         longest = max((len(s) for s in self.stop), default=0)
         for n in range(min(longest - 1, len(text)), 0, -1):
             tail = text[len(text) - n:]

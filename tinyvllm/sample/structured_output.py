@@ -1,6 +1,5 @@
-"""Structured outputs: llguidance's per-request bitmask of the tokens a grammar allows next (bit t % 32 of int32
-word t // 32). Taught in docs/phases/09-api-server.md, section 6.
-"""
+"""Structured outputs: llguidance's per-request bitmask of the tokens a grammar allows next
+(docs/phases/09-api-server.md, section 6)."""
 
 from __future__ import annotations
 
@@ -17,10 +16,10 @@ from tinyvllm.sampling_params import StructuredOutputsParams
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
-# tighter than llguidance's defaults (250,000): a lexer state takes 1-2 kB, so ~40 MB a request
+# below llguidance's 250,000: a lexer state takes 1-2 kB
 MAX_LEXER_STATES = 20_000
 MAX_GRAMMAR_SIZE = 100_000
-GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")  # a GBNF rule: `name ::= ...`
+GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=")  # `name ::= ...`
 
 
 def grammar_limits():
@@ -79,8 +78,7 @@ class _VocabularyView:
 
 
 class StructuredOutputManager:
-    """One per engine: the tokenizer's trie (built once, on the first constrained request) and a matcher per
-    request."""
+    """One per engine: the tokenizer's trie (built on first use) and a matcher per request."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -92,7 +90,7 @@ class StructuredOutputManager:
         if self._ll_tokenizer is None:
             from llguidance import LLTokenizer, TokenizerWrapper
 
-            stops = sorted(self.tokenizer.stop_token_ids)  # a finished grammar allows these (the model's eos)
+            stops = sorted(self.tokenizer.stop_token_ids)  # a finished grammar allows these
             self._ll_tokenizer = LLTokenizer(TokenizerWrapper(_VocabularyView(self.tokenizer)), eos_token=stops)
         return self._ll_tokenizer
 
@@ -137,8 +135,7 @@ _byte_tokenizer = None
 
 
 def schema_validator(schema: dict):
-    """A function value -> "" if `value` fits the JSON `schema`, else why not: the schema's grammar run over the
-    bytes of the value as this grammar writes JSON (keys in the schema's order)."""
+    """A function value -> "" if `value` fits the JSON `schema`, else why not (the grammar run over its JSON)."""
     global _byte_tokenizer
     from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
@@ -160,7 +157,7 @@ def schema_validator(schema: dict):
 
 
 def in_schema_order(value: object, schema: object) -> object:
-    """`value` with each object's keys in the order its schema's "properties" lists them (the others after)."""
+    """`value` with each object's keys in its schema's "properties" order (the others after)."""
     if not isinstance(schema, dict):
         return value
     if isinstance(value, dict):
@@ -173,7 +170,7 @@ def in_schema_order(value: object, schema: object) -> object:
 
 
 def apply_bitmask_numpy(logits: np.ndarray, bitmask_row: np.ndarray) -> np.ndarray:
-    """The host twin of the device mask: logits (V,) with every token whose bit is clear set to -inf."""
+    """The host twin of the device mask: logits (V,), tokens whose bit is clear at -inf."""
     vocab = logits.shape[0]
     bits = (bitmask_row.reshape(-1, 1) >> np.arange(32, dtype=np.int32)) & 1  # (W, 32)
     allowed = bits.reshape(-1)[:vocab].astype(bool)

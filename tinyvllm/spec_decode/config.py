@@ -1,6 +1,5 @@
-"""`speculative_config`, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-"prompt_lookup_max": b} or {"method": "draft_model", "model": path, "num_speculative_tokens": k, "quantization":
-"q4_1"}, validated once when the engine is built (STYLE: config flows one way)."""
+"""`speculative_config` in vLLM's shape ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}),
+validated once when the engine is built (docs/phases/07b-speculative-decoding.md)."""
 
 from __future__ import annotations
 
@@ -12,25 +11,22 @@ from tinyvllm.model.quantization import METHODS as QUANTIZATION_METHODS
 
 METHODS = ("ngram", "draft_model")  # vLLM also has "eagle", "medusa", ...: not built here
 
-# where the dict leaves it out (vLLM's: None, never off): where speculation stops paying at larger batches
-# (docs/phases/07b-speculative-decoding.md, section 6); an explicit None keeps it on
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4  # vLLM's default is None; where speculation stops paying (chapter 7b, section 6)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int  # k: draft tokens proposed per request per step
-    prompt_lookup_min: int  # ngram: the shortest suffix matched against the earlier tokens
-    prompt_lookup_max: int  # ngram: the longest
-    model: str | None = None  # draft_model: the draft's checkpoint (a .gguf file or an HF directory)
-    quantization: str = "auto"  # draft_model: how the draft's weights are stored (as the engine's --quantization)
-    # no request speculates in a step where this many or more are running (None: never off)
-    disable_by_batch_size: int | None = None
+    num_speculative_tokens: int  # k: drafts per request per step
+    prompt_lookup_min: int  # ngram: the shortest suffix matched
+    prompt_lookup_max: int
+    model: str | None = None  # draft_model: its checkpoint
+    quantization: str = "auto"  # draft_model: as the engine's --quantization
+    disable_by_batch_size: int | None = None  # no speculation with this many running (None: never off)
 
     @classmethod
     def from_dict(cls, config: dict) -> SpeculativeConfig:
-        """Check every key and value; a ValueError names what is wrong and what would be right."""
+        """Check every key and value; ValueError names what is wrong and what would be right."""
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
                              f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
@@ -47,7 +43,7 @@ class SpeculativeConfig:
         hi = config.get("prompt_lookup_max")
         lo = hi if lo is None else lo  # vLLM: either one alone sets both
         hi = lo if hi is None else hi
-        lo, hi = (1, 5) if lo is None else (lo, hi)  # neither given: match suffixes of 5 down to 1 token
+        lo, hi = (1, 5) if lo is None else (lo, hi)
         for name, value in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config[{name!r}] must be an integer >= 1, got {value!r}")
@@ -75,8 +71,7 @@ class SpeculativeConfig:
 
 
 def parse_speculative_config(text: str | None) -> dict | None:
-    """`--speculative-config`'s JSON (main.py and the server) as the dict LLMEngine takes (None: off), checked before
-    the model loads, as vLLM does: a ValueError names what is wrong and what would be right."""
+    """`--speculative-config`'s JSON as LLMEngine's dict (None: off), checked before the model loads (ValueError)."""
     if text is None:
         return None
     try:

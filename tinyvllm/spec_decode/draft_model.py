@@ -1,8 +1,6 @@
-"""The draft model proposer (vLLM's `draft_model` method): a cheaper model with the target's tokenizer (here the
-target itself, quantized) decodes k tokens of its own each step, on its own paged KV cache under a second
-BlockManager, through a shadow Sequence per request that it rolls back to the request's tokens each step. Taught
-in docs/phases/07b-speculative-decoding.md, section 5.
-"""
+"""The draft model proposer (vLLM's `draft_model`): a cheaper model with the target's tokenizer decodes k tokens each
+step on its own KV cache and BlockManager, through a shadow Sequence per request rolled back to the request's
+tokens (docs/phases/07b-speculative-decoding.md, section 5)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ from tinyvllm.spec_decode.proposer import Draft, DraftRequest, DraftRunner
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, draft_name: str) -> None:
-    """The draft's token ids must mean what the target's mean: the same bytes for every id, the same added, special,
-    BOS/EOS and stop tokens."""
+    """ValueError unless the draft's token ids mean what the target's do (bytes, added, special, BOS/EOS, stops)."""
     def fail(what: str, a, b) -> None:
         raise ValueError(f"the draft model {draft_name} does not share the tokenizer of the target {target_name}: "
                          f"{what} differ ({a!r} against {b!r}); speculative decoding needs a draft with the "
@@ -44,8 +41,7 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_name: str, 
 
 
 class DraftModelProposer:
-    """The `Proposer` of the draft_model method, built once by the engine with the target's model, tokenizer
-    (checked against the draft's), KV pool size (the draft's is as large), max_model_len and step limits."""
+    """The draft_model `Proposer`; its KV pool is as large as the target's."""
 
     def __init__(self, config: SpeculativeConfig, target_model: LlamaForCausalLM, target_tokenizer: Tokenizer, *,
                  runner_class: type[DraftRunner], num_blocks: int, block_size: int, max_model_len: int,
@@ -70,7 +66,7 @@ class DraftModelProposer:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.runner = runner_class(self.model, self.kv_cache, max_model_len, max_num_batched_tokens, max_num_seqs,
                                    portable_attention=portable_attention)
-        self._seqs: dict[int | str, Sequence] = {}  # request id -> its shadow sequence: the tokens the draft fed
+        self._seqs: dict[int | str, Sequence] = {}  # request id -> shadow sequence
         self._sampler_jits: dict[tuple[int, bool], Jit] = {}  # per (rows, filters used)
         self._sampler_inputs: dict[tuple[int, bool], list[InputBuffer]] = {}
 
@@ -84,7 +80,7 @@ class DraftModelProposer:
             self._catch_up_plan(r)
         # 1. catch up: every token the draft has not fed, in rounds of at most max_num_batched_tokens
         pending = list(active)
-        while pending:  # each round makes progress: its first request always gets a token, or leaves `active`
+        while pending:  # each round's first request gets a token or leaves `active`
             budget, scheduled, later = self.max_num_batched_tokens, [], []
             for r in pending:
                 shadow = self._seqs[r.seq.seq_id]
@@ -127,17 +123,16 @@ class DraftModelProposer:
     # ---- the draft's own sequences and blocks ----
 
     def _catch_up_plan(self, r: DraftRequest) -> None:
-        """Point the shadow sequence at the request's tokens: K/V after the first token that differs from what the
-        draft fed are dropped, to be fed again."""
+        """Point the shadow at the request's tokens, dropping K/V from the first token that differs."""
         tokens = r.seq.all_token_ids
         shadow = self._seqs.get(r.seq.seq_id)
         if shadow is None:
             self._seqs[r.seq.seq_id] = Sequence(r.seq.seq_id, tokens)
             return
         fed = shadow.prompt_token_ids[:shadow.num_computed_tokens]
-        n = min(len(fed), len(tokens) - 1)  # the last token is always fed (again, if need be): its logits give d0
+        n = min(len(fed), len(tokens) - 1)  # the last token is always fed: its logits give d0
         keep = n
-        if fed[:n] != tokens[:n]:  # a rollback (rejected drafts), or tokens that changed: find the first difference
+        if fed[:n] != tokens[:n]:  # rejected drafts: keep up to the first difference
             keep = int(np.argmin(np.asarray(fed[:n]) == np.asarray(tokens[:n])))
         if keep < shadow.num_computed_tokens:
             shadow.num_computed_tokens = keep
@@ -146,8 +141,7 @@ class DraftModelProposer:
         shadow.prompt_token_ids = list(tokens)
 
     def _append_slots(self, shadow: Sequence, count: int, requests: list[DraftRequest]) -> bool:
-        """Room for `count` more tokens of `shadow`; when the pool is short, the draft K/V of sequences not
-        speculating this step go first (finished or preempted ones whose free() has not come yet)."""
+        """Room for `count` more tokens; when short, first free the shadows not speculating this step."""
         if self.block_manager.append_slots(shadow, count) is not None:
             return True
         wanted = {r.seq.seq_id for r in requests}
@@ -156,8 +150,7 @@ class DraftModelProposer:
         return self.block_manager.append_slots(shadow, count) is not None
 
     def _run(self, scheduled: list[tuple[DraftRequest, int]], drafts: dict, probs: dict) -> list[DraftRequest]:
-        """One forward pass of the draft over `scheduled` (request, tokens to feed), then a draft token for each
-        request whose fed tokens reached its last: returns those requests."""
+        """One draft forward pass over `scheduled` (request, count); returns the requests that got a draft token."""
         if not scheduled:
             return []
         shadows = [self._seqs[r.seq.seq_id] for r, _ in scheduled]
@@ -179,15 +172,14 @@ class DraftModelProposer:
     # ---- sampling the drafts ----
 
     def _sample(self, logits: Tensor, requests: list[DraftRequest]) -> tuple[np.ndarray, Tensor | None]:
-        """Token ids (rows,) for the first len(requests) rows of `logits` (rows, vocab), and q (rows, vocab) in a
-        buffer of its own (None when all are greedy: their q is one-hot)."""
+        """(tokens (rows,), q (rows, vocab) in its own buffer, or None when all are greedy)."""
         rows, vocab = logits.shape
         if all(r.params.is_greedy for r in requests):
             return self.runner.sample(logits, None, None, None, None, None, False), None
         batch = SamplingRows(rows, vocab)
         for row, r in enumerate(requests):
             if not r.params.is_greedy:
-                batch.fill(row, r.params, r.generator)  # the request's own draws: seeded requests repeat
+                batch.fill(row, r.params, r.generator)
         arrays = (*batch.device_params, batch.keys)
         key = (rows, batch.use_filters)
         if key not in self._sampler_jits:
@@ -195,8 +187,7 @@ class DraftModelProposer:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in arrays]
         inputs = [buf.write(a) for buf, a in zip(self._sampler_inputs[key], arrays)]
         tokens, q = self._sampler_jits[key](logits, *inputs)
-        # the graph's output buffer is written again by its next call: q leaves in a copy of its own
-        return tokens.numpy(), q.clone().realize()
+        return tokens.numpy(), q.clone().realize()  # the graph's next call overwrites its output
 
     @staticmethod
     def _sampler_graph(use_filters: bool):
@@ -204,7 +195,6 @@ class DraftModelProposer:
                 keys: Tensor) -> tuple[Tensor, Tensor]:
             """logits (S,V), params (S,), keys (S,2) -> tokens (S,) int32 and q (S,V) float32."""
             tokens, thresholds = device_sampler.draw(logits, temperature, top_k, top_p, min_p, keys, use_filters)
-            # (S,V): the distribution the tokens were drawn from
             q = device_sampler.processed_logits(logits, temperature, thresholds if use_filters else None).softmax(-1)
             return tokens.realize(), q.realize()
         return run

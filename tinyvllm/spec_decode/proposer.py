@@ -1,6 +1,4 @@
-"""What a proposer is: the interface between the speculator and whatever guesses the draft tokens, one `Draft` per
-`DraftRequest`, in order (docs/phases/07b-speculative-decoding.md).
-"""
+"""The proposer interface: one `Draft` per `DraftRequest`, in order (docs/phases/07b-speculative-decoding.md)."""
 
 from __future__ import annotations
 
@@ -29,22 +27,21 @@ class DraftRequest:
 class Draft:
     """What a proposer guessed for one request."""
 
-    token_ids: list[int]  # 0 .. max_drafts proposed tokens
-    # (len(token_ids), vocab) float32 on the device: the q each draft was drawn from; None: one-hot (deterministic)
-    probs: Tensor | None = None
+    token_ids: list[int]  # 0 .. max_drafts tokens
+    probs: Tensor | None = None  # (len(token_ids), vocab) q on the device; None: one-hot
 
 
 class DraftRunner(Protocol):
     """What the draft model asks of a model runner."""
 
     def compute_logits(self, scheduler_output: SchedulerOutput):
-        """One forward pass over the scheduled tokens: the sequences that sample, and their rows of logits."""
+        """One forward pass: the sequences that sample, and their rows of logits."""
         ...
 
     def sample(self, logits: Tensor, temperature: np.ndarray | None, top_k: np.ndarray | None,
                top_p: np.ndarray | None, min_p: np.ndarray | None, keys: np.ndarray | None,
                use_filters: bool) -> np.ndarray:
-        """Each row's token, sampled on the device (keys None: every row greedy)."""
+        """Each row's token (keys None: greedy)."""
         ...
 
 
@@ -54,5 +51,5 @@ class Proposer(Protocol):
         ...
 
     def free(self, seq_id: int | str) -> None:
-        """Drop what the proposer holds for a sequence that no longer runs."""
+        """Drop what it holds for a finished sequence."""
         ...

@@ -1,5 +1,4 @@
-"""Exact rejection sampling (Leviathan et al. 2023, arxiv.org/abs/2211.17192; Chen et al. 2023): speculative
-decoding for requests that sample (temperature > 0), emitting what the target's p would.
+"""Exact rejection sampling (Leviathan et al. 2023; Chen et al. 2023) for requests that sample: it emits what p would.
 
     accept d_j with probability min(1, p_j(d_j) / q_j(d_j))      (u_j ~ U[0,1): accept when u_j q_j(d_j) < p_j(d_j))
     at the first rejection: emit a token drawn from norm(max(0, p_j - q_j)), the run ends
@@ -24,11 +23,10 @@ NO_DRAFT = -1  # draft_token_ids on a bonus row (and on padding rows): q is 0 th
 def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                      draft_token_ids: Tensor, uniforms: Tensor, keys: Tensor, draft_probs: Tensor | None = None,
                      use_filters: bool = True) -> tuple[Tensor, Tensor]:
-    """One row per position a sampled request verifies: each draft's row, then its bonus row. draft_token_ids (R,)
-    int32, NO_DRAFT on bonus rows; draft_probs (R,V) q, or None: q one-hot at the draft (a deterministic proposer).
-    """
+    """(accepted (R,), tokens (R,)) over each draft's row then the bonus row; draft_token_ids (R,) NO_DRAFT on bonus
+    rows; draft_probs (R,V) q, or None: one-hot at the draft."""
     vocab = logits.shape[1]
-    # the target's distribution as the device sampler would draw from it, filtered tokens exactly 0
+    # p as the device sampler draws from it, filtered tokens exactly 0
     thresholds = draw(logits, temperature, top_k, top_p, min_p, keys)[1] if use_filters else None  # (R,1)
     p = processed_logits(logits, temperature, thresholds).softmax(-1)
     is_draft = Tensor.arange(vocab, dtype=dtypes.int32).reshape(1, vocab) == draft_token_ids.reshape(-1, 1)  # (R,V)
@@ -37,23 +35,23 @@ def rejection_sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     q_draft = is_draft.where(q, 0.0).sum(-1)  # (R,) q(d)
     accepted = uniforms * q_draft < p_draft  # u < p/q without dividing by q
     residual = (p - q).maximum(0.0)  # (R,V), = p on a bonus row
-    # p == q up to rounding leaves nothing: a rejection then has probability ~0 anyway; sample from p
+    # p == q up to rounding: nothing left (a rejection is then ~impossible), sample from p
     residual = (residual.sum(-1, keepdim=True) > 0).where(residual, p)
-    # exponential race: argmax(r / c), c ~ Exp(1), is token i with probability r_i / sum(r); r = 0 never wins
+    # exponential race: argmax(r / c), c ~ Exp(1), picks i with probability r_i / sum(r)
     tokens = (residual / noise.exponential_clocks(keys, vocab)).argmax(-1).cast(dtypes.int32)
     return accepted, tokens
 
 
 class VerifyBatch(SamplingRows):
-    """The host's inputs to `rejection_sample` for one step, padded to `rows` with rows never read back."""
+    """The host's inputs to `rejection_sample` for one step, padded to `rows`."""
 
     def __init__(self, rows: int, vocab: int):
         super().__init__(rows, vocab, temperature=1.0)
         self.allocate()
         self.draft_token_ids = np.full(rows, NO_DRAFT, np.int32)  # (rows,)
         self.uniforms = np.ones(rows, np.float32)  # (rows,) U[0,1)
-        self.draft_probs: np.ndarray | None = None  # (rows, vocab) q, once a request comes with one
-        self.spans: list[tuple[int, int]] = []  # per request: (its first row, its number of drafts)
+        self.draft_probs: np.ndarray | None = None  # (rows, vocab) q, once a request has one
+        self.spans: list[tuple[int, int]] = []  # per request: (first row, number of drafts)
         self.num_rows_used = 0
 
     def add(self, draft_token_ids: list[int], params: SamplingParams, generator: np.random.Generator,
@@ -64,7 +62,7 @@ class VerifyBatch(SamplingRows):
         self.draft_token_ids[first:first + k] = draft_token_ids
         self.uniforms[first:first + k] = generator.random(k)
         self.fill(first, params, generator, count=k + 1)
-        if draft_probs is not None and self.draft_probs is None:  # the first q: the requests before get one-hot rows
+        if draft_probs is not None and self.draft_probs is None:  # the first q: earlier requests get one-hot rows
             self.draft_probs = np.zeros((self.rows, self.vocab), np.float32)
             drafted = np.flatnonzero(self.draft_token_ids[:first] != NO_DRAFT)
             self.draft_probs[drafted, self.draft_token_ids[drafted]] = 1.0
@@ -77,15 +75,14 @@ class VerifyBatch(SamplingRows):
         self.num_rows_used += k + 1
 
     def inputs(self) -> tuple[np.ndarray, ...]:
-        """rejection_sample's inputs after the logits, in its order (draft_probs last, when there is a q)."""
+        """rejection_sample's inputs after the logits, in order."""
         q = () if self.draft_probs is None else (self.draft_probs,)
         return (self.temperature, self.top_k, self.top_p, self.min_p, self.draft_token_ids, self.uniforms,
                 self.keys, *q)
 
 
 def emitted_tokens(draft_token_ids: list[int], accepted: np.ndarray, tokens: np.ndarray) -> tuple[list[int], int]:
-    """(emitted tokens, number of drafts accepted) from one request's rows, accepted (k,) and tokens (k + 1,): the
-    drafts up to the first rejection, then the token of the row where the run ended."""
+    """(emitted tokens, drafts accepted) from one request's accepted (k,) and tokens (k + 1,)."""
     num_accepted = 0
     while num_accepted < len(draft_token_ids) and accepted[num_accepted]:
         num_accepted += 1

@@ -1,7 +1,5 @@
-"""The speculator: speculative decoding's part of the model runner, in one place. Each step `verify()` gives the
-tokens each request emits; after it, `propose()` the drafts for the next. Taught in
-docs/phases/07b-speculative-decoding.md.
-"""
+"""Speculative decoding's part of the model runner: `verify()` a step's drafts, then `propose()` the next step's
+(docs/phases/07b-speculative-decoding.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from tinyvllm.spec_decode.verify import accept_greedy
 
 
 def speculates(seq: Sequence, params: SamplingParams, has_grammar: bool) -> bool:
-    """Whether a running request may get drafts this step: it decodes one token the device sampler draws."""
+    """May this request get drafts: it decodes one token the device sampler draws."""
     return (seq.num_uncomputed_tokens == 1 and not has_grammar and not params.uses_penalties
             and not params.logit_bias and params.logprobs is None and seq.num_output_tokens >= params.min_tokens)
 
@@ -48,7 +46,7 @@ class Speculator:
     # ---- after a step: the next step's drafts ----
 
     def propose(self, running: list[Sequence], input_batch) -> dict[int | str, list[int]]:
-        """The drafts each running sequence verifies next step, never more than it may keep."""
+        """Each running sequence's drafts for the next step."""
         self.free_stale(running)
         self._drafts.clear()
         asks = []
@@ -77,24 +75,23 @@ class Speculator:
 
     def verify(self, seqs: list[Sequence], logits: Tensor, tokens: np.ndarray, spec_rows: dict,
                scheduler_output: SchedulerOutput, sampled: dict, input_batch) -> dict[int | str, list[int]]:
-        """The tokens each verifying sequence emits. logits (rows, V): sequence i at row i, its drafts at
-        spec_rows[seq_id]; tokens (rows,): the device sampler's."""
+        """The tokens each verifying sequence emits; logits (rows, V): sequence i at row i, its drafts at
+        spec_rows[seq_id]."""
         requests = input_batch.requests
         verifying = [(row, seq) for row, seq in enumerate(seqs) if seq.seq_id in spec_rows and seq.seq_id in sampled]
         sampling = [(row, seq) for row, seq in verifying if not requests[seq.seq_id].params.is_greedy]
         emitted = self._rejection_sample(logits, sampling, spec_rows, scheduler_output, requests) if sampling else {}
         for row, seq in verifying:
-            if seq.seq_id not in emitted:  # greedy: the target's argmax after the last sampled token and each draft
+            if seq.seq_id not in emitted:  # greedy
                 targets = [int(tokens[row])] + [int(tokens[r]) for r in spec_rows[seq.seq_id]]
                 emitted[seq.seq_id] = accept_greedy(scheduler_output.scheduled_spec_decode_tokens[seq.seq_id], targets)
         return {seq_id: tokens_out for seq_id, (tokens_out, _) in emitted.items()}
 
     def _rejection_sample(self, logits: Tensor, sampling: list[tuple[int, Sequence]], spec_rows: dict,
                           scheduler_output: SchedulerOutput, requests: dict) -> dict:
-        """seq_id -> (emitted tokens, number accepted) for the sampled requests."""
+        """seq_id -> (emitted tokens, number accepted)."""
         rows, vocab = logits.shape
-        # as many verify rows as the logits have (they are a subset of them): one graph per logits bucket
-        batch = VerifyBatch(rows, vocab)
+        batch = VerifyBatch(rows, vocab)  # as many rows as the logits: one graph per logits bucket
         row_index = np.zeros(rows, np.int32)
         for row, seq in sampling:
             drafts = scheduler_output.scheduled_spec_decode_tokens[seq.seq_id]  # the budget may have cut some

@@ -1,6 +1,4 @@
-"""Which draft tokens the target accepts (greedy): vLLM's rejection sampler at temperature 0. Drafts are kept while
-they equal the target's argmax; the first disagreement is replaced by the target's choice, and if all agree the
-target's next choice comes free (docs/phases/07b-speculative-decoding.md, section 3).
+"""Greedy acceptance, vLLM's rejection sampler at temperature 0 (docs/phases/07b-speculative-decoding.md, section 3).
 
     drafts      d0  d1  d2  d3           target argmax   t0  t1  t2  t3  t4
     d0 = t0, d1 = t1, d2 != t2  ->  emitted: t0 t1 t2   (2 accepted, 3 tokens from one forward pass)

@@ -1,7 +1,4 @@
-"""Every use of tinygrad's internals, in one package: what to read when tinygrad is upgraded.
-
-Taught in docs/phases/01-appendix-tinygrad-internals.md.
-"""
+"""Every use of tinygrad's internals, in one package (docs/phases/01-appendix-tinygrad-internals.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +9,7 @@ import tinygrad
 
 
 def installed_version() -> str:
-    """tinygrad's version (it has no `__version__`) from its `tinygrad-<version>.dist-info` directory's name, without
-    importing importlib.metadata (an email parser) in every process; that where the directory is not one alone."""
+    """tinygrad's version, from its dist-info directory's name (importlib.metadata, slow to import, as a fallback)."""
     site = os.path.dirname(os.path.dirname(os.path.abspath(tinygrad.__file__)))
     found = [n for n in os.listdir(site) if n.startswith("tinygrad-") and n.endswith(".dist-info")]
     if len(found) == 1:
@@ -24,7 +20,7 @@ def installed_version() -> str:
 
 
 TINYGRAD_VERSION = "0.14.0"  # the one this package was written against (pyproject.toml pins it)
-INSTALLED_VERSION = installed_version()  # read once: the caches' keys and directory names carry it
+INSTALLED_VERSION = installed_version()  # the caches' keys carry it
 if INSTALLED_VERSION != TINYGRAD_VERSION:
     warnings.warn(f"tinyvllm was written for tinygrad {TINYGRAD_VERSION}, this is tinygrad {INSTALLED_VERSION}: "
                   "its internals may have moved (`python -m tinyvllm.tinygrad_ext.internals` lists what is missing); "

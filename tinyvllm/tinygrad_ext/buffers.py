@@ -1,7 +1,5 @@
-"""Device memory through tinygrad's buffers: new tensors, addresses, host views, copies in, split tensors.
-
-Taught in docs/phases/01-appendix-tinygrad-speed.md.
-"""
+"""Device memory through tinygrad's buffers: new tensors, addresses, host views, copies in, split tensors
+(docs/phases/01-appendix-tinygrad-speed.md)."""
 
 from __future__ import annotations
 
@@ -16,10 +14,10 @@ from tinygrad.uop.ops import Ops, shape_to_shape_arg
 
 
 def empty(shape: tuple[int, ...], dtype: DType, device: str | None) -> Tensor:
-    """`Tensor.empty` for a shape of ints on one device, its reshape simplified once per shape."""
+    """`Tensor.empty` on one device, its reshape simplified once per shape."""
     buffer = UOp.new_buffer(canonicalize_device(device), math.prod(shape), dtype)
     reshaped = UOp(Ops.RESHAPE, src=(buffer, *_reshape_sources(tuple(shape))))
-    return Tensor(buffer if reshaped.shape == buffer.shape else reshaped)  # as `reshape`: the same shape is a no-op
+    return Tensor(buffer if reshaped.shape == buffer.shape else reshaped)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,13 +38,13 @@ def is_realized(t: Tensor) -> bool:
 
 
 def buffer_address(x) -> int:
-    """The address of a tensor's (one device) or a `Buffer`'s memory, allocated if it is not yet."""
+    """The address of a tensor's or a `Buffer`'s memory, allocated if need be."""
     buf = x.uop.buffer if isinstance(x, Tensor) else x
     return buf.ensure_allocated().get_buf(buf.device).va_addr
 
 
 def input_shard_address(u: UOp, shard: int) -> int:
-    """The address of a JIT input's buffer: the whole buffer (shard -1), or device `shard`'s part of a `MultiBuffer`."""
+    """The address of a JIT input's buffer (shard -1), or of device `shard`'s part of a `MultiBuffer`."""
     buf = u.buffer
     if shard >= 0:
         assert isinstance(buf, MultiBuffer), f"input {u} is on one device, not split over several"
@@ -72,8 +70,7 @@ def host_memory(t: Tensor) -> memoryview | None:
 
 
 def allocate_zeroed_host_memory(t: Tensor) -> None:
-    """Allocate `t` (a fresh `Tensor.empty`) as zeroed memory outside tinygrad's `LRUAllocator`, which could hand
-    back old contents."""
+    """Allocate a fresh `t` zeroed, outside tinygrad's `LRUAllocator` (which could hand back old contents)."""
     buf = t.uop.buffer
     buf.options = BufferSpec(zero=True, nolru=True)
     buf.allocate()
@@ -87,7 +84,7 @@ def copy_in(t: Tensor, data: memoryview) -> None:
 
 
 def memory_info(device: str) -> tuple[int, int] | None:
-    """(free, total) bytes of a GPU's memory as its driver reports them; None where tinygrad has no way to ask."""
+    """(free, total) bytes of a GPU's memory; None where tinygrad cannot ask."""
     kind = device.split(":")[0].upper()
     dev = Device[device]
     if kind == "CUDA":
@@ -106,16 +103,16 @@ def memory_info(device: str) -> tuple[int, int] | None:
 # ---- tensors split over several devices (tensor parallel, Phase 8) ----
 
 def sharded_zeros(shape: tuple[int, ...], dtype: DType, devices: tuple[str, ...], axis: int) -> Tensor:
-    """A realized tensor of zeros of `shape` split along `axis` over `devices`, zeroed where each part lives."""
+    """Realized zeros of `shape` split along `axis` over `devices`, each part zeroed where it lives."""
     assert shape[axis] % len(devices) == 0, f"{shape} does not split along axis {axis} over {len(devices)} devices"
     shard = tuple(s // len(devices) if i == axis else s for i, s in enumerate(shape))
-    local = Tensor.zeros(*shard, dtype=dtype, device=devices).contiguous().realize()  # (shard) on every device
+    local = Tensor.zeros(*shard, dtype=dtype, device=devices).contiguous().realize()
     return Tensor(local.uop.unshard(axis))
 
 
 def empty_shards(shard: tuple[int, ...], dtype: DType, devices: tuple[str, ...], axis: int | None) -> Tensor:
     """An unrealized buffer of shape `shard` on every device, split along `axis` (None: replicas)."""
-    local = Tensor.invalids(*shard, dtype=dtype, device=devices)  # (shard) on every device, contents undefined
+    local = Tensor.invalids(*shard, dtype=dtype, device=devices)  # contents undefined
     return local if axis is None else Tensor(local.uop.unshard(axis))
 
 
@@ -125,5 +122,5 @@ def shard_shape(t: Tensor) -> tuple[int, ...]:
 
 
 def shard_axis(t: Tensor) -> int | None:
-    """The axis `t` is split along over its devices (None: on one device, or replicated)."""
+    """The axis `t` is split along (None: one device, or replicated)."""
     return t.uop.axis if isinstance(t.device, tuple) else None

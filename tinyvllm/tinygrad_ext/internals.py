@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Internal:
-    name: str  # as tinygrad spells it: a module attribute, `Class.attribute`, or `Ops.MEMBER`
-    module: str  # the module it comes from
-    used_by: str | tuple[str, ...]  # the function or class of tinyvllm.tinygrad_ext that uses it (module.function)
-    params: tuple[str, ...] = ()  # a function tinyvllm calls or replaces: the parameters it relies on, in order
-    in_text: bool = False  # named in a string (a module's class looked up by name), not in code
+    name: str  # a module attribute, `Class.attribute`, or `Ops.MEMBER`
+    module: str
+    used_by: str | tuple[str, ...]  # module.function of tinyvllm.tinygrad_ext
+    params: tuple[str, ...] = ()  # the parameters relied on, in order
+    in_text: bool = False  # named in a string, not in code
 
     def where(self) -> str:
         used_by = self.used_by if isinstance(self.used_by, str) else " and ".join(self.used_by)
@@ -102,8 +102,7 @@ NAMES: tuple[Internal, ...] = (
     Internal("renumber_invalid_outputs", F, "speed.apply_fixes", ("uret",)),
 )
 
-# Attributes of tinygrad's unexported objects the package reads or writes (the public names of private classes):
-# checked to exist; `used_by` says where.
+# Attributes of tinygrad's unexported objects the package reads or writes.
 ATTRIBUTES: tuple[Internal, ...] = (
     *(Internal(f"_TinyJit.{a}", J, "jit.JitBase") for a in ("cnt", "captured")),
     *(Internal(f"CapturedJit.{a}", J, "jit.JitBase") for a in ("ret", "expected_names", "expected_input_info")),
@@ -137,16 +136,15 @@ ATTRIBUTES: tuple[Internal, ...] = (
 
 
 def problem(row: Internal) -> str | None:
-    """What is wrong with `row` in the installed tinygrad (None: nothing): its module, its name, or a parameter
-    the package relies on is missing."""
+    """What the installed tinygrad lacks of `row` (module, name or parameter); None: nothing."""
     try:
         if importlib.util.find_spec(row.module) is None:
             return f"no module {row.module}"
-    except ValueError:  # a stand-in in sys.modules (startup.defer_unused_cpu_renderers): the module is there
+    except ValueError:  # a stand-in (startup.defer_unused_cpu_renderers): the module is there
         pass
     try:
         found = importlib.import_module(row.module)
-    except Exception:  # a module that does not import here (Metal's, off macOS): read its source instead
+    except Exception:  # does not import here (Metal's, off macOS): read its source
         return _problem_in_source(row)
     *path, last = row.name.split(".")
     for part in path:
@@ -163,8 +161,7 @@ def problem(row: Internal) -> str | None:
 
 
 def _parameters(function, name: str) -> list[str]:
-    """The parameter names of `function`, or, behind decorators that hide them (*args, **kwargs), of the function
-    called `name` they wrap (found in their closures)."""
+    """The parameter names of `function`, or of the function `name` a decorator hiding them wraps."""
     parameters = inspect.signature(function).parameters.values()
     if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters) and (inner := _wrapped(function, name)):
         return _parameters(inner, name)
@@ -172,7 +169,7 @@ def _parameters(function, name: str) -> list[str]:
 
 
 def _wrapped(function, name: str, depth: int = 4):
-    """The function called `name` in the closure of `function`, or of a function in that closure, ..."""
+    """The function called `name` in the closures under `function`."""
     inner = [c.cell_contents for c in getattr(function, "__closure__", None) or () if inspect.isfunction(c.cell_contents)]
     named = [f for f in inner if f.__name__ == name and f is not function]
     if named or depth == 0:
@@ -181,7 +178,7 @@ def _wrapped(function, name: str, depth: int = 4):
 
 
 def _declares(cls: type, attribute: str) -> bool:
-    """Does a class set `attribute` on its instances (a dataclass field, or `self.attribute = ...` in its code)?"""
+    """Does a class set `attribute` on its instances (a field, or `self.attribute = ...`)?"""
     for klass in cls.__mro__:
         if attribute in getattr(klass, "__dataclass_fields__", {}) or attribute in vars(klass).get("__annotations__", {}):
             return True
@@ -211,7 +208,7 @@ def _in_order(wanted: tuple[str, ...], names: list[str]) -> bool:
 
 
 def missing(rows: tuple[Internal, ...] = NAMES + ATTRIBUTES) -> list[str]:
-    """One line per row the installed tinygrad lacks, naming it and the function that needs it."""
+    """One line per row the installed tinygrad lacks, naming what needs it."""
     return [f"{row.where()}: {p}" for row in rows if (p := problem(row)) is not None]
 
 

@@ -1,7 +1,5 @@
-"""TinyJit's capture and replay: `JitBase`, tinygrad's `_TinyJit` as a class to subclass (cnt 0: eager, 1: captures,
-2+: replays), and a capture read as calls and launches, one launch per device, for kernels/cpu_graph.py's table.
-Taught in docs/phases/01-appendix-tinygrad-speed.md (a CPU graph).
-"""
+"""TinyJit's capture and replay: `JitBase` to subclass (cnt 0: eager, 1: captures, 2+: replays), and a capture read
+as calls and launches for kernels/cpu_graph.py (docs/phases/01-appendix-tinygrad-speed.md)."""
 
 from __future__ import annotations
 
@@ -17,27 +15,27 @@ from tinygrad.uop.ops import Ops
 from tinyvllm.tinygrad_ext.buffers import buffer_address
 
 class JitBase(_TinyJit):
-    """tinygrad's TinyJit, with what a subclass that replays the capture itself needs, by name."""
+    """tinygrad's TinyJit, with what a subclass that replays the capture itself needs."""
 
     def capture_on_next_call(self) -> None:
-        """Skip the eager first call: the next call captures."""
+        """Skip the eager first call."""
         self.cnt = 1
 
     def is_replaying(self) -> bool:
         return self.cnt >= 2 and self.captured is not None
 
     def count_replay(self) -> None:
-        """Count a replay done outside `_TinyJit.__call__`, as that method would."""
+        """Count a replay done outside `_TinyJit.__call__`."""
         self.cnt += 1
 
     def replay_with_tinygrad(self, input_uops: list[UOp], var_vals: dict[str, int]) -> Any:
-        """Replay the capture with tinygrad's own runner, counted as a replay; returns the captured return value."""
+        """Replay with tinygrad's runner; returns the captured return value."""
         ret = self.captured(input_uops, var_vals)
         self.count_replay()
         return ret
 
     def captured_return(self) -> Any:
-        """What the captured function returned: the tensors every replay returns again."""
+        """What the captured function returned (every replay returns it again)."""
         return self.captured.ret
 
     def check_inputs(self, names: list, input_info: list) -> None:
@@ -48,7 +46,7 @@ class JitBase(_TinyJit):
                            f"got {names}, {input_info}")
 
     def writes_inputs(self, input_uops: list[UOp]) -> bool:
-        """Does the captured graph write one of these inputs (tinygrad's replay then copies it first)?"""
+        """Does the graph write one of these inputs (tinygrad's replay then copies it)?"""
         return any(u in self.captured._written_uops for u in input_uops)
 
 
@@ -68,7 +66,7 @@ class Argument:
 
     buffer: Any = field(repr=False)  # tinygrad's Buffer (or a view of one) on one device
     device: str
-    input: tuple[int, int] | None  # (JIT input slot, shard: -1 a whole input, else a device's part); None: the graph's
+    input: tuple[int, int] | None  # (JIT input slot, shard: -1 whole, else a device's part); None: the graph's
     read: bool
     written: bool
 
@@ -98,15 +96,14 @@ class Call:
     copy: bool
     devices: str | tuple[str, ...]
     launches: list[Launch]
-    program: UOp | None = None  # a kernel's compiled PROGRAM: `loaded_program`, `compiled_object`
+    program: UOp | None = None  # a kernel's compiled PROGRAM
     global_size: tuple = (1, 1, 1)  # the CPU runtime calls a kernel once per core_id
-    variables: tuple[str, ...] = ()  # a kernel's variable arguments, after its buffers, by name
+    variables: tuple[str, ...] = ()  # variable arguments, after the buffers
     num_args: int = 0  # buffers and variables
 
 
 def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
-    """The calls `jit` captured, in order, each with the buffers tinygrad's replay would launch it on for these
-    inputs."""
+    """The calls `jit` captured, in order, on the buffers tinygrad's replay would use for these inputs."""
     for call in jit.captured.linear.src:
         ast = call.src[0]
         if ast.op is not Ops.PROGRAM and ast.op is not Ops.COPY:
@@ -133,7 +130,7 @@ def captured_calls(jit: JitBase, input_uops: list[UOp]) -> Iterator[Call]:
 
 
 def input_of(b: UOp, lane: int) -> tuple[int, int] | None:
-    """(input slot, shard) device `lane`'s launch reads through `b` (shard -1: a whole input); None: the graph's."""
+    """(input slot, shard) `lane` reads through `b` (shard -1: whole); None: the graph's own buffer."""
     if b.op is Ops.PARAM:
         return b.arg.slot, (lane if isinstance(b.device, tuple) else -1)
     if b.op is Ops.MSELECT and b.src[0].op is Ops.PARAM:  # one device's part of a split input
@@ -148,7 +145,7 @@ def input_of(b: UOp, lane: int) -> tuple[int, int] | None:
 
 
 def loaded_program(device: str, program: UOp) -> tuple[Any, int | None]:
-    """(tinygrad's loaded program on `device`, its entry's address where it is a plain C function, else None)."""
+    """(tinygrad's loaded program, its entry address where it is a plain C function, else None)."""
     runtime = get_runtime(device, program)
     if getattr(runtime, "lvp", True) or not hasattr(runtime, "addr"):
         return runtime, None

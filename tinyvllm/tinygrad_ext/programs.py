@@ -1,7 +1,5 @@
-"""Hand-written kernels as tinygrad programs: built into the graph, compiled, and loaded on the host.
-
-Taught in docs/phases/05-custom-kernels.md, section 5.
-"""
+"""Hand-written kernels as tinygrad programs: built into the graph, compiled, loaded on the host
+(docs/phases/05-custom-kernels.md, section 5)."""
 
 from __future__ import annotations
 
@@ -21,13 +19,12 @@ CLANG_KERNEL_PREFIX: str = ClangRenderer.kernel_typedef
 
 
 def renderer_name(kind: str) -> str:
-    """The renderer DEV selects for device kind `kind` ("" = the device's default), read without opening the
-    device."""
+    """The renderer DEV selects for device kind `kind` ("": the default), without opening the device."""
     return DEV.target(kind).renderer
 
 
 def kernel_cost(ops: int = 0, lds: int = 0, mem: int = 0) -> Estimates:
-    """A kernel's cost as DEBUG=2 rates it: operations, bytes loaded and stored, bytes of memory touched once."""
+    """A kernel's cost as DEBUG=2 rates it: operations, bytes loaded and stored, bytes touched once."""
     return Estimates(ops=ops, lds=lds, mem=mem)
 
 
@@ -52,8 +49,7 @@ def source_program(name: str, source: str, num_outs: int, num_ins: int, estimate
 
 
 def kernel_input(t: Tensor) -> Tensor:
-    """`t.contiguous()`, except for a reshape of another custom kernel's output, which tinygrad would copy for
-    nothing."""
+    """`t.contiguous()`, except a reshape of another custom kernel's output (tinygrad would copy it)."""
     u = t.uop
     while u.op is Ops.RESHAPE:
         u = u.src[0]
@@ -69,8 +65,7 @@ def compile_cpu(source: str) -> bytes:
 
 @dataclass(frozen=True)
 class HostProgram:
-    """A compiled object loaded on the host: `fxn(*args)` takes ctypes.c_uint64 arguments; `program` holds the
-    code's memory."""
+    """A compiled object loaded on the host: `fxn(*args)` takes ctypes.c_uint64s; `program` holds its memory."""
 
     name: str
     addr: int
@@ -79,7 +74,7 @@ class HostProgram:
 
 
 def load_cpu_program(lib: bytes, name: str) -> HostProgram:
-    """A compiled object loaded as a host-callable program."""
+    """A compiled object as a host-callable program."""
     dev = Device["CPU"]
     program = dev.runtime(TinyELF(lib, name, dev.renderer.target, ()))
     return HostProgram(name, program.addr, program.fxn, program)

@@ -5,8 +5,7 @@
         for layer in layers: ...       30 layers, 1 trace (per distinct structure: a sliding-window layer is another)
     apply_fixes()                      on tinygrad 0.14.0 only: `renumber_invalid_outputs` made linear
 
-Applied when imported (the model asks for its traces through tinyvllm/plugins.py); taught in
-docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
+Applied when imported; taught in docs/phases/01-appendix-tinygrad-speed.md (`function` per layer).
 """
 
 from __future__ import annotations
@@ -28,13 +27,12 @@ from tinyvllm.tinygrad_ext import INSTALLED_VERSION, TINYGRAD_VERSION
 # `tinygrad.function` the module (the decorator of the same name shadows it)
 tinygrad_function = importlib.import_module("tinygrad.function")
 
-_reused_traces: dict | None = None  # inside `traces_reused()`: a call's structure -> its traced FUNCTION uop
+_reused_traces: dict | None = None  # inside `traces_reused()`: structure -> traced FUNCTION uop
 
 
 @contextlib.contextmanager
 def traces_reused():
-    """Inside: a call whose arguments have an earlier call's structure (shapes, dtypes, devices, settings) calls that
-    traced graph with its own buffers."""
+    """Inside: a call with an earlier call's structure (shapes, dtypes, devices, settings) reuses its trace."""
     global _reused_traces
     outer, _reused_traces = _reused_traces, {}
     try:
@@ -44,7 +42,7 @@ def traces_reused():
 
 
 def _structure(obj, out: list, seen: dict) -> bool:
-    """Append every setting reachable from `obj` and the place of each buffer; False at what it cannot describe."""
+    """Append the settings and buffer places reachable from `obj`; False at what it cannot describe."""
     if isinstance(obj, (Tensor, UOp)):
         u = obj.uop if isinstance(obj, Tensor) else obj
         out.append(("T",) if u.device is not None else ("V", u))  # buffers by place; variables as they are
@@ -73,7 +71,7 @@ class ReusableFunction(tinygrad_function._function):
         described: list = []
         if _reused_traces is None or not _structure((args, kwargs), described, {}):
             return super().__call__(*args, **kwargs)
-        # the parameters as tinygrad's `function` finds them: the same walk, order and dedup
+        # the parameters in tinygrad's `function` order
         uops = [t._uop for t in get_state_dict((args, kwargs), tensor_type=(Tensor, UOp)).values()]
         call_uops = list(dict.fromkeys(u for u in uops if u.device is not None))
         index = {u: i for i, u in enumerate(call_uops)}
@@ -94,7 +92,7 @@ def reusable_function(fxn):
 
 
 def _renumber_invalid_outputs(uret):
-    """tinygrad 0.14.0's `tinygrad.function.renumber_invalid_outputs`, with `invalid_outputs(uret)` computed once."""
+    """tinygrad 0.14.0's `renumber_invalid_outputs`, with `invalid_outputs(uret)` computed once."""
     invalid = tinygrad_function.invalid_outputs(uret)
     return uret.substitute({b: b.replace(arg=replace(b.arg, slot=i))
                             for i, b in enumerate(x for x in uret.toposort(enter_calls=False) if x in invalid)})
@@ -104,8 +102,7 @@ _fixes_applied = False
 
 
 def apply_fixes() -> None:
-    """On tinygrad 0.14.0 only, once: `renumber_invalid_outputs` recomputes `invalid_outputs(uret)` (a walk of the
-    body) per node of the body, quadratic in every traced decoder layer; the fix computes the set once."""
+    """On tinygrad 0.14.0, once: make `renumber_invalid_outputs` linear (it walked the body per node)."""
     global _fixes_applied
     if _fixes_applied or INSTALLED_VERSION != TINYGRAD_VERSION:
         return
@@ -113,4 +110,4 @@ def apply_fixes() -> None:
     _fixes_applied = True
 
 
-apply_fixes()  # on import: the model asks for this module's traces (tinyvllm/plugins.py)
+apply_fixes()

@@ -1,6 +1,5 @@
-"""What a process's start touches in tinygrad: its caches, its settings, how it chooses and opens a device
-(docs/phases/06-appendix-measurements.md, what a new process reuses).
-"""
+"""What a process's start touches in tinygrad: caches, settings, choosing a device
+(docs/phases/06-appendix-measurements.md)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def lowered_program_cache(replacement: dict | None = None) -> dict:
 
 
 def lower_cpu_device_programs_through(cache: dict) -> None:
-    """Build the CPU device's helper programs through `cache`, keyed also by the ast's tag (tinygrad's key omits
-    it)."""
+    """Build the CPU device's helper programs through `cache`, keyed also by the ast's tag."""
     import tinygrad.runtime.ops_cpu as ops_cpu
 
     lower = codegen.do_to_program
@@ -50,17 +48,17 @@ def lower_cpu_device_programs_through(cache: dict) -> None:
 # ---- the default device, settled without probing where an earlier process did ----
 
 def chosen_default_device() -> str | None:
-    """`Device.DEFAULT` if already settled without probing (DEV names it, or this process has probed)."""
+    """`Device.DEFAULT` if settled without probing; else None."""
     return DEV.device or _cached_default_device()
 
 
 def choose_default_device() -> str:
-    """`Device.DEFAULT`: with no DEV, tinygrad probes devices in turn until one opens."""
+    """`Device.DEFAULT` (with no DEV, tinygrad probes devices until one opens)."""
     return Device.DEFAULT
 
 
 def set_default_device(name: str) -> None:
-    """Settle `Device.DEFAULT` on `name` without probing, and in the environment for child processes."""
+    """Settle `Device.DEFAULT` on `name`, also for child processes."""
     _cached_default_device(name)
     os.environ["DEV"] = name
 
@@ -79,8 +77,7 @@ DEFERRED_CPU_RENDERERS = {"tinygrad.renderer.nir": "LVPRenderer", "tinygrad.rend
 
 
 def defer_unused_cpu_renderers() -> None:
-    """Stand in for the costly renderer modules only DEV=CPU:LVP or CPU:X86 use; using one imports the real
-    module."""
+    """Stand in for the costly renderer modules only DEV=CPU:LVP or CPU:X86 use, until used."""
     if "tinygrad.runtime.ops_cpu" in sys.modules or INSTALLED_VERSION != TINYGRAD_VERSION:
         return
     sys.modules.update({name: _stand_in(name, cls) for name, cls in DEFERRED_CPU_RENDERERS.items()
@@ -88,7 +85,7 @@ def defer_unused_cpu_renderers() -> None:
 
 
 def _stand_in(name: str, renderer: str) -> types.ModuleType:
-    """A module `name` that holds a class `renderer` and imports the real module when either is used."""
+    """A module `name` holding a class `renderer`; using either imports the real module."""
     module = types.ModuleType(name, "imported when first used: tinyvllm.tinygrad_ext.startup.defer_unused_cpu_renderers")
 
     def real() -> types.ModuleType:
@@ -96,13 +93,13 @@ def _stand_in(name: str, renderer: str) -> types.ModuleType:
             del sys.modules[name]
         return importlib.import_module(name)
 
-    def read(attr: str):  # what the import system asks of any module is absent
+    def read(attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
         return getattr(real(), attr)
 
     class Deferred:
-        def __new__(cls, *args, **kwargs):  # the device picked this renderer: build the real one
+        def __new__(cls, *args, **kwargs):
             return getattr(real(), renderer)(*args, **kwargs)
 
     Deferred.__name__ = Deferred.__qualname__ = renderer  # the device finds its renderers by class name
@@ -115,7 +112,7 @@ TINYGRAD_FINDLIB = None  # tinygrad's own `DLL.findlib`, once replaced
 
 
 def find_libraries_quickly() -> None:
-    """Replace tinygrad's `DLL.findlib` with `_findlib`: the same search, each name tested before it is stat'ed."""
+    """Replace tinygrad's `DLL.findlib` with `_findlib` (names tested before stat)."""
     global TINYGRAD_FINDLIB
     if sys.platform != "linux" or INSTALLED_VERSION != TINYGRAD_VERSION or TINYGRAD_FINDLIB is not None:
         return
@@ -124,7 +121,7 @@ def find_libraries_quickly() -> None:
 
 
 def _findlib(nm: str, paths: list[str], extra_paths=[]) -> str | None:  # noqa: B006  (tinygrad's signature)
-    """`DLL.findlib` of tinygrad 0.14.0 on Linux, step for step, the two tests of an entry swapped."""
+    """tinygrad 0.14.0's `DLL.findlib` on Linux, an entry's two tests swapped."""
     if pathlib.Path(path := getenv(nm.replace("-", "_").upper() + "_PATH", "")).is_file():
         return path
     for p in paths:
@@ -156,7 +153,7 @@ def tinygrad_settings() -> dict[str, str]:
 
 
 def default_cpu_threads() -> int:
-    """How many threads tinygrad itself would use on the CPU (`tinygrad.helpers.NUM_CPU_THREADS`)."""
+    """tinygrad's own CPU thread count."""
     return NUM_CPU_THREADS.value
 
 
@@ -164,7 +161,7 @@ _kernel_cache_shared = False
 
 
 def share_kernel_cache_across_threads() -> None:
-    """Reopen tinygrad's kernel cache with check_same_thread=False, so the engine thread may use it."""
+    """Reopen tinygrad's kernel cache with check_same_thread=False (the engine thread uses it)."""
     global _kernel_cache_shared
     if _kernel_cache_shared:
         return
