@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tinyvllm.model.bpe import GPT2_PATTERN, LLAMA3_PATTERN, SMOLLM_PATTERN, ByteLevelBPETokenizer
@@ -457,8 +457,12 @@ def test_incremental_detokenizer_after_a_prompt(tok):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 49151), max_size=30))
+@example(ids=[184, 111])  # b"\xed" b"\xa1": held back whole, decoded as two U+FFFD
 def test_incremental_detokenizer_on_random_ids(tok, ids):
-    """Any ids, valid UTF-8 or not: the stream is decode() minus at most one unfinished character."""
+    """Any ids, valid UTF-8 or not: the stream is decode() minus the bytes still held for an unfinished character
+    (at most 3; decode() writes them as up to 3 U+FFFD: b'\\xed\\xa1', a surrogate's start, gives two)."""
     detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
     streamed = "".join(detok.add(t) for t in ids)
-    assert tok.decode(ids) in (streamed, streamed + "\ufffd")
+    whole = tok.decode(ids)
+    assert whole.startswith(streamed) and len(whole) - len(streamed) <= 3
+    assert set(whole[len(streamed):]) <= {"\ufffd"}
