@@ -100,15 +100,13 @@ class ByteLevelBPETokenizer(Tokenizer):
         for token, token_id in vocab.items():
             raw = unspell(token)
             token_bytes[token_id] = raw if raw is not None else token.encode("utf-8")
-        self._spellings = [""] * vocab_size  # GPT-2's spelling of each token, added ones as written
+        spellings = [""] * vocab_size  # GPT-2's spelling of each token
         for token, token_id in vocab.items():
-            self._spellings[token_id] = token
+            spellings[token_id] = token
         for content, token_id in added_tokens.items():
             token_bytes[token_id] = content.encode("utf-8")  # added tokens are stored as written, not spelled
-            self._spellings[token_id] = content
-        super().__init__(
-            token_bytes=token_bytes, added_tokens=added_tokens, special_token_ids=special_token_ids, **kwargs
-        )
+        super().__init__(token_bytes=token_bytes, added_tokens=added_tokens, special_token_ids=special_token_ids,
+                         token_strings=spellings, **kwargs)
 
         # bytes -> rank for tiktoken; rank -> token id (None: a byte the vocabulary lacks)
         added_ids = set(added_tokens.values())
@@ -129,10 +127,6 @@ class ByteLevelBPETokenizer(Tokenizer):
             self._rank_to_id[256 + i] = vocab[merged]
         self.pattern = pattern
         self._bpe = tiktoken.Encoding("tinyvllm-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
-
-    def token_string(self, token_id: int) -> str:
-        self.token_bytes(token_id)  # the range check
-        return self._spellings[token_id]
 
     def _encode_ordinary(self, text: str, at_start: bool) -> list[int]:
         rank_to_id = self._rank_to_id

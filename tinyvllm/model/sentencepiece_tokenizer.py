@@ -50,9 +50,6 @@ class SentencePieceTokenizer(Tokenizer):
             token_bytes[token_id] = content.encode("utf-8")
 
         ids = {sp.id_to_piece(i): i for i in range(n)} | added
-        self._spellings = [sp.id_to_piece(i) for i in range(n)] + [""] * (len(token_bytes) - n)
-        for content, token_id in added.items():
-            self._spellings[token_id] = content
         bos = token_id_of(config.get("bos_token"), ids) if "bos_token" in config else _or_none(sp.bos_id())
         eos = token_id_of(config.get("eos_token"), ids) if "eos_token" in config else _or_none(sp.eos_id())
         add_bos = config.get("add_bos_token")  # not stated: True, Llama-2's models are trained with <s> first
@@ -71,11 +68,8 @@ class SentencePieceTokenizer(Tokenizer):
             chat_template=chat_template,
             extra_stop_token_ids=extra_stop_token_ids,
             add_dummy_prefix=bool(add_prefix),
+            token_strings=[sp.id_to_piece(i) for i in range(n)] + [""] * (len(token_bytes) - n),
         )
-
-    def token_string(self, token_id: int) -> str:
-        self.token_bytes(token_id)  # the range check
-        return self._spellings[token_id]
 
     @classmethod
     def from_model_file(

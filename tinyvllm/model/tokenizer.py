@@ -41,10 +41,15 @@ class Tokenizer:
         chat_template: str | None,
         extra_stop_token_ids: Iterable[int] = (),
         add_dummy_prefix: bool = False,
+        token_strings: list[str] | None = None,
     ):
         self._token_bytes = token_bytes  # id -> raw bytes of that token
+        # id -> the vocabulary's own spelling ("Ġis", "▁the"), added tokens as written; None: the decoded bytes
+        self._token_strings = token_strings
         self.vocab_size: int = len(token_bytes)
         self.added_tokens = dict(added_tokens)  # content -> id, matched whole in the text
+        for content, token_id in self.added_tokens.items() if token_strings is not None else ():
+            token_strings[token_id] = content
         self.special_token_ids = frozenset(special_token_ids)
         for token_id in [*self.added_tokens.values(), *self.special_token_ids, bos_token_id, eos_token_id]:
             if token_id is not None and not 0 <= token_id < self.vocab_size:
@@ -97,7 +102,8 @@ class Tokenizer:
 
     def token_string(self, token_id: int) -> str:
         """The tokenizer's own spelling of a token, as HF's convert_ids_to_tokens ("Ġis", "▁the", "<0x0A>")."""
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+        raw = self.token_bytes(token_id)  # the range check
+        return raw.decode("utf-8", errors="replace") if self._token_strings is None else self._token_strings[token_id]
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_token_ids
