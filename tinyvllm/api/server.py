@@ -171,6 +171,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
 
     generation_errors = (400, *guarded, 404, 429, 500, 503)
 
+    async def json_body(raw_request: Request) -> object:
+        """The body of a route that reads it itself (several request kinds), or the 400 FastAPI's parsing gives."""
+        try:
+            return await raw_request.json()
+        except ValueError as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+
     def with_load_report(result, raw_request: Request):
         """A whole answer with vLLM's ORCA load report when the request asks for one (endpoint-load-metrics-format)."""
         asked = raw_request.headers.get("endpoint-load-metrics-format", "")
@@ -196,11 +203,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @v1.post("/chat/completions/batch", responses=responses(ChatCompletionResponse, *generation_errors))
     async def create_batch_chat_completion(raw_request: Request):
         try:
-            body = await raw_request.json()
-        except ValueError as e:
-            return bad_request(f"the request body is not valid JSON: {e}").response()
-        try:
-            return await chat.create_batch_chat_completion(body, raw_request)
+            return await chat.create_batch_chat_completion(await json_body(raw_request), raw_request)
         except RequestValidationError:
             raise
         except Exception as e:
@@ -221,10 +224,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     @app.post("/invocations", responses=responses(ChatCompletionResponse, *generation_errors, stream=True))
     async def invocations(raw_request: Request):
         """SageMaker's one route (vLLM's): the body's keys say which request it is."""
-        try:
-            body = await raw_request.json()
-        except ValueError as e:
-            return bad_request(f"the request body is not valid JSON: {e}").response()
+        body = await json_body(raw_request)
         kinds = [("messages", ChatCompletionRequest, create_chat_completion),
                  ("prompt", CompletionRequest, create_completion), ("input", EmbeddingRequest, create_embedding)]
         for key, model, route in kinds:
