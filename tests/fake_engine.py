@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tinyvllm.engine.input_processor import InputProcessor
 from tinyvllm.engine.parent_request import ParentRequests
 from tinyvllm.engine.text_stream import TextStream
 from tinyvllm.model.tokenizer import Tokenizer, load_tokenizer
@@ -64,6 +65,7 @@ class FakeLLMEngine:
         self.reply_ids = None if reply is None else self.tokenizer.encode(reply, add_special_tokens=False)
         self.model_name = "fake-smollm2"
         self.max_model_len, self.block_size, self.num_total_blocks = max_model_len, block_size, num_blocks
+        self.input_processor = InputProcessor(self.tokenizer, max_model_len)  # the real checks' limits
         self.num_free_blocks = num_blocks
         self.max_num_seqs, self.step_time = max_num_seqs, step_time
         self.word_ids = self.tokenizer.encode(WORDS)

@@ -37,7 +37,6 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
     p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; -1 = all (default 40)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p(best) (default 0)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1)")
-    p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--course", default=os.environ.get("TINYVLLM_COURSE"), metavar="DIR",
                    help="run the engine on the functions written in this build-it folder (course/README.md); "
@@ -68,7 +67,7 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
             config = EngineArgs.from_cli_args(args).create_engine_config()
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                     top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                                    seed=args.seed, stop=args.stop)
+                                    stop=args.stop)  # seeded by the engine's --seed
             generator = Generator(config=config)
         if chat and args.prompt is None:
             return _chat_loop(generator, params)

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tinyvllm.sampling_params import MAX_LOGPROBS
+
 if TYPE_CHECKING:
     from tinygrad.dtype import DType
 
@@ -28,6 +30,8 @@ class ModelConfig:
     dtype: str | DType = "auto"  # "auto": float16 on a GPU, float32 on the CPU (tinyvllm/platforms.py)
     quantization: str = "auto"  # "auto" keeps a GGUF's blocks, "none" dequantizes, "q8_0"/... quantize at load
     max_model_len: int | None = None  # None: the model's, at most what the KV cache holds
+    seed: int = 0  # vLLM's: where unseeded random requests' seeds come from (the same run twice: the same text)
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs alternatives a request may ask for per position; -1: the vocabulary
 
     def __post_init__(self) -> None:
         from tinyvllm.model.loader import check_dtype
@@ -38,6 +42,11 @@ class ModelConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 (or None for the model's), "
                              f"got {self.max_model_len!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0 (or -1: the whole vocabulary), "
+                             f"got {self.max_logprobs!r}")
 
 
 @dataclass(frozen=True)

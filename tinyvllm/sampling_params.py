@@ -129,11 +129,10 @@ class SamplingParams:
             _require(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and -1 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", self.logprobs, f"None, -1 (every token's) or an integer in [0, {MAX_LOGPROBS}]")
-        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
-                                                  and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-                 "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs bounds them
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value >= -1), name, value,
+                     "None, -1 (every token's) or an integer >= 0")
         _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                  "structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         for token_id, bias in (self.logit_bias or {}).items():

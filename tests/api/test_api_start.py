@@ -94,6 +94,9 @@ def test_uds_serves_on_a_unix_socket(tiny_model_dir, tmp_path):
                 time.sleep(0.2)
             answer = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+        # clients name the socket as the host (vLLM's tests: http://vllm.sock/...): no host check on a socket
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://tinyvllm.sock") as http:
+            assert http.get("/health").status_code == 200
     finally:
         process.terminate()
         process.wait(30)

@@ -4,6 +4,8 @@ engine core's step, a failed step retried in parts, the engine's state for the d
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tinyvllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -47,6 +49,40 @@ def test_the_input_processor_refuses_what_cannot_run(tokenizer):
         processor.check_params(SamplingParams(stop_token_ids=[tokenizer.vocab_size + 3]))
     with pytest.raises(ValueError, match="priority"):
         processor.process("r", "Hi", SamplingParams(), "high", in_use=lambda _: False)
+
+
+def test_logprobs_past_max_logprobs_are_refused_in_vllms_words(tokenizer):
+    default, whole = InputProcessor(tokenizer, 16), InputProcessor(tokenizer, 16, max_logprobs=-1)
+    assert default.num_logprobs("sample", 20) == 20 and default.num_logprobs("prompt", None) is None
+    with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater than max allowed: 20"):
+        default.check_params(SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match=f"Requested prompt logprobs of {tokenizer.vocab_size}, .* max allowed: 20"):
+        default.check_params(SamplingParams(prompt_logprobs=-1))  # -1: the whole vocabulary
+    assert whole.num_logprobs("prompt", -1) == whole.max_logprobs == tokenizer.vocab_size
+    whole.check_params(SamplingParams(prompt_logprobs=-1, logprobs=500))
+
+
+def test_the_engine_seed_seeds_requests_that_give_none(tokenizer):
+    def seeds(engine_seed: int, params: SamplingParams) -> list:
+        processor = InputProcessor(tokenizer, 16, seed=engine_seed)
+        return [processor.process(f"r{i}", "Hi", params, 0, lambda _: False).params.seed for i in range(3)]
+
+    random = SamplingParams(temperature=0.8)
+    assert seeds(0, random) == seeds(0, random) != seeds(1, random)  # a rerun samples the same text
+    assert len(set(seeds(0, random))) == 3  # each request its own stream
+    assert seeds(0, SamplingParams(temperature=0.8, seed=7)) == [7, 7, 7]  # the request's own seed wins
+    assert seeds(0, SamplingParams(temperature=0)) == [None] * 3  # greedy: nothing to seed
+
+
+def test_prompt_logprobs_of_the_whole_vocabulary(tiny_model_dir):
+    engine = LLMEngine(tiny_model_dir, max_model_len=64, kv_cache_memory="4MiB", max_logprobs=-1)
+    vocab = engine.tokenizer.vocab_size
+    engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=-1))
+    while engine.has_unfinished_requests():
+        outputs = {o.request_id: o for o in engine.step()}
+    logprob, top = outputs["p"].prompt_logprobs[2]
+    assert len(top) == vocab and logprob == dict(top)[3]  # every token's, the prompt's own among them
+    assert abs(sum(math.exp(lp) for _, lp in top) - 1) < 1e-3
 
 
 def test_a_text_stream_holds_back_a_possible_stop_string(tokenizer):

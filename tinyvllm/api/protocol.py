@@ -12,7 +12,6 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
 
 from tinyvllm.api.fields import RequestModel
-from tinyvllm.sampling_params import MAX_LOGPROBS
 
 
 class ErrorInfo(BaseModel):
@@ -182,7 +181,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     echo: StrictBool = False
     # top alternatives per token (0: the sampled token only); OpenAI allows 5, vLLM 20
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = None  # -1: every token's; at most the server's --max-logprobs
     best_of: StrictInt | None = None
     # vLLM's extras: n beams instead of n samples, ranked with this penalty
     use_beam_search: StrictBool = False
@@ -241,7 +240,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: LaxBool = False  # vLLM declares a lax bool: "true" is true
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = None  # -1: every token's; at most the server's --max-logprobs
     echo: StrictBool = False  # vLLM's: the last message's content opens the answer when its role is the answer's
     # vLLM's chat template extras
     add_generation_prompt: StrictBool = True

@@ -294,8 +294,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                           max_n=args.max_n,
                           max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length)
     engine = AsyncLLMEngine(make_engine, max_waiting=args.max_waiting, stat_logger=ServerMetrics())
+    # a Unix socket has no host name to rebind (only this machine's processes reach it): any Host header, as
+    # clients send the socket's name or their own placeholder
+    allowed_hosts = ["*"] if args.uds else [*args.allowed_hosts, args.host]
     app = build_app(engine, served_model_names=args.served_model_name, api_keys=keys, audit_log=args.audit_log,
-                    limits=limits, allowed_hosts=[*args.allowed_hosts, args.host],
+                    limits=limits, allowed_hosts=allowed_hosts,
                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     enable_force_include_usage=args.enable_force_include_usage,

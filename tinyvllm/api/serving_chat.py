@@ -141,8 +141,8 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         self.check_limits(request)
         include_usage, continuous_usage = self.check_stream_options(request)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         tool_use = self.tool_use(request)
         images = [] if self.engine.multimodal_processor is not None else None
         text = self.render_text(request.messages, tool_use.tools, add_generation_prompt=request.add_generation_prompt,
@@ -158,13 +158,13 @@ class OpenAIServingChat(OpenAIServing):
                                                  "max_completion_tokens")
         else:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_tokens, "messages")
-        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        num_logprobs = self.num_logprobs(request.top_logprobs or 0, "top_logprobs") if request.logprobs else None
         structured = self.structured_outputs(request, tool_use.constraint)
         # a tag that is a special token (Qwen's <tool_call>) must stay in the text to be parsed
         tags = ([START, END] if tool_use.parse else []) + (["<think>", "</think>"] if self.reasoning_parser else [])
         defaults = {"skip_special_tokens": False} if self.has_special_token(tags) else {}
         # vLLM's rule: the prompt's logprobs as asked, else with echo top_logprobs' count
-        num_prompt_logprobs = self.num_prompt_logprobs(request, (request.top_logprobs or 0) if request.echo else None)
+        num_prompt_logprobs = self.num_prompt_logprobs(request, num_logprobs or 0 if request.echo else None)
         params = self.sampling_params(request, max_tokens, num_logprobs, structured, num_prompt_logprobs, **defaults)
 
         def make_parser() -> ChoiceParser:

@@ -29,8 +29,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_limits(request)
         include_usage, continuous_usage = self.check_stream_options(request)
         width = self.best_of(request)  # samples per prompt
+        num_logprobs = self.num_logprobs(request.logprobs, "logprobs")
         # vLLM's rule: the prompt's logprobs as asked, else with echo as many alternatives as the output's
-        num_prompt_logprobs = self.num_prompt_logprobs(request, request.logprobs if request.echo else None)
+        num_prompt_logprobs = self.num_prompt_logprobs(request, num_logprobs if request.echo else None)
         prompts = self.prompts(request.prompt, request.truncate_prompt_tokens)
         if len(prompts) > 1:  # all must be able to wait at once
             self.check_batch_width(len(prompts) * width)
@@ -40,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.use_beam_search:
                 params_of.append(self.beam_search_params(request, max_tokens))
             else:  # best_of ranks by the samples' log-probabilities: the engine computes them
-                logprobs = request.logprobs if width == request.n else (request.logprobs or 0)
+                logprobs = num_logprobs if width == request.n else (num_logprobs or 0)
                 params_of.append(self.sampling_params(request, max_tokens, logprobs, self.structured_outputs(request),
                                                       prompt_logprobs=num_prompt_logprobs))
                 if width != request.n:

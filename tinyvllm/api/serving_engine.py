@@ -21,7 +21,7 @@ from tinyvllm.api.errors import bad_request, model_not_found, to_openai_error
 from tinyvllm.api.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingFields, UsageInfo
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # request fields passed to SamplingParams under the same name, when the client set them
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -147,18 +147,21 @@ class OpenAIServing:
         `default` (what echo asks for); None: no prompt logprobs. vLLM's checks and wording."""
         k = request.prompt_logprobs
         if k is None:
-            return default
-        if k == -1:  # vLLM's "the whole vocabulary": a (V,) row per prompt token, refused here
-            raise bad_request(f"Requested prompt logprobs of -1 (every token of the vocabulary), which is greater "
-                              f"than max allowed: {MAX_LOGPROBS}", "prompt_logprobs")
-        if k < 0:
+            return self.num_logprobs(default, "prompt_logprobs", "prompt")
+        if k < -1:
             raise bad_request("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
-        if k > MAX_LOGPROBS:
-            raise bad_request(f"Requested prompt logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
-                              "prompt_logprobs")
-        if request.stream and k > 0:
+        if request.stream and k != 0:
             raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-        return k
+        return self.num_logprobs(k, "prompt_logprobs", "prompt")
+
+    def num_logprobs(self, k: int | None, param: str, kind: str = "sample") -> int | None:
+        """A request's count of logprobs alternatives, -1 meaning the whole vocabulary; a 400 past --max-logprobs."""
+        if k is not None and k < -1:
+            raise bad_request(f"`{param}` must be a positive value or -1.", param)
+        try:
+            return self.engine.num_logprobs(kind, k)
+        except ValueError as e:
+            raise bad_request(str(e), param) from e
 
     def prompt_logprobs(self, token_ids: list[int], entries: list) -> PromptLogprobs:
         """The engine's prompt logprobs in vLLM's shape: None for the first token, then per token {id: logprob,

@@ -14,6 +14,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from tinyvllm.sampling_params import MAX_LOGPROBS
+
 KV_CACHE_DTYPES = ["auto", "float32", "float16", "int8", "fp8"]
 QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k"]
 
@@ -26,6 +28,8 @@ class EngineArgs:
     dtype: str = "auto"
     device: str | None = None
     max_model_len: int | None = None
+    max_logprobs: int = MAX_LOGPROBS
+    seed: int = 0
     block_size: int = 16
     kv_cache_memory: str | int | None = None
     gpu_memory_utilization: float | None = None
@@ -71,7 +75,7 @@ class EngineArgs:
 
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
-            ModelConfig(self.model, self.dtype, self.quantization, self.max_model_len),
+            ModelConfig(self.model, self.dtype, self.quantization, self.max_model_len, self.seed, self.max_logprobs),
             CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
                         self.num_gpu_blocks_override, self.enable_prefix_caching, self.kv_cache_dtype),
             SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy),
@@ -85,6 +89,11 @@ class EngineArgs:
                        help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
         p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
         p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
+        p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                       help="the most logprobs (sampled or prompt) a request may ask for per position; -1: the whole "
+                            f"vocabulary (vLLM's flag; default {MAX_LOGPROBS})")
+        p.add_argument("--seed", type=int, default=0,
+                       help="seeds the requests that give none, so a rerun samples the same text (vLLM's; default 0)")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
         p.add_argument("--kv-cache-memory", default=None,
                        help="memory for the paged KV cache, e.g. 2GiB (default: 512MiB on the CPU; on a GPU what "

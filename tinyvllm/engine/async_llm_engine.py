@@ -139,6 +139,9 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def num_logprobs(self, kind: str, k: int | None) -> int | None:
+        return self.engine.input_processor.num_logprobs(kind, k)
+
     @property
     def model_path(self) -> str | None:
         path = getattr(self.engine, "model_path", None)

@@ -4,13 +4,16 @@ before a request reaches its engine core)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.plugins import provided
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass
@@ -27,8 +30,11 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, multimodal=None):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, multimodal=None, max_logprobs: int = MAX_LOGPROBS,
+                 seed: int = 0):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.seeds = np.random.default_rng(seed)  # vLLM's --seed: an unseeded random request's seed comes from here
+        self.max_logprobs = tokenizer.vocab_size if max_logprobs == -1 else max_logprobs  # ModelConfig's
         self.multimodal = multimodal  # Phase 10's MultiModalProcessor
         self._structured_outputs = None  # the grammars' compiler (Phase 9), built at the first request with one
 
@@ -42,6 +48,8 @@ class InputProcessor:
             self.check_params(params)
             text, prompt_ids, mm_features = self.process_prompt_dict(prompt)
             grammar = self.grammar(params)  # one that does not compile: ValueError, nothing added
+            if params.seed is None and not params.is_greedy:  # the same requests after a restart: the same text
+                params = dataclasses.replace(params, seed=int(self.seeds.integers(2**63)))
             return ProcessedRequest(text, prompt_ids, params, priority, arrival_time, grammar=grammar,
                                     mm_features=mm_features)
         text, prompt_ids, mm_features = self.process_prompt_dict(prompt)
@@ -90,12 +98,23 @@ class InputProcessor:
         return text, prompt_ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids must be in this model's vocabulary."""
+        """What SamplingParams cannot check alone: token ids in this model's vocabulary, logprobs within
+        max_logprobs (vLLM's wording; -1 counts as the vocabulary)."""
         vocab = self.tokenizer.vocab_size
+        self.num_logprobs("sample", params.logprobs)
+        self.num_logprobs("prompt", params.prompt_logprobs)
         for field_name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{field_name} must be token ids in [0, {vocab}) for this model, got {bad[:5]}")
+
+    def num_logprobs(self, kind: str, k: int | None) -> int | None:
+        """How many alternatives a `kind` ("sample" or "prompt") logprobs request means (-1: the vocabulary);
+        a ValueError in vLLM's words when that is more than max_logprobs."""
+        k = self.tokenizer.vocab_size if k == -1 else k
+        if k and k > self.max_logprobs:
+            raise ValueError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {self.max_logprobs}")
+        return k
 
     def grammar(self, params: SamplingParams):
         """A fresh compiled grammar for one request's output (structured outputs), or None; ValueError if the

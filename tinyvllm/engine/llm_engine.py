@@ -47,7 +47,9 @@ class LLMEngine:
         self.model_name = "model" if self.model_path is None else self.model_path.name
         self.engine_core = EngineCore(config, self.model, self.tokenizer, self.model_name)
         self.config = self.engine_core.config  # with the KV cache's size and the context length filled in
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self._multimodal_processor())
+        mc = self.config.model_config
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self._multimodal_processor(),
+                                              mc.max_logprobs, mc.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parent_requests = ParentRequests()  # n > 1: the user's request id -> its n child requests
         self._beam_search = None  # beam searches (Phase 7a), built at the first one

@@ -35,6 +35,7 @@ def record_hidden_states(state: CachedRequestState, hidden: np.ndarray,
     if len(positions):
         logits = position_logits()  # (count, V)
         k = seq.sampling_params.prompt_logprobs
+        k = logits.shape[-1] if k == -1 else k  # -1: the whole vocabulary
         new = [logprobs_of(logits[p - start - 1], seq.prompt_token_ids[p], k) for p in positions]
         recorded += new
     return ([None] if first_call else []) + new or None
