@@ -265,7 +265,7 @@ def test_return_token_ids_streamed_and_not(server, tokenizer):
     assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected
     plain = post(server, "/v1/completions", {**body, "return_token_ids": False}).json()["choices"][0]
-    assert "token_ids" not in plain and "prompt_token_ids" not in plain  # OpenAI's shape unless asked
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None  # null unless asked, as vLLM's
 
     chat_body = {"messages": CHAT_HI, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
     chat = post(server, "/v1/chat/completions", chat_body).json()
@@ -361,11 +361,12 @@ def test_stream_usage_as_vllm_sends_it(server):
     chat = {"messages": CHAT_HI, "max_tokens": 3, "temperature": 0}
     for path, base in (("/v1/completions", {"prompt": "Hello", "max_tokens": 3}), ("/v1/chat/completions", chat)):
         assert "usage" not in streamed(server, path, base)[-1]  # not asked for
-        for options in ({"include_usage": True}, {}):  # inside stream_options, include_usage defaults to true
-            last = streamed(server, path, {**base, "stream_options": options})[-1]
-            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
-            assert last["usage"]["prompt_tokens_details"] is None  # only with --enable-prompt-tokens-details
-    chunks = streamed(server, "/v1/chat/completions", {**chat, "stream_options": {"continuous_usage_stats": True}})
+        assert "usage" not in streamed(server, path, {**base, "stream_options": {}})[-1]  # include_usage: false
+        last = streamed(server, path, {**base, "stream_options": {"include_usage": True}})[-1]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+        assert last["usage"]["prompt_tokens_details"] is None  # only with --enable-prompt-tokens-details
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = streamed(server, "/v1/chat/completions", {**chat, "stream_options": continuous})
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[0]["usage"]["completion_tokens"] == 0 and chunks[0]["usage"]["prompt_tokens"] > 0
     assert all("usage" in c for c in chunks)
@@ -377,6 +378,7 @@ def test_usage_flags_force_include_usage_and_prompt_tokens_details():
     with serve(lambda: FakeLLMEngine(), enable_force_include_usage=True, enable_prompt_tokens_details=True) as server:
         for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
                            ("/v1/chat/completions", {"messages": CHAT_HI, "max_tokens": 2})):
-            last = streamed(server, path, body)[-1]
-            assert last["choices"] == [] and last["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            chunks = streamed(server, path, body)
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+            assert all(c["usage"] for c in chunks)  # forced: in every chunk too, as vLLM does
             assert post(server, path, body).json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

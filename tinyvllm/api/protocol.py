@@ -74,8 +74,8 @@ class UsageInfo(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: StrictBool = True  # vLLM's default: asking for stream_options at all asks for the usage
-    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
+    include_usage: StrictBool | None = False  # a last chunk with the usage (OpenAI's and vLLM's default: off)
+    continuous_usage_stats: StrictBool | None = False  # vLLM's: every chunk carries the usage so far
 
 
 class PromptLogprob(BaseModel):
@@ -259,8 +259,8 @@ class CompletionLogProbs(BaseModel):
 
 
 class _VllmExtras(BaseModel):
-    """A model whose vLLM-only fields (`EXTRAS`) are left out of its JSON while unset: an OpenAI client sees
-    OpenAI's shape unless it asked for them."""
+    """A streamed chunk's model whose vLLM-only fields (`EXTRAS`) are left out of its JSON while unset (vLLM's
+    `exclude_unset` for chunks); a whole response carries them as null, as vLLM's does."""
 
     EXTRAS: ClassVar[tuple[str, ...]] = ()
 
@@ -269,9 +269,7 @@ class _VllmExtras(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None or key not in self.EXTRAS}
 
 
-class CompletionResponseChoice(_VllmExtras):
-    EXTRAS = ("token_ids", "prompt_logprobs", "prompt_token_ids")
-
+class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -291,12 +289,16 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class CompletionStreamChoice(CompletionResponseChoice, _VllmExtras):
+    EXTRAS = ("token_ids", "prompt_logprobs", "prompt_token_ids")
+
+
 class CompletionStreamResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 
@@ -317,9 +319,7 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionTokenLogprob] | None = None
 
 
-class ChatCompletionResponseChoice(_VllmExtras):
-    EXTRAS = ("token_ids",)
-
+class ChatCompletionResponseChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
@@ -327,9 +327,7 @@ class ChatCompletionResponseChoice(_VllmExtras):
     token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(_VllmExtras):
-    EXTRAS = ("prompt_logprobs", "prompt_token_ids")
-
+class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int

@@ -16,7 +16,8 @@ from fastapi.responses import StreamingResponse
 
 from tinyvllm.api.errors import bad_request
 from tinyvllm.api.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                   CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
+                                   CompletionResponseChoice, CompletionStreamChoice, CompletionStreamResponse,
+                                   UsageInfo)
 from tinyvllm.api.serving_engine import (SSE_DONE, OpenAIServing, base_request_id, choice_deltas, last_output, sse,
                                         sse_error)
 from tinyvllm.engine.beam_search import BeamSearchParams
@@ -163,7 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs, text_offset[delta.index] = self.logprobs(
                             delta.token_ids, delta.logprobs, request, text_offset.get(delta.index, 0), logprobs)
                     text = (echo[delta.index // request.n] if delta.first else "") + delta.text
-                    choice = CompletionResponseChoice(
+                    choice = CompletionStreamChoice(
                         index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason,
                         token_ids=delta.token_ids if ids else None,
                         prompt_token_ids=final.prompt_token_ids[start:end] if ids and delta.first else None)

@@ -295,14 +295,16 @@ class OpenAIServing:
 
     def check_stream_options(self, request: SamplingFields) -> tuple[bool, bool]:
         """Whether the stream ends with a usage chunk, and whether every chunk carries the usage so far (vLLM's
-        `continuous_usage_stats`); --enable-force-include-usage adds the first."""
+        `continuous_usage_stats`); --enable-force-include-usage turns both on, as in vLLM."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         options = request.stream_options
+        if self.enable_force_include_usage:
+            return request.stream, request.stream
         if options is None:
-            return request.stream and self.enable_force_include_usage, False
-        include = options.include_usage or self.enable_force_include_usage
-        return include, include and options.continuous_usage_stats
+            return False, False
+        include = bool(options.include_usage)
+        return include, include and bool(options.continuous_usage_stats)
 
     def usage(self, output: RequestOutput, opening: bool = False) -> UsageInfo:
         """The prompt counted once however many choices share it, as OpenAI bills it; `opening`: before the first

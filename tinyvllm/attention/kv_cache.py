@@ -10,6 +10,7 @@ Taught in docs/phases/02-paged-attention.md; the GPU budget in 05b-gpu.md; the 8
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from tinygrad.dtype import DType
 from tinyvllm.device_memory import free_device_memory, zeros
 from tinyvllm.model.config import ModelConfig
 from tinyvllm.platforms import platform_for
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = "512MiB"  # where no gpu_memory_utilization applies (the CPU device)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -128,11 +131,12 @@ def kv_cache_budget(kv_cache_memory: str | int | None, gpu_memory_utilization: f
     utilization = gpu_memory_utilization or platform_for(device).gpu_memory_utilization
     if utilization is None:
         return parse_memory(DEFAULT_KV_CACHE_MEMORY)
-    if (info := free_device_memory(device)) is None:
-        if gpu_memory_utilization is None:  # a device without a way to ask: the fixed budget, as on the CPU
-            return parse_memory(DEFAULT_KV_CACHE_MEMORY)
-        raise ValueError(f"gpu_memory_utilization sizes the KV cache from a GPU's free memory, which device "
-                         f"{device or platform_for(device).kind} cannot report: give kv_cache_memory instead")
+    if (info := free_device_memory(device)) is None:  # a device without a way to ask: the fixed budget
+        if gpu_memory_utilization is not None:  # vLLM's CPU backend ignores the flag too
+            logger.warning("gpu_memory_utilization is for a GPU's free memory, which device %s cannot report: the KV "
+                           "cache gets %s (give kv_cache_memory to choose)", device or platform_for(device).kind,
+                           DEFAULT_KV_CACHE_MEMORY)
+        return parse_memory(DEFAULT_KV_CACHE_MEMORY)
     free, total = info
     kept_free = (1 - utilization) * total
     budget = int(free - kept_free - activations)
