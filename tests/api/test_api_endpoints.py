@@ -342,6 +342,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer):
     assert response["usage"]["prompt_tokens"] == 3 and response["choices"][0]["prompt_token_ids"] == ids[-3:]
     assert response["choices"][0]["text"] == tokenizer.decode(ids[-3:]) + offline(
         ids[-3:], max_tokens=2, temperature=0).outputs[0].text
+    right = post(server, "/v1/completions", {**body, "truncation_side": "right"}).json()  # vLLM's: the first ones
+    assert right["choices"][0]["prompt_token_ids"] == ids[:3]
+    assert post(server, "/v1/completions", {**body, "truncation_side": "middle"}).status_code == 400
     long_text = "word " * 400  # over the 256-token context: kept to its last 100 tokens instead of refused
     kept = post(server, "/v1/completions", {"prompt": long_text, "max_tokens": 2, "truncate_prompt_tokens": 100})
     assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 100

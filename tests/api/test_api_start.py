@@ -72,6 +72,9 @@ def test_root_path_serves_behind_a_proxy_prefix():
     with BackgroundServer(app, root_path="/llm") as server:
         # the proxy strips the prefix; the server writes it back into the URLs it gives (the OpenAPI servers)
         assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "fake-smollm2"
+        # a proxy that keeps the prefix: the same routes under it, as vLLM serves them
+        assert httpx.get(f"{server.url}/llm/v1/models").json()["data"][0]["id"] == "fake-smollm2"
+        assert httpx.get(f"{server.url}/llm/health").status_code == 200
         assert httpx.get(f"{server.url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
 
 

@@ -17,6 +17,12 @@ from pathlib import Path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path without the server's --root-path prefix, when it came with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 @dataclass
 class RequestRecord:
     method: str
@@ -78,7 +84,7 @@ class RequestAccounting:
         self.app, self.audit_log, self.key_metrics, self.skip_paths = app, audit_log, key_metrics, skip_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.skip_paths:
+        if scope["type"] != "http" or route_path(scope) in self.skip_paths:
             return await self.app(scope, receive, send)
         record = RequestRecord(scope["method"], scope["path"], time.time())
         start = time.monotonic()

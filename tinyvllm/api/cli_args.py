@@ -15,9 +15,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a .gguf file or an HF checkpoint directory (default: SmolLM2-135M)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every path but /health "
-                        "(default: $TINYVLLM_API_KEY, else none)")
+                        "(default: $TINYVLLM_API_KEY, else vLLM's $VLLM_API_KEY, else none)")
     p.add_argument("--api-keys-file", default=None, metavar="PATH",
                    help="API keys with optional requests/tokens-per-minute limits, as JSON or JSON lines "
                         "(tinyvllm/api/keys.py has the format; `python -m tinyvllm.api.keys ID` makes a key). "

@@ -41,7 +41,7 @@ _ENGINE_EXTRAS = {
     "spaces_between_special_tokens": Refused(
         "special tokens are detokenized as the tokenizer writes them; skip_special_tokens leaves them out", True),
     "truncate_prompt_tokens": SUPPORTED,
-    "truncation_side": Refused("truncate_prompt_tokens keeps a prompt's last tokens only", "left"),
+    "truncation_side": SUPPORTED,
     "allowed_token_ids": Refused("no allow-list of tokens: use structured_outputs (choice, regex) or logit_bias"),
     "logprob_token_ids": Refused("log-probabilities of chosen tokens are not served: use logprobs"),
     "bad_words": Refused("no bad-words filter: use logit_bias (-100) for single-token words", []),

@@ -24,7 +24,8 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
                  wait_until_ready: bool = True, header_read_timeout: float = 10.0, root_path: str = ""):
         access_log.install()
-        config = uvicorn.Config(app, host=host, port=port, root_path=root_path, log_level="warning",
+        app.root_path = root_path or app.root_path
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=5,
                                 http=read_timeout_protocol(header_read_timeout))
         self.server = uvicorn.Server(config)
@@ -81,7 +82,9 @@ def serve(app: FastAPI, engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
     access_log.install()
-    config = uvicorn.Config(app, host=host, port=port, uds=uds, root_path=root_path, log_level=log_level,
+    # FastAPI's root_path, as vLLM sets it: /llm/v1/... (a proxy that keeps the prefix) and /v1/... both route
+    app.root_path = root_path or app.root_path
+    config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + 5,
                             http=read_timeout_protocol(header_read_timeout))
     server = GracefulServer(config, engine, shutdown_timeout)

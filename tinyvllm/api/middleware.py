@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tinyvllm.api.audit import current_record
+from tinyvllm.api.audit import current_record, route_path
 from tinyvllm.api.dashboard import DASHBOARD_PATHS
 from tinyvllm.api.errors import (OpenAIError, bad_request, host_not_allowed, lone_surrogate_error, request_timeout,
                                  request_too_large)
@@ -61,10 +61,10 @@ class RequestGuard:
             name = host_name(headers.get("host", ""))
             if name and not is_allowed_host(name, self.allowed_hosts):
                 raise host_not_allowed(name)
-            key = self.identify(scope["path"], headers)
+            key = self.identify(route_path(scope), headers)
             if key is not None and key.has_limits:
                 send = self.with_rate_limit_headers(key, send)
-                if scope["path"].startswith("/v1/"):
+                if route_path(scope).startswith("/v1/"):
                     self.keys.admit_request(key)
             body = await self.read_body(headers, receive)
             if body and (error := lone_surrogate_error(body)) is not None:

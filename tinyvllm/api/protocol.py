@@ -174,6 +174,7 @@ class SamplingFields(RequestModel):
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: Literal["left", "right"] | None = None  # "right": the prompt's first tokens are kept instead
 
 
 class CompletionRequest(SamplingFields):

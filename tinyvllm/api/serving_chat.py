@@ -149,7 +149,8 @@ class OpenAIServingChat(OpenAIServing):
                                 continue_final_message=request.continue_final_message,
                                 chat_template_kwargs=request.chat_template_kwargs,
                                 check_length=request.truncate_prompt_tokens is None, images=images)
-        prompt_ids = self.truncate_prompt(self.tokenize(text), request.truncate_prompt_tokens)
+        prompt_ids = self.truncate_prompt(self.tokenize(text), request.truncate_prompt_tokens,
+                                          request.truncation_side)
         prompt = prompt_ids
         if images:
             prompt_ids, prompt = self.image_prompt(text, images, request)

@@ -33,7 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_logprobs = self.num_logprobs(request.logprobs, "logprobs")
         # vLLM's rule: the prompt's logprobs as asked, else with echo as many alternatives as the output's
         num_prompt_logprobs = self.num_prompt_logprobs(request, num_logprobs if request.echo else None)
-        prompts = self.prompts(request.prompt, request.truncate_prompt_tokens)
+        prompts = self.prompts(request.prompt, request.truncate_prompt_tokens, request.truncation_side)
         if len(prompts) > 1:  # all must be able to wait at once
             self.check_batch_width(len(prompts) * width)
         params_of = []
@@ -105,22 +105,24 @@ class OpenAIServingCompletion(OpenAIServing):
         return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=bool(request.ignore_eos),
                                 temperature=request.temperature or 0.0, length_penalty=request.length_penalty)
 
-    def prompts(self, prompt: str | list, keep: int | None = None) -> list[tuple[list[int], str]]:
-        """Token ids and text of each prompt: one text, one list of ids, or a batch (a list of either); `keep`:
-        vLLM's truncate_prompt_tokens."""
+    def prompts(self, prompt: str | list, keep: int | None = None, side: str | None = "left"
+                ) -> list[tuple[list[int], str]]:
+        """Token ids and text of each prompt: one text, one list of ids, or a batch (a list of either); `keep`,
+        `side`: vLLM's truncate_prompt_tokens and truncation_side."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return [self.prompt(one, keep) for one in prompt]
-        return [self.prompt(prompt, keep)]
+            return [self.prompt(one, keep, side) for one in prompt]
+        return [self.prompt(prompt, keep, side)]
 
-    def prompt(self, prompt: str | list[int], keep: int | None = None) -> tuple[list[int], str]:
-        """Token ids and text of one prompt, given either way; only its last `keep` tokens when set."""
+    def prompt(self, prompt: str | list[int], keep: int | None = None, side: str | None = "left"
+               ) -> tuple[list[int], str]:
+        """Token ids and text of one prompt, given either way; only `keep` of its tokens when set."""
         if isinstance(prompt, str):
             if keep is None:  # a text too long for the context is refused before its tokenization
                 self.check_prompt_chars(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             token_ids = prompt
-        kept = self.check_token_ids(self.truncate_prompt(token_ids, keep), "prompt")
+        kept = self.check_token_ids(self.truncate_prompt(token_ids, keep, side), "prompt")
         if isinstance(prompt, str) and len(kept) == len(token_ids):
             return kept, prompt
         return kept, self.tokenizer.decode(kept)

@@ -37,6 +37,7 @@ class EmbeddingRequest(RequestModel):
     embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # vLLM's: the base64 bytes' type
     endianness: Literal["native", "little", "big"] = "native"
     truncate_prompt_tokens: StrictInt | None = None  # only each input's last N tokens (-1: the context length)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first N instead
     user: StrictStr | None = None
     normalize: StrictBool | None = None  # None: the server's default (True)
     priority: StrictInt = 0
@@ -91,7 +92,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs, check_length=request.truncate_prompt_tokens is None))
-        inputs = self.inputs(given, request.truncate_prompt_tokens)
+        inputs = self.inputs(given, request.truncate_prompt_tokens, request.truncation_side)
         if len(inputs) > 1:
             self.engine.check_can_accept(len(inputs))
         params = PoolingParams(self.pooler.pooling_type,
@@ -109,9 +110,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=UsageInfo(
             prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)).model_dump()
 
-    def inputs(self, given: str | list, keep: int | None = None) -> list[list[int]]:
-        """Token ids of each input: a text, a list of texts, a list of ids, or a list of lists of ids; only the last
-        `keep` of each when set."""
+    def inputs(self, given: str | list, keep: int | None = None, side: str | None = "left") -> list[list[int]]:
+        """Token ids of each input: a text, a list of texts, a list of ids, or a list of lists of ids; only `keep`
+        of each when set (its last, or first with `side` "right")."""
         if isinstance(given, str):
             given = [given]
         elif given and isinstance(given[0], int):
@@ -124,7 +125,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 if keep is None:
                     self.check_prompt_chars(one, "input")
                 one = self.tokenizer.encode(one)
-            ids.append(self.check_token_ids(self.truncate_prompt(one, keep), "input"))
+            ids.append(self.check_token_ids(self.truncate_prompt(one, keep, side), "input"))
         return ids
 
     @staticmethod

@@ -129,8 +129,9 @@ class OpenAIServing:
                 f"tokens, which leaves no room for output. Shorten the {param}.", param)
         return token_ids
 
-    def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's `truncate_prompt_tokens`: only the prompt's last `keep` tokens (-1: the context length's worth)."""
+    def truncate_prompt(self, token_ids: list[int], keep: int | None, side: str | None = "left") -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: only `keep` of the prompt's tokens (-1: the context length's worth), its
+        last ones, or its first with `truncation_side` "right"."""
         if keep is None:
             return token_ids
         limit = self.engine.max_model_len
@@ -140,7 +141,8 @@ class OpenAIServing:
         if keep == 0 or keep < -1:
             raise bad_request(f"truncate_prompt_tokens must be at least 1, or -1 for the model's context length "
                               f"({limit}), got {keep}", "truncate_prompt_tokens")
-        return token_ids[-(limit if keep == -1 else keep):]
+        keep = limit if keep == -1 else keep
+        return token_ids[:keep] if side == "right" else token_ids[-keep:]
 
     def num_prompt_logprobs(self, request: SamplingFields, default: int | None = None) -> int | None:
         """How many alternatives each prompt token's logprob comes with: the request's `prompt_logprobs`, else
