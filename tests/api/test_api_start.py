@@ -120,6 +120,29 @@ def test_tokenizer_info_only_when_enabled():
         assert httpx.get(f"{server.url}/tokenizer_info").status_code == 404
 
 
+def test_server_load_counts_the_requests_in_flight():
+    import threading
+
+    from api_helpers import serve
+    from fake_engine import FakeLLMEngine
+
+    fake = FakeLLMEngine()
+    with serve(lambda: fake, enable_server_load_tracking=True) as server:
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+        fake.gate.clear()  # the engine holds the request inside its step
+        body = {"prompt": "Hi", "max_tokens": 2}
+        answer = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",), kwargs={"json": body})
+        answer.start()
+        assert fake.at_gate.wait(10)
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 1}
+        fake.gate.set()
+        answer.join(10)
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    with serve(lambda: FakeLLMEngine()) as server:  # not tracked: always 0, as vLLM answers
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+
+
 def test_invocations_dispatches_by_the_body_as_sagemaker_calls_it():
     from api_helpers import serve
     from fake_engine import FakeLLMEngine

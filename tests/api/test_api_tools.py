@@ -80,7 +80,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fake():
     with serve_app(lambda: FakeLLMEngine(reply=REPLY, max_model_len=1024, num_blocks=256, step_time=0.002),
-                   reasoning_parser="think") as server:
+                   reasoning_parser="qwen3") as server:  # vLLM's name for the <think> parser
         yield server
 
 

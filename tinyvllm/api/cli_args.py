@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from tinyvllm.api.reasoning_parser import REASONING_PARSERS
 from tinyvllm.api.response_store import DEFAULT_MAX_STORED_RESPONSES
 from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.engine.arg_utils import EngineArgs
@@ -56,8 +57,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help=f"most stop strings per request (default {defaults.max_stop_sequences})")
     p.add_argument("--max-stop-length", type=int, default=defaults.max_stop_length,
                    help=f"longest stop string, in characters (default {defaults.max_stop_length})")
-    p.add_argument("--reasoning-parser", default="none", choices=["none", "think"],
-                   help="think: send the model's <think>...</think> as reasoning (default none)")
+    p.add_argument("--reasoning-parser", default="none", choices=REASONING_PARSERS,
+                   help="think (or vLLM's qwen3, deepseek_r1): send the model's <think>...</think> as reasoning "
+                        "(default none)")
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
                    help="the format the model writes tool calls in: hermes (<tool_call> JSON </tool_call>: Qwen, "
                         "Hermes, SmolLM2 with the default tool prompt) or llama3_json (Llama 3.1+; default hermes)")
@@ -90,6 +92,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(default off, as vLLM's)")
     p.add_argument("--root-path", default="", metavar="PATH",
                    help="the path prefix a proxy serves this server under (FastAPI's root_path, vLLM's flag)")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count the generating routes' requests in flight, served at GET /load (vLLM's flag)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice 'auto' is always served here, parsed by "
+                        "--tool-call-parser")
     p.add_argument("--uds", default=None, metavar="PATH",
                    help="listen on this Unix domain socket instead of --host and --port")
     p.add_argument("--log-level", default="info")

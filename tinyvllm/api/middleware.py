@@ -131,6 +131,25 @@ class RequestGuard:
                 return b"".join(chunks)
 
 
+class ServerLoad:
+    """vLLM's --enable-server-load-tracking: how many requests of the generating and pooling routes are in flight
+    (`state.server_load`, read by GET /load); a stream counts until its last byte is sent."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/pooling", "/invocations")
+
+    def __init__(self, app: ASGIApp, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not route_path(scope).startswith(self.PATHS):
+            return await self.app(scope, receive, send)
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
 class RequestIdHeader:
     """A request's `X-Request-Id` echoed on its response; with `make_ids` (vLLM's --enable-request-id-headers) one
     is made for a request that sent none."""

@@ -4,6 +4,9 @@ back only where a tag may still be forming. Taught in docs/phases/09-appendix-to
 
 from __future__ import annotations
 
+# --reasoning-parser: "think", and vLLM's names for models that write the same <think> tags
+REASONING_PARSERS = ("none", "think", "qwen3", "deepseek_r1")
+
 
 def partial_tag_length(text: str, tag: str) -> int:
     """How many characters at the end of `text` could be the start of `tag` ("ab<thi" -> 4 for "<think>")."""

@@ -23,7 +23,8 @@ from tinyvllm.api.errors import bad_request, install_error_handlers, model_not_f
 from tinyvllm.api.keys import ApiKeys, KeyedEngine
 from tinyvllm.api.launcher import serve
 from tinyvllm.api.metrics import KeyMetrics, ServerMetrics
-from tinyvllm.api.middleware import OPEN_PATHS, CorsConfig, RequestGuard, RequestIdHeader, host_name
+from tinyvllm.api.middleware import (OPEN_PATHS, CorsConfig, RequestGuard, RequestIdHeader, ServerLoad,
+                                     host_name)
 from tinyvllm.api.openapi import openapi_schema, responses
 from tinyvllm.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ModelCard, ModelList)
@@ -51,7 +52,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
               media=None, enable_request_id_headers: bool = False,
-              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False, enable_server_load_tracking: bool = False) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
     `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
@@ -92,6 +93,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     if keys is not None or audit is not None:  # added after the guard: outside it, it sees the guard's refusals too
         app.add_middleware(RequestAccounting, audit_log=audit, key_metrics=key_metrics, skip_paths=OPEN_PATHS)
     app.add_middleware(RequestIdHeader, make_ids=enable_request_id_headers)
+    app.state.server_load = 0  # GET /load: 0 unless tracked
+    if enable_server_load_tracking:
+        app.add_middleware(ServerLoad, state=app.state)
     if cors is not None and cors.allowed_origins:  # the outermost: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
                            allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
@@ -111,6 +115,11 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
             operation_id="ping_get")(health)
     app.post("/ping", responses=responses({"application/json": {"type": "object"}}, 413, 421, 503),
              operation_id="ping_post")(health)
+
+    @app.get("/load", responses=responses({"application/json": {
+        "type": "object", "required": ["server_load"], "properties": {"server_load": {"type": "integer"}}}}, *guarded))
+    async def load() -> dict:  # vLLM's: requests in flight on the generating routes (--enable-server-load-tracking)
+        return {"server_load": app.state.server_load}
 
     @app.get("/version", responses=responses({"application/json": {
         "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}, *guarded))
@@ -306,7 +315,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                                     tuple(args.allowed_headers), args.allow_credentials),
                     pooler=pooler, max_stored_responses=args.max_stored_responses, media=media_connector(args),
                     enable_request_id_headers=args.enable_request_id_headers,
-                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                    enable_server_load_tracking=args.enable_server_load_tracking)
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           header_read_timeout=args.header_read_timeout, uds=args.uds, root_path=args.root_path)
 

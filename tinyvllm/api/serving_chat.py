@@ -20,7 +20,7 @@ from tinyvllm.api.protocol import (ChatCompletionLogProbs, ChatCompletionRequest
                                    ChatCompletionStreamResponse, ChatCompletionTokenLogprob, ChatMessage,
                                    CompletionTokensDetails, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                    NamedToolChoice, ToolCall, TopLogprob, UsageInfo)
-from tinyvllm.api.reasoning_parser import ThinkReasoningParser
+from tinyvllm.api.reasoning_parser import REASONING_PARSERS, ThinkReasoningParser
 from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, base_request_id, choice_deltas,
                                          grammar_error, last_output, sse, sse_error)
 from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, TOOL_PARSERS, ToolCallPolicy, ToolParser,
@@ -32,7 +32,6 @@ from tinyvllm.sampling_params import StructuredOutputsParams
 
 # OpenAI's roles ("developer" is the newer "system"); as in vLLM, any other string goes to the chat template too
 ROLES = ("system", "developer", "user", "assistant", "tool")
-REASONING_PARSERS = ("none", "think")
 
 
 @dataclass
