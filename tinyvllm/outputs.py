@@ -29,6 +29,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None  # the queue time ends, the prefill starts
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times its KV blocks were freed to make room, to be recomputed
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -199,6 +199,7 @@ def test_request_level_metrics_split_each_request_into_its_phases():
         grew("e2e_request_latency_seconds_sum") + 1e-3
     assert grew("request_decode_time_seconds_sum") >= 2 * 4 * 0.01 and grew("request_queue_time_seconds_sum") >= 0.04
     assert after["tinyvllm:num_preemptions_total"] == 0
+    assert grew("request_num_preemptions_count") == 2 and grew("request_num_preemptions_sum") == 0
     assert grew("request_params_n_count") == 2 and grew("request_params_max_tokens_sum") == 10
 
 

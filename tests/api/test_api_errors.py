@@ -150,7 +150,11 @@ def test_full_waiting_queue_is_429_with_retry_after():
                 assert int(response.headers["Retry-After"]) >= 1
             with pytest.raises(openai.RateLimitError):
                 client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
-            assert metrics(server)["tinyvllm:num_requests_waiting"] == 2
+            seen = metrics(server)
+            assert seen["tinyvllm:num_requests_waiting"] == 2
+            by_reason = 'vllm:num_requests_waiting_by_reason{model_name="fake-smollm2",engine="0",reason="capacity"}'
+            assert seen[by_reason] == 2
+            assert seen['tinyvllm:admission_rejections_total{reason="max_num_queued_reqs"}'] == 3  # the three 429s
             fake.gate.set()
             for response in (first, second):
                 events = sse_events(response)

@@ -107,6 +107,9 @@ def test_logit_bias_key_that_is_not_an_integer_string(server):
         client(server).completions.create(model=MODEL, prompt="Hi", logit_bias={"²": 1})
     message = e.value.body["message"]
     assert e.value.body["param"] == "logit_bias" and "integer strings" in message and "invalid literal" not in message
+    with pytest.raises(openai.BadRequestError) as e:  # every bad key named at once, as vLLM does
+        client(server).completions.create(model=MODEL, prompt="Hi", logit_bias={"bad1": 1, "7": 2, "bad2": 3})
+    assert "'bad1', 'bad2'" in e.value.body["message"] and "'7'" not in e.value.body["message"]
 
 
 # ---- 6: limits the operator sets ------------------------------------------------------------------

@@ -220,6 +220,7 @@ def test_preemption_frees_the_newest_and_puts_it_at_the_head_of_the_queue():
     out = scheduler.schedule()  # a's sampled token starts a new block: b, the newest, makes room
     assert out.preempted_seqs == [b] and out.scheduled_seqs == [a]  # and nothing is admitted this step
     assert scheduler.num_preemptions == 1  # vLLM's num_preemptions_total, on /metrics
+    assert (a.num_preemptions, b.num_preemptions) == (0, 1)  # per request: vLLM's request_num_preemptions
     assert list(scheduler.waiting) == [b, c]
     assert b.status == SequenceStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_table == []
     assert b.output_token_ids == [6] and b.is_prefill  # its 5 tokens are recomputed when it is readmitted

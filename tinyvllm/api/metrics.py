@@ -94,6 +94,15 @@ class Counter(Metric):
                 for value, count in sorted(self.values.items())]
 
 
+class LabeledGauge(Counter):
+    """A gauge per value of one label (vLLM's `num_requests_waiting_by_reason`)."""
+
+    kind = "gauge"
+
+    def set(self, value: float, label_value: str) -> None:
+        self.values[label_value] = value
+
+
 class Histogram(Metric):
     kind = "histogram"
 
@@ -133,6 +142,13 @@ class ServerMetrics:
                              vllm=True)
         self.blocks_used = Gauge("num_kv_blocks_used", "KV cache blocks held by requests.")
         self.blocks_total = Gauge("num_kv_blocks_total", "KV cache blocks in the pool.")
+        self.waiting_by_reason = LabeledGauge(
+            "num_requests_waiting_by_reason", "Waiting requests by reason: capacity (for room in the batch or the KV "
+            "cache; every one here) or deferred (vLLM's LoRA and KV-transfer waits, which this engine has not).",
+            "reason", vllm=True, label_values=("capacity", "deferred"))
+        self.admission_rejections = Counter(
+            "admission_rejections_total", "Requests refused at admission (429) by a queue limit: --max-waiting is "
+            "vLLM's max_num_queued_reqs.", "reason", vllm=True, label_values=("max_num_queued_reqs",))
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", vllm=True)
         self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.", vllm=True)
         self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
@@ -180,6 +196,8 @@ class ServerMetrics:
                                                          16384), vllm=True)
         self.preemptions = Counter("num_preemptions_total", "Requests preempted (their KV blocks freed, to be "
                                    "recomputed) to make room for others.", vllm=True)
+        self.request_preemptions = Histogram("request_num_preemptions", "Times each finished request was preempted.",
+                                             (0, 1, 2, 5, 10, 20, 50), vllm=True)
         self.batch = Histogram("num_running_per_step", "Requests in the batch of each engine step.", BATCH_BUCKETS)
         # speculative decoding (Phase 7b), shown only when on: the engine's running totals
         self.spec_decode_on = False
@@ -202,6 +220,11 @@ class ServerMetrics:
                 self.params_n.observe(params.n)
                 if params.max_tokens:
                     self.params_max_tokens.observe(params.max_tokens)
+
+    def record_admission_rejection(self, reason: str = "max_num_queued_reqs") -> None:
+        """A request refused before the engine took it (vLLM's name and reason)."""
+        with self.lock:
+            self.admission_rejections.inc(1, reason)
 
     def record_removed(self, request_id: str) -> None:
         """Aborted (the client left, or the request failed): no latency to report, but it finished."""
@@ -275,6 +298,7 @@ class ServerMetrics:
         self.request_generation_tokens.observe(num_tokens)
         self.request_max_generation_tokens.observe(max((len(c.token_ids) for c in output.outputs), default=0))
         metrics = output.metrics
+        self.request_preemptions.observe(0 if metrics is None else metrics.num_preemptions)
         scheduled = None if metrics is None else metrics.first_scheduled_time
         if scheduled is None:
             return
@@ -301,12 +325,13 @@ class ServerMetrics:
         (`engine`: the engine's index; one engine here, so "0")."""
         if num_waiting is not None:
             self.waiting.value = num_waiting
-        metrics = [self.running, self.waiting, self.blocks_used, self.blocks_total, self.kv_usage, self.cache_config,
-                   self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success,
+        self.waiting_by_reason.set(self.waiting.value, "capacity")
+        metrics = [self.running, self.waiting, self.waiting_by_reason, self.admission_rejections, self.blocks_used,
+                   self.blocks_total, self.kv_usage, self.cache_config, self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success,
                    self.prefix_queries, self.prefix_hits, self.preemptions, self.ttft, self.itl, self.tpot, self.e2e,
                    self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.request_tpot,
                    self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation_tokens,
-                   self.params_n, self.params_max_tokens, self.iteration_tokens, self.batch]
+                   self.params_n, self.params_max_tokens, self.iteration_tokens, self.request_preemptions, self.batch]
         if self.spec_decode_on:
             metrics += [self.spec_draft, self.spec_accepted, self.spec_emitted, self.spec_acceptance,
                         self.spec_mean_length]

@@ -284,16 +284,16 @@ class OpenAIServing:
         return found
 
     def parse_logit_bias(self, logit_bias: dict[str, float]) -> dict[int, float]:
-        parsed = {}
-        for key, bias in logit_bias.items():
-            if (re.fullmatch(r"[0-9]+", key) is None or len(key) > len(str(self.tokenizer.vocab_size))
-                    or int(key) >= self.tokenizer.vocab_size):
-                shown = key if len(key) <= 20 else f"{key[:20]}... ({len(key)} characters)"
-                raise bad_request(f"logit_bias keys must be token ids written as integer strings, in [0, "
-                                  f"{self.tokenizer.vocab_size}) (e.g. {{\"1234\": -100}}), got {shown!r}",
-                                  "logit_bias")
-            parsed[int(key)] = bias
-        return parsed
+        """{"1234": bias} -> {1234: bias}; a 400 naming every key that is not a token id (at most 5 shown)."""
+        vocab = self.tokenizer.vocab_size
+        bad = [key for key in logit_bias if re.fullmatch(r"[0-9]+", key) is None or len(key) > len(str(vocab))
+               or int(key) >= vocab]
+        if bad:
+            shown = ", ".join(repr(k if len(k) <= 20 else f"{k[:20]}... ({len(k)} characters)") for k in bad[:5])
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            raise bad_request(f"logit_bias keys must be token ids written as integer strings, in [0, {vocab}) "
+                              f"(e.g. {{\"1234\": -100}}), got {shown}{more}", "logit_bias")
+        return {int(key): bias for key, bias in logit_bias.items()}
 
     def check_stream_options(self, request: SamplingFields) -> tuple[bool, bool]:
         """Whether the stream ends with a usage chunk, and whether every chunk carries the usage so far (vLLM's

@@ -37,6 +37,7 @@ class EngineCoreOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:

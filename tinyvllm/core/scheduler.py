@@ -238,6 +238,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._free_encoder_inputs(seq, everything=True)
         self.num_preemptions += 1
+        seq.num_preemptions += 1
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
@@ -277,7 +278,8 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(
                     seq_id, new_token_ids, model_output.logprobs.get(seq_id), prompt_logprobs,
                     model_output.pooler_output.get(seq_id), seq.status.finish_reason, seq.stop_reason,
-                    num_cached_tokens=max(seq.num_cached_tokens, 0), first_scheduled_time=seq.first_scheduled_time))
+                    num_cached_tokens=max(seq.num_cached_tokens, 0), first_scheduled_time=seq.first_scheduled_time,
+                    num_preemptions=seq.num_preemptions))
         if not scheduler_output.scheduled_seqs:
             outputs += self._fail_stuck_head(scheduler_output)
         return outputs

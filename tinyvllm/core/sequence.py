@@ -67,6 +67,7 @@ class Sequence:
         self.grammar = grammar  # structured outputs' matcher
         self.mm_features = list(mm_features)  # Phase 10
         self.first_scheduled_time: float | None = None
+        self.num_preemptions = 0
         self.stop_reason: int | None = None  # the stop token id that ended it, if one of stop_token_ids
         self._block_hashes: list[bytes] = []
 

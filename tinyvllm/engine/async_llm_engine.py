@@ -209,6 +209,7 @@ class AsyncLLMEngine:
         if self.draining:
             raise EngineDeadError("the server is shutting down and takes no new requests; retry on another server")
         if self.max_waiting is not None and self.num_waiting() + n > self.max_waiting:
+            self._record("record_admission_rejection")
             raise EngineOverloadedError(f"the server is overloaded: {self.num_waiting()} requests are already "
                                         f"waiting (max {self.max_waiting}); retry later", self.retry_after)
 

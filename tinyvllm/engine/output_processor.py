@@ -113,6 +113,7 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted while the step ran
             state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or out.first_scheduled_time
+            state.metrics.num_preemptions = max(state.metrics.num_preemptions, out.num_preemptions)
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs:
                 state.prompt_logprobs += out.new_prompt_logprobs
