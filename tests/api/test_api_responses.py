@@ -147,6 +147,28 @@ def test_refusals_name_the_field(server):
         client(server).responses.create(model="gpt-4o", input="Hi")
 
 
+def test_reasoning_effort_reaches_the_chat_template(server):
+    from tinyvllm.api.protocol import ChatCompletionRequest
+    from tinyvllm.api.serving_chat import template_kwargs
+
+    def kwargs(**fields):
+        return template_kwargs(ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **fields))
+
+    assert kwargs() is None
+    assert kwargs(reasoning_effort="none") == {"enable_thinking": False, "reasoning_effort": "none"}
+    assert kwargs(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}) == {
+        "enable_thinking": False, "reasoning_effort": "low"}  # the request's own variable wins, as in vLLM
+    done = client(server).responses.create(model=MODEL, input="Hi", reasoning={"effort": "low"}, max_output_tokens=4)
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"  # served
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).responses.create(model=MODEL, input="Hi", reasoning={"effort": "low", "summary": "auto"})
+    assert e.value.body["param"] == "reasoning" and "summar" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               reasoning_effort="extreme")
+    assert e.value.body["param"] == "reasoning_effort"
+
+
 def test_legacy_functions_and_function_call(caller):
     """OpenAI's deprecated `functions` / `function_call` (tinyvllm/api/legacy_functions.py): served as tools."""
     function = {key: value for key, value in WEATHER.items() if key != "type"}

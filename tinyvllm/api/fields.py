@@ -114,8 +114,7 @@ CHAT_FIELDS = {
                                   False),
     "documents": Refused("no documents slot in the chat template: put the documents in a message"),
     "return_prompt_text": Refused("the rendered prompt is not returned: /tokenize with return_token_strs shows it"),
-    "reasoning_effort": Refused("no reasoning effort: a template variable such as enable_thinking goes in "
-                                "chat_template_kwargs"),
+    "reasoning_effort": SUPPORTED,
     "include_reasoning": Refused("reasoning is split out by --reasoning-parser: a server started without it returns "
                                  "the text whole", True),
     "audio": Refused("text output only"),
@@ -149,7 +148,7 @@ RESPONSES_FIELDS = {
     "context_management": Refused("no server-side compaction: send the items to keep in input"),
     "max_tool_calls": Refused("the client runs the tools: parallel_tool_calls=false allows one call per response"),
     "prompt": Refused("no stored prompt templates: send instructions and input"),
-    "reasoning": Refused("no reasoning effort or summaries: --reasoning-parser splits the reasoning out"),
+    "reasoning": SUPPORTED,
     "include_reasoning": Refused("reasoning is split out by --reasoning-parser: a server started without it returns "
                                  "the text whole", True),
     "truncation": Refused("the context is not truncated: an input too long is a 400", "disabled"),

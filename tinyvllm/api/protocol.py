@@ -73,6 +73,9 @@ class UsageInfo(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None  # with --reasoning-parser
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False  # a last chunk with the usage (OpenAI's and vLLM's default: off)
     continuous_usage_stats: StrictBool | None = False  # vLLM's: every chunk carries the usage so far
@@ -247,6 +250,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
+    # vLLM's: given to the chat template as reasoning_effort, with enable_thinking = (effort != "none")
+    reasoning_effort: ReasoningEffort | None = None
 
 
 # ---- completions responses ----

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from tinyvllm.api.fields import RequestModel
+from tinyvllm.api.protocol import ReasoningEffort
 
 
 class FunctionTool(BaseModel):
@@ -38,6 +39,11 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class Reasoning(BaseModel):
+    effort: ReasoningEffort | None = None  # to the chat template, as the chat route's reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None  # refused: no summaries are written
+
+
 class ResponsesRequest(RequestModel):
     model: StrictStr | None = None
     input: StrictStr | Annotated[list[dict], Field(min_length=1)]
@@ -49,6 +55,7 @@ class ResponsesRequest(RequestModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
+    reasoning: Reasoning | None = None
     stream: StrictBool = False
     store: StrictBool = True  # keep the response (tinyvllm/api/response_store.py), as OpenAI and vLLM default
     previous_response_id: StrictStr | None = None  # continue a stored response

@@ -97,6 +97,16 @@ class ChoiceParser:
         return "tool_calls" if reason == "stop" and self.num_calls else reason
 
 
+def template_kwargs(request: ChatCompletionRequest) -> dict | None:
+    """The chat template's extra variables: the request's, and vLLM's reasoning_effort with enable_thinking (true
+    unless the effort is "none"; the request's own enable_thinking wins). A template ignores the ones it lacks."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", request.reasoning_effort != "none")
+        kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+    return kwargs or None
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, reasoning_parser: str | None = None, tool_call_parser: str = "hermes", media=None,
                  **kwargs):
@@ -146,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
         images = [] if self.engine.multimodal_processor is not None else None
         text = self.render_text(request.messages, tool_use.tools, add_generation_prompt=request.add_generation_prompt,
                                 continue_final_message=request.continue_final_message,
-                                chat_template_kwargs=request.chat_template_kwargs,
+                                chat_template_kwargs=template_kwargs(request),
                                 check_length=request.truncate_prompt_tokens is None, images=images)
         prompt_ids = self.truncate_prompt(self.tokenize(text), request.truncate_prompt_tokens,
                                           request.truncation_side)

@@ -124,6 +124,12 @@ class OpenAIServingResponses:
         fields = {name: getattr(request, name) for name in SAMPLING if getattr(request, name) is not None}
         fields.update(model=request.model, messages=messages, stream=stream,
                       max_completion_tokens=request.max_output_tokens)
+        if request.reasoning is not None:
+            if request.reasoning.summary is not None:
+                raise bad_request("reasoning.summary: no reasoning summaries are written here; the reasoning itself "
+                                  "comes as a reasoning item with --reasoning-parser. Leave summary out.",
+                                  "reasoning")
+            fields["reasoning_effort"] = request.reasoning.effort
         if stream:
             fields["stream_options"] = {"include_usage": True}
         if request.include and LOGPROBS in request.include:
