@@ -37,6 +37,17 @@ def test_model_comes_first_as_in_vllm_serve():
     assert cli._model_first(["--port", "9"]) == ["--port", "9"]
 
 
+def test_flags_with_underscores_read_as_vllms_parser_reads_them():
+    from tinyvllm.api.cli_args import build_parser
+    from tinyvllm.engine.arg_utils import dashed_flags
+
+    argv = ["--max_model_len", "512", "--served-model-name", "a_b", "--kv_cache_dtype=int8", "x_y"]
+    assert dashed_flags(argv) == ["--max-model-len", "512", "--served-model-name", "a_b", "--kv-cache-dtype=int8",
+                                  "x_y"]  # flag names only: values keep their underscores
+    args = build_parser().parse_args(dashed_flags(["--max_model_len", "512", "--enable_server_load_tracking"]))
+    assert args.max_model_len == 512 and args.enable_server_load_tracking
+
+
 def test_bench_outside_a_checkout_says_where_the_benchmarks_are(capsys, monkeypatch):
     monkeypatch.setattr(cli, "benchmarks_dir", lambda: None)
     assert cli.main(["bench", "latency"]) == 2

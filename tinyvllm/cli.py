@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tinyvllm.engine.arg_utils import EngineArgs
+from tinyvllm.engine.arg_utils import EngineArgs, dashed_flags
 from tinyvllm.gc_utils import engine_start
 
 PROCESS_START = time.perf_counter()
@@ -47,7 +47,7 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
 
 def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: bool = False) -> int:
     """`tinyvllm generate`, `python main.py`, `tinyvllm chat` (chat=True): text to stdout, statistics to stderr."""
-    args = build_generate_parser(prog, chat).parse_args(argv)
+    args = build_generate_parser(prog, chat).parse_args(dashed_flags(argv))
     if args.device:
         os.environ["DEV"] = args.device.upper()
     try:

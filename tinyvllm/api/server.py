@@ -38,7 +38,7 @@ from tinyvllm.api.serving_engine import ServerLimits
 from tinyvllm.api.serving_responses import OpenAIServingResponses
 from tinyvllm.api.serving_tokenize import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
                                            TokenizerInfoResponse, TokenizeRequest, TokenizeResponse)
-from tinyvllm.engine.arg_utils import EngineArgs
+from tinyvllm.engine.arg_utils import EngineArgs, dashed_flags
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReadyError
 from tinyvllm.plugins import provided
 from tinyvllm.pooling_params import PoolingParams
@@ -276,7 +276,7 @@ def media_connector(args):
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed_flags(argv))
     try:  # before the model loads
         keys = ApiKeys.build(args.api_key, args.api_keys_file)
     except (OSError, ValueError) as e:

@@ -10,6 +10,7 @@ config tree the engine reads (vLLM's vllm/engine/arg_utils.py).
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -18,6 +19,17 @@ from tinyvllm.sampling_params import MAX_LOGPROBS
 
 KV_CACHE_DTYPES = ["auto", "float32", "float16", "int8", "fp8"]
 QUANTIZATIONS = ["auto", "none", "q8_0", "q4_0", "q4_1", "iq4_nl", "q4_k"]
+
+
+def dashed_flags(argv: list[str] | None) -> list[str]:
+    """`--max_model_len` read as `--max-model-len`, as vLLM's parser reads a flag (argv None: the command line's)."""
+    dashed = []
+    for arg in sys.argv[1:] if argv is None else argv:
+        if arg.startswith("--"):
+            name, equals, value = arg.partition("=")
+            arg = name.replace("_", "-") + equals + value
+        dashed.append(arg)
+    return dashed
 
 
 @dataclass
