@@ -207,5 +207,6 @@ def test_dtype_auto_is_the_devices(tiny_model_dir):
     from tinyvllm.model.loader import parse_dtype
 
     assert parse_dtype("auto", "CUDA") == tg_dtypes.float16 and parse_dtype("auto", "CPU") == tg_dtypes.float32
+    assert parse_dtype("half") == tg_dtypes.float16 and parse_dtype("float") == tg_dtypes.float32  # vLLM's names
     with pytest.raises(ValueError, match="auto"):
         parse_dtype("bfloat8", "CPU")

@@ -97,7 +97,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add the engine's flags (not --model: each command says how it takes the model)."""
-        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16"],
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "float", "half"],
                        help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
         p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
         p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")

@@ -20,7 +20,8 @@ install_program_cache = provided("program_cache", lambda device=None: None)
 load_tokenizer = provided("tokenizer_cache", tokenizer.load_tokenizer)
 load_vision_tower = provided("vision_tower", lambda *args: None)  # Phase 10
 
-DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
+DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16,
+                             "float": dtypes.float32, "half": dtypes.float16}  # the last two: vLLM's other names
 
 
 def check_dtype(dtype: str | DType) -> str | DType:
