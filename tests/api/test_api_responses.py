@@ -169,6 +169,21 @@ def test_reasoning_effort_reaches_the_chat_template(server):
     assert e.value.body["param"] == "reasoning_effort"
 
 
+def test_response_messages_are_the_raw_prompt_and_output(server):
+    tokenizer = FakeLLMEngine().tokenizer
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3, "temperature": 0}
+    done = httpx.post(f"{server.url}/v1/responses", json={**body, "enable_response_messages": True}).json()
+    (prompt,), (output,) = done["input_messages"], done["output_messages"]
+    assert prompt["type"] == output["type"] == "raw_message_tokens" and len(output["tokens"]) == 3
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert prompt["message"] == chat and prompt["tokens"] == tokenizer.encode(chat, add_special_tokens=False)
+    assert output["message"] == tokenizer.decode(output["tokens"]) == done["output"][0]["content"][0]["text"]
+    plain = httpx.post(f"{server.url}/v1/responses", json=body).json()
+    assert plain["input_messages"] is None and plain["output_messages"] is None  # only when asked
+    refused = httpx.post(f"{server.url}/v1/responses", json={**body, "enable_response_messages": True, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "enable_response_messages"
+
+
 def test_legacy_functions_and_function_call(caller):
     """OpenAI's deprecated `functions` / `function_call` (tinyvllm/api/legacy_functions.py): served as tools."""
     function = {key: value for key, value in WEATHER.items() if key != "type"}

@@ -152,7 +152,7 @@ RESPONSES_FIELDS = {
     "include_reasoning": Refused("reasoning is split out by --reasoning-parser: a server started without it returns "
                                  "the text whole", True),
     "truncation": Refused("the context is not truncated: an input too long is a 400", "disabled"),
-    "enable_response_messages": Refused("the raw prompt and output messages are not returned", False),
+    "enable_response_messages": SUPPORTED,
     "previous_input_messages": Refused("for harmony-format models only, which this server does not serve"),
     "stream_options": Refused("a streamed response always ends with response.completed, usage included"),
     "image": Refused("text output only"),

@@ -56,6 +56,7 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
+    enable_response_messages: StrictBool = False  # vLLM's: the raw prompt and output, text and token ids
     stream: StrictBool = False
     store: StrictBool = True  # keep the response (tinyvllm/api/response_store.py), as OpenAI and vLLM default
     previous_response_id: StrictStr | None = None  # continue a stored response
@@ -134,6 +135,14 @@ class ResponseError(BaseModel):
     message: str
 
 
+class RawMessage(BaseModel):
+    """vLLM's `raw_message_tokens`: a prompt or an output as the model saw or wrote it."""
+
+    type: Literal["raw_message_tokens"] = "raw_message_tokens"
+    message: str
+    tokens: list[int]
+
+
 class ResponsesResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
@@ -157,3 +166,5 @@ class ResponsesResponse(BaseModel):
     background: bool = False
     previous_response_id: str | None = None
     top_logprobs: int | None = None
+    input_messages: list[RawMessage] | None = None  # with enable_response_messages
+    output_messages: list[RawMessage] | None = None

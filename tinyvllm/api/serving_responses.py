@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from tinyvllm.api.errors import OpenAIError, bad_request, to_openai_error
 from tinyvllm.api.protocol import ChatCompletionRequest
 from tinyvllm.api.protocol_responses import (FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage,
-                                             OutputText, OutputTokensDetails, ReasoningItem, ReasoningText,
+                                             OutputText, OutputTokensDetails, RawMessage, ReasoningItem, ReasoningText,
                                              ResponseError, ResponsesRequest, ResponsesResponse, ResponseUsage)
 from tinyvllm.api.response_store import DEFAULT_MAX_STORED_RESPONSES, RUNNING, ResponseStore, StoredResponse
 from tinyvllm.api.serving_chat import OpenAIServingChat
@@ -75,6 +75,9 @@ class OpenAIServingResponses:
         return response.model_dump()
 
     def check_background(self, request: ResponsesRequest) -> None:
+        if request.enable_response_messages and (request.stream or request.background):
+            raise bad_request("enable_response_messages is served on responses that are neither streamed nor in the "
+                              "background: the raw messages come with the whole response", "enable_response_messages")
         if not request.background:
             return
         if not request.store:  # vLLM's check, and its words
@@ -124,6 +127,8 @@ class OpenAIServingResponses:
         fields = {name: getattr(request, name) for name in SAMPLING if getattr(request, name) is not None}
         fields.update(model=request.model, messages=messages, stream=stream,
                       max_completion_tokens=request.max_output_tokens)
+        if request.enable_response_messages:
+            fields["return_token_ids"] = True
         if request.reasoning is not None:
             if request.reasoning.summary is not None:
                 raise bad_request("reasoning.summary: no reasoning summaries are written here; the reasoning itself "
@@ -207,7 +212,14 @@ class OpenAIServingResponses:
         for call in message.get("tool_calls") or []:
             output.append(FunctionCallItem(id=item_id("fc"), call_id=call["id"], name=call["function"]["name"],
                                            arguments=call["function"]["arguments"]))
-        return ResponsesResponse(**head, output=output, **outcome(finish_reason), usage=response_usage(answer["usage"]))
+        raw = {}
+        if request.enable_response_messages:  # as the model saw and wrote them, special tokens included
+            decode = self.chat.tokenizer.decode
+            raw = {"input_messages": [RawMessage(message=decode(answer["prompt_token_ids"]),
+                                                 tokens=answer["prompt_token_ids"])],
+                   "output_messages": [RawMessage(message=decode(choice["token_ids"]), tokens=choice["token_ids"])]}
+        return ResponsesResponse(**head, output=output, **outcome(finish_reason), usage=response_usage(answer["usage"]),
+                                 **raw)
 
     async def events(self, chunks: AsyncIterator[str], request: ResponsesRequest, head: dict,
                      messages: list[dict]) -> AsyncIterator[str]:
