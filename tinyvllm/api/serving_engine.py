@@ -6,6 +6,7 @@ Taught in docs/phases/09-api-server.md, sections 2, 3 and 6.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import re
@@ -175,16 +176,17 @@ class OpenAIServing:
                 continue
             logprob, top = entry
             known = dict([(token_id, logprob), *top])  # every token whose logprob the engine returned here
-            result.append({token: self.prompt_logprob(token, known, dict(top)) for token in known})
+            more_likely = sorted(-other for other in known.values())  # bisect: how many known ones beat a logprob
+            lowest_top = min((other for _, other in top), default=math.inf)
+            result.append({token: self.prompt_logprob(token, value, more_likely,
+                                                      ranked=token != token_id or value >= lowest_top)
+                           for token, value in known.items()})
         return result
 
-    def prompt_logprob(self, token_id: int, known: dict[int, float], top: dict[int, float]) -> PromptLogprob:
+    def prompt_logprob(self, token_id: int, logprob: float, more_likely: list[float], ranked: bool) -> PromptLogprob:
         """One entry; its rank counts the tokens more likely (vLLM's rule). Those are all known for a top
         alternative, and for the prompt's token unless it falls below every top alternative (rank None then)."""
-        logprob = known[token_id]
-        rank = None
-        if token_id in top or any(other <= logprob for other in top.values()):
-            rank = 1 + sum(other > logprob for other in known.values())
+        rank = 1 + bisect.bisect_left(more_likely, -logprob) if ranked else None
         # -9999 for -inf, as vLLM's clamp_prompt_logprobs: JSON has no infinity
         return PromptLogprob(logprob=max(logprob, -9999.0), rank=rank, decoded_token=self.token_text(token_id))
 
