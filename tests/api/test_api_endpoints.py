@@ -172,6 +172,23 @@ def test_continuous_usage_stats(server):
     assert counts == sorted(counts) and counts[-1] == chat[-1].usage.completion_tokens
 
 
+def test_per_request_metrics_on_the_answer_and_the_usage_chunk():
+    timings = {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second"}
+    with serve(lambda: FakeLLMEngine(step_time=0.01), enable_per_request_metrics=True) as server:
+        for path, base in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": CHAT_HI})):
+            body = {**base, "max_tokens": 4, "temperature": 0}
+            answer = post(server, path, body).json()
+            metrics, gaps = answer["metrics"], answer["usage"]["completion_tokens"] - 1
+            assert set(metrics) == timings and all(value >= 0 for value in metrics.values())
+            assert metrics["generation_time_ms"] > 0 and metrics["tokens_per_second"] > 0  # steps take 10 ms
+            assert abs(metrics["mean_itl_ms"] - metrics["generation_time_ms"] / gaps) < 1e-6
+            chunks = streamed(server, path, {**body, "stream_options": {"include_usage": True}})
+            assert all("metrics" not in c for c in chunks[:-1]) and set(chunks[-1]["metrics"]) == timings
+            assert post(server, path, {**body, "n": 2}).json()["metrics"] is None  # one request's, as in vLLM
+    with serve(lambda: FakeLLMEngine()) as server:  # off by default
+        assert post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}).json()["metrics"] is None
+
+
 def test_request_level_metrics_split_each_request_into_its_phases():
     from api_helpers import metrics
 

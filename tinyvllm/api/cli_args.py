@@ -92,6 +92,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(default off, as vLLM's)")
     p.add_argument("--root-path", default="", metavar="PATH",
                    help="the path prefix a proxy serves this server under (FastAPI's root_path, vLLM's flag)")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="each answer (a stream's usage chunk) carries its request's timings as 'metrics' (vLLM's flag)")
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="count the generating routes' requests in flight, served at GET /load (vLLM's flag)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

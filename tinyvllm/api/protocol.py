@@ -285,6 +285,17 @@ class CompletionResponseChoice(BaseModel):
     prompt_token_ids: list[int] | None = None  # return_token_ids: the choice's prompt (a stream's first chunk)
 
 
+class PerRequestMetrics(BaseModel):
+    """vLLM's per-request timings (--enable-per-request-metrics), milliseconds from the engine's clock: the first
+    token after the first step that ran it, the rest of the generation, the queue, the mean gap between tokens."""
+
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None
+    queue_time_ms: float | None = None
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -293,19 +304,23 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    metrics: PerRequestMetrics | None = None
 
 
 class CompletionStreamChoice(CompletionResponseChoice, _VllmExtras):
     EXTRAS = ("token_ids", "prompt_logprobs", "prompt_token_ids")
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(_VllmExtras):
+    EXTRAS = ("metrics",)
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
+    metrics: PerRequestMetrics | None = None  # on the usage chunk, with --enable-per-request-metrics
 
 
 # ---- chat responses ----
@@ -343,6 +358,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM puts chat's on the response, not the choice
     prompt_token_ids: list[int] | None = None
+    metrics: PerRequestMetrics | None = None  # --enable-per-request-metrics
 
 
 class _WithoutNulls(BaseModel):
@@ -386,7 +402,7 @@ class ChatCompletionResponseStreamChoice(_VllmExtras):
 
 
 class ChatCompletionStreamResponse(_VllmExtras):
-    EXTRAS = ("prompt_token_ids",)
+    EXTRAS = ("prompt_token_ids", "metrics")
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -396,3 +412,4 @@ class ChatCompletionStreamResponse(_VllmExtras):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
+    metrics: PerRequestMetrics | None = None  # on the usage chunk, with --enable-per-request-metrics

@@ -52,7 +52,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               enable_prompt_tokens_details: bool = False, enable_force_include_usage: bool = False,
               media=None, enable_request_id_headers: bool = False,
-              enable_tokenizer_info_endpoint: bool = False, enable_server_load_tracking: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False, enable_server_load_tracking: bool = False,
+              enable_per_request_metrics: bool = False) -> FastAPI:
     """The FastAPI app around `engine`, which it starts and stops with the server; the arguments are the flags of
     `cli_args.build_parser`."""
     if api_key is not None and api_keys is not None:
@@ -66,7 +67,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
     limits = limits or ServerLimits()
     keyed_engine = KeyedEngine(engine, keys)
     usage_flags = {"enable_prompt_tokens_details": enable_prompt_tokens_details,
-                   "enable_force_include_usage": enable_force_include_usage}
+                   "enable_force_include_usage": enable_force_include_usage,
+                   "enable_per_request_metrics": enable_per_request_metrics}
     completions = OpenAIServingCompletion(keyed_engine, served_model_names, limits, **usage_flags)
     if media is None and provided("media_connector") is not None:  # Phase 10: data URLs only, by default
         media = provided("media_connector")()
@@ -316,7 +318,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     pooler=pooler, max_stored_responses=args.max_stored_responses, media=media_connector(args),
                     enable_request_id_headers=args.enable_request_id_headers,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                    enable_server_load_tracking=args.enable_server_load_tracking)
+                    enable_server_load_tracking=args.enable_server_load_tracking,
+                    enable_per_request_metrics=args.enable_per_request_metrics)
     serve(app, engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
           header_read_timeout=args.header_read_timeout, uds=args.uds, root_path=args.root_path)
 

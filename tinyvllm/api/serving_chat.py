@@ -373,8 +373,8 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs = self.prompt_logprobs(final.prompt_token_ids, final.prompt_logprobs)
         return ChatCompletionResponse(**head, choices=choices, usage=self.billed_usage(final, parsers),
                                       prompt_logprobs=prompt_logprobs,
-                                      prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None
-                                      ).model_dump()
+                                      prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
+                                      metrics=self.request_metrics(final)).model_dump()
 
     def billed_usage(self, final: RequestOutput, parsers: list[ChoiceParser]) -> UsageInfo:
         """The usage, with the reasoning text's tokens (vLLM's `reasoning_tokens`) under a reasoning parser."""
@@ -415,7 +415,8 @@ class OpenAIServingChat(OpenAIServing):
                         yield sse(ChatCompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
                 billed = self.billed_usage(final, list(parsers.values()))
-                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=billed))
+                yield sse(ChatCompletionStreamResponse(**head, choices=[], usage=billed,
+                                                       metrics=self.request_metrics(final)))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE

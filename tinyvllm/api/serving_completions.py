@@ -146,7 +146,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 index=completion.index, text=echo[completion.index // request.n] + completion.text, logprobs=logprobs,
                 finish_reason=completion.finish_reason, token_ids=list(completion.token_ids) if ids else None,
                 prompt_logprobs=prompt_logprobs, prompt_token_ids=final.prompt_token_ids[start:end] if ids else None))
-        return CompletionResponse(**head, choices=choices, usage=billed).model_dump()
+        return CompletionResponse(**head, choices=choices, usage=billed, metrics=self.request_metrics(final)).model_dump()
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, request: CompletionRequest,
                             echo: list[str], spans: list[tuple[int, int]], include_usage: bool,
@@ -173,7 +173,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     so_far = self.usage(final) if continuous_usage else None
                     yield sse(CompletionStreamResponse(**head, choices=[choice], usage=so_far))
             if include_usage and final is not None:
-                yield sse(CompletionStreamResponse(**head, choices=[], usage=self.usage(final)))
+                yield sse(CompletionStreamResponse(**head, choices=[], usage=self.usage(final),
+                                                   metrics=self.request_metrics(final)))
         except Exception as e:  # after the 200: the error travels as an event
             yield sse_error(e)
         yield SSE_DONE

@@ -19,7 +19,8 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from tinyvllm.api.errors import bad_request, model_not_found, to_openai_error
-from tinyvllm.api.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingFields, UsageInfo
+from tinyvllm.api.protocol import (PerRequestMetrics, PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingFields,
+                                   UsageInfo)
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -56,14 +57,16 @@ class ServerLimits:
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
                  limits: ServerLimits | None = None, *, enable_prompt_tokens_details: bool = False,
-                 enable_force_include_usage: bool = False):
-        """The last two are vLLM's server flags: `usage.prompt_tokens_details` (the prefix cache's share of the
-        prompt) in every answer; a stream's usage chunk even when the client did not ask for it."""
+                 enable_force_include_usage: bool = False, enable_per_request_metrics: bool = False):
+        """The last three are vLLM's server flags: `usage.prompt_tokens_details` (the prefix cache's share of the
+        prompt) in every answer; a stream's usage chunk even when the client did not ask for it; a request's own
+        timings (`metrics`) on its answer or its stream's usage chunk."""
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits or ServerLimits()
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.enable_force_include_usage = enable_force_include_usage
+        self.enable_per_request_metrics = enable_per_request_metrics
 
     @property
     def tokenizer(self):
@@ -309,6 +312,26 @@ class OpenAIServing:
             return False, False
         include = bool(options.include_usage)
         return include, include and bool(options.continuous_usage_stats)
+
+    def request_metrics(self, final: RequestOutput) -> PerRequestMetrics | None:
+        """vLLM's per-request timings for a finished request of one choice; None unless the server asks for them."""
+        times = final.metrics
+        if not self.enable_per_request_metrics or len(final.outputs) != 1 or times is None:
+            return None
+        scheduled, first, last = times.first_scheduled_time, times.first_token_time, times.finished_time
+        tokens = len(final.outputs[0].token_ids)
+        metrics = PerRequestMetrics()
+        if scheduled is not None:
+            metrics.queue_time_ms = max(scheduled - times.arrival_time, 0.0) * 1000
+        if scheduled is not None and first is not None:
+            metrics.time_to_first_token_ms = max(first - scheduled, 0.0) * 1000
+        if first is not None and last is not None:
+            metrics.generation_time_ms = max(last - first, 0.0) * 1000
+            if tokens > 1:
+                metrics.mean_itl_ms = metrics.generation_time_ms / (tokens - 1)
+        if scheduled is not None and last is not None and last > scheduled:
+            metrics.tokens_per_second = tokens / (last - scheduled)
+        return metrics
 
     def usage(self, output: RequestOutput, opening: bool = False) -> UsageInfo:
         """The prompt counted once however many choices share it, as OpenAI bills it; `opening`: before the first
