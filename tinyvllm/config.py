@@ -30,6 +30,7 @@ class ModelConfig:
     dtype: str | DType = "auto"  # "auto": float16 on a GPU, float32 on the CPU (tinyvllm/platforms.py)
     quantization: str = "auto"  # "auto" keeps a GGUF's blocks, "none" dequantizes, "q8_0"/... quantize at load
     max_model_len: int | None = None  # None: the model's, at most what the KV cache holds
+    enforce_eager: bool = False  # vLLM's: every step scheduled anew, no captured graphs (slow; for debugging)
     seed: int = 0  # vLLM's: where unseeded random requests' seeds come from (the same run twice: the same text)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs alternatives a request may ask for per position; -1: the vocabulary
 

@@ -14,4 +14,16 @@ def tiny_jit(fxn, persist=None):
     return jit
 
 
+class Eager:
+    """vLLM's --enforce-eager: the step run as written, scheduled and lowered anew at every call (no graph)."""
+
+    ran_in_c = False
+
+    def __init__(self, fxn, persist=None):
+        self.fxn = fxn
+
+    def __call__(self, *args, **kwargs):
+        return self.fxn(*args, **kwargs)
+
+
 Jit = provided("jit", tiny_jit)  # Jit(fxn, persist=None): what every runner captures its step with

@@ -19,6 +19,7 @@ from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.parent_request import child_params
 from tinyvllm.engine.text_stream import TextStream
+from tinyvllm.jit import Eager
 from tinyvllm.model.tokenizer import load_tokenizer
 from tinyvllm.model.weights import default_model_path
 from tinyvllm.sampling_params import SamplingParams
@@ -72,6 +73,19 @@ def test_the_engine_seed_seeds_requests_that_give_none(tokenizer):
     assert len(set(seeds(0, random))) == 3  # each request its own stream
     assert seeds(0, SamplingParams(temperature=0.8, seed=7)) == [7, 7, 7]  # the request's own seed wins
     assert seeds(0, SamplingParams(temperature=0)) == [None] * 3  # greedy: nothing to seed
+
+
+def test_enforce_eager_runs_the_same_tokens_without_graphs(tiny_model_dir):
+    def run(**args):
+        engine = LLMEngine(tiny_model_dir, max_model_len=64, kv_cache_memory="4MiB", **args)
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
+        while engine.has_unfinished_requests():
+            outputs = {o.request_id: o for o in engine.step()}
+        return engine, outputs["r"].outputs[0].token_ids
+
+    (captured, tokens), (eager, eager_tokens) = run(), run(enforce_eager=True)
+    assert eager_tokens == tokens
+    assert captured.model_runner.capture is not Eager and eager.model_runner.capture is Eager
 
 
 def test_prompt_logprobs_of_the_whole_vocabulary(tiny_model_dir):

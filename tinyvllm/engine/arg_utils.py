@@ -42,6 +42,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_logprobs: int = MAX_LOGPROBS
     seed: int = 0
+    enforce_eager: bool = False
     block_size: int = 16
     kv_cache_memory: str | int | None = None
     gpu_memory_utilization: float | None = None
@@ -87,7 +88,8 @@ class EngineArgs:
 
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
-            ModelConfig(self.model, self.dtype, self.quantization, self.max_model_len, self.seed, self.max_logprobs),
+            ModelConfig(self.model, self.dtype, self.quantization, self.max_model_len, self.enforce_eager, self.seed,
+                        self.max_logprobs),
             CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
                         self.num_gpu_blocks_override, self.enable_prefix_caching, self.kv_cache_dtype),
             SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy),
@@ -104,6 +106,8 @@ class EngineArgs:
         p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                        help="the most logprobs (sampled or prompt) a request may ask for per position; -1: the whole "
                             f"vocabulary (vLLM's flag; default {MAX_LOGPROBS})")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="run each step as written, without captured graphs: slower, for debugging (vLLM's flag)")
         p.add_argument("--seed", type=int, default=0,
                        help="seeds the requests that give none, so a rerun samples the same text (vLLM's; default 0)")
         p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")

@@ -32,7 +32,7 @@ from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.core.sequence import Sequence
 from tinyvllm.device_memory import ReadBack
 from tinyvllm.input_buffer import InputBuffer
-from tinyvllm.jit import Jit
+from tinyvllm.jit import Eager, Jit
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample.sampling_batch import StepSampler, fail
 from tinyvllm.plugins import provided
@@ -93,8 +93,9 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, max_model_len: int,
                  max_num_batched_tokens: int, max_num_seqs: int, portable_attention: bool = False,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), enforce_eager: bool = False):
         self.model, self.kv_cache = model, kv_cache
+        self.capture = Eager if enforce_eager else Jit  # how each step's function is run: a captured graph, or not
         self.max_model_len = max_model_len
         self.block_size = kv_cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -132,7 +133,7 @@ class ModelRunner:
                                 resolve_kv_cache_dtype(cc.cache_dtype, model.dtype), model.kv_cache_devices)
         portable = config.device_config.portable_attention
         runner = cls(model, kv_cache, max_model_len, sc.max_num_batched_tokens, sc.max_num_seqs, portable,
-                     tokenizer.stop_token_ids)
+                     tokenizer.stop_token_ids, config.model_config.enforce_eager)
         if config.speculative_config is not None:  # Phase 7b: imported where a config asks for it
             from tinyvllm.spec_decode.speculator import Speculator
 
@@ -228,7 +229,7 @@ class ModelRunner:
         """normed (N,D), rows (R,) -> logits (R,V), one graph per (N, R)."""
         key = ("rows", normed.shape[0], rows.shape[0])
         if key not in self._jits:
-            self._jits[key] = Jit(
+            self._jits[key] = self.capture(
                 lambda h, r: self.model.logits_of_normed(h[r.to(h.device)]).realize())
         return self._jits[key](normed, rows)
 
@@ -327,7 +328,7 @@ class ModelRunner:
         tag = ("mm",) if mm else ()  # steps with images: graphs of their own
         if token_rows:
             if ("hidden", n, *tag) not in self._jits:
-                self._jits["hidden", n, *tag] = Jit(self._forward_hidden)
+                self._jits["hidden", n, *tag] = self.capture(self._forward_hidden)
             self._normed = self._jits["hidden", n, *tag](*inputs[:4], inputs[5], *mm)
             logits = self._rows_logits(self._normed, inputs[4])
             host = self._normed.numpy()
@@ -336,7 +337,7 @@ class ModelRunner:
         else:
             if (n, num_rows, *tag) not in self._jits:
                 persist = None if mm else self._persisted("forward", n, num_rows)
-                self._jits[n, num_rows, *tag] = Jit(self._forward, persist=persist)
+                self._jits[n, num_rows, *tag] = self.capture(self._forward, persist=persist)
             logits = self._jits[n, num_rows, *tag](*inputs, *mm)
             hidden_states, self._token_rows = {}, {}
         self.lap("forward")
@@ -383,7 +384,7 @@ class ModelRunner:
         inputs += [bitmask] if masked else []
         key = (rows, "greedy" if keys is None else use_filters, masked)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = Jit(self._sampler_graph(keys is None, use_filters, masked),
+            self._sampler_jits[key] = self.capture(self._sampler_graph(keys is None, use_filters, masked),
                                                  persist=self._persisted("sample", *key))
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
@@ -412,7 +413,7 @@ class ModelRunner:
         has_q = batch.draft_probs is not None
         key = ("rejection", logits.shape[0], batch.use_filters, has_q)
         if key not in self._sampler_jits:
-            self._sampler_jits[key] = Jit(self._rejection_graph(batch.use_filters, has_q))
+            self._sampler_jits[key] = self.capture(self._rejection_graph(batch.use_filters, has_q))
         inputs = [row_index, *batch.inputs()]
         if key not in self._sampler_inputs:
             self._sampler_inputs[key] = [InputBuffer(a.shape, a.dtype, self.model.device) for a in inputs]
