@@ -146,6 +146,25 @@ def test_embeddings_through_the_openai_client(server, engine, hf):
     assert samples["tinyvllm:num_preemptions_total"] == engine.scheduler.num_preemptions
 
 
+def test_embeddings_as_bytes_with_their_metadata(server):
+    import json
+
+    floats = [np.asarray(httpx.post(f"{server.url}/v1/embeddings", json={"input": p}).json()["data"][0]["embedding"],
+                         dtype=np.float32) for p in PROMPTS]
+    answer = httpx.post(f"{server.url}/v1/embeddings", json={"input": PROMPTS, "encoding_format": "bytes",
+                                                              "embed_dtype": "float16", "endianness": "big"})
+    assert answer.headers["content-type"] == "application/octet-stream"
+    metadata = json.loads(answer.headers["metadata"])  # vLLM's: where each vector lies in the body
+    assert [item["index"] for item in metadata["data"]] == [0, 1] and metadata["usage"]["prompt_tokens"] > 0
+    for item, expected in zip(metadata["data"], floats):
+        assert item["shape"] == [len(expected)] and (item["embed_dtype"], item["endianness"]) == ("float16", "big")
+        got = np.frombuffer(answer.content[item["start"]:item["end"]], dtype=">f2")
+        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4)
+    bare = httpx.post(f"{server.url}/v1/embeddings", json={"input": PROMPTS[0], "encoding_format": "bytes_only"})
+    assert "metadata" not in bare.headers
+    np.testing.assert_allclose(np.frombuffer(bare.content, dtype="=f4"), floats[0], rtol=1e-6, atol=1e-7)
+
+
 def test_echo_with_logprobs_gives_the_prompt_logprobs(server, engine, hf):
     ids = engine.tokenizer.encode(PROMPTS[1])
     _, logprobs = hf(ids)

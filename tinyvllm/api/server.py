@@ -220,7 +220,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str] | None = 
         except Exception as e:
             return to_openai_error(e).response()
 
-    @v1.post("/embeddings", responses=responses(EmbeddingResponse, *generation_errors))
+    embedding_answers = responses(EmbeddingResponse, *generation_errors)  # and encoding_format "bytes": binary
+    embedding_answers[200]["content"] = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+
+    @v1.post("/embeddings", responses=embedding_answers)
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
         try:
             return await embeddings.create_embedding(request, raw_request)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from typing import Annotated, Literal
 
@@ -33,8 +34,9 @@ class EmbeddingRequest(RequestModel):
     add_generation_prompt: StrictBool = False
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # vLLM's: the base64 bytes' type
+    # vLLM's "bytes": the vectors back to back as the body, where they lie in a `metadata` header; "bytes_only": no header
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # vLLM's: the base64 or bytes' type
     endianness: Literal["native", "little", "big"] = "native"
     truncate_prompt_tokens: StrictInt | None = None  # only each input's last N tokens (-1: the context length)
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first N instead
@@ -103,12 +105,28 @@ class OpenAIServingEmbedding(OpenAIServing):
         finals = await self.finals(raw_request, streams)
         if finals is None:
             return Response(status_code=499)
+        num_tokens = sum(len(final.prompt_token_ids) for final in finals)
+        usage = UsageInfo(prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)
+        if request.encoding_format in ("bytes", "bytes_only"):
+            return self.bytes_response(finals, request, {"id": request_id, "created": created, "model": model,
+                                                         "usage": {"prompt_tokens": num_tokens,
+                                                                   "total_tokens": num_tokens}})
         data = [EmbeddingData(index=i, embedding=self.encode(final.pooled, request.encoding_format,
                                                              request.embed_dtype, request.endianness))
                 for i, final in enumerate(finals)]
-        num_tokens = sum(len(final.prompt_token_ids) for final in finals)
-        return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=UsageInfo(
-            prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)).model_dump()
+        return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=usage).model_dump()
+
+    def bytes_response(self, finals: list, request: EmbeddingRequest, head: dict) -> Response:
+        """vLLM's binary embeddings: the vectors' bytes back to back; the `metadata` header (not with bytes_only)
+        says where each lies: {index, embed_dtype, endianness, start, end, shape}."""
+        body, items = b"", []
+        for i, final in enumerate(finals):
+            raw = self.to_bytes(final.pooled, request.embed_dtype, request.endianness)
+            items.append({"index": i, "embed_dtype": request.embed_dtype, "endianness": request.endianness,
+                          "start": len(body), "end": len(body) + len(raw), "shape": [len(final.pooled)]})
+            body += raw
+        headers = None if request.encoding_format == "bytes_only" else {"metadata": json.dumps({**head, "data": items})}
+        return Response(content=body, media_type="application/octet-stream", headers=headers)
 
     def inputs(self, given: str | list, keep: int | None = None, side: str | None = "left") -> list[list[int]]:
         """Token ids of each input: a text, a list of texts, a list of ids, or a list of lists of ids; only `keep`
@@ -156,6 +174,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         decodes the default, float32 little-endian on every common machine)."""
         if encoding_format == "float":
             return vector
+        return base64.b64encode(OpenAIServingEmbedding.to_bytes(vector, embed_dtype, endianness)).decode("ascii")
+
+    @staticmethod
+    def to_bytes(vector: list[float], embed_dtype: str = "float32", endianness: str = "native") -> bytes:
+        """The vector as `embed_dtype` values in `endianness` byte order."""
         order = {"native": "=", "little": "<", "big": ">"}[endianness]
         x = np.asarray(vector, dtype=np.float32)
         if embed_dtype == "bfloat16":  # the top half of each float32, rounded to nearest even
@@ -163,4 +186,4 @@ class OpenAIServingEmbedding(OpenAIServing):
             raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(f"{order}u2")
         else:
             raw = x.astype(f"{order}f{2 if embed_dtype == 'float16' else 4}")
-        return base64.b64encode(raw.tobytes()).decode("ascii")
+        return raw.tobytes()
