@@ -51,7 +51,8 @@ BAD_REQUESTS = [  # (path, body, param, message)
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens", ""),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"not-a-token": 1}}, "logit_bias", ""),
     ("/v1/completions", {"prompt": "Hi", "stop": 5}, "stop", ""),
-    ("/v1/completions", {"temperature": 0}, "prompt", ""),
+    ("/v1/completions", {"temperature": 0}, "prompt", "Either prompt or prompt_embeds must be provided"),
+    ("/v1/completions", {"prompt": None, "prompt_embeds": []}, "prompt", "Either prompt or prompt_embeds"),
     ("/v1/completions", {"prompt": ""}, "prompt", "The decoder prompt cannot be empty"),
     ("/v1/completions", {"prompt": [1, 99999999]}, "prompt", "Token id 99999999 is out of vocabulary"),
     # a batch with an empty prompt

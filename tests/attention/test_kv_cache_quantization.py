@@ -245,7 +245,10 @@ def test_stats_and_metrics_report_the_kv_dtype(tiny_model_dir):
     metrics = ServerMetrics()
     metrics.record(0.0, stats, [], stepped=False)
     text = metrics.render()
-    assert 'tinyvllm:cache_config_info{cache_dtype="fp8"} 1' in text
+    blocks = stats["num_total_blocks"]  # vLLM's labels: the cache in tokens, and how many whole contexts it holds
+    assert (f'tinyvllm:cache_config_info{{cache_dtype="fp8",block_size="16",num_gpu_blocks="{blocks}",'
+            f'kv_cache_size_tokens="{blocks * 16}",kv_cache_max_concurrency="{blocks * 16 / 64:.2f}",'
+            f'enable_prefix_caching="True"}} 1') in text
     assert "tinyvllm:kv_cache_bytes_per_token 160" in text
 
 

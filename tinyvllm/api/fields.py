@@ -95,7 +95,7 @@ COMPLETION_FIELDS = {
                                     "length_penalty")},
     "suffix": Refused("fill-in-the-middle is not implemented (it needs a model trained with FIM markers such as "
                       "<fim_prefix>, <fim_suffix>, <fim_middle>): send the text before the hole as the prompt"),
-    "prompt_embeds": Refused("prompts are text or token ids: send the prompt's token ids"),
+    "prompt_embeds": Refused("prompts are text or token ids: send the prompt's token ids", []),
     "add_special_tokens": Refused("a text prompt gets the model's special tokens (BOS) as its tokenizer adds them: "
                                   "send token ids to choose them yourself", True),
 }

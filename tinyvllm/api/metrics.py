@@ -132,6 +132,18 @@ class _RequestTimes:
     prefilled: bool = False  # its prompt tokens are counted (at its first output, as vLLM counts them)
 
 
+def cache_config_labels(stats: dict) -> dict[str, str]:
+    """vLLM's cache_config_info labels from the engine's stats (the size in tokens, and how many whole contexts)."""
+    labels = {"cache_dtype": stats["kv_cache_dtype"]}
+    if "block_size" in stats:
+        tokens = stats["num_total_blocks"] * stats["block_size"]
+        labels.update(block_size=str(stats["block_size"]), num_gpu_blocks=str(stats["num_total_blocks"]),
+                      kv_cache_size_tokens=str(tokens),
+                      kv_cache_max_concurrency=f"{tokens / stats['max_model_len']:.2f}",
+                      enable_prefix_caching=str(stats["enable_prefix_caching"]))
+    return labels
+
+
 class ServerMetrics:
     """The async engine's stat logger: called on the engine thread, rendered on the event loop."""
 
@@ -150,7 +162,9 @@ class ServerMetrics:
             "admission_rejections_total", "Requests refused at admission (429) by a queue limit: --max-waiting is "
             "vLLM's max_num_queued_reqs.", "reason", vllm=True, label_values=("max_num_queued_reqs",))
         self.kv_usage = Gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", vllm=True)
-        self.cache_config = Info("cache_config_info", "KV cache configuration: cache_dtype as a label.", vllm=True)
+        self.cache_config = Info("cache_config_info", "KV cache configuration as labels (vLLM's): cache_dtype, "
+                                 "block_size, num_gpu_blocks, kv_cache_size_tokens, kv_cache_max_concurrency "
+                                 "(contexts of max_model_len it holds), enable_prefix_caching.", vllm=True)
         self.kv_bytes_per_token = Gauge("kv_cache_bytes_per_token", "KV cache bytes one token of context holds, "
                                         "over all layers (K and V, with their scales).")
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens prefilled.", vllm=True)
@@ -241,7 +255,7 @@ class ServerMetrics:
             self.blocks_used.value = total - stats.get("num_free_blocks", total)
             self.kv_usage.value = self.blocks_used.value / total if total else 0.0
             if "kv_cache_dtype" in stats:
-                self.cache_config.labels = {"cache_dtype": stats["kv_cache_dtype"]}
+                self.cache_config.labels = cache_config_labels(stats)
             self.kv_bytes_per_token.value = stats.get("kv_cache_bytes_per_token", 0)
             self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
             self.prefix_hits.set_total(stats.get("prefix_cache_hits", 0))

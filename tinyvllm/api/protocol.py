@@ -9,7 +9,9 @@ import time
 import uuid
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
+from pydantic import (AfterValidator, BaseModel, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_serializer)
+from pydantic_core import PydanticCustomError
 
 from tinyvllm.api.fields import RequestModel
 
@@ -181,7 +183,8 @@ class SamplingFields(RequestModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | Strings | Ids | Annotated[list[Ids], Field(fail_fast=True)]
+    prompt: StrictStr | Strings | Ids | Annotated[list[Ids], Field(fail_fast=True)] | None = Field(
+        None, validate_default=True)
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     echo: StrictBool = False
     # top alternatives per token (0: the sampled token only); OpenAI allows 5, vLLM 20
@@ -190,6 +193,13 @@ class CompletionRequest(SamplingFields):
     # vLLM's extras: n beams instead of n samples, ranked with this penalty
     use_beam_search: StrictBool = False
     length_penalty: StrictFloat = 1.0
+
+    @field_validator("prompt")
+    @classmethod
+    def _given(cls, prompt):
+        if prompt is None:  # vLLM's words (prompt_embeds are not served here)
+            raise PydanticCustomError("prompt_missing", "Either prompt or prompt_embeds must be provided and non-empty.")
+        return prompt
 
 
 class FunctionDefinition(BaseModel):
@@ -287,7 +297,12 @@ class CompletionResponseChoice(BaseModel):
 
 class PerRequestMetrics(BaseModel):
     """vLLM's per-request timings (--enable-per-request-metrics), milliseconds from the engine's clock: the first
-    token after the first step that ran it, the rest of the generation, the queue, the mean gap between tokens."""
+    token after the first step that ran it, the rest of the generation, the queue, the mean gap between tokens.
+    A timing that cannot be told (one token: no gap) is left out, as vLLM leaves it."""
+
+    @model_serializer(mode="wrap")
+    def _without_unknowns(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
 
     time_to_first_token_ms: float | None = None
     generation_time_ms: float | None = None

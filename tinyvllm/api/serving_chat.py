@@ -359,7 +359,7 @@ class OpenAIServingChat(OpenAIServing):
             if echoed:
                 content = echoed + (content or "")
             message = ChatMessage(role="assistant", content=content, reasoning=reasoning if has_reasoning else None,
-                                  tool_calls=calls if calls or parser.forced else None)
+                                  tool_calls=calls or None)  # a forced call cut short: none, as OpenAI and vLLM
             logprobs = None
             if num_logprobs is not None:
                 logprobs = self.logprobs(completion.token_ids, completion.logprobs, num_logprobs,

@@ -205,7 +205,8 @@ class OpenAIServingResponses:
         output = []
         if message.get("reasoning"):
             output.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=message["reasoning"])]))
-        if message.get("content") or message.get("tool_calls") is None:
+        forced = request.tool_choice not in (None, "auto", "none")  # a call, or nothing when it was cut short
+        if message.get("content") or (message.get("tool_calls") is None and not forced):
             text = OutputText(text=message.get("content") or "", logprobs=token_logprobs(choice))
             output.append(OutputMessage(id=item_id("msg"), content=[text],
                                         status="incomplete" if finish_reason == "length" else "completed"))

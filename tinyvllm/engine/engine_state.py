@@ -128,6 +128,8 @@ def engine_stats(engine) -> dict:
             "iteration_tokens": iteration_tokens,
             "kv_cache_dtype": engine.kv_cache.dtype.name,  # Phase 7c: how K/V are stored, and what a token costs
             "kv_cache_bytes_per_token": engine.kv_cache.bytes_per_token,
+            "block_size": bm.block_size, "max_model_len": engine.max_model_len,
+            "enable_prefix_caching": engine.config.cache_config.enable_prefix_caching,
             "quantization": engine.model.quantization, "weight_bytes": engine.model.weight_formats()}
     if engine.model_runner.speculator is not None:
         stats.update(spec_decoding_stats(scheduler.spec_decoding_stats))
