@@ -493,6 +493,20 @@ def test_reasoning_tokens_are_counted(fake):
     assert events[-1].response.usage.output_tokens_details.reasoning_tokens == expected
 
 
+def test_include_reasoning_false_leaves_it_out_but_counts_it(fake):
+    expected = len(shared_tokenizer().encode("The user wants the weather.", add_special_tokens=False))
+    c = client(fake)
+    request = dict(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0,
+                   extra_body={"include_reasoning": False})
+    response = c.chat.completions.create(**request)
+    message = response.choices[0].message
+    assert getattr(message, "reasoning", None) is None and message.content == "I will check."
+    assert response.usage.completion_tokens_details.reasoning_tokens == expected  # hidden, still billed (vLLM)
+    chunks = list(c.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    assert not any(getattr(ch.choices[0].delta, "reasoning", None) for ch in chunks if ch.choices)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "I will check."
+
+
 # ---- any role a chat template knows ----------------------------------------------------------------------
 
 def test_any_role_reaches_the_chat_template(fake):

@@ -115,8 +115,7 @@ CHAT_FIELDS = {
     "documents": Refused("no documents slot in the chat template: put the documents in a message"),
     "return_prompt_text": Refused("the rendered prompt is not returned: /tokenize with return_token_strs shows it"),
     "reasoning_effort": SUPPORTED,
-    "include_reasoning": Refused("reasoning is split out by --reasoning-parser: a server started without it returns "
-                                 "the text whole", True),
+    "include_reasoning": SUPPORTED,
     "audio": Refused("text output only"),
     "modalities": Refused("text output only"),
     "prediction": Refused("no predicted outputs: speculative decoding is set when the server starts "

@@ -260,6 +260,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
+    include_reasoning: StrictBool = True  # vLLM's: false leaves a --reasoning-parser's reasoning out of the answer
     # vLLM's: given to the chat template as reasoning_effort, with enable_thinking = (effort != "none")
     reasoning_effort: ReasoningEffort | None = None
 

@@ -61,9 +61,10 @@ class ToolUse:
 class ChoiceParser:
     """One choice's text -> (reasoning, content, tool calls), piece by piece: reasoning first, then tool calls."""
 
-    def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None):
+    def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None, show_reasoning: bool = True):
         self.reasoning, self.tools = reasoning, tools
-        self.reasoning_text = ""
+        self.show_reasoning = show_reasoning  # vLLM's include_reasoning: false keeps it out of the answer
+        self.reasoning_text = ""  # all of it, shown or not: the usage counts its tokens
 
     @property
     def forced(self) -> bool:
@@ -86,6 +87,7 @@ class ChoiceParser:
                 more_reasoning, more_content = self.reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
             self.reasoning_text += reasoning
+            reasoning = reasoning if self.show_reasoning else ""
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if last:
@@ -180,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
         def make_parser() -> ChoiceParser:
             prompt_opened = text.rstrip().endswith(ThinkReasoningParser.START)
             return ChoiceParser(ThinkReasoningParser(prompt_opened) if self.reasoning_parser else None,
-                                tool_use.make_parser())
+                                tool_use.make_parser(), request.include_reasoning)
 
         request_id, created = request_id or f"chatcmpl-{base_request_id(raw_request)}", int(time.time())
         stream = self.engine.add_request(request_id, prompt, params, request.priority)  # 429 now, before any 200
@@ -353,7 +355,7 @@ class OpenAIServingChat(OpenAIServing):
             parser = make_parser()
             parsers.append(parser)
             reasoning, content, calls = parser.feed(completion.text, last=True)
-            has_reasoning = parser.reasoning is not None and parser.reasoning.has_reasoning
+            has_reasoning = parser.reasoning is not None and parser.reasoning.has_reasoning and parser.show_reasoning
             empty = calls or has_reasoning or parser.forced
             content = (content or None) if empty else content
             if echoed:
