@@ -32,7 +32,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's, at most what the KV cache holds
     enforce_eager: bool = False  # vLLM's: every step scheduled anew, no captured graphs (slow; for debugging)
     seed: int = 0  # vLLM's: where unseeded random requests' seeds come from (the same run twice: the same text)
-    max_logprobs: int = MAX_LOGPROBS  # the most logprobs alternatives a request may ask for per position; -1: the vocabulary
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs alternatives a request may ask for; -1: the vocabulary
 
     def __post_init__(self) -> None:
         from tinyvllm.model.loader import check_dtype

@@ -54,8 +54,8 @@ def kept(logits: np.ndarray) -> set[int]:
     ("frequency_penalty", math.inf), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("seed", "42"),
     ("seed", 2**64), ("max_tokens", 0), ("max_tokens", 2.0), ("min_tokens", -1), ("stop", [""]), ("stop", [3]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]), ("ignore_eos", "yes"), ("include_stop_str_in_output", 1),
-    ("skip_special_tokens", None), ("logprobs", 2.5), ("logprobs", -2), ("prompt_logprobs", -3), ("logit_bias", {5: 100.5}),
-    ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", [1, 2]),
+    ("skip_special_tokens", None), ("logprobs", 2.5), ("logprobs", -2), ("prompt_logprobs", -3),
+    ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", [1, 2]),
 ])
 def test_invalid_value_names_field_and_value(field, value):
     with pytest.raises(ValueError, match=field) as err:

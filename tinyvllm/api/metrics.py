@@ -341,7 +341,8 @@ class ServerMetrics:
             self.waiting.value = num_waiting
         self.waiting_by_reason.set(self.waiting.value, "capacity")
         metrics = [self.running, self.waiting, self.waiting_by_reason, self.admission_rejections, self.blocks_used,
-                   self.blocks_total, self.kv_usage, self.cache_config, self.kv_bytes_per_token, self.prompt_tokens, self.generation_tokens, self.success,
+                   self.blocks_total, self.kv_usage, self.cache_config, self.kv_bytes_per_token, self.prompt_tokens,
+                   self.generation_tokens, self.success,
                    self.prefix_queries, self.prefix_hits, self.preemptions, self.ttft, self.itl, self.tpot, self.e2e,
                    self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.request_tpot,
                    self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation_tokens,

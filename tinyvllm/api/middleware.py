@@ -61,10 +61,11 @@ class RequestGuard:
             name = host_name(headers.get("host", ""))
             if name and not is_allowed_host(name, self.allowed_hosts):
                 raise host_not_allowed(name)
-            key = self.identify(route_path(scope), headers)
+            path = route_path(scope)
+            key = self.identify(path, headers)
             if key is not None and key.has_limits:
                 send = self.with_rate_limit_headers(key, send)
-                if route_path(scope).startswith("/v1/"):
+                if path.startswith("/v1/"):
                     self.keys.admit_request(key)
             body = await self.read_body(headers, receive)
             if body and (error := lone_surrogate_error(body)) is not None:

@@ -198,7 +198,8 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _given(cls, prompt):
         if prompt is None:  # vLLM's words (prompt_embeds are not served here)
-            raise PydanticCustomError("prompt_missing", "Either prompt or prompt_embeds must be provided and non-empty.")
+            raise PydanticCustomError("prompt_missing",
+                                      "Either prompt or prompt_embeds must be provided and non-empty.")
         return prompt
 
 
@@ -296,14 +297,19 @@ class CompletionResponseChoice(BaseModel):
     prompt_token_ids: list[int] | None = None  # return_token_ids: the choice's prompt (a stream's first chunk)
 
 
-class PerRequestMetrics(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Serialized without its None fields: the official client merges tool-call deltas key by key (a null `type`
+    or `name` would overwrite the one an earlier chunk sent); vLLM leaves out a timing it cannot tell."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class PerRequestMetrics(_WithoutNulls):
     """vLLM's per-request timings (--enable-per-request-metrics), milliseconds from the engine's clock: the first
     token after the first step that ran it, the rest of the generation, the queue, the mean gap between tokens.
     A timing that cannot be told (one token: no gap) is left out, as vLLM leaves it."""
-
-    @model_serializer(mode="wrap")
-    def _without_unknowns(self, handler):
-        return {key: value for key, value in handler(self).items() if value is not None}
 
     time_to_first_token_ms: float | None = None
     generation_time_ms: float | None = None
@@ -375,15 +381,6 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM puts chat's on the response, not the choice
     prompt_token_ids: list[int] | None = None
     metrics: PerRequestMetrics | None = None  # --enable-per-request-metrics
-
-
-class _WithoutNulls(BaseModel):
-    """Serialized without its None fields: the official client merges tool-call deltas key by key, and a
-    null `type` or `name` would overwrite the one an earlier chunk sent."""
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class DeltaFunctionCall(_WithoutNulls):

@@ -176,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
         tags = ([START, END] if tool_use.parse else []) + (["<think>", "</think>"] if self.reasoning_parser else [])
         defaults = {"skip_special_tokens": False} if self.has_special_token(tags) else {}
         # vLLM's rule: the prompt's logprobs as asked, else with echo top_logprobs' count
-        num_prompt_logprobs = self.num_prompt_logprobs(request, num_logprobs or 0 if request.echo else None)
+        num_prompt_logprobs = self.num_prompt_logprobs(request, (num_logprobs or 0) if request.echo else None)
         params = self.sampling_params(request, max_tokens, num_logprobs, structured, num_prompt_logprobs, **defaults)
 
         def make_parser() -> ChoiceParser:

@@ -146,7 +146,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 index=completion.index, text=echo[completion.index // request.n] + completion.text, logprobs=logprobs,
                 finish_reason=completion.finish_reason, token_ids=list(completion.token_ids) if ids else None,
                 prompt_logprobs=prompt_logprobs, prompt_token_ids=final.prompt_token_ids[start:end] if ids else None))
-        return CompletionResponse(**head, choices=choices, usage=billed, metrics=self.request_metrics(final)).model_dump()
+        return CompletionResponse(**head, choices=choices, usage=billed,
+                                  metrics=self.request_metrics(final)).model_dump()
 
     async def stream_chunks(self, stream: AsyncIterator[RequestOutput], head: dict, request: CompletionRequest,
                             echo: list[str], spans: list[tuple[int, int]], include_usage: bool,

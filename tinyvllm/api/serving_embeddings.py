@@ -34,7 +34,7 @@ class EmbeddingRequest(RequestModel):
     add_generation_prompt: StrictBool = False
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict | None = None
-    # vLLM's "bytes": the vectors back to back as the body, where they lie in a `metadata` header; "bytes_only": no header
+    # vLLM's "bytes": the vectors back to back as the body, a `metadata` header says where; "bytes_only": no header
     encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
     embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # vLLM's: the base64 or bytes' type
     endianness: Literal["native", "little", "big"] = "native"
@@ -109,8 +109,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         usage = UsageInfo(prompt_tokens=num_tokens, completion_tokens=0, total_tokens=num_tokens)
         if request.encoding_format in ("bytes", "bytes_only"):
             return self.bytes_response(finals, request, {"id": request_id, "created": created, "model": model,
-                                                         "usage": {"prompt_tokens": num_tokens,
-                                                                   "total_tokens": num_tokens}})
+                                                         "usage": usage.model_dump(include={"prompt_tokens",
+                                                                                            "total_tokens"})})
         data = [EmbeddingData(index=i, embedding=self.encode(final.pooled, request.encoding_format,
                                                              request.embed_dtype, request.endianness))
                 for i, final in enumerate(finals)]
@@ -119,14 +119,15 @@ class OpenAIServingEmbedding(OpenAIServing):
     def bytes_response(self, finals: list, request: EmbeddingRequest, head: dict) -> Response:
         """vLLM's binary embeddings: the vectors' bytes back to back; the `metadata` header (not with bytes_only)
         says where each lies: {index, embed_dtype, endianness, start, end, shape}."""
-        body, items = b"", []
-        for i, final in enumerate(finals):
-            raw = self.to_bytes(final.pooled, request.embed_dtype, request.endianness)
+        vectors = [self.to_bytes(final.pooled, request.embed_dtype, request.endianness) for final in finals]
+        items, start = [], 0
+        for i, (final, raw) in enumerate(zip(finals, vectors)):
             items.append({"index": i, "embed_dtype": request.embed_dtype, "endianness": request.endianness,
-                          "start": len(body), "end": len(body) + len(raw), "shape": [len(final.pooled)]})
-            body += raw
-        headers = None if request.encoding_format == "bytes_only" else {"metadata": json.dumps({**head, "data": items})}
-        return Response(content=body, media_type="application/octet-stream", headers=headers)
+                          "start": start, "end": start + len(raw), "shape": [len(final.pooled)]})
+            start += len(raw)
+        metadata = {"metadata": json.dumps({**head, "data": items})}
+        return Response(content=b"".join(vectors), media_type="application/octet-stream",
+                        headers=None if request.encoding_format == "bytes_only" else metadata)
 
     def inputs(self, given: str | list, keep: int | None = None, side: str | None = "left") -> list[list[int]]:
         """Token ids of each input: a text, a list of texts, a list of ids, or a list of lists of ids; only `keep`

@@ -19,8 +19,8 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from tinyvllm.api.errors import bad_request, model_not_found, to_openai_error
-from tinyvllm.api.protocol import (PerRequestMetrics, PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingFields,
-                                   UsageInfo)
+from tinyvllm.api.protocol import (PerRequestMetrics, PromptLogprob, PromptLogprobs, PromptTokensDetails,
+                                   SamplingFields, UsageInfo)
 from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -10,9 +10,9 @@ config tree the engine reads (vLLM's vllm/engine/arg_utils.py).
 from __future__ import annotations
 
 import argparse
-import sys
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 
 from tinyvllm.sampling_params import MAX_LOGPROBS

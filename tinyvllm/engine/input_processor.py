@@ -113,7 +113,8 @@ class InputProcessor:
         a ValueError in vLLM's words when that is more than max_logprobs."""
         k = self.tokenizer.vocab_size if k == -1 else k
         if k and k > self.max_logprobs:
-            raise ValueError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {self.max_logprobs}")
+            raise ValueError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: "
+                             f"{self.max_logprobs}")
         return k
 
     def grammar(self, params: SamplingParams):
