@@ -80,7 +80,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_api_transport": 9, "test_cli": 9, "test_spec_decode_serve": 9,
     "test_async_llm_engine": 9, "test_api_server": 9, "test_api_errors": 9, "test_api_fuzz": 9,
     "test_api_isolation": 9, "test_api_keys": 9, "test_api_limits": 9, "test_api_real_engine": 9,
-    "test_api_structured": 9, "test_api_tools": 9, "test_structured_outputs": 9, "test_dashboard": 9,
+    "test_api_structured": 9, "test_api_tools": 9, "test_api_reasoning": 9, "test_structured_outputs": 9, "test_dashboard": 9,
     "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_api_responses": 9,
     "test_api_device_path": 9, "test_api_parts": 9, "test_api_fields": 9, "test_hidden_states": 9,
     "test_doc_commands": 9, "test_api_metrics": 9, "test_api_start": 9,

@@ -1,9 +1,10 @@
-"""Tool calling and the reasoning split on /v1/chat/completions, read by the official openai client.
+"""Tool calling on /v1/chat/completions, read by the official openai client (the reasoning split:
+test_api_reasoning.py).
 
 A forced call (tool_choice "required" or a named function) runs on a tiny model with random weights: it
 has no idea what a tool is, so only the grammar makes its arguments parse, which is what is checked,
-greedy and sampled, streamed (assembled by the client's own stream helper) and not. "auto" and the
-reasoning split need an output we choose: `FakeLLMEngine(reply=...)` says a fixed text.
+greedy and sampled, streamed (assembled by the client's own stream helper) and not. "auto" needs an output
+we choose: `FakeLLMEngine(reply=...)` says a fixed text.
 """
 
 from __future__ import annotations
@@ -11,25 +12,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from contextlib import contextmanager
 from enum import Enum
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-from api_helpers import client, stream_json
+from api_helpers import client, serve, stream_json
 from fake_engine import FakeLLMEngine, shared_tokenizer
 from llguidance import LLMatcher
 from pydantic import BaseModel, ConfigDict, Field
 
 from conftest import TINY_CONFIG, write_tiny_model
-from tinyvllm.api.reasoning_parser import ThinkReasoningParser
-from tinyvllm.api.launcher import BackgroundServer
-from tinyvllm.api.server import build_app
 from tinyvllm.api.serving_chat import OpenAIServingChat
 from tinyvllm.api.tool_parser import HermesToolParser, Llama3JsonToolParser, ToolCallPolicy, tool_call_text
-from tinyvllm.engine.async_llm_engine import AsyncLLMEngine
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now in a city.",
@@ -58,13 +54,6 @@ def check_arguments(name: str, arguments: str) -> None:
         assert isinstance(args["a"], int) and -99 <= args["a"] <= 99
 
 
-@contextmanager
-def serve_app(engine_factory, **app_options):
-    engine = AsyncLLMEngine(engine_factory)
-    with BackgroundServer(build_app(engine, **app_options), timeout=600) as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from tinyvllm.engine.llm_engine import LLMEngine
@@ -72,14 +61,14 @@ def tiny(tmp_path_factory):
     # a longer context than TINY_CONFIG's: the tools built from pydantic models take ~500 prompt tokens
     config = dataclasses.replace(TINY_CONFIG, max_position_embeddings=1536)
     path = write_tiny_model(tmp_path_factory.mktemp("tiny-tools"), config, seed=3)
-    with serve_app(lambda: LLMEngine(path, max_model_len=1536, kv_cache_memory="16MiB", max_num_seqs=4,
+    with serve(lambda: LLMEngine(path, max_model_len=1536, kv_cache_memory="16MiB", max_num_seqs=4,
                                      max_num_batched_tokens=64), served_model_names=["model"]) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def fake():
-    with serve_app(lambda: FakeLLMEngine(reply=REPLY, max_model_len=1024, num_blocks=256, step_time=0.002),
+    with serve(lambda: FakeLLMEngine(reply=REPLY, max_model_len=1024, num_blocks=256, step_time=0.002),
                    reasoning_parser="qwen3") as server:  # vLLM's name for the <think> parser
         yield server
 
@@ -119,7 +108,7 @@ def test_tool_call_deltas_come_name_first_then_arguments(tiny):
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-# ---- auto and the reasoning split, on a fixed reply --------------------------------------------------------
+# ---- auto (and the reasoning beside a call), on a fixed reply --------------------------------------------------------
 
 def test_auto_parses_the_call_and_splits_the_reasoning(fake):
     c = client(fake)
@@ -149,39 +138,6 @@ def test_without_tools_or_with_tool_choice_none_the_call_stays_text(fake):
         choice = c.chat.completions.create(model="fake-smollm2", messages=ASK, temperature=0, **options).choices[0]
         assert choice.message.content == f"I will check.\n{CALL}" and not choice.message.tool_calls
         assert choice.finish_reason == "stop"
-
-
-def test_no_reasoning_parser_leaves_the_text_whole():
-    with serve_app(lambda: FakeLLMEngine(reply=REPLY, max_model_len=1024, num_blocks=256)) as server:
-        message = client(server).chat.completions.create(model="fake-smollm2", messages=ASK,
-                                                         temperature=0).choices[0].message
-    assert message.content == f"{REPLY}" and getattr(message, "reasoning", None) is None
-
-
-def pieces(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
-
-
-@pytest.mark.parametrize("text", [REPLY, "<think>cut short", "  <thinking>no", "a <tool_call>{bad json}</tool_call> b",
-                                  f"{CALL}\n{CALL}\n", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}'])
-def test_the_parsers_do_not_depend_on_how_the_text_is_cut(text):
-    def run(chunks: list[str]):
-        reasoning, tools, out = ThinkReasoningParser(), HermesToolParser(), ["", "", []]
-        for i, chunk in enumerate(chunks):
-            r, rest = reasoning.feed(chunk)
-            if i == len(chunks) - 1:
-                more = reasoning.finish()
-                r, rest = r + more[0], rest + more[1]
-            content, calls = tools.feed(rest)
-            if i == len(chunks) - 1:
-                more_content, more_calls = tools.finish()
-                content, calls = content + more_content, calls + more_calls
-            out = [out[0] + r, out[1] + content, out[2] + [(c.function.name, c.function.arguments) for c in calls]]
-        return out
-
-    whole = run([text])
-    for size in (1, 2, 5):
-        assert run(pieces(text, size)) == whole, size
 
 
 # ---- the prompt ----------------------------------------------------------------------------------------------
@@ -247,7 +203,7 @@ def test_the_real_model_makes_forced_calls_that_parse():
     """SmolLM2 itself, greedy and sampled, streamed and not: a required or named call always parses."""
     from tinyvllm.engine.llm_engine import LLMEngine
 
-    with serve_app(lambda: LLMEngine(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=512,
+    with serve(lambda: LLMEngine(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=512,
                                      kv_cache_memory="64MiB")) as server:
         c = client(server)
         for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
@@ -275,7 +231,7 @@ OTHER_CALLS = [  # after CALL: an undeclared tool, arguments that do not fit the
 @pytest.fixture(scope="module")
 def calls_server():
     reply = "\n".join([CALL, *OTHER_CALLS])
-    with serve_app(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256)) as server:
+    with serve(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256)) as server:
         yield server
 
 
@@ -322,7 +278,7 @@ def test_required_with_parallel_calls_may_make_several(tiny):
 def test_the_llama3_json_tool_call_parser():
     reply = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}; '
              '{"name": "nope", "parameters": {}}')
-    with serve_app(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256),
+    with serve(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256),
                    tool_call_parser="llama3_json") as server:
         for stream in (False, True):
             calls, content, finish_reason = calls_of(server, stream)
@@ -414,7 +370,7 @@ def test_pydantic_tools_in_the_responses_api_and_legacy_functions(tiny):
 def test_auto_calls_to_pydantic_tools():
     arguments = {"city": "Oslo", "options": {"unit": "celsius", "days": 2}, "more": [{"unit": "fahrenheit"}]}
     reply = tool_call_text("forecast", arguments)
-    with serve_app(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256)) as server:
+    with serve(lambda: FakeLLMEngine(reply=reply, max_model_len=1024, num_blocks=256)) as server:
         for stream in (False, True):
             calls, content, finish_reason = calls_of(server, stream, tools=PYDANTIC_TOOLS)
             assert calls == [("forecast", arguments)] and not content and finish_reason == "tool_calls"
@@ -474,37 +430,6 @@ def test_both_parsers_drop_a_cut_forced_call_and_keep_an_unforced_one_as_text(pa
         content, calls = tools.feed(cut)
         more_content, more_calls = tools.finish()
         assert (content + more_content, calls + more_calls) == (expected, [])
-
-
-# ---- reasoning tokens in the usage --------------------------------------------------------------------------
-
-def test_reasoning_tokens_are_counted(fake):
-    expected = len(shared_tokenizer().encode("The user wants the weather.", add_special_tokens=False))
-    c = client(fake)
-    response = c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0)
-    assert response.usage.completion_tokens_details.reasoning_tokens == expected
-    chunks = list(c.chat.completions.create(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
-    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected
-    # before: the Responses API's output_tokens_details.reasoning_tokens stayed 0
-    assert c.responses.create(model="fake-smollm2", input="Weather?",
-                              temperature=0).usage.output_tokens_details.reasoning_tokens == expected
-    events = list(c.responses.create(model="fake-smollm2", input="Weather?", temperature=0, stream=True))
-    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == expected
-
-
-def test_include_reasoning_false_leaves_it_out_but_counts_it(fake):
-    expected = len(shared_tokenizer().encode("The user wants the weather.", add_special_tokens=False))
-    c = client(fake)
-    request = dict(model="fake-smollm2", messages=ASK, tools=TOOLS, temperature=0,
-                   extra_body={"include_reasoning": False})
-    response = c.chat.completions.create(**request)
-    message = response.choices[0].message
-    assert getattr(message, "reasoning", None) is None and message.content == "I will check."
-    assert response.usage.completion_tokens_details.reasoning_tokens == expected  # hidden, still billed (vLLM)
-    chunks = list(c.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
-    assert not any(getattr(ch.choices[0].delta, "reasoning", None) for ch in chunks if ch.choices)
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "I will check."
 
 
 # ---- any role a chat template knows ----------------------------------------------------------------------
