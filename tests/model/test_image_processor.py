@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("transformers")
 from vision_models import IMAGE_TOKEN_ID, draw_image, hf_processor  # noqa: E402
 
-from tinyvllm.model.image_processor import ImageProcessorConfig, expand_prompt, process_image  # noqa: E402
+from tinyvllm.engine.multimodal import expand_prompt  # noqa: E402
+from tinyvllm.model.image_processor import ImageProcessorConfig, image_prompt, process_image  # noqa: E402
 from tinyvllm.model.tokenizer import load_tokenizer  # noqa: E402
 from tinyvllm.model.vision import VisionConfig  # noqa: E402
 
@@ -61,8 +62,8 @@ def test_prompt_token_ids_equal_hf(idefics3_dir, prompt, sizes):
     theirs = hf_processor(idefics3_dir)(text=prompt, images=images)["input_ids"][0]
     config = ImageProcessorConfig.from_dir(idefics3_dir)
     vision = VisionConfig.from_hf_config(__import__("json").loads((idefics3_dir / "config.json").read_text()))
-    grids = [(p.rows, p.cols) for p in (process_image(im, config) for im in images)]
-    text = expand_prompt(prompt, grids, vision.tokens_per_frame)
+    texts = [image_prompt(p.rows, p.cols, vision.tokens_per_frame) for p in (process_image(im, config) for im in images)]
+    text = expand_prompt(prompt, "<image>", texts)
     ours = load_tokenizer(idefics3_dir).encode(text)
     assert ours == list(theirs)
     assert ours.count(IMAGE_TOKEN_ID) == sum(len(process_image(im, config).pixel_values) for im in images) * 4
@@ -70,4 +71,4 @@ def test_prompt_token_ids_equal_hf(idefics3_dir, prompt, sizes):
 
 def test_placeholders_and_images_must_match(idefics3_dir):
     with pytest.raises(ValueError, match="1 <image> placeholder.*2 image"):
-        expand_prompt("<image> and", [(0, 0), (2, 3)], 4)
+        expand_prompt("<image> and", "<image>", ["a", "b"])

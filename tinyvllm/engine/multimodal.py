@@ -19,7 +19,6 @@ import numpy as np
 from PIL import Image
 
 from tinyvllm.core.encoder_cache import MultiModalFeature
-from tinyvllm.model.image_processor import IMAGE_TOKEN, expand_prompt, process_image, split_size
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.model.vision import VisionTower
 
@@ -97,11 +96,19 @@ def image_hash(image: Image.Image) -> str:
     return h.hexdigest()
 
 
-class MultiModalProcessor:
-    placeholder = IMAGE_TOKEN  # where an image goes in a prompt's text
+def expand_prompt(prompt: str, placeholder: str, texts: list[str]) -> str:
+    """Each placeholder replaced by its image's text, in order."""
+    parts = prompt.split(placeholder)
+    if len(parts) - 1 != len(texts):
+        raise ValueError(f"the prompt has {len(parts) - 1} {placeholder} placeholder(s) but {len(texts)} image(s) "
+                         f"were given: write one {placeholder} where each image goes")
+    return parts[0] + "".join(text + part for text, part in zip(texts, parts[1:]))
 
+
+class MultiModalProcessor:
     def __init__(self, tokenizer: Tokenizer, tower: VisionTower, encoder_cache_size: int):
         self.tokenizer, self.tower, self.encoder_cache_size = tokenizer, tower, encoder_cache_size
+        self.placeholder = tower.placeholder  # where an image goes in a prompt's text
 
     def process(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """(the text, its token ids with each image's placeholders expanded, the images' features); a ValueError
@@ -120,27 +127,25 @@ class MultiModalProcessor:
             if not isinstance(image, Image.Image):
                 raise ValueError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
         try:
-            processed = [process_image(image, self.tower.processor) for image in images]
+            pixels = [self.tower.preprocess(image) for image in images]
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise ValueError(f"the image cannot be read: {e}") from None
         ids = self.tokenizer.encode(self.expand(text, images)) if ids is None else ids
-        features = self.features(np.array(ids), [p.pixel_values for p in processed], [image_hash(i) for i in images])
+        features = self.features(np.array(ids), pixels, [image_hash(i) for i in images])
         return text, ids, features
 
     def expand(self, text: str, images: list[Image.Image]) -> str:
-        """The text with each `<image>` expanded to its image's tokens (from the images' sizes alone)."""
-        grids = [split_size(image, self.tower.processor)[2:] for image in images]
-        return expand_prompt(text, grids, self.tower.config.tokens_per_frame)
+        """The text with each placeholder expanded to its image's tokens (from the images' sizes alone)."""
+        return expand_prompt(text, self.placeholder, [self.tower.image_text(image) for image in images])
 
     def features(self, ids: np.ndarray, pixels: list[np.ndarray], hashes: list[str]) -> list[MultiModalFeature]:
-        """Each image's feature: its <image> tokens, in order, are the next frames x T of the prompt's."""
-        at = np.flatnonzero(ids == self.tower.config.image_token_id)
-        needed = sum(len(frames) for frames in pixels) * self.tower.config.tokens_per_frame
-        if needed != len(at):
-            raise ValueError(f"the prompt holds {len(at)} image tokens where its images take {needed}")
+        """Each image's feature: its image tokens, in order, are the next num_embeds of the prompt's."""
+        at = np.flatnonzero(ids == self.tower.image_token_id)
+        counts = [self.tower.num_embeds(frames) for frames in pixels]
+        if sum(counts) != len(at):
+            raise ValueError(f"the prompt holds {len(at)} image tokens where its images take {sum(counts)}")
         features, used = [], 0
-        for frames, mm_hash in zip(pixels, hashes):
-            n = len(frames) * self.tower.config.tokens_per_frame
+        for frames, mm_hash, n in zip(pixels, hashes, counts):
             if n > self.encoder_cache_size:
                 raise ValueError(f"an image of {n} embeddings does not fit the encoder cache ({self.encoder_cache_size}"
                                  "): give a smaller image or raise max_num_batched_tokens")

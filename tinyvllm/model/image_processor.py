@@ -131,13 +131,3 @@ def image_prompt(rows: int, cols: int, tokens_per_frame: int) -> str:
     grid = "".join("".join(f"{FAKE_TOKEN}<row_{r + 1}_col_{c + 1}>{frame}" for c in range(cols)) + "\n"
                    for r in range(rows))
     return f"{grid}\n{whole}"
-
-
-def expand_prompt(prompt: str, grids: list[tuple[int, int]], tokens_per_frame: int) -> str:
-    """Each `<image>` replaced by the text of its image's (rows, cols), in order."""
-    parts = prompt.split(IMAGE_TOKEN)
-    if len(parts) - 1 != len(grids):
-        raise ValueError(f"the prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholder(s) but {len(grids)} image(s) "
-                         f"were given: write one {IMAGE_TOKEN} where each image goes")
-    texts = [image_prompt(rows, cols, tokens_per_frame) for rows, cols in grids]
-    return parts[0] + "".join(text + part for text, part in zip(texts, parts[1:]))

@@ -15,7 +15,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
-from tinyvllm.model.image_processor import ImageProcessorConfig
+from tinyvllm.model.image_processor import IMAGE_TOKEN, ImageProcessorConfig, image_prompt, process_image, split_size
 from tinyvllm.model.llama import project
 
 VISION_PREFIX, CONNECTOR_PREFIX = "model.vision_model.", "model.connector."
@@ -63,7 +63,14 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 
 class VisionTower:
-    """SigLIP + Idefics3's connector, from the HF-named tensors `model.vision_model.*` and `model.connector.*`."""
+    """SigLIP + Idefics3's connector, from the HF-named tensors `model.vision_model.*` and `model.connector.*`.
+
+    What the engine asks of any vision tower (LLaVA's in model/llava.py answers the same): `placeholder`, the text
+    where an image goes; `image_token_id`; `image_text(image)`, the text a placeholder becomes (from the image's size
+    alone); `preprocess(image)`, its pixel values; `encode(pixel values)`, one embedding per image token;
+    `max_embeds_per_image`; `device`."""
+
+    placeholder = IMAGE_TOKEN
 
     def __init__(self, config: VisionConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
                  device: str | None = None, processor: ImageProcessorConfig | None = None):
@@ -91,6 +98,20 @@ class VisionTower:
     @property
     def device(self) -> str:
         return self.proj.device
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
+
+    def image_text(self, image) -> str:
+        return image_prompt(*split_size(image, self.processor)[2:], self.config.tokens_per_frame)
+
+    def preprocess(self, image) -> np.ndarray:
+        return process_image(image, self.processor).pixel_values
+
+    def num_embeds(self, pixel_values: np.ndarray) -> int:
+        """Image tokens an image's frames become."""
+        return len(pixel_values) * self.config.tokens_per_frame
 
     @property
     def max_embeds_per_image(self) -> int:
