@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from tinyvllm.spec_decode.config import SpeculativeConfig
 
 
+MAX_IMAGES_PER_PROMPT = 999  # vLLM's default limit per modality
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | os.PathLike | None = None  # a .gguf file, an HF directory; None: the default model
@@ -33,6 +36,7 @@ class ModelConfig:
     enforce_eager: bool = False  # vLLM's: every step scheduled anew, no captured graphs (slow; for debugging)
     seed: int = 0  # vLLM's: where unseeded random requests' seeds come from (the same run twice: the same text)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs alternatives a request may ask for; -1: the vocabulary
+    limit_mm_per_prompt: dict | None = None  # vLLM's: the most images one prompt may carry, {"image": N} (default 999)
 
     def __post_init__(self) -> None:
         from tinyvllm.model.loader import check_dtype
@@ -48,6 +52,14 @@ class ModelConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0 (or -1: the whole vocabulary), "
                              f"got {self.max_logprobs!r}")
+        limits = self.limit_mm_per_prompt
+        if limits is not None and (not isinstance(limits, dict) or set(limits) - {"image"} or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limits.values())):
+            raise ValueError(f'limit_mm_per_prompt is {{"image": N}} with N an integer >= 0, got {limits!r}')
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", MAX_IMAGES_PER_PROMPT)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ Taught in docs/phases/09-api-server.md; tools and reasoning in 09-appendix-tools
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, b
                                          grammar_error, last_output, sse, sse_error)
 from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, TOOL_PARSERS, ToolCallPolicy, ToolParser,
                                       with_default_tool_prompt, with_parsed_arguments)
-from tinyvllm.model.chat_template import template_variables
+from tinyvllm.model.chat_template import content_parts, content_text, iterates_content, template_variables
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import StructuredOutputsParams
 
@@ -250,20 +251,12 @@ class OpenAIServingChat(OpenAIServing):
         return ToolUse(tools, parse=True, forced=forced, parallel=parallel and choice == "required",
                        parser=self.tool_parser)
 
-    def content_part(self, part: dict, where: str, images: list | None) -> str:
-        """A content part's text; an image_url part's image appended to `images`, the part becoming `<image>`."""
-        if part["type"] == "text":
-            if not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}.text must be a string, got {part.get('text')!r}", "messages")
-            return part["text"]
-        url = part.get("image_url")
-        url = url.get("url") if isinstance(url, dict) else None
-        if not isinstance(url, str):
-            raise bad_request(f"{where}.image_url must be {{\"url\": \"data:image/png;base64,...\"}}", "messages")
-        try:
-            images.append(self.media.fetch_image(url))
-        except ValueError as e:
-            raise bad_request(f"{where}.image_url: {e}", "messages") from None
+    def read_image(self, images: list, part: dict, where: str) -> str:
+        """An image part's image appended to `images` (the limit checked first); the part becomes the placeholder."""
+        from tinyvllm.engine.multimodal import part_image  # Phase 10's, imported by a model that takes images
+
+        self.engine.multimodal_processor.check_count(len(images) + 1)
+        images.append(part_image(part, where, self.media))
         return self.engine.multimodal_processor.placeholder
 
     def has_special_token(self, tags: list[str]) -> bool:
@@ -297,12 +290,11 @@ class OpenAIServingChat(OpenAIServing):
             if content is None:  # an assistant turn of tool_calls only
                 content = ""
             if isinstance(content, list):  # content parts: text, and images for a model that takes them
-                kinds = ("text",) if images is None else ("text", "image_url")
-                if any(not isinstance(part, dict) or part.get("type") not in kinds for part in content):
-                    raise bad_request(f"messages[{i}]: only {' and '.join(kinds)} content parts are supported"
-                                      + ("" if images is not None else " (this model takes no images)"), "messages")
-                content = "".join(self.content_part(part, f"messages[{i}].content[{j}]", images)
-                                  for j, part in enumerate(content))
+                read_image = None if images is None else functools.partial(self.read_image, images)
+                try:
+                    content = content_text(content, f"messages[{i}]", read_image)
+                except ValueError as e:
+                    raise bad_request(str(e), "messages") from None
             elif not isinstance(content, str):
                 raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got "
                                   f"{type(content).__name__}", "messages")
@@ -322,6 +314,9 @@ class OpenAIServingChat(OpenAIServing):
             variables = {"tools": tools} if tools else {}
         else:
             conversation = with_default_tool_prompt(conversation, tools)
+        if self.tokenizer.chat_template is not None and iterates_content(self.tokenizer.chat_template):
+            placeholder = None if images is None else self.engine.multimodal_processor.placeholder
+            conversation = [{**m, "content": content_parts(m["content"], placeholder)} for m in conversation]
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       **extra, **variables)

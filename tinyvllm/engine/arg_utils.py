@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class EngineArgs:
     device: str | None = None
     max_model_len: int | None = None
     max_logprobs: int = MAX_LOGPROBS
+    limit_mm_per_prompt: dict | None = None
     seed: int = 0
     enforce_eager: bool = False
     block_size: int = 16
@@ -67,8 +69,14 @@ class EngineArgs:
             speculative_config = parse_speculative_config(args.speculative_config)
         except ValueError as e:
             raise ValueError(f"--speculative-config: {e}") from None
-        names = {f.name for f in dataclasses.fields(cls)} - {"speculative_config"}
-        return cls(speculative_config=speculative_config,
+        limit_mm_per_prompt = getattr(args, "limit_mm_per_prompt", None)
+        if isinstance(limit_mm_per_prompt, str):
+            try:
+                limit_mm_per_prompt = json.loads(limit_mm_per_prompt)
+            except json.JSONDecodeError as e:
+                raise ValueError(f'--limit-mm-per-prompt takes JSON such as \'{{"image": 2}}\': {e}') from None
+        names = {f.name for f in dataclasses.fields(cls)} - {"speculative_config", "limit_mm_per_prompt"}
+        return cls(speculative_config=speculative_config, limit_mm_per_prompt=limit_mm_per_prompt,
                    **{name: getattr(args, name) for name in names if hasattr(args, name)})
 
     def create_engine_config(self):
@@ -89,7 +97,7 @@ class EngineArgs:
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             ModelConfig(self.model, self.dtype, self.quantization, self.max_model_len, self.enforce_eager, self.seed,
-                        self.max_logprobs),
+                        self.max_logprobs, self.limit_mm_per_prompt),
             CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
                         self.num_gpu_blocks_override, self.enable_prefix_caching, self.kv_cache_dtype),
             SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy),
@@ -106,6 +114,8 @@ class EngineArgs:
         p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                        help="the most logprobs (sampled or prompt) a request may ask for per position; -1: the whole "
                             f"vocabulary (vLLM's flag; default {MAX_LOGPROBS})")
+        p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                       help='the most images one prompt may carry, e.g. \'{"image": 2}\' (vLLM\'s flag; default 999)')
         p.add_argument("--enforce-eager", action="store_true",
                        help="run each step as written, without captured graphs: slower, for debugging (vLLM's flag)")
         p.add_argument("--seed", type=int, default=0,

@@ -58,7 +58,8 @@ class LLMEngine:
         tower = getattr(self.model, "vision_tower", None)
         if tower is None:
             return None
-        return provided("multimodal_inputs")(self.tokenizer, tower, self.scheduler.encoder_cache_manager.cache_size)
+        return provided("multimodal_inputs")(self.tokenizer, tower, self.scheduler.encoder_cache_manager.cache_size,
+                                             self.config.model_config.max_images_per_prompt)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

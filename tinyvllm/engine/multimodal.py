@@ -18,14 +18,25 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from tinyvllm.config import MAX_IMAGES_PER_PROMPT
 from tinyvllm.core.encoder_cache import MultiModalFeature
 from tinyvllm.model.tokenizer import Tokenizer
 from tinyvllm.model.vision import VisionTower
 
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what vLLM's and OpenAI's image inputs take (no animation)
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGE_PIXELS = 8192 * 8192
+MIN_IMAGE_EDGE, MAX_IMAGE_EDGE = 2, 8192  # HF's processors cannot tell a 1-pixel edge from a channel axis
+
+
+def check_size(image: Image.Image) -> None:
+    if image.width * image.height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"the image is {image.width} x {image.height} pixels, more than the {MAX_IMAGE_PIXELS} "
+                         "allowed")
+    if min(image.size) < MIN_IMAGE_EDGE or max(image.size) > MAX_IMAGE_EDGE:
+        raise ValueError(f"the image is {image.width} x {image.height} pixels: each edge must be "
+                         f"{MIN_IMAGE_EDGE} to {MAX_IMAGE_EDGE} pixels")
 
 
 def decode_image(raw: bytes) -> Image.Image:
@@ -36,9 +47,7 @@ def decode_image(raw: bytes) -> Image.Image:
         image = Image.open(io.BytesIO(raw))
         if image.format not in IMAGE_FORMATS:
             raise ValueError(f"{image.format} images are not supported: send {', '.join(IMAGE_FORMATS)}")
-        if image.width * image.height > MAX_IMAGE_PIXELS:
-            raise ValueError(f"the image is {image.width} x {image.height} pixels, more than the {MAX_IMAGE_PIXELS} "
-                             "allowed")
+        check_size(image)
         image.load()
     except (OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise ValueError(f"the image cannot be decoded ({type(e).__name__}: {e}): send a valid "
@@ -89,6 +98,24 @@ class MediaConnector:
         raise ValueError(f"image URLs are data:, http(s): or file: URLs, got {url[:40]!r}")
 
 
+def part_image(part: dict, where: str, media: MediaConnector) -> Image.Image:
+    """A content part's image: an `image_url` part's fetched by `media`, an `image_pil` part's (offline) as given."""
+    if part["type"] == "image_pil":
+        image = part.get("image_pil")
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"{where}.image_pil must be a PIL.Image.Image, got {type(image).__name__}")
+        check_size(image)
+        return image
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else None
+    if not isinstance(url, str):
+        raise ValueError(f"{where}.image_url must be {{\"url\": \"data:image/png;base64,...\"}}")
+    try:
+        return media.fetch_image(url)
+    except ValueError as e:
+        raise ValueError(f"{where}.image_url: {e}") from None
+
+
 def image_hash(image: Image.Image) -> str:
     """The image's content hash: its mode, size and pixels (vLLM's MultiModalHasher hashes the same)."""
     h = hashlib.sha256(f"{image.mode} {image.size}".encode())
@@ -106,8 +133,9 @@ def expand_prompt(prompt: str, placeholder: str, texts: list[str]) -> str:
 
 
 class MultiModalProcessor:
-    def __init__(self, tokenizer: Tokenizer, tower: VisionTower, encoder_cache_size: int):
+    def __init__(self, tokenizer: Tokenizer, tower: VisionTower, encoder_cache_size: int, max_images: int = MAX_IMAGES_PER_PROMPT):
         self.tokenizer, self.tower, self.encoder_cache_size = tokenizer, tower, encoder_cache_size
+        self.max_images = max_images  # --limit-mm-per-prompt's
         self.placeholder = tower.placeholder  # where an image goes in a prompt's text
 
     def process(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeature]]:
@@ -123,9 +151,11 @@ class MultiModalProcessor:
             raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {data!r:.80}")
         images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
+        self.check_count(len(images))
         for image in images:
             if not isinstance(image, Image.Image):
                 raise ValueError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+            check_size(image)
         try:
             pixels = [self.tower.preprocess(image) for image in images]
         except (OSError, ValueError, Image.DecompressionBombError) as e:
@@ -133,6 +163,11 @@ class MultiModalProcessor:
         ids = self.tokenizer.encode(self.expand(text, images)) if ids is None else ids
         features = self.features(np.array(ids), pixels, [image_hash(i) for i in images])
         return text, ids, features
+
+    def check_count(self, num_images: int) -> None:
+        if num_images > self.max_images:
+            raise ValueError(f"At most {self.max_images} image(s) may be provided in one prompt; this one has "
+                             f"{num_images}. Set --limit-mm-per-prompt to raise the limit.")
 
     def expand(self, text: str, images: list[Image.Image]) -> str:
         """The text with each placeholder expanded to its image's tokens (from the images' sizes alone)."""

@@ -7,12 +7,14 @@ Taught in docs/phases/01-appendix-tokens-and-sampling.md.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 
 import jinja2
 import jinja2.ext
 import jinja2.meta
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -46,6 +48,46 @@ def _compile(template: str) -> jinja2.Template:
 def template_variables(template: str) -> frozenset[str]:
     """The variables a template reads from outside ("tools" when it renders tool definitions)."""
     return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+
+
+@lru_cache(maxsize=16)
+def iterates_content(template: str) -> bool:
+    """Whether the template loops over a message's content parts (vLLM's "openai" content format: SmolVLM's), so
+    it is given parts, not a string."""
+    for loop in _environment().parse(template).find_all(jinja2.nodes.For):
+        it = loop.iter
+        if (isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) and it.arg.value == "content"
+                or isinstance(it, jinja2.nodes.Getattr) and it.attr == "content"):
+            return True
+    return False
+
+
+def content_text(content: list, where: str, read_image: Callable[[dict, str], str] | None = None,
+                 image_kinds: tuple[str, ...] = ("image_url",)) -> str:
+    """A message's content parts joined into its text: an image part (`image_kinds`) becomes what
+    `read_image(part, where)` returns, its placeholder; read_image None: a model that takes no images."""
+    kinds = ("text",) if read_image is None else ("text", *image_kinds)
+    if any(not isinstance(part, dict) or part.get("type") not in kinds for part in content):
+        raise ValueError(f"{where}: only {' and '.join(kinds)} content parts are supported"
+                         + ("" if read_image is not None else " (this model takes no images)"))
+    texts = []
+    for j, part in enumerate(content):
+        if part["type"] != "text":
+            texts.append(read_image(part, f"{where}.content[{j}]"))
+        elif isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise ValueError(f"{where}.content[{j}].text must be a string, got {part.get('text')!r}")
+    return "".join(texts)
+
+
+def content_parts(content: str, placeholder: str | None) -> list[dict]:
+    """A message's text as content parts, each `placeholder` (an image's place) an image part."""
+    pieces = content.split(placeholder) if placeholder else [content]
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for piece in pieces[1:]:
+        parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+    return parts
 
 
 def validate_messages(messages: object) -> None:
