@@ -43,6 +43,44 @@ class LLM:
                     for i, (prompt, params, rank) in enumerate(zip(prompts, sampling_params, priority))]
         return self._run_to_completion(requests, "generating", use_tqdm and len(prompts) >= 8)
 
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate for a conversation (or a list of them) through the model's chat template (vLLM's `LLM.chat`);
+        content may be parts: text, `image_url` (data:, http(s):) and `image_pil` (a PIL image)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs or {}) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> dict:
+        """The engine's prompt for one conversation: the rendered text's ids, each image's placeholder expanded."""
+        from tinyvllm.model.chat_template import content_text, template_messages, validate_messages
+
+        tokenizer, processor = self.get_tokenizer(), self.llm_engine.input_processor.multimodal
+        validate_messages(messages)
+        images, read_image = [], None
+        if processor is not None:
+            from tinyvllm.engine.multimodal import MediaConnector, part_image  # Phase 10
+
+            media = MediaConnector(allow_remote_media=True)
+
+            def read_image(part: dict, where: str) -> str:
+                processor.check_count(len(images) + 1)
+                images.append(part_image(part, where, media))
+                return processor.placeholder
+
+        conversation = [{**m, "content": content_text(m["content"], f"messages[{i}]", read_image, ("image_url",
+                         "image_pil")) if isinstance(m.get("content"), list) else m.get("content") or ""}
+                        for i, m in enumerate(messages)]
+        if tokenizer.chat_template is not None:
+            conversation = template_messages(tokenizer.chat_template, conversation,
+                                             None if processor is None else processor.placeholder)
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt, **template_kwargs)
+        if images:  # token ids given with images come expanded already
+            text = processor.expand(text, images)
+        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}  # the template wrote them
+        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
+
     def _run_to_completion(self, requests: list[tuple], desc: str, show_progress: bool) -> list[RequestOutput]:
         """Add every (request_id, prompt, params, priority), step the engine until all finish, and return their
         final outputs in order."""

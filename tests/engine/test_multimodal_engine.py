@@ -53,6 +53,22 @@ def test_greedy_tokens_equal_hf(llm, idefics3_dir, name):
     assert (out.prompt_token_ids.count(IMAGE_TOKEN_ID) > 0) == bool(images)
 
 
+@pytest.mark.parametrize("name", PROMPTS)
+def test_top20_logprobs_equal_hf(llm, idefics3_dir, name):
+    import torch
+
+    text, images = PROMPTS[name]
+    (out,) = llm.generate(request(name), SamplingParams(max_tokens=1, temperature=0, logprobs=20), use_tqdm=False)
+    inputs = hf_processor(idefics3_dir)(text=text, images=[IMAGES[i] for i in images] or None, return_tensors="pt")
+    with torch.no_grad():
+        theirs = torch.log_softmax(hf_model(idefics3_dir)(**inputs).logits[0, -1].double(), -1)
+    chosen, top20 = out.outputs[0].logprobs[0]  # (the sampled token's logprob, the 20 best as (token, logprob))
+    top = theirs.topk(20)
+    assert [token for token, _ in top20] == top.indices.tolist()
+    np.testing.assert_allclose([lp for _, lp in top20], top.values.numpy(), atol=1e-4, rtol=0)
+    assert abs(chosen - top.values[0].item()) < 1e-4
+
+
 def test_a_text_request_is_unchanged_beside_an_image_request(llm):
     (alone,) = llm.generate(request("text only"), GREEDY, use_tqdm=False)
     mixed = llm.generate([request("two images"), request("text only"), request("one image")], GREEDY, use_tqdm=False)

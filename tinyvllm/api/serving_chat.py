@@ -26,7 +26,7 @@ from tinyvllm.api.serving_engine import (SSE_DONE, ChoiceDelta, OpenAIServing, b
                                          grammar_error, last_output, sse, sse_error)
 from tinyvllm.api.tool_parser import (END, NO_PARAMETERS, START, TOOL_PARSERS, ToolCallPolicy, ToolParser,
                                       with_default_tool_prompt, with_parsed_arguments)
-from tinyvllm.model.chat_template import content_parts, content_text, iterates_content, template_variables
+from tinyvllm.model.chat_template import content_text, template_messages, template_variables
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import StructuredOutputsParams
 
@@ -314,9 +314,9 @@ class OpenAIServingChat(OpenAIServing):
             variables = {"tools": tools} if tools else {}
         else:
             conversation = with_default_tool_prompt(conversation, tools)
-        if self.tokenizer.chat_template is not None and iterates_content(self.tokenizer.chat_template):
+        if self.tokenizer.chat_template is not None:
             placeholder = None if images is None else self.engine.multimodal_processor.placeholder
-            conversation = [{**m, "content": content_parts(m["content"], placeholder)} for m in conversation]
+            conversation = template_messages(self.tokenizer.chat_template, conversation, placeholder)
         try:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       **extra, **variables)

@@ -104,7 +104,10 @@ def part_image(part: dict, where: str, media: MediaConnector) -> Image.Image:
         image = part.get("image_pil")
         if not isinstance(image, Image.Image):
             raise ValueError(f"{where}.image_pil must be a PIL.Image.Image, got {type(image).__name__}")
-        check_size(image)
+        try:
+            check_size(image)
+        except ValueError as e:
+            raise ValueError(f"{where}.image_pil: {e}") from None
         return image
     url = part.get("image_url")
     url = url.get("url") if isinstance(url, dict) else None

@@ -90,6 +90,13 @@ def content_parts(content: str, placeholder: str | None) -> list[dict]:
     return parts
 
 
+def template_messages(template: str, messages: list[dict], placeholder: str | None) -> list[dict]:
+    """The messages as the template reads them: text content, or content parts for a template that loops over them."""
+    if not iterates_content(template):
+        return messages
+    return [{**m, "content": content_parts(m["content"], placeholder)} for m in messages]
+
+
 def validate_messages(messages: object) -> None:
     """A conversation is a list of {"role": str, "content": str | list of parts | None} dicts."""
     if not isinstance(messages, list):
