@@ -385,15 +385,29 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def item_text(content: object, i: int) -> str:
-    """A message item's content: a string, or text parts (input_text, output_text)."""
+def item_text(content: object, i: int) -> str | list[dict]:
+    """A message item's content: a string, text parts (input_text, output_text) joined, or with `input_image`
+    parts the chat's content parts (an image_url part each)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") in TEXT_PARTS
-                                         and isinstance(part.get("text"), str) for part in content):
-        return "".join(part["text"] for part in content)
-    raise bad_request(f"input[{i}].content must be a string or a list of input_text parts "
-                      '({"type": "input_text", "text": "..."}): only text is served', "input")
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise bad_request(f"input[{i}].content must be a string or a list of input_text and input_image parts",
+                          "input")
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif part.get("type") == "input_image":
+            raise bad_request(f"input[{i}].content[{j}]: input_image takes image_url, a data: URL (or an http(s) "
+                              "one where the server allows it); file_id is not served", "input")
+        else:
+            raise bad_request(f"input[{i}].content[{j}] must be an input_text part ({{\"type\": \"input_text\", "
+                              f"\"text\": \"...\"}}) or an input_image part, got type {part.get('type')!r}", "input")
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def string(item: dict, field: str, i: int) -> str:
