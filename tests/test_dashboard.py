@@ -163,6 +163,7 @@ def test_state_shows_owned_shared_and_cached_blocks(tiny_engine):
     assert sum(state["kv_cache"]["ref_cnt"]) == 0 and not state["running"] and not state["waiting"]
     assert state["kv_cache"]["cached"][first[0]] == 1  # free, and still a prefix a new prompt may hit
     assert state["kv_cache"]["num_free_blocks"] == 48
+    assert state["encoder_cache"] is None  # a text model: the page hides the panel
 
 
 # ---- the page, in a real browser, against the real default model ----
@@ -219,6 +220,7 @@ def test_browser_shows_the_engine_live(browser, tmp_path):
         wait_for(lambda: attribute("blocks", "data-used") == "0", 30, "the grid")
         num_blocks = len(browser.find_elements(By.CSS_SELECTOR, "#blocks .block"))
         assert num_blocks == engine.engine.scheduler.block_manager.num_blocks
+        assert not browser.find_element(By.ID, "encoder-panel").is_displayed()  # a model without images
 
         system = "You are a terse assistant. Answer in one short sentence, and never use lists. " * 3
         warm_up = {"prompt": system + "Q: Hi.", "max_tokens": 4, "temperature": 0}  # compiles; caches the prefix

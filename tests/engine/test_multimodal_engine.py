@@ -88,6 +88,22 @@ def test_a_repeated_image_is_encoded_once(llm, idefics3_dir):
         assert out.outputs[0].token_ids == hf_greedy(idefics3_dir, text, [image])[1]
 
 
+def test_the_engine_state_shows_the_encoder_cache(llm):
+    from tinyvllm.engine.multimodal import image_hash
+
+    engine, image = llm.llm_engine, draw_image(52, 36, seed=9)
+    engine.add_request("looking", {"prompt": "See <image> now", "multi_modal_data": {"image": image}}, GREEDY)
+    engine.step()  # the first chunk reaches the image: encoded, held for this request
+    cache = engine.get_state()["encoder_cache"]
+    (entry,) = [e for e in cache["entries"] if image_hash(image).startswith(e["mm_hash"])]
+    assert entry["requests"] == ["looking"] and not entry["freeable"] and entry["num_embeds"] > 0
+    assert cache["cache_size"] - cache["num_free_slots"] >= entry["num_embeds"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    (entry,) = [e for e in engine.get_state()["encoder_cache"]["entries"] if image_hash(image).startswith(e["mm_hash"])]
+    assert entry["requests"] == [] and entry["freeable"]  # kept until its room is needed
+
+
 def test_the_prefix_cache_shares_blocks_of_the_same_image_only(llm):
     text = "Describe this picture in detail, please: <image>"
     first, second = draw_image(40, 40, seed=11), draw_image(40, 40, seed=12)

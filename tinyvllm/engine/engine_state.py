@@ -4,7 +4,8 @@
      "kv_cache": {"ref_cnt": [r0, r1, ...], "cached": [0/1, ...], "num_free_blocks", ...}   one entry per block
      "running":  [{request_id, status, priority, num_computed_tokens, num_tokens, block_table, ...}, ...]
      "waiting":  [... the same, in the order they will be admitted ...]
-     "steps":    [{time, step_ms, batch_size, num_prefill_tokens, num_decode_tokens, num_preempted}, ...]}
+     "steps":    [{time, step_ms, batch_size, num_prefill_tokens, num_decode_tokens, num_preempted}, ...]
+     "encoder_cache": {cache_size, num_free_slots, entries: [{mm_hash, num_embeds, requests, freeable}], ...}}
 """
 
 from __future__ import annotations
@@ -106,11 +107,23 @@ def engine_state(engine) -> dict:
     kv = {"ref_cnt": [block.ref_cnt for block in bm.blocks],
           "cached": [int(block.block_hash is not None) for block in bm.blocks],
           "num_free_blocks": bm.num_free_blocks, "num_cached_blocks": len(bm.cached_blocks)}
-    return {"config": config, "kv_cache": kv,
+    return {"config": config, "kv_cache": kv, "encoder_cache": encoder_cache_state(engine),
             "running": [request_state(seq, now) for seq in scheduler.running],
             "waiting": [request_state(seq, now) for seq in scheduler.waiting],
             "steps": [{**asdict(record), "age_s": round(now - record.time, 3)} for record in step_log.records],
             "num_steps": step_log.num_steps}
+
+
+def encoder_cache_state(engine) -> dict | None:
+    """Phase 10's encoder cache: its room in embeddings, and each image's entry (None: a model without images)."""
+    manager = engine.scheduler.encoder_cache_manager
+    if manager is None:
+        return None
+    entries = [{"mm_hash": mm_hash[:16], "num_embeds": size, "requests": sorted(map(str, manager.cached[mm_hash])),
+                "freeable": mm_hash in manager.freeable} for mm_hash, size in manager.sizes.items()]
+    return {"cache_size": manager.cache_size, "num_free_slots": manager.num_free_slots, "entries": entries,
+            "num_queries": manager.num_queries, "num_hits": manager.num_hits,
+            "num_encoder_runs": engine.model_runner.encoder.num_encoder_runs}
 
 
 def engine_stats(engine) -> dict:

@@ -73,6 +73,7 @@ function onEvent(state) {
   drawConfig(state.config || {}, state.stats || {});
   drawRates(state.rates || {}, state.stats || {});
   drawBlocks(state.kv_cache, state.running || []);
+  drawEncoderCache(state.encoder_cache);
   drawQueue("running", state.running || [], (r) => r.block_table.length);
   drawQueue("waiting", state.waiting || [], (r) => `${r.age_s.toFixed(1)} s`);
   drawSteps(state.steps || [], state.num_steps || 0, state.config || {});
@@ -143,6 +144,20 @@ function drawBlocks(kv, running) {
   $("blocks-summary").textContent =
     `${used} in use (${shared} shared), ${cachedFree} free but cached, ${kv.num_free_blocks} free of ${n}`;
   grid.dataset.used = used;
+}
+
+function drawEncoderCache(cache) { // Phase 10: images' encoder outputs, kept by content hash
+  $("encoder-panel").hidden = !cache;
+  if (!cache) return;
+  const used = cache.cache_size - cache.num_free_slots;
+  $("encoder-summary").textContent = `${cache.entries.length} images, room for ${cache.cache_size} embeddings`;
+  $("encoder-used").textContent = `${used} / ${cache.cache_size}`;
+  $("encoder-hits").textContent = `${cache.num_hits} / ${cache.num_queries}`;
+  $("encoder-runs").textContent = cache.num_encoder_runs;
+  $("encoder-entries").tBodies[0].innerHTML = cache.entries.map((e) => `<tr data-freeable="${e.freeable}">
+    <td class="id">${escape(e.mm_hash)}</td><td>${e.num_embeds}</td>
+    <td>${e.requests.length ? e.requests.map(escape).join(", ") : "none (evicted when its room is needed)"}</td></tr>`
+  ).join("");
 }
 
 function drawQueue(name, requests, lastColumn) {
