@@ -87,3 +87,43 @@ def draw_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
         x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
         draw.ellipse([x0, y0, x0 + width // 3, y0 + height // 3], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
     return image.convert(mode)
+
+
+def write_mmproj(model_dir: Path, path: Path, f16: bool = True) -> Path:
+    """The vision tower of an HF Idefics3 directory as llama.cpp's convert_hf_to_gguf.py --mmproj writes it (the
+    layout recorded from that converter in tests/model/data/mmproj_layout.json): F32 embeddings and vectors, the
+    matrices F16 (or F32, as its --outtype f32)."""
+    from tinyvllm.ggml_types import F16, F32
+    from tinyvllm.model.gguf_writer import TensorData, typed, write_gguf
+    from tinyvllm.model.vision import MMPROJ_LAYER_NAMES, MMPROJ_NAMES, VISION_PREFIX
+    from tinyvllm.model.weights_hf import read_hf_tensors
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    v, pre = cfg["vision_config"], json.loads((model_dir / "preprocessor_config.json").read_text())
+    metadata = {"general.architecture": "clip", "general.type": "mmproj", "clip.has_vision_encoder": True,
+                "clip.vision.projection_dim": cfg["text_config"]["hidden_size"],
+                "clip.vision.image_size": v["image_size"], "clip.vision.patch_size": v["patch_size"],
+                "clip.vision.embedding_length": v["hidden_size"], "clip.vision.feed_forward_length": v["intermediate_size"],
+                "clip.vision.block_count": v["num_hidden_layers"],
+                "clip.vision.attention.head_count": v["num_attention_heads"],
+                "clip.vision.image_mean": pre["image_mean"], "clip.vision.image_std": pre["image_std"],
+                "clip.projector_type": "idefics3", "clip.vision.attention.layer_norm_epsilon": v["layer_norm_eps"],
+                "clip.vision.projector.scale_factor": cfg["scale_factor"], "clip.use_gelu": True,
+                "clip.vision.preproc_image_size": pre["size"]["longest_edge"]}
+    to_gguf = {hf: gguf for gguf, hf in MMPROJ_NAMES.items()}
+    to_gguf.update({f"{VISION_PREFIX}encoder.layers.{{}}.{hf}": f"v.blk.{{}}.{gguf}"
+                    for gguf, hf in MMPROJ_LAYER_NAMES.items()})
+
+    def gguf_name(name: str) -> str:
+        base, _, suffix = name.rpartition(".")
+        if base in to_gguf:
+            return f"{to_gguf[base]}.{suffix}"
+        layer = base.split(".")[4]  # model.vision_model.encoder.layers.<i>.<module>
+        return to_gguf[base.replace(f".layers.{layer}.", ".layers.{}.", 1)].format(layer) + f".{suffix}"
+
+    tensors = []
+    for name, x in read_hf_tensors(model_dir, lambda n: "vision_model" in n or "connector" in n).items():
+        kind = F16 if f16 and x.ndim > 1 and ".embeddings." not in name else F32
+        tensors.append(TensorData(gguf_name(name), x.shape, kind, x.astype(np.float16 if kind == F16 else np.float32)))
+    write_gguf(path, {key: typed(value) for key, value in metadata.items()}, tensors)
+    return path

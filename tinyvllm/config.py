@@ -37,6 +37,7 @@ class ModelConfig:
     seed: int = 0  # vLLM's: where unseeded random requests' seeds come from (the same run twice: the same text)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs alternatives a request may ask for; -1: the vocabulary
     limit_mm_per_prompt: dict | None = None  # vLLM's: the most images one prompt may carry, {"image": N} (default 999)
+    mmproj: str | os.PathLike | None = None  # llama.cpp's: the vision tower's GGUF beside a text model
 
     def __post_init__(self) -> None:
         from tinyvllm.model.loader import check_dtype

@@ -26,6 +26,7 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "beam_search_params": ("tinyvllm.engine.beam_search", "BeamSearchParams"),  # 7a
     "pooling_params": ("tinyvllm.pooling_params", "PoolingParams"),  # 9: embeddings
     "vision_tower": ("tinyvllm.model.vision", "load_vision_tower"),  # 10
+    "mmproj": ("tinyvllm.model.vision", "load_mmproj"),  # 10: llama.cpp's vision GGUF beside a text model
     "multimodal_inputs": ("tinyvllm.engine.multimodal", "MultiModalProcessor"),  # 10
     "media_connector": ("tinyvllm.engine.multimodal", "MediaConnector"),  # 10
 }

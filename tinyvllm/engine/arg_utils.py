@@ -43,6 +43,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_logprobs: int = MAX_LOGPROBS
     limit_mm_per_prompt: dict | None = None
+    mmproj: str | os.PathLike | None = None
     seed: int = 0
     enforce_eager: bool = False
     block_size: int = 16
@@ -97,7 +98,7 @@ class EngineArgs:
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         return EngineConfig(
             ModelConfig(self.model, self.dtype, self.quantization, self.max_model_len, self.enforce_eager, self.seed,
-                        self.max_logprobs, self.limit_mm_per_prompt),
+                        self.max_logprobs, self.limit_mm_per_prompt, self.mmproj),
             CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
                         self.num_gpu_blocks_override, self.enable_prefix_caching, self.kv_cache_dtype),
             SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy),
@@ -116,6 +117,8 @@ class EngineArgs:
                             f"vocabulary (vLLM's flag; default {MAX_LOGPROBS})")
         p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                        help='the most images one prompt may carry, e.g. \'{"image": 2}\' (vLLM\'s flag; default 999)')
+        p.add_argument("--mmproj", default=None, metavar="FILE",
+                       help="llama.cpp's mmproj GGUF: the vision tower for a text GGUF's images (llama.cpp's flag)")
         p.add_argument("--enforce-eager", action="store_true",
                        help="run each step as written, without captured graphs: slower, for debugging (vLLM's flag)")
         p.add_argument("--seed", type=int, default=0,

@@ -43,7 +43,8 @@ class LLMEngine:
             mc, pc = config.model_config, config.parallel_config
             self.model, self.tokenizer, self.model_path = load_model(
                 mc.model, mc.dtype, config.device_config.device, mc.quantization,
-                tensor_parallel_size=pc.tensor_parallel_size, pipeline_parallel_size=pc.pipeline_parallel_size)
+                tensor_parallel_size=pc.tensor_parallel_size, pipeline_parallel_size=pc.pipeline_parallel_size,
+                mmproj=mc.mmproj)
         self.model_name = "model" if self.model_path is None else self.model_path.name
         self.engine_core = EngineCore(config, self.model, self.tokenizer, self.model_name)
         self.config = self.engine_core.config  # with the KV cache's size and the context length filled in

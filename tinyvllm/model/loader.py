@@ -20,6 +20,10 @@ install_program_cache = provided("program_cache", lambda device=None: None)
 load_tokenizer = provided("tokenizer_cache", tokenizer.load_tokenizer)
 load_vision_tower = provided("vision_tower", lambda *args: None)  # Phase 10
 
+
+def _no_mmproj(*args):
+    raise ValueError("an mmproj (images) needs Phase 10's tinyvllm/model/vision.py")
+
 DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16,
                              "float": dtypes.float32, "half": dtypes.float16}  # the last two: vLLM's other names
 
@@ -40,9 +44,10 @@ def parse_dtype(dtype: str | DType, device: str | None = None) -> DType:
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "auto",
                device: str | None = None, quantization: str = "auto",
-               tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
+               tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+               mmproj: str | os.PathLike | None = None) -> tuple[LlamaForCausalLM, Tokenizer, Path]:
     """model: a .gguf file, an HF checkpoint directory, or None for SmolLM2-135M-Instruct -> (model, tokenizer,
-    the resolved path).
+    the resolved path); mmproj: llama.cpp's vision GGUF for the model's images.
     """
     install_program_cache(device=device)  # what earlier processes lowered and chose
     dt = parse_dtype(dtype, device)
@@ -51,6 +56,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device,
                            quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                            pipeline_parallel_size=pipeline_parallel_size)
-    if checkpoint.path.is_dir():
+    if mmproj is not None:
+        image_ids = tokenizer.encode("<image>", add_special_tokens=False)
+        image_token_id = image_ids[0] if len(image_ids) == 1 and image_ids[0] in tokenizer.special_token_ids else None
+        llm.vision_tower = provided("mmproj", _no_mmproj)(mmproj, image_token_id, dt, llm.device)
+    elif checkpoint.path.is_dir():
         llm.vision_tower = load_vision_tower(checkpoint.path, dt, llm.device)
     return llm, tokenizer, checkpoint.path

@@ -180,3 +180,53 @@ def load_vision_tower(model_dir: str | os.PathLike, dtype: DType = dtypes.float3
         return None
     tensors = read_hf_tensors(Path(model_dir), lambda name: name.startswith((VISION_PREFIX, CONNECTOR_PREFIX)))
     return VisionTower(VisionConfig.from_hf_config(cfg), tensors, dtype, device, ImageProcessorConfig.from_dir(model_dir))
+
+
+# llama.cpp's mmproj GGUF (its `clip` architecture, projector "idefics3"): the same tensors under llama.cpp's names
+MMPROJ_LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
+                      "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj",
+                      "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+MMPROJ_NAMES = {"v.patch_embd": VISION_PREFIX + "embeddings.patch_embedding",
+                "v.position_embd": VISION_PREFIX + "embeddings.position_embedding",
+                "v.post_ln": VISION_PREFIX + "post_layernorm", "mm.model.fc": CONNECTOR_PREFIX + "modality_projection.proj"}
+
+
+def mmproj_hf_name(name: str) -> str:
+    """llama.cpp's mmproj tensor name -> HF's Idefics3 name: v.blk.3.attn_q.weight -> ...layers.3.self_attn.q_proj..."""
+    base, _, suffix = name.rpartition(".")
+    parts = base.split(".")
+    if parts[:2] == ["v", "blk"] and len(parts) == 4 and parts[3] in MMPROJ_LAYER_NAMES:
+        return f"{VISION_PREFIX}encoder.layers.{parts[2]}.{MMPROJ_LAYER_NAMES[parts[3]]}.{suffix}"
+    if base in MMPROJ_NAMES:
+        return f"{MMPROJ_NAMES[base]}.{suffix}"
+    raise ValueError(f"mmproj tensor {name!r} is not one of an idefics3 projector's")
+
+
+def load_mmproj(path: str | os.PathLike, image_token_id: int | None, dtype: DType = dtypes.float32,
+                device: str | None = None) -> VisionTower:
+    """The vision tower in a llama.cpp mmproj GGUF (projector idefics3: SmolVLM's), beside a text model whose
+    vocabulary has the `<image>` token (`image_token_id`)."""
+    from tinyvllm.model.gguf import GGUFFile
+    from tinyvllm.model.weights_gguf import read_tensor
+
+    gguf = GGUFFile(path)
+    md = gguf.metadata
+    if md.get("general.architecture") != "clip" or md.get("clip.projector_type") != "idefics3":
+        raise ValueError(f"{path}: an mmproj GGUF with projector_type idefics3 (SmolVLM's) is served, got architecture "
+                         f"{md.get('general.architecture')!r}, projector {md.get('clip.projector_type')!r}")
+    if image_token_id is None:
+        raise ValueError(f"{path}: the text model's vocabulary has no {IMAGE_TOKEN} token: give the mmproj beside "
+                         "the text model it was converted with")
+    v = "clip.vision."
+    config = VisionConfig(hidden_size=md[v + "embedding_length"], intermediate_size=md[v + "feed_forward_length"],
+                          num_hidden_layers=md[v + "block_count"], num_attention_heads=md[v + "attention.head_count"],
+                          image_size=md[v + "image_size"], patch_size=md[v + "patch_size"],
+                          layer_norm_eps=md.get(v + "attention.layer_norm_epsilon", 1e-6),
+                          scale_factor=md.get(v + "projector.scale_factor", 2),
+                          text_hidden_size=md[v + "projection_dim"], image_token_id=image_token_id)
+    processor = ImageProcessorConfig(longest_edge=md.get(v + "preproc_image_size", 4 * config.image_size),
+                                     tile=config.image_size, image_mean=tuple(md[v + "image_mean"]),
+                                     image_std=tuple(md[v + "image_std"]))
+    tensors = {mmproj_hf_name(name): read_tensor(gguf, name) for name in gguf.tensors}
+    return VisionTower(config, tensors, dtype, device, processor)
+
