@@ -41,7 +41,18 @@ def write_tiny_idefics3(out_dir: Path, seed: int = 0) -> Path:
         scale_factor=2, image_token_id=IMAGE_TOKEN_ID, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # HF's init (std 0.02) leaves the features near zero: weights of unit-scale outputs
+    unit_scale(model)
+    model.save_pretrained(out_dir)
+    Idefics3ImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
+                              max_image_size={"longest_edge": TILE}).save_pretrained(out_dir)
+    return out_dir
+
+
+def unit_scale(model) -> None:
+    """HF's init (std 0.02) leaves the features near zero: weights of unit-scale outputs instead."""
+    import torch
+
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
@@ -49,10 +60,6 @@ def write_tiny_idefics3(out_dir: Path, seed: int = 0) -> Path:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / np.sqrt(np.prod(p.shape[1:]) if p.ndim > 1 else 1))
-    model.save_pretrained(out_dir)
-    Idefics3ImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
-                              max_image_size={"longest_edge": TILE}).save_pretrained(out_dir)
-    return out_dir
 
 
 def hf_model(model_dir: Path):
