@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 IMAGE_TOKEN_ID = 49152  # `<image>`, added after SmolLM2's vocabulary
-IMAGE_SIZE, PATCH_SIZE = 32, 8  # a frame is 32 x 32 pixels, 4 x 4 patches: 16 image tokens (the CLS row dropped)
+IMAGE_SIZE, PATCH_SIZE = 32, 4  # a frame is 32 x 32 pixels, 8 x 8 patches: 64 image tokens (the CLS row dropped)
 SHORTEST_EDGE = 40  # resized to a shortest edge of 40, then the centre 32 x 32 cropped
 
 

@@ -3,6 +3,7 @@ SmolVLM's image tokens at SmolVLM's ids, and HF's image processor config: the or
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -134,3 +135,16 @@ def write_mmproj(model_dir: Path, path: Path, f16: bool = True) -> Path:
         tensors.append(TensorData(gguf_name(name), x.shape, kind, x.astype(np.float16 if kind == F16 else np.float32)))
     write_gguf(path, {key: typed(value) for key, value in metadata.items()}, tensors)
     return path
+
+def encoded(width: int, height: int, mode: str, fmt: str, seed: int = 0):
+    """The drawn image written as `fmt` and read back, as a server would receive it."""
+    from PIL import Image
+
+    image = draw_image(width, height, seed, mode)
+    if mode == "RGBA":
+        alpha = np.array(image)
+        alpha[..., 3] = np.linspace(0, 255, width, dtype=np.uint8)[None]
+        image = Image.fromarray(alpha, "RGBA")
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return Image.open(io.BytesIO(buffer.getvalue()))

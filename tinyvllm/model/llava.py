@@ -38,7 +38,7 @@ class LlavaConfig:
     layer_norm_eps: float
     text_hidden_size: int
     image_token_id: int
-    feature_layers: tuple[int, ...]  # hidden_states indices as HF counts them (0: the embeddings), concatenated
+    feature_layer: int  # the hidden_states index as HF counts them (0: the embeddings, n: the last layer's)
     keep_cls: bool  # vision_feature_select_strategy "full"; "default" drops the CLS row
     hidden_act: str = "quick_gelu"
     projector_hidden_act: str = "gelu"
@@ -50,19 +50,22 @@ class LlavaConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> LlavaConfig:
-        v, layers = cfg["vision_config"], cfg.get("vision_feature_layer", -2)
+        v, layer = cfg["vision_config"], cfg.get("vision_feature_layer", -2)
+        n = v["num_hidden_layers"]
+        if not isinstance(layer, int) or not -n - 1 <= layer <= n:
+            raise ValueError(f"vision_feature_layer {layer!r}: tinyvllm's LLaVA takes one hidden state's index, "
+                             f"-{n + 1} to {n}")
         strategy = cfg.get("vision_feature_select_strategy", "default")
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r}: LLaVA's are 'default' and 'full'")
         if not cfg.get("multimodal_projector_bias", True):
             raise ValueError("multimodal_projector_bias false: tinyvllm's LLaVA projector has biases")
-        n = v["num_hidden_layers"]
-        layers = tuple(i % (n + 1) for i in ([layers] if isinstance(layers, int) else layers))  # -2: the n-1th
         config = cls(hidden_size=v["hidden_size"], num_hidden_layers=n, num_attention_heads=v["num_attention_heads"],
                      image_size=v["image_size"], patch_size=v["patch_size"],
                      layer_norm_eps=v.get("layer_norm_eps", 1e-5), text_hidden_size=cfg["text_config"]["hidden_size"],
                      image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 32000)),  # HF's default
-                     feature_layers=layers, keep_cls=strategy == "full", hidden_act=v.get("hidden_act", "quick_gelu"),
+                     feature_layer=layer % (n + 1), keep_cls=strategy == "full",
+                     hidden_act=v.get("hidden_act", "quick_gelu"),
                      projector_hidden_act=cfg.get("projector_hidden_act", "gelu"),
                      num_channels=v.get("num_channels", 3))
         activation(config.hidden_act, "vision hidden_act", ("quick_gelu", "gelu"))
@@ -130,7 +133,7 @@ class LlavaVisionTower(ViTTower):
         self.position_embedding = load(e + "position_embedding.weight")  # (P+1, Dv)
         self.pre_layrnorm = load("pre_layrnorm.weight"), load("pre_layrnorm.bias")
         self.layers = [{name: load(f"encoder.layers.{i}.{name}") for name in ENCODER_LAYER_TENSORS}
-                       for i in range(max(config.feature_layers))]  # the layers above the last one taken never run
+                       for i in range(config.feature_layer)]  # the layers above it never run
         self.linear_1 = load(PROJECTOR_PREFIX + "linear_1.weight"), load(PROJECTOR_PREFIX + "linear_1.bias")
         self.linear_2 = load(PROJECTOR_PREFIX + "linear_2.weight"), load(PROJECTOR_PREFIX + "linear_2.bias")
 
@@ -153,11 +156,9 @@ class LlavaVisionTower(ViTTower):
         x = project(patchify(pixels.cast(self.dtype), c.patch_size), self.patch_embedding)  # (F,P,Dv)
         cls = self.class_embedding.reshape(1, 1, -1).expand(x.shape[0], 1, c.hidden_size)
         x = layer_norm(cls.cat(x, dim=1) + self.position_embedding, *self.pre_layrnorm, c.layer_norm_eps)  # (F,P+1,Dv)
-        hidden_states = [x]  # HF's hidden_states: the embeddings, then each layer's output
-        for w in self.layers:
-            hidden_states.append(encoder_layer(hidden_states[-1], w, c.num_attention_heads, c.layer_norm_eps, self.act))
-        x = Tensor.cat(*[hidden_states[i] for i in c.feature_layers], dim=-1)  # (F,P+1,Dv*len(feature_layers))
-        x = x if c.keep_cls else x[:, 1:]
+        for w in self.layers:  # up to HF's hidden_states[feature_layer]
+            x = encoder_layer(x, w, c.num_attention_heads, c.layer_norm_eps, self.act)
+        x = x if c.keep_cls else x[:, 1:]  # (F,T,Dv)
         h = self.projector_act(project(x, self.linear_1[0]) + self.linear_1[1])
         return (project(h, self.linear_2[0]) + self.linear_2[1]).reshape(-1, c.text_hidden_size)
 
