@@ -106,12 +106,12 @@ def clip_process(image: Image.Image, config: ClipProcessorConfig) -> np.ndarray:
     """image -> (1, 3, crop height, crop width) float32, as HF's CLIPImageProcessor (PIL backend)."""
     pixels = to_rgb(image)
     h, w = pixels.shape[:2]
-    short, long = sorted((h, w))
-    size = config.shortest_edge, int(config.shortest_edge * long / short)  # (short, long)
-    h, w = (size[1], size[0]) if w <= h else size
+    short, long = config.shortest_edge, int(config.shortest_edge * max(h, w) / min(h, w))  # HF's int(), not round()
+    h, w = (long, short) if w <= h else (short, long)
     pixels = np.array(Image.fromarray(pixels).resize((w, h), resample=config.resample))
-    (ch, cw), top, left = config.crop_size, (h - config.crop_size[0]) // 2, (w - config.crop_size[1]) // 2
-    return normalize(pixels[None, top:top + ch, left:left + cw], config)
+    crop_h, crop_w = config.crop_size
+    top, left = (h - crop_h) // 2, (w - crop_w) // 2
+    return normalize(pixels[None, top:top + crop_h, left:left + crop_w], config)
 
 
 class LlavaVisionTower(ViTTower):
