@@ -97,6 +97,15 @@ def idefics3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaVA-1.5 (CLIP ViT, projector, LLaMA) written by HF transformers (tests/llava_models.py)."""
+    pytest.importorskip("transformers")
+    from llava_models import write_tiny_llava
+
+    return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
 def generator():
     """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once.
 

@@ -3,6 +3,7 @@ SmolVLM's image tokens at SmolVLM's ids, and HF's image processor config: the or
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -41,7 +42,18 @@ def write_tiny_idefics3(out_dir: Path, seed: int = 0) -> Path:
         scale_factor=2, image_token_id=IMAGE_TOKEN_ID, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # HF's init (std 0.02) leaves the features near zero: weights of unit-scale outputs
+    unit_scale(model)
+    model.save_pretrained(out_dir)
+    Idefics3ImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
+                              max_image_size={"longest_edge": TILE}).save_pretrained(out_dir)
+    return out_dir
+
+
+def unit_scale(model) -> None:
+    """HF's init (std 0.02) leaves the features near zero: weights of unit-scale outputs instead."""
+    import torch
+
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
@@ -49,10 +61,6 @@ def write_tiny_idefics3(out_dir: Path, seed: int = 0) -> Path:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / np.sqrt(np.prod(p.shape[1:]) if p.ndim > 1 else 1))
-    model.save_pretrained(out_dir)
-    Idefics3ImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
-                              max_image_size={"longest_edge": TILE}).save_pretrained(out_dir)
-    return out_dir
 
 
 def hf_model(model_dir: Path):
@@ -127,3 +135,16 @@ def write_mmproj(model_dir: Path, path: Path, f16: bool = True) -> Path:
         tensors.append(TensorData(gguf_name(name), x.shape, kind, x.astype(np.float16 if kind == F16 else np.float32)))
     write_gguf(path, {key: typed(value) for key, value in metadata.items()}, tensors)
     return path
+
+def encoded(width: int, height: int, mode: str, fmt: str, seed: int = 0):
+    """The drawn image written as `fmt` and read back, as a server would receive it."""
+    from PIL import Image
+
+    image = draw_image(width, height, seed, mode)
+    if mode == "RGBA":
+        alpha = np.array(image)
+        alpha[..., 3] = np.linspace(0, 255, width, dtype=np.uint8)[None]
+        image = Image.fromarray(alpha, "RGBA")
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return Image.open(io.BytesIO(buffer.getvalue()))

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-from vision_models import IMAGE_TOKEN_ID, draw_image, hf_processor  # noqa: E402
+from vision_models import IMAGE_TOKEN_ID, encoded, hf_processor  # noqa: E402
 
 from tinyvllm.engine.multimodal import expand_prompt  # noqa: E402
 from tinyvllm.model.image_processor import ImageProcessorConfig, image_prompt, process_image  # noqa: E402
@@ -18,20 +16,6 @@ from tinyvllm.model.vision import VisionConfig  # noqa: E402
 # (width, height, mode, format): wide, tall, small (upscaled), square, transparent, grey, palette
 IMAGES = [(70, 40, "RGB", "PNG"), (33, 100, "RGB", "JPEG"), (20, 12, "RGB", "PNG"), (96, 96, "RGB", "JPEG"),
           (50, 64, "RGBA", "PNG"), (81, 47, "L", "JPEG"), (45, 30, "P", "PNG")]
-
-
-def encoded(width: int, height: int, mode: str, fmt: str, seed: int = 0):
-    """The drawn image written as `fmt` and read back, as a server would receive it."""
-    from PIL import Image
-
-    image = draw_image(width, height, seed, mode)
-    if mode == "RGBA":
-        alpha = np.array(image)
-        alpha[..., 3] = np.linspace(0, 255, width, dtype=np.uint8)[None]
-        image = Image.fromarray(alpha, "RGBA")
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt)
-    return Image.open(io.BytesIO(buffer.getvalue()))
 
 
 @pytest.mark.parametrize("splitting", [True, False])

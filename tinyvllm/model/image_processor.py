@@ -36,17 +36,23 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageProcessorConfig:
-        path = Path(model_dir) / PROCESSOR_FILE
-        cfg = json.loads(path.read_text()) if path.is_file() else {}
-        for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
-            if not cfg.get(key, True):
-                raise ValueError(f"{path}: {key} false is not supported (tinyvllm's processor always does it)")
-        d = cls()
+        cfg, d = read_processor_config(model_dir), cls()
         return cls(longest_edge=cfg.get("size", {}).get("longest_edge", d.longest_edge),
                    tile=cfg.get("max_image_size", {}).get("longest_edge", d.tile),
                    do_image_splitting=cfg.get("do_image_splitting", d.do_image_splitting),
-                   image_mean=tuple(cfg.get("image_mean", d.image_mean)), image_std=tuple(cfg.get("image_std", d.image_std)),
+                   image_mean=tuple(cfg.get("image_mean", d.image_mean)),
+                   image_std=tuple(cfg.get("image_std", d.image_std)),
                    rescale_factor=cfg.get("rescale_factor", d.rescale_factor), resample=cfg.get("resample", d.resample))
+
+
+def read_processor_config(model_dir: str | Path, steps: tuple[str, ...] = ()) -> dict:
+    """preprocessor_config.json ({} if none); a ValueError if it turns off a step tinyvllm's processors always do."""
+    path = Path(model_dir) / PROCESSOR_FILE
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", *steps):
+        if not cfg.get(key, True):
+            raise ValueError(f"{path}: {key} false is not supported (tinyvllm's processor always does it)")
+    return cfg
 
 
 @dataclass
@@ -117,9 +123,15 @@ def process_image(image: Image.Image, config: ImageProcessorConfig) -> Processed
         pixels = resize(pixels, *multiple_of_tile(*pixels.shape[:2], tile))
         frames = [pixels[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
         frames.append(resize(pixels, tile, tile) if rows else pixels)
-    x = (np.stack(frames).transpose(0, 3, 1, 2).astype(np.float64) * config.rescale_factor).astype(np.float32)
+    return ProcessedImage(normalize(np.stack(frames), config), rows, cols)
+
+
+def normalize(frames: np.ndarray, config) -> np.ndarray:
+    """frames (F,H,W,3) uint8 -> (F,3,H,W) float32: x * rescale_factor, then (x - image_mean) / image_std, as HF's
+    numpy (the product in float64)."""
+    x = (frames.transpose(0, 3, 1, 2).astype(np.float64) * config.rescale_factor).astype(np.float32)
     mean, std = np.array(config.image_mean, np.float32), np.array(config.image_std, np.float32)
-    return ProcessedImage((x - mean[:, None, None]) / std[:, None, None], rows, cols)
+    return (x - mean[:, None, None]) / std[:, None, None]
 
 
 def image_prompt(rows: int, cols: int, tokens_per_frame: int) -> str:

@@ -49,8 +49,7 @@ class VisionConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> VisionConfig:
         v = cfg["vision_config"]
-        if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise ValueError(f"vision hidden_act {v['hidden_act']!r}: tinyvllm's vision tower has gelu_pytorch_tanh")
+        activation(v.get("hidden_act", "gelu_pytorch_tanh"), "vision hidden_act", ("gelu_pytorch_tanh",))
         return cls(hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
                    num_hidden_layers=v["num_hidden_layers"], num_attention_heads=v["num_attention_heads"],
                    image_size=v["image_size"], patch_size=v["patch_size"], layer_norm_eps=v.get("layer_norm_eps", 1e-6),
@@ -58,17 +57,81 @@ class VisionConfig:
                    image_token_id=cfg["image_token_id"], num_channels=v.get("num_channels", 3))
 
 
+# HF's hidden_act names: SigLIP's MLP, CLIP's MLP, LLaVA's projector
+ACTIVATIONS = {"gelu_pytorch_tanh": Tensor.gelu, "quick_gelu": Tensor.quick_gelu,
+               "gelu": lambda x: x.gelu(approximate="none")}
+ENCODER_LAYER_TENSORS = (
+    "layer_norm1.weight", "layer_norm1.bias", "layer_norm2.weight", "layer_norm2.bias",
+    "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.out_proj.weight", "self_attn.out_proj.bias",
+    "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")
+
+
+def activation(name: str, where: str, allowed: tuple[str, ...]):
+    if name not in allowed:
+        raise ValueError(f"{where} {name!r}: tinyvllm's vision tower has {' or '.join(allowed)} there")
+    return ACTIVATIONS[name]
+
+
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return x.float().layernorm(eps=eps).cast(x.dtype) * weight + bias
 
 
-class VisionTower:
+def patchify(pixels: Tensor, p: int) -> Tensor:
+    """pixels (F,C,S,S) -> (F,P,C*p*p), P = (S/p)^2 patches in row-major order: a stride-p conv's inputs."""
+    F, C, S, _ = pixels.shape
+    n = S // p
+    return pixels.reshape(F, C, n, p, n, p).permute(0, 2, 4, 1, 3, 5).reshape(F, n * n, C * p * p)
+
+
+def encoder_layer(x: Tensor, w: dict[str, Tensor], num_heads: int, eps: float, act) -> Tensor:
+    """A pre-LayerNorm ViT layer, SigLIP's and CLIP's alike: x (F,P,D) -> (F,P,D)."""
+    F, P, D = x.shape
+    H = num_heads
+    h = layer_norm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], eps)
+    q, k, v = (project(h, w[f"self_attn.{n}_proj.weight"]) + w[f"self_attn.{n}_proj.bias"] for n in "qkv")
+    q, k, v = (t.reshape(F, P, H, D // H).transpose(1, 2) for t in (q, k, v))  # (F,H,P,Hd)
+    a = q.scaled_dot_product_attention(k, v).transpose(1, 2).reshape(F, P, D)  # every patch sees every patch
+    x = x + project(a, w["self_attn.out_proj.weight"]) + w["self_attn.out_proj.bias"]
+    h = layer_norm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], eps)
+    h = act(project(h, w["mlp.fc1.weight"]) + w["mlp.fc1.bias"])
+    return (x + project(h, w["mlp.fc2.weight"]) + w["mlp.fc2.bias"]).contiguous()
+
+
+class ViTTower:
+    """What both towers share: `config` (image_size, num_channels, image_token_id), `patch_embedding`, a call from
+    frames (F,C,S,S) to features (F*T, D)."""
+
+    def loader(self, state_dict: dict[str, np.ndarray], device: str | None):
+        def load(name: str) -> Tensor:
+            return Tensor(np.ascontiguousarray(state_dict[name], np.float32), device=device).cast(self.dtype).realize()
+        return load
+
+    @property
+    def device(self) -> str:
+        return self.patch_embedding.device
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
+
+    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+        """pixel_values (F,3,S,S) float32 -> (F*T, D) float32 on the host, a frame at a time."""
+        C, S = self.config.num_channels, self.config.image_size
+        if pixel_values.ndim != 4 or pixel_values.shape[1:] != (C, S, S):
+            raise ValueError(f"pixel values must be (frames, {C}, {S}, {S}), got {pixel_values.shape}")
+        frames = [self(Tensor(np.ascontiguousarray(f[None], np.float32), device=self.device)).float().numpy()
+                  for f in pixel_values]
+        return np.concatenate(frames)
+
+
+class VisionTower(ViTTower):
     """SigLIP + Idefics3's connector, from the HF-named tensors `model.vision_model.*` and `model.connector.*`.
 
     What the engine asks of any vision tower (LLaVA's in model/llava.py answers the same): `placeholder`, the text
     where an image goes; `image_token_id`; `image_text(image)`, the text a placeholder becomes (from the image's size
-    alone); `preprocess(image)`, its pixel values; `encode(pixel values)`, one embedding per image token;
-    `max_embeds_per_image`; `device`."""
+    alone); `preprocess(image)`, its pixel values; `num_embeds(pixel values)`; `encode(pixel values)`, one embedding
+    per image token; `max_embeds_per_image`; `device`."""
 
     placeholder = IMAGE_TOKEN
 
@@ -76,32 +139,15 @@ class VisionTower:
                  device: str | None = None, processor: ImageProcessorConfig | None = None):
         self.config, self.dtype = config, dtype
         self.processor = processor or ImageProcessorConfig()
-
-        def load(name: str) -> Tensor:
-            return Tensor(np.ascontiguousarray(state_dict[name], dtype=np.float32), device=device).cast(dtype).realize()
-
+        load = self.loader(state_dict, device)
         e, c = VISION_PREFIX + "embeddings.", config
         self.patch_embedding = load(e + "patch_embedding.weight").reshape(c.hidden_size, -1)  # (Dv, 3*p*p)
         self.patch_bias = load(e + "patch_embedding.bias")  # (Dv,)
         self.position_embedding = load(e + "position_embedding.weight")  # (P, Dv)
-        self.layers = []
-        for i in range(c.num_hidden_layers):
-            p = f"{VISION_PREFIX}encoder.layers.{i}."
-            self.layers.append({name: load(p + name) for name in (
-                "layer_norm1.weight", "layer_norm1.bias", "layer_norm2.weight", "layer_norm2.bias",
-                "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
-                "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.out_proj.weight",
-                "self_attn.out_proj.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")})
-        self.post_layernorm = (load(VISION_PREFIX + "post_layernorm.weight"), load(VISION_PREFIX + "post_layernorm.bias"))
+        self.layers = [{name: load(f"{VISION_PREFIX}encoder.layers.{i}.{name}") for name in ENCODER_LAYER_TENSORS}
+                       for i in range(c.num_hidden_layers)]
+        self.post_layernorm = load(VISION_PREFIX + "post_layernorm.weight"), load(VISION_PREFIX + "post_layernorm.bias")
         self.proj = load(CONNECTOR_PREFIX + "modality_projection.proj.weight")  # (D, s^2*Dv)
-
-    @property
-    def device(self) -> str:
-        return self.proj.device
-
-    @property
-    def image_token_id(self) -> int:
-        return self.config.image_token_id
 
     def image_text(self, image) -> str:
         return image_prompt(*split_size(image, self.processor)[2:], self.config.tokens_per_frame)
@@ -121,23 +167,9 @@ class VisionTower:
 
     def embed_patches(self, pixels: Tensor) -> Tensor:
         """pixels (F,3,S,S) -> (F,P,Dv): the conv of stride p as one matmul over flattened patches."""
-        F, C, S, _ = pixels.shape
-        n, p = S // self.config.patch_size, self.config.patch_size
-        patches = pixels.reshape(F, C, n, p, n, p).permute(0, 2, 4, 1, 3, 5).reshape(F, n * n, C * p * p)
+        patches = patchify(pixels, self.config.patch_size)
         # a whole frame's patches are all real: HF's fractional position ids are then 0 .. P-1
-        return project(patches, self.patch_embedding) + self.patch_bias + self.position_embedding[:n * n]
-
-    def encoder_layer(self, x: Tensor, w: dict[str, Tensor]) -> Tensor:
-        F, P, D = x.shape
-        H, eps = self.config.num_attention_heads, self.config.layer_norm_eps
-        h = layer_norm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], eps)
-        q, k, v = (project(h, w[f"self_attn.{n}_proj.weight"]) + w[f"self_attn.{n}_proj.bias"] for n in "qkv")
-        q, k, v = (t.reshape(F, P, H, D // H).transpose(1, 2) for t in (q, k, v))  # (F,H,P,Hd)
-        a = q.scaled_dot_product_attention(k, v).transpose(1, 2).reshape(F, P, D)  # every patch sees every patch
-        x = x + project(a, w["self_attn.out_proj.weight"]) + w["self_attn.out_proj.bias"]
-        h = layer_norm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], eps)
-        h = (project(h, w["mlp.fc1.weight"]) + w["mlp.fc1.bias"]).gelu()  # tinygrad's gelu: the tanh form
-        return (x + project(h, w["mlp.fc2.weight"]) + w["mlp.fc2.bias"]).contiguous()
+        return project(patches, self.patch_embedding) + self.patch_bias + self.position_embedding[:patches.shape[1]]
 
     def pixel_shuffle(self, x: Tensor) -> Tensor:
         """(F,P,Dv) -> (F,P/s^2,s^2*Dv): each s x s square of patches becomes one token (HF's Idefics3Connector)."""
@@ -151,24 +183,14 @@ class VisionTower:
         """pixels (F,3,S,S) -> image features (F*T, D), T = tokens_per_frame, in the order of the <image> tokens."""
         x = self.embed_patches(pixels.cast(self.dtype))
         for w in self.layers:
-            x = self.encoder_layer(x, w)
+            x = encoder_layer(x, w, self.config.num_attention_heads, self.config.layer_norm_eps, Tensor.gelu)
         x = layer_norm(x, *self.post_layernorm, self.config.layer_norm_eps)
         features = project(self.pixel_shuffle(x), self.proj)  # (F,T,D)
         return features.reshape(-1, self.config.text_hidden_size)
 
-    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
-        """pixel_values (F,3,S,S) float32 -> (F*T, D) float32 on the host, a frame at a time."""
-        S = self.config.image_size
-        if pixel_values.ndim != 4 or pixel_values.shape[1:] != (self.config.num_channels, S, S):
-            raise ValueError(f"pixel values must be (frames, {self.config.num_channels}, {S}, {S}), "
-                             f"got {pixel_values.shape}")
-        frames = [self(Tensor(np.ascontiguousarray(f[None], np.float32), device=self.device)).float().numpy()
-                  for f in pixel_values]
-        return np.concatenate(frames)
-
 
 def load_vision_tower(model_dir: str | os.PathLike, dtype: DType = dtypes.float32,
-                      device: str | None = None) -> VisionTower | None:
+                      device: str | None = None) -> ViTTower | None:
     """The vision tower of an HF directory whose config.json is a vision-language one; None for any other path."""
     from tinyvllm.model.weights_hf import read_hf_tensors, text_config
 
@@ -178,8 +200,13 @@ def load_vision_tower(model_dir: str | os.PathLike, dtype: DType = dtypes.float3
     cfg = json.loads(config_path.read_text())
     if text_config(cfg)[1] is None:  # no vision tower beside the LLaMA
         return None
+    if cfg["model_type"] == "llava":
+        from tinyvllm.model.llava import load_llava_tower
+
+        return load_llava_tower(Path(model_dir), cfg, dtype, device)
     tensors = read_hf_tensors(Path(model_dir), lambda name: name.startswith((VISION_PREFIX, CONNECTOR_PREFIX)))
-    return VisionTower(VisionConfig.from_hf_config(cfg), tensors, dtype, device, ImageProcessorConfig.from_dir(model_dir))
+    return VisionTower(VisionConfig.from_hf_config(cfg), tensors, dtype, device,
+                       ImageProcessorConfig.from_dir(model_dir))
 
 
 # llama.cpp's mmproj GGUF (its `clip` architecture, projector "idefics3"): the same tensors under llama.cpp's names
@@ -229,4 +256,3 @@ def load_mmproj(path: str | os.PathLike, image_token_id: int | None, dtype: DTyp
                                      image_std=tuple(md[v + "image_std"]))
     tensors = {mmproj_hf_name(name): read_tensor(gguf, name) for name in gguf.tensors}
     return VisionTower(config, tensors, dtype, device, processor)
-

@@ -88,14 +88,20 @@ def read_hf_tensors(model_dir: Path, keep: Callable[[str], bool] | None = None) 
     return tensors
 
 
-def text_config(cfg: dict) -> tuple[dict, str | None]:
-    """(the LLaMA's config, the prefix its tensors carry) of a config.json: a vision-language one (Idefics3) nests
-    them as `text_config` and `model.text_model.`; any other is the LLaMA's own (None: no prefix)."""
-    if "text_config" not in cfg or cfg.get("model_type") != "idefics3":
+# where a vision-language checkpoint keeps its LLaMA's tensors: {prefix in the files: the LLaMA's own prefix}
+TEXT_MODEL_PREFIXES = {"idefics3": {"model.text_model.": "model.", "lm_head.": "lm_head."},
+                       "llava": {"language_model.": ""}}  # LLaVA's: a whole LlamaForCausalLM under language_model.
+
+
+def text_config(cfg: dict) -> tuple[dict, dict[str, str] | None]:
+    """(the LLaMA's config, TEXT_MODEL_PREFIXES' renames) of a config.json: a vision-language one nests the config
+    as `text_config`; any other is the LLaMA's own (None: its tensors' names are the LLaMA's)."""
+    prefixes = TEXT_MODEL_PREFIXES.get(cfg.get("model_type"))
+    if "text_config" not in cfg or prefixes is None:
         return cfg, None
     text = dict(cfg["text_config"])
     text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    return text, "model.text_model."
+    return text, prefixes
 
 
 def load_hf(model_dir: str | os.PathLike, dtype=np.float32) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -106,13 +112,14 @@ def load_hf(model_dir: str | os.PathLike, dtype=np.float32) -> tuple[ModelConfig
     if not config_path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: an HF model directory holds config.json "
                                 f"and {SINGLE_FILE} (or sharded safetensors with {INDEX_FILE})")
-    cfg, prefix = text_config(json.loads(config_path.read_text()))
+    cfg, prefixes = text_config(json.loads(config_path.read_text()))
     config = ModelConfig.from_hf_config(cfg)
     state_dict: dict[str, np.ndarray] = {}
-    keep = None if prefix is None else (lambda n: n.startswith(prefix) or n == "lm_head.weight")
+    keep = None if prefixes is None else (lambda n: n.startswith(tuple(prefixes)))
     for name, tensor in read_hf_tensors(model_dir, keep).items():
-        if prefix is not None:
-            name = name.replace(prefix, "model.", 1)
+        if prefixes is not None:
+            prefix = next(p for p in prefixes if name.startswith(p))
+            name = prefixes[prefix] + name.removeprefix(prefix)
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue  # a tied lm_head that was saved anyway is the embedding matrix again
         if config.norm_weight_offset and name.endswith("norm.weight"):
