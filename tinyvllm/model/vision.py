@@ -84,14 +84,22 @@ def patchify(pixels: Tensor, p: int) -> Tensor:
     return pixels.reshape(F, C, n, p, n, p).permute(0, 2, 4, 1, 3, 5).reshape(F, n * n, C * p * p)
 
 
+def full_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Every patch sees every patch: softmax(q k^T / sqrt(d)) v, each stage its own kernel (fused, tinygrad's
+    CPU code recomputes the projections and the softmax per output: 8x slower at 1024 patches)."""
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).contiguous()
+    return scores.softmax(-1).contiguous() @ v
+
+
 def encoder_layer(x: Tensor, w: dict[str, Tensor], num_heads: int, eps: float, act) -> Tensor:
     """A pre-LayerNorm ViT layer, SigLIP's and CLIP's alike: x (F,P,D) -> (F,P,D)."""
     F, P, D = x.shape
     H = num_heads
     h = layer_norm(x, w["layer_norm1.weight"], w["layer_norm1.bias"], eps)
-    q, k, v = (project(h, w[f"self_attn.{n}_proj.weight"]) + w[f"self_attn.{n}_proj.bias"] for n in "qkv")
+    q, k, v = ((project(h, w[f"self_attn.{n}_proj.weight"]) + w[f"self_attn.{n}_proj.bias"]).contiguous()
+               for n in "qkv")
     q, k, v = (t.reshape(F, P, H, D // H).transpose(1, 2) for t in (q, k, v))  # (F,H,P,Hd)
-    a = q.scaled_dot_product_attention(k, v).transpose(1, 2).reshape(F, P, D)  # every patch sees every patch
+    a = full_attention(q, k, v).transpose(1, 2).reshape(F, P, D)
     x = x + project(a, w["self_attn.out_proj.weight"]) + w["self_attn.out_proj.bias"]
     h = layer_norm(x, w["layer_norm2.weight"], w["layer_norm2.bias"], eps)
     h = act(project(h, w["mlp.fc1.weight"]) + w["mlp.fc1.bias"])
