@@ -134,9 +134,33 @@ def test_the_encoder_cache_evicts_unreferenced_outputs_oldest_first():
     assert not manager.can_allocate(z, budget=10)  # both still needed
     manager.free_encoder_input("r1", x)
     assert manager.can_allocate(z, budget=10) and not manager.can_allocate(z, budget=4)
+    assert not manager.can_allocate(z, budget=10, pending=2)  # 6 evictable, 2 promised to the request's first image
     manager.allocate("r3", z)
     assert manager.get_freed_mm_hashes() == ["x"] and manager.check_and_update_cache("r4", y)
     assert not manager.check_and_update_cache("r4", x)
+
+
+def test_a_miss_that_evicts_an_image_the_chunk_hits_later_ends_the_chunk_before_it():
+    from tinyvllm.core.outputs import ModelRunnerOutput
+    from tinyvllm.core.scheduler import Scheduler
+    from tinyvllm.core.sequence import Sequence
+
+    def feature(mm_hash, offset):
+        return MultiModalFeature(mm_hash, offset, np.ones(8, bool), np.zeros(1))
+
+    scheduler = Scheduler(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                          enable_prefix_caching=True, encoder_cache_size=12)
+    scheduler.add_seq(Sequence("a", list(range(20)), SamplingParams(max_tokens=1), mm_features=[feature("x", 4)]))
+    while scheduler.has_unfinished_seqs():  # x is cached, held by nobody: evictable
+        scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids={"a": [5]}))
+    b = Sequence("b", list(range(40)), SamplingParams(max_tokens=2), mm_features=[feature("y", 2), feature("x", 20)])
+    scheduler.add_seq(b)
+    out = scheduler.schedule()  # y (8) fits only by evicting x (12 in all): the chunk ends before x
+    assert out.num_scheduled_tokens["b"] == 20 and out.scheduled_encoder_inputs == {"b": [0]}
+    assert out.free_encoder_mm_hashes == ["x"]
+    scheduler.update_from_output(out, ModelRunnerOutput())
+    out = scheduler.schedule()  # y computed past: its room takes x again
+    assert out.scheduled_encoder_inputs == {"b": [1]} and out.free_encoder_mm_hashes == ["y"]
 
 
 def test_an_image_chunked_across_steps_fills_the_right_rows():

@@ -57,10 +57,12 @@ class EncoderCacheManager:
         self.freeable.pop(feature.mm_hash, None)
         return True
 
-    def can_allocate(self, feature: MultiModalFeature, budget: int) -> bool:
-        """Room for it within this step's `budget`, evicting if need be?"""
-        freeable = sum(self.sizes[h] for h in self.freeable)
-        return feature.num_embeds <= min(budget, self.num_free_slots + freeable)
+    def can_allocate(self, feature: MultiModalFeature, budget: int, pending: int = 0,
+                     keep: set[str] = frozenset()) -> bool:
+        """Room for it within this step's `budget`, beside `pending` embeddings promised to the same request,
+        evicting unneeded entries but those in `keep` if need be?"""
+        freeable = sum(self.sizes[h] for h in self.freeable if h not in keep)
+        return feature.num_embeds <= min(budget, self.num_free_slots + freeable - pending)
 
     def allocate(self, seq_id: int | str, feature: MultiModalFeature) -> None:
         while feature.num_embeds > self.num_free_slots:

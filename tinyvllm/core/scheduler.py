@@ -195,18 +195,26 @@ class Scheduler:
 
     def _schedule_encoder_inputs(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
         """(tokens it may compute, images to encode): cut before an image without room (vLLM's
-        `_try_schedule_encoder_inputs`)."""
-        start, images, hashes = seq.num_computed_tokens, [], set()
-        for index, feature in enumerate(seq.mm_features):
-            if not feature.overlaps(start, start + num_new_tokens) or feature.mm_hash in hashes:
-                continue  # not in this chunk, or the same image earlier in the prompt
-            if self.encoder_cache_manager.check_and_update_cache(seq.seq_id, feature):
+        `_try_schedule_encoder_inputs`). An image the chunk hits later is not room for an earlier miss: the miss
+        fits beside it, or the chunk ends before it (it is encoded again in a later step)."""
+        manager, start = self.encoder_cache_manager, seq.num_computed_tokens
+        images, held, pending = [], set(), 0
+        chunk = [(i, f) for i, f in enumerate(seq.mm_features) if f.overlaps(start, start + num_new_tokens)]
+        for n, (index, feature) in enumerate(chunk):
+            if feature.mm_hash in held or manager.check_and_update_cache(seq.seq_id, feature):
+                held.add(feature.mm_hash)  # encoded once for the request, or cached: held from here
                 continue
-            if not self.encoder_cache_manager.can_allocate(feature, self._encoder_budget):
+            if not manager.can_allocate(feature, self._encoder_budget, pending):
                 return max(0, feature.offset - start), images
+            later = [f for _, f in chunk[n + 1:] if f.mm_hash in manager.cached]
+            evicts_later = later and not manager.can_allocate(feature, self._encoder_budget, pending,
+                                                               {f.mm_hash for f in later})
             self._encoder_budget -= feature.num_embeds
+            pending += feature.num_embeds
             images.append(index)
-            hashes.add(feature.mm_hash)
+            held.add(feature.mm_hash)
+            if evicts_later:  # the chunk ends before the first of them
+                return later[0].offset - start, images
         return num_new_tokens, images
 
     def _allocate_encoder_inputs(self, seq: Sequence, images: list[int]) -> None:
