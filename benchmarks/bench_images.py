@@ -161,7 +161,7 @@ def measure_llama_cpp(llama, text: Path, mmproj: Path, args, work: Path) -> dict
         paths.append(work / f"image-{i}.png")
         picture.save(paths[-1])
     cmd = [str(llama.bin_dir / "llama-mtmd-cli"), "-m", str(text), "--mmproj", str(mmproj), "-t", str(llama.threads),
-           "--temp", "0", "-n", str(args.decode_tokens), "--ignore-eos", "-p", QUESTION + " <__media__>" * len(paths)]
+           "--temp", "0", "-n", str(args.decode_tokens), "--ignore-eos", "-v", "-p", QUESTION + " <__media__>" * len(paths)]
     for path in paths:
         cmd += ["--image", str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -93,6 +93,12 @@ TASKS: tuple[Task, ...] = (
          "one server-sent event: data: JSON, usage left out when None"),
     Task(9, "last_output", "tinyvllm.api.serving_engine:last_output", "phase9/serving.py", "last_output", 14,
          "the stream joined, raced against the client's disconnect (abort)"),
+    Task(10, "expand_prompt", "tinyvllm.engine.multimodal:expand_prompt", "phase10/images.py", "expand_prompt", 5,
+         "each image placeholder replaced by its image's text, in order"),
+    Task(10, "pixel_shuffle", "tinyvllm.model.vision:VisionTower.pixel_shuffle", "phase10/images.py", "pixel_shuffle",
+         5, "each s x s square of patches folded into one row"),
+    Task(10, "gather", "tinyvllm.worker.encoder_runner:EncoderRunner.gather", "phase10/images.py", "gather", 11,
+         "image rows merged into the step's flattened batch, chunk by chunk"),
 )
 TASKS_BY_NAME = {task.name: task for task in TASKS}
 
@@ -212,7 +218,7 @@ def uninstall(installed: Installed) -> None:
     installed.replaced.clear()
 
 
-def install_written(folder: str | Path | None = None, up_to_phase: int = 9) -> list[Task]:
+def install_written(folder: str | Path | None = None, up_to_phase: int = 10) -> list[Task]:
     """Install every written task of Phases 1..`up_to_phase`; returns the tasks installed."""
     folder = course_dir(folder)
     tasks = [task for task in TASKS if task.phase <= up_to_phase and is_written(task, folder)]
