@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -60,15 +61,9 @@ class LLM:
         validate_messages(messages)
         images, read_image = [], None
         if processor is not None:
-            from tinyvllm.engine.multimodal import MediaConnector, part_image  # Phase 10
+            from tinyvllm.engine.multimodal import MediaConnector  # Phase 10
 
-            media = MediaConnector(allow_remote_media=True)
-
-            def read_image(part: dict, where: str) -> str:
-                processor.check_count(len(images) + 1)
-                images.append(part_image(part, where, media))
-                return processor.placeholder
-
+            read_image = functools.partial(processor.add_image, images, MediaConnector(allow_remote_media=True))
         conversation = [{**m, "content": content_text(m["content"], f"messages[{i}]", read_image, ("image_url",
                          "image_pil")) if isinstance(m.get("content"), list) else m.get("content") or ""}
                         for i, m in enumerate(messages)]

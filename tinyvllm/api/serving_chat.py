@@ -251,14 +251,6 @@ class OpenAIServingChat(OpenAIServing):
         return ToolUse(tools, parse=True, forced=forced, parallel=parallel and choice == "required",
                        parser=self.tool_parser)
 
-    def read_image(self, images: list, part: dict, where: str) -> str:
-        """An image part's image appended to `images` (the limit checked first); the part becomes the placeholder."""
-        from tinyvllm.engine.multimodal import part_image  # Phase 10's, imported by a model that takes images
-
-        self.engine.multimodal_processor.check_count(len(images) + 1)
-        images.append(part_image(part, where, self.media))
-        return self.engine.multimodal_processor.placeholder
-
     def has_special_token(self, tags: list[str]) -> bool:
         """Whether any of `tags` is one special token of this vocabulary."""
         for tag in tags:
@@ -290,7 +282,8 @@ class OpenAIServingChat(OpenAIServing):
             if content is None:  # an assistant turn of tool_calls only
                 content = ""
             if isinstance(content, list):  # content parts: text, and images for a model that takes them
-                read_image = None if images is None else functools.partial(self.read_image, images)
+                read_image = None if images is None else functools.partial(
+                    self.engine.multimodal_processor.add_image, images, self.media)
                 try:
                     content = content_text(content, f"messages[{i}]", read_image)
                 except ValueError as e:

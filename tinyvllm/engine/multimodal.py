@@ -21,7 +21,7 @@ from PIL import Image
 from tinyvllm.config import MAX_IMAGES_PER_PROMPT
 from tinyvllm.core.encoder_cache import MultiModalFeature
 from tinyvllm.model.tokenizer import Tokenizer
-from tinyvllm.model.vision import VisionTower
+from tinyvllm.model.vision import ViTTower
 
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what vLLM's and OpenAI's image inputs take (no animation)
@@ -136,7 +136,8 @@ def expand_prompt(prompt: str, placeholder: str, texts: list[str]) -> str:
 
 
 class MultiModalProcessor:
-    def __init__(self, tokenizer: Tokenizer, tower: VisionTower, encoder_cache_size: int, max_images: int = MAX_IMAGES_PER_PROMPT):
+    def __init__(self, tokenizer: Tokenizer, tower: ViTTower, encoder_cache_size: int,
+                 max_images: int = MAX_IMAGES_PER_PROMPT):
         self.tokenizer, self.tower, self.encoder_cache_size = tokenizer, tower, encoder_cache_size
         self.max_images = max_images  # --limit-mm-per-prompt's
         self.placeholder = tower.placeholder  # where an image goes in a prompt's text
@@ -171,6 +172,13 @@ class MultiModalProcessor:
         if num_images > self.max_images:
             raise ValueError(f"At most {self.max_images} image(s) may be provided in one prompt; this one has "
                              f"{num_images}. Set --limit-mm-per-prompt to raise the limit.")
+
+    def add_image(self, images: list[Image.Image], media: MediaConnector, part: dict, where: str) -> str:
+        """A content part's image appended to `images` (the limit checked before it is fetched); the part becomes
+        the placeholder."""
+        self.check_count(len(images) + 1)
+        images.append(part_image(part, where, media))
+        return self.placeholder
 
     def expand(self, text: str, images: list[Image.Image]) -> str:
         """The text with each placeholder expanded to its image's tokens (from the images' sizes alone)."""

@@ -11,13 +11,13 @@ import numpy as np
 
 from tinyvllm.core.encoder_cache import MultiModalFeature
 from tinyvllm.core.sequence import Sequence
-from tinyvllm.model.vision import VisionTower
+from tinyvllm.model.vision import ViTTower
 
 
 class EncoderRunner:
     """Encoder outputs by image hash, encoded on a miss, dropped when the scheduler evicts them."""
 
-    def __init__(self, tower: VisionTower):
+    def __init__(self, tower: ViTTower):
         self.tower = tower
         self.encoder_cache: dict[str, np.ndarray] = {}  # mm_hash -> (num_embeds, D) float32
         self.num_encoder_runs = 0
