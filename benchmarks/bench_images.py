@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 import common  # (benchmarks/common.py)
-from common import BenchParser, add_peers_arg, code_version, find_peers, load_average, log, machine_description, write_results
+from common import (BenchParser, add_peers_arg, code_version, find_peers, load_average, log, machine_description,
+                    write_results)
 
 VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=512,
               patch_size=16)
@@ -161,7 +162,8 @@ def measure_llama_cpp(llama, text: Path, mmproj: Path, args, work: Path) -> dict
         paths.append(work / f"image-{i}.png")
         picture.save(paths[-1])
     cmd = [str(llama.bin_dir / "llama-mtmd-cli"), "-m", str(text), "--mmproj", str(mmproj), "-t", str(llama.threads),
-           "--temp", "0", "-n", str(args.decode_tokens), "--ignore-eos", "-v", "-p", QUESTION + " <__media__>" * len(paths)]
+           "--temp", "0", "-n", str(args.decode_tokens), "--ignore-eos", "-v",
+           "-p", QUESTION + " <__media__>" * len(paths)]
     for path in paths:
         cmd += ["--image", str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -60,7 +60,8 @@ def test_each_square_of_patches_is_one_row(n, s):
     tower.config = Config(n, s)
     got = tower.pixel_shuffle(Tensor(x)).numpy()
     assert got.shape == (2, n * n // s // s, s * s * 3), f"(F, P/s^2, s^2*D); got {got.shape}"
-    np.testing.assert_array_equal(got, reference_shuffle(x, n, s), err_msg="square (i, j): patch rows a < s side by side")
+    np.testing.assert_array_equal(got, reference_shuffle(x, n, s),
+                                  err_msg="square (i, j): its patch rows a < s side by side")
 
 
 # ---- gather ----

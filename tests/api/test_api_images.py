@@ -80,7 +80,8 @@ def test_a_data_url_image_is_answered_as_offline(server, offline):
     image, expected = offline
     reply = client(server).chat.completions.create(
         model=server.async_engine.model_name, temperature=0, max_tokens=GREEDY.max_tokens,
-        messages=[{"role": "user", "content": [image_part(data_url(image)), {"type": "text", "text": "What is this?"}]}])
+        messages=[{"role": "user", "content": [image_part(data_url(image)),
+                                               {"type": "text", "text": "What is this?"}]}])
     assert reply.choices[0].message.content == expected.outputs[0].text
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
 

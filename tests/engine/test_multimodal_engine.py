@@ -73,7 +73,8 @@ def test_a_text_request_is_unchanged_beside_an_image_request(llm):
     (alone,) = llm.generate(request("text only"), GREEDY, use_tqdm=False)
     mixed = llm.generate([request("two images"), request("text only"), request("one image")], GREEDY, use_tqdm=False)
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
-    assert mixed[0].outputs[0].token_ids == llm.generate(request("two images"), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    (two,) = llm.generate(request("two images"), GREEDY, use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == two.outputs[0].token_ids
 
 
 def test_a_repeated_image_is_encoded_once(llm, idefics3_dir):

@@ -46,7 +46,8 @@ def test_prompt_token_ids_equal_hf(idefics3_dir, prompt, sizes):
     theirs = hf_processor(idefics3_dir)(text=prompt, images=images)["input_ids"][0]
     config = ImageProcessorConfig.from_dir(idefics3_dir)
     vision = VisionConfig.from_hf_config(__import__("json").loads((idefics3_dir / "config.json").read_text()))
-    texts = [image_prompt(p.rows, p.cols, vision.tokens_per_frame) for p in (process_image(im, config) for im in images)]
+    processed = [process_image(im, config) for im in images]
+    texts = [image_prompt(p.rows, p.cols, vision.tokens_per_frame) for p in processed]
     text = expand_prompt(prompt, "<image>", texts)
     ours = load_tokenizer(idefics3_dir).encode(text)
     assert ours == list(theirs)
