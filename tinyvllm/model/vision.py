@@ -86,12 +86,16 @@ def patchify(pixels: Tensor, p: int) -> Tensor:
 
 
 def full_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Every patch sees every patch: softmax(q k^T / sqrt(d)) v, in three kernels (fused into one, tinygrad's CPU
-    code recomputes the projections and the softmax per output: 8x slower at 1024 patches); the scores in base 2
-    and the normalisation after the weighted sum, one pass fewer over the P x P scores."""
-    scores = (q @ k.transpose(-1, -2) * (math.log2(math.e) / math.sqrt(q.shape[-1]))).contiguous()
+    """Every patch sees every patch: softmax(q k^T / sqrt(d)) v for q, k, v (F,H,P,Hd). Each head's two products
+    go through the engine's matmul (`project`: several times tinygrad's own speed here), the softmax is one kernel
+    between them (base 2, normalised after the weighted sum: one pass fewer over the P x P scores)."""
+    F, H, P, Hd = q.shape
+    heads = [(f, h) for f in range(F) for h in range(H)]
+    scores = Tensor.stack(*[project(q[f, h], k[f, h]) for f, h in heads]).reshape(F, H, P, P)
+    scores = (scores * (math.log2(math.e) / math.sqrt(Hd))).contiguous()
     p = (scores - scores.max(-1, keepdim=True)).exp2().contiguous()
-    return (p @ v) / p.sum(-1, keepdim=True)
+    vt = v.transpose(-1, -2).contiguous()  # (F,H,Hd,P): project takes its weight as (out, in)
+    return Tensor.stack(*[project(p[f, h], vt[f, h]) for f, h in heads]).reshape(F, H, P, Hd) / p.sum(-1, keepdim=True)
 
 
 def encoder_layer(x: Tensor, w: dict[str, Tensor], num_heads: int, eps: float, act) -> Tensor:
@@ -131,8 +135,12 @@ class ViTTower:
         C, S = self.config.num_channels, self.config.image_size
         if pixel_values.ndim != 4 or pixel_values.shape[1:] != (C, S, S):
             raise ValueError(f"pixel values must be (frames, {C}, {S}, {S}), got {pixel_values.shape}")
-        frames = [self(Tensor(np.ascontiguousarray(f[None], np.float32), device=self.device)).float().numpy()
-                  for f in pixel_values]
+        if getattr(self, "_frame_graph", None) is None:  # one frame's tower, captured once and replayed
+            from tinyvllm.jit import Jit
+
+            self._frame_graph = Jit(lambda frame: self(frame).float().realize())
+        frames = [self._frame_graph(Tensor(np.ascontiguousarray(f[None], np.float32), device=self.device).realize())
+                  .numpy() for f in pixel_values]
         return np.concatenate(frames)
 
 
@@ -226,7 +234,8 @@ MMPROJ_LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "sel
                       "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 MMPROJ_NAMES = {"v.patch_embd": VISION_PREFIX + "embeddings.patch_embedding",
                 "v.position_embd": VISION_PREFIX + "embeddings.position_embedding",
-                "v.post_ln": VISION_PREFIX + "post_layernorm", "mm.model.fc": CONNECTOR_PREFIX + "modality_projection.proj"}
+                "v.post_ln": VISION_PREFIX + "post_layernorm",
+                "mm.model.fc": CONNECTOR_PREFIX + "modality_projection.proj"}
 
 
 def mmproj_hf_name(name: str) -> str:
