@@ -69,6 +69,21 @@ def test_top20_logprobs_equal_hf(llm, idefics3_dir, name):
     assert abs(chosen - top.values[0].item()) < 1e-4
 
 
+def test_images_on_the_discrete_gpus_path_give_the_cpu_paths_tokens(llm, idefics3_dir, monkeypatch):
+    """The discrete GPU's path (tests/test_device_path.py) with images: staged inputs, the tower's and the steps'
+    graphs replayed by tinygrad's TinyJit; prompts with 1 and 2 images, each split across prefill chunks."""
+    from tinyvllm import platforms
+
+    prompts = [request("one image"), request("two images"), request("text only")]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.setattr(platforms, "DEVICE_PATH", "discrete")
+    gpu = LLM(str(idefics3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, GREEDY, use_tqdm=False)] == want
+    small = {"prompt": "<image>", "multi_modal_data": {"image": IMAGES["small"]}}
+    again = gpu.generate([request("two images"), small], GREEDY, use_tqdm=False)  # cached images and a new one
+    assert again[0].outputs[0].token_ids == want[1]
+
+
 def test_a_text_request_is_unchanged_beside_an_image_request(llm):
     (alone,) = llm.generate(request("text only"), GREEDY, use_tqdm=False)
     mixed = llm.generate([request("two images"), request("text only"), request("one image")], GREEDY, use_tqdm=False)
