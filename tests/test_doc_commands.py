@@ -90,6 +90,8 @@ RULES = [
     (r"(^|/)pytest|-m pytest", "collect", ""),
     (r"tinyvllm\.api\.server|^tinyvllm serve", "serve", ""),
     (r"^curl ", "curl", ""),
+    (r" --(image|mmproj) ", "flags", "needs a vision-language checkpoint, which no machine here downloads; "
+                                     "tests/engine/test_multimodal_chat.py runs --image on the tests' tiny one"),
     (r"benchmarks/|^tinyvllm bench", "flags", "a benchmark: minutes of timing, and it must not time a busy machine"),
     (r"^make run|main\.py|^tinyvllm (generate|chat)|tinyvllm\.(convert|quantize|perplexity)|^tinyvllm "
      r"(quantize|perplexity)", "run", ""),

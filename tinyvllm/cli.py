@@ -31,6 +31,9 @@ def build_generate_parser(prog: str | None = None, chat: bool = False) -> argpar
     if not chat:
         p.add_argument("--chat", action="store_true",
                        help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="an image (PNG, JPEG, WebP) for a model that takes them, repeatable: each fills the prompt's "
+                        "next <image>, or goes before the prompt if it has none (llama.cpp's mtmd-cli flag)")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
@@ -71,11 +74,12 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
             generator = Generator(config=config)
         if chat and args.prompt is None:
             return _chat_loop(generator, params)
-        prompt_ids = generator.encode_prompt(args.prompt, chat or args.chat)
+        prompt = generator.encode_prompt(args.prompt, chat or args.chat, images=generator.read_images(args.image))
+        prompt_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         generator.warm_up(prompt_ids, params, log=lambda line: print(f"[{generator.model_path.name}] {line}",
                                                                       file=sys.stderr, flush=True))
         result = GenerationResult([])
-        for chunk in generator.stream(prompt_ids, params, result=result):
+        for chunk in generator.stream(prompt, params, result=result):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -101,3 +101,23 @@ def test_bad_images_in_chat_are_refused_by_name(llm):
     with pytest.raises(ValueError, match=r"only text and image_url and image_pil content parts"):
         ask({"type": "video_url", "video_url": {"url": "x"}})
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_main_takes_images_as_llama_cpps_mtmd_cli_does(idefics3_dir, tiny_model_dir, tmp_path, capsys):
+    from tinyvllm.cli import generate_main
+
+    IMAGE.save(tmp_path / "a.png")
+    flags = ["--model", str(idefics3_dir), "--max-tokens", "6", "--temperature", "0", "--max-model-len", "512",
+             "--kv-cache-memory", "8MiB"]
+    assert generate_main([*flags, "--prompt", "What is this?", "--image", str(tmp_path / "a.png")]) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(str(idefics3_dir), max_model_len=512, kv_cache_memory="8MiB")
+    (out,) = llm.generate({"prompt": "<image>What is this?", "multi_modal_data": {"image": IMAGE}},
+                          SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert printed == out.outputs[0].text + "\n"  # the image before a prompt without <image>
+    (tmp_path / "b.gif").write_bytes(b"GIF89a not really")
+    assert generate_main([*flags, "--prompt", "?", "--image", str(tmp_path / "b.gif")]) == 1
+    assert "--image" in capsys.readouterr().err
+    assert generate_main(["--model", str(tiny_model_dir), "--prompt", "?", "--image", str(tmp_path / "a.png"),
+                          "--max-model-len", "128", "--kv-cache-memory", "4MiB"]) == 1
+    assert "this model takes no images" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tinyvllm.plugins import provided
 from tinyvllm.sampling_params import SamplingParams
@@ -66,14 +67,38 @@ class Generator:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        """The prompt's token ids; chat=True first wraps a text prompt in the model's chat template as a user turn."""
-        if not isinstance(prompt, str):
-            return list(prompt)  # the engine checks the ids
-        if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+    def encode_prompt(self, prompt: str | list[int] | dict, chat: bool = False,
+                      images: list | None = None) -> list[int] | dict:
+        """The prompt's token ids; chat=True first wraps a text prompt in the model's chat template as a user turn.
+        With `images`: the engine's prompt dict, each image at the prompt's next placeholder (before the prompt if
+        it has none, as llama.cpp's mtmd-cli puts them), its tokens expanded."""
+        if isinstance(prompt, dict) or not isinstance(prompt, str):
+            return prompt if isinstance(prompt, dict) else list(prompt)  # the engine checks them
+        processor = self.engine.input_processor.multimodal if images else None
+        if images and processor is None:
+            raise ValueError("this model takes no images: give --image with a vision-language model")
+        if processor is not None and processor.placeholder not in prompt:
+            prompt = processor.placeholder * len(images) + prompt
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        if processor is not None:
+            text = processor.expand(text, images)
+        ids = self.tokenizer.encode(text, add_special_tokens=not chat)  # a template writes its own
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+
+    @staticmethod
+    def read_images(paths: list[str] | None) -> list | None:
+        """Image files to images: a ValueError naming a file that is missing or not a PNG, JPEG or WebP image."""
+        if not paths:
+            return None
+        from tinyvllm.engine.multimodal import decode_image  # Phase 10
+
+        images = []
+        for path in paths:
+            try:
+                images.append(decode_image(Path(path).read_bytes()))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--image {path}: {e}") from None
+        return images
 
     def warm_up(self, prompt_token_ids: list[int], params: SamplingParams, log=None) -> str:
         """Compile what a request of this length and kind runs (its prefill and decode graphs, its sampler) before it
@@ -94,7 +119,7 @@ class Generator:
             log(line)
         return line
 
-    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
+    def stream(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None, *,
                chat: bool = False, result: GenerationResult | None = None) -> Iterator[StreamChunk]:
         """Yield the output as it is generated. Pass `result` to have it filled in along the way."""
         params = sampling_params or SamplingParams()
