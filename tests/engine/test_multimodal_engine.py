@@ -154,6 +154,8 @@ def test_the_encoder_cache_evicts_unreferenced_outputs_oldest_first():
     manager.allocate("r3", z)
     assert manager.get_freed_mm_hashes() == ["x"] and manager.check_and_update_cache("r4", y)
     assert not manager.check_and_update_cache("r4", x)
+    queries, hits = manager.num_queries, manager.num_hits
+    assert manager.check_and_update_cache("r4", y) and (manager.num_queries, manager.num_hits) == (queries, hits)
 
 
 def test_a_miss_that_evicts_an_image_the_chunk_hits_later_ends_the_chunk_before_it():

@@ -48,12 +48,15 @@ class EncoderCacheManager:
         return self.cache_size - sum(self.sizes.values())
 
     def check_and_update_cache(self, seq_id: int | str, feature: MultiModalFeature) -> bool:
-        """Cached? Then `seq_id` holds it."""
+        """Cached? Then `seq_id` holds it (a request's later chunks over the same image are not counted again)."""
+        refs = self.cached.get(feature.mm_hash)
+        if refs is not None and seq_id in refs:
+            return True
         self.num_queries += 1
-        if feature.mm_hash not in self.cached:
+        if refs is None:
             return False
         self.num_hits += 1
-        self.cached[feature.mm_hash].add(seq_id)
+        refs.add(seq_id)
         self.freeable.pop(feature.mm_hash, None)
         return True
 
