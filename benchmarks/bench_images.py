@@ -55,18 +55,13 @@ def make_checkpoint(out: Path, seed: int = 0) -> Path:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    from tinyvllm.convert import tokenizer_config, tokenizer_json
+    from tinyvllm.convert import write_tokenizer
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights import default_model_path
 
     log(f"making the random SmolVLM-256M-shaped checkpoint in {out}")
     out.mkdir(parents=True, exist_ok=True)
-    md = GGUFFile(default_model_path()).metadata
-    tok = tokenizer_json(md)
-    tok["added_tokens"] += [{"id": 49152 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for i, t in enumerate(IMAGE_TOKENS)]
-    (out / "tokenizer.json").write_text(json.dumps(tok))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(md)))
+    write_tokenizer(out, GGUFFile(default_model_path()).metadata, {49152 + i: t for i, t in enumerate(IMAGE_TOKENS)})
     config = Idefics3Config(text_config=TEXT, vision_config=VISION, scale_factor=4,
                             image_token_id=49152 + IMAGE_TOKENS.index("<image>"), tie_word_embeddings=True)
     torch.manual_seed(seed)

@@ -64,7 +64,7 @@ def default_gguf() -> Path:
 
 def write_tiny_model(out_dir: Path, config: ModelConfig = TINY_CONFIG, seed: int = 0) -> Path:
     """An HF checkpoint directory with random weights and SmolLM2's tokenizer files."""
-    from tinyvllm.convert import tokenizer_config, tokenizer_json
+    from tinyvllm.convert import write_tokenizer
 
     rng = np.random.default_rng(seed)
     state_dict = {}
@@ -76,9 +76,7 @@ def write_tiny_model(out_dir: Path, config: ModelConfig = TINY_CONFIG, seed: int
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2))
     save_hf_weights(state_dict, out_dir)
-    md = GGUFFile(default_model_path()).metadata
-    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json(md)))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(md)))
+    write_tokenizer(out_dir, GGUFFile(default_model_path()).metadata)
     return out_dir
 
 

@@ -3,7 +3,6 @@ tokenizer plus an `<image>` token and HF's CLIP image processor config: the orac
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 IMAGE_TOKEN_ID = 49152  # `<image>`, added after SmolLM2's vocabulary
@@ -17,17 +16,12 @@ def write_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from vision_models import unit_scale
 
-    from tinyvllm.convert import tokenizer_config, tokenizer_json
+    from tinyvllm.convert import write_tokenizer
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights import default_model_path
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = GGUFFile(default_model_path()).metadata
-    tok = tokenizer_json(md)
-    tok["added_tokens"].append({"id": IMAGE_TOKEN_ID, "content": "<image>", "single_word": False, "lstrip": False,
-                                "rstrip": False, "normalized": False, "special": True})
-    (out_dir / "tokenizer.json").write_text(json.dumps(tok))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(md)))
+    write_tokenizer(out_dir, GGUFFile(default_model_path()).metadata, {IMAGE_TOKEN_ID: "<image>"})
 
     config = LlavaConfig(
         text_config=dict(model_type="llama", vocab_size=49216, hidden_size=64, intermediate_size=128,

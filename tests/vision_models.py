@@ -21,17 +21,13 @@ def write_tiny_idefics3(out_dir: Path, seed: int = 0) -> Path:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    from tinyvllm.convert import tokenizer_config, tokenizer_json
+    from tinyvllm.convert import write_tokenizer
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights import default_model_path
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = GGUFFile(default_model_path()).metadata
-    tok = tokenizer_json(md)
-    tok["added_tokens"] += [{"id": 49152 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for i, t in enumerate(IMAGE_TOKENS)]
-    (out_dir / "tokenizer.json").write_text(json.dumps(tok))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(md)))
+    write_tokenizer(out_dir, GGUFFile(default_model_path()).metadata,
+                    {49152 + i: t for i, t in enumerate(IMAGE_TOKENS)})
 
     config = Idefics3Config(
         text_config=dict(model_type="llama", vocab_size=49280, hidden_size=64, intermediate_size=128,

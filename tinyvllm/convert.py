@@ -43,6 +43,12 @@ def _token(md: dict, key: str) -> str | None:
     return None if token_id is None else md["tokenizer.ggml.tokens"][token_id]
 
 
+def added_token(token_id: int, content: str, special: bool = True) -> dict:
+    """tokenizer.json's entry for a token matched whole before the BPE model runs."""
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": special}
+
+
 def tokenizer_json(md: dict) -> dict:
     """HF tokenizers' tokenizer.json for a GGUF byte-level BPE ('gpt2') tokenizer."""
     kind = md.get("tokenizer.ggml.model")
@@ -54,8 +60,7 @@ def tokenizer_json(md: dict) -> dict:
         raise ValueError(f"unknown pre-tokenizer preset tokenizer.ggml.pre={pre!r}; known: {', '.join(PRE_TOKENIZERS)}")
     tokens: list[str] = md["tokenizer.ggml.tokens"]
     types: list[int] = md.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
-    added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": types[i] != TOKEN_USER_DEFINED}
+    added = [added_token(i, tok, special=types[i] != TOKEN_USER_DEFINED)
              for i, tok in enumerate(tokens) if types[i] in (TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED)]
 
     bos, eos = _token(md, "bos"), _token(md, "eos")
@@ -138,6 +143,19 @@ def parse_size(text: str) -> int:
     return int(float(number) * base ** " KMGT".index(prefix.upper() or " "))
 
 
+def tokenizer_files(md: dict, special_tokens: dict[int, str] | None = None) -> dict[str, dict]:
+    """tokenizer.json and tokenizer_config.json by file name; `special_tokens` (id -> text: a vision model's image
+    tokens after the vocabulary) are added as special tokens."""
+    tok = tokenizer_json(md)
+    tok["added_tokens"] += [added_token(i, text) for i, text in (special_tokens or {}).items()]
+    return {"tokenizer.json": tok, "tokenizer_config.json": tokenizer_config(md)}
+
+
+def write_tokenizer(out_dir: str | os.PathLike, md: dict, special_tokens: dict[int, str] | None = None) -> None:
+    for name, obj in tokenizer_files(md, special_tokens).items():
+        _write_json(Path(out_dir) / name, obj)
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -149,7 +167,7 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fl
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     gguf = GGUFFile(src)
     md = gguf.metadata
-    tok_json, tok_config, gen_config = tokenizer_json(md), tokenizer_config(md), generation_config(md)  # fail early
+    tok_files, gen_config = tokenizer_files(md), generation_config(md)  # fail early
     config, state_dict = load_gguf(gguf)
 
     out = Path(out_dir)
@@ -164,8 +182,8 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fl
     hf_config.update({k: v for k, v in gen_config.items() if k in ("bos_token_id", "eos_token_id")})
     _write_json(out / "config.json", hf_config)
     _write_json(out / "generation_config.json", gen_config)
-    _write_json(out / "tokenizer.json", tok_json)
-    _write_json(out / "tokenizer_config.json", tok_config)
+    for name, obj in tok_files.items():
+        _write_json(out / name, obj)
     return out
 
 
