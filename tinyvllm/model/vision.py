@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -135,13 +136,16 @@ class ViTTower:
         C, S = self.config.num_channels, self.config.image_size
         if pixel_values.ndim != 4 or pixel_values.shape[1:] != (C, S, S):
             raise ValueError(f"pixel values must be (frames, {C}, {S}, {S}), got {pixel_values.shape}")
-        if getattr(self, "_frame_graph", None) is None:  # one frame's tower, captured once and replayed
-            from tinyvllm.jit import Jit
-
-            self._frame_graph = Jit(lambda frame: self(frame).float().realize())
-        frames = [self._frame_graph(Tensor(np.ascontiguousarray(f[None], np.float32), device=self.device).realize())
+        frames = [self.frame_graph(Tensor(np.ascontiguousarray(f[None], np.float32), device=self.device).realize())
                   .numpy() for f in pixel_values]
         return np.concatenate(frames)
+
+    @functools.cached_property
+    def frame_graph(self):
+        """One frame through the tower, captured once and replayed."""
+        from tinyvllm.jit import Jit
+
+        return Jit(lambda frame: self(frame).float().realize())
 
 
 class VisionTower(ViTTower):
