@@ -71,10 +71,9 @@ class LLM:
             conversation = template_messages(tokenizer.chat_template, conversation,
                                              None if processor is None else processor.placeholder)
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt, **template_kwargs)
-        if images:  # token ids given with images come expanded already
-            text = processor.expand(text, images)
-        prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}  # the template wrote them
-        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
+        if images:  # the template wrote the special tokens
+            return processor.prompt_with_images(text, images, add_special_tokens=False)
+        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     def _run_to_completion(self, requests: list[tuple], desc: str, show_progress: bool) -> list[RequestOutput]:
         """Add every (request_id, prompt, params, priority), step the engine until all finish, and return their

@@ -202,10 +202,10 @@ class OpenAIServingChat(OpenAIServing):
         if request.truncate_prompt_tokens is not None:
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
         try:
-            ids = self.tokenize(self.engine.multimodal_processor.expand(text, images))
+            prompt = self.engine.multimodal_processor.prompt_with_images(text, images, add_special_tokens=False)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
-        return ids, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        return prompt["prompt_token_ids"], prompt
 
     @staticmethod
     def echoed(request: ChatCompletionRequest) -> str:

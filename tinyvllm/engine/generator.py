@@ -72,18 +72,19 @@ class Generator:
         """The prompt's token ids; chat=True first wraps a text prompt in the model's chat template as a user turn.
         With `images`: the engine's prompt dict, each image at the prompt's next placeholder (before the prompt if
         it has none, as llama.cpp's mtmd-cli puts them), its tokens expanded."""
-        if isinstance(prompt, dict) or not isinstance(prompt, str):
-            return prompt if isinstance(prompt, dict) else list(prompt)  # the engine checks them
-        processor = self.engine.input_processor.multimodal if images else None
+        if isinstance(prompt, dict):
+            return prompt  # the engine checks it
+        if not isinstance(prompt, str):
+            return list(prompt)
+        processor = self.engine.input_processor.multimodal
         if images and processor is None:
             raise ValueError("this model takes no images: give --image with a vision-language model")
-        if processor is not None and processor.placeholder not in prompt:
+        if images and processor.placeholder not in prompt:
             prompt = processor.placeholder * len(images) + prompt
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        if processor is not None:
-            text = processor.expand(text, images)
-        ids = self.tokenizer.encode(text, add_special_tokens=not chat)  # a template writes its own
-        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        if images:  # a template writes its own special tokens
+            return processor.prompt_with_images(text, images, add_special_tokens=not chat)
+        return self.tokenizer.encode(text, add_special_tokens=not chat)
 
     @staticmethod
     def read_images(paths: list[str] | None) -> list | None:

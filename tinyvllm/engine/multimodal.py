@@ -180,6 +180,11 @@ class MultiModalProcessor:
         images.append(part_image(part, where, media))
         return self.placeholder
 
+    def prompt_with_images(self, text: str, images: list[Image.Image], add_special_tokens: bool = True) -> dict:
+        """The engine's prompt for a text with one placeholder per image: its ids, each placeholder expanded."""
+        ids = self.tokenizer.encode(self.expand(text, images), add_special_tokens=add_special_tokens)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
     def expand(self, text: str, images: list[Image.Image]) -> str:
         """The text with each placeholder expanded to its image's tokens (from the images' sizes alone)."""
         return expand_prompt(text, self.placeholder, [self.tower.image_text(image) for image in images])
