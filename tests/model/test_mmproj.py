@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from vision_models import TILE, draw_image, write_mmproj  # noqa: E402
 
 from tinyvllm.model.gguf import GGUFFile  # noqa: E402
+from tinyvllm.model.tokenizer import load_tokenizer  # noqa: E402
 from tinyvllm.model.vision import load_mmproj, load_vision_tower, mmproj_hf_name  # noqa: E402
 
 LAYOUT = Path(__file__).parent / "data" / "mmproj_layout.json"  # convert_hf_to_gguf.py --mmproj on the tiny model
@@ -32,12 +33,14 @@ def test_the_written_file_has_llama_cpps_layout(idefics3_dir, tmp_path):
 def test_the_tower_from_an_mmproj_equals_the_checkpoints(idefics3_dir, tmp_path):
     pixels = np.random.default_rng(1).standard_normal((2, 3, TILE, TILE)).astype(np.float32)
     from_hf = load_vision_tower(idefics3_dir)
-    from_gguf = load_mmproj(write_mmproj(idefics3_dir, tmp_path / "f32.gguf", f16=False), from_hf.image_token_id)
+    tokenizer = load_tokenizer(idefics3_dir)
+    from_gguf = load_mmproj(write_mmproj(idefics3_dir, tmp_path / "f32.gguf", f16=False), tokenizer)
+    assert from_gguf.image_token_id == from_hf.image_token_id
     eps = from_gguf.config.layer_norm_eps  # float32 in the file
     assert eps == pytest.approx(from_hf.config.layer_norm_eps, rel=1e-6) and from_gguf.processor == from_hf.processor
     assert dataclasses.replace(from_gguf.config, layer_norm_eps=from_hf.config.layer_norm_eps) == from_hf.config
     np.testing.assert_array_equal(from_gguf.encode(pixels), from_hf.encode(pixels))
-    half = load_mmproj(write_mmproj(idefics3_dir, tmp_path / "f16.gguf"), from_hf.image_token_id)
+    half = load_mmproj(write_mmproj(idefics3_dir, tmp_path / "f16.gguf"), tokenizer)
     np.testing.assert_allclose(half.encode(pixels), from_hf.encode(pixels), atol=0.05, rtol=0.05)  # F16 matrices
 
 
@@ -64,4 +67,4 @@ def test_a_wrong_mmproj_or_text_model_is_refused(idefics3_dir, tiny_model_dir, t
     other = tmp_path / "other.gguf"
     write_gguf(other, {"general.architecture": typed("clip"), "clip.projector_type": typed("gemma3")}, [])
     with pytest.raises(ValueError, match="projector_type idefics3 .* got architecture 'clip', projector 'gemma3'"):
-        load_mmproj(other, 49190)
+        load_mmproj(other, load_tokenizer(idefics3_dir))

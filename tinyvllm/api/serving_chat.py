@@ -253,11 +253,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def has_special_token(self, tags: list[str]) -> bool:
         """Whether any of `tags` is one special token of this vocabulary."""
-        for tag in tags:
-            ids = self.tokenizer.encode(tag, add_special_tokens=False)
-            if len(ids) == 1 and ids[0] in self.tokenizer.special_token_ids:
-                return True
-        return False
+        return any(self.tokenizer.special_token_id(tag) is not None for tag in tags)
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None,

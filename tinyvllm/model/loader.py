@@ -57,9 +57,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
                            quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                            pipeline_parallel_size=pipeline_parallel_size)
     if mmproj is not None:
-        image_ids = tokenizer.encode("<image>", add_special_tokens=False)
-        image_token_id = image_ids[0] if len(image_ids) == 1 and image_ids[0] in tokenizer.special_token_ids else None
-        llm.vision_tower = provided("mmproj", _no_mmproj)(mmproj, image_token_id, dt, llm.device)
+        llm.vision_tower = provided("mmproj", _no_mmproj)(mmproj, tokenizer, dt, llm.device)
     elif checkpoint.path.is_dir():
         llm.vision_tower = load_vision_tower(checkpoint.path, dt, llm.device)
     return llm, tokenizer, checkpoint.path

@@ -92,6 +92,11 @@ class Tokenizer:
             ids += self._encode_ordinary(text[pos:], at_start=pos == 0)
         return ids
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` when it is one special token of this vocabulary (`<image>`, `<tool_call>`), else None."""
+        ids = self.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and ids[0] in self.special_token_ids else None
+
     # --- decode ----
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -253,10 +253,10 @@ def mmproj_hf_name(name: str) -> str:
     raise ValueError(f"mmproj tensor {name!r} is not one of an idefics3 projector's")
 
 
-def load_mmproj(path: str | os.PathLike, image_token_id: int | None, dtype: DType = dtypes.float32,
+def load_mmproj(path: str | os.PathLike, tokenizer, dtype: DType = dtypes.float32,
                 device: str | None = None) -> VisionTower:
     """The vision tower in a llama.cpp mmproj GGUF (projector idefics3: SmolVLM's), beside a text model whose
-    vocabulary has the `<image>` token (`image_token_id`)."""
+    vocabulary (`tokenizer`) has the `<image>` token."""
     from tinyvllm.model.gguf import GGUFFile
     from tinyvllm.model.weights_gguf import read_tensor
 
@@ -265,6 +265,7 @@ def load_mmproj(path: str | os.PathLike, image_token_id: int | None, dtype: DTyp
     if md.get("general.architecture") != "clip" or md.get("clip.projector_type") != "idefics3":
         raise ValueError(f"{path}: an mmproj GGUF with projector_type idefics3 (SmolVLM's) is served, got architecture "
                          f"{md.get('general.architecture')!r}, projector {md.get('clip.projector_type')!r}")
+    image_token_id = tokenizer.special_token_id(IMAGE_TOKEN)
     if image_token_id is None:
         raise ValueError(f"{path}: the text model's vocabulary has no {IMAGE_TOKEN} token: give the mmproj beside "
                          "the text model it was converted with")
