@@ -174,6 +174,27 @@ def test_a_persisted_graph_gives_the_tokens_of_a_built_one(tiny_model_dir, graph
     assert sum(p.hits for p in persisted) == len(files) and sum(p.writes for p in persisted) == 0
 
 
+def test_a_graph_read_back_runs_its_intermediates_in_the_shared_scratch(tiny_model_dir, graph_dir):
+    """The regions a graph writes before it reads go into the scratch every graph shares (kernels/scratch.py), as a
+    graph built in this process does; its output keeps a buffer of its own."""
+    from tinyvllm.engine.generator import Generator
+    from tinyvllm.kernels import scratch
+    from tinyvllm.sampling_params import SamplingParams
+
+    if scratch.shared_scratch() is None:
+        pytest.skip("no shared scratch on this system")
+    want, _ = greedy_tokens(tiny_model_dir)  # builds and writes the graphs
+    gen = Generator(tiny_model_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                    kv_cache_memory="16MiB", enable_prefix_caching=False)
+    got = [gen.generate(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)).token_ids for p in PROMPTS]
+    loaded = [j.loaded for j in gen.engine.model_runner._jits.values() if j.loaded]
+    assert got == want and loaded
+    shared = scratch.shared_scratch()
+    for graph in loaded:
+        assert graph.graph.scratch is shared
+        assert not shared.base <= buffers.buffer_address(graph.ret) < shared.base + shared.size
+
+
 def test_a_corrupt_or_foreign_graph_file_is_rebuilt(tiny_model_dir, graph_dir):
     want, _ = greedy_tokens(tiny_model_dir)
     files = sorted(graph_dir.glob("*.graph"))
@@ -336,20 +357,33 @@ def test_the_gguf_header_is_read_back_and_parsed_again_when_stale_or_corrupt(tmp
     assert opened().metadata["llama.block_count"] == 2 and len(parses) == 5
 
 
-def test_populating_a_gguf_changes_nothing_read_from_it(tmp_path):
-    """GGUFFile.populate only asks the kernel to map the file now (on a thread): the bytes read are the same."""
-    import threading
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:  # a mapping's first line: its address range ... its path
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
 
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise's advice is Linux's")
+def test_a_gguf_weight_mapped_in_then_let_go_reads_the_same_and_leaves_the_resident_set(tmp_path):
+    """populate maps a weight's pages in (the first step reads them without a fault); let_go, once its bytes were
+    copied out, drops them from the process, so a fused weight is not counted twice; the bytes read are the same."""
     import numpy as np
 
     from tinyvllm.model import gguf
     from tinyvllm.model.gguf_writer import TensorData, write_gguf
 
-    w = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
-    write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, [TensorData("w", w.shape, 0, w)])
-    f = gguf.GGUFFile(tmp_path / "m.gguf")
-    f.populate()
-    for t in threading.enumerate():
-        if t.name == "gguf-populate":
-            t.join()
-    np.testing.assert_array_equal(f.raw("w", w.nbytes).view(np.float32).reshape(w.shape), w)
+    w = np.random.default_rng(0).standard_normal((1024, 4096)).astype(np.float32)  # 16 MiB
+    path = tmp_path / "m.gguf"
+    write_gguf(path, {"general.architecture": "llama"}, [TensorData("w", w.shape, 0, w)])
+    raw = gguf.GGUFFile(path).raw("w", w.nbytes)
+    gguf.populate([raw])
+    assert _mapped_rss(path) >= w.nbytes
+    gguf.let_go([raw])
+    assert _mapped_rss(path) <= 2 * 4096  # the header's page and the last partial one
+    np.testing.assert_array_equal(raw.view(np.float32).reshape(w.shape), w)
+    gguf.let_go([np.zeros(4096, np.uint8)])  # memory of its own: left alone

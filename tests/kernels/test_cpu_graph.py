@@ -12,9 +12,10 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.engine.jit import JitError
 
 from tinyvllm.device_memory import zeros
-from tinyvllm.kernels import cpu_graph, program_cache
+from tinyvllm.kernels import cpu_graph, program_cache, scratch
 from tinyvllm.kernels.cpu_graph import CPUGraph, GraphedJit
 from tinyvllm.kernels.linear import linear
+from tinyvllm.tinygrad_ext.jit import arena_buffers
 
 POS = UOp.variable("test_pos", 0, 31)
 
@@ -117,6 +118,80 @@ def test_shape_change_is_an_error(inputs):
         jit(Tensor(x).realize(), w, POS.bind(1))
     with pytest.raises(JitError, match="args mismatch"):
         jit(Tensor(np.zeros((5, 8), np.float32)).realize(), w, POS.bind(1))
+
+
+# ---- one scratch for every graph (kernels/scratch.py) ----
+
+def two_intermediates(x: Tensor) -> Tensor:
+    """Two intermediate buffers of x's size each (planned into the graph's arena), one small output."""
+    y = (x * 2 + 1).contiguous()
+    z = (y.exp2() - x).contiguous()
+    return (z.sum(axis=1) + y.max(axis=1)).realize()
+
+
+def two_intermediates_reference(x: np.ndarray) -> np.ndarray:
+    y = x.astype(np.float64) * 2 + 1
+    return (np.exp2(y) - x).sum(axis=1) + y.max(axis=1)
+
+
+def resident_bytes() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return sum(int(status[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+
+
+@pytest.mark.skipif(scratch.shared_scratch() is None, reason="no shared scratch on this system")
+def test_graphs_of_every_shape_run_in_one_scratch_and_hold_the_largest_arena_only():
+    """A graph per shape bucket, as the runner has: each one's intermediates move into the shared scratch (its table
+    points at the scratch's base), their answers stay right whichever ran last, and the process holds about the
+    largest arena, not their sum (before: every bucket kept its own)."""
+    rng = np.random.default_rng(0)
+    sizes = (1024, 2048, 4096)  # rows of 4096 floats: arenas of 32, 64 and 128 MiB
+    jits = {n: GraphedJit(two_intermediates) for n in sizes}
+    inputs = {n: Tensor(rng.standard_normal((n, 4096), dtype=np.float32) * 0.1).realize() for n in sizes}
+    before = resident_bytes()
+    for _ in range(3):  # a capture, then replays, interleaved
+        for n in sizes:
+            got = jits[n](inputs[n]).numpy()
+            np.testing.assert_allclose(got, two_intermediates_reference(inputs[n].numpy()), rtol=1e-4)
+    shared = scratch.shared_scratch()
+    arenas = {n: sum(b.nbytes for b in arena_buffers(jits[n])) for n in sizes}
+    assert arenas[4096] >= 2 * 4096 * 4096 * 4 > arenas[2048] > arenas[1024]
+    for n in sizes:
+        graph = jits[n].graph
+        assert isinstance(graph, CPUGraph) and graph.scratch is shared
+        in_scratch = [a for a in graph.table.tolist() if shared.base <= a < shared.base + shared.size]
+        assert min(in_scratch) == shared.base
+    grown = resident_bytes() - before
+    assert grown < arenas[4096] + (32 << 20), (grown >> 20, {n: a >> 20 for n, a in arenas.items()})
+
+
+@pytest.mark.skipif(scratch.shared_scratch() is None, reason="no shared scratch on this system")
+def test_graphs_replayed_from_two_threads_take_turns_in_the_scratch():
+    """Two engines' graphs in one process (a server's thread and an offline LLM) use the same scratch: the lock lets
+    one run at a time, so neither reads the other's intermediates."""
+    import threading
+
+    rng = np.random.default_rng(1)
+    work = []
+    for n in (256, 512):
+        x = Tensor(rng.standard_normal((n, 4096), dtype=np.float32) * 0.1).realize()
+        jit = GraphedJit(two_intermediates)
+        jit(x)
+        work.append((jit, x, two_intermediates_reference(x.numpy())))
+    errors = []
+
+    def replay(jit, x, want):
+        for _ in range(40):
+            got = jit(x).numpy()
+            if not np.allclose(got, want, rtol=1e-4):
+                errors.append(np.abs(got - want).max())
+
+    threads = [threading.Thread(target=replay, args=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(w[0].graph.scratch is scratch.shared_scratch() for w in work)
 
 
 def test_program_cache_writes_through_and_reads_back(tmp_path):

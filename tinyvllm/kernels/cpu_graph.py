@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 from tinygrad import Tensor, UOp
 
+from tinyvllm.kernels.scratch import Scratch, give_back, shared_scratch
 from tinyvllm.platforms import platform_for
-from tinyvllm.tinygrad_ext.buffers import input_shard_address
+from tinyvllm.tinygrad_ext.buffers import buffer_address, input_shard_address
 from tinyvllm.tinygrad_ext.jit import (
-    Argument, JitBase, UnsupportedCall, captured_calls, compiled_object, jit_inputs, loaded_program)
+    Argument, JitBase, UnsupportedCall, arena_buffers, captured_calls, compiled_object, jit_inputs, loaded_program)
 
 ENABLED = os.getenv("TINYVLLM_CPU_GRAPH", "1") != "0"
 MAX_ARGS = 24  # TV_GRAPH_MAX_ARGS in kernels/cpu/graph_runner.c
@@ -62,9 +63,19 @@ class CPUGraph:
         self.objects: list[tuple[bytes, str]] = []
         self.calls: list[tuple[int, int, list[tuple[int, int, int, bool, bool]]]] = []
         object_index: dict[int, int] = {}
+        # the capture's arenas move into the scratch every graph shares (kernels/scratch.py)
+        arenas = [(buffer_address(b), b.nbytes) for b in arena_buffers(jit) if _is_host_device(b.device)]
+        scratch = shared_scratch() if arenas else None
+        moved_to = scratch.layout(arenas) if scratch is not None else None
+        self.scratch = scratch if moved_to is not None else None
 
         def add_arg(arg: Argument, buffers: list | None) -> None:
             addr = arg.address
+            if moved_to is not None:
+                for (start, nbytes), new_start in zip(arenas, moved_to):
+                    if start <= addr < start + nbytes:
+                        addr += new_start - start
+                        break
             if (key := arg.input) is not None:
                 if key not in input_addrs:
                     input_addrs[key] = input_shard_address(input_uops[key[0]], key[1])
@@ -117,6 +128,9 @@ class CPUGraph:
                             var_patches.append((len(table), name))
                             table.append(var_vals[name])
         self._set_table(table, input_patches, var_patches)
+        if moved_to is not None:  # the arenas' pages, touched while capturing: only tinygrad's own replay needs them
+            for start, nbytes in arenas:
+                give_back(start, nbytes)
 
     def _set_table(self, table: list[int], input_patches: list[tuple[int, int, int, int]],
                    var_patches: list[tuple[int, str]]) -> None:
@@ -138,10 +152,13 @@ class CPUGraph:
 
     @classmethod
     def from_table(cls, table: list[int], num_calls: int, programs: list[Any],
-                   input_patches: list[tuple[int, int, int]], var_patches: list[tuple[int, str]]) -> CPUGraph:
-        """A graph from a table read back from disk (one device: input patches are (table index, slot, offset))."""
+                   input_patches: list[tuple[int, int, int]], var_patches: list[tuple[int, str]],
+                   scratch: Scratch | None = None) -> CPUGraph:
+        """A graph from a table read back from disk (one device: input patches are (table index, slot, offset));
+        `scratch`: the shared scratch, where the table points into it."""
         graph = cls.__new__(cls)
         graph._programs, graph.num_calls, graph.num_copies, graph.objects, graph.calls = programs, num_calls, 0, [], []
+        graph.scratch = scratch
         graph._set_table(table, [(index, slot, -1, offset) for index, slot, offset in input_patches], var_patches)
         return graph
 
@@ -156,7 +173,11 @@ class CPUGraph:
         if values != self._var_values:
             self.table[self.var_index] = np.array(values, dtype=np.int64)[self.var_which]
             self._var_values = values
-        self._runner.fxn(*self._args)
+        if self.scratch is None:
+            self._runner.fxn(*self._args)
+            return
+        with self.scratch.lock:  # one graph at a time in the shared scratch
+            self._runner.fxn(*self._args)
 
 
 @dataclass(eq=False)

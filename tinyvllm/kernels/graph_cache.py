@@ -26,6 +26,7 @@ from tinyvllm.disk_cache import evict
 from tinyvllm.kernels import cpu_threads, program_cache
 from tinyvllm.kernels.cpu_graph import CPUGraph
 from tinyvllm.kernels.launcher import KERNELS_DIR
+from tinyvllm.kernels.scratch import shared_scratch
 from tinyvllm.platforms import platform_for
 from tinyvllm.tinygrad_ext import INSTALLED_VERSION
 from tinyvllm.tinygrad_ext.buffers import buffer_address, is_realized
@@ -201,8 +202,16 @@ class PersistedGraph:
             state_addrs[name] = buffer_address(t)
         keep, region_addrs = [], []
         ret_region, ret_shape, ret_dtype = plan["ret"]
+        # regions the graph writes before it reads them go into the scratch every graph shares (kernels/scratch.py)
+        scratch_regions = [i for i, (_, _, contents) in enumerate(plan["regions"])
+                           if contents is None and i != ret_region]
+        scratch = shared_scratch() if scratch_regions else None
+        placed = scratch.layout([plan["regions"][i][:2] for i in scratch_regions]) if scratch is not None else None
+        in_scratch = dict(zip(scratch_regions, placed)) if placed is not None else {}
         for i, (start, size, contents) in enumerate(plan["regions"]):
-            if i == ret_region:
+            if i in in_scratch:
+                base = in_scratch[i]
+            elif i == ret_region:
                 t = Tensor.empty(*ret_shape, dtype=getattr(dtypes, ret_dtype), device=self.device)
                 base = buffer_address(t)
                 ret = t
@@ -212,11 +221,13 @@ class PersistedGraph:
                 base += (start - base) % PAGE  # the same address modulo a page as when it was captured
                 if contents is not None:
                     ctypes.memmove(base, contents, size)
-            keep.append(t)
+            if i not in in_scratch:
+                keep.append(t)
             region_addrs.append(base)
         for index, kind, ref, offset in plan["relocations"]:
             table[index] = (state_addrs[ref] if kind == "state" else region_addrs[ref]) + offset
-        graph = CPUGraph.from_table(table, plan["num_calls"], programs, plan["input_patches"], plan["var_patches"])
+        graph = CPUGraph.from_table(table, plan["num_calls"], programs, plan["input_patches"], plan["var_patches"],
+                                    scratch if in_scratch else None)
         return LoadedGraph(graph, ret, "", keep)
 
     # ---- writing ----

@@ -13,7 +13,6 @@ import functools
 import mmap
 import struct
 import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,20 +139,49 @@ class GGUFFile:
         stat = self.path.stat()
         self.metadata, self.tensors = _read_header(str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
 
-    def populate(self) -> None:
-        """Map the whole file in now, on a thread (`madvise(MADV_POPULATE_READ)`, Linux 5.14+; a no-op elsewhere),
-        not one page fault per 64 KiB in the first step."""
-        if sys.platform != "linux":
-            return
-        data = np.frombuffer(self._mmap, dtype=np.uint8)  # keeps the map open while the thread runs
-        libc = ctypes.CDLL(None, use_errno=True)
-        threading.Thread(target=libc.madvise, args=(ctypes.c_void_p(data.ctypes.data), ctypes.c_size_t(data.size),
-                                                    MADV_POPULATE_READ), daemon=True, name="gguf-populate").start()
-
     def raw(self, name: str, nbytes: int) -> np.ndarray:
         """The tensor's bytes as a uint8 array view into the mapped file (no copy)."""
         info = self.tensors[name]
         return np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=info.offset)
+
+
+def _mapped_span(a: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
+    """(the mapping, first, last byte offset) of an array that views a GGUF file's mapping; None if it does not."""
+    base = a
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.base if isinstance(base, np.ndarray) else getattr(base, "obj", None)
+    if base is None or base.closed:
+        return None
+    offset = a.ctypes.data - np.frombuffer(base, dtype=np.uint8, count=1).ctypes.data
+    return base, offset, offset + a.nbytes
+
+
+def populate(arrays: Sequence[np.ndarray]) -> None:
+    """Map in now the pages of `arrays` that view a GGUF file (`madvise(MADV_POPULATE_READ)`, Linux 5.14+; a no-op
+    elsewhere): a weight the model uses in place, read by the first step without a page fault per 64 KiB."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for a in arrays:
+        if _mapped_span(a) is not None:  # from the page it starts in (madvise takes whole pages)
+            start = a.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(a.ctypes.data + a.nbytes - start), MADV_POPULATE_READ)
+
+
+def let_go(arrays: Sequence[np.ndarray]) -> None:
+    """Drop from this process the pages of `arrays` that view a GGUF file, once their bytes were copied out (a weight
+    fused with another, or moved to a device): a mapped page counts in the process's resident memory for as long as
+    it is mapped in, so each such weight was counted twice. The page cache keeps the pages (a later read maps them in
+    again). A page the array shares with a neighbouring tensor is kept. Linux only."""
+    if sys.platform != "linux":
+        return
+    page = mmap.PAGESIZE
+    for a in arrays:
+        if (span := _mapped_span(a)) is not None:
+            mapping, first, last = span
+            start, end = -(-first // page) * page, last // page * page
+            if end > start:
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,6 +21,7 @@ from tinyvllm.tinygrad_ext import buffers
 from tinyvllm.device_memory import host_view
 from tinyvllm.ggml_types import KERNEL_TYPES as QUANT_NAMES
 from tinyvllm.model.config import ModelConfig
+from tinyvllm.model.gguf import let_go, populate
 from tinyvllm.model.quant import QuantizedArray
 from tinyvllm.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from tinyvllm.platforms import platform_for
@@ -188,17 +189,26 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     np_dtype = np.dtype(np.uint8 if parts[0].dtype == np.uint8 else np.float32)
     if (mapped := in_place(parts, shape, np_dtype, device)) is not None:
+        if pool is not None:  # its pages mapped in while the rest loads; nothing waits for it
+            pool.submit(populate, parts)
         return mapped
     out = buffers.empty(shape, dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device)
     if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
         host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np_dtype)
         buffers.copy_in(out, memoryview(host).cast("B"))
+        let_go(parts)
         return out
     if pool is None:
-        np.concatenate(parts, axis=0, out=dst, casting="same_kind")
+        copy_out(parts, dst)
     else:  # page faults and memory traffic: numpy releases the GIL
-        copies.append(pool.submit(np.concatenate, parts, axis=0, out=dst, casting="same_kind"))
+        copies.append(pool.submit(copy_out, parts, dst))
     return out
+
+
+def copy_out(parts: list[np.ndarray], dst: np.ndarray) -> None:
+    """The parts concatenated into `dst`; a GGUF's pages they were read from are then let go (counted once)."""
+    np.concatenate(parts, axis=0, out=dst, casting="same_kind")
+    let_go(parts)
 
 
 def in_place(parts: list[np.ndarray], shape: tuple[int, ...], np_dtype: np.dtype, device: str | None) -> Tensor | None:
@@ -293,7 +303,7 @@ class LlamaForCausalLM:
             [rope_frequencies(config, local=True)], device)
         for copy in copies:
             copy.result()
-        pool.shutdown()
+        pool.shutdown(wait=False)  # the populates left: in the background
         del load  # a cycle (it calls itself) holding `state_dict`: freed now
         if pending := [t for t in loaded if not buffers.is_realized(t)]:
             Tensor.realize(*pending)

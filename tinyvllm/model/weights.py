@@ -135,7 +135,6 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=np.float32, qua
         raise ValueError(f"{path} is one file of an HF checkpoint: pass its directory (with config.json) instead")
     else:
         gguf = GGUFFile(path)
-        gguf.populate()  # every tensor is read: their pages mapped in the background while the rest loads
         keep_quantized = q is not None and quantization == "auto"
         if keep_quantized:
             q.notify(q.fallback_notice(gguf))

@@ -49,6 +49,8 @@ NAMES: tuple[Internal, ...] = (
     Internal("Ops.CONST", U, "jit.input_of"),
     Internal("Ops.MSTACK", U, "jit.input_of"),
     Internal("get_runtime", R, "jit.loaded_program", ("device", "ast")),
+    Internal("memory_plan_rewrite", J, "jit.record_arenas", ("linear", "held_bufs")),
+    Internal("Ops.BUFFER", U, ("jit.record_arenas", "jit.arena_buffers")),
     # ---- buffers.py: device memory ----
     Internal("canonicalize_device", D, "buffers.empty", ("device",)),
     Internal("Ops.RESHAPE", U, ("buffers.empty", "programs.kernel_input")),  # built there, looked through here

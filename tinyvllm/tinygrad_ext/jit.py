@@ -3,16 +3,50 @@ as calls and launches for kernels/cpu_graph.py (docs/phases/01-appendix-tinygrad
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from tinygrad import UOp
+from tinygrad.engine import jit as tinygrad_jit
 from tinygrad.engine.jit import JitError, _prepare_jit_inputs, _TinyJit
 from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params, unwrap_multi
 from tinygrad.uop.ops import Ops
 
 from tinyvllm.tinygrad_ext.buffers import buffer_address
+
+# ---- the arenas tinygrad's memory planner gives a capture ----
+
+_planned_arenas: weakref.WeakSet[UOp] = weakref.WeakSet()  # BUFFER uops made by the memory planner
+
+
+def record_arenas() -> None:
+    """Wrap tinygrad's memory planner, which puts a capture's intermediate buffers into one arena per device (and
+    lane), so that it remembers the arenas it made: a graph run by kernels/cpu_graph.py moves them into the scratch
+    every graph shares (kernels/scratch.py)."""
+    plan = tinygrad_jit.memory_plan_rewrite
+    if hasattr(plan, "__wrapped__"):
+        return
+
+    @functools.wraps(plan)
+    def planned(linear: UOp, held_bufs=None) -> UOp:
+        before = {u for u in linear.toposort() if u.op is Ops.BUFFER}
+        out = plan(linear, held_bufs)
+        _planned_arenas.update(u for u in out.toposort() if u.op is Ops.BUFFER and u not in before)
+        return out
+    tinygrad_jit.memory_plan_rewrite = planned
+
+
+record_arenas()
+
+
+def arena_buffers(jit: JitBase) -> list[Any]:
+    """The arenas (tinygrad `Buffer`s, allocated) of `jit`'s capture: every intermediate buffer of its graph is a
+    view of one of them, and nothing outside the graph reads them."""
+    return [u.buffer.ensure_allocated() for u in jit.captured.linear.toposort()
+            if u.op is Ops.BUFFER and u in _planned_arenas]
 
 class JitBase(_TinyJit):
     """tinygrad's TinyJit, with what a subclass that replays the capture itself needs."""
