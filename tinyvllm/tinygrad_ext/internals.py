@@ -55,7 +55,7 @@ NAMES: tuple[Internal, ...] = (
     Internal("canonicalize_device", D, "buffers.empty", ("device",)),
     Internal("Ops.RESHAPE", U, ("buffers.empty", "programs.kernel_input")),  # built there, looked through here
     Internal("shape_to_shape_arg", U, "buffers._reshape_sources"),
-    Internal("MultiBuffer", D, "buffers.input_shard_address"),
+    Internal("MultiBuffer", D, ("buffers.input_shard_address", "jit.arena_buffers")),
     Internal("_to_np_dtype", "tinygrad.dtype", "buffers.numpy_dtype"),
     Internal("_from_np_dtype", "tinygrad.dtype", "buffers.tinygrad_dtype"),
     Internal("BufferSpec", D, "buffers.allocate_zeroed_host_memory"),
@@ -121,7 +121,7 @@ ATTRIBUTES: tuple[Internal, ...] = (
     Internal("Buffer.allocate", D, ("buffers.tensor_over_memory", "buffers.allocate_zeroed_host_memory"),
              ("external_ptr",)),
     *(Internal(f"Buffer.{a}", D, ("buffers", "jit.Argument")) for a in ("options", "allocator", "nbytes", "device")),
-    Internal("MultiBuffer.bufs", D, "buffers.input_shard_address"),
+    Internal("MultiBuffer.bufs", D, ("buffers.input_shard_address", "jit.arena_buffers")),
     Internal("HCQBuffer.va_addr", "tinygrad.runtime.support.hcq", "buffers.buffer_address"),
     *(Internal(f"Compiled.{a}", D, "programs") for a in ("compiler", "runtime", "renderer")),
     Internal("Compiler.compile_cached", D, "programs.compile_cpu", ("src",)),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinygrad import UOp
+from tinygrad.device import MultiBuffer
 from tinygrad.engine import jit as tinygrad_jit
 from tinygrad.engine.jit import JitError, _prepare_jit_inputs, _TinyJit
 from tinygrad.engine.realize import get_call_arg_uops, get_runtime, resolve_params, unwrap_multi
@@ -43,10 +44,13 @@ record_arenas()
 
 
 def arena_buffers(jit: JitBase) -> list[Any]:
-    """The arenas (tinygrad `Buffer`s, allocated) of `jit`'s capture: every intermediate buffer of its graph is a
-    view of one of them, and nothing outside the graph reads them."""
-    return [u.buffer.ensure_allocated() for u in jit.captured.linear.toposort()
-            if u.op is Ops.BUFFER and u in _planned_arenas]
+    """The arenas (tinygrad `Buffer`s, allocated; one per device of an arena over several) of `jit`'s capture: every
+    intermediate buffer of its graph is a view of one of them, and nothing outside the graph reads them."""
+    found = []
+    for u in jit.captured.linear.toposort():
+        if u.op is Ops.BUFFER and u in _planned_arenas:
+            found += u.buffer.bufs if isinstance(u.buffer, MultiBuffer) else [u.buffer]
+    return [b.ensure_allocated() for b in found]
 
 class JitBase(_TinyJit):
     """tinygrad's TinyJit, with what a subclass that replays the capture itself needs."""
