@@ -87,6 +87,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # the most sequences in one step
     max_num_batched_tokens: int = 512  # the token budget of one step
     policy: str = "fcfs"  # vLLM's scheduling_policy: "fcfs" or "priority"
+    disable_chunked_mm_input: bool = False  # an image's tokens in one step (always for a prefix LM, Gemma 3)
 
     def __post_init__(self) -> None:
         from tinyvllm.core.scheduler import check_scheduler_limits

@@ -179,9 +179,8 @@ def kernel_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 
 @dataclass
 class KernelPagedAttentionMetadata(PagedAttentionMetadata):
-    """`PagedAttentionMetadata` plus context_lens (R,) int32, R = B*T (default: position + 1)."""
+    """`PagedAttentionMetadata` with context_lens (R,) int32 always set, R = B*T (default: position + 1)."""
 
-    context_lens: Tensor | None = None
     portable: bool = False
     row_block_tables: Tensor | None = field(default=None, repr=False)  # (R, max_blocks), derived
 
@@ -211,6 +210,8 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
 
 
 def kernel_attention_metadata(slot_mapping: Tensor, block_tables: Tensor, positions: Tensor, num_blocks,
-                              portable: bool = False) -> KernelPagedAttentionMetadata:
+                              portable: bool = False, context_lens: Tensor | None = None
+                              ) -> KernelPagedAttentionMetadata:
     """What a model runner attends with once Phase 5 is here (tinyvllm/plugins.py: "attention_metadata")."""
-    return KernelPagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks, portable=portable)
+    return KernelPagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks, context_lens,
+                                        portable=portable)

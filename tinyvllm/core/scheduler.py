@@ -66,7 +66,8 @@ class Scheduler:
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, eos_token_ids: Iterable[int] = (), policy: str = "fcfs",
-                 enable_prefix_caching: bool = False, encoder_cache_size: int = 0):
+                 enable_prefix_caching: bool = False, encoder_cache_size: int = 0,
+                 disable_chunked_mm_input: bool = False):
         check_scheduler_limits(max_num_seqs, max_num_batched_tokens, policy)
         if not 2 <= max_model_len <= num_blocks * block_size:
             raise ValueError(f"max_model_len ({max_model_len}) must be >= 2 and fit in the KV cache "
@@ -89,6 +90,7 @@ class Scheduler:
 
             self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
         self._encoder_budget = 0  # embeddings still encodable this step
+        self.disable_chunked_mm_input = disable_chunked_mm_input  # an image's tokens all in one step
         self._encoder_inputs: dict[int | str, list[int]] = {}  # this step's images to encode, by sequence
         self.spec_decoding_stats = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_emitted_tokens": 0,
                                     "num_verify_steps": 0}
@@ -196,11 +198,14 @@ class Scheduler:
     def _schedule_encoder_inputs(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
         """(tokens it may compute, images to encode): cut before an image without room (vLLM's
         `_try_schedule_encoder_inputs`). An image the chunk hits later is not room for an earlier miss: the miss
-        fits beside it, or the chunk ends before it (it is encoded again in a later step)."""
+        fits beside it, or the chunk ends before it (it is encoded again in a later step). With
+        `disable_chunked_mm_input`, a chunk that cannot finish an image ends before it."""
         manager, start = self.encoder_cache_manager, seq.num_computed_tokens
         images, held, pending = [], set(), 0
         chunk = [(i, f) for i, f in enumerate(seq.mm_features) if f.overlaps(start, start + num_new_tokens)]
         for n, (index, feature) in enumerate(chunk):
+            if self.disable_chunked_mm_input and feature.offset + feature.length > start + num_new_tokens:
+                return max(0, feature.offset - start), images  # the chunk would end inside it: before it
             if feature.mm_hash in held or manager.check_and_update_cache(seq.seq_id, feature):
                 held.add(feature.mm_hash)  # encoded once for the request, or cached: held from here
                 continue

@@ -31,10 +31,15 @@ class EngineCore:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         tower = getattr(model, "vision_tower", None)  # Phase 10
         encoder_cache_size = 0 if tower is None else max(sc.max_num_batched_tokens, tower.max_embeds_per_image)
+        whole_images = tower is not None and (sc.disable_chunked_mm_input or tower.is_mm_prefix_lm)
+        if whole_images and tower.max_embeds_per_image > sc.max_num_batched_tokens:
+            raise ValueError(f"Chunked MM input disabled but max_tokens_per_mm_item ({tower.max_embeds_per_image}) is "
+                             f"larger than max_num_batched_tokens ({sc.max_num_batched_tokens}). Please increase "
+                             "max_num_batched_tokens.")
         self.scheduler = Scheduler(cc.num_gpu_blocks, cc.block_size, self.config.max_model_len, sc.max_num_seqs,
                                    sc.max_num_batched_tokens, eos_token_ids=tokenizer.stop_token_ids,
                                    policy=sc.policy, enable_prefix_caching=cc.enable_prefix_caching,
-                                   encoder_cache_size=encoder_cache_size)
+                                   encoder_cache_size=encoder_cache_size, disable_chunked_mm_input=whole_images)
         self.step_log = StepLog()  # the last steps' records, for the dashboard
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

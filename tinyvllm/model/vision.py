@@ -118,6 +118,8 @@ class ViTTower:
     """What both towers share: `config` (image_size, num_channels, image_token_id), `patch_embedding`, a call from
     frames (F,C,S,S) to features (F*T, D)."""
 
+    is_mm_prefix_lm = False  # an image's tokens attend to each other both ways (Gemma 3; vLLM's name)
+
     def loader(self, state_dict: dict[str, np.ndarray], device: str | None):
         def load(name: str) -> Tensor:
             return Tensor(np.ascontiguousarray(state_dict[name], np.float32), device=device).cast(self.dtype).realize()

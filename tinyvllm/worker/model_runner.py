@@ -117,11 +117,13 @@ class ModelRunner:
         self.speculator = None  # Phase 7b, when configured
         self.step_timer = None  # a StepTimer while profiling
         self.encoder = None  # Phase 10, with a vision tower
-        self._mm_buffers: dict[int, tuple[InputBuffer, InputBuffer]] = {}
+        self._mm_buffers: dict[int, tuple[InputBuffer, ...]] = {}
+        self.mm_prefix_lm = False  # do an image's tokens attend to each other both ways (Gemma 3)?
         if getattr(model, "vision_tower", None) is not None:
             from tinyvllm.worker.encoder_runner import EncoderRunner
 
             self.encoder = EncoderRunner(model.vision_tower)
+            self.mm_prefix_lm = model.vision_tower.is_mm_prefix_lm
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer,
@@ -209,11 +211,14 @@ class ModelRunner:
 
     def _hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                 num_blocks: int | UOp, *mm: Tensor) -> Tensor:
-        """Hidden states (1,N,D), before the final norm; mm: a step's image rows (`_image_inputs`)."""
+        """Hidden states (1,N,D), before the final norm; mm: a step's image rows (`_image_inputs`), and for a prefix
+        LM each row's keys' end: image rows attend through the portable path, whose mask is per row."""
         tp = self.model.tp  # every device reads the step's inputs
+        ends = tp.replicate(mm[2]) if len(mm) > 2 else None
         metadata = attention_metadata(tp.replicate(slot_mapping), tp.replicate(block_tables), tp.replicate(positions),
-                                      num_blocks, portable=self.portable_attention)
-        return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata, *mm)  # (1,N,D)
+                                      num_blocks, portable=self.portable_attention or ends is not None,
+                                      context_lens=ends)
+        return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata, *mm[:2])  # (1,N,D)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                  logits_indices: Tensor, num_blocks: int | UOp, *mm: Tensor) -> Tensor:
@@ -323,7 +328,7 @@ class ModelRunner:
             first += len(where)
         inputs = (input_ids.copy_to_device(), positions.copy_to_device(), slot_mapping.copy_to_device(),
                   block_tables.copy_to_device(), logits_indices.copy_to_device(), self._bind_num_blocks(num_blocks))
-        mm = self._image_inputs(n, image_chunks) if image_chunks else ()
+        mm = self._image_inputs(n, image_chunks, positions.np[0]) if image_chunks else ()
         self.lap("prepare_inputs")
         tag = ("mm",) if mm else ()  # steps with images: graphs of their own
         if token_rows:
@@ -343,15 +348,24 @@ class ModelRunner:
         self.lap("forward")
         return ForwardOutput(sampled_seqs, logits if sampled_seqs else None, spec_rows, hidden_states)
 
-    def _image_inputs(self, n: int, image_chunks: list) -> tuple[Tensor, ...]:
-        """(mm_embeds (1,n,D), mm_mask (1,n,1)) when the step computes image positions, else ()."""
+    def _image_inputs(self, n: int, image_chunks: list, positions: np.ndarray) -> tuple[Tensor, ...]:
+        """(mm_embeds (1,n,D), mm_mask (1,n,1)) when the step computes image positions, else (); a prefix LM's
+        also context_lens (n,): an image token sees its whole image, the other rows up to themselves."""
         if n not in self._mm_buffers:
             dev, dim = self.model.device, self.model.config.hidden_size
-            self._mm_buffers[n] = (InputBuffer((1, n, dim), np.float32, dev), InputBuffer((1, n, 1), np.int32, dev))
-        embeds, mask = self._mm_buffers[n]
+            self._mm_buffers[n] = (InputBuffer((1, n, dim), np.float32, dev), InputBuffer((1, n, 1), np.int32, dev),
+                                   InputBuffer((n,), np.int32, dev))
+        embeds, mask, ends = self._mm_buffers[n]
         if not self.encoder.gather(image_chunks, embeds.np[0], mask.np[0, :, 0]):
             return ()
-        return embeds.copy_to_device(), mask.copy_to_device()
+        if not self.mm_prefix_lm:
+            return embeds.copy_to_device(), mask.copy_to_device()
+        ends.np[...] = positions + 1
+        for seq, start, count, row in image_chunks:
+            for f in seq.mm_features:
+                first, last = max(start, f.offset), min(start + count, f.offset + f.length)
+                ends.np[row + first - start:row + last - start] = f.offset + f.length
+        return embeds.copy_to_device(), mask.copy_to_device(), ends.copy_to_device()
 
     def _persisted(self, *name):
         """Where graph `name` is kept on disk, keyed by everything this runner bakes into its graphs."""
