@@ -45,8 +45,9 @@ def test_image_features_equal_hf(gemma3_dir):
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("prefixes", [("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."),
-                                      ("vision_tower.vision_model.", "multi_modal_projector.", "language_model.model.")])
+@pytest.mark.parametrize("prefixes", [
+    ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model."),
+    ("vision_tower.vision_model.", "multi_modal_projector.", "language_model.model.")])
 def test_other_checkpoint_names_load(gemma3_dir, tmp_path, prefixes):
     """transformers' own module names (model.*), and Google's checkpoints' (vision_tower.vision_model.*)."""
     from tinyvllm.model.weights_hf import load_hf, read_safetensors, save_safetensors
