@@ -104,6 +104,15 @@ def llava_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory) -> Path:
+    """A tiny random Gemma 3 vision-language model written by HF transformers (tests/gemma3_models.py)."""
+    pytest.importorskip("transformers")
+    from gemma3_models import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
 def generator():
     """The real default model behind a Generator (paged KV cache, the default since Phase 2), compiled once.
 

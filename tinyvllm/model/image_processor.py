@@ -50,7 +50,7 @@ def read_processor_config(model_dir: str | Path, steps: tuple[str, ...] = ()) ->
     path = Path(model_dir) / PROCESSOR_FILE
     cfg = json.loads(path.read_text()) if path.is_file() else {}
     for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", *steps):
-        if not cfg.get(key, True):
+        if cfg.get(key) is False:  # null: the processor's default (on)
             raise ValueError(f"{path}: {key} false is not supported (tinyvllm's processor always does it)")
     return cfg
 

@@ -150,7 +150,33 @@ class ViTTower:
         return Jit(lambda frame: self(frame).float().realize())
 
 
-class VisionTower(ViTTower):
+class SiglipTower(ViTTower):
+    """SigLIP's ViT, Idefics3's and Gemma 3's alike: frames (F,3,S,S) -> its last hidden state (F,P,Dv)."""
+
+    def load_siglip(self, load, prefix: str) -> None:
+        e, c = prefix + "embeddings.", self.config
+        self.patch_embedding = load(e + "patch_embedding.weight").reshape(c.hidden_size, -1)  # (Dv, 3*p*p)
+        self.patch_bias = load(e + "patch_embedding.bias")  # (Dv,)
+        self.position_embedding = load(e + "position_embedding.weight")  # (P, Dv)
+        self.layers = [{name: load(f"{prefix}encoder.layers.{i}.{name}") for name in ENCODER_LAYER_TENSORS}
+                       for i in range(c.num_hidden_layers)]
+        self.post_layernorm = load(prefix + "post_layernorm.weight"), load(prefix + "post_layernorm.bias")
+
+    def embed_patches(self, pixels: Tensor) -> Tensor:
+        """pixels (F,3,S,S) -> (F,P,Dv): the conv of stride p as one matmul over flattened patches."""
+        patches = patchify(pixels, self.config.patch_size)
+        # a whole frame's patches are all real: HF's fractional position ids are then 0 .. P-1
+        return project(patches, self.patch_embedding) + self.patch_bias + self.position_embedding[:patches.shape[1]]
+
+    def siglip(self, pixels: Tensor) -> Tensor:
+        """pixels (F,3,S,S) -> (F,P,Dv), after the post-LayerNorm."""
+        x = self.embed_patches(pixels.cast(self.dtype))
+        for w in self.layers:
+            x = encoder_layer(x, w, self.config.num_attention_heads, self.config.layer_norm_eps, Tensor.gelu)
+        return layer_norm(x, *self.post_layernorm, self.config.layer_norm_eps)
+
+
+class VisionTower(SiglipTower):
     """SigLIP + Idefics3's connector, from the HF-named tensors `model.vision_model.*` and `model.connector.*`.
 
     What the engine asks of any vision tower (LLaVA's in model/llava.py answers the same): `placeholder`, the text
@@ -165,13 +191,7 @@ class VisionTower(ViTTower):
         self.config, self.dtype = config, dtype
         self.processor = processor or ImageProcessorConfig()
         load = self.loader(state_dict, device)
-        e, c = VISION_PREFIX + "embeddings.", config
-        self.patch_embedding = load(e + "patch_embedding.weight").reshape(c.hidden_size, -1)  # (Dv, 3*p*p)
-        self.patch_bias = load(e + "patch_embedding.bias")  # (Dv,)
-        self.position_embedding = load(e + "position_embedding.weight")  # (P, Dv)
-        self.layers = [{name: load(f"{VISION_PREFIX}encoder.layers.{i}.{name}") for name in ENCODER_LAYER_TENSORS}
-                       for i in range(c.num_hidden_layers)]
-        self.post_layernorm = load(VISION_PREFIX + "post_layernorm.weight"), load(VISION_PREFIX + "post_layernorm.bias")
+        self.load_siglip(load, VISION_PREFIX)
         self.proj = load(CONNECTOR_PREFIX + "modality_projection.proj.weight")  # (D, s^2*Dv)
 
     def image_text(self, image) -> str:
@@ -190,12 +210,6 @@ class VisionTower(ViTTower):
         k = -(-self.processor.longest_edge // self.processor.tile) if self.processor.do_image_splitting else 1
         return (k * k + (k > 1)) * self.config.tokens_per_frame
 
-    def embed_patches(self, pixels: Tensor) -> Tensor:
-        """pixels (F,3,S,S) -> (F,P,Dv): the conv of stride p as one matmul over flattened patches."""
-        patches = patchify(pixels, self.config.patch_size)
-        # a whole frame's patches are all real: HF's fractional position ids are then 0 .. P-1
-        return project(patches, self.patch_embedding) + self.patch_bias + self.position_embedding[:patches.shape[1]]
-
     def pixel_shuffle(self, x: Tensor) -> Tensor:
         """(F,P,Dv) -> (F,P/s^2,s^2*Dv): each s x s square of patches becomes one token (HF's Idefics3Connector)."""
         F, P, D = x.shape
@@ -206,11 +220,7 @@ class VisionTower(ViTTower):
 
     def __call__(self, pixels: Tensor) -> Tensor:
         """pixels (F,3,S,S) -> image features (F*T, D), T = tokens_per_frame, in the order of the <image> tokens."""
-        x = self.embed_patches(pixels.cast(self.dtype))
-        for w in self.layers:
-            x = encoder_layer(x, w, self.config.num_attention_heads, self.config.layer_norm_eps, Tensor.gelu)
-        x = layer_norm(x, *self.post_layernorm, self.config.layer_norm_eps)
-        features = project(self.pixel_shuffle(x), self.proj)  # (F,T,D)
+        features = project(self.pixel_shuffle(self.siglip(pixels)), self.proj)  # (F,T,D)
         return features.reshape(-1, self.config.text_hidden_size)
 
 
@@ -229,6 +239,10 @@ def load_vision_tower(model_dir: str | os.PathLike, dtype: DType = dtypes.float3
         from tinyvllm.model.llava import load_llava_tower
 
         return load_llava_tower(Path(model_dir), cfg, dtype, device)
+    if cfg["model_type"] == "gemma3":
+        from tinyvllm.model.gemma3_vision import load_gemma3_tower
+
+        return load_gemma3_tower(Path(model_dir), cfg, dtype, device)
     tensors = read_hf_tensors(Path(model_dir), lambda name: name.startswith((VISION_PREFIX, CONNECTOR_PREFIX)))
     return VisionTower(VisionConfig.from_hf_config(cfg), tensors, dtype, device,
                        ImageProcessorConfig.from_dir(model_dir))

@@ -90,7 +90,14 @@ def read_hf_tensors(model_dir: Path, keep: Callable[[str], bool] | None = None) 
 
 # where a vision-language checkpoint keeps its LLaMA's tensors: {prefix in the files: the LLaMA's own prefix}
 TEXT_MODEL_PREFIXES = {"idefics3": {"model.text_model.": "model.", "lm_head.": "lm_head."},
-                       "llava": {"language_model.": ""}}  # LLaVA's: a whole LlamaForCausalLM under language_model.
+                       "llava": {"language_model.": ""},  # LLaVA's: a whole LlamaForCausalLM under language_model.
+                       "gemma3": {"language_model.model.": "model.", "model.language_model.": "model.",
+                                  "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}}
+# what Gemma3TextConfig fills in where a Gemma 3 checkpoint's text_config leaves a key out
+GEMMA3_TEXT_DEFAULTS = {"model_type": "gemma3_text", "vocab_size": 262_208, "num_attention_heads": 8,
+                        "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+                        "max_position_embeddings": 131_072, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+                        "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True}
 
 
 def text_config(cfg: dict) -> tuple[dict, dict[str, str] | None]:
@@ -99,7 +106,7 @@ def text_config(cfg: dict) -> tuple[dict, dict[str, str] | None]:
     prefixes = TEXT_MODEL_PREFIXES.get(cfg.get("model_type"))
     if "text_config" not in cfg or prefixes is None:
         return cfg, None
-    text = dict(cfg["text_config"])
+    text = {**(GEMMA3_TEXT_DEFAULTS if cfg["model_type"] == "gemma3" else {}), **cfg["text_config"]}
     text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return text, prefixes
 
