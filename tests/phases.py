@@ -87,7 +87,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 10: images in, text out
     "test_vision": 10, "test_image_processor": 10, "test_multimodal_engine": 10, "test_api_images": 10,
     "test_multimodal_chat": 10, "test_mmproj": 10, "test_llava": 10, "test_llava_engine": 10,
-    "test_gemma3_vision": 10,
+    "test_gemma3_vision": 10, "test_gemma3_engine": 10,
 }
 
 

@@ -212,6 +212,8 @@ class KernelPagedAttentionMetadata(PagedAttentionMetadata):
 def kernel_attention_metadata(slot_mapping: Tensor, block_tables: Tensor, positions: Tensor, num_blocks,
                               portable: bool = False, context_lens: Tensor | None = None
                               ) -> KernelPagedAttentionMetadata:
-    """What a model runner attends with once Phase 5 is here (tinyvllm/plugins.py: "attention_metadata")."""
+    """What a model runner attends with once Phase 5 is here (tinyvllm/plugins.py: "attention_metadata"). Given
+    context_lens (a prefix LM's image step), the portable path: the kernels' sliding window ends at the context's
+    end, the image's, where HF's ends at the token's own position."""
     return KernelPagedAttentionMetadata(slot_mapping, block_tables, positions, num_blocks, context_lens,
-                                        portable=portable)
+                                        portable=portable or context_lens is not None)

@@ -50,8 +50,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                     positions: Tensor, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
                     sliding_window: int | None = None, context_lens: Tensor | None = None) -> Tensor:
     """q: (B,T,H,Hd) at positions (B,T) -> (B,T,H,Hd), over the first `num_blocks` blocks of each table.
-    k_scale, v_scale: (num_blocks, block_size, KvH) for an 8-bit cache; sliding_window W: keys p-W+1 .. p only;
-    context_lens (B,T): each query's keys end there (default p + 1; an image token of a prefix LM: its image's end)."""
+    k_scale, v_scale: (num_blocks, block_size, KvH) for an 8-bit cache; sliding_window W: no key before p-W+1;
+    context_lens (B,T): no key from there on (default p + 1; an image token of a prefix LM: its image's end)."""
     B, T = q.shape[0], q.shape[1]
     _, block_size, kv_heads, head_dim = k_cache.shape
     table = block_tables[:, :num_blocks]  # (B, nb)
@@ -65,10 +65,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     # a fixed-length arange cut: tinygrad 0.14 makes a symbolic-length arange an O(context^2) running sum
     key_pos = Tensor.arange(block_tables.shape[1] * block_size)[: num_blocks * block_size].reshape(1, 1, 1, 1, -1)
     query_pos = positions.reshape(B, 1, 1, T, 1)  # (B,1,1,T,1), broadcast over (B,KvH,G,T,S)
-    if context_lens is None:
-        hidden = key_pos > query_pos  # the future
-    else:
-        hidden = key_pos >= context_lens.reshape(B, 1, 1, T, 1)
+    ends = query_pos + 1 if context_lens is None else context_lens.reshape(B, 1, 1, T, 1)
+    hidden = key_pos >= ends  # the future (an image token: past its image)
     if sliding_window is not None:
         hidden = hidden | (key_pos <= query_pos - sliding_window)  # and what slid out of the window
     mask = hidden.where(float("-inf"), 0.0).cast(q.dtype)
@@ -83,7 +81,7 @@ class PagedAttentionMetadata:
     block_tables: Tensor
     positions: Tensor
     num_blocks: int | UOp
-    context_lens: Tensor | None = None  # (R,) each query row's keys end (default: its position + 1)
+    context_lens: Tensor | None = None  # (R,) each row's keys end (default: position + 1)
 
     def to(self, device: str | tuple[str, ...]) -> PagedAttentionMetadata:
         """The same metadata with its tensors on `device` (a pipeline stage's)."""
@@ -115,9 +113,9 @@ class PagedAttentionMetadata:
                                    k_scale, v_scale, sliding_window, self.context_lens)
         # a flattened batch: every token a query row, with its sequence's block table
         H, Hd = q.shape[2], q.shape[3]
-        ends = None if self.context_lens is None else self.context_lens.reshape(B * T, 1)
         out = paged_attention(q.reshape(B * T, 1, H, Hd), k_cache, v_cache, self.block_tables, self.num_blocks,
-                              self.positions.reshape(B * T, 1), k_scale, v_scale, sliding_window, ends)
+                              self.positions.reshape(B * T, 1), k_scale, v_scale, sliding_window,
+                              None if self.context_lens is None else self.context_lens.reshape(B * T, 1))
         return out.reshape(B, T, H, Hd)
 
 

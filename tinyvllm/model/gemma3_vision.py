@@ -110,6 +110,7 @@ class Gemma3VisionTower(SiglipTower):
     engine's interface as model/vision.py's VisionTower, the placeholder `<start_of_image>`."""
 
     placeholder = BOI_TOKEN
+    is_mm_prefix_lm = True  # HF's token_type_ids mask: an image's tokens attend to each other both ways
 
     def __init__(self, config: Gemma3VisionConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
                  device: str | None = None, processor: Gemma3ProcessorConfig | None = None):

@@ -212,12 +212,11 @@ class ModelRunner:
     def _hidden(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
                 num_blocks: int | UOp, *mm: Tensor) -> Tensor:
         """Hidden states (1,N,D), before the final norm; mm: a step's image rows (`_image_inputs`), and for a prefix
-        LM each row's keys' end: image rows attend through the portable path, whose mask is per row."""
+        LM each row's context length."""
         tp = self.model.tp  # every device reads the step's inputs
         ends = tp.replicate(mm[2]) if len(mm) > 2 else None
         metadata = attention_metadata(tp.replicate(slot_mapping), tp.replicate(block_tables), tp.replicate(positions),
-                                      num_blocks, portable=self.portable_attention or ends is not None,
-                                      context_lens=ends)
+                                      num_blocks, portable=self.portable_attention, context_lens=ends)
         return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata, *mm[:2])  # (1,N,D)
 
     def _forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, block_tables: Tensor,
@@ -350,7 +349,7 @@ class ModelRunner:
 
     def _image_inputs(self, n: int, image_chunks: list, positions: np.ndarray) -> tuple[Tensor, ...]:
         """(mm_embeds (1,n,D), mm_mask (1,n,1)) when the step computes image positions, else (); a prefix LM's
-        also context_lens (n,): an image token sees its whole image, the other rows up to themselves."""
+        also context_lens (n,): an image token sees its whole image, any other row up to itself."""
         if n not in self._mm_buffers:
             dev, dim = self.model.device, self.model.config.hidden_size
             self._mm_buffers[n] = (InputBuffer((1, n, dim), np.float32, dev), InputBuffer((1, n, 1), np.int32, dev),
@@ -364,7 +363,8 @@ class ModelRunner:
         for seq, start, count, row in image_chunks:
             for f in seq.mm_features:
                 first, last = max(start, f.offset), min(start + count, f.offset + f.length)
-                ends.np[row + first - start:row + last - start] = f.offset + f.length
+                if first < last:
+                    ends.np[row + first - start:row + last - start] = f.offset + f.length
         return embeds.copy_to_device(), mask.copy_to_device(), ends.copy_to_device()
 
     def _persisted(self, *name):

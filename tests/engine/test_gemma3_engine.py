@@ -1,0 +1,106 @@
+"""Images in, text out with a Gemma 3 checkpoint: an image's tokens attend to each other both ways (a prefix LM over
+its images, vLLM's `is_mm_prefix_lm`), against HF's Gemma3ForConditionalGeneration `generate` (Phase 10)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+from gemma3_models import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, hf_model, hf_processor  # noqa: E402
+from vision_models import draw_image  # noqa: E402
+
+from tinyvllm.core.encoder_cache import MultiModalFeature  # noqa: E402
+from tinyvllm.llm import LLM  # noqa: E402
+from tinyvllm.model.gemma3_vision import Gemma3VisionTower  # noqa: E402
+from tinyvllm.sampling_params import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+MAX_NUM_BATCHED_TOKENS = 24  # an image (16 tokens) fits; a prompt does not: chunks end before an image
+IMAGES = {"wide": draw_image(70, 40, seed=1), "tall": draw_image(30, 50, seed=2), "small": draw_image(20, 20, seed=3)}
+PROMPTS = {  # the text model's sliding window is 8 tokens: an image's 16 tokens see past it
+    "one image": ("Look at this picture closely: <start_of_image> What is in it?", ["wide"]),
+    "two images": ("Compare <start_of_image> with <start_of_image>: which one is brighter?", ["tall", "small"]),
+    "text only": ("The capital of France is", []),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(gemma3_dir):
+    llm = LLM(str(gemma3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+              max_num_seqs=4)
+    tower = llm.llm_engine.model.vision_tower
+    assert isinstance(tower, Gemma3VisionTower) and tower.is_mm_prefix_lm
+    return llm
+
+
+def request(name: str) -> dict | str:
+    text, images = PROMPTS[name]
+    return {"prompt": text, "multi_modal_data": {"image": [IMAGES[i] for i in images]}} if images else text
+
+
+def hf_inputs(model_dir, name: str):
+    """HF's processor's tensors, token_type_ids included: HF's Gemma 3 attends both ways within an image from them."""
+    text, images = PROMPTS[name]
+    return hf_processor(model_dir)(text=text, images=[IMAGES[i] for i in images] or None, return_tensors="pt")
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_greedy_tokens_equal_hf(llm, gemma3_dir, name):
+    import torch
+
+    (out,) = llm.generate(request(name), GREEDY, use_tqdm=False)
+    inputs = hf_inputs(gemma3_dir, name)
+    with torch.no_grad():
+        tokens = hf_model(gemma3_dir).generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == tokens[0, len(prompt_ids):].tolist()
+    assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == TOKENS_PER_IMAGE * len(PROMPTS[name][1])
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_top20_logprobs_equal_hf(llm, gemma3_dir, name):
+    import torch
+
+    (out,) = llm.generate(request(name), SamplingParams(max_tokens=1, temperature=0, logprobs=20), use_tqdm=False)
+    with torch.no_grad():
+        theirs = torch.log_softmax(hf_model(gemma3_dir)(**hf_inputs(gemma3_dir, name)).logits[0, -1].double(), -1)
+    chosen, top20 = out.outputs[0].logprobs[0]
+    top = theirs.topk(20)
+    assert [token for token, _ in top20] == top.indices.tolist()
+    np.testing.assert_allclose([lp for _, lp in top20], top.values.numpy(), atol=1e-4, rtol=0)
+    assert abs(chosen - top.values[0].item()) < 1e-4
+
+
+def test_attending_causally_within_the_image_would_differ_from_hf(llm, gemma3_dir):
+    """The test above can fail: HF with a causal mask over the image (no token_type_ids) gives other logits."""
+    import torch
+
+    inputs = hf_inputs(gemma3_dir, "one image")
+    with torch.no_grad():
+        model = hf_model(gemma3_dir)
+        both_ways = model(**inputs).logits[0, -1]
+        causal = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}).logits[0, -1]
+    assert (both_ways - causal).abs().max() > 1e-3
+
+
+def test_a_step_never_ends_inside_an_image():
+    from tinyvllm.core.outputs import ModelRunnerOutput
+    from tinyvllm.core.scheduler import Scheduler
+    from tinyvllm.core.sequence import Sequence
+
+    scheduler = Scheduler(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=20,
+                          encoder_cache_size=20, disable_chunked_mm_input=True)
+    image = MultiModalFeature("x", 10, np.ones(16, bool), np.zeros(1))
+    scheduler.add_seq(Sequence("a", list(range(40)), SamplingParams(max_tokens=1), mm_features=[image]))
+    steps = []
+    while scheduler.has_unfinished_seqs():
+        out = scheduler.schedule()
+        steps.append(out.num_scheduled_tokens.get("a", 0))
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [5]} if sum(steps) >= 40 else {}))
+    assert steps[:3] == [10, 20, 10]  # up to the image, the image and 4 tokens after it, the rest
+
+
+def test_a_token_budget_smaller_than_an_image_is_refused(gemma3_dir):
+    with pytest.raises(ValueError, match=r"max_tokens_per_mm_item \(16\) is larger than max_num_batched_tokens \(8\)"):
+        LLM(str(gemma3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=8, max_num_seqs=4)
