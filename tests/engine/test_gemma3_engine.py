@@ -72,6 +72,20 @@ def test_top20_logprobs_equal_hf(llm, gemma3_dir, name):
     assert abs(chosen - top.values[0].item()) < 1e-4
 
 
+def test_images_on_the_discrete_gpus_path_and_beside_text_give_the_same_tokens(llm, gemma3_dir, monkeypatch):
+    """The discrete GPU's path (tests/test_device_path.py): staged inputs, graphs replayed by tinygrad's TinyJit, the
+    image rows' context lengths an input like the others; and all three prompts in one batch, each its solo tokens."""
+    from tinyvllm import platforms
+
+    prompts = [request(name) for name in PROMPTS]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == want
+    monkeypatch.setattr(platforms, "DEVICE_PATH", "discrete")
+    gpu = LLM(str(gemma3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+              max_num_seqs=4)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
 def test_attending_causally_within_the_image_would_differ_from_hf(llm, gemma3_dir):
     """The test above can fail: HF with a causal mask over the image (no token_type_ids) gives other logits."""
     import torch
