@@ -52,6 +52,7 @@ def arena_buffers(jit: JitBase) -> list[Any]:
             found += u.buffer.bufs if isinstance(u.buffer, MultiBuffer) else [u.buffer]
     return [b.ensure_allocated() for b in found]
 
+
 class JitBase(_TinyJit):
     """tinygrad's TinyJit, with what a subclass that replays the capture itself needs."""
 
