@@ -118,3 +118,34 @@ def test_a_step_never_ends_inside_an_image():
 def test_a_token_budget_smaller_than_an_image_is_refused(gemma3_dir):
     with pytest.raises(ValueError, match=r"max_tokens_per_mm_item \(16\) is larger than max_num_batched_tokens \(8\)"):
         LLM(str(gemma3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=8, max_num_seqs=4)
+
+
+def test_disable_chunked_mm_input_keeps_any_models_images_whole(idefics3_dir):
+    """vLLM's flag, for a model that attends causally too: `--disable-chunked-mm-input` reaches the scheduler, which
+    then ends each step before an image it cannot finish (Idefics3's 64-token frames after ~70 tokens of text, a
+    96-token budget)."""
+    import argparse
+
+    from tinyvllm.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--disable-chunked-mm-input", "--max-num-batched-tokens", "96", "--max-num-seqs", "4"])
+    assert EngineArgs.from_cli_args(args).create_engine_config().scheduler_config.disable_chunked_mm_input
+    llm = LLM(str(idefics3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=96,
+              max_num_seqs=4, disable_chunked_mm_input=True)
+    scheduler, chunks = llm.llm_engine.engine_core.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        out = schedule()
+        chunks.extend((seq.num_computed_tokens, out.num_scheduled_tokens[seq.seq_id], seq.mm_features)
+                      for seq in out.scheduled_seqs if seq.mm_features)
+        return out
+
+    scheduler.schedule = recording
+    text = "Here is a picture that was taken on a long walk through the hills last summer, " * 4
+    image = {"prompt": text + "<image> Describe it.", "multi_modal_data": {"image": draw_image(40, 40, seed=5)}}
+    (out,) = llm.generate(image, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens and chunks[0][1] < 96  # the first chunk cut short
+    for start, count, features in chunks:  # each prompt chunk ends outside every image
+        assert not any(f.offset < start + count < f.offset + f.length for f in features), (start, count)

@@ -53,6 +53,7 @@ class EngineArgs:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     scheduling_policy: str = "fcfs"
+    disable_chunked_mm_input: bool = False
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     quantization: str = "auto"
@@ -101,7 +102,8 @@ class EngineArgs:
                         self.max_logprobs, self.limit_mm_per_prompt, self.mmproj),
             CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization,
                         self.num_gpu_blocks_override, self.enable_prefix_caching, self.kv_cache_dtype),
-            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy),
+            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy,
+                            self.disable_chunked_mm_input),
             ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
             DeviceConfig(self.device, self.portable_attention), speculative_config)
 
@@ -134,6 +136,9 @@ class EngineArgs:
         p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)")
         p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                        help="fcfs: in arrival order; priority: by each request's 'priority' (lower first; default fcfs)")
+        p.add_argument("--disable-chunked-mm-input", action="store_true",
+                       help="schedule an image's tokens in one step, never split across prefill chunks (vLLM's flag; "
+                            "always on for a model whose image tokens attend both ways, Gemma 3)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of prompt prefixes seen before (default on, as in vLLM)")
         p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
