@@ -184,3 +184,25 @@ def test_a_text_model_refuses_image_parts(tiny_model_dir):
     with serve(lambda: LLMEngine(str(tiny_model_dir), max_model_len=128, kv_cache_memory="4MiB")) as server:
         reply = chat(server, [image_part(data_url(draw_image(20, 20)))])
     assert reply.status_code == 400 and "this model takes no images" in reply.json()["error"]["message"]
+
+
+def test_a_gemma3_image_over_the_server_is_answered_as_offline(gemma3_dir):
+    """Gemma 3's images (attending both ways, never split across steps) through an openai client: the offline
+    engine's answer and prompt, the placeholder being Gemma 3's `<start_of_image>`."""
+    from tinyvllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(str(gemma3_dir), max_model_len=512, kv_cache_memory="8MiB", max_num_batched_tokens=32,
+                       max_num_seqs=4)
+    image = draw_image(50, 40, seed=3)
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "<start_of_image>What is this?"}])
+    engine.add_request("offline", {"prompt": text, "multi_modal_data": {"image": image}}, GREEDY)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    expected = outputs[-1]
+    with serve(lambda: engine) as server:
+        reply = client(server).chat.completions.create(
+            model=server.async_engine.model_name, temperature=0, max_tokens=GREEDY.max_tokens,
+            messages=[{"role": "user", "content": [image_part(data_url(image)),
+                                                   {"type": "text", "text": "What is this?"}]}])
+    assert reply.choices[0].message.content == expected.outputs[0].text
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids) > 16  # the image's 16 soft tokens and the text
