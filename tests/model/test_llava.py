@@ -45,8 +45,8 @@ def test_image_features_equal_hf(llava_dir, layer, strategy):
     pixels = np.random.default_rng(0).standard_normal((3, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
     ours = tower.encode(pixels)
     theirs = hf_features(llava_dir, pixels, vision_feature_layer=layer, vision_feature_select_strategy=strategy)
-    assert ours.shape == theirs.shape == (3 * tower.config.tokens_per_image, 64)
-    assert tower.config.tokens_per_image == (IMAGE_SIZE // PATCH_SIZE) ** 2 + (strategy == "full")
+    assert ours.shape == theirs.shape == (3 * tower.config.tokens_per_frame, 64)
+    assert tower.config.tokens_per_frame == (IMAGE_SIZE // PATCH_SIZE) ** 2 + (strategy == "full")
     assert np.abs(theirs).mean() > 0.1  # features of unit scale, not near zero
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 

@@ -48,6 +48,11 @@ class Gemma3VisionConfig:
         return self.image_size // self.patch_size
 
     @property
+    def tokens_per_frame(self) -> int:
+        """Soft tokens one frame (one image) becomes."""
+        return self.mm_tokens_per_image
+
+    @property
     def tokens_per_side(self) -> int:
         return math.isqrt(self.mm_tokens_per_image)
 
@@ -129,13 +134,6 @@ class Gemma3VisionTower(SiglipTower):
 
     def preprocess(self, image: Image.Image) -> np.ndarray:
         return gemma3_process(image, self.processor)
-
-    def num_embeds(self, pixel_values: np.ndarray) -> int:
-        return len(pixel_values) * self.config.mm_tokens_per_image
-
-    @property
-    def max_embeds_per_image(self) -> int:
-        return self.config.mm_tokens_per_image
 
     def pool(self, x: Tensor) -> Tensor:
         """(F,P,Dv) -> (F,T,Dv): each k x k square of patches averaged into one soft token (HF's AvgPool2d)."""

@@ -45,7 +45,7 @@ class LlavaConfig:
     num_channels: int = 3
 
     @property
-    def tokens_per_image(self) -> int:
+    def tokens_per_frame(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + self.keep_cls
 
     @classmethod
@@ -138,20 +138,13 @@ class LlavaVisionTower(ViTTower):
         self.linear_2 = load(PROJECTOR_PREFIX + "linear_2.weight"), load(PROJECTOR_PREFIX + "linear_2.bias")
 
     def image_text(self, image: Image.Image) -> str:
-        return IMAGE_TOKEN * self.config.tokens_per_image
+        return IMAGE_TOKEN * self.config.tokens_per_frame
 
     def preprocess(self, image: Image.Image) -> np.ndarray:
         return clip_process(image, self.processor)
 
-    def num_embeds(self, pixel_values: np.ndarray) -> int:
-        return len(pixel_values) * self.config.tokens_per_image
-
-    @property
-    def max_embeds_per_image(self) -> int:
-        return self.config.tokens_per_image
-
     def __call__(self, pixels: Tensor) -> Tensor:
-        """pixels (F,3,S,S) -> image features (F*T, D), T = tokens_per_image."""
+        """pixels (F,3,S,S) -> image features (F*T, D), T = tokens_per_frame."""
         c = self.config
         x = project(patchify(pixels.cast(self.dtype), c.patch_size), self.patch_embedding)  # (F,P,Dv)
         cls = self.class_embedding.reshape(1, 1, -1).expand(x.shape[0], 1, c.hidden_size)

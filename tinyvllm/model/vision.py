@@ -142,6 +142,15 @@ class ViTTower:
                   .numpy() for f in pixel_values]
         return np.concatenate(frames)
 
+    def num_embeds(self, pixel_values: np.ndarray) -> int:
+        """Image tokens an image's frames become."""
+        return len(pixel_values) * self.config.tokens_per_frame
+
+    @property
+    def max_embeds_per_image(self) -> int:
+        """The most image tokens of one image: one frame's (a tower that tiles says more)."""
+        return self.config.tokens_per_frame
+
     @functools.cached_property
     def frame_graph(self):
         """One frame through the tower, captured once and replayed."""
@@ -199,10 +208,6 @@ class VisionTower(SiglipTower):
 
     def preprocess(self, image) -> np.ndarray:
         return process_image(image, self.processor).pixel_values
-
-    def num_embeds(self, pixel_values: np.ndarray) -> int:
-        """Image tokens an image's frames become."""
-        return len(pixel_values) * self.config.tokens_per_frame
 
     @property
     def max_embeds_per_image(self) -> int:
