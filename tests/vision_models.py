@@ -80,6 +80,20 @@ def hf_processor(model_dir: Path):
                              image_seq_len=vision.tokens_per_frame)
 
 
+def assert_top20_equal_hf(output, model, inputs) -> None:
+    """A one-token request's sampled logprob and its 20 best equal HF's log_softmax of `model(**inputs)` at the last
+    position, within 1e-4, in HF's order."""
+    import torch
+
+    with torch.no_grad():
+        theirs = torch.log_softmax(model(**inputs).logits[0, -1].double(), -1)
+    chosen, top20 = output.outputs[0].logprobs[0]  # (the sampled token's logprob, the 20 best as (token, logprob))
+    top = theirs.topk(20)
+    assert [token for token, _ in top20] == top.indices.tolist()
+    np.testing.assert_allclose([lp for _, lp in top20], top.values.numpy(), atol=1e-4, rtol=0)
+    assert abs(chosen - top.values[0].item()) < 1e-4
+
+
 def draw_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
     """A Pillow image of shapes on noise: what a test feeds the processors."""
     from PIL import Image, ImageDraw

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 from gemma3_models import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, hf_model, hf_processor  # noqa: E402
-from vision_models import draw_image  # noqa: E402
+from vision_models import assert_top20_equal_hf, draw_image  # noqa: E402
 
 from tinyvllm.core.encoder_cache import MultiModalFeature  # noqa: E402
 from tinyvllm.llm import LLM  # noqa: E402
@@ -60,16 +60,8 @@ def test_greedy_tokens_equal_hf(llm, gemma3_dir, name):
 
 @pytest.mark.parametrize("name", PROMPTS)
 def test_top20_logprobs_equal_hf(llm, gemma3_dir, name):
-    import torch
-
     (out,) = llm.generate(request(name), SamplingParams(max_tokens=1, temperature=0, logprobs=20), use_tqdm=False)
-    with torch.no_grad():
-        theirs = torch.log_softmax(hf_model(gemma3_dir)(**hf_inputs(gemma3_dir, name)).logits[0, -1].double(), -1)
-    chosen, top20 = out.outputs[0].logprobs[0]
-    top = theirs.topk(20)
-    assert [token for token, _ in top20] == top.indices.tolist()
-    np.testing.assert_allclose([lp for _, lp in top20], top.values.numpy(), atol=1e-4, rtol=0)
-    assert abs(chosen - top.values[0].item()) < 1e-4
+    assert_top20_equal_hf(out, hf_model(gemma3_dir), hf_inputs(gemma3_dir, name))
 
 
 def test_images_on_the_discrete_gpus_path_and_beside_text_give_the_same_tokens(llm, gemma3_dir, monkeypatch):

@@ -3,12 +3,11 @@ LlavaForConditionalGeneration `generate` (Phase 10)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 from llava_models import IMAGE_TOKEN_ID, hf_model, hf_processor  # noqa: E402
-from vision_models import draw_image  # noqa: E402
+from vision_models import assert_top20_equal_hf, draw_image  # noqa: E402
 
 from tinyvllm.llm import LLM  # noqa: E402
 from tinyvllm.model.llava import LlavaVisionTower  # noqa: E402
@@ -57,13 +56,5 @@ def test_greedy_tokens_equal_hf(llm, llava_dir, name):
 
 @pytest.mark.parametrize("name", PROMPTS)
 def test_top20_logprobs_equal_hf(llm, llava_dir, name):
-    import torch
-
     (out,) = llm.generate(request(name), SamplingParams(max_tokens=1, temperature=0, logprobs=20), use_tqdm=False)
-    with torch.no_grad():
-        theirs = torch.log_softmax(hf_model(llava_dir)(**hf_inputs(llava_dir, name)).logits[0, -1].double(), -1)
-    chosen, top20 = out.outputs[0].logprobs[0]  # (the sampled token's logprob, the 20 best as (token, logprob))
-    top = theirs.topk(20)
-    assert [token for token, _ in top20] == top.indices.tolist()
-    np.testing.assert_allclose([lp for _, lp in top20], top.values.numpy(), atol=1e-4, rtol=0)
-    assert abs(chosen - top.values[0].item()) < 1e-4
+    assert_top20_equal_hf(out, hf_model(llava_dir), hf_inputs(llava_dir, name))

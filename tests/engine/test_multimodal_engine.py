@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-from vision_models import IMAGE_TOKEN_ID, draw_image, hf_model, hf_processor  # noqa: E402
+from vision_models import IMAGE_TOKEN_ID, assert_top20_equal_hf, draw_image, hf_model, hf_processor  # noqa: E402
 
 from tinyvllm.core.encoder_cache import EncoderCacheManager, MultiModalFeature  # noqa: E402
 from tinyvllm.core.prefix_cache import block_hashes  # noqa: E402
@@ -55,18 +55,10 @@ def test_greedy_tokens_equal_hf(llm, idefics3_dir, name):
 
 @pytest.mark.parametrize("name", PROMPTS)
 def test_top20_logprobs_equal_hf(llm, idefics3_dir, name):
-    import torch
-
     text, images = PROMPTS[name]
     (out,) = llm.generate(request(name), SamplingParams(max_tokens=1, temperature=0, logprobs=20), use_tqdm=False)
     inputs = hf_processor(idefics3_dir)(text=text, images=[IMAGES[i] for i in images] or None, return_tensors="pt")
-    with torch.no_grad():
-        theirs = torch.log_softmax(hf_model(idefics3_dir)(**inputs).logits[0, -1].double(), -1)
-    chosen, top20 = out.outputs[0].logprobs[0]  # (the sampled token's logprob, the 20 best as (token, logprob))
-    top = theirs.topk(20)
-    assert [token for token, _ in top20] == top.indices.tolist()
-    np.testing.assert_allclose([lp for _, lp in top20], top.values.numpy(), atol=1e-4, rtol=0)
-    assert abs(chosen - top.values[0].item()) < 1e-4
+    assert_top20_equal_hf(out, hf_model(idefics3_dir), inputs)
 
 
 def test_images_on_the_discrete_gpus_path_give_the_cpu_paths_tokens(llm, idefics3_dir, monkeypatch):
