@@ -8,7 +8,6 @@ Taught in docs/phases/01-foundation.md; the cold start in 06-appendix-measuremen
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import mmap
 import struct
@@ -159,13 +158,7 @@ def _mapped_span(a: np.ndarray) -> tuple[mmap.mmap, int, int] | None:
 def populate(arrays: Sequence[np.ndarray]) -> None:
     """Map in now the pages of `arrays` that view a GGUF file (`madvise(MADV_POPULATE_READ)`, Linux 5.14+; a no-op
     elsewhere): a weight the model uses in place, read by the first step without a page fault per 64 KiB."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    for a in arrays:
-        if _mapped_span(a) is not None:  # from the page it starts in (madvise takes whole pages)
-            start = a.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(a.ctypes.data + a.nbytes - start), MADV_POPULATE_READ)
+    _advise(arrays, MADV_POPULATE_READ, shared_pages=True)
 
 
 def let_go(arrays: Sequence[np.ndarray]) -> None:
@@ -173,15 +166,27 @@ def let_go(arrays: Sequence[np.ndarray]) -> None:
     fused with another, or moved to a device): a mapped page counts in the process's resident memory for as long as
     it is mapped in, so each such weight was counted twice. The page cache keeps the pages (a later read maps them in
     again). A page the array shares with a neighbouring tensor is kept. Linux only."""
+    _advise(arrays, mmap.MADV_DONTNEED, shared_pages=False)
+
+
+def _advise(arrays: Sequence[np.ndarray], advice: int, shared_pages: bool) -> None:
+    """madvise the pages of each array that views a GGUF file's mapping: with the pages it shares with its
+    neighbours at either end, or without them. Where the system does not take the advice, nothing is done."""
     if sys.platform != "linux":
         return
     page = mmap.PAGESIZE
     for a in arrays:
         if (span := _mapped_span(a)) is not None:
             mapping, first, last = span
-            start, end = -(-first // page) * page, last // page * page
+            if shared_pages:
+                start, end = first // page * page, last
+            else:
+                start, end = -(-first // page) * page, last // page * page
             if end > start:
-                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+                try:
+                    mapping.madvise(advice, start, end - start)
+                except OSError:  # MADV_POPULATE_READ before Linux 5.14
+                    pass
 
 
 @functools.lru_cache(maxsize=8)
