@@ -8,6 +8,7 @@ Taught in docs/phases/01-foundation.md; the cold start in 06-appendix-measuremen
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import struct
@@ -171,22 +172,26 @@ def let_go(arrays: Sequence[np.ndarray]) -> None:
 
 def _advise(arrays: Sequence[np.ndarray], advice: int, shared_pages: bool) -> None:
     """madvise the pages of each array that views a GGUF file's mapping: with the pages it shares with its
-    neighbours at either end, or without them. Where the system does not take the advice, nothing is done."""
+    neighbours at either end, or without them. Through libc, which lets other threads run meanwhile (mmap's own
+    madvise holds the GIL); where the system does not take the advice, nothing is done."""
     if sys.platform != "linux":
         return
-    page = mmap.PAGESIZE
+    page, libc = mmap.PAGESIZE, _libc()
     for a in arrays:
         if (span := _mapped_span(a)) is not None:
-            mapping, first, last = span
+            _, first, last = span
+            base = a.ctypes.data - first  # the mapping's first byte (page aligned)
             if shared_pages:
                 start, end = first // page * page, last
             else:
                 start, end = -(-first // page) * page, last // page * page
             if end > start:
-                try:
-                    mapping.madvise(advice, start, end - start)
-                except OSError:  # MADV_POPULATE_READ before Linux 5.14
-                    pass
+                libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(end - start), advice)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 @functools.lru_cache(maxsize=8)
