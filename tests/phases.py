@@ -61,6 +61,7 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_linear": 5, "test_activation": 5, "test_wheel": 5, "test_tinygrad_ext": 5,
     "test_trace_reuse": 5,  # the layers share one trace inside a graph captured on its first call (the CPU graph)
     "test_programs_and_jit": 5,
+    "test_compiling": 5,  # the hand-written kernels' header parsed once, compiled ahead on workers that stay
     "test_kernels_paged_attention": 5, "test_sliding_window": 5,
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,

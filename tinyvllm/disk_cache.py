@@ -13,6 +13,11 @@ import tempfile
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """Where tinyvllm keeps its caches: $TINYVLLM_CACHE_DIR, else ~/.cache/tinyvllm."""
+    return Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
+
+
 def read_record(file: Path, magic: bytes, key: str) -> object:
     """The value kept in `file` under `key`, the file touched as used; ValueError for a wrong header, checksum or
     key, OSError if unreadable."""

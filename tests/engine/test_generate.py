@@ -86,6 +86,19 @@ def test_stream_joins_to_generate(generator):
     assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
 
 
+def test_a_request_that_fails_in_the_step_raises_with_the_engines_message(generator, monkeypatch):
+    # the engine finishes a request that failed inside a step with "error"; the stream says so, not an IndexError
+    def failing(seq, *args):
+        raise RuntimeError("injected sampler failure")
+    monkeypatch.setattr(generator.engine.model_runner.sampler, "sample_on_host", failing)
+    with pytest.raises(RuntimeError, match="failed in the engine step: .*injected sampler failure"):
+        generator.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4, logprobs=1))
+    bm = generator.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not generator.engine.has_unfinished_requests()
+    monkeypatch.undo()
+    assert len(generator.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4)).token_ids) == 4
+
+
 def test_stop_string_is_not_emitted(generator):
     full = generator.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12))
     assert "answer" in full.text

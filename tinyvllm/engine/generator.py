@@ -141,6 +141,8 @@ class Generator:
                         first_token_time = now
                         result.time_to_first_token = now - start
                     completion, finished = output.outputs[0], output.finished
+                    if completion.finish_reason == "error":  # this request failed inside a step (the others went on)
+                        raise RuntimeError(f"request {request_id} failed in the engine step: {output.error}")
                     delta = completion.text[len(result.text):]
                     result.prompt_token_ids, result.token_ids = output.prompt_token_ids, completion.token_ids
                     result.text, result.finish_reason = completion.text, completion.finish_reason

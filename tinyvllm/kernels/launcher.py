@@ -14,6 +14,7 @@ from pathlib import Path
 from tinygrad import Context, Tensor
 
 from tinyvllm.tinygrad_ext.buffers import empty_shards, shard_shape
+from tinyvllm.tinygrad_ext.compiling import compile_cpu_ahead
 from tinyvllm.tinygrad_ext.programs import (
     CLANG_KERNEL_PREFIX,
     HostProgram,
@@ -130,6 +131,8 @@ def launch(name: str, outs: list[Tensor], ins: list[Tensor], defines: dict[str, 
     assert all(t.device == device for t in outs + ins), "one device (or one tuple of devices) for all buffers"
     device = device if isinstance(device, str) else device[0]  # the kind is all a program's source depends on
     pname, source = program_source(name, device, defines, entry)
+    if device_kind(device) == "CPU":  # clang starts now, on a core that tracing the rest of the graph leaves idle
+        compile_cpu_ahead(source)
     global_size, local_size = ((1, 1, 1), None) if device_kind(device) == "CPU" else (grid, local_size)
     fxn = source_program(pname, source, len(outs), len(ins), estimates, global_size, local_size)
     return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]

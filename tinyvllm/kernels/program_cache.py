@@ -14,7 +14,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from tinyvllm.tinygrad_ext import INSTALLED_VERSION
+from tinyvllm.disk_cache import cache_root
+from tinyvllm.tinygrad_ext import INSTALLED_VERSION, compiling
 from tinyvllm.tinygrad_ext.startup import (
     choose_default_device,
     chosen_default_device,
@@ -31,8 +32,7 @@ _lock = threading.Lock()
 
 
 def cache_dir() -> Path:
-    root = Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
-    return root / f"programs-tinygrad{INSTALLED_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return cache_root() / f"programs-tinygrad{INSTALLED_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
 def key_digest(key) -> str:
@@ -103,6 +103,7 @@ def install(directory: Path | None = None, device: str | None = None) -> DiskPro
         current = lowered_program_cache()
         if isinstance(current, DiskProgramCache):
             return current
+        compiling.install(cache_root() / "clang-pch")  # with or without this cache (no result is kept there)
         if not ENABLED:
             return None
         cache = DiskProgramCache(directory or cache_dir(), current)

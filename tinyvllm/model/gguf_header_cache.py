@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from tinyvllm.disk_cache import read_record, write_record
+from tinyvllm.disk_cache import cache_root, read_record, write_record
 from tinyvllm.model import gguf
 from tinyvllm.model.gguf import GGUFTensorInfo, StringArray
 
@@ -37,7 +37,7 @@ class HeaderCache:
 
     def __init__(self, path: str, mtime_ns: int, size: int):
         self.key = repr((path, mtime_ns, size, _code_identity(), sys.version_info[:2]))
-        self.directory = Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm") / "gguf-headers"
+        self.directory = cache_root() / "gguf-headers"
         self.file = self.directory / f"{hashlib.sha256(self.key.encode()).hexdigest()}.header"
 
     def read(self, buf: memoryview) -> tuple[dict, dict[str, GGUFTensorInfo]] | None:

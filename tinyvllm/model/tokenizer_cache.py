@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from tinyvllm.disk_cache import read_record, write_record
+from tinyvllm.disk_cache import cache_root, read_record, write_record
 from tinyvllm.model import tokenizer as tokenizer_module
 from tinyvllm.model.tokenizer import Tokenizer
 
@@ -25,7 +25,7 @@ CODE_FILES = ("tokenizer.py", "bpe.py", "sentencepiece_tokenizer.py", "sentencep
 
 
 def cache_dir() -> Path:
-    return Path(os.getenv("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm") / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 @functools.cache

@@ -30,6 +30,7 @@ class Internal:
 
 J, R, U, D = "tinygrad.engine.jit", "tinygrad.engine.realize", "tinygrad.uop.ops", "tinygrad.device"
 H, C, F = "tinygrad.helpers", "tinygrad.codegen", "tinygrad.function"
+W, CC = "tinygrad.engine.worker", "tinygrad.runtime.support.compiler_cpu"
 
 NAMES: tuple[Internal, ...] = (
     # ---- jit.py: TinyJit's class, and a call's inputs ----
@@ -93,6 +94,19 @@ NAMES: tuple[Internal, ...] = (
     Internal("NUM_CPU_THREADS", H, "startup.default_cpu_threads"),
     Internal("CACHEDB", H, "startup.share_kernel_cache_across_threads"),
     Internal("_db_connection", H, "startup.share_kernel_cache_across_threads"),
+    # ---- compiling.py: a first request's kernels compiled sooner ----
+    Internal("ClangCompiler", CC, "compiling.compile_ahead"),
+    Internal("ClangCompiler.compile", CC, ("compiling._plain_compile", "compiling.use_precompiled_header"), ("src",)),
+    Internal("diskcache_get", H, ("compiling.compile_ahead", "compiling._compiled_ahead"), ("table", "key")),
+    Internal("getenv", H, ("compiling.clang_binary", "compiling.compile_pool"), ("key", "default")),
+    Internal("PARALLEL.value", H, "compiling.compile_pool"),
+    Internal("BEAM.value", H, "compiling.compile_pool"),
+    Internal("worker_pool", W, "compiling.compile_pool"),
+    Internal("get_worker_pool", W, "compiling.compile_pool"),
+    Internal("_WorkerContext", W, "compiling.compile_pool"),
+    Internal("_init_worker", W, "compiling._init_compile_worker"),
+    Internal("get_worker_pool", R, "compiling.install"),
+    Internal("capturing", R, "compiling.compile_ahead"),
     # ---- speed.py: fixes to the pinned tinygrad ----
     Internal("_function", F, "speed.ReusableFunction",
              ("fxn", "precompile", "precompile_backward", "allow_implicit", "grad_fxn")),
@@ -123,8 +137,11 @@ ATTRIBUTES: tuple[Internal, ...] = (
     *(Internal(f"Buffer.{a}", D, ("buffers", "jit.Argument")) for a in ("options", "allocator", "nbytes", "device")),
     Internal("MultiBuffer.bufs", D, ("buffers.input_shard_address", "jit.arena_buffers")),
     Internal("HCQBuffer.va_addr", "tinygrad.runtime.support.hcq", "buffers.buffer_address"),
-    *(Internal(f"Compiled.{a}", D, "programs") for a in ("compiler", "runtime", "renderer")),
-    Internal("Compiler.compile_cached", D, "programs.compile_cpu", ("src",)),
+    *(Internal(f"Compiled.{a}", D, "programs") for a in ("runtime", "renderer")),
+    Internal("Compiled.compiler", D, ("programs", "compiling.compile_cpu_ahead")),
+    Internal("Compiler.compile_cached", D, ("programs.compile_cpu", "compiling._compile_source"), ("src",)),
+    *(Internal(f"ClangCompiler.{a}", CC, "compiling.clang_flags") for a in ("arch", "args")),
+    Internal("Compiler.cachekey", D, ("compiling.compile_ahead", "compiling._compiled_ahead")),
     Internal("Renderer.target", "tinygrad.renderer", "programs.load_cpu_program"),
     Internal("Target.renderer", H, "programs.renderer_name"),
     *(Internal(f"CPUProgram.{a}", "tinygrad.runtime.ops_cpu", ("programs.load_cpu_program", "jit.loaded_program"))
