@@ -18,7 +18,6 @@ from tinyvllm.plugins import provided
 # Phase 6's cold start: what earlier processes compiled (kernels/program_cache.py) and built (model/tokenizer_cache.py)
 install_program_cache = provided("program_cache", lambda device=None: None)
 load_tokenizer = provided("tokenizer_cache", tokenizer.load_tokenizer)
-load_vision_tower = provided("vision_tower", lambda *args: None)  # Phase 10
 
 
 def _no_mmproj(*args):
@@ -58,6 +57,6 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
                            pipeline_parallel_size=pipeline_parallel_size)
     if mmproj is not None:
         llm.vision_tower = provided("mmproj", _no_mmproj)(mmproj, tokenizer, dt, llm.device)
-    elif checkpoint.path.is_dir():
-        llm.vision_tower = load_vision_tower(checkpoint.path, dt, llm.device)
+    elif checkpoint.path.is_dir():  # Phase 10's vision module (and Pillow) imported only for a directory's
+        llm.vision_tower = provided("vision_tower", lambda *args: None)(checkpoint.path, dt, llm.device)
     return llm, tokenizer, checkpoint.path
