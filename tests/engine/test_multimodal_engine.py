@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -201,6 +203,15 @@ def test_bad_prompts_with_images_are_refused(llm, idefics3_dir):
         MultiModalProcessor(llm.get_tokenizer(), tower, 8).process({"prompt": "<image>",
                                                                      "multi_modal_data": {"image": IMAGES["wide"]}})
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_config_whose_image_token_id_is_not_the_tokenizers_is_refused_at_start(llm, monkeypatch):
+    tower = llm.llm_engine.model.vision_tower
+    MultiModalProcessor(llm.get_tokenizer(), tower, 1024)  # the model's own: they agree
+    monkeypatch.setattr(tower, "config", dataclasses.replace(tower.config, image_token_id=IMAGE_TOKEN_ID + 1))
+    with pytest.raises(ValueError, match=rf"gives <image> the id {IMAGE_TOKEN_ID + 1}, but its tokenizer reads "
+                                         rf"<image> as \[{IMAGE_TOKEN_ID}\]"):
+        MultiModalProcessor(llm.get_tokenizer(), tower, 1024)
 
 
 def test_a_text_model_refuses_images(tiny_model_dir):

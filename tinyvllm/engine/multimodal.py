@@ -141,6 +141,10 @@ class MultiModalProcessor:
         self.tokenizer, self.tower, self.encoder_cache_size = tokenizer, tower, encoder_cache_size
         self.max_images = max_images  # --limit-mm-per-prompt's
         self.placeholder = tower.placeholder  # where an image goes in a prompt's text
+        ids = tokenizer.encode(tower.image_token, add_special_tokens=False)
+        if ids != [tower.image_token_id]:  # else every image prompt would fail at admission, counting its tokens
+            raise ValueError(f"the model's config gives {tower.image_token} the id {tower.image_token_id}, but its "
+                             f"tokenizer reads {tower.image_token} as {ids}: a config and a tokenizer of two models?")
 
     def process(self, prompt: dict) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """(the text, its token ids with each image's placeholders expanded, the images' features); a ValueError

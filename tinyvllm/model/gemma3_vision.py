@@ -114,7 +114,7 @@ class Gemma3VisionTower(SiglipTower):
     """SigLIP + Gemma 3's projector, from the HF-named tensors `vision_tower.*` and `multi_modal_projector.*`; the
     engine's interface as model/vision.py's VisionTower, the placeholder `<start_of_image>`."""
 
-    placeholder = BOI_TOKEN
+    placeholder, image_token = BOI_TOKEN, IMAGE_SOFT_TOKEN
     is_mm_prefix_lm = True  # HF's token_type_ids mask: an image's tokens attend to each other both ways
 
     def __init__(self, config: Gemma3VisionConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,

@@ -118,7 +118,7 @@ class LlavaVisionTower(ViTTower):
     """CLIP + LLaVA's projector, from the HF-named tensors `vision_tower.*` and `multi_modal_projector.*`; the
     engine's interface as model/vision.py's VisionTower."""
 
-    placeholder = IMAGE_TOKEN
+    placeholder = image_token = IMAGE_TOKEN
 
     def __init__(self, config: LlavaConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
                  device: str | None = None, processor: ClipProcessorConfig | None = None):

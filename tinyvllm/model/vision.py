@@ -189,11 +189,12 @@ class VisionTower(SiglipTower):
     """SigLIP + Idefics3's connector, from the HF-named tensors `model.vision_model.*` and `model.connector.*`.
 
     What the engine asks of any vision tower (LLaVA's in model/llava.py answers the same): `placeholder`, the text
-    where an image goes; `image_token_id`; `image_text(image)`, the text a placeholder becomes (from the image's size
-    alone); `preprocess(image)`, its pixel values; `num_embeds(pixel values)`; `encode(pixel values)`, one embedding
-    per image token; `max_embeds_per_image`; `device`."""
+    where an image goes; `image_token`, the text of the token each embedding replaces, and its `image_token_id`;
+    `image_text(image)`, the text a placeholder becomes (from the image's size alone); `preprocess(image)`, its
+    pixel values; `num_embeds(pixel values)`; `encode(pixel values)`, one embedding per image token;
+    `max_embeds_per_image`; `device`."""
 
-    placeholder = IMAGE_TOKEN
+    placeholder = image_token = IMAGE_TOKEN
 
     def __init__(self, config: VisionConfig, state_dict: dict[str, np.ndarray], dtype: DType = dtypes.float32,
                  device: str | None = None, processor: ImageProcessorConfig | None = None):
