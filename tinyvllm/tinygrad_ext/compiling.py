@@ -1,14 +1,13 @@
 """Compiling a process's first kernels sooner: the intrinsics header parsed once, and compile workers that stay.
 
 A new process with empty caches compiles every kernel its first request needs (`Generator.warm_up` says how many),
-on tinygrad's pool of worker processes. Two costs in that were not compiling at all:
+on tinygrad's pool of worker processes. Three costs in that were not compiling at all:
 
 - Every hand-written kernel that uses SIMD intrinsics includes `<immintrin.h>`: 1.3 MB of declarations that clang
-  parses again for each kernel, most of its time on a small kernel (0.4 s with the header, 0.15 s with it read from
-  a precompiled header). Here the header is parsed once per machine into a clang precompiled header (PCH) beside
-  tinyvllm's other caches, and each compile that includes it reads that instead. The object clang writes is the
-  same, byte for byte; a PCH clang refuses (another clang, headers changed) is built again, and failing that the
-  kernel compiles as before.
+  parsed again for each kernel, most of a small kernel's compile. Here it is parsed once per machine into a clang
+  precompiled header (PCH) beside tinyvllm's other caches, and each compile that includes it reads that instead.
+  The object clang writes is the same, byte for byte; a PCH clang refuses (another clang, headers changed) is built
+  again, and failing that the kernel compiles as before.
 - tinygrad's pool replaces each worker after 16 tasks (for BEAM search's memory), so a first request's 50 kernels
   start six worker processes, each importing tinygrad again. Here the pool's workers live as long as the process
   (unless BEAM is on), and each one compiles with the precompiled header.
@@ -141,6 +140,7 @@ def compile_pool():
 
 
 _ahead: dict[str, object] = {}  # sources compile_ahead handed to the pool in this process -> its AsyncResult
+AHEAD_TIMEOUT_S = 300
 
 
 def _compile_source(compiler: ClangCompiler, src: str) -> None:  # in a worker: into tinygrad's disk cache
@@ -164,8 +164,8 @@ def _compiled_ahead(compiler: ClangCompiler, src: str) -> bytes | None:
     if (pending := _ahead.get(src)) is None:
         return None
     try:
-        pending.get()
-    except Exception:  # noqa: BLE001  (the compile here reports the error)
+        pending.get(timeout=AHEAD_TIMEOUT_S)  # a worker killed mid-task (out of memory) leaves it pending for ever
+    except Exception:  # noqa: BLE001  (clang here reports the error, or compiles what the pool never did)
         return None
     return diskcache_get(compiler.cachekey, src)
 
@@ -178,6 +178,6 @@ def compile_cpu_ahead(source: str) -> None:
 
 
 def install(pch_dir: Path | None) -> None:
-    """Both, for this process and the compile workers it starts; idempotent."""
+    """The precompiled header and the pool, for this process and the compile workers it starts; idempotent."""
     use_precompiled_header(pch_dir)
     realize.get_worker_pool = compile_pool
