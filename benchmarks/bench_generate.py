@@ -4,7 +4,6 @@
     python benchmarks/bench_generate.py --beam 2              # tinygrad's BEAM kernel search (slow the first time)
     python benchmarks/bench_generate.py --model path/to/model.gguf --json results.json
     python benchmarks/bench_generate.py --cold-start-only --peers DIR   # run it twice: the second start is warm
-    python benchmarks/bench_generate.py --cold-start-only --fresh-kernel-cache --peers DIR   # a new machine's first
 
 Five measurements, in the order a user meets them (the fifth with --peers):
 
@@ -97,14 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--beam", type=int, default=0, help="set tinygrad's BEAM=N (kernel search; minutes the first "
                    "time, cached on disk after)")
-    p.add_argument("--fresh-kernel-cache", action="store_true", help="use an empty tinygrad kernel cache and empty "
-                   "tinyvllm caches (programs, graphs, tokenizer, GGUF header, precompiled header): a new machine's "
-                   "first start, lowering and compiling every kernel")
+    p.add_argument("--fresh-kernel-cache", action="store_true", help="empty tinygrad and tinyvllm caches: a new "
+                   "machine's first start, lowering and compiling every kernel")
     p.add_argument("--no-cpu-graph", action="store_true", help="replay captured graphs with tinygrad's own "
                    "per-kernel Python loop instead of tinyvllm's CPU graph (TINYVLLM_CPU_GRAPH=0)")
-    p.add_argument("--cold-start-only", action="store_true", help="measure only the cold start (and, with --peers, "
-                   "llama-server's on the same format); results to "
-                   "results/bench_generate_cold_start[_fresh][_<method>].json")
+    p.add_argument("--cold-start-only", action="store_true", help="only the cold start (with --peers, llama-server's "
+                   "too); to results/bench_generate_cold_start[_fresh][_<method>].json")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     add_sampling_arg(p, default="greedy,llama")
     add_peers_arg(p)
@@ -210,8 +207,8 @@ def finish_cold_start_only(args, results: dict, llama) -> int:
                                                   "tinyvllm_ratio": {"cold_start": ours / cold["first_token_s"]}}}
             print(f"llama-server {fmt}: process start -> first token {cold['first_token_s']:.2f} s "
                   f"(tinyvllm {ours / cold['first_token_s']:.2f}x that)")
-    name = ("bench_generate_cold_start" + ("_fresh" if args.fresh_kernel_cache else "")
-            + ("" if args.quantization == "none" else f"_{args.quantization}"))
+    name = "bench_generate_cold_start" + "_fresh" * args.fresh_kernel_cache + f"_{args.quantization}" * (
+        args.quantization != "none")
     write_results(name, file_figures(results), args, also=args.json_path)
     return 0
 
