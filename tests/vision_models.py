@@ -107,6 +107,30 @@ def draw_image(width: int, height: int, seed: int = 0, mode: str = "RGB"):
     return image.convert(mode)
 
 
+# the engine tests' images, by name (Idefics3's, LLaVA's and Gemma 3's tests prompt with the same three)
+IMAGES = {"wide": draw_image(70, 40, seed=1), "tall": draw_image(30, 50, seed=2), "small": draw_image(20, 20, seed=3)}
+
+
+def image_request(text: str, names: list[str]) -> dict | str:
+    """LLM.generate's prompt for a text and the IMAGES it names: the text alone when it names none."""
+    return {"prompt": text, "multi_modal_data": {"image": [IMAGES[n] for n in names]}} if names else text
+
+
+def hf_image_inputs(processor, text: str, names: list[str]):
+    """HF's processor's tensors for the same text and images."""
+    return processor(text=text, images=[IMAGES[n] for n in names] or None, return_tensors="pt")
+
+
+def assert_greedy_equal_hf(output, model, inputs, max_tokens: int) -> None:
+    """A greedy request's prompt ids equal HF's processor's, and its tokens `model.generate`'s from them."""
+    import torch
+
+    with torch.no_grad():
+        tokens = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    assert output.prompt_token_ids == prompt_ids and output.outputs[0].token_ids == tokens[0, len(prompt_ids):].tolist()
+
+
 def write_mmproj(model_dir: Path, path: Path, f16: bool = True) -> Path:
     """The vision tower of an HF Idefics3 directory as llama.cpp's convert_hf_to_gguf.py --mmproj writes it (the
     layout recorded from that converter in tests/model/data/mmproj_layout.json): F32 embeddings and vectors, the

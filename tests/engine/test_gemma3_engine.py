@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 from gemma3_models import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, hf_model, hf_processor  # noqa: E402
-from vision_models import assert_top20_equal_hf, draw_image  # noqa: E402
+from vision_models import (assert_greedy_equal_hf, assert_top20_equal_hf, draw_image, hf_image_inputs,  # noqa: E402
+                           image_request)
 
 from tinyvllm.core.encoder_cache import MultiModalFeature  # noqa: E402
 from tinyvllm.llm import LLM  # noqa: E402
@@ -17,7 +18,6 @@ from tinyvllm.sampling_params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 MAX_NUM_BATCHED_TOKENS = 24  # an image (16 tokens) fits; a prompt does not: chunks end before an image
-IMAGES = {"wide": draw_image(70, 40, seed=1), "tall": draw_image(30, 50, seed=2), "small": draw_image(20, 20, seed=3)}
 PROMPTS = {  # the text model's sliding window is 8 tokens: an image's 16 tokens see past it
     "one image": ("Look at this picture closely: <start_of_image> What is in it?", ["wide"]),
     "two images": ("Compare <start_of_image> with <start_of_image>: which one is brighter?", ["tall", "small"]),
@@ -35,26 +35,18 @@ def llm(gemma3_dir):
 
 
 def request(name: str) -> dict | str:
-    text, images = PROMPTS[name]
-    return {"prompt": text, "multi_modal_data": {"image": [IMAGES[i] for i in images]}} if images else text
+    return image_request(*PROMPTS[name])
 
 
 def hf_inputs(model_dir, name: str):
     """HF's processor's tensors, token_type_ids included: HF's Gemma 3 attends both ways within an image from them."""
-    text, images = PROMPTS[name]
-    return hf_processor(model_dir)(text=text, images=[IMAGES[i] for i in images] or None, return_tensors="pt")
+    return hf_image_inputs(hf_processor(model_dir), *PROMPTS[name])
 
 
 @pytest.mark.parametrize("name", PROMPTS)
 def test_greedy_tokens_equal_hf(llm, gemma3_dir, name):
-    import torch
-
     (out,) = llm.generate(request(name), GREEDY, use_tqdm=False)
-    inputs = hf_inputs(gemma3_dir, name)
-    with torch.no_grad():
-        tokens = hf_model(gemma3_dir).generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == tokens[0, len(prompt_ids):].tolist()
+    assert_greedy_equal_hf(out, hf_model(gemma3_dir), hf_inputs(gemma3_dir, name), GREEDY.max_tokens)
     assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == TOKENS_PER_IMAGE * len(PROMPTS[name][1])
 
 

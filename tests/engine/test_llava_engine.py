@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 from llava_models import IMAGE_TOKEN_ID, hf_model, hf_processor  # noqa: E402
-from vision_models import assert_top20_equal_hf, draw_image  # noqa: E402
+from vision_models import assert_greedy_equal_hf, assert_top20_equal_hf, hf_image_inputs, image_request  # noqa: E402
 
 from tinyvllm.llm import LLM  # noqa: E402
 from tinyvllm.model.llava import LlavaVisionTower  # noqa: E402
@@ -15,7 +15,6 @@ from tinyvllm.sampling_params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 MAX_NUM_BATCHED_TOKENS = 32  # fewer than an image's 64 tokens: each image is split across prefill chunks
-IMAGES = {"wide": draw_image(70, 40, seed=1), "tall": draw_image(30, 50, seed=2), "small": draw_image(20, 20, seed=3)}
 PROMPTS = {
     "one image": ("USER: <image>\nWhat is in this image? ASSISTANT:", ["wide"]),
     "two images": ("Compare <image> with <image>: which one is brighter?", ["tall", "small"]),
@@ -31,30 +30,16 @@ def llm(llava_dir):
     return llm
 
 
-def request(name: str) -> dict | str:
-    text, images = PROMPTS[name]
-    return {"prompt": text, "multi_modal_data": {"image": [IMAGES[i] for i in images]}} if images else text
-
-
-def hf_inputs(model_dir, name: str):
-    text, images = PROMPTS[name]
-    return hf_processor(model_dir)(text=text, images=[IMAGES[i] for i in images] or None, return_tensors="pt")
-
-
 @pytest.mark.parametrize("name", PROMPTS)
 def test_greedy_tokens_equal_hf(llm, llava_dir, name):
-    import torch
-
-    (out,) = llm.generate(request(name), GREEDY, use_tqdm=False)
-    inputs = hf_inputs(llava_dir, name)
-    with torch.no_grad():
-        tokens = hf_model(llava_dir).generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == tokens[0, len(prompt_ids):].tolist()
+    (out,) = llm.generate(image_request(*PROMPTS[name]), GREEDY, use_tqdm=False)
+    assert_greedy_equal_hf(out, hf_model(llava_dir), hf_image_inputs(hf_processor(llava_dir), *PROMPTS[name]),
+                           GREEDY.max_tokens)
     assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == 64 * len(PROMPTS[name][1])
 
 
 @pytest.mark.parametrize("name", PROMPTS)
 def test_top20_logprobs_equal_hf(llm, llava_dir, name):
-    (out,) = llm.generate(request(name), SamplingParams(max_tokens=1, temperature=0, logprobs=20), use_tqdm=False)
-    assert_top20_equal_hf(out, hf_model(llava_dir), hf_inputs(llava_dir, name))
+    (out,) = llm.generate(image_request(*PROMPTS[name]), SamplingParams(max_tokens=1, temperature=0, logprobs=20),
+                          use_tqdm=False)
+    assert_top20_equal_hf(out, hf_model(llava_dir), hf_image_inputs(hf_processor(llava_dir), *PROMPTS[name]))

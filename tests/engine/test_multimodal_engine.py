@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-from vision_models import IMAGE_TOKEN_ID, assert_top20_equal_hf, draw_image, hf_model, hf_processor  # noqa: E402
+from vision_models import (IMAGE_TOKEN_ID, IMAGES, assert_greedy_equal_hf, assert_top20_equal_hf,  # noqa: E402
+                           draw_image, hf_image_inputs, hf_model, hf_processor, image_request)
 
 from tinyvllm.core.encoder_cache import EncoderCacheManager, MultiModalFeature  # noqa: E402
 from tinyvllm.core.prefix_cache import block_hashes  # noqa: E402
@@ -18,7 +19,6 @@ from tinyvllm.sampling_params import SamplingParams  # noqa: E402
 from tinyvllm.worker.encoder_runner import EncoderRunner  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
-IMAGES = {"wide": draw_image(70, 40, seed=1), "tall": draw_image(30, 50, seed=2), "small": draw_image(20, 20, seed=3)}
 PROMPTS = {
     "one image": ("<|im_start|>user\n<image>What is in this image?<|im_end|>\n", ["wide"]),
     "two images": ("Compare <image> with <image>: which one is brighter?", ["tall", "small"]),
@@ -32,35 +32,21 @@ def llm(idefics3_dir):
 
 
 def request(name: str) -> dict | str:
-    text, images = PROMPTS[name]
-    return {"prompt": text, "multi_modal_data": {"image": [IMAGES[i] for i in images]}} if images else text
-
-
-def hf_greedy(model_dir, text: str, images: list) -> tuple[list[int], list[int]]:
-    """HF's (prompt token ids, greedy tokens)."""
-    import torch
-
-    inputs = hf_processor(model_dir)(text=text, images=images or None, return_tensors="pt")
-    with torch.no_grad():
-        out = hf_model(model_dir).generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)
-    return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
+    return image_request(*PROMPTS[name])
 
 
 @pytest.mark.parametrize("name", PROMPTS)
 def test_greedy_tokens_equal_hf(llm, idefics3_dir, name):
-    text, images = PROMPTS[name]
     (out,) = llm.generate(request(name), GREEDY, use_tqdm=False)
-    prompt_ids, tokens = hf_greedy(idefics3_dir, text, [IMAGES[i] for i in images])
-    assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == tokens
-    assert (out.prompt_token_ids.count(IMAGE_TOKEN_ID) > 0) == bool(images)
+    assert_greedy_equal_hf(out, hf_model(idefics3_dir), hf_image_inputs(hf_processor(idefics3_dir), *PROMPTS[name]),
+                           GREEDY.max_tokens)
+    assert (out.prompt_token_ids.count(IMAGE_TOKEN_ID) > 0) == bool(PROMPTS[name][1])
 
 
 @pytest.mark.parametrize("name", PROMPTS)
 def test_top20_logprobs_equal_hf(llm, idefics3_dir, name):
-    text, images = PROMPTS[name]
     (out,) = llm.generate(request(name), SamplingParams(max_tokens=1, temperature=0, logprobs=20), use_tqdm=False)
-    inputs = hf_processor(idefics3_dir)(text=text, images=[IMAGES[i] for i in images] or None, return_tensors="pt")
-    assert_top20_equal_hf(out, hf_model(idefics3_dir), inputs)
+    assert_top20_equal_hf(out, hf_model(idefics3_dir), hf_image_inputs(hf_processor(idefics3_dir), *PROMPTS[name]))
 
 
 def test_images_on_the_discrete_gpus_path_give_the_cpu_paths_tokens(llm, idefics3_dir, monkeypatch):
@@ -95,7 +81,8 @@ def test_a_repeated_image_is_encoded_once(llm, idefics3_dir):
     assert llm.llm_engine.model_runner.encoder.num_encoder_runs == runs + 1
     assert llm.llm_engine.scheduler.encoder_cache_manager.num_hits > hits
     for text, out in zip(texts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(idefics3_dir, text, [image])[1]
+        inputs = hf_processor(idefics3_dir)(text=text, images=[image], return_tensors="pt")
+        assert_greedy_equal_hf(out, hf_model(idefics3_dir), inputs, GREEDY.max_tokens)
 
 
 def test_the_engine_state_shows_the_encoder_cache(llm):
