@@ -353,12 +353,13 @@ class ModelRunner:
         if n not in self._mm_buffers:
             dev, dim = self.model.device, self.model.config.hidden_size
             self._mm_buffers[n] = (InputBuffer((1, n, dim), np.float32, dev), InputBuffer((1, n, 1), np.int32, dev),
-                                   InputBuffer((n,), np.int32, dev))
-        embeds, mask, ends = self._mm_buffers[n]
+                                   *[InputBuffer((n,), np.int32, dev)] * self.mm_prefix_lm)
+        embeds, mask, *ends = self._mm_buffers[n]
         if not self.encoder.gather(image_chunks, embeds.np[0], mask.np[0, :, 0]):
             return ()
-        if not self.mm_prefix_lm:
+        if not ends:
             return embeds.copy_to_device(), mask.copy_to_device()
+        (ends,) = ends
         ends.np[...] = positions + 1
         for seq, start, count, row in image_chunks:
             for f in seq.mm_features:
