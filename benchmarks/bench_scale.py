@@ -34,6 +34,11 @@ Per (shape, format), each figure is:
                   whose caches are warm; "compile" is the difference
     peak memory   the largest resident set (ru_maxrss, os.wait4) of the process that ran decode, prefill and the
                   concurrent loads; llama.cpp: the larger of llama-bench's and llama-batched-bench's
+    ceiling       what the hardware allows decode: one token reads every weight once (the linear layers and the
+                  lm_head, as the file stores them), so decode streams tok/s x those bytes; beside each engine's
+                  rate, the machine's read bandwidth with every core (benchmarks/bandwidth.py), measured in this
+                  run before and after the pair, the larger kept. Both engines read the same bytes, so neither can
+                  be faster than the other by more than the ceiling leaves.
 
 Each tinyvllm measurement runs in a process of its own (this script with --worker), so that its memory and its
 start are its own. Targets (docs/roadmap issue 36): at 1B, decode and prefill >= 1.2x llama.cpp in Q4_K_M and
@@ -174,7 +179,8 @@ def worker(spec: dict) -> dict:
     levels = spec["concurrency"]
     gen = Generator(spec["model"], max_model_len=spec["max_model_len"], max_num_seqs=max([1, *levels]),
                     kv_cache_memory=spec["kv_cache_memory"])
-    out = {"load_s": time.time() - spec["launched_at"], "weight_formats": gen.model.weight_formats()}
+    out = {"load_s": time.time() - spec["launched_at"], "weight_formats": gen.model.weight_formats(),
+           "weight_bytes_per_token": weights_read_per_token(gen.model)}
 
     def prompt(n: int, variant: int) -> list[int]:  # a token of its own first: no prefix-cache hit between runs
         return [1000 + variant] + [(100 + 7 * i) % 40000 for i in range(n - 1)]
@@ -217,6 +223,15 @@ def worker(spec: dict) -> dict:
                 row = run_batch(engine, recorder, prompts, CONCURRENT_OUTPUT, f"scale-{k}-{attempt}")
             out["concurrency"][str(k)] = {key: row[key] for key in ("tok_s", "wall_s", "steps", "preemptions")}
     return out
+
+
+def weights_read_per_token(model) -> int:
+    """Bytes of weights one decode step reads: all of them but the embedding table, of which it reads one row
+    (unless the lm_head is the same table, which it reads whole)."""
+    from tinygrad import Tensor
+
+    held, embed = sum(model.weight_formats().values()), model.embed_tokens
+    return held if model.lm_head is embed else held - (embed if isinstance(embed, Tensor) else embed.data).nbytes()
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, int, float]:
@@ -293,6 +308,27 @@ def measure_llama_cpp(llama, path: Path, args) -> dict:
     return out
 
 
+def read_bandwidth() -> dict:
+    """The machine's read bandwidth now, with every core (benchmarks/bandwidth.py)."""
+    from bandwidth import measure_read_bandwidth
+
+    read = measure_read_bandwidth(threads=[os.cpu_count() or 1])
+    return {"threads": next(iter(read["bytes_per_s"])), "bytes_per_s": next(iter(read["bytes_per_s"].values()))}
+
+
+def ceiling(fig: dict, reads: list[dict]) -> dict:
+    """Each engine's decode as weights streamed per second, and as a fraction of the best read bandwidth measured
+    around it."""
+    per_token, best = fig["tinyvllm"]["weight_bytes_per_token"], max(r["bytes_per_s"] for r in reads)
+    out = {"weight_bytes_per_token": per_token, "read_bandwidth_runs_bytes_per_s": [r["bytes_per_s"] for r in reads],
+           "read_bandwidth_bytes_per_s": best, "threads": reads[0]["threads"], "decode_tok_s_bound": best / per_token}
+    for engine in ("tinyvllm", "llama_cpp"):
+        if engine in fig:
+            streamed = fig[engine]["decode"]["tok_s"] * per_token
+            out[engine] = {"decode_bytes_per_s": streamed, "of_read_bandwidth": streamed / best}
+    return out
+
+
 def ratios(ours: dict, theirs: dict) -> dict:
     """tinyvllm / llama.cpp: speeds above 1 are ours faster; seconds and memory above 1 are ours larger."""
     out = {"decode": ours["decode"]["tok_s"] / theirs["decode"]["tok_s"],
@@ -304,7 +340,7 @@ def ratios(ours: dict, theirs: dict) -> dict:
 
 
 def report(shape: str, fmt: str, fig: dict) -> None:
-    ours, theirs, r = fig["tinyvllm"], fig.get("llama_cpp"), fig.get("ratio", {})
+    ours, theirs, r, c = fig["tinyvllm"], fig.get("llama_cpp"), fig.get("ratio", {}), fig.get("ceiling")
     gib = 2**30
 
     def row(name, a, b=None, key=None, spec="{:.1f}"):
@@ -326,10 +362,20 @@ def report(shape: str, fmt: str, fig: dict) -> None:
                  row("  of it compiling, s", ours["compile_s"], spec="{:.2f}")]),
              row("peak resident memory, GiB", ours["peak_rss_bytes"] / gib, theirs and theirs["peak"] / gib,
                  "peak_memory", "{:.2f}")]
+    if (c := fig.get("ceiling")) is not None:
+        def streamed(engine):
+            return f"{c[engine]['decode_bytes_per_s'] / 1e9:.1f} ({100 * c[engine]['of_read_bandwidth']:.0f}%)"
+
+        cells = ["decode: weights streamed, GB/s (% of read bandwidth)", streamed("tinyvllm")]
+        rows.insert(1, cells + ([streamed("llama_cpp"), "-"] if theirs is not None else []))
     headers = side_by_side_headers("workload", "tinyvllm", [FORMATS[fmt]] if theirs is not None else [])
     print(f"\n== {shape} ({fig['params'] / 1e9:.2f}B parameters), {FORMATS.get(fmt, fmt)}, "
           f"file {fig['file_bytes'] / gib:.2f} GiB ==")
     print(table(rows, headers[:2] if theirs is None else headers))
+    if c is not None:
+        print(f"read bandwidth, {c['threads']} threads, this run: {c['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+              f"one token reads {c['weight_bytes_per_token'] / 1e9:.3f} GB of weights, so decode can reach at most "
+              f"{c['decode_tok_s_bound']:.1f} tok/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,11 +418,13 @@ def main(argv: list[str] | None = None) -> int:
             fig = {"file": path.name, "file_bytes": path.stat().st_size, "params": config.num_params,
                    "run": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "code": code_version(),
                            "load_average": [load_average()], "decode_tokens": args.decode_tokens,
-                           "prefill_tokens": args.prefill_tokens, "concurrency": args.levels},
-                   "tinyvllm": measure_tinyvllm(path, args)}
+                           "prefill_tokens": args.prefill_tokens, "concurrency": args.levels}}
+            reads = [read_bandwidth()]
+            fig["tinyvllm"] = measure_tinyvllm(path, args)
             if llama is not None:
                 fig["llama_cpp"] = measure_llama_cpp(llama, path, args)
                 fig["ratio"] = ratios(fig["tinyvllm"], fig["llama_cpp"])
+            fig["ceiling"] = ceiling(fig, reads + [read_bandwidth()])
             fig["run"]["load_average"].append(load_average())
             entry["formats"][fmt] = fig
             report(shape, fmt, fig)

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_scale  # noqa: E402
@@ -45,3 +47,10 @@ def test_a_run_on_the_tiny_shape_writes_its_figures(tmp_path, monkeypatch):
     assert ours["decode"]["tok_s"] > 0 and ours["prefill"]["tok_s"] > 0 and ours["concurrency"]["2"]["tok_s"] > 0
     assert 0 < ours["load_s"] < ours["process_s"] and ours["peak_rss_bytes"] > 2**20
     assert ours["first_request_s"] > 0 and ours["cold"] is None  # --no-cold-start: one process
+    # tied embeddings: the lm_head is the embedding table, read whole each token, so every weight is read once
+    assert ours["weight_bytes_per_token"] == sum(ours["weight_formats"].values())
+    ceiling = fig["ceiling"]
+    assert len(ceiling["read_bandwidth_runs_bytes_per_s"]) == 2 and ceiling["read_bandwidth_bytes_per_s"] > 1e9
+    assert ceiling["tinyvllm"]["decode_bytes_per_s"] == ours["decode"]["tok_s"] * ours["weight_bytes_per_token"]
+    bound = ceiling["decode_tok_s_bound"] * ours["weight_bytes_per_token"]
+    assert bound == pytest.approx(ceiling["read_bandwidth_bytes_per_s"])
