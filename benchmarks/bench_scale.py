@@ -180,7 +180,7 @@ def worker(spec: dict) -> dict:
     gen = Generator(spec["model"], max_model_len=spec["max_model_len"], max_num_seqs=max([1, *levels]),
                     kv_cache_memory=spec["kv_cache_memory"])
     out = {"load_s": time.time() - spec["launched_at"], "weight_formats": gen.model.weight_formats(),
-           "weight_bytes_per_token": weights_read_per_token(gen.model)}
+           "weight_bytes_per_token": gen.model.weight_bytes_per_token()}
 
     def prompt(n: int, variant: int) -> list[int]:  # a token of its own first: no prefix-cache hit between runs
         return [1000 + variant] + [(100 + 7 * i) % 40000 for i in range(n - 1)]
@@ -223,15 +223,6 @@ def worker(spec: dict) -> dict:
                 row = run_batch(engine, recorder, prompts, CONCURRENT_OUTPUT, f"scale-{k}-{attempt}")
             out["concurrency"][str(k)] = {key: row[key] for key in ("tok_s", "wall_s", "steps", "preemptions")}
     return out
-
-
-def weights_read_per_token(model) -> int:
-    """Bytes of weights one decode step reads: all of them but the embedding table, of which it reads one row
-    (unless the lm_head is the same table, which it reads whole)."""
-    from tinygrad import Tensor
-
-    held, embed = sum(model.weight_formats().values()), model.embed_tokens
-    return held if model.lm_head is embed else held - (embed if isinstance(embed, Tensor) else embed.data).nbytes()
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, int, float]:

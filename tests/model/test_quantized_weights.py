@@ -63,6 +63,22 @@ def test_a_format_without_kernel_is_dequantized_with_a_notice(tmp_path, capsys, 
     assert ck.state_dict["model.layers.0.mlp.down_proj.weight"].type_name == "Q8_0"
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_decode_step_reads_every_weight_but_the_embedding_table(tmp_path, tied):
+    from tinyvllm.model.config import ModelConfig
+
+    config = ModelConfig(**{**TINY.__dict__, "tie_word_embeddings": tied})
+    sd = tiny_state_dict(config)
+    path = write_tiny_gguf(tmp_path / "m.gguf", sd, config=config,
+                           quantize={"model.embed_tokens.weight": Q8_0, "model.layers.0.mlp.up_proj.weight": Q4_0})
+    ck = load_checkpoint(path, quantization="auto")
+    model = LlamaForCausalLM(ck.config, ck.state_dict, quantization=ck.quantization)
+    held = sum(model.weight_formats().values())
+    embedding = 64 * 64 // 32 * 34  # vocab 64 x hidden 64 in Q8_0 blocks of 32 (34 bytes each)
+    # tied: the lm_head is the embedding table, read whole; untied: one row of it per token, the lm_head whole
+    assert model.weight_bytes_per_token() == (held if tied else held - embedding)
+
+
 def tiny_logits(ck, ids: list[int]) -> np.ndarray:
     """Last-position logits of the tiny model, on the Phase 1 contiguous runner."""
     from tinyvllm.engine.contiguous_runner import ContiguousModelRunner

@@ -352,6 +352,12 @@ class LlamaForCausalLM:
         """Bytes of weights on the device, by storage format: {'Q4_1': ..., 'Q8_0': ..., 'float32': ...}."""
         return dict(self._weight_formats)
 
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every weight once, but of the embedding table one row (unless the
+        lm_head is that table, read whole). Its rate times this is how fast a decode streams its weights."""
+        held = sum(self._weight_formats.values())
+        return held if self.lm_head is self.embed_tokens else held - _nbytes(self.embed_tokens)
+
     def _count_weight_formats(self) -> dict[str, int]:
         formats: dict[str, int] = {}
         weights = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
@@ -362,8 +368,7 @@ class LlamaForCausalLM:
             flat += list(w) if isinstance(w, tuple) else [w]
         for w in flat:
             name = np.dtype(w.dtype.fmt).name if isinstance(w, Tensor) else QUANT_NAMES[w.ggml_type]
-            t = w if isinstance(w, Tensor) else w.data
-            formats[name] = formats.get(name, 0) + t.nbytes()
+            formats[name] = formats.get(name, 0) + _nbytes(w)
         return formats
 
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list, attn_metadata,
@@ -406,3 +411,10 @@ class LlamaForCausalLM:
         if (cap := self.config.final_logit_softcapping) is not None:  # Gemma 2: logits squashed into (-cap, cap)
             logits = (logits / cap).tanh() * cap
         return logits
+
+
+def _nbytes(w: Weight) -> int:
+    """A weight's bytes on the device: a float tensor's, a QuantizedWeight's blocks', or the sum of its parts."""
+    if isinstance(w, tuple):
+        return sum(_nbytes(part) for part in w)
+    return (w if isinstance(w, Tensor) else w.data).nbytes()
