@@ -12,7 +12,8 @@ Five measurements, in the order a user meets them (the fifth with --peers):
      and sample. tinygrad keeps compiled kernels on disk, tinyvllm its lowered programs and captured graphs
      (kernels/program_cache.py, kernels/graph_cache.py), so "cold" here means a new process after an
      earlier one with the same code ran: the caches' state and how many of the first step's graphs were read
-     from disk are printed; --fresh-kernel-cache points every cache at an empty directory.
+     from disk are printed; --fresh-kernel-cache points every cache at an empty directory. --cold-start-only
+     also times `python main.py --max-tokens 1` in processes of its own (Popen to the first token on stdout).
   2. prefill tokens/s for a few prompt lengths, after a warm-up run of each length.
   3. single-stream decode tokens/s (greedy, ignore_eos), after warm-up: mean, p50 and p90 per-token
      latency through the engine (`Generator.stream`, one request on `LLMEngine`).
@@ -53,8 +54,8 @@ GC_WAS_ENABLED = pause_collection()  # as `python main.py` does until its engine
 import numpy as np  # noqa: E402  (numpy only here: tinygrad must not be imported before BEAM is set)
 from bandwidth import measure_bandwidth_on  # noqa: E402  (benchmarks/bandwidth.py)
 from common import (  # noqa: E402  (benchmarks/common.py)
-    BenchParser, add_peers_arg, code_version, find_peers, log, machine_description, side_by_side_headers, table,
-    write_results)
+    BenchParser, add_peers_arg, code_version, find_peers, first_output_s, kernel_cache_state, log,
+    machine_description, side_by_side_headers, table, write_results)
 from sampling_chains import CHAINS, add_sampling_arg, sampling_params  # noqa: E402
 
 BENCH_TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and "
@@ -123,21 +124,6 @@ def weight_bytes_per_token(config, dtype_bytes: int) -> int:
     return (config.num_params - norms - input_embedding) * dtype_bytes
 
 
-def kernel_cache_state() -> str:
-    path = Path(os.environ.get("CACHEDB") or Path.home() / ".cache" / "tinygrad" / "cache.db")
-    if sys.platform == "darwin" and "CACHEDB" not in os.environ:
-        path = Path.home() / "Library" / "Caches" / "tinygrad" / "cache.db"
-    if not path.exists():
-        state = f"empty (no {path.name} yet): kernels are compiled in this run"
-    else:
-        state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
-    cache_dir = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
-    n = {kind: sum(f.name.endswith(suffix) for d in os.scandir(cache_dir) if d.name.startswith(kind) and d.is_dir()
-                   for f in os.scandir(d.path))  # by name: a glob's Path per file, thousands, before the clock stops
-         for kind, suffix in (("programs-", ".pkl"), ("graphs-", ".graph"))} if cache_dir.is_dir() else {}
-    return state + f"; tinyvllm program cache {n.get('programs-', 0)} programs, {n.get('graphs-', 0)} captured graphs"
-
-
 def prompt_of_length(tokenizer, n: int, variant: int = 0) -> list[int]:
     """n token ids of the text; each `variant` starts with a token of its own, so that prefix caching (on by
     default) finds nothing of it cached and every timed run computes its whole prompt."""
@@ -194,19 +180,26 @@ def graph_counts(runner) -> dict:
 
 
 def finish_cold_start_only(args, results: dict, llama) -> int:
-    """--cold-start-only: llama-server's cold start on the file of the same format beside tinyvllm's, then write."""
-    if llama is not None:
-        from peers.llama_cpp import SAME_FORMAT, result_key  # benchmarks/peers/
+    """--cold-start-only: the same start as `python main.py` (warm caches), and llama-server's on the file of the
+    same format, then write."""
+    from peers.llama_cpp import SAME_FORMAT, result_key  # benchmarks/peers/
 
-        fmt = SAME_FORMAT.get(args.quantization)
-        if fmt is not None:
-            cold = llama.cold_start(fmt)
-            ours = results["cold_start"]["process_start_to_first_token_s"]
-            results["peers"] = {result_key(fmt): {"cold_start_s": cold["first_token_s"],
-                                                  "cold_start_runs_s": [r["first_token_s"] for r in cold["runs"]],
-                                                  "tinyvllm_ratio": {"cold_start": ours / cold["first_token_s"]}}}
-            print(f"llama-server {fmt}: process start -> first token {cold['first_token_s']:.2f} s "
-                  f"(tinyvllm {ours / cold['first_token_s']:.2f}x that)")
+    ours = results["cold_start"]
+    if not args.fresh_kernel_cache:  # the user's command in a process of its own, nothing of this script in it
+        cmd = [sys.executable, str(ROOT / "main.py"), "--prompt", args.prompt, "--max-tokens", "1", "--temperature",
+               "0", "--quantization", args.quantization, "--dtype", args.dtype]
+        cmd += ["--model", args.model] if args.model else []
+        ours["main_py_runs_s"] = runs = [first_output_s(cmd) for _ in range(3)]
+        ours["main_py_s"] = statistics.median(runs)
+        print(f"python main.py --max-tokens 1, Popen -> first token on stdout: {ours['main_py_s']:.2f} s (median of 3)")
+    if llama is not None and (fmt := SAME_FORMAT.get(args.quantization)) is not None:
+        cold = llama.cold_start(fmt)
+        ratio = {k: ours[v] / cold["first_token_s"] for k, v in (("cold_start", "process_start_to_first_token_s"),
+                                                                  ("main_py", "main_py_s")) if v in ours}
+        results["peers"] = {result_key(fmt): {"cold_start_s": cold["first_token_s"], "tinyvllm_ratio": ratio,
+                                              "cold_start_runs_s": [r["first_token_s"] for r in cold["runs"]]}}
+        print(f"llama-server {fmt}: Popen -> first token {cold['first_token_s']:.2f} s (tinyvllm: this script "
+              + ", main.py ".join(f"{r:.2f}x" for r in ratio.values()) + " that)")
     name = "bench_generate_cold_start" + "_fresh" * args.fresh_kernel_cache + f"_{args.quantization}" * (
         args.quantization != "none")
     write_results(name, file_figures(results), args, also=args.json_path)
@@ -475,10 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 4. the ceiling and 5. llama.cpp, after tinyvllm's runs ----
     weight_bytes = weight_bytes_per_token(config, dtype_bytes)
     if args.quantization != "none":  # the bytes the weights really occupy (blocks), less what a step does not read
-        formats, embed = gen.model.weight_formats(), gen.model.embed_tokens
-        input_embedding = 0 if config.tie_word_embeddings else (embed.data if hasattr(embed, "data") else embed).nbytes()
-        weight_bytes = sum(formats.values()) - input_embedding  # one step reads one row of an untied embedding
-        results["weight_bytes_by_format"] = formats
+        weight_bytes = gen.model.weight_bytes_per_token()
+        results["weight_bytes_by_format"] = gen.model.weight_formats()
     kv_bytes = config.kv_bytes_per_token * dtype_bytes // 4 * (len(prompt_ids) + args.max_tokens // 2)
     read = measure_bandwidth_on(gen.model.device)  # the device the run used: a GPU's memory, or the CPU's
     peers = measure_peers(llama, prompt_lens, args.max_tokens) if llama is not None else {}

@@ -68,6 +68,34 @@ def log(*parts) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
+def first_output_s(cmd: list[str]) -> float:
+    """Seconds from starting `cmd` to the first byte it writes to stdout (its first token, for main.py), the way
+    llama-server's start is timed (benchmarks/peers/llama_cpp.py): Popen to the reply. The process runs to its end."""
+    start = time.perf_counter()
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.read(1)
+    seconds = time.perf_counter() - start
+    _, err = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({process.returncode}):\n{err.decode()[-3000:]}")
+    return seconds
+
+
+def kernel_cache_state() -> str:
+    path = Path(os.environ.get("CACHEDB") or Path.home() / ".cache" / "tinygrad" / "cache.db")
+    if sys.platform == "darwin" and "CACHEDB" not in os.environ:
+        path = Path.home() / "Library" / "Caches" / "tinygrad" / "cache.db"
+    if not path.exists():
+        state = f"empty (no {path.name} yet): kernels are compiled in this run"
+    else:
+        state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
+    cache_dir = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
+    n = {kind: sum(f.name.endswith(suffix) for d in os.scandir(cache_dir) if d.name.startswith(kind) and d.is_dir()
+                   for f in os.scandir(d.path))  # by name: a glob's Path per file, thousands, before the clock stops
+         for kind, suffix in (("programs-", ".pkl"), ("graphs-", ".graph"))} if cache_dir.is_dir() else {}
+    return state + f"; tinyvllm program cache {n.get('programs-', 0)} programs, {n.get('graphs-', 0)} captured graphs"
+
+
 def add_engine_args(p: argparse.ArgumentParser, *, max_num_batched_tokens: int, kv_cache_memory: str,
                     max_model_len: int) -> None:
     """The LLMEngine flags of the engine benchmarks (bench_throughput, bench_latency), with each one's defaults."""

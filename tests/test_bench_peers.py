@@ -135,3 +135,12 @@ def test_check_speed_flags_a_dropped_ratio_and_never_a_tok_s():
     by_name = {row[0]: row for row in rows}
     assert by_name["auto: decode tok/s"][-1] == "(for reference)"  # tok/s moves with the machine: never a drop
     assert by_name["q8_0: decode / llama.cpp"][1] == "-"  # new in this run: nothing to compare with
+
+
+def test_first_output_is_timed_at_the_first_byte_not_the_exit():
+    from common import first_output_s
+
+    cmd = [sys.executable, "-c", "import sys, time; sys.stdout.write('x'); sys.stdout.flush(); time.sleep(1.5)"]
+    assert first_output_s(cmd) < 1.5  # the process runs on for 1.5 s after its first byte
+    with pytest.raises(RuntimeError, match="failed .3.:\n.*the reason"):
+        first_output_s([sys.executable, "-c", "import sys; sys.stderr.write('the reason'); sys.exit(3)"])
