@@ -15,6 +15,15 @@ bytes of weights / read bandwidth. The bandwidth has to be the machine's real re
     buffer is several times larger than the last-level cache, so every byte comes from DRAM.
 
 Compiled with clang (tinygrad's CPU device needs it anyway) and called through ctypes.
+
+Prefill is bounded by arithmetic instead: `measure_int8_dot_rate()` times the integer inner step of the quantized
+kernels (kernels/cpu/qmatmul.c, qmatmul_k.c) on registers alone, no memory, 8 independent chains per thread:
+
+  - "k_quants": 32 u8 x s8 products summed in pairs (_mm256_maddubs_epi16), then times 16-bit sub-block scales
+    into int32 (_mm256_dpwssd_epi32 with AVX-512 VNNI, madd + add without): the K-quants' step;
+  - "vnni": 32 u8 x s8 products summed in fours into int32 (_mm256_dpbusd_epi32): Q8_0's and Q4's step.
+
+A kernel's GFLOP/s (2 per product) against this is how much of the cores' multipliers it keeps busy.
 """
 
 from __future__ import annotations
@@ -82,6 +91,58 @@ float read_buffer(const float *p, size_t n, int threads) {
   }
   return sum;
 }
+
+#if defined(__AVX2__)
+typedef struct { long n; int kind; int out; } dot_job_t;
+#define OPAQUE(v) __asm__ volatile("" : "+x"(v))  /* the compiler may not hoist the products out of the loop */
+
+static void *dot_chains(void *arg) {
+  dot_job_t *j = (dot_job_t *)arg;
+  __m256i a0 = _mm256_set1_epi8(3), a1 = _mm256_set1_epi8(4), a2 = _mm256_set1_epi8(5), a3 = _mm256_set1_epi8(6);
+  const __m256i s = _mm256_set1_epi16(2);
+  __m256i c[8] = {_mm256_setzero_si256()};
+  for (long i = 0; i < j->n; i++) {
+    OPAQUE(a0); OPAQUE(a1); OPAQUE(a2); OPAQUE(a3);
+    __m256i u[8] = {a0, a1, a2, a3, a0, a1, a2, a3}, v[8] = {a1, a2, a3, a0, a2, a3, a0, a1};
+    for (int k = 0; k < 8; k++) {
+      if (j->kind == 0) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        c[k] = _mm256_dpwssd_epi32(c[k], _mm256_maddubs_epi16(u[k], v[k]), s);
+#else
+        c[k] = _mm256_add_epi32(c[k], _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], v[k]), s));
+#endif
+      } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        c[k] = _mm256_dpbusd_epi32(c[k], u[k], v[k]);
+#endif
+      }
+    }
+  }
+  __m256i t = c[0];
+  for (int k = 1; k < 8; k++) t = _mm256_add_epi32(t, c[k]);
+  j->out = _mm256_extract_epi32(t, 0);
+  return NULL;
+}
+
+/* `threads` threads, each n iterations of 8 chained steps of 32 products; kind 0: maddubs + dpwssd, 1: dpbusd.
+ * Returns 0, or -1 where this CPU lacks the instructions. */
+int int8_dot(long n, int kind, int threads) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  if (kind == 1) return -1;
+#endif
+  pthread_t tid[64];
+  dot_job_t jobs[64];
+  if (threads > 64) threads = 64;
+  for (int t = 0; t < threads; t++) {
+    jobs[t].n = n, jobs[t].kind = kind;
+    pthread_create(&tid[t], NULL, dot_chains, &jobs[t]);
+  }
+  for (int t = 0; t < threads; t++) pthread_join(tid[t], NULL);
+  return 0;
+}
+#else
+int int8_dot(long n, int kind, int threads) { return -1; }
+#endif
 """
 
 
@@ -107,6 +168,8 @@ def _library():
     lib = ctypes.CDLL(str(folder / "read.so"))
     lib.read_buffer.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.read_buffer.restype = ctypes.c_float
+    lib.int8_dot.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    lib.int8_dot.restype = ctypes.c_int
     return lib
 
 
@@ -130,6 +193,27 @@ def measure_read_bandwidth(threads: list[int] | None = None, repeats: int = 10) 
         assert total == buf.size or abs(total / buf.size - 1) < 1e-2, "the read summed the wrong values"
         out[n] = buf.nbytes / best
     return {"bytes_per_s": out, "buffer_bytes": buf.nbytes, "last_level_cache_bytes": llc}
+
+
+INT8_DOT_KINDS = {"k_quants": 0, "vnni": 1}
+PRODUCTS_PER_ITERATION = 8 * 32  # 8 chains, 32 u8 x s8 products each
+
+
+def measure_int8_dot_rate(threads: int | None = None, iterations: int = 5_000_000, repeats: int = 5) -> dict:
+    """Products/s of each integer inner step (see the top of this file) with `threads` threads (default every core),
+    best of `repeats`; a step this CPU lacks is left out. Returns {"products_per_s": {kind: rate}, "threads": n}."""
+    threads = threads or os.cpu_count() or 1
+    lib, out = _library(), {}
+    for kind, code in INT8_DOT_KINDS.items():
+        if lib.int8_dot(1000, code, 1) != 0:
+            continue
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            lib.int8_dot(iterations, code, threads)
+            best = min(best, time.perf_counter() - t)
+        out[kind] = PRODUCTS_PER_ITERATION * iterations * threads / best
+    return {"products_per_s": out, "threads": threads}
 
 
 def measure_device_read_bandwidth(device: str, nbytes: int = 2**30, repeats: int = 10) -> dict:
@@ -166,3 +250,7 @@ if __name__ == "__main__":
     print(f"buffer {r['buffer_bytes'] / 2**20:.0f} MiB (last-level cache {llc / 2**20:.0f} MiB)")
     for n, bps in r["bytes_per_s"].items():
         print(f"{n} thread{'s' if n > 1 else ''}: {bps / 1e9:.1f} GB/s")
+    dots = measure_int8_dot_rate()
+    for kind, rate in dots["products_per_s"].items():
+        print(f"int8 products, {kind} step, {dots['threads']} threads: {rate / 1e9:.0f} G/s "
+              f"({2 * rate / 1e9:.0f} GOP/s)")

@@ -34,11 +34,13 @@ Per (shape, format), each figure is:
                   whose caches are warm; "compile" is the difference
     peak memory   the largest resident set (ru_maxrss, os.wait4) of the process that ran decode, prefill and the
                   concurrent loads; llama.cpp: the larger of llama-bench's and llama-batched-bench's
-    ceiling       what the hardware allows decode: one token reads every weight once (the linear layers and the
-                  lm_head, as the file stores them), so decode streams tok/s x those bytes; beside each engine's
-                  rate, the machine's read bandwidth with every core (benchmarks/bandwidth.py), measured in this
-                  run before and after the pair, the larger kept. Both engines read the same bytes, so neither can
-                  be faster than the other by more than the ceiling leaves.
+    ceiling       what the hardware allows: one token reads every weight once (the linear layers and the lm_head,
+                  as the file stores them), so decode streams tok/s x those bytes, against the machine's read
+                  bandwidth with every core; a prompt token costs 2 operations per weight of the layers, so prefill
+                  runs tok/s x those, against the rate of the format's integer dot step on registers alone (the
+                  K-quants': maddubs then dpwssd; Q8_0's: dpbusd). Both from benchmarks/bandwidth.py, measured in
+                  this run before and after the pair, the larger kept. Both engines do the same work, so neither
+                  can be faster than the other by more than the ceiling leaves.
 
 Each tinyvllm measurement runs in a process of its own (this script with --worker), so that its memory and its
 start are its own. Targets (docs/roadmap issue 36): at 1B, decode and prefill >= 1.2x llama.cpp in Q4_K_M and
@@ -299,24 +301,39 @@ def measure_llama_cpp(llama, path: Path, args) -> dict:
     return out
 
 
-def read_bandwidth() -> dict:
-    """The machine's read bandwidth now, with every core (benchmarks/bandwidth.py)."""
-    from bandwidth import measure_read_bandwidth
+def hardware() -> dict:
+    """The machine's read bandwidth and integer dot rates now, with every core (benchmarks/bandwidth.py)."""
+    from bandwidth import measure_int8_dot_rate, measure_read_bandwidth
 
     read = measure_read_bandwidth(threads=[os.cpu_count() or 1])
-    return {"threads": next(iter(read["bytes_per_s"])), "bytes_per_s": next(iter(read["bytes_per_s"].values()))}
+    return {"threads": next(iter(read["bytes_per_s"])), "bytes_per_s": next(iter(read["bytes_per_s"].values())),
+            "int8_products_per_s": measure_int8_dot_rate(iterations=20_000_000)["products_per_s"]}
 
 
-def ceiling(fig: dict, reads: list[dict]) -> dict:
-    """Each engine's decode as weights streamed per second, and as a fraction of the best read bandwidth measured
-    around it."""
-    per_token, best = fig["tinyvllm"]["weight_bytes_per_token"], max(r["bytes_per_s"] for r in reads)
-    out = {"weight_bytes_per_token": per_token, "read_bandwidth_runs_bytes_per_s": [r["bytes_per_s"] for r in reads],
-           "read_bandwidth_bytes_per_s": best, "threads": reads[0]["threads"], "decode_tok_s_bound": best / per_token}
+def prefill_ops_per_token(config: ModelConfig) -> int:
+    """2 per multiply-add of the linear layers one prompt token passes (the lm_head runs for the last one only)."""
+    d = config.hidden_size
+    return 2 * (config.num_params - config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+                - (2 * config.num_hidden_layers + 1) * d)
+
+
+def ceiling(fig: dict, fmt: str, config: ModelConfig, runs: list[dict]) -> dict:
+    """Each engine's decode as weights streamed per second, against the best read bandwidth measured around it, and
+    its prefill as integer operations per second, against the best rate of the format's inner dot step (the
+    K-quants': maddubs + dpwssd; Q8_0's: dpbusd; bandwidth.py)."""
+    per_token, best = fig["tinyvllm"]["weight_bytes_per_token"], max(r["bytes_per_s"] for r in runs)
+    step = "vnni" if fmt == "q8_0" and all("vnni" in r["int8_products_per_s"] for r in runs) else "k_quants"
+    dot = max(r["int8_products_per_s"].get(step, 0.0) for r in runs)
+    out = {"weight_bytes_per_token": per_token, "read_bandwidth_runs_bytes_per_s": [r["bytes_per_s"] for r in runs],
+           "read_bandwidth_bytes_per_s": best, "threads": runs[0]["threads"], "decode_tok_s_bound": best / per_token,
+           "int8_runs_products_per_s": [r["int8_products_per_s"] for r in runs], "int8_step": step,
+           "int8_ops_per_s": 2 * dot, "prefill_ops_per_token": prefill_ops_per_token(config)}
     for engine in ("tinyvllm", "llama_cpp"):
         if engine in fig:
             streamed = fig[engine]["decode"]["tok_s"] * per_token
-            out[engine] = {"decode_bytes_per_s": streamed, "of_read_bandwidth": streamed / best}
+            ops = fig[engine]["prefill"]["tok_s"] * out["prefill_ops_per_token"]
+            out[engine] = {"decode_bytes_per_s": streamed, "of_read_bandwidth": streamed / best,
+                           "prefill_ops_per_s": ops, "of_int8_ops": ops / out["int8_ops_per_s"] if dot else None}
     return out
 
 
@@ -357,8 +374,14 @@ def report(shape: str, fmt: str, fig: dict) -> None:
         def streamed(engine):
             return f"{c[engine]['decode_bytes_per_s'] / 1e9:.1f} ({100 * c[engine]['of_read_bandwidth']:.0f}%)"
 
+        def ops(engine):
+            share = c[engine]["of_int8_ops"]
+            return f"{c[engine]['prefill_ops_per_s'] / 1e9:.0f}" + ("" if share is None else f" ({100 * share:.0f}%)")
+
         cells = ["decode: weights streamed, GB/s (% of read bandwidth)", streamed("tinyvllm")]
         rows.insert(1, cells + ([streamed("llama_cpp"), "-"] if theirs is not None else []))
+        cells = [f"prefill: GOP/s (% of the {c['int8_step']} dot step's)", ops("tinyvllm")]
+        rows.insert(3, cells + ([ops("llama_cpp"), "-"] if theirs is not None else []))
     headers = side_by_side_headers("workload", "tinyvllm", [FORMATS[fmt]] if theirs is not None else [])
     print(f"\n== {shape} ({fig['params'] / 1e9:.2f}B parameters), {FORMATS.get(fmt, fmt)}, "
           f"file {fig['file_bytes'] / gib:.2f} GiB ==")
@@ -366,7 +389,8 @@ def report(shape: str, fmt: str, fig: dict) -> None:
     if c is not None:
         print(f"read bandwidth, {c['threads']} threads, this run: {c['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
               f"one token reads {c['weight_bytes_per_token'] / 1e9:.3f} GB of weights, so decode can reach at most "
-              f"{c['decode_tok_s_bound']:.1f} tok/s")
+              f"{c['decode_tok_s_bound']:.1f} tok/s; the {c['int8_step']} dot step runs at "
+              f"{c['int8_ops_per_s'] / 1e9:.0f} GOP/s, a prompt token costs {c['prefill_ops_per_token'] / 1e9:.2f} GOP")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,12 +434,12 @@ def main(argv: list[str] | None = None) -> int:
                    "run": {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "code": code_version(),
                            "load_average": [load_average()], "decode_tokens": args.decode_tokens,
                            "prefill_tokens": args.prefill_tokens, "concurrency": args.levels}}
-            reads = [read_bandwidth()]
+            runs = [hardware()]
             fig["tinyvllm"] = measure_tinyvllm(path, args)
             if llama is not None:
                 fig["llama_cpp"] = measure_llama_cpp(llama, path, args)
                 fig["ratio"] = ratios(fig["tinyvllm"], fig["llama_cpp"])
-            fig["ceiling"] = ceiling(fig, reads + [read_bandwidth()])
+            fig["ceiling"] = ceiling(fig, fmt, config, runs + [hardware()])
             fig["run"]["load_average"].append(load_average())
             entry["formats"][fmt] = fig
             report(shape, fmt, fig)

@@ -54,3 +54,8 @@ def test_a_run_on_the_tiny_shape_writes_its_figures(tmp_path, monkeypatch):
     assert ceiling["tinyvllm"]["decode_bytes_per_s"] == ours["decode"]["tok_s"] * ours["weight_bytes_per_token"]
     bound = ceiling["decode_tok_s_bound"] * ours["weight_bytes_per_token"]
     assert bound == pytest.approx(ceiling["read_bandwidth_bytes_per_s"])
+    # prefill: 2 operations per weight of the layers (tiny: 2 layers of 4 d^2 + 3 d f, d 256, f 512, 2 heads of KV)
+    d, f, q, kv = 256, 512, 4 * 64, 2 * 64
+    assert ceiling["prefill_ops_per_token"] == 2 * 2 * (2 * d * q + 2 * d * kv + 3 * d * f)
+    assert ceiling["int8_step"] in ("vnni", "k_quants") and ceiling["int8_ops_per_s"] > 1e9
+    assert ceiling["tinyvllm"]["prefill_ops_per_s"] == ours["prefill"]["tok_s"] * ceiling["prefill_ops_per_token"]
