@@ -39,8 +39,9 @@ Per (shape, format), each figure is:
                   bandwidth with every core; a prompt token costs 2 operations per weight of the layers, so prefill
                   runs tok/s x those, against the rate of the format's integer dot step on registers alone (the
                   K-quants': maddubs then dpwssd; Q8_0's: dpbusd). Both from benchmarks/bandwidth.py, measured in
-                  this run before and after the pair, the larger kept. Both engines do the same work, so neither
-                  can be faster than the other by more than the ceiling leaves.
+                  this run before, between and after the two engines, the median kept (the read bandwidth of these
+                  shared machines has moved from 34 to 60 GB/s between two measurements minutes apart). Both
+                  engines do the same work, so neither can be faster than the other by more than the ceiling leaves.
 
 Each tinyvllm measurement runs in a process of its own (this script with --worker), so that its memory and its
 start are its own. Targets (docs/roadmap issue 36): at 1B, decode and prefill >= 1.2x llama.cpp in Q4_K_M and
@@ -318,12 +319,13 @@ def prefill_ops_per_token(config: ModelConfig) -> int:
 
 
 def ceiling(fig: dict, fmt: str, config: ModelConfig, runs: list[dict]) -> dict:
-    """Each engine's decode as weights streamed per second, against the best read bandwidth measured around it, and
-    its prefill as integer operations per second, against the best rate of the format's inner dot step (the
-    K-quants': maddubs + dpwssd; Q8_0's: dpbusd; bandwidth.py)."""
-    per_token, best = fig["tinyvllm"]["weight_bytes_per_token"], max(r["bytes_per_s"] for r in runs)
+    """Each engine's decode as weights streamed per second, against the read bandwidth (the median of the runs
+    measured before, between and after the engines: a neighbour's load moves it from one minute to the next), and
+    its prefill as integer operations per second, against the rate of the format's inner dot step (the K-quants':
+    maddubs + dpwssd; Q8_0's: dpbusd; bandwidth.py), the median likewise."""
+    per_token, best = fig["tinyvllm"]["weight_bytes_per_token"], statistics.median(r["bytes_per_s"] for r in runs)
     step = "vnni" if fmt == "q8_0" and all("vnni" in r["int8_products_per_s"] for r in runs) else "k_quants"
-    dot = max(r["int8_products_per_s"].get(step, 0.0) for r in runs)
+    dot = statistics.median(r["int8_products_per_s"].get(step, 0.0) for r in runs)
     out = {"weight_bytes_per_token": per_token, "read_bandwidth_runs_bytes_per_s": [r["bytes_per_s"] for r in runs],
            "read_bandwidth_bytes_per_s": best, "threads": runs[0]["threads"], "decode_tok_s_bound": best / per_token,
            "int8_runs_products_per_s": [r["int8_products_per_s"] for r in runs], "int8_step": step,
@@ -387,7 +389,7 @@ def report(shape: str, fmt: str, fig: dict) -> None:
           f"file {fig['file_bytes'] / gib:.2f} GiB ==")
     print(table(rows, headers[:2] if theirs is None else headers))
     if c is not None:
-        print(f"read bandwidth, {c['threads']} threads, this run: {c['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+        print(f"read bandwidth, {c['threads']} threads, this run (median of {len(c['read_bandwidth_runs_bytes_per_s'])}): {c['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
               f"one token reads {c['weight_bytes_per_token'] / 1e9:.3f} GB of weights, so decode can reach at most "
               f"{c['decode_tok_s_bound']:.1f} tok/s; the {c['int8_step']} dot step runs at "
               f"{c['int8_ops_per_s'] / 1e9:.0f} GOP/s, a prompt token costs {c['prefill_ops_per_token'] / 1e9:.2f} GOP")
@@ -436,10 +438,12 @@ def main(argv: list[str] | None = None) -> int:
                            "prefill_tokens": args.prefill_tokens, "concurrency": args.levels}}
             runs = [hardware()]
             fig["tinyvllm"] = measure_tinyvllm(path, args)
+            runs.append(hardware())
             if llama is not None:
                 fig["llama_cpp"] = measure_llama_cpp(llama, path, args)
                 fig["ratio"] = ratios(fig["tinyvllm"], fig["llama_cpp"])
-            fig["ceiling"] = ceiling(fig, fmt, config, runs + [hardware()])
+                runs.append(hardware())
+            fig["ceiling"] = ceiling(fig, fmt, config, runs)
             fig["run"]["load_average"].append(load_average())
             entry["formats"][fmt] = fig
             report(shape, fmt, fig)
