@@ -389,7 +389,9 @@ def report(shape: str, fmt: str, fig: dict) -> None:
           f"file {fig['file_bytes'] / gib:.2f} GiB ==")
     print(table(rows, headers[:2] if theirs is None else headers))
     if c is not None:
-        print(f"read bandwidth, {c['threads']} threads, this run (median of {len(c['read_bandwidth_runs_bytes_per_s'])}): {c['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+        runs = len(c["read_bandwidth_runs_bytes_per_s"])
+        print(f"read bandwidth, {c['threads']} threads, this run (median of {runs}): "
+              f"{c['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
               f"one token reads {c['weight_bytes_per_token'] / 1e9:.3f} GB of weights, so decode can reach at most "
               f"{c['decode_tok_s_bound']:.1f} tok/s; the {c['int8_step']} dot step runs at "
               f"{c['int8_ops_per_s'] / 1e9:.0f} GOP/s, a prompt token costs {c['prefill_ops_per_token'] / 1e9:.2f} GOP")
