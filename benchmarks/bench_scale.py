@@ -323,18 +323,19 @@ def ceiling(fig: dict, fmt: str, config: ModelConfig, runs: list[dict]) -> dict:
     measured before, between and after the engines: a neighbour's load moves it from one minute to the next), and
     its prefill as integer operations per second, against the rate of the format's inner dot step (the K-quants':
     maddubs + dpwssd; Q8_0's: dpbusd; bandwidth.py), the median likewise."""
-    per_token, best = fig["tinyvllm"]["weight_bytes_per_token"], statistics.median(r["bytes_per_s"] for r in runs)
+    per_token, bandwidth = fig["tinyvllm"]["weight_bytes_per_token"], statistics.median(r["bytes_per_s"] for r in runs)
     step = "vnni" if fmt == "q8_0" and all("vnni" in r["int8_products_per_s"] for r in runs) else "k_quants"
     dot = statistics.median(r["int8_products_per_s"].get(step, 0.0) for r in runs)
     out = {"weight_bytes_per_token": per_token, "read_bandwidth_runs_bytes_per_s": [r["bytes_per_s"] for r in runs],
-           "read_bandwidth_bytes_per_s": best, "threads": runs[0]["threads"], "decode_tok_s_bound": best / per_token,
+           "read_bandwidth_bytes_per_s": bandwidth, "threads": runs[0]["threads"],
+           "decode_tok_s_bound": bandwidth / per_token,
            "int8_runs_products_per_s": [r["int8_products_per_s"] for r in runs], "int8_step": step,
            "int8_ops_per_s": 2 * dot, "prefill_ops_per_token": prefill_ops_per_token(config)}
     for engine in ("tinyvllm", "llama_cpp"):
         if engine in fig:
             streamed = fig[engine]["decode"]["tok_s"] * per_token
             ops = fig[engine]["prefill"]["tok_s"] * out["prefill_ops_per_token"]
-            out[engine] = {"decode_bytes_per_s": streamed, "of_read_bandwidth": streamed / best,
+            out[engine] = {"decode_bytes_per_s": streamed, "of_read_bandwidth": streamed / bandwidth,
                            "prefill_ops_per_s": ops, "of_int8_ops": ops / out["int8_ops_per_s"] if dot else None}
     return out
 
@@ -363,16 +364,16 @@ def report(shape: str, fmt: str, fig: dict) -> None:
                 theirs and theirs["decode"]["tok_s"], "decode"),
             row(f"prefill {ours['prefill']['tokens']} tok/s", ours["prefill"]["tok_s"],
                 theirs and theirs["prefill"]["tok_s"], "prefill")]
-    for k, c in ours.get("concurrency", {}).items():
+    for k, level in ours.get("concurrency", {}).items():
         peer = theirs and theirs["concurrency"][k]["tok_s"]
-        rows.append(row(f"{k} at once, total tok/s", c["tok_s"], peer, f"concurrency_{k}"))
+        rows.append(row(f"{k} at once, total tok/s", level["tok_s"], peer, f"concurrency_{k}"))
     rows += [row("load: process start -> ready, s", ours["load_s"], theirs and theirs["load_s"], "load", "{:.2f}"),
              *([] if ours["cold"] is None else [
                  row("first request, empty caches, s", ours["cold"]["first_request_s"], spec="{:.2f}"),
                  row("  of it compiling, s", ours["compile_s"], spec="{:.2f}")]),
              row("peak resident memory, GiB", ours["peak_rss_bytes"] / gib, theirs and theirs["peak"] / gib,
                  "peak_memory", "{:.2f}")]
-    if (c := fig.get("ceiling")) is not None:
+    if c is not None:
         def streamed(engine):
             return f"{c[engine]['decode_bytes_per_s'] / 1e9:.1f} ({100 * c[engine]['of_read_bandwidth']:.0f}%)"
 
