@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,17 +72,21 @@ def log(*parts) -> None:
 def first_output_s(cmd: list[str]) -> float:
     """Seconds from starting `cmd` to the first byte it writes to stdout (its first token, for main.py), the way
     llama-server's start is timed (benchmarks/peers/llama_cpp.py): Popen to the reply. The process runs to its end."""
-    start = time.perf_counter()
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    process.stdout.read(1)
-    seconds = time.perf_counter() - start
-    _, err = process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({process.returncode}):\n{err.decode()[-3000:]}")
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: whatever it logs first, it cannot block on it
+        start = time.perf_counter()
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+        process.stdout.read(1)
+        seconds = time.perf_counter() - start
+        process.communicate()
+        if process.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed ({process.returncode}):\n{err.read().decode()[-3000:]}")
     return seconds
 
 
 def kernel_cache_state() -> str:
+    """What the kernel caches hold before a run, for its results file: the size of tinygrad's compiled-kernel
+    database and the number of tinyvllm's lowered programs and captured graphs."""
     path = Path(os.environ.get("CACHEDB") or Path.home() / ".cache" / "tinygrad" / "cache.db")
     if sys.platform == "darwin" and "CACHEDB" not in os.environ:
         path = Path.home() / "Library" / "Caches" / "tinygrad" / "cache.db"
