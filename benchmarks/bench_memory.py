@@ -5,10 +5,9 @@
     .venv/bin/python benchmarks/bench_memory.py --save              # into benchmarks/results/ (the docs quote it)
 
   1. KV bytes per token, per block, per sequence at the full context: arithmetic on the model's shape.
-  2. A mix of sequence lengths (seeded, long-tailed like chat traffic), replayed through the real
-     BlockManager as an engine would grow it: prompt blocks at prefill, one slot per decode step.
-     Memory the blocks hold (block sizes 8, 16, 32) against contiguous pre-allocation of max_model_len
-     per sequence; the waste of each.
+  2. A mix of sequence lengths (seeded, long-tailed like chat traffic), replayed through the real BlockManager as an
+     engine would grow it: prompt blocks at prefill, one slot per decode step. Memory the blocks hold (block sizes 8,
+     16, 32) against contiguous pre-allocation of max_model_len per sequence; the waste of each.
   3. How many of those sequences fit in a KV budget at once, each way.
   4. Single-sequence decode tokens/s, paged vs contiguous, at a few context lengths: the engine (paged, portable
      attention) and the contiguous runner on one model, greedy, warmed up, their steps interleaved against load.
@@ -163,7 +162,8 @@ def decode_speed(model, tokenizer, contexts: list[int], steps: int, warmup: int,
         tokens = [int(contiguous.prefill(prompt).argmax())]
         prefill_s = {"contiguous": time.perf_counter() - t}
         t = time.perf_counter()
-        engine.add_request("bench", prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=warmup + steps + 2))
+        engine.add_request("bench", prompt,
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=warmup + steps + 2))
         while not engine.step():  # the prompt, in chunks of the token budget, then the first token
             pass
         prefill_s["paged"] = time.perf_counter() - t

@@ -33,7 +33,8 @@ def decode_step_ms(engine, concurrency: int, prompt_len: int, tokens: int) -> di
             engine.add_request(f"{tag}{i}", [int(t) for t in rng.integers(100, 40000, size=prompt_len)], params)
         times = []
         while engine.has_unfinished_requests():
-            states = list(engine.scheduler.requests.values())  # a decode step: every request has its first token already
+            # a decode step: every request has its first token already
+            states = list(engine.scheduler.requests.values())
             decoding = len(states) == concurrency and all(st.output_token_ids for st in states)
             start = time.perf_counter()
             engine.step()

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\nbench_sampling: {machine_description(False)}; quantization {args.quantization}; prompt "
           f"{args.prompt_len}, output {args.output_len} tokens (ignore_eos); median of {args.repeats} turns")
-    headers = ("chain", *(h for n in levels for h in (f"N={n} tok/s", "vs greedy")), f"N={levels[0]} decode tok/s", "vs greedy",
+    headers = ("chain", *(h for n in levels for h in (f"N={n} tok/s", "vs greedy")), f"N={levels[0]} decode tok/s",
+               "vs greedy",
                *(("llama-server tok/s", "vs greedy") if llama is not None else ()))
     rows = []
     for chain in args.sampling:

@@ -6,7 +6,8 @@
     python benchmarks/bench_serving.py --launch -- --max-num-seqs 32     (starts and stops its own server)
 
 Each client streams `/v1/completions` (greedy, then each other chain of `--sampling`, default llama.cpp's
-default chain: benchmarks/sampling_chains.py; `ignore_eos`, so every request produces exactly `--max-tokens` tokens) and takes the next request as soon as one finishes, until `--num-requests` are
+default chain: benchmarks/sampling_chains.py; `ignore_eos`, so every request produces exactly `--max-tokens`
+tokens) and takes the next request as soon as one finishes, until `--num-requests` are
 done. Each run follows `--warmup` unmeasured requests of the same load: the JIT compiles each new
 batch shape once, and a compile would otherwise show up as a latency spike of seconds. Reported:
 
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
                 print("llama-server:", end=" ")
                 peers[str(concurrency)] = run_chains(url, concurrency, args, {c: llama_server_fields(c)
                                                                               for c in CHAINS})
-            peers[str(concurrency)]["tinyvllm_tok_s_ratio"] = runs[str(concurrency)]["tok_s"] / peers[str(concurrency)]["tok_s"]
+            peers[str(concurrency)]["tinyvllm_tok_s_ratio"] = (runs[str(concurrency)]["tok_s"]
+                                                               / peers[str(concurrency)]["tok_s"])
             print(f"  tinyvllm / llama-server output tok/s: {peers[str(concurrency)]['tinyvllm_tok_s_ratio']:.2f}x")
         figures["peers"] = {"llama_server_q4_1": peers}
     write_results("bench_serving", figures, args)

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 from bench_throughput import make_prompts, warm_up  # (benchmarks/bench_throughput.py)
-from common import BenchParser, add_peers_arg, code_version, load_average, log, machine_description, table, write_results
+from common import (BenchParser, add_peers_arg, code_version, load_average, log, machine_description, table,
+                    write_results)
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.model.weights import default_model_path

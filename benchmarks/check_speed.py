@@ -49,7 +49,8 @@ def generate_figures(fmt: str, peers: str | None, scratch: Path) -> dict[str, fl
     args = ["-q", fmt, "--prompt-lens", "512", "--prefill-repeats", "2", "--decode-runs", "2",
             "--max-tokens", "64", "--sampling", "greedy,llama"]
     doc = run_bench("bench_generate.py", args + (["--peers", peers] if peers else []), scratch, timeout=900)
-    figures = {f"{fmt}: decode tok/s": doc["decode"]["tok_s"], f"{fmt}: prefill 512 tok/s": doc["prefill"]["512"]["tok_s"]}
+    figures = {f"{fmt}: decode tok/s": doc["decode"]["tok_s"],
+               f"{fmt}: prefill 512 tok/s": doc["prefill"]["512"]["tok_s"]}
     sampled = doc.get("decode_sampled", {}).get("llama")
     if sampled:
         figures[f"{fmt}: sampled / greedy decode"] = sampled["tok_s"] / doc["decode"]["tok_s"]

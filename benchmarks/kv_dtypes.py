@@ -73,7 +73,8 @@ def kv_decode_speed(model, tokenizer, prompt: list[int], names: list[str], num_s
             t = time.perf_counter()
             engine.step()
             times[name].append(time.perf_counter() - t)
-    tokens = {name: engine.scheduler.requests["kv-0"].output_token_ids[:warmup + steps] for name, engine in engines.items()}
+    tokens = {name: engine.scheduler.requests["kv-0"].output_token_ids[:warmup + steps]
+              for name, engine in engines.items()}
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {"num_seqs": num_seqs, "context": context, "steps": steps, "block_size": block_size,
             "prefill_s": prefill_s, "step_ms_median": {k: 1e3 * v for k, v in med.items()},

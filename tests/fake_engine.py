@@ -104,7 +104,8 @@ class FakeLLMEngine:
                                  add_child=lambda rid, child: self._add_one(rid, text, prompt_ids, child))
 
     def _add_one(self, request_id: str, text: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.waiting.append(FakeRequest(request_id, text, prompt_ids, params, TextStream(self.tokenizer, params, prompt_ids),
+        self.waiting.append(FakeRequest(request_id, text, prompt_ids, params,
+                                        TextStream(self.tokenizer, params, prompt_ids),
                                         np.random.default_rng(params.seed), RequestMetrics(time.monotonic())))
 
     def step(self) -> list[RequestOutput]:

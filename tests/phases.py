@@ -41,7 +41,8 @@ def paths_of_test_files() -> dict[str, Path]:
 
 PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 1: foundation (model, weights, tokenizers, chat templates, sampling, contiguous cache, main.py)
-    "test_model_tiny": 1, "test_weights": 1, "test_rope": 1, "test_contiguous": 1, "test_generate_loop": 1, "test_convert": 1,
+    "test_model_tiny": 1, "test_weights": 1, "test_rope": 1, "test_contiguous": 1, "test_generate_loop": 1,
+    "test_convert": 1,
     "test_tokenizer": 1, "test_sentencepiece_tokenizer": 1, "test_chat_template": 1, "test_sampling": 1, "test_stop": 1,
     "test_docs": 1, "test_phases": 1,
     "test_phase_isolation": 1, "test_layering": 1, "test_no_timings_in_comments": 1,
@@ -66,7 +67,8 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,
     # Phase 6: quantized weights, perplexity, cold start
-    "test_qlinear": 6, "test_qlinear_gpu": 6, "test_quantize": 6, "test_quantizer": 6, "test_gguf_writer": 6, "test_quantized_weights": 6,
+    "test_qlinear": 6, "test_qlinear_gpu": 6, "test_quantize": 6, "test_quantizer": 6, "test_gguf_writer": 6,
+    "test_quantized_weights": 6,
     "test_perplexity": 6, "test_cold_start": 6, "test_cpu_graph": 6, "test_bench_peers": 6,
     "test_bench_scale": 6,
     # Phase 7: prefix caching, copy-on-write, beam search (7a), speculative decoding (7b), KV-cache quantization (7c)
@@ -81,7 +83,8 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     "test_api_transport": 9, "test_cli": 9, "test_spec_decode_serve": 9,
     "test_async_llm_engine": 9, "test_api_server": 9, "test_api_errors": 9, "test_api_fuzz": 9,
     "test_api_isolation": 9, "test_api_keys": 9, "test_api_limits": 9, "test_api_real_engine": 9,
-    "test_api_structured": 9, "test_api_tools": 9, "test_api_reasoning": 9, "test_structured_outputs": 9, "test_dashboard": 9,
+    "test_api_structured": 9, "test_api_tools": 9, "test_api_reasoning": 9, "test_structured_outputs": 9,
+    "test_dashboard": 9,
     "test_reliability": 9, "test_api_endpoints": 9, "test_api_embeddings": 9, "test_api_responses": 9,
     "test_api_device_path": 9, "test_api_parts": 9, "test_api_fields": 9, "test_hidden_states": 9,
     "test_doc_commands": 9, "test_api_metrics": 9, "test_api_start": 9,

@@ -50,7 +50,8 @@ def test_a_run_on_the_tiny_shape_writes_its_figures(tmp_path, monkeypatch):
     # tied embeddings: the lm_head is the embedding table, read whole each token, so every weight is read once
     assert ours["weight_bytes_per_token"] == sum(ours["weight_formats"].values())
     ceiling = fig["ceiling"]
-    assert len(ceiling["read_bandwidth_runs_bytes_per_s"]) == 2 and ceiling["read_bandwidth_bytes_per_s"] > 1e9  # no peer
+    # no peer
+    assert len(ceiling["read_bandwidth_runs_bytes_per_s"]) == 2 and ceiling["read_bandwidth_bytes_per_s"] > 1e9
     assert ceiling["tinyvllm"]["decode_bytes_per_s"] == ours["decode"]["tok_s"] * ours["weight_bytes_per_token"]
     bound = ceiling["decode_tok_s_bound"] * ours["weight_bytes_per_token"]
     assert bound == pytest.approx(ceiling["read_bandwidth_bytes_per_s"])

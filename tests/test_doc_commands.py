@@ -132,7 +132,8 @@ def test_the_parser_joins_lines_and_drops_comments():
         found = commands([path])
     finally:
         path.unlink()
-    assert [(c.text, c.comment) for c in found] == [("make run", "set up"), ("python main.py --chat --prompt 'a # b'", "")]
+    assert [(c.text, c.comment) for c in found] == [("make run", "set up"),
+                                                    ("python main.py --chat --prompt 'a # b'", "")]
 
 
 # ---- turning a documented command into one this machine runs ----

@@ -172,7 +172,8 @@ def tinygrad_reach(source: str, private: set[str]) -> list[str]:
             found += [f"import {a.name}" for a in node.names if a.name.startswith("tinygrad.")]
             tinygrad_names.update(a.asname or a.name for a in node.names if a.name == "tinygrad")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tinygrad":
-            allowed = TINYGRAD_PUBLIC if node.module == "tinygrad" else TINYGRAD_PUBLIC_SUBMODULE_NAMES.get(node.module, set())
+            allowed = (TINYGRAD_PUBLIC if node.module == "tinygrad"
+                       else TINYGRAD_PUBLIC_SUBMODULE_NAMES.get(node.module, set()))
             found += [f"from {node.module} import {a.name}" for a in node.names if a.name not in allowed]
         elif isinstance(node, ast.Attribute) and node.attr in private:
             found.append(f".{node.attr}")

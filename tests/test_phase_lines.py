@@ -11,5 +11,6 @@ def test_the_module_map_counts_each_phases_lines():
 
 
 def test_code_lines_leave_out_blanks_comments_and_docstrings():
-    source = '"""Module.\n\nMore."""\n\n# a comment\nx = 1  # counted\n\n\ndef f(\n    a,\n):\n    """F."""\n    return a\n'
+    source = ('"""Module.\n\nMore."""\n\n# a comment\nx = 1  # counted\n\n\ndef f(\n    a,\n):\n'
+              '    """F."""\n    return a\n')
     assert code_lines(source) == 5  # x = 1; "def f(", "a,", "):"; return a

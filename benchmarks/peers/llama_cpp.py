@@ -8,7 +8,8 @@
     llama.cold_start("F32")
         -> {"first_token_s": ...}                                llama-server: process start -> first token
     llama.server_decode("Q4_1", prompt, 128, {"llama": {...}})
-        -> {"llama": [tok/s per run]}                            llama-server sampling a chain, the twin of bench_sampling
+        -> {"llama": [tok/s per run]}                            llama-server sampling a chain, the twin of
+                                                                 bench_sampling
     llama.perplexity("Q4_1", text_file, n_ctx=512)
         -> {"ppl": ..., "chunks": ..., ...}                      llama-perplexity, the twin of bench_quality
 

@@ -56,7 +56,8 @@ def test_append_slots_with_room_in_the_last_block_takes_nothing():
     seq.num_computed_tokens = 6
     seq.append_token_id(9)
     taken = bm.append_slots(seq, 1)
-    assert taken == [], f"position 6 fits in the second block (slots 4..7 of the sequence): nothing to take, got {taken}"
+    assert taken == [], (f"position 6 fits in the second block (slots 4..7 of the sequence): nothing to take, "
+                         f"got {taken}")
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 6, f"block_table {seq.block_table}"
 
 
@@ -78,7 +79,8 @@ def test_append_slots_for_a_chunk_takes_several():
     seq = running_seq(3)
     seq.block_table = []
     taken = bm.append_slots(seq, 10)  # positions 0..9: 3 blocks
-    assert taken is not None and len(taken) == 3, f"10 new tokens from position 0 need ceil(10/4) = 3 blocks, got {taken}"
+    assert taken is not None and len(taken) == 3, (f"10 new tokens from position 0 need ceil(10/4) = 3 blocks, "
+                                                   f"got {taken}")
 
 
 @pytest.mark.task("append_slots")

@@ -30,7 +30,8 @@ def test_every_layer_has_one_device():
     pp = PipelineParallel(30, 4, "CPU")
     sizes = [len(stage) for stage in pp.stages]
     assert sizes == [8, 8, 7, 7], f"30 layers over 4 stages (SmolLM2's 30): 8, 8, 7, 7; got {sizes}"
-    assert len(pp.layer_devices) == 30, f"PipelineParallel gives each of the 30 layers a device: {len(pp.layer_devices)}"
+    assert len(pp.layer_devices) == 30, (f"PipelineParallel gives each of the 30 layers a device: "
+                                         f"{len(pp.layer_devices)}")
 
 
 # ---- fused_rows ----
@@ -48,7 +49,8 @@ def test_qkv_rows_device_by_device():
     expected = [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
     assert got is not None and np.asarray(got).tolist() == expected, (
         f"2 devices, 4 query heads and 2 KV heads of 2 dims: q rows 0-7, k 8-11, v 12-15; device 0 takes q 0-3, "
-        f"k 8-9, v 12-13, device 1 the rest:\nexpected {expected}\ngot      {None if got is None else np.asarray(got).tolist()}")
+        f"k 8-9, v 12-13, device 1 the rest:\nexpected {expected}\n"
+        f"got      {None if got is None else np.asarray(got).tolist()}")
 
 
 @pytest.mark.task("fused_rows")

@@ -23,7 +23,7 @@ def choose(self, prompt: str) -> int:
     round_robin: the next index up from self._next (mod num_replicas), self._next moved past it.
     prefix_affinity: walk the prompt's prefix hashes from the first (depth 1), stopping at the first that no
     replica up holds (self._seen.get(h) has none of them); a replica's match is the deepest depth it holds on the
-    walk, 0 if none. Pick the deepest match, then the fewest in flight, then the lowest index. (`started` records the prompt's hashes for
-    the replica chosen; `choose` itself changes nothing but round robin's turn.)
+    walk, 0 if none. Pick the deepest match, then the fewest in flight, then the lowest index. (`started` records the
+    prompt's hashes for the replica chosen; `choose` itself changes nothing but round robin's turn.)
     """
     raise NotImplementedError("course/phase8/router.py: choose is yours to write")

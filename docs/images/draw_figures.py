@@ -13,7 +13,8 @@ checked against the plain one, and the tensor-parallel split is `TensorParallel`
     tp-split.svg           docs/phases/08-multi-device.md           TensorParallel.fused_rows, ModelConfig
 
 The runs are in `figure_runs.py`, the SVG primitives in `svg.py` (plain rectangles, lines and text written by
-hand; no plotting library), with fixed number formatting, so the output is the same bytes on every run; `tests/test_figures.py` redraws each figure and
+hand; no plotting library), with fixed number formatting, so the output is the same bytes on every run;
+`tests/test_figures.py` redraws each figure and
 compares it with the file. Elements that carry the engine's data have an `id` or `class` (`table-A`,
 `cell`), which the test reads back.
 """

@@ -211,7 +211,8 @@ def test_burst_over_rpm_is_429_and_retry_after_is_honoured(tmp_path):
         assert [r.headers["x-ratelimit-remaining-requests"] for r in statuses] == ["2", "1", "0", "0", "0"]
         refused = statuses[-1]
         assert refused.headers["retry-after"] == "20"  # 3 per minute: one more every 20 s
-        assert refused.headers["x-ratelimit-limit-requests"] == "3" and refused.headers["x-ratelimit-reset-requests"] == "1m0s"
+        assert (refused.headers["x-ratelimit-limit-requests"] == "3"
+                and refused.headers["x-ratelimit-reset-requests"] == "1m0s")
         assert refused.json()["error"]["type"] == "requests" and refused.json()["error"]["code"] == 429
         assert complete(server, BOB).status_code == 200  # another key's budget is its own
         clock.now += 19
@@ -316,7 +317,8 @@ def test_metrics_per_key(tmp_path):
     assert samples[f'{name}requests_total{{key_id="alice",status="429"}}'] == 1
     assert samples[f'{name}requests_total{{key_id="bob",status="200"}}'] == 1  # the scrape itself counts when done
     for key_id in ("alice", "bob"):
-        assert samples[f'{name}prompt_tokens_total{{key_id="{key_id}"}}'] == sum(u["prompt_tokens"] for u in usages[key_id])
+        assert samples[f'{name}prompt_tokens_total{{key_id="{key_id}"}}'] == \
+            sum(u["prompt_tokens"] for u in usages[key_id])
         assert samples[f'{name}generation_tokens_total{{key_id="{key_id}"}}'] == \
             sum(u["completion_tokens"] for u in usages[key_id])
     assert ALICE not in bob_metrics.text

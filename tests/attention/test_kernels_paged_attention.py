@@ -137,8 +137,8 @@ def random_cache(rng, shape: tuple[int, ...], cache: str) -> tuple[Tensor, Tenso
 
 @on_cpu
 @pytest.mark.parametrize("cache,group,head_dim,block_size",
-                         [("float32", 3, 64, 16), ("float32", 1, 128, 8), ("float32", 4, 64, 32), ("float16", 3, 64, 16),
-                          ("int8", 3, 64, 16), ("fp8", 2, 64, 8)])
+                         [("float32", 3, 64, 16), ("float32", 1, 128, 8), ("float32", 4, 64, 32),
+                          ("float16", 3, 64, 16), ("int8", 3, 64, 16), ("fp8", 2, 64, 8)])
 def test_rows_attended_together_give_each_row_its_bits_alone(cache: str, group: int, head_dim: int, block_size: int):
     """The rows of one prompt chunk (the same block table, context lengths one apart) walk their keys together in
     one pass (paged_attention.c's attend_rows); a row alone takes the decode route (attend_chunk). Every row's

@@ -45,7 +45,8 @@ def test_pp3_equals_pp1(tmp_path):
     path = write_tiny_model(tmp_path / "three", THREE_LAYERS, seed=3)
     models = {1: load_model(path), 3: load_model(path, pipeline_parallel_size=3)}
     requests = {f"r{i}": ([100 + 13 * i + j for j in range(5 + 9 * i)],
-                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)) for i in range(1, 2)}
+                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+                for i in range(1, 2)}
     assert_same(run(engine_on(models, 1), requests), run(engine_on(models, 3), requests))
 
 

@@ -89,7 +89,8 @@ def test_batched_equals_alone(engine):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("int8", marks=pytest.mark.phase7)])  # int8: Phase 7c's cache
+# int8: Phase 7c's cache
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("int8", marks=pytest.mark.phase7)])
 def test_preemption_under_a_small_pool(tiny_dir, kv_cache_dtype):
     per_block = kv_cache_bytes_per_block(LONG_TINY, 16, resolve_kv_cache_dtype(kv_cache_dtype))
     small = LLMEngine(tiny_dir, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,

@@ -19,7 +19,8 @@ VOCAB = 49152
 
 def no_blocks_held(engine) -> bool:
     bm = engine.scheduler.block_manager
-    return bm.num_free_blocks == bm.num_blocks and not engine.scheduler.requests and not engine.output_processor.request_states
+    return (bm.num_free_blocks == bm.num_blocks and not engine.scheduler.requests
+            and not engine.output_processor.request_states)
 
 
 def test_huge_top_k_is_clamped_to_the_vocabulary(engine):

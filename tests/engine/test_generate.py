@@ -106,7 +106,8 @@ def test_stop_string_is_not_emitted(generator):
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index("answer")]
     kept = generator.generate("The capital of France is",
-                              SamplingParams(temperature=0, max_tokens=12, stop=["answer"], include_stop_str_in_output=True))
+                              SamplingParams(temperature=0, max_tokens=12, stop=["answer"],
+                                             include_stop_str_in_output=True))
     assert kept.text == full.text[: full.text.index("answer") + len("answer")]
 
 
@@ -152,7 +153,8 @@ def test_main_prints_paris_and_stats():
     assert "Paris" in proc.stdout
     assert "time to first token" in proc.stderr and "tok/s" in proc.stderr and "generated 8 tokens" in proc.stderr
     # the first request's graphs are compiled (or loaded) before it is timed, and the line says what it took
-    assert re.search(r"compiled \d+ kernels \(\d+ from the cache\) and \d+ graphs for the first request in", proc.stderr)
+    assert re.search(r"compiled \d+ kernels \(\d+ from the cache\) and \d+ graphs for the first request in",
+                     proc.stderr)
 
 
 def test_warm_up_compiles_without_touching_the_request(tiny_model_dir):

@@ -74,7 +74,8 @@ def test_the_packages_empty_is_tinygrads():
     import numpy as np
     from tinygrad import Tensor, dtypes
 
-    for shape, dtype in [((3, 4), dtypes.float32), ((7,), dtypes.uint8), ((2, 3, 5), dtypes.int32), ((3, 4), dtypes.uint8),
+    for shape, dtype in [((3, 4), dtypes.float32), ((7,), dtypes.uint8), ((2, 3, 5), dtypes.int32),
+                         ((3, 4), dtypes.uint8),
                          ((1, 1), dtypes.float32)]:  # a shape again: its reshape's sources come from the memo
         ours, theirs = buffers.empty(shape, dtype, None), Tensor.empty(*shape, dtype=dtype)
         for a, b in [(ours.uop, theirs.uop), (ours.uop.base, theirs.uop.base)]:
@@ -236,7 +237,8 @@ import json, os, sys
 sys.path[:0] = sys.argv[2:]  # tests/kernels/ and tests/ (conftest)
 import test_cold_start
 tokens, persisted = test_cold_start.greedy_tokens(sys.argv[1])
-print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted), "writes": sum(p.writes for p in persisted)}))
+print(json.dumps({"tokens": tokens, "hits": sum(p.hits for p in persisted),
+                  "writes": sum(p.writes for p in persisted)}))
 """
 
 

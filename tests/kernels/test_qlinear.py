@@ -264,7 +264,8 @@ def test_avx512_and_avx2_routes(ggml_type: int):
     # the same bits: the same integer sums, then the same float operations in the same order. K=96: an odd number of
     # blocks (the 512-bit route's last block alone), K=1536: down_proj's, K=576: the model's width (18 blocks, the wide
     # tile's products 8 at a time and 2 alone). From M=9 on, AVX-512 takes the wide tile (Q8_0 6 x 4 outputs, Q4
-    # 4 x 4): 9, 11 and 38 rows and 37, 19 and 11 rows of w leave every smaller tile at the edges (the other tests take M=3's)
+    # 4 x 4): 9, 11 and 38 rows and 37, 19 and 11 rows of w leave every smaller tile at the edges (the other tests take
+    # M=3's)
     for N, K in ((37, 96), (19, 1536), (11, 576)):
         blocks = random_blocks(ggml_type, N, K, seed=11)
         x = np.random.default_rng(K).standard_normal((50, K), dtype=np.float32)

@@ -68,8 +68,8 @@ def test_every_output_follows_its_grammar_on_a_random_model(engine):
     for name, (constraint, _) in CASES.items():
         for i, extra in enumerate([dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=7,
                                    top_k=50, top_p=0.9), dict(temperature=0.8, seed=3, logprobs=2)]):  # last: host
-            requests[f"{name}-{i}"] = ([100 + i, 200, 300], SamplingParams(max_tokens=120, structured_outputs=constraint,
-                                                                         **extra))
+            requests[f"{name}-{i}"] = ([100 + i, 200, 300],
+                                       SamplingParams(max_tokens=120, structured_outputs=constraint, **extra))
     requests["free"] = ([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))  # no grammar
     outputs = run_all(engine, requests)
     for request_id, out in outputs.items():
@@ -90,7 +90,8 @@ def test_every_output_follows_its_grammar_on_a_random_model(engine):
 ])
 def test_a_grammar_that_does_not_compile_is_refused(engine, constraint, message):
     with pytest.raises(ValueError, match=message):
-        engine.add_request("bad-grammar", [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
+        engine.add_request("bad-grammar", [5, 6],
+                           SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
     assert "bad-grammar" not in engine.output_processor.request_states and not engine.has_unfinished_requests()
 
 

@@ -283,7 +283,8 @@ def test_mixed_batch_with_and_without_q_under_preemption(tiny):
         engine = engine_like(tiny, max_model_len=128, num_gpu_blocks_override=14,
                              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                  "disable_by_batch_size": None})
-        proposer = engine.model_runner.speculator.proposer = OneHotProposer(4, script, 3, tiny.model.config.vocab_size, with_probs)
+        proposer = engine.model_runner.speculator.proposer = OneHotProposer(4, script, 3, tiny.model.config.vocab_size,
+                                                                            with_probs)
         preempted = []  # (seq_id, whether the proposer had seen it by then)
         schedule = engine.scheduler.schedule
 

@@ -83,7 +83,8 @@ def test_bad_configs_are_clear_errors(tiny, tiny_model_dir):
         SpeculativeConfig.from_dict(draft_config(tiny_model_dir) | {"method": "eagle"})
     with pytest.raises(ValueError, match="max_model_len"):  # the draft's 512 positions cannot serve 1024
         DraftModelProposer(SpeculativeConfig.from_dict(draft_config(tiny_model_dir)), tiny.model, tiny.tokenizer,
-                           runner_class=ModelRunner, num_blocks=64, block_size=16, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=8)
+                           runner_class=ModelRunner, num_blocks=64, block_size=16, max_model_len=1024,
+                           max_num_batched_tokens=64, max_num_seqs=8)
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny, tmp_path):

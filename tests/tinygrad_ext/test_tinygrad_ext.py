@@ -148,7 +148,8 @@ def named_attribute(node: ast.AST) -> str | None:
         key = node.slice
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
         key = node.args[0]
-    elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr", "setattr") and len(node.args) > 1:
+    elif (isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr", "setattr")
+          and len(node.args) > 1):
         key = node.args[1]
     else:
         return None

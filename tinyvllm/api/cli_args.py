@@ -1,4 +1,5 @@
-"""The server's flags (vLLM's `make_arg_parser`): the engine's from `EngineArgs.add_cli_args`, the server's added here."""
+"""The server's flags (vLLM's `make_arg_parser`): the engine's from `EngineArgs.add_cli_args`, the server's
+added here."""
 
 from __future__ import annotations
 

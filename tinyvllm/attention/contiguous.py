@@ -15,7 +15,8 @@ from tinyvllm.model.config import ModelConfig
 
 
 def allocate_contiguous_kv_cache(config: ModelConfig, max_model_len: int, batch_size: int = 1,
-                                 dtype: DType = dtypes.float32, device: str | None = None) -> list[tuple[Tensor, Tensor]]:
+                                 dtype: DType = dtypes.float32,
+                                 device: str | None = None) -> list[tuple[Tensor, Tensor]]:
     """One (k_cache, v_cache) pair per layer, each (B, max_model_len, n_kv_heads, head_dim), zero-filled."""
     shape = (batch_size, max_model_len, config.num_key_value_heads, config.head_dim)
     return [(zeros(shape, dtype, device), zeros(shape, dtype, device))

@@ -128,7 +128,8 @@ class BlockManager:
         """Offer the blocks `seq`'s last `num_new_computed` tokens filled to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        first, end = (seq.num_computed_tokens - num_new_computed) // self.block_size, seq.num_computed_tokens // self.block_size
+        first, end = ((seq.num_computed_tokens - num_new_computed) // self.block_size,
+                      seq.num_computed_tokens // self.block_size)
         hashes = seq.block_hashes(self.block_size) if end > first else []
         for index in range(first, end):
             block = self.blocks[seq.block_table[index]]

@@ -112,8 +112,10 @@ class EngineArgs:
         """Add the engine's flags (not --model: each command says how it takes the model)."""
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "float", "half"],
                        help="compute dtype: auto = float16 on a GPU, float32 on the CPU (default auto)")
-        p.add_argument("--device", default=None, help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
-        p.add_argument("--max-model-len", type=int, default=None, help="context length to reserve (default: the model's)")
+        p.add_argument("--device", default=None,
+                       help="tinygrad device, e.g. CPU, CUDA, METAL (default: tinygrad's choice)")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="context length to reserve (default: the model's)")
         p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                        help="the most logprobs (sampled or prompt) a request may ask for per position; -1: the whole "
                             f"vocabulary (vLLM's flag; default {MAX_LOGPROBS})")
@@ -135,15 +137,16 @@ class EngineArgs:
         p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one batch (default 32)")
         p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (default 512)")
         p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                       help="fcfs: in arrival order; priority: by each request's 'priority' (lower first; default fcfs)")
+                       help="fcfs: in arrival order; priority: by each request's 'priority' (lower first; "
+                            "default fcfs)")
         p.add_argument("--disable-chunked-mm-input", action="store_true",
                        help="schedule an image's tokens in one step, never split across prefill chunks (vLLM's flag; "
                             "always on for a model whose image tokens attend both ways, Gemma 3)")
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of prompt prefixes seen before (default on, as in vLLM)")
         p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                       help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per token "
-                            "per KV head, about a quarter of float32's bytes (default auto)")
+                       help="how K/V are stored: auto = the compute dtype; int8 and fp8 (e4m3) keep one scale per "
+                            "token per KV head, about a quarter of float32's bytes (default auto)")
         p.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATIONS,
                        help="weights: auto keeps a GGUF's quantized blocks (fused kernels), none dequantizes them, "
                             "q8_0/q4_0/q4_1 quantize at load (default auto)")
@@ -151,9 +154,10 @@ class EngineArgs:
                        help='speculative decoding, vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' (docs/phases/07b-speculative-decoding.md; default off)')
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; N must "
-                            "divide the attention heads, and divide or be a multiple of the KV heads) (default 1)")
+                       help="split every layer over N devices of --device's kind (Megatron-style tensor parallel; "
+                            "N must divide the attention heads, and divide or be a multiple of the KV heads) "
+                            "(default 1)")
         p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="put consecutive layers on N devices of --device's kind, the hidden state passed between them "
-                            "(pipeline parallel; any head count) (default 1)")
+                       help="put consecutive layers on N devices of --device's kind, the hidden state passed between "
+                            "them (pipeline parallel; any head count) (default 1)")
         return p

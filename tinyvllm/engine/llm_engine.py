@@ -86,8 +86,8 @@ class LLMEngine:
     # ---- requests in ----
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params=None, priority: int = 0) -> None:
-        """Queue a prompt (text, token ids, or vLLM's prompt dict). Bad input raises ValueError and changes nothing; `priority`: lower is
-        served first; `params`: SamplingParams, BeamSearchParams or PoolingParams."""
+        """Queue a prompt (text, token ids, or vLLM's prompt dict). Bad input raises ValueError and changes nothing;
+        `priority`: lower is served first; `params`: SamplingParams, BeamSearchParams or PoolingParams."""
         params = params or SamplingParams()
         request = self.input_processor.process(request_id, prompt, params, priority, self._in_use)
         if request.beam_search is not None:

@@ -56,7 +56,8 @@ def iterates_content(template: str) -> bool:
     it is given parts, not a string."""
     for loop in _environment().parse(template).find_all(jinja2.nodes.For):
         it = loop.iter
-        if (isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) and it.arg.value == "content"
+        if (isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const)
+                and it.arg.value == "content"
                 or isinstance(it, jinja2.nodes.Getattr) and it.attr == "content"):
             return True
     return False

@@ -262,7 +262,8 @@ class LlamaForCausalLM:
                 rows = tp.fused_rows([p.shape[0] for p in parts], list(parts_of))
                 data = [p.data for p in parts] if rows is None else [np.concatenate([p.data for p in parts])[rows]]
                 loaded.append(upload(data, dev, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
-                return QuantizedWeight(loaded[-1], parts[0].ggml_type, (sum(d.shape[0] for d in data), parts[0].shape[1]))
+                return QuantizedWeight(loaded[-1], parts[0].ggml_type,
+                                       (sum(d.shape[0] for d in data), parts[0].shape[1]))
             # formats differ: fused on paper only
             return tuple(load(n, axis=axis, parts_of=parts_of[i:i + 1], at=at) for i, n in enumerate(names))
 

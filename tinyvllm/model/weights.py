@@ -104,7 +104,8 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, np.ndarray], sou
 
 
 def check_quantization(method: str) -> str:
-    """`--quantization`, checked: Phase 6's methods once it is here; before it "auto" and "none" (every weight float)."""
+    """`--quantization`, checked: Phase 6's methods once it is here; before it "auto" and "none" (every weight
+    float)."""
     q = provided("quantization")
     if q is not None:
         return q.check_quantization(method)

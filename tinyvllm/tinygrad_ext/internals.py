@@ -189,7 +189,8 @@ def _parameters(function, name: str) -> list[str]:
 
 def _wrapped(function, name: str, depth: int = 4):
     """The function called `name` in the closures under `function`."""
-    inner = [c.cell_contents for c in getattr(function, "__closure__", None) or () if inspect.isfunction(c.cell_contents)]
+    inner = [c.cell_contents for c in getattr(function, "__closure__", None) or ()
+             if inspect.isfunction(c.cell_contents)]
     named = [f for f in inner if f.__name__ == name and f is not function]
     if named or depth == 0:
         return named[0] if named else None
@@ -199,7 +200,8 @@ def _wrapped(function, name: str, depth: int = 4):
 def _declares(cls: type, attribute: str) -> bool:
     """Does a class set `attribute` on its instances (a field, or `self.attribute = ...`)?"""
     for klass in cls.__mro__:
-        if attribute in getattr(klass, "__dataclass_fields__", {}) or attribute in vars(klass).get("__annotations__", {}):
+        if (attribute in getattr(klass, "__dataclass_fields__", {})
+                or attribute in vars(klass).get("__annotations__", {})):
             return True
         try:
             source = inspect.getsource(klass)

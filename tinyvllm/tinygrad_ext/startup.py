@@ -86,7 +86,8 @@ def defer_unused_cpu_renderers() -> None:
 
 def _stand_in(name: str, renderer: str) -> types.ModuleType:
     """A module `name` holding a class `renderer`; using either imports the real module."""
-    module = types.ModuleType(name, "imported when first used: tinyvllm.tinygrad_ext.startup.defer_unused_cpu_renderers")
+    module = types.ModuleType(name,
+                              "imported when first used: tinyvllm.tinygrad_ext.startup.defer_unused_cpu_renderers")
 
     def real() -> types.ModuleType:
         if sys.modules.get(name) is module:

@@ -39,7 +39,8 @@ class EncoderRunner:
             for feature in seq.mm_features:
                 if not feature.overlaps(start, start + count):
                     continue
-                lo, hi = max(start, feature.offset) - feature.offset, min(start + count, feature.offset + feature.length) - feature.offset
+                lo, hi = (max(start, feature.offset) - feature.offset,
+                          min(start + count, feature.offset + feature.length) - feature.offset)
                 first = int(feature.is_embed[:lo].sum())  # rows of the earlier chunks
                 at = np.flatnonzero(feature.is_embed[lo:hi]) + lo + feature.offset - start + row
                 embeds[at] = self.encoder_output(feature)[first:first + len(at)]
