@@ -93,7 +93,10 @@ def generate_main(argv: list[str] | None = None, prog: str | None = None, chat: 
     print(f"[{generator.model_path.name}] prompt {len(result.prompt_token_ids)} tokens, generated {n_out} tokens "
           f"(finish_reason={result.finish_reason}) | time to first token {result.time_to_first_token:.2f} s "
           f"({time.perf_counter() - PROCESS_START - result.decode_time:.2f} s since process start) | "
-          f"decode {result.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+          f"decode {result.decode_tokens_per_s:.1f} tok/s" + (
+              f" (leaving out {result.build_time:.2f} s of getting {result.graphs_built} graph"
+              f"{'s' * (result.graphs_built > 1)} ready after the first token)" if result.graphs_built else ""),
+          file=sys.stderr)
     stats = generator.engine.get_stats()
     if "spec_decode_num_draft_tokens" in stats:
         print(f"[speculative decoding] {stats['spec_decode_num_draft_tokens']} draft tokens, "

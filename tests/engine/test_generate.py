@@ -152,9 +152,25 @@ def test_main_prints_paris_and_stats():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "time to first token" in proc.stderr and "tok/s" in proc.stderr and "generated 8 tokens" in proc.stderr
-    # the first request's graphs are compiled (or loaded) before it is timed, and the line says what it took
-    assert re.search(r"compiled \d+ kernels \(\d+ from the cache\) and \d+ graphs for the first request in",
+    # what the first token needs is compiled (or loaded) before the request is timed, and the line says what it took;
+    # the decode step's graph comes at the second token, and the decode rate leaves that step out, saying so
+    assert re.search(r"compiled \d+ kernels \(\d+ from the cache\) and \d+ graphs for the first token in",
                      proc.stderr)
+    assert re.search(r"tok/s \(leaving out [\d.]+ s of getting 1 graph ready after the first token\)", proc.stderr)
+
+
+def test_the_decode_rate_leaves_out_the_steps_that_built_a_graph(tiny_model_dir):
+    from tinyvllm.engine.generator import Generator
+
+    generator = Generator(tiny_model_dir, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=16,
+                          max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = generator.generate(list(range(300, 310)), params)  # its second token builds the decode step's graph
+    assert first.graphs_built >= 1 and first.build_tokens == 1 and 0 < first.build_time < first.decode_time
+    assert first.decode_tokens_per_s == pytest.approx(4 / (first.decode_time - first.build_time))
+    again = generator.generate(list(range(400, 410)), params)  # every graph there already
+    assert again.graphs_built == again.build_tokens == 0 and again.build_time == 0.0
+    assert again.decode_tokens_per_s == pytest.approx(5 / again.decode_time)
 
 
 def test_warm_up_compiles_without_touching_the_request(tiny_model_dir):
@@ -165,11 +181,12 @@ def test_warm_up_compiles_without_touching_the_request(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = list(range(300, 320))  # 20 tokens: one full block of 16 that a prefix-cache hit could reuse
     line = generator.warm_up(prompt, params)
-    assert "graphs for the first request" in line and not line.startswith("compiled 0 kernels (0 from")
+    assert re.search(r"and [1-9]\d* graphs for the first token in", line)  # a new runner: its graphs built or read
     manager = generator.engine.scheduler.block_manager
     hits = manager.prefix_cache_hits
     warmed = generator.generate(prompt, params)
     assert manager.prefix_cache_hits == hits  # the warm-up's prompt was other tokens: nothing cached is reused
+    assert warmed.graphs_built == 1  # the decode step's, at the second token; the first token's were ready
     cold = Generator(tiny_model_dir, max_model_len=128, kv_cache_memory="1MiB", max_num_batched_tokens=16,
                      max_num_seqs=4)
     assert cold.generate(prompt, params).token_ids == warmed.token_ids
