@@ -54,8 +54,8 @@ GC_WAS_ENABLED = pause_collection()  # as `python main.py` does until its engine
 import numpy as np  # noqa: E402  (numpy only here: tinygrad must not be imported before BEAM is set)
 from bandwidth import measure_bandwidth_on  # noqa: E402  (benchmarks/bandwidth.py)
 from common import (  # noqa: E402  (benchmarks/common.py)
-    BenchParser, add_peers_arg, code_version, find_peers, first_output_s, kernel_cache_state, log,
-    machine_description, side_by_side_headers, table, write_results)
+    BenchParser, add_peers_arg, code_version, find_peers, first_output_s, kernel_cache_state,
+    layer_weight_count, log, machine_description, side_by_side_headers, table, write_results)
 from sampling_chains import CHAINS, add_sampling_arg, sampling_params  # noqa: E402
 
 BENCH_TEXT = ("The history of computing is a story of ideas building on ideas. Early machines filled rooms and "
@@ -114,14 +114,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def weight_bytes_per_token(config, dtype_bytes: int) -> int:
-    """Bytes one decode step reads from the weights: every linear layer plus lm_head.
-
-    `num_params` counts the norms too (negligible, left out here) and, when the embedding is not tied, the input
-    embedding table, of which a step reads one row only."""
-    d, L = config.hidden_size, config.num_hidden_layers
-    norms = 2 * d * L + d
-    input_embedding = 0 if config.tie_word_embeddings else config.vocab_size * d
-    return (config.num_params - norms - input_embedding) * dtype_bytes
+    """Bytes one decode step reads from the weights: every linear layer plus lm_head (the norms, negligible, and all
+    but one row of an untied input embedding left out)."""
+    return (layer_weight_count(config) + config.vocab_size * config.hidden_size) * dtype_bytes
 
 
 def prompt_of_length(tokenizer, n: int, variant: int = 0) -> list[int]:

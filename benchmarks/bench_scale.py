@@ -66,8 +66,8 @@ from pathlib import Path
 import numpy as np
 import common  # (benchmarks/common.py)
 from common import (
-    BenchParser, add_peers_arg, code_version, find_peers, load_average, log, machine_description, side_by_side_headers,
-    table, write_results)
+    BenchParser, add_peers_arg, code_version, find_peers, layer_weight_count, load_average, log, machine_description,
+    side_by_side_headers, table, write_results)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -313,9 +313,7 @@ def hardware() -> dict:
 
 def prefill_ops_per_token(config: ModelConfig) -> int:
     """2 per multiply-add of the linear layers one prompt token passes (the lm_head runs for the last one only)."""
-    d = config.hidden_size
-    return 2 * (config.num_params - config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
-                - (2 * config.num_hidden_layers + 1) * d)
+    return 2 * layer_weight_count(config)
 
 
 def ceiling(fig: dict, fmt: str, config: ModelConfig, runs: list[dict]) -> dict:

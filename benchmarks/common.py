@@ -84,6 +84,14 @@ def first_output_s(cmd: list[str]) -> float:
     return seconds
 
 
+def layer_weight_count(config) -> int:
+    """The weights of a model's layers (attention and MLP): its parameters less the embedding table (and an untied
+    lm_head) and the norms; every token runs each of them once."""
+    d = config.hidden_size
+    embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+    return config.num_params - embeddings - (2 * config.num_hidden_layers + 1) * d
+
+
 def kernel_cache_state() -> str:
     """What the kernel caches hold before a run, for its results file: the size of tinygrad's compiled-kernel
     database and the number of tinyvllm's lowered programs and captured graphs."""
@@ -94,7 +102,9 @@ def kernel_cache_state() -> str:
         state = f"empty (no {path.name} yet): kernels are compiled in this run"
     else:
         state = f"{path.stat().st_size / 2**20:.0f} MiB on disk before this run (kernels seen before load from it)"
-    cache_dir = Path(os.environ.get("TINYVLLM_CACHE_DIR") or Path.home() / ".cache" / "tinyvllm")
+    from tinyvllm.disk_cache import cache_root  # no tinygrad: it may not be imported yet
+
+    cache_dir = cache_root()
     n = {kind: sum(f.name.endswith(suffix) for d in os.scandir(cache_dir) if d.name.startswith(kind) and d.is_dir()
                    for f in os.scandir(d.path))  # by name: a glob's Path per file, thousands, before the clock stops
          for kind, suffix in (("programs-", ".pkl"), ("graphs-", ".graph"))} if cache_dir.is_dir() else {}
