@@ -29,6 +29,7 @@ A kernel's GFLOP/s (2 per product) against this is how much of the cores' multip
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import subprocess
 import tempfile
@@ -159,8 +160,10 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
+@functools.cache
 def _library():
-    """read_buffer() compiled for this machine (-march=native), in a temporary folder."""
+    """read_buffer() and int8_dot() compiled for this machine (-march=native), in a temporary folder, once per
+    process (bench_scale measures both three times per model file)."""
     folder = Path(tempfile.mkdtemp(prefix="tinyvllm-bandwidth-"))
     (folder / "read.c").write_text(C_SOURCE)
     subprocess.run(["clang", "-O2", "-march=native", "-shared", "-fPIC", "-pthread", "-o", str(folder / "read.so"),
