@@ -67,7 +67,8 @@ PHASE_OF_TEST_FILE: dict[str, int] = {
     # Phase 5b: the discrete GPU's path, forced on the CPU
     "test_device_path": 5, "test_bench_gpu": 5,
     # Phase 6: quantized weights, perplexity, cold start
-    "test_qlinear": 6, "test_qlinear_gpu": 6, "test_quantize": 6, "test_quantizer": 6, "test_gguf_writer": 6,
+    "test_qlinear": 6, "test_repack": 6, "test_qlinear_gpu": 6, "test_quantize": 6, "test_quantizer": 6,
+    "test_gguf_writer": 6,
     "test_quantized_weights": 6,
     "test_perplexity": 6, "test_cold_start": 6, "test_cpu_graph": 6, "test_bench_peers": 6,
     "test_bench_scale": 6,

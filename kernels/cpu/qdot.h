@@ -1,4 +1,5 @@
-/* Helpers shared by the quantized matmuls (qmatmul.c, qmatmul_k.c): float16 scales, and x rounded to 8 bits.
+/* Helpers shared by the quantized matmuls (qmatmul.c, qmatmul_k.c, qmatmul_k_x8.c): float16 scales, and x rounded to
+ * 8 bits.
  *
  * x is quantized the same way in both files, per block of 32 (qmatmul.c) or 256 (qmatmul_k.c) floats:
  *     d = max|x| / 127        q = rint(x * (127 / max|x|))   (round half to even; q in -127..127; all zero if x is)
@@ -92,6 +93,26 @@ TV_INLINE int quantize_32(signed char* restrict q, const float* restrict x, floa
   }
   return sum;
 #endif
+}
+
+/* 256 elements of x, quantized for the super-block formats (qmatmul_k.c, qmatmul_k_x8.c): x ~= d * q.
+ * llama.cpp's block_q8_K, with a symmetric 127 scale */
+struct xblock_k {
+  float d;              /* max|x| / 127 */
+  short bsums[16];      /* bsums[g] = sum of q[16g .. 16g + 15] */
+  signed char q[256];
+};
+_Static_assert(sizeof(struct xblock_k) == 292, "qlinear.X_BLOCK_BYTES['qmatmul_k'] says 292");
+
+TV_INLINE void quantize_block_k(struct xblock_k* restrict out, const float* restrict x) {
+  float max = max_abs(x, 256), id = max != 0.0f ? 127.0f / max : 0.0f;
+  for (int g = 0; g < 8; g++) quantize_32(out->q + 32 * g, x + 32 * g, id);
+  for (int g = 0; g < 16; g++) {
+    int s = 0;
+    for (int k = 0; k < 16; k++) s += out->q[16 * g + k];
+    out->bsums[g] = (short)s;
+  }
+  out->d = max / 127.0f;
 }
 
 #if TV_AVX2

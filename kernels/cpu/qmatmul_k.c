@@ -113,14 +113,6 @@
 #define NUM_QUANT_CHUNKS ((TV_M + QUANT_ROWS - 1) / QUANT_ROWS)
 #include "tile.h"  /* after MR, NR, MB, CHUNK_ROWS: its loops are cut by them */
 
-/* 256 elements of x, quantized: x ~= d * q. llama.cpp's block_q8_K, with a symmetric 127 scale */
-struct xblock_k {
-  float d;              /* max|x| / 127 */
-  short bsums[16];      /* bsums[g] = sum of q[16g .. 16g + 15] */
-  signed char q[256];
-};
-_Static_assert(sizeof(struct xblock_k) == 292, "qlinear.X_BLOCK_BYTES['qmatmul_k'] says 292");
-
 struct qmatmul_args {
   float* out;
   struct xblock_k* xq;  /* (M, NB) */
@@ -141,21 +133,10 @@ TV_KERNEL qmatmul_k(float* restrict out, unsigned char* restrict scratch, const 
 
 /* ---- step 1: x -> 8-bit super-blocks ---- */
 
-TV_INLINE void quantize_block(struct xblock_k* restrict out, const float* restrict x) {
-  float max = max_abs(x, 256), id = max != 0.0f ? 127.0f / max : 0.0f;
-  for (int g = 0; g < 8; g++) quantize_32(out->q + 32 * g, x + 32 * g, id);
-  for (int g = 0; g < 16; g++) {
-    int s = 0;
-    for (int k = 0; k < 16; k++) s += out->q[16 * g + k];
-    out->bsums[g] = (short)s;
-  }
-  out->d = max / 127.0f;
-}
-
 static void quantize_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
   for (int m = chunk * QUANT_ROWS; m < TV_M && m < (chunk + 1) * QUANT_ROWS; m++)
-    for (int b = 0; b < NB; b++) quantize_block(a->xq + m * NB + b, a->x + m * TV_K + 256 * b);
+    for (int b = 0; b < NB; b++) quantize_block_k(a->xq + m * NB + b, a->x + m * TV_K + 256 * b);
 }
 
 /* ---- step 2: integer dot products per super-block ---- */

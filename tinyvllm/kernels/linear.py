@@ -45,7 +45,8 @@ def run_split(x: Tensor, w: Tensor, N: int, kernel) -> Tensor:
     a row-parallel w gives each a partial sum of every output, summed over the devices (the all-reduce)."""
     lead = x.shape[:-1]
     M, K_local = math.prod(lead), local_shape(x)[-1]
-    N_local, row_parallel = local_shape(w)[0], shard_axis(w) == 1
+    # N // w.shape[0]: a weight repacked 8 rows to a row of its data (kernels/repack.py) holds 8 outputs per row
+    N_local, row_parallel = local_shape(w)[0] * (N // w.shape[0]), shard_axis(w) == 1
     out = output((M, N_local), dtypes.float32, w, None if isinstance(w.device, str) or shard_axis(w) is None
                  else 0 if row_parallel else 1)
     out = kernel(kernel_input(x.reshape(M, -1)), M, N_local, K_local, out)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tinygrad import Tensor, dtypes
 
 from tinyvllm.kernels import linear as linear_module
+from tinyvllm.kernels import repack
 from tinyvllm.kernels.launcher import device_kind, has_kernel, launch, output
 from tinyvllm.ggml_types import type_name
 from tinyvllm.tinygrad_ext.programs import kernel_cost as Estimates  # noqa: N813 (a kernel's cost: tinygrad's name)
@@ -75,6 +76,7 @@ class QuantizedWeight:
     data: Tensor
     ggml_type: int
     shape: tuple[int, int]
+    layout: str | None = None  # "x8": 8 rows side by side, repacked at load for the CPU (kernels/repack.py)
 
     def __post_init__(self):
         fmt = quant_format(self.ggml_type)
@@ -82,6 +84,13 @@ class QuantizedWeight:
         if K % fmt.block_size != 0:
             raise ValueError(f"{fmt.name} rows hold whole blocks of {fmt.block_size} weights; K={K} is not a multiple")
         want = (N, K // fmt.block_size * fmt.type_size)
+        if self.layout == "x8":
+            if self.ggml_type not in repack.X8_KERNELS or N % repack.GROUP != 0:
+                raise ValueError(f"the x8 layout holds Q4_K weights of a multiple of 8 rows, "
+                                 f"not {fmt.name} {self.shape}")
+            want = (N // repack.GROUP, want[1] * repack.GROUP)
+        elif self.layout is not None:
+            raise ValueError(f"layout {self.layout!r}: None (the GGUF's rows) or 'x8'")
         if self.data.dtype != dtypes.uint8 or tuple(self.data.shape) != want:
             raise ValueError(f"{fmt.name} weight of shape {self.shape} needs data of shape {want} uint8, "
                              f"got {tuple(self.data.shape)} {self.data.dtype}")
@@ -89,6 +98,11 @@ class QuantizedWeight:
     @property
     def format(self) -> QuantFormat:
         return QUANT_FORMATS[self.ggml_type]
+
+    @property
+    def kernel(self) -> str:
+        """The kernel file that reads this weight's layout."""
+        return repack.X8_KERNELS[self.ggml_type] if self.layout == "x8" else self.format.kernel
 
 
 def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
@@ -133,7 +147,7 @@ def uses_kernel(x: Tensor, w: QuantizedWeight) -> bool:
         return False
     if not all(isinstance(s, int) for s in x.shape) or 0 in x.shape:
         return False
-    return has_kernel(w.format.kernel, x.device)
+    return has_kernel(w.kernel, x.device)
 
 
 def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
@@ -156,7 +170,7 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
                 defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
             if not VNNI:
                 defines["TV_NO_VNNI"] = 1
-            out, _ = launch(fmt.kernel, outs=[out, scratch], ins=[x2, wd], defines=defines, estimates=estimates)
+            out, _ = launch(w.kernel, outs=[out, scratch], ins=[x2, wd], defines=defines, estimates=estimates)
             return out
         scratch = output((max(1, gpu_scratch_bytes(M, K)),), dtypes.uint8, x2)
         *quantize, matmul = gpu_launches(w.ggml_type, M, N, K)
@@ -312,11 +326,32 @@ def _dequantize_rows(rows: Tensor, ggml_type: int, K: int) -> Tensor:
     return _DEQUANTIZE[ggml_type](blocks).reshape(*rows.shape[:-1], K)
 
 
+def _dequantize_q4_k_x8(groups: Tensor, N: int, K: int) -> Tensor:
+    """Q4_K repacked 8 rows at a time (N / 8, K / 256 * 1152) uint8 -> (N, K) float32 (layout: qmatmul_k_x8.c)."""
+    G, NB = N // 8, K // 256
+    b = groups.reshape(G, NB, 1152)
+    d = _f16(b[..., 0:16].reshape(G, NB, 8, 2), 0)  # (G, NB, r, 1)
+    dmin = _f16(b[..., 16:32].reshape(G, NB, 8, 2), 0)
+    low, high = b[..., 32:96], b[..., 96:128]
+    high = (high & 0x0F).cat(high >> 4, dim=-1)  # (G, NB, 64): bits of sc and m above their low 4, i = 8j + r
+    sc = ((low & 0x0F) | ((high & 3) << 4)).reshape(G, NB, 8, 8).permute(0, 1, 3, 2)  # (G, NB, r, j)
+    mn = ((low >> 4) | (((high >> 2) & 3) << 4)).reshape(G, NB, 8, 8).permute(0, 1, 3, 2)
+    qs = b[..., 128:].reshape(G, NB, 4, 1, 8, 8, 4)  # (G, NB, c, ., g, r, t)
+    q = (qs & 0x0F).cat(qs >> 4, dim=3).permute(0, 1, 5, 2, 3, 4, 6)  # (G, NB, r, c, nibble, g, t)
+    q = q.reshape(G, NB, 8, 8, 32).cast(dtypes.float32)  # sub-block j = 2c + nibble, element 4g + t
+    w = (d * sc.cast(dtypes.float32)).unsqueeze(-1) * q - (dmin * mn.cast(dtypes.float32)).unsqueeze(-1)
+    return w.permute(0, 2, 1, 3, 4).reshape(N, K)  # (G, r, NB, j, e): row 8G + r
+
+
 def dequantize_weight(w: QuantizedWeight) -> Tensor:
     """The (N, K) float32 weight in tinygrad ops: the portable reference."""
+    if w.layout == "x8":
+        return _dequantize_q4_k_x8(w.data, *w.shape)
     return _dequantize_rows(w.data, w.ggml_type, w.shape[1])
 
 
 def embedding(w: QuantizedWeight, ids: Tensor) -> Tensor:
     """ids (...) int -> (..., K) float32: only the looked-up rows' bytes are gathered and dequantized."""
+    if w.layout is not None:
+        raise ValueError(f"an embedding is looked up by rows: keep it in the GGUF's layout, not {w.layout!r}")
     return _dequantize_rows(w.data[ids], w.ggml_type, w.shape[1])

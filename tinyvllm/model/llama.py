@@ -205,6 +205,29 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
     return out
 
 
+def upload_repacked(parts: list[np.ndarray], ggml_type: int, device: str | None, pool: ThreadPoolExecutor | None,
+                    copies: list[Future] | None) -> Tensor:
+    """GGUF rows of blocks, concatenated and reordered for the CPU's kernel (kernels/repack.py), into a new buffer."""
+    from tinyvllm.kernels import repack
+
+    N, row_bytes = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    out = buffers.empty((N // repack.GROUP, row_bytes * repack.GROUP), dtypes.uint8, device)
+
+    def fill(dst: np.ndarray) -> None:
+        repack.REPACK[ggml_type](parts[0] if len(parts) == 1 else np.concatenate(parts), out=dst)
+        let_go(parts)
+
+    if (dst := host_view(out)) is None:  # device memory the host cannot see: reordered here, then copied in
+        host = np.empty(out.shape, np.uint8)
+        fill(host)
+        buffers.copy_in(out, memoryview(host).cast("B"))
+    elif pool is None:
+        fill(dst)
+    else:  # numpy releases the GIL: the layers reorder in parallel
+        copies.append(pool.submit(fill, dst))
+    return out
+
+
 def copy_out(parts: list[np.ndarray], dst: np.ndarray) -> None:
     """The parts concatenated into `dst`; a GGUF's pages they were read from are then let go (counted once)."""
     np.concatenate(parts, axis=0, out=dst, casting="same_kind")
@@ -247,8 +270,10 @@ class LlamaForCausalLM:
         loaded: list[Tensor] = []
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
 
-        def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None) -> Weight:
-            # HF tensors fused along dim 0; axis: split over devices (None: replicated); at: a pipeline stage's device
+        def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None,
+                 by_rows: bool = False) -> Weight:
+            # HF tensors fused along dim 0; axis: split over devices (None: replicated); at: a pipeline stage's device;
+            # by_rows: looked up row by row (an embedding), so never repacked for the CPU's matmuls
             dev = at or device
             parts = [tp.pad_vocab(state_dict[n]) if "embed" in n or "lm_head" in n else state_dict[n] for n in names]
             if all(isinstance(p, np.ndarray) for p in parts):
@@ -257,17 +282,24 @@ class LlamaForCausalLM:
                 loaded.append(t.cast(dtype))
                 return loaded[-1]
             if all(isinstance(p, QuantizedArray) and p.ggml_type == parts[0].ggml_type for p in parts):
+                from tinyvllm.kernels import repack
                 from tinyvllm.kernels.qlinear import QuantizedWeight
 
                 rows = tp.fused_rows([p.shape[0] for p in parts], list(parts_of))
                 data = [p.data for p in parts] if rows is None else [np.concatenate([p.data for p in parts])[rows]]
-                loaded.append(upload(data, dev, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
-                return QuantizedWeight(loaded[-1], parts[0].ggml_type,
-                                       (sum(d.shape[0] for d in data), parts[0].shape[1]))
+                N, ggml_type = sum(d.shape[0] for d in data), parts[0].ggml_type
+                layout = None if by_rows or tp.size > 1 else repack.repack_for(ggml_type, N, dev)
+                if layout is not None:  # reordered for the CPU's kernel: a copy, not the file's pages
+                    loaded.append(upload_repacked(data, ggml_type, dev, pool, copies))
+                else:
+                    loaded.append(upload(data, dev, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
+                return QuantizedWeight(loaded[-1], ggml_type, (N, parts[0].shape[1]), layout)
             # formats differ: fused on paper only
-            return tuple(load(n, axis=axis, parts_of=parts_of[i:i + 1], at=at) for i, n in enumerate(names))
+            return tuple(load(n, axis=axis, parts_of=parts_of[i:i + 1], at=at, by_rows=by_rows)
+                         for i, n in enumerate(names))
 
-        self.embed_tokens = load("model.embed_tokens.weight", axis=0)  # (V, D), or its blocks: split by vocabulary
+        # (V, D), or its blocks: split by vocabulary
+        self.embed_tokens = load("model.embed_tokens.weight", axis=0, by_rows=True)
         layer_weights = []
         for i in range(config.num_hidden_layers):
             p, at = f"model.layers.{i}.", pp.layer_devices[i]
