@@ -58,5 +58,10 @@ def test_a_run_on_the_tiny_shape_writes_its_figures(tmp_path, monkeypatch):
     # prefill: 2 operations per weight of the layers (tiny: 2 layers of 4 d^2 + 3 d f, d 256, f 512, 2 heads of KV)
     d, f, q, kv = 256, 512, 4 * 64, 2 * 64
     assert ceiling["prefill_ops_per_token"] == 2 * 2 * (2 * d * q + 2 * d * kv + 3 * d * f)
-    assert ceiling["int8_step"] in ("vnni", "k_quants") and ceiling["int8_ops_per_s"] > 1e9
+    # Q8_0's kernel runs dpbusd (the "vnni" step; the K-quants' rate on a CPU without it): every layer weight there
+    steps = ceiling["int8_steps"]
+    assert list(steps) == ["vnni"] and steps["vnni"]["weights"] == ceiling["prefill_ops_per_token"] // 2
+    seconds_per_token = ceiling["prefill_ops_per_token"] / steps["vnni"]["ops_per_s"]
+    assert 1 / ceiling["prefill_tok_s_bound"] == pytest.approx(seconds_per_token)
+    assert ceiling["int8_ops_per_s"] == pytest.approx(steps["vnni"]["ops_per_s"]) and ceiling["int8_ops_per_s"] > 1e9
     assert ceiling["tinyvllm"]["prefill_ops_per_s"] == ours["prefill"]["tok_s"] * ceiling["prefill_ops_per_token"]
