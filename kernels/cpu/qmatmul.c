@@ -169,7 +169,7 @@
 /* KB of w per chunk handed to a thread: ~24, or ~96 at M = 1, where a chunk is one stream through memory (measured
  * against 24 and 48: 1.05-1.1x on the model's shapes, most on lm_head) */
 #ifndef CHUNK_BYTES
-#define CHUNK_BYTES (TV_M == 1 ? 98304 : 24576)
+#define CHUNK_BYTES (TV_M == 1 ? TV_STREAM_CHUNK_BYTES(TV_N, ROW_BYTES) : 24576)
 #endif
 #define CHUNK_TILES ((CHUNK_BYTES / ROW_BYTES + NR - 1) / NR > 0 ? (CHUNK_BYTES / ROW_BYTES + NR - 1) / NR : 1)
 #define CHUNK_ROWS (CHUNK_TILES * NR)

@@ -101,7 +101,7 @@
 #endif
 #define MB 64
 #ifndef CHUNK_BYTES
-#define CHUNK_BYTES (TV_M == 1 ? 98304 : 24576)
+#define CHUNK_BYTES (TV_M == 1 ? TV_STREAM_CHUNK_BYTES(TV_N, ROW_BYTES) : 24576)
 #endif
 #ifndef STREAM_PREFETCH
 #define STREAM_PREFETCH 2048

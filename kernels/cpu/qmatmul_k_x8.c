@@ -59,9 +59,9 @@
 #define NR (8 * GR)
 #define MB 64
 #ifndef CHUNK_BYTES
-#define CHUNK_BYTES (TV_M == 1 ? 98304 : 24576)
+#define CHUNK_BYTES (TV_M == 1 ? TV_STREAM_CHUNK_BYTES(TV_N, ROW_BYTES) : 24576)
 #endif
-#define CHUNK_GROUPS (CHUNK_BYTES / (8 * ROW_BYTES) > GR ? CHUNK_BYTES / (8 * ROW_BYTES) : GR)
+#define CHUNK_GROUPS ((CHUNK_BYTES + 8 * ROW_BYTES - 1) / (8 * ROW_BYTES))  /* at least one */
 #define CHUNK_ROWS (CHUNK_GROUPS * 8)
 #define NUM_CHUNKS ((TV_N + CHUNK_ROWS - 1) / CHUNK_ROWS)
 #define QUANT_ROWS 16

@@ -130,6 +130,12 @@ def test_pool_threads_started():
     assert cpu_threads.pool_address() != 0
     assert cpu_threads.num_threads() == cpu_threads.NUM_THREADS
     assert all(t.is_alive() for t in cpu_threads._state.threads)
+    # the CPU kernels are compiled for the pool's size: a matrix-vector product's rows cut into one share per thread
+    assert cpu_threads.pool_size() == cpu_threads.NUM_THREADS
+    _, source = launcher.program_source("qmatmul_k", "CPU", {"TV_M": 1, "TV_N": 64, "TV_K": 256, "TV_QTYPE": 12})
+    assert f"#define TV_THREADS {cpu_threads.NUM_THREADS}\n" in source
+    with cpu_threads.threads_enabled(False):  # switched off for a while: still the same program
+        assert cpu_threads.num_threads() == 1 and cpu_threads.pool_size() == cpu_threads.NUM_THREADS
 
 
 def test_float16_uses_portable_path():

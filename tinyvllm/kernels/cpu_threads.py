@@ -132,6 +132,13 @@ def threads_enabled(enabled: bool) -> Iterator[None]:
             pool.enabled = old
 
 
+def pool_size() -> int:
+    """Threads of the started pool (the launching thread + its helpers), whether or not it is enabled now; 1 without
+    one. The CPU kernels are compiled for it (TV_THREADS: a matrix-vector product's share per thread)."""
+    pool = _state.pool
+    return 1 if pool is None else 1 + pool.num_workers
+
+
 def num_threads() -> int:
     """Threads a CPU kernel launch uses now (the launching thread + running helpers)."""
     pool = _state.pool

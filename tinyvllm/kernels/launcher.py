@@ -118,7 +118,7 @@ def program_source(name: str, device: str, defines: dict[str, int | str], entry:
         defines = {**defines, f"TV_{entry.upper()}": 1}
     if device_kind(device) == "CPU":
         from tinyvllm.kernels import cpu_threads
-        defines = {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address())}
+        defines = {**defines, "TV_POOL_ADDR": hex(cpu_threads.pool_address()), "TV_THREADS": cpu_threads.pool_size()}
     return pname, kernel_source(name, device, defines)
 
 
