@@ -37,8 +37,9 @@ Per (shape, format), each figure is:
     ceiling       what the hardware allows: one token reads every weight once (the linear layers and the lm_head,
                   as the file stores them), so decode streams tok/s x those bytes, against the machine's read
                   bandwidth with every core; a prompt token costs 2 operations per weight of the layers, so prefill
-                  runs tok/s x those, against the rate of the format's integer dot step on registers alone (the
-                  K-quants': maddubs then dpwssd; Q8_0's: dpbusd). Both from benchmarks/bandwidth.py, measured in
+                  runs tok/s x those, against what the integer dot steps of tinyvllm's kernels for the file allow,
+                  each measured on registers alone: dpbusd for Q8_0 and the repacked Q4_K, maddubs then dpwssd for
+                  the other K-quants (Q6_K), each layer weight at its kernel's rate. Both from bandwidth.py, measured in
                   this run before, between and after the two engines, the median kept (the read bandwidth of these
                   shared machines has moved from 34 to 60 GB/s between two measurements minutes apart). Both
                   engines do the same work, so neither can be faster than the other by more than the ceiling leaves.

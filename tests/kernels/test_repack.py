@@ -96,3 +96,41 @@ def test_bad_layouts_are_clear_errors():
         QuantizedWeight(Tensor(blocks), Q4_K, (16, 256), layout="x8")  # rows, not groups
     with pytest.raises(ValueError, match="GGUF's layout"):
         embedding(repacked(blocks, 256), Tensor([1, 2]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["integrated", "discrete"])
+def test_a_q4_k_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pytest.MonkeyPatch, path: str):
+    """A tiny model whose layers are Q4_K, loaded both ways: the repacked weights are the file's (a copy, on the
+    discrete GPU's path bytes copied in) and its logits those of the file's layout up to float summation order. The
+    embedding, looked up by rows, keeps the file's layout."""
+    import dataclasses
+
+    from test_weights import TINY, tiny_state_dict, write_tiny_gguf
+    from tinyvllm import platforms
+    from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
+    from tinyvllm.model.llama import LlamaForCausalLM
+    from tinyvllm.model.quantizer import quantize
+    from tinyvllm.model.weights import load_checkpoint
+    from tinyvllm.model.weights_gguf import gguf_name
+
+    monkeypatch.setattr(platforms, "DEVICE_PATH", path)
+    config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64)
+    sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32)
+          for k, v in tiny_state_dict(config).items()}
+    # Q4_K by the project's quantizer (the gguf package has none); q and k, whose rows the file permutes, stay float
+    names = [n for n in sd if n.startswith("model.layers.") and sd[n].ndim == 2 and "q_proj" not in n
+             and "k_proj" not in n] + ["model.embed_tokens.weight"]
+    raw = {gguf_name(n): (quantize(sd.pop(n), Q4_K), Q4_K) for n in names}
+    path_ = write_tiny_gguf(tmp_path / "q4_k.gguf", sd, config, raw=raw)
+    logits = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(repack, "ENABLED", enabled)
+        ck = load_checkpoint(path_, quantization="auto")
+        model = LlamaForCausalLM(ck.config, ck.state_dict, quantization=ck.quantization)
+        weights = [w for layer in model.layers for w in layer.weights() for w in (w if isinstance(w, tuple) else (w,))]
+        layouts = {w.layout for w in weights if isinstance(w, QuantizedWeight)}
+        assert layouts == ({"x8"} if enabled else {None}) and model.embed_tokens.layout is None
+        logits[enabled] = ContiguousModelRunner(model, max_model_len=64).prefill([1, 5, 9, 33, 2])
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-4 * np.abs(logits[False]).max())
