@@ -49,14 +49,8 @@
 #define GROUP_BLOCK_BYTES 1152  /* 8 rows' super-blocks */
 #define NB (TV_K / 256)
 #define ROW_BYTES (NB * 144)    /* one row's share of a group: tile.h steps w by it per row of w */
-#if TV_M == 1
-#define MR 1
-#define GR 1   /* groups per tile */
-#else
-#define MR 4
-#define GR 1
-#endif
-#define NR (8 * GR)
+#define MR (TV_M == 1 ? 1 : 4)  /* rows of x per tile (of one group) */
+#define NR 8
 #define MB 64
 #ifndef CHUNK_BYTES
 #define CHUNK_BYTES (TV_M == 1 ? TV_STREAM_CHUNK_BYTES(TV_N, ROW_BYTES) : 24576)
@@ -131,67 +125,65 @@ TV_INLINE __m256i broadcast4(const signed char* p) {
   return _mm256_set1_epi32(v);
 }
 
-/* out[i, n + 8h + r] = dot(x[i, :], w[n + 8h + r, :]) for i < mr, h < nr / 8, r < 8: the nr / 8 groups from w */
+/* out[i, n + r] = dot(x[i, :], w[n + r, :]) for i < mr, r < 8: the group at w (nr is always 8: one group) */
 TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, const unsigned char* restrict w,
                     int mr, int nr) {
+  (void)nr;
   const __m256i low4 = _mm256_set1_epi8(0x0f);
-  __m256 acc[MR][GR];
-  for (int i = 0; i < mr; i++)
-    for (int h = 0; h < nr / 8; h++) acc[i][h] = _mm256_setzero_ps();
-  for (int b = 0; b < NB; b++)
-    for (int h = 0; h < nr / 8; h++) {
-      const unsigned char* g = w + h * 8 * ROW_BYTES + b * GROUP_BLOCK_BYTES;
-      unsigned char sc[64] __attribute__((aligned(32))), mn[64] __attribute__((aligned(32)));
-      decode_scales(sc, mn, g);
-      __m256i dot[MR], mins[MR];
-      for (int i = 0; i < mr; i++) dot[i] = mins[i] = _mm256_setzero_si256();
-      for (int c = 0; c < 4; c++) {  /* sub-blocks 2c (lo nibbles) and 2c + 1 (hi) */
-        __m256i slo[MR], shi[MR];
-        for (int i = 0; i < mr; i++) slo[i] = shi[i] = _mm256_setzero_si256();
-        for (int k = 0; k < 8; k++) {  /* elements 4k .. 4k + 3 of both sub-blocks, all 8 rows */
-          __m256i raw = _mm256_loadu_si256((const __m256i*)(g + 128 + 32 * (8 * c + k)));
-          __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          for (int i = 0; i < mr; i++) {
-            const signed char* xq = x[i * NB + b].q + 64 * c + 4 * k;
-            slo[i] = dot4_add(slo[i], lo, broadcast4(xq));
-            shi[i] = dot4_add(shi[i], hi, broadcast4(xq + 32));
-          }
-        }
-        __m256i sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 * c)));
-        __m256i sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 * c + 8)));
-        for (int i = 0; i < mr; i++)
-          dot[i] = _mm256_add_epi32(dot[i], _mm256_add_epi32(_mm256_mullo_epi32(slo[i], sc0),
-                                                             _mm256_mullo_epi32(shi[i], sc1)));
-      }
-      for (int j = 0; j < 8; j++) {
-        __m256i mj = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mn + 8 * j)));
+  __m256 acc[MR];
+  for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+  for (int b = 0; b < NB; b++) {
+    const unsigned char* g = w + b * GROUP_BLOCK_BYTES;
+    unsigned char sc[64] __attribute__((aligned(32))), mn[64] __attribute__((aligned(32)));
+    decode_scales(sc, mn, g);
+    __m256i dot[MR], mins[MR];
+    for (int i = 0; i < mr; i++) dot[i] = mins[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {  /* sub-blocks 2c (lo nibbles) and 2c + 1 (hi) */
+      __m256i slo[MR], shi[MR];
+      for (int i = 0; i < mr; i++) slo[i] = shi[i] = _mm256_setzero_si256();
+      for (int k = 0; k < 8; k++) {  /* elements 4k .. 4k + 3 of both sub-blocks, all 8 rows */
+        __m256i raw = _mm256_loadu_si256((const __m256i*)(g + 128 + 32 * (8 * c + k)));
+        __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
         for (int i = 0; i < mr; i++) {
-          const short* bs = x[i * NB + b].bsums;
-          mins[i] = _mm256_add_epi32(mins[i], _mm256_mullo_epi32(mj, _mm256_set1_epi32(bs[2 * j] + bs[2 * j + 1])));
+          const signed char* xq = x[i * NB + b].q + 64 * c + 4 * k;
+          slo[i] = dot4_add(slo[i], lo, broadcast4(xq));
+          shi[i] = dot4_add(shi[i], hi, broadcast4(xq + 32));
         }
       }
-      __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-      __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
+      __m256i sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 * c)));
+      __m256i sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 16 * c + 8)));
+      for (int i = 0; i < mr; i++)
+        dot[i] = _mm256_add_epi32(dot[i], _mm256_add_epi32(_mm256_mullo_epi32(slo[i], sc0),
+                                                           _mm256_mullo_epi32(shi[i], sc1)));
+    }
+    for (int j = 0; j < 8; j++) {
+      __m256i mj = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mn + 8 * j)));
       for (int i = 0; i < mr; i++) {
-        __m256 dx = _mm256_set1_ps(x[i * NB + b].d);
-        acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dot[i]), acc[i][h]);
-        acc[i][h] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mins[i]), acc[i][h]);
+        const short* bs = x[i * NB + b].bsums;
+        mins[i] = _mm256_add_epi32(mins[i], _mm256_mullo_epi32(mj, _mm256_set1_epi32(bs[2 * j] + bs[2 * j + 1])));
       }
     }
-  for (int i = 0; i < mr; i++)
-    for (int h = 0; h < nr / 8; h++) _mm256_storeu_ps(out + i * TV_N + 8 * h, acc[i][h]);
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+    __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
+    for (int i = 0; i < mr; i++) {
+      __m256 dx = _mm256_set1_ps(x[i * NB + b].d);
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(dot[i]), acc[i]);
+      acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mins[i]), acc[i]);
+    }
+  }
+  for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * TV_N, acc[i]);
 }
 
 #else  /* portable C: the same sums, one product at a time */
 
 TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, const unsigned char* restrict w,
                     int mr, int nr) {
+  (void)nr;
   for (int i = 0; i < mr; i++)
-    for (int n = 0; n < nr; n++) {
-      int r = n % 8;
+    for (int r = 0; r < 8; r++) {
       float acc = 0.0f;
       for (int b = 0; b < NB; b++) {
-        const unsigned char* g = w + n / 8 * 8 * ROW_BYTES + b * GROUP_BLOCK_BYTES;
+        const unsigned char* g = w + b * GROUP_BLOCK_BYTES;
         const struct xblock_k* xb = x + i * NB + b;
         unsigned char sc[64], mn[64];
         decode_scales(sc, mn, g);
@@ -207,20 +199,16 @@ TV_INLINE void tile(float* restrict out, const struct xblock_k* restrict x, cons
         }
         acc += xb->d * (f16_to_f32(g + 2 * r) * (float)dot - f16_to_f32(g + 16 + 2 * r) * (float)mins);
       }
-      out[i * TV_N + n] = acc;
+      out[i * TV_N + r] = acc;
     }
 }
 #endif
 
 TV_TILE_COLUMN_FN(tile_column, tile, struct xblock_k, NB, unsigned char, ROW_BYTES)
 
-/* One chunk: output columns [n0, n1), whole groups, for every row of x: GR groups per tile, then one. */
+/* One chunk: output columns [n0, n1), whole groups, for every row of x. tile.h's loops: a chunk is whole groups,
+ * so its rows always come NR = 8 at a time (its one-row leftover loop never runs). */
 static void qmatmul_chunk(const void* ctx, int chunk) {
   const struct qmatmul_args* a = (const struct qmatmul_args*)ctx;
-  int n0 = chunk * CHUNK_ROWS, n1 = TV_CHUNK_END(chunk);
-  for (int m0 = 0; m0 < TV_M; m0 += MB) {
-    int m1 = m0 + MB < TV_M ? m0 + MB : TV_M, n = n0;
-    for (; n + 8 * GR <= n1; n += 8 * GR) tile_column(a->out, a->xq, a->w, n, m0, m1, 8 * GR);
-    for (; n < n1; n += 8) tile_column(a->out, a->xq, a->w, n, m0, m1, 8);
-  }
+  TV_CHUNK_COLUMNS(tile_column, chunk, a->out, a->xq, a->w);
 }
