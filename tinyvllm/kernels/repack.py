@@ -22,7 +22,6 @@ from tinyvllm.kernels.launcher import device_kind, has_kernel
 # ggml type -> the kernel that reads its repacked layout
 X8_KERNELS = {12: "qmatmul_k_x8"}  # Q4_K
 GROUP = 8  # rows of w side by side
-GROUP_BLOCK_BYTES = {12: 1152}  # one super-block of each of the 8 rows: 8 x 144
 
 # 0: keep the GGUF's row layout on the CPU too (to compare the two kernels)
 ENABLED = os.getenv("TINYVLLM_REPACK", "1") == "1"
@@ -30,23 +29,12 @@ ENABLED = os.getenv("TINYVLLM_REPACK", "1") == "1"
 
 def repack_for(ggml_type: int, rows: int, device: str | None) -> str | None:
     """The layout a (rows, K) weight of `ggml_type` is kept in on `device`: "x8" (repacked) or None (the GGUF's)."""
+    device = device or Device.DEFAULT
     if not ENABLED or linear_module.PORTABLE or ggml_type not in X8_KERNELS or rows % GROUP != 0:
         return None
-    if not isinstance(device or Device.DEFAULT, str):  # split over devices: each keeps the file's rows
+    if not isinstance(device, str):  # split over devices: each keeps the file's rows
         return None
-    device = device or Device.DEFAULT
     return "x8" if device_kind(device) == "CPU" and has_kernel(X8_KERNELS[ggml_type], device) else None
-
-
-def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 bytes of 6-bit scales and mins (..., 12) uint8 -> sc, m (..., 2) uint32: the bytes of sc[0..7] and
-    of m[0..7]. Four bytes at a time, as the C kernel unpacks them (qmatmul_k.c's unpack_scales)."""
-    words = scales.view(np.uint32)  # (..., 3)
-    lo, mid, hi = words[..., 0], words[..., 1], words[..., 2]
-    six, four, two = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
-    sc = np.stack([lo & six, (hi & four) | (lo >> 6 & two) << 4], axis=-1)
-    m = np.stack([mid & six, (hi >> 4 & four) | (mid >> 6 & two) << 4], axis=-1)
-    return sc, m
 
 
 def repack_q4_k_x8(data: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -58,7 +46,10 @@ def repack_q4_k_x8(data: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     blocks = data.reshape(G, GROUP, NB, 144)  # (G, r, NB, 144)
     out = (np.empty((G, NB * 1152), np.uint8) if out is None else out).reshape(G, NB, 1152)
     out[..., 0:32].view(np.uint16).reshape(G, NB, 2, GROUP)[:] = blocks[..., 0:4].view(np.uint16).transpose(0, 2, 3, 1)
-    sc, m = _k_scales_mins(blocks[..., 4:16])  # (G, r, NB, 2): sc[r][j], m[r][j] as 8 bytes each
+    from tinyvllm.model.quant import k_scales_mins_bytes  # (the model layer's; imported where it is used)
+
+    # (G, r, NB, 2) uint32: sc[r][j] and m[r][j], 4 bytes a word, for the masks below
+    sc, m = (v.view(np.uint32) for v in k_scales_mins_bytes(blocks[..., 4:16]))
     four, two = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
 
     def by_subblock(v: np.ndarray) -> np.ndarray:  # bytes (G, r, NB, j) -> (G, NB, 64), byte 8j + r

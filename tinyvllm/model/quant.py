@@ -125,16 +125,26 @@ def dequantize_q3_k(blocks: np.ndarray) -> np.ndarray:
     q = (low.astype(np.int8) - ((hbit ^ 1) << 2).astype(np.int8)).astype(np.float32)
     return (dl * q).reshape(n, QK_K)
 
-def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, each (n, 8) float32.
+def k_scales_mins_bytes(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes (..., 12) uint8 -> 8 six-bit scales and 8 six-bit mins, each (..., 8) uint8.
 
         bytes 0-3   (j = 0..3):  bits 0-5 scale[j]   bits 6-7: scale[j+4] bits 4-5
         bytes 4-7   (j = 0..3):  bits 0-5 min[j]     bits 6-7: min[j+4]   bits 4-5
         bytes 8-11  (j = 0..3):  lo nibble: scale[j+4] bits 0-3   hi nibble: min[j+4] bits 0-3
-    """
-    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scales = np.concatenate([a & 63, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
-    mins = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+
+    Four bytes at a time, as little-endian uint32 words (as the C kernel unpacks them, qmatmul_k.c's
+    unpack_scales): the 4-byte groups above are one word each, and each mask and shift works on 4 bytes at once."""
+    words = packed.view(np.uint32)  # (..., 3): bytes 0-3, 4-7, 8-11
+    a, b, c = words[..., 0], words[..., 1], words[..., 2]
+    six, four, two = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+    scales = np.stack([a & six, (c & four) | (a >> 6 & two) << 4], axis=-1).view(np.uint8)
+    mins = np.stack([b & six, (c >> 4 & four) | (b >> 6 & two) << 4], axis=-1).view(np.uint8)
+    return scales, mins
+
+
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes (n, 12) -> the 8 scales and 8 mins (`k_scales_mins_bytes`), each (n, 8) float32."""
+    scales, mins = k_scales_mins_bytes(packed)
     return scales.astype(np.float32), mins.astype(np.float32)
 
 
