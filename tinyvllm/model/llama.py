@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -193,16 +195,7 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
             pool.submit(populate, parts)
         return mapped
     out = buffers.empty(shape, dtypes.uint8 if np_dtype == np.uint8 else dtypes.float32, device)
-    if (dst := host_view(out)) is None:  # device memory the host cannot see: copy the bytes in
-        host = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np_dtype)
-        buffers.copy_in(out, memoryview(host).cast("B"))
-        let_go(parts)
-        return out
-    if pool is None:
-        copy_out(parts, dst)
-    else:  # page faults and memory traffic: numpy releases the GIL
-        copies.append(pool.submit(copy_out, parts, dst))
-    return out
+    return fill(out, functools.partial(copy_out, parts), pool, copies)
 
 
 def upload_repacked(parts: list[np.ndarray], ggml_type: int, device: str | None, pool: ThreadPoolExecutor | None,
@@ -213,18 +206,25 @@ def upload_repacked(parts: list[np.ndarray], ggml_type: int, device: str | None,
     N, row_bytes = sum(p.shape[0] for p in parts), parts[0].shape[1]
     out = buffers.empty((N // repack.GROUP, row_bytes * repack.GROUP), dtypes.uint8, device)
 
-    def fill(dst: np.ndarray) -> None:
+    def write(dst: np.ndarray) -> None:
         repack.REPACK[ggml_type](parts[0] if len(parts) == 1 else np.concatenate(parts), out=dst)
         let_go(parts)
+    return fill(out, write, pool, copies)
 
-    if (dst := host_view(out)) is None:  # device memory the host cannot see: reordered here, then copied in
-        host = np.empty(out.shape, np.uint8)
-        fill(host)
+
+def fill(out: Tensor, write: Callable[[np.ndarray], None], pool: ThreadPoolExecutor | None,
+         copies: list[Future] | None) -> Tensor:
+    """`out` with `write(dst)`'s bytes: written into out's own memory where the host sees it (on the pool when there
+    is one: page faults and memory traffic, numpy releases the GIL, so the weights fill in parallel), else into a
+    host array, then copied in (device memory the host cannot see)."""
+    if (dst := host_view(out)) is None:
+        host = np.empty(out.shape, np.dtype(out.dtype.fmt))
+        write(host)
         buffers.copy_in(out, memoryview(host).cast("B"))
     elif pool is None:
-        fill(dst)
-    else:  # numpy releases the GIL: the layers reorder in parallel
-        copies.append(pool.submit(fill, dst))
+        write(dst)
+    else:
+        copies.append(pool.submit(write, dst))
     return out
 
 
