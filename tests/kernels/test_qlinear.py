@@ -186,7 +186,7 @@ def check_both_oracles(out: np.ndarray, x: np.ndarray, blocks: np.ndarray, ggml_
     fmt = QUANT_FORMATS[ggml_type]
     N, K = blocks.shape[0], x.shape[1]
     W = dequantize(blocks.reshape(-1), ggml_type, (N, K))
-    float_path = uses_float_path(ggml_type, x.shape[0]) if float_path is None else float_path
+    float_path = uses_float_path(fmt.kernel, x.shape[0]) if float_path is None else float_path
     ref = x.astype(np.float64) @ W.T.astype(np.float64) if float_path else reference(x, blocks, ggml_type)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(W.T).astype(np.float64)  # sum_k |x w|: what rounding scales
     # (a) float32 rounding only: ~K/32 block sums each rounded at 2^-24 stay far inside 1e-5 of the magnitudes
@@ -203,7 +203,7 @@ def test_float_path_is_off_unless_asked_for():
     source = (launcher.KERNELS_DIR / "cpu" / "qmatmul.c").read_text()
     assert "#define TV_FLOAT_MIN_M 0 " in source  # the kernel's own default: the integer route at every M
     if os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M") is None:
-        assert FLOAT_PATH_MIN_M == 0 and not uses_float_path(3, 10_000)
+        assert FLOAT_PATH_MIN_M == 0 and not uses_float_path("qmatmul", 10_000)
 
 
 @needs_kernel

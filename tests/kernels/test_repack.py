@@ -1,7 +1,8 @@
-"""Q4_K repacked 8 rows at a time for the CPU (tinyvllm/kernels/repack.py, kernels/cpu/qmatmul_k_x8.c).
+"""Weights repacked 8 rows at a time for the CPU (tinyvllm/kernels/repack.py): Q4_K (kernels/cpu/qmatmul_k_x8.c)
+and the 32-element Q4_0, Q4_1 and IQ4_NL (kernels/cpu/qmatmul_x8.c).
 
 The repacked weight must be the same weight: its tinygrad dequantization equals the GGUF's bit for bit, and the x8
-kernel's products match test_qlinear's two oracles (the kernel's own arithmetic in numpy, and the float product) at
+kernels' products match test_qlinear's two oracles (the kernel's own arithmetic in numpy, and the float product) at
 the M = 1 stream and the M > 1 tiles, on the AVX-512 VNNI, AVX2 and portable C routes alike.
 """
 
@@ -13,15 +14,24 @@ from tinygrad import Device, Tensor, dtypes
 
 from test_qlinear import check_both_oracles, random_blocks, weight  # noqa: E402
 from tinyvllm.kernels import launcher, repack
-from tinyvllm.kernels.qlinear import QuantizedWeight, dequantize_weight, embedding, qlinear, scratch_bytes, uses_kernel
+from tinyvllm.kernels.qlinear import (QUANT_FORMATS, QuantizedWeight, dequantize_weight, embedding, qlinear,
+                                      scratch_bytes, uses_kernel)
 
-Q4_K = 12
-needs_kernel = pytest.mark.skipif(not launcher.has_kernel("qmatmul_k_x8", Device.DEFAULT), reason="no C kernel here")
+Q4_0, Q4_1, Q4_K, IQ4_NL = 2, 3, 12, 20
+X8_TYPES = [Q4_K, Q4_0, Q4_1, IQ4_NL]
+IDS = [QUANT_FORMATS[t].name for t in X8_TYPES]
+needs_kernel = pytest.mark.skipif(not all(launcher.has_kernel(k, Device.DEFAULT) for k in set(repack.X8_KERNELS.values())),
+                                  reason="no C kernel here")
 
 
-def repacked(blocks: np.ndarray, K: int) -> QuantizedWeight:
-    data = Tensor(repack.repack_q4_k_x8(blocks)).realize()
-    return QuantizedWeight(data, Q4_K, (blocks.shape[0], K), layout="x8")
+def repacked(blocks: np.ndarray, ggml_type: int, K: int) -> QuantizedWeight:
+    data = Tensor(repack.REPACK[ggml_type](blocks)).realize()
+    return QuantizedWeight(data, ggml_type, (blocks.shape[0], K), layout="x8")
+
+
+def shapes(ggml_type: int) -> tuple[tuple[int, int], ...]:
+    """(N, K): 5 groups and 2 (chunks of whole groups), K of 2 super-blocks and 1, or of 3 blocks and 18"""
+    return ((40, 512), (16, 256)) if ggml_type == Q4_K else ((40, 96), (16, 576))
 
 
 def test_same_bytes_reordered():
@@ -33,44 +43,58 @@ def test_same_bytes_reordered():
     np.testing.assert_array_equal(np.sort(packed.reshape(2, 2, 1152)[..., 128:], -1), np.sort(gguf_qs, -1))
 
 
-def test_dequantized_weight_is_the_ggufs():
-    for N, K in ((16, 256), (24, 768)):
-        blocks = random_blocks(Q4_K, N, K, seed=N)
-        np.testing.assert_array_equal(dequantize_weight(repacked(blocks, K)).numpy(),
-                                      dequantize_weight(weight(blocks, Q4_K, K)).numpy())
+def test_32_element_blocks_same_bytes_reordered():
+    for t in (Q4_0, Q4_1, IQ4_NL):
+        B = QUANT_FORMATS[t].type_size
+        blocks = random_blocks(t, 16, 64, seed=t)
+        packed = repack.REPACK[t](blocks)
+        assert packed.shape == (2, 2 * 8 * B) and packed.nbytes == blocks.nbytes
+        gguf = np.sort(blocks.reshape(2, 8, 2, B).transpose(0, 2, 1, 3).reshape(2, 2, 8 * B), -1)
+        np.testing.assert_array_equal(np.sort(packed.reshape(2, 2, 8 * B), -1), gguf)
+
+
+@pytest.mark.parametrize("ggml_type", X8_TYPES, ids=IDS)
+def test_dequantized_weight_is_the_ggufs(ggml_type: int):
+    for N, K in shapes(ggml_type):
+        blocks = random_blocks(ggml_type, N, K, seed=N)
+        np.testing.assert_array_equal(dequantize_weight(repacked(blocks, ggml_type, K)).numpy(),
+                                      dequantize_weight(weight(blocks, ggml_type, K)).numpy())
 
 
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 3, 37])
-def test_kernel_matches_both_oracles(M: int):
-    for N, K in ((40, 512), (16, 256)):  # 5 groups, and 2: chunks of whole groups; K of 2 super-blocks and 1
-        blocks = random_blocks(Q4_K, N, K, seed=N + M)
+@pytest.mark.parametrize("ggml_type", X8_TYPES, ids=IDS)
+def test_kernel_matches_both_oracles(ggml_type: int, M: int):
+    for N, K in shapes(ggml_type):
+        blocks = random_blocks(ggml_type, N, K, seed=N + M)
         x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
-        w, xt = repacked(blocks, K), Tensor(x).realize()
-        assert uses_kernel(xt, w) and w.kernel == "qmatmul_k_x8"
-        check_both_oracles(qlinear(xt, w).numpy(), x, blocks, Q4_K)
+        w, xt = repacked(blocks, ggml_type, K), Tensor(x).realize()
+        assert uses_kernel(xt, w) and w.kernel == repack.X8_KERNELS[ggml_type]
+        check_both_oracles(qlinear(xt, w).numpy(), x, blocks, ggml_type)
 
 
 @needs_kernel
 @pytest.mark.parametrize("route", [{"TV_NO_VNNI": 1}, {"TV_SCALAR": 1}], ids=["avx2", "portable"])
-def test_other_routes_match(route: dict):
-    N, K = 24, 768
-    blocks = random_blocks(Q4_K, N, K, seed=5)
-    data = Tensor(repack.repack_q4_k_x8(blocks)).realize()
+@pytest.mark.parametrize("ggml_type", X8_TYPES, ids=IDS)
+def test_other_routes_match(ggml_type: int, route: dict):
+    N, K = (24, 768) if ggml_type == Q4_K else (24, 160)
+    blocks = random_blocks(ggml_type, N, K, seed=5)
+    data = Tensor(repack.REPACK[ggml_type](blocks)).realize()
     for M in (1, 6):
         x = np.random.default_rng(M).standard_normal((M, K), dtype=np.float32)
         out = Tensor.empty(M, N, dtype=dtypes.float32)
-        scratch = Tensor.empty(scratch_bytes(Q4_K, M, K), dtype=dtypes.uint8)
-        out, _ = launcher.launch("qmatmul_k_x8", outs=[out, scratch], ins=[Tensor(x).realize(), data],
-                                 defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": Q4_K, **route})
-        check_both_oracles(out.numpy(), x, blocks, Q4_K)
+        scratch = Tensor.empty(scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8)
+        out, _ = launcher.launch(repack.X8_KERNELS[ggml_type], outs=[out, scratch], ins=[Tensor(x).realize(), data],
+                                 defines={"TV_M": M, "TV_N": N, "TV_K": K, "TV_QTYPE": ggml_type, **route})
+        check_both_oracles(out.numpy(), x, blocks, ggml_type)
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_its_batch():
-    blocks = random_blocks(Q4_K, 40, 512, seed=9)
-    w = repacked(blocks, 512)
-    x = np.random.default_rng(9).standard_normal((37, 512), dtype=np.float32)
+@pytest.mark.parametrize("ggml_type", X8_TYPES, ids=IDS)
+def test_a_rows_result_does_not_depend_on_its_batch(ggml_type: int):
+    N, K = shapes(ggml_type)[0]
+    w = repacked(random_blocks(ggml_type, N, K, seed=9), ggml_type, K)
+    x = np.random.default_rng(9).standard_normal((37, K), dtype=np.float32)
     alone = qlinear(Tensor(x[:1]), w).numpy()[0]
     for M in (2, 5, 37):
         np.testing.assert_array_equal(qlinear(Tensor(x[:M]), w).numpy()[0], alone, err_msg=f"M={M}")
@@ -81,6 +105,9 @@ def test_which_weights_are_repacked(monkeypatch: pytest.MonkeyPatch):
     assert repack.repack_for(Q4_K, 64, "CPU") == ("x8" if cpu else None)
     assert repack.repack_for(Q4_K, 60, "CPU") is None  # not whole groups of 8 rows
     assert repack.repack_for(14, 64, "CPU") is None  # Q6_K: the GGUF's rows
+    assert repack.repack_for(8, 64, "CPU") is None  # Q8_0, too
+    for t in (Q4_0, Q4_1, IQ4_NL):
+        assert repack.repack_for(t, 64, "CPU") == ("x8" if launcher.has_kernel("qmatmul_x8", "CPU") else None)
     assert repack.repack_for(Q4_K, 64, ("CPU:0", "CPU:1")) is None  # split over devices
     monkeypatch.setattr(repack, "ENABLED", False)
     assert repack.repack_for(Q4_K, 64, "CPU") is None
@@ -95,15 +122,17 @@ def test_bad_layouts_are_clear_errors():
     with pytest.raises(ValueError, match="needs data of shape"):
         QuantizedWeight(Tensor(blocks), Q4_K, (16, 256), layout="x8")  # rows, not groups
     with pytest.raises(ValueError, match="GGUF's layout"):
-        embedding(repacked(blocks, 256), Tensor([1, 2]))
+        embedding(repacked(blocks, Q4_K, 256), Tensor([1, 2]))
+    with pytest.raises(ValueError, match="Q4_K, Q4_0, Q4_1 or IQ4_NL"):
+        QuantizedWeight(Tensor(random_blocks(8, 8, 64, seed=2)), 8, (8, 64), layout="x8")  # Q8_0 is not repacked
 
 
 @needs_kernel
 @pytest.mark.parametrize("path", ["integrated", "discrete"])
-def test_a_q4_k_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pytest.MonkeyPatch, path: str):
-    """A tiny model whose layers are Q4_K, loaded both ways: the repacked weights are the file's (a copy, on the
-    discrete GPU's path bytes copied in) and its logits those of the file's layout up to float summation order. The
-    embedding, looked up by rows, keeps the file's layout."""
+def test_a_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pytest.MonkeyPatch, path: str):
+    """A tiny model whose layers are Q4_K, Q4_0, Q4_1 and IQ4_NL, loaded both ways: the repacked weights are the
+    file's (a copy, on the discrete GPU's path bytes copied in) and its logits those of the file's layout up to float
+    summation order. The embedding, looked up by rows, keeps the file's layout."""
     import dataclasses
 
     from test_weights import TINY, tiny_state_dict, write_tiny_gguf
@@ -119,11 +148,14 @@ def test_a_q4_k_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pyte
                                  num_key_value_heads=2, head_dim=64)
     sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32)
           for k, v in tiny_state_dict(config).items()}
-    # Q4_K by the project's quantizer (the gguf package has none); q and k, whose rows the file permutes, stay float
+    # the four formats by the project's quantizer (the gguf package has no Q4_K); q and k, whose rows the file
+    # permutes, stay float
     names = [n for n in sd if n.startswith("model.layers.") and sd[n].ndim == 2 and "q_proj" not in n
              and "k_proj" not in n] + ["model.embed_tokens.weight"]
-    raw = {gguf_name(n): (quantize(sd.pop(n), Q4_K), Q4_K) for n in names}
-    path_ = write_tiny_gguf(tmp_path / "q4_k.gguf", sd, config, raw=raw)
+    kinds = {"gate_proj": Q4_K, "up_proj": Q4_K, "down_proj": Q4_0, "o_proj": IQ4_NL, "v_proj": Q4_1}
+    types = {n: next((t for part, t in kinds.items() if part in n), Q4_K) for n in names}
+    raw = {gguf_name(n): (quantize(sd.pop(n), types[n]), types[n]) for n in names}
+    path_ = write_tiny_gguf(tmp_path / "x8.gguf", sd, config, raw=raw)
     logits = {}
     for enabled in (False, True):
         monkeypatch.setattr(repack, "ENABLED", enabled)
@@ -132,5 +164,6 @@ def test_a_q4_k_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pyte
         weights = [w for layer in model.layers for w in layer.weights() for w in (w if isinstance(w, tuple) else (w,))]
         layouts = {w.layout for w in weights if isinstance(w, QuantizedWeight)}
         assert layouts == ({"x8"} if enabled else {None}) and model.embed_tokens.layout is None
+        assert {w.ggml_type for w in weights if isinstance(w, QuantizedWeight)} == {Q4_K, Q4_0, Q4_1, IQ4_NL}
         logits[enabled] = ContiguousModelRunner(model, max_model_len=64).prefill([1, 5, 9, 33, 2])
     np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-4 * np.abs(logits[False]).max())

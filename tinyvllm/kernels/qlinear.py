@@ -57,8 +57,9 @@ FLOAT_PATH_MIN_M = int(os.getenv("TINYVLLM_QMATMUL_FLOAT_MIN_M", "0"))
 VNNI = os.getenv("TINYVLLM_QMATMUL_VNNI", "1") == "1"
 
 
-def uses_float_path(ggml_type: int, M: int) -> bool:
-    return QUANT_FORMATS[ggml_type].kernel == "qmatmul" and 0 < FLOAT_PATH_MIN_M <= M
+def uses_float_path(kernel: str, M: int) -> bool:
+    """Does `kernel` (qmatmul.c's, on the GGUF's rows: the repacked layouts have no float path) take it at M rows?"""
+    return kernel == "qmatmul" and 0 < FLOAT_PATH_MIN_M <= M
 
 
 def quant_format(ggml_type: int) -> QuantFormat:
@@ -86,7 +87,7 @@ class QuantizedWeight:
         want = (N, K // fmt.block_size * fmt.type_size)
         if self.layout == "x8":
             if self.ggml_type not in repack.X8_KERNELS or N % repack.GROUP != 0:
-                raise ValueError(f"the x8 layout holds Q4_K weights of a multiple of 8 rows, "
+                raise ValueError(f"the x8 layout holds Q4_K, Q4_0, Q4_1 or IQ4_NL weights of a multiple of 8 rows, "
                                  f"not {fmt.name} {self.shape}")
             want = (N // repack.GROUP, want[1] * repack.GROUP)
         elif self.layout is not None:
@@ -166,7 +167,7 @@ def qlinear(x: Tensor, w: QuantizedWeight) -> Tensor:
         wd = w.data.contiguous()
         if device_kind(x.device) == "CPU":
             scratch = output((max(1, scratch_bytes(w.ggml_type, M, K)),), dtypes.uint8, x2)
-            if uses_float_path(w.ggml_type, M):
+            if uses_float_path(w.kernel, M):
                 defines["TV_FLOAT_MIN_M"] = FLOAT_PATH_MIN_M
             if not VNNI:
                 defines["TV_NO_VNNI"] = 1
@@ -345,8 +346,10 @@ def _dequantize_q4_k_x8(groups: Tensor, N: int, K: int) -> Tensor:
 
 def dequantize_weight(w: QuantizedWeight) -> Tensor:
     """The (N, K) float32 weight in tinygrad ops: the portable reference."""
-    if w.layout == "x8":
+    if w.layout == "x8" and w.ggml_type == 12:
         return _dequantize_q4_k_x8(w.data, *w.shape)
+    if w.layout == "x8":  # the 32-element formats: moved back to the GGUF's rows, then as those
+        return _dequantize_rows(repack.unpack_blocks_x8(w.data, w.ggml_type, *w.shape), w.ggml_type, w.shape[1])
     return _dequantize_rows(w.data, w.ggml_type, w.shape[1])
 
 

@@ -1,16 +1,18 @@
-"""Weights reordered at load for the CPU: Q4_K's rows 8 side by side, the layout kernels/cpu/qmatmul_k_x8.c reads.
+"""Weights reordered at load for the CPU: rows 8 side by side, the layouts kernels/cpu/qmatmul_k_x8.c (Q4_K) and
+qmatmul_x8.c (Q4_0, Q4_1, IQ4_NL) read.
 
 The GGUF stores a weight row after row. A CPU core computes one row's dot product per super-block with a scale
 unpack, two float multiply-adds and a horizontal sum; with 8 rows in the 8 lanes of one register, those costs are
 paid once per 8 rows (the kernel file says how). The bytes are the GGUF's, reordered: the weight takes the same
 memory, but it is copied out of the file's mapped pages instead of being used where it lies.
 
-llama.cpp's CPU backend reorders Q4_K the same way when it loads a file (its "repacked" buffers). The GPU kernels
+llama.cpp's CPU backend reorders Q4_K, Q4_0 and IQ4_NL the same way when it loads a file (its "repacked" buffers). The GPU kernels
 keep the file's layout: this is the CPU's choice, made in one place, `repack_for`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -20,7 +22,9 @@ from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import device_kind, has_kernel
 
 # ggml type -> the kernel that reads its repacked layout
-X8_KERNELS = {12: "qmatmul_k_x8"}  # Q4_K
+X8_KERNELS = {12: "qmatmul_k_x8", 2: "qmatmul_x8", 3: "qmatmul_x8", 20: "qmatmul_x8"}  # Q4_K; Q4_0, Q4_1, IQ4_NL
+# the 32-element formats of qmatmul_x8.c: ggml type -> (block bytes, bytes of float16 scales before the nibbles)
+BLOCK_X8 = {2: (18, 2), 3: (20, 4), 20: (18, 2)}
 GROUP = 8  # rows of w side by side
 
 # 0: keep the GGUF's row layout on the CPU too (to compare the two kernels)
@@ -63,4 +67,31 @@ def repack_q4_k_x8(data: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     return out.reshape(G, NB * 1152)
 
 
-REPACK = {12: repack_q4_k_x8}
+def repack_blocks_x8(data: np.ndarray, ggml_type: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows of 32-element blocks (N, NB * B) uint8 -> groups (N / 8, NB * 8 * B), qmatmul_x8.c's layout: per group
+    and block, each float16 scale of the 8 rows side by side, then the 16 bytes of nibbles 4 bytes of a row at a time
+    (moved as uint16 and uint32)."""
+    B, H = BLOCK_X8[ggml_type]
+    N, row_bytes = data.shape
+    G, NB = N // GROUP, row_bytes // B
+    blocks = data.reshape(G, GROUP, NB, B)  # (G, r, NB, B)
+    out = (np.empty((G, NB * GROUP * B), np.uint8) if out is None else out).reshape(G, NB, GROUP * B)
+    head = GROUP * H  # the scales: (G, NB, field, r) uint16
+    out[..., :head].view(np.uint16).reshape(G, NB, H // 2, GROUP)[:] = blocks[..., :H].view(np.uint16).transpose(
+        0, 2, 3, 1)
+    qs = blocks[..., H:].view(np.uint32)  # (G, r, NB, k): bytes 4k .. 4k + 3 of a row's 16
+    out[..., head:].view(np.uint32).reshape(G, NB, 4, GROUP)[:] = qs.transpose(0, 2, 3, 1)  # (k, r)
+    return out.reshape(G, NB * GROUP * B)
+
+
+def unpack_blocks_x8(groups, ggml_type: int, N: int, K: int):
+    """The inverse of `repack_blocks_x8` on a tinygrad Tensor: groups -> the GGUF's rows (N, K / 32 * B) uint8."""
+    B, H = BLOCK_X8[ggml_type]
+    G, NB = N // GROUP, K // 32
+    b = groups.reshape(G, NB, GROUP * B)
+    head = b[..., :GROUP * H].reshape(G, NB, H // 2, GROUP, 2).permute(0, 3, 1, 2, 4).reshape(G, GROUP, NB, H)
+    qs = b[..., GROUP * H:].reshape(G, NB, 4, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(G, GROUP, NB, 16)
+    return head.cat(qs, dim=-1).reshape(N, NB * B)
+
+
+REPACK = {12: repack_q4_k_x8, **{t: functools.partial(repack_blocks_x8, ggml_type=t) for t in BLOCK_X8}}
