@@ -25,6 +25,7 @@ if os.environ.get("TINYVLLM_GRAPH_CACHE") != "0" and not os.environ.get("TINYVLL
     os.environ["TINYVLLM_GRAPH_CACHE_DIR"] = tempfile.mkdtemp(prefix="tinyvllm-test-graphs-")
     atexit.register(shutil.rmtree, os.environ["TINYVLLM_GRAPH_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("TINYVLLM_TOKENIZER_CACHE", "0")  # tokenizers built as before (test_cold_start turns it on)
+os.environ.setdefault("TINYVLLM_REPACK_CACHE", "0")  # weights repacked at every load (test_repack turns it on)
 os.environ.setdefault("TINYVLLM_GGUF_HEADER_CACHE", "0")  # GGUF headers parsed as before (test_cold_start turns it on)
 
 # the test files live in folders that mirror the package (tests/core/, tests/engine/, ...); the helpers beside this file

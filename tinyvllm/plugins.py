@@ -23,6 +23,7 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "program_cache": ("tinyvllm.kernels.program_cache", "install"),  # 6
     "tokenizer_cache": ("tinyvllm.model.tokenizer_cache", "load_tokenizer"),  # 6
     "gguf_header_cache": ("tinyvllm.model.gguf_header_cache", "header_cache"),  # 6
+    "repacked_cache": ("tinyvllm.model.repacked_cache", "model_identity"),  # 6: repacked weights kept on disk
     "beam_search_params": ("tinyvllm.engine.beam_search", "BeamSearchParams"),  # 7a
     "pooling_params": ("tinyvllm.pooling_params", "PoolingParams"),  # 9: embeddings
     "vision_tower": ("tinyvllm.model.vision", "load_vision_tower"),  # 10

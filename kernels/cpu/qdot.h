@@ -1,5 +1,5 @@
-/* Helpers shared by the quantized matmuls (qmatmul.c, qmatmul_k.c, qmatmul_k_x8.c): float16 scales, and x rounded to
- * 8 bits.
+/* Helpers shared by the quantized matmuls (qmatmul.c, qmatmul_k.c and the repacked layouts' qmatmul_x8.c and
+ * qmatmul_k_x8.c): float16 scales, and x rounded to 8 bits.
  *
  * x is quantized the same way in both files, per block of 32 (qmatmul.c) or 256 (qmatmul_k.c) floats:
  *     d = max|x| / 127        q = rint(x * (127 / max|x|))   (round half to even; q in -127..127; all zero if x is)

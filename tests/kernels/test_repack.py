@@ -8,6 +8,8 @@ the M = 1 stream and the M > 1 tiles, on the AVX-512 VNNI, AVX2 and portable C r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from tinygrad import Device, Tensor, dtypes
@@ -16,12 +18,13 @@ from test_qlinear import check_both_oracles, random_blocks, weight  # noqa: E402
 from tinyvllm.kernels import launcher, repack
 from tinyvllm.kernels.qlinear import (QUANT_FORMATS, QuantizedWeight, dequantize_weight, embedding, qlinear,
                                       scratch_bytes, uses_kernel)
+from tinyvllm.tinygrad_ext import buffers
 
 Q4_0, Q4_1, Q4_K, IQ4_NL = 2, 3, 12, 20
 X8_TYPES = [Q4_K, Q4_0, Q4_1, IQ4_NL]
 IDS = [QUANT_FORMATS[t].name for t in X8_TYPES]
-needs_kernel = pytest.mark.skipif(not all(launcher.has_kernel(k, Device.DEFAULT) for k in set(repack.X8_KERNELS.values())),
-                                  reason="no C kernel here")
+needs_kernel = pytest.mark.skipif(
+    not all(launcher.has_kernel(k, Device.DEFAULT) for k in set(repack.X8_KERNELS.values())), reason="no C kernel here")
 
 
 def repacked(blocks: np.ndarray, ggml_type: int, K: int) -> QuantizedWeight:
@@ -127,43 +130,135 @@ def test_bad_layouts_are_clear_errors():
         QuantizedWeight(Tensor(random_blocks(8, 8, 64, seed=2)), 8, (8, 64), layout="x8")  # Q8_0 is not repacked
 
 
-@needs_kernel
-@pytest.mark.parametrize("path", ["integrated", "discrete"])
-def test_a_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pytest.MonkeyPatch, path: str):
-    """A tiny model whose layers are Q4_K, Q4_0, Q4_1 and IQ4_NL, loaded both ways: the repacked weights are the
-    file's (a copy, on the discrete GPU's path bytes copied in) and its logits those of the file's layout up to float
-    summation order. The embedding, looked up by rows, keeps the file's layout."""
+def tiny_x8_gguf(folder) -> Path:
+    """A tiny model's GGUF whose layers are Q4_K, Q4_0, Q4_1 and IQ4_NL (the project's quantizer: the gguf package
+    has no Q4_K); q and k, whose rows the file permutes, stay float."""
     import dataclasses
 
     from test_weights import TINY, tiny_state_dict, write_tiny_gguf
-    from tinyvllm import platforms
-    from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
-    from tinyvllm.model.llama import LlamaForCausalLM
     from tinyvllm.model.quantizer import quantize
-    from tinyvllm.model.weights import load_checkpoint
     from tinyvllm.model.weights_gguf import gguf_name
 
-    monkeypatch.setattr(platforms, "DEVICE_PATH", path)
     config = dataclasses.replace(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=64)
     sd = {k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v).astype(np.float32)
           for k, v in tiny_state_dict(config).items()}
-    # the four formats by the project's quantizer (the gguf package has no Q4_K); q and k, whose rows the file
-    # permutes, stay float
     names = [n for n in sd if n.startswith("model.layers.") and sd[n].ndim == 2 and "q_proj" not in n
              and "k_proj" not in n] + ["model.embed_tokens.weight"]
     kinds = {"gate_proj": Q4_K, "up_proj": Q4_K, "down_proj": Q4_0, "o_proj": IQ4_NL, "v_proj": Q4_1}
     types = {n: next((t for part, t in kinds.items() if part in n), Q4_K) for n in names}
     raw = {gguf_name(n): (quantize(sd.pop(n), types[n]), types[n]) for n in names}
-    path_ = write_tiny_gguf(tmp_path / "x8.gguf", sd, config, raw=raw)
+    return write_tiny_gguf(folder / "x8.gguf", sd, config, raw=raw)
+
+
+def quantized_weights(model) -> list[QuantizedWeight]:
+    weights = [w for layer in model.layers for w in layer.weights() for w in (w if isinstance(w, tuple) else (w,))]
+    return [w for w in weights if isinstance(w, QuantizedWeight)]
+
+
+def prefill_logits(model) -> np.ndarray:
+    from tinyvllm.engine.contiguous_runner import ContiguousModelRunner
+
+    return ContiguousModelRunner(model, max_model_len=64).prefill([1, 5, 9, 33, 2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["integrated", "discrete"])
+def test_a_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pytest.MonkeyPatch, path: str):
+    """The tiny model loaded both ways: the repacked weights are the file's (a copy, on the discrete GPU's path bytes
+    copied in) and its logits those of the file's layout up to float summation order. The embedding, looked up by
+    rows, keeps the file's layout."""
+    from tinyvllm import platforms
+    from tinyvllm.model.llama import LlamaForCausalLM
+    from tinyvllm.model.weights import load_checkpoint
+
+    monkeypatch.setattr(platforms, "DEVICE_PATH", path)
+    gguf = tiny_x8_gguf(tmp_path)
     logits = {}
     for enabled in (False, True):
         monkeypatch.setattr(repack, "ENABLED", enabled)
-        ck = load_checkpoint(path_, quantization="auto")
+        ck = load_checkpoint(gguf, quantization="auto")
         model = LlamaForCausalLM(ck.config, ck.state_dict, quantization=ck.quantization)
-        weights = [w for layer in model.layers for w in layer.weights() for w in (w if isinstance(w, tuple) else (w,))]
-        layouts = {w.layout for w in weights if isinstance(w, QuantizedWeight)}
-        assert layouts == ({"x8"} if enabled else {None}) and model.embed_tokens.layout is None
-        assert {w.ggml_type for w in weights if isinstance(w, QuantizedWeight)} == {Q4_K, Q4_0, Q4_1, IQ4_NL}
-        logits[enabled] = ContiguousModelRunner(model, max_model_len=64).prefill([1, 5, 9, 33, 2])
+        weights = quantized_weights(model)
+        assert {w.layout for w in weights} == ({"x8"} if enabled else {None}) and model.embed_tokens.layout is None
+        assert {w.ggml_type for w in weights} == {Q4_K, Q4_0, Q4_1, IQ4_NL}
+        logits[enabled] = prefill_logits(model)
     np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-4 * np.abs(logits[False]).max())
+
+
+# ---- the repacked weights kept on disk (tinyvllm/model/repacked_cache.py) ----
+
+@pytest.fixture
+def kept_cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    from tinyvllm.model import repacked_cache
+
+    monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(repacked_cache, "ENABLED", True)
+    return repacked_cache
+
+
+def load_tiny(gguf):
+    """The model as load_model builds it (its weights' source named, so that their repacked copies are kept)."""
+    from tinyvllm.model import repacked_cache
+    from tinyvllm.model.llama import LlamaForCausalLM
+    from tinyvllm.model.weights import load_checkpoint
+
+    ck = load_checkpoint(gguf, quantization="auto")
+    return LlamaForCausalLM(ck.config, ck.state_dict, quantization=ck.quantization,
+                            model_id=repacked_cache.model_identity(ck.path, ck.quantization))
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps `path` (Linux's /proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            start, end = (int(a, 16) for a in line.split()[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@needs_kernel
+def test_a_warm_start_maps_the_weights_an_earlier_start_repacked(tmp_path, kept_cache, monkeypatch):
+    """The first load repacks and writes one file; the next maps it (nothing repacked: REPACK would raise), each
+    weight a view of that file, and computes the same logits."""
+    gguf = tiny_x8_gguf(tmp_path)
+    first = load_tiny(gguf)
+    files = list(kept_cache.cache_dir().glob("*.x8"))
+    assert len(files) == 1 and not list(kept_cache.cache_dir().glob("*.tmp"))
+    logits = prefill_logits(first)
+
+    def no_repack(*args, **kwargs):
+        raise AssertionError("repacked again: the kept file was not used")
+    monkeypatch.setattr(repack, "REPACK", {t: no_repack for t in repack.REPACK})
+    again = load_tiny(gguf)
+    ranges = mapped_ranges(files[0])
+    for w in quantized_weights(again):  # every repacked weight lies in the kept file's pages
+        address = buffers.buffer_address(w.data)
+        assert w.layout == "x8" and any(a <= address < b for a, b in ranges)
+    np.testing.assert_array_equal(prefill_logits(again), logits)
+
+
+@needs_kernel
+def test_a_foreign_or_damaged_file_is_repacked_and_written_again(tmp_path, kept_cache):
+    gguf = tiny_x8_gguf(tmp_path)
+    logits = prefill_logits(load_tiny(gguf))
+    (file,) = kept_cache.cache_dir().glob("*.x8")
+    for damage in (b"not a cache file", file.read_bytes()[:5000]):  # another file; one cut short
+        file.unlink()  # (a new inode: this process's mappings of the old file keep their pages)
+        file.write_bytes(damage)
+        assert kept_cache.KeptWeights(kept_cache.model_identity(gguf, "auto")).mapping is None
+        np.testing.assert_array_equal(prefill_logits(load_tiny(gguf)), logits)
+        assert kept_cache.KeptWeights(kept_cache.model_identity(gguf, "auto")).mapping is not None
+
+
+@needs_kernel
+def test_a_cache_that_cannot_be_written_leaves_the_model_whole(tmp_path, kept_cache, monkeypatch):
+    gguf = tiny_x8_gguf(tmp_path)
+    (tmp_path / "cache").write_text("a file where the cache's folder would be")
+    model = load_tiny(gguf)
+    assert {w.layout for w in quantized_weights(model)} == {"x8"}
+    monkeypatch.setattr(kept_cache, "ENABLED", False)
+    (tmp_path / "cache").unlink()
+    np.testing.assert_array_equal(prefill_logits(model), prefill_logits(load_tiny(gguf)))
+    assert not (tmp_path / "cache").exists()  # off: nothing written

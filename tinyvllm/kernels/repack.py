@@ -4,10 +4,11 @@ qmatmul_x8.c (Q4_0, Q4_1, IQ4_NL) read.
 The GGUF stores a weight row after row. A CPU core computes one row's dot product per super-block with a scale
 unpack, two float multiply-adds and a horizontal sum; with 8 rows in the 8 lanes of one register, those costs are
 paid once per 8 rows (the kernel file says how). The bytes are the GGUF's, reordered: the weight takes the same
-memory, but it is copied out of the file's mapped pages instead of being used where it lies.
+memory, but it is copied out of the file's mapped pages instead of being used where it lies (the first start keeps
+the copy on disk for the next ones: tinyvllm/model/repacked_cache.py).
 
-llama.cpp's CPU backend reorders Q4_K, Q4_0 and IQ4_NL the same way when it loads a file (its "repacked" buffers). The GPU kernels
-keep the file's layout: this is the CPU's choice, made in one place, `repack_for`.
+llama.cpp's CPU backend reorders Q4_K, Q4_0 and IQ4_NL the same way when it loads a file (its "repacked" buffers).
+The GPU kernels keep the file's layout: this is the CPU's choice, made in one place, `repack_for`.
 """
 
 from __future__ import annotations

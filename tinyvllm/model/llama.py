@@ -199,17 +199,24 @@ def upload(parts: list[np.ndarray], device: str | None, pool: ThreadPoolExecutor
 
 
 def upload_repacked(parts: list[np.ndarray], ggml_type: int, device: str | None, pool: ThreadPoolExecutor | None,
-                    copies: list[Future] | None) -> Tensor:
-    """GGUF rows of blocks, concatenated and reordered for the CPU's kernel (kernels/repack.py), into a new buffer."""
+                    copies: list[Future] | None, kept=None, key: str | None = None) -> Tensor:
+    """GGUF rows of blocks, concatenated and reordered for the CPU's kernel (kernels/repack.py), into a new buffer;
+    with `kept` (model/repacked_cache.py's KeptWeights, on a device the host sees) the copy an earlier start kept under
+    `key`, used in place, else the new buffer, handed to `kept` to be written to disk."""
     from tinyvllm.kernels import repack
 
     N, row_bytes = sum(p.shape[0] for p in parts), parts[0].shape[1]
-    out = buffers.empty((N // repack.GROUP, row_bytes * repack.GROUP), dtypes.uint8, device)
+    shape = (N // repack.GROUP, row_bytes * repack.GROUP)
+    if kept is not None and (view := kept.get(key, shape)) is not None:
+        return buffers.tensor_over_memory(view.ctypes.data, shape, dtypes.uint8, device, owner=view)
 
     def write(dst: np.ndarray) -> None:
         repack.REPACK[ggml_type](parts[0] if len(parts) == 1 else np.concatenate(parts), out=dst)
         let_go(parts)
-    return fill(out, write, pool, copies)
+    out = fill(buffers.empty(shape, dtypes.uint8, device), write, pool, copies)
+    if kept is not None:
+        kept.keep(key, host_view(out))
+    return out
 
 
 def fill(out: Tensor, write: Callable[[np.ndarray], None], pool: ThreadPoolExecutor | None,
@@ -250,7 +257,8 @@ class LlamaForCausalLM:
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, np.ndarray | QuantizedArray],
                  dtype: DType = dtypes.float32, device: str | None = None, quantization: str = "none",
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, model_id: str | None = None):
+        # model_id: where the weights come from (repacked_cache.model_identity), their repacked copies kept on disk
         self.config, self.dtype = config, dtype
         self.quantization = quantization  # the --quantization method the weights were loaded with
         self.tp: OneDevice | TensorParallel = OneDevice(config, device)
@@ -269,6 +277,17 @@ class LlamaForCausalLM:
 
         loaded: list[Tensor] = []
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
+        kept_by_model = []  # the repacked weights an earlier start kept on disk (model/repacked_cache.py), once
+
+        def kept_weights(dev: str | None):
+            if model_id is None or not platform_for(dev).host_views:
+                return None
+            if not kept_by_model:
+                from tinyvllm.model.repacked_cache import KeptWeights
+
+                kept_by_model.append(KeptWeights(model_id))
+                pool.submit(populate, kept_by_model[0].whole())  # its pages mapped in while the rest loads
+            return kept_by_model[0]
 
         def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None,
                  by_rows: bool = False) -> Weight:
@@ -290,7 +309,9 @@ class LlamaForCausalLM:
                 N, ggml_type = sum(d.shape[0] for d in data), parts[0].ggml_type
                 layout = None if by_rows or tp.size > 1 else repack.repack_for(ggml_type, N, dev)
                 if layout is not None:  # reordered for the CPU's kernel: a copy, not the file's pages
-                    loaded.append(upload_repacked(data, ggml_type, dev, pool, copies))
+                    kept = kept_weights(dev)
+                    key = None if kept is None else kept.weight_key(names, ggml_type)
+                    loaded.append(upload_repacked(data, ggml_type, dev, pool, copies, kept, key))
                 else:
                     loaded.append(upload(data, dev, pool, copies))  # (N, bytes per row) uint8: whole rows of blocks
                 return QuantizedWeight(loaded[-1], ggml_type, (N, parts[0].shape[1]), layout)
@@ -336,6 +357,8 @@ class LlamaForCausalLM:
             [rope_frequencies(config, local=True)], device)
         for copy in copies:
             copy.result()
+        if kept_by_model:  # the weights repacked now, written for the next start
+            kept_by_model[0].save()
         pool.shutdown(wait=False)  # the populates left: in the background
         del load  # a cycle (it calls itself) holding `state_dict`: freed now
         if pending := [t for t in loaded if not buffers.is_realized(t)]:

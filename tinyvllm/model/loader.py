@@ -15,8 +15,10 @@ from tinyvllm.model.weights import load_checkpoint
 from tinyvllm.platforms import resolve_dtype
 from tinyvllm.plugins import provided
 
-# Phase 6's cold start: what earlier processes compiled (kernels/program_cache.py) and built (model/tokenizer_cache.py)
+# Phase 6's cold start: what earlier processes compiled (kernels/program_cache.py), built (model/tokenizer_cache.py)
+# and repacked (model/repacked_cache.py)
 install_program_cache = provided("program_cache", lambda device=None: None)
+repacked_model_identity = provided("repacked_cache", lambda path, quantization: None)
 load_tokenizer = provided("tokenizer_cache", tokenizer.load_tokenizer)
 
 
@@ -54,7 +56,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | DType = "aut
     tokenizer = load_tokenizer(checkpoint.path)
     llm = LlamaForCausalLM(checkpoint.config, checkpoint.state_dict, dtype=dt, device=device,
                            quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                           pipeline_parallel_size=pipeline_parallel_size)
+                           pipeline_parallel_size=pipeline_parallel_size,
+                           model_id=repacked_model_identity(checkpoint.path, checkpoint.quantization))
     if mmproj is not None:
         llm.vision_tower = provided("mmproj", _no_mmproj)(mmproj, tokenizer, dt, llm.device)
     elif checkpoint.path.is_dir():  # Phase 10's vision module (and Pillow) imported only for a directory's
