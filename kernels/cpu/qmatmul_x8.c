@@ -1,5 +1,5 @@
 /* out(M,N) = x(M,K) @ w(N,K)^T for 4-bit weights of 32-element blocks repacked at load, 8 rows of w side by side:
- * Q4_0, Q4_1 and IQ4_NL (TV_QTYPE 2, 3, 20).
+ * Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL (TV_QTYPE 2, 3, 6, 7, 20).
  *
  * Why: qmatmul.c reads one row of w at a time, as the GGUF stores it, and pays for each block of 32 weights a float
  * multiply-add and, at the end of a row, a horizontal sum, per row of w. Here 8 rows share a register, lane r of
@@ -10,17 +10,22 @@
  * our own.
  *
  * The layout: a group of 8 rows (n = 8G .. 8G + 7) and one block b of each, 8 x the GGUF's block bytes, reordered,
- * groups after groups, blocks in order within a group. H = 16 bytes (Q4_0, IQ4_NL: d) or 32 (Q4_1: d, then m):
- *   bytes 0-15:    d[r], float16                 bytes 16-31 (Q4_1): m[r], float16
- *   bytes H + 32k + 4r + t = the GGUF's qs byte 4k + t of row r (k, t < 4): lo nibble = element 4k + t,
- *                            hi nibble = element 16 + 4k + t
- * with w = d (q - 8) (Q4_0), d q + m (Q4_1), d IQ4NL_VALUES[q] (IQ4_NL) for nibble q (qmatmul.c's formats;
- * tinyvllm/kernels/repack.py writes the layout). The GPU kernels read the GGUF's own layout.
+ * groups after groups, blocks in order within a group:
+ *   bytes 0-15:    d[r], float16                 then (Q4_1, Q5_1) 16 bytes: m[r], float16
+ *   then (Q5_0, Q5_1) 32 bytes of fifth bits, at FIFTH_AT: byte 4r + t holds in bit 4h + k the fifth bit of
+ *                 element 16h + 4k + t of row r (h < 2, k < 4, t < 4), regrouped from the GGUF's u32 qh
+ *   from HEAD:     byte HEAD + 32k + 4r + t = the GGUF's qs byte 4k + t of row r: lo nibble = element 4k + t,
+ *                  hi nibble = element 16 + 4k + t
+ * with w = d (q - 8) (Q4_0), d q + m (Q4_1), d (q - 16) (Q5_0, q = nibble + 16 fifth bit), d q + m (Q5_1),
+ * d IQ4NL_VALUES[q] (IQ4_NL) (qmatmul.c's formats; tinyvllm/kernels/repack.py writes the layout). The GPU kernels
+ * read the GGUF's own layout.
  *
  * Per (row of x, group, block), in int32 lanes, one per row of w, then in float, 8 rows at once:
- *   dot = sum_k u_k q_x,k   u = the nibble (Q4), IQ4NL_VALUES[nibble] + 128 (IQ4_NL: unsigned, for dpbusd)
- *   dot -= C * sum_k q_x,k   C = 8 (Q4_0: q - 8), 128 (IQ4_NL), 0 (Q4_1): the exact integer sum_k q_w,k q_x,k
- *   out += (d * d_x) * dot  (+ m * d_x * sum_k q_x,k for Q4_1's min)
+ *   dot = sum_k u_k q_x,k   u = the nibble (Q4), nibble + 16 fifth bit (Q5; the bit moved to 16 by one shift of
+ *                           its byte), IQ4NL_VALUES[nibble] + 128 (IQ4_NL: unsigned, for dpbusd)
+ *   dot -= C * sum_k q_x,k   C = 8 (Q4_0: q - 8), 16 (Q5_0), 128 (IQ4_NL), 0 (Q4_1, Q5_1): the exact integer
+ *                           sum_k q_w,k q_x,k
+ *   out += (d * d_x) * dot  (+ m * d_x * sum_k q_x,k for Q4_1's and Q5_1's min)
  * Without VNNI, dpbusd is maddubs then madd against ones; IQ4_NL's values then stay signed and x takes their sign
  * (|pairs| <= 2 * 127 * 127 < 2^15, as in qmatmul.c), C = 0: the same integer sums.
  *
@@ -45,13 +50,24 @@
 #define BLOCK_BYTES 20
 #define HEAD 32
 #define C_VNNI 0
+#elif TV_QTYPE == 6
+#define BLOCK_BYTES 22
+#define FIFTH_AT 16
+#define HEAD 48
+#define C_VNNI 16
+#elif TV_QTYPE == 7
+#define BLOCK_BYTES 24
+#define FIFTH_AT 32
+#define HEAD 64
+#define C_VNNI 0
 #elif TV_QTYPE == 20
 #define BLOCK_BYTES 18
 #define HEAD 16
 #define C_VNNI 128
 #else
-#error "qmatmul_x8.c computes TV_QTYPE 2 (Q4_0), 3 (Q4_1) and 20 (IQ4_NL)"
+#error "qmatmul_x8.c computes TV_QTYPE 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1) and 20 (IQ4_NL)"
 #endif
+#define MIN_STORED (TV_QTYPE == 3 || TV_QTYPE == 7)  /* w = d q + m: m's 8 float16 after d's */
 #if TV_K % 32 != 0 || TV_N % 8 != 0
 #error "K must be a multiple of the 32-element block, N of the 8-row group"
 #endif
@@ -148,11 +164,19 @@ TV_INLINE void tile(float* restrict out, const struct xblock8* restrict x, const
   for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
   for (int b = 0; b < NB; b++) {
     const unsigned char* g = w + b * GROUP_BLOCK_BYTES;
+#ifdef FIFTH_AT
+    const __m256i fifth = _mm256_loadu_si256((const __m256i*)(g + FIFTH_AT));
+#endif
     __m256i dot[MR];
     for (int i = 0; i < mr; i++) dot[i] = _mm256_setzero_si256();
     for (int k = 0; k < 4; k++) {  /* elements 4k .. 4k + 3 (lo nibbles) and 16 + 4k .. (hi), all 8 rows */
       __m256i raw = _mm256_loadu_si256((const __m256i*)(g + HEAD + 32 * k));
       __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+#ifdef FIFTH_AT
+      /* bit k (lo) and bit 4 + k (hi) of each byte to bit 4: 16-bit shifts, one bit per byte, none crosses a byte */
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(fifth, _mm256_set1_epi8((char)(1 << k))), 4 - k));
+      hi = _mm256_or_si256(hi, _mm256_srli_epi16(_mm256_and_si256(fifth, _mm256_set1_epi8((char)(16 << k))), k));
+#endif
 #if TV_QTYPE == 20 && TV_VNNI
       lo = _mm256_shuffle_epi8(unsigned_values, lo);
       hi = _mm256_shuffle_epi8(unsigned_values, hi);
@@ -172,14 +196,14 @@ TV_INLINE void tile(float* restrict out, const struct xblock8* restrict x, const
       }
     }
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-#if TV_QTYPE == 3
+#if MIN_STORED
     __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
 #endif
     for (int i = 0; i < mr; i++) {
       const struct xblock8* xb = x + i * NB + b;
       __m256i exact = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(C_SHIFT * xb->sum));
       acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xb->d)), _mm256_cvtepi32_ps(exact), acc[i]);
-#if TV_QTYPE == 3
+#if MIN_STORED
       acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->d * (float)xb->sum), acc[i]);
 #endif
     }
@@ -205,15 +229,20 @@ TV_INLINE void tile(float* restrict out, const struct xblock8* restrict x, const
         for (int e = 0; e < 32; e++) {  /* element e: chunk k = (e % 16) / 4, byte t = e % 4, nibble e / 16 */
           unsigned char byte = g[HEAD + 32 * ((e % 16) / 4) + 4 * r + e % 4];
           int q = e < 16 ? byte & 0x0f : byte >> 4;
+#ifdef FIFTH_AT
+          q |= (g[FIFTH_AT + 4 * r + e % 4] >> (4 * (e / 16) + (e % 16) / 4) & 1) << 4;
+#endif
 #if TV_QTYPE == 2
           q -= 8;
+#elif TV_QTYPE == 6
+          q -= 16;
 #elif TV_QTYPE == 20
           q = values[q];
 #endif
           dot += q * xb->q[e];
         }
         acc += f16_to_f32(g + 2 * r) * xb->d * (float)dot;
-#if TV_QTYPE == 3
+#if MIN_STORED
         acc += f16_to_f32(g + 16 + 2 * r) * (xb->d * (float)xb->sum);
 #endif
       }

@@ -1,5 +1,6 @@
 """Weights repacked 8 rows at a time for the CPU (tinyvllm/kernels/repack.py): Q4_K (kernels/cpu/qmatmul_k_x8.c)
-and the 32-element Q4_0, Q4_1 and IQ4_NL (kernels/cpu/qmatmul_x8.c).
+and the 32-element Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL (kernels/cpu/qmatmul_x8.c), and kept on disk for the next
+start (tinyvllm/model/repacked_cache.py).
 
 The repacked weight must be the same weight: its tinygrad dequantization equals the GGUF's bit for bit, and the x8
 kernels' products match test_qlinear's two oracles (the kernel's own arithmetic in numpy, and the float product) at
@@ -20,8 +21,8 @@ from tinyvllm.kernels.qlinear import (QUANT_FORMATS, QuantizedWeight, dequantize
                                       scratch_bytes, uses_kernel)
 from tinyvllm.tinygrad_ext import buffers
 
-Q4_0, Q4_1, Q4_K, IQ4_NL = 2, 3, 12, 20
-X8_TYPES = [Q4_K, Q4_0, Q4_1, IQ4_NL]
+Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, IQ4_NL = 2, 3, 6, 7, 12, 20
+X8_TYPES = [Q4_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL]
 IDS = [QUANT_FORMATS[t].name for t in X8_TYPES]
 needs_kernel = pytest.mark.skipif(
     not all(launcher.has_kernel(k, Device.DEFAULT) for k in set(repack.X8_KERNELS.values())), reason="no C kernel here")
@@ -47,7 +48,7 @@ def test_same_bytes_reordered():
 
 
 def test_32_element_blocks_same_bytes_reordered():
-    for t in (Q4_0, Q4_1, IQ4_NL):
+    for t in (Q4_0, Q4_1, IQ4_NL):  # (Q5's fifth bits are regrouped bit by bit: the dequantization test checks them)
         B = QUANT_FORMATS[t].type_size
         blocks = random_blocks(t, 16, 64, seed=t)
         packed = repack.REPACK[t](blocks)
@@ -126,13 +127,13 @@ def test_bad_layouts_are_clear_errors():
         QuantizedWeight(Tensor(blocks), Q4_K, (16, 256), layout="x8")  # rows, not groups
     with pytest.raises(ValueError, match="GGUF's layout"):
         embedding(repacked(blocks, Q4_K, 256), Tensor([1, 2]))
-    with pytest.raises(ValueError, match="Q4_K, Q4_0, Q4_1 or IQ4_NL"):
+    with pytest.raises(ValueError, match="Q4_K, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL"):
         QuantizedWeight(Tensor(random_blocks(8, 8, 64, seed=2)), 8, (8, 64), layout="x8")  # Q8_0 is not repacked
 
 
 def tiny_x8_gguf(folder) -> Path:
-    """A tiny model's GGUF whose layers are Q4_K, Q4_0, Q4_1 and IQ4_NL (the project's quantizer: the gguf package
-    has no Q4_K); q and k, whose rows the file permutes, stay float."""
+    """A tiny model's GGUF whose two layers are Q4_K, Q4_0, Q4_1, Q5_0 and IQ4_NL (the project's quantizer: the gguf
+    package has no Q4_K); q and k, whose rows the file permutes, stay float."""
     import dataclasses
 
     from test_weights import TINY, tiny_state_dict, write_tiny_gguf
@@ -145,8 +146,10 @@ def tiny_x8_gguf(folder) -> Path:
           for k, v in tiny_state_dict(config).items()}
     names = [n for n in sd if n.startswith("model.layers.") and sd[n].ndim == 2 and "q_proj" not in n
              and "k_proj" not in n] + ["model.embed_tokens.weight"]
-    kinds = {"gate_proj": Q4_K, "up_proj": Q4_K, "down_proj": Q4_0, "o_proj": IQ4_NL, "v_proj": Q4_1}
-    types = {n: next((t for part, t in kinds.items() if part in n), Q4_K) for n in names}
+    kinds = [{"gate_proj": Q4_K, "up_proj": Q4_K, "down_proj": Q4_0, "o_proj": IQ4_NL, "v_proj": Q4_1},
+             {"gate_proj": Q5_0, "up_proj": Q5_0, "down_proj": Q4_K, "o_proj": Q4_0, "v_proj": Q5_0}]
+    types = {n: next((t for part, t in kinds[int(n.split(".")[2]) if n.startswith("model.layers.") else 0].items()
+                      if part in n), Q4_K) for n in names}
     raw = {gguf_name(n): (quantize(sd.pop(n), types[n]), types[n]) for n in names}
     return write_tiny_gguf(folder / "x8.gguf", sd, config, raw=raw)
 
@@ -181,7 +184,7 @@ def test_a_model_gives_the_same_logits_repacked(tmp_path, monkeypatch: pytest.Mo
         model = LlamaForCausalLM(ck.config, ck.state_dict, quantization=ck.quantization)
         weights = quantized_weights(model)
         assert {w.layout for w in weights} == ({"x8"} if enabled else {None}) and model.embed_tokens.layout is None
-        assert {w.ggml_type for w in weights} == {Q4_K, Q4_0, Q4_1, IQ4_NL}
+        assert {w.ggml_type for w in weights} == {Q4_K, Q4_0, Q4_1, Q5_0, IQ4_NL}
         logits[enabled] = prefill_logits(model)
     np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-4 * np.abs(logits[False]).max())
 

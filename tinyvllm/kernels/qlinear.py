@@ -87,8 +87,8 @@ class QuantizedWeight:
         want = (N, K // fmt.block_size * fmt.type_size)
         if self.layout == "x8":
             if self.ggml_type not in repack.X8_KERNELS or N % repack.GROUP != 0:
-                raise ValueError(f"the x8 layout holds Q4_K, Q4_0, Q4_1 or IQ4_NL weights of a multiple of 8 rows, "
-                                 f"not {fmt.name} {self.shape}")
+                raise ValueError(f"the x8 layout holds Q4_K, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL weights of a multiple "
+                                 f"of 8 rows, not {fmt.name} {self.shape}")
             want = (N // repack.GROUP, want[1] * repack.GROUP)
         elif self.layout is not None:
             raise ValueError(f"layout {self.layout!r}: None (the GGUF's rows) or 'x8'")

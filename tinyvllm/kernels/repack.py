@@ -1,5 +1,5 @@
 """Weights reordered at load for the CPU: rows 8 side by side, the layouts kernels/cpu/qmatmul_k_x8.c (Q4_K) and
-qmatmul_x8.c (Q4_0, Q4_1, IQ4_NL) read.
+qmatmul_x8.c (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) read.
 
 The GGUF stores a weight row after row. A CPU core computes one row's dot product per super-block with a scale
 unpack, two float multiply-adds and a horizontal sum; with 8 rows in the 8 lanes of one register, those costs are
@@ -17,15 +17,16 @@ import functools
 import os
 
 import numpy as np
-from tinygrad import Device
+from tinygrad import Device, Tensor
 
 from tinyvllm.kernels import linear as linear_module
 from tinyvllm.kernels.launcher import device_kind, has_kernel
 
 # ggml type -> the kernel that reads its repacked layout
-X8_KERNELS = {12: "qmatmul_k_x8", 2: "qmatmul_x8", 3: "qmatmul_x8", 20: "qmatmul_x8"}  # Q4_K; Q4_0, Q4_1, IQ4_NL
-# the 32-element formats of qmatmul_x8.c: ggml type -> (block bytes, bytes of float16 scales before the nibbles)
-BLOCK_X8 = {2: (18, 2), 3: (20, 4), 20: (18, 2)}
+# the 32-element formats of qmatmul_x8.c (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL): ggml type -> (block bytes, float16
+# scales before the quants (d, or d and m), whether a u32 of fifth bits follows them)
+BLOCK_X8 = {2: (18, 1, False), 3: (20, 2, False), 6: (22, 1, True), 7: (24, 2, True), 20: (18, 1, False)}
+X8_KERNELS = {12: "qmatmul_k_x8", **{t: "qmatmul_x8" for t in BLOCK_X8}}
 GROUP = 8  # rows of w side by side
 
 # 0: keep the GGUF's row layout on the CPU too (to compare the two kernels)
@@ -70,29 +71,43 @@ def repack_q4_k_x8(data: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
 
 def repack_blocks_x8(data: np.ndarray, ggml_type: int, out: np.ndarray | None = None) -> np.ndarray:
     """Rows of 32-element blocks (N, NB * B) uint8 -> groups (N / 8, NB * 8 * B), qmatmul_x8.c's layout: per group
-    and block, each float16 scale of the 8 rows side by side, then the 16 bytes of nibbles 4 bytes of a row at a time
-    (moved as uint16 and uint32)."""
-    B, H = BLOCK_X8[ggml_type]
+    and block, each float16 scale of the 8 rows side by side, then (Q5) the fifth bits regrouped, 32 bytes, then the
+    16 bytes of nibbles 4 bytes of a row at a time (moved as uint16 and uint32)."""
+    B, scales, fifth = BLOCK_X8[ggml_type]
     N, row_bytes = data.shape
     G, NB = N // GROUP, row_bytes // B
     blocks = data.reshape(G, GROUP, NB, B)  # (G, r, NB, B)
     out = (np.empty((G, NB * GROUP * B), np.uint8) if out is None else out).reshape(G, NB, GROUP * B)
-    head = GROUP * H  # the scales: (G, NB, field, r) uint16
-    out[..., :head].view(np.uint16).reshape(G, NB, H // 2, GROUP)[:] = blocks[..., :H].view(np.uint16).transpose(
-        0, 2, 3, 1)
-    qs = blocks[..., H:].view(np.uint32)  # (G, r, NB, k): bytes 4k .. 4k + 3 of a row's 16
+    head = GROUP * 2 * scales  # the scales: (G, NB, field, r) uint16
+    out[..., :head].view(np.uint16).reshape(G, NB, scales, GROUP)[:] = blocks[..., :2 * scales].view(
+        np.uint16).transpose(0, 2, 3, 1)
+    at = 2 * scales
+    if fifth:  # byte 4r + t, bit 4h + k: the fifth bit of element 16h + 4k + t of row r (h < 2, k < 4, t < 4)
+        bits = np.unpackbits(blocks[..., at:at + 4], axis=-1, bitorder="little")  # (G, r, NB, e)
+        bits = bits.reshape(G, GROUP, NB, 2, 4, 4).transpose(0, 2, 1, 5, 3, 4).reshape(G, NB, GROUP, 4, 8)
+        out[..., head:head + 32] = np.packbits(bits, axis=-1, bitorder="little").reshape(G, NB, 32)  # (r, t)
+        head, at = head + 32, at + 4
+    qs = blocks[..., at:].view(np.uint32)  # (G, r, NB, k): bytes 4k .. 4k + 3 of a row's 16
     out[..., head:].view(np.uint32).reshape(G, NB, 4, GROUP)[:] = qs.transpose(0, 2, 3, 1)  # (k, r)
     return out.reshape(G, NB * GROUP * B)
 
 
 def unpack_blocks_x8(groups, ggml_type: int, N: int, K: int):
     """The inverse of `repack_blocks_x8` on a tinygrad Tensor: groups -> the GGUF's rows (N, K / 32 * B) uint8."""
-    B, H = BLOCK_X8[ggml_type]
+    B, scales, fifth = BLOCK_X8[ggml_type]
     G, NB = N // GROUP, K // 32
     b = groups.reshape(G, NB, GROUP * B)
-    head = b[..., :GROUP * H].reshape(G, NB, H // 2, GROUP, 2).permute(0, 3, 1, 2, 4).reshape(G, GROUP, NB, H)
-    qs = b[..., GROUP * H:].reshape(G, NB, 4, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(G, GROUP, NB, 16)
-    return head.cat(qs, dim=-1).reshape(N, NB * B)
+    head = GROUP * 2 * scales
+    parts = [b[..., :head].reshape(G, NB, scales, GROUP, 2).permute(0, 3, 1, 2, 4).reshape(G, GROUP, NB, 2 * scales)]
+    if fifth:  # element e = 16h + 4k + t: bit 4h + k of byte 4r + t; qh byte j holds elements 8j .. 8j + 7
+        packed = b[..., head:head + 32].reshape(G, NB, GROUP, 4)  # (G, NB, r, t)
+        bits = Tensor.stack(*[(packed >> s) & 1 for s in range(8)], dim=3)  # (G, NB, r, 4h + k, t): element order
+        bits = bits.reshape(G, NB, GROUP, 4, 8)  # (.., qh byte j, bit i): element 8j + i
+        qh = functools.reduce(lambda a, c: a | c, [bits[..., i] << i for i in range(8)])  # (G, NB, r, 4 bytes)
+        parts.append(qh.permute(0, 2, 1, 3))
+        head += 32
+    parts.append(b[..., head:].reshape(G, NB, 4, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(G, GROUP, NB, 16))
+    return parts[0].cat(*parts[1:], dim=-1).reshape(N, NB * B)
 
 
 REPACK = {12: repack_q4_k_x8, **{t: functools.partial(repack_blocks_x8, ggml_type=t) for t in BLOCK_X8}}
