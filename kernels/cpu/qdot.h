@@ -123,4 +123,23 @@ TV_INLINE float hsum8(__m256 v) {
 }
 #endif
 
+#if TV_AVX2
+/* The repacked layouts' two steps (qmatmul_x8.c, qmatmul_k_x8.c), where lane r of a vector is row r of w:
+ * acc + in each int32 lane the 4 products of its u8 and i8 bytes (VNNI: one instruction, the same sums) */
+TV_INLINE __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+#if TV_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* ... and the 4 bytes of x at p, in every int32 lane (each row's lane multiplies the same 4 of x) */
+TV_INLINE __m256i broadcast4(const signed char* p) {
+  int v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+#endif
+
 #endif

@@ -133,22 +133,6 @@ static void quantize_chunk(const void* ctx, int chunk) {
 }
 
 #if TV_AVX2
-/* acc + in each int32 lane the 4 products of its u8 and i8 bytes (VNNI: one instruction, the same sums) */
-TV_INLINE __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
-#if TV_VNNI
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-/* the 4 bytes of x at p, in every int32 lane */
-TV_INLINE __m256i broadcast4(const signed char* p) {
-  int v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 /* out[i, n + r] = dot(x[i, :], w[n + r, :]) for i < mr, r < 8: the group at w (nr is always 8: one group) */
 TV_INLINE void tile(float* restrict out, const struct xblock8* restrict x, const unsigned char* restrict w,
                     int mr, int nr) {
