@@ -88,6 +88,7 @@ def test_enforce_eager_runs_the_same_tokens_without_graphs(tiny_model_dir):
     assert captured.model_runner.capture is not Eager and eager.model_runner.capture is Eager
 
 
+@pytest.mark.phase9  # prompt logprobs are read from every position's hidden states (worker/hidden_states.py)
 def test_prompt_logprobs_of_the_whole_vocabulary(tiny_model_dir):
     engine = LLMEngine(tiny_model_dir, max_model_len=64, kv_cache_memory="4MiB", max_logprobs=-1)
     vocab = engine.tokenizer.vocab_size
