@@ -10,7 +10,9 @@ import hashlib
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def cache_root() -> Path:
@@ -35,17 +37,25 @@ def read_record(file: Path, magic: bytes, key: str) -> object:
 
 
 def write_record(file: Path, magic: bytes, key: str, value: object, max_bytes: int) -> bool:
-    """Keep `value` under `key` in `file` (written to a temporary file, renamed into place), then evict the
-    directory's files of that suffix down to `max_bytes`."""
-    tmp = None
+    """Keep `value` under `key` in `file` (`write_file`)."""
     try:
         payload = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return False
+    return write_file(file, lambda f: f.write(magic + hashlib.sha256(payload).digest() + payload), max_bytes)
+
+
+def write_file(file: Path, write: Callable[[BinaryIO], object], max_bytes: int) -> bool:
+    """`write(f)` into a temporary file beside `file`, renamed into place whole, then the directory's files of that
+    suffix evicted down to `max_bytes`; False, and nothing left behind, if it could not be written."""
+    tmp = None
+    try:
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(magic + hashlib.sha256(payload).digest() + payload)
+            write(f)
         os.replace(tmp, file)
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+    except OSError:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         return False

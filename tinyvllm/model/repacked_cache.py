@@ -24,12 +24,11 @@ import json
 import math
 import mmap
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.disk_cache import cache_root, evict
+from tinyvllm.disk_cache import cache_root, write_file
 
 ENABLED = os.getenv("TINYVLLM_REPACK_CACHE", "1") != "0"
 MAGIC = b"tinyvllm-repacked 1\n"
@@ -114,8 +113,8 @@ class KeptWeights:
         not be written (a full disk, a read-only cache): the weights in memory are unaffected."""
         if not self.made:
             return False
-        weights = [(k, self.get(k, shape)) for k, (_, shape) in self.index.items() if k not in dict(self.made)]
-        weights += self.made
+        made = {key for key, _ in self.made}
+        weights = [(k, self.get(k, shape)) for k, (_, shape) in self.index.items() if k not in made] + self.made
         relative, offset = {}, 0
         for key, array in weights:
             relative[key] = (offset, list(array.shape))
@@ -128,21 +127,14 @@ class KeptWeights:
             if len(head) <= start:
                 break
             start = -(-len(head) // PAGE) * PAGE
-        tmp = None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(head)
-                for key, array in weights:
-                    f.seek(index[key][0])
-                    f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
-                f.truncate(max(o + math.prod(s) for o, s in index.values()))
-            os.replace(tmp, self.path)
-        except OSError:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
+
+        def write(f) -> None:
+            f.write(head)
+            for key, array in weights:
+                f.seek(index[key][0])
+                f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+            f.truncate(max(o + math.prod(s) for o, s in index.values()))
+        if not write_file(self.path, write, MAX_BYTES):
             return False
         self.made = []
-        evict(self.path.parent, "*.x8", MAX_BYTES)
         return True
