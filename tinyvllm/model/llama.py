@@ -277,17 +277,12 @@ class LlamaForCausalLM:
 
         loaded: list[Tensor] = []
         pool, copies = ThreadPoolExecutor(max_workers=os.cpu_count() or 1), []
-        kept_by_model = []  # the repacked weights an earlier start kept on disk (model/repacked_cache.py), once
+        kept = None  # the repacked weights an earlier start kept on disk (model/repacked_cache.py), in place
+        if model_id is not None and platform_for(device).host_views:
+            from tinyvllm.model.repacked_cache import KeptWeights
 
-        def kept_weights(dev: str | None):
-            if model_id is None or not platform_for(dev).host_views:
-                return None
-            if not kept_by_model:
-                from tinyvllm.model.repacked_cache import KeptWeights
-
-                kept_by_model.append(KeptWeights(model_id))
-                pool.submit(populate, kept_by_model[0].whole())  # its pages mapped in while the rest loads
-            return kept_by_model[0]
+            kept = KeptWeights(model_id)
+            pool.submit(populate, kept.whole())  # its pages mapped in while the rest loads
 
         def load(*names: str, axis: int | None = None, parts_of: tuple[str, ...] = (), at: str | None = None,
                  by_rows: bool = False) -> Weight:
@@ -309,7 +304,6 @@ class LlamaForCausalLM:
                 N, ggml_type = sum(d.shape[0] for d in data), parts[0].ggml_type
                 layout = None if by_rows or tp.size > 1 else repack.repack_for(ggml_type, N, dev)
                 if layout is not None:  # reordered for the CPU's kernel: a copy, not the file's pages
-                    kept = kept_weights(dev)
                     key = None if kept is None else kept.weight_key(names, ggml_type)
                     loaded.append(upload_repacked(data, ggml_type, dev, pool, copies, kept, key))
                 else:
@@ -357,8 +351,8 @@ class LlamaForCausalLM:
             [rope_frequencies(config, local=True)], device)
         for copy in copies:
             copy.result()
-        if kept_by_model:  # the weights repacked now, written for the next start
-            kept_by_model[0].save()
+        if kept is not None:  # the weights repacked now, written for the next start
+            kept.save()
         pool.shutdown(wait=False)  # the populates left: in the background
         del load  # a cycle (it calls itself) holding `state_dict`: freed now
         if pending := [t for t in loaded if not buffers.is_realized(t)]:
